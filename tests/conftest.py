@@ -1,0 +1,19 @@
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+from tiny import save_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """(draft_dir, target_dir): tiny random models with one shared 32-token tokenizer."""
+    root = tmp_path_factory.mktemp("tiny_pair")
+    draft = save_model(root / "draft", vocab_size=32, hidden_size=16, seed=1, logit_scale=4.0)
+    target = save_model(root / "target", vocab_size=32, hidden_size=24, seed=2, logit_scale=4.0)
+    return draft, target
