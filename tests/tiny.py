@@ -56,3 +56,44 @@ def save_model(path: Path, vocab_size: int = 8, **kw) -> Path:
     make_model(vocab_size=vocab_size, **kw).save_pretrained(path)
     make_tokenizer(vocab_size).save_pretrained(path)
     return path
+
+
+class MockLM:
+    """A trigram language model with the `CausalLM` runner interface, for sampler tests.
+
+    next-token logits depend on the last two tokens through a fixed random table, so drafts
+    and targets built from different seeds disagree in context-dependent ways. No transformer:
+    a forward is a table lookup, so exactness tests can afford thousands of generations.
+    """
+
+    def __init__(self, vocab_size: int, seed: int, scale: float = 3.0, max_length: int | None = None):
+        g = torch.Generator().manual_seed(seed)
+        self.table = torch.randn(vocab_size + 1, vocab_size + 1, vocab_size, generator=g) * scale
+        self.vocab_size = vocab_size
+        self.hidden_size = 2
+        self.max_length = max_length
+        self.device = torch.device("cpu")
+        self.fwd_time, self.n_forwards = 0.0, 0
+        self.reset()
+
+    def reset(self):
+        self.tokens: list[int] = []
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    def forward(self, ids, n_logits: int = 1):
+        self.tokens.extend(int(t) for t in ids)
+        self.n_forwards += 1
+        V = self.vocab_size
+        rows = []
+        for j in range(len(self.tokens) - n_logits, len(self.tokens)):
+            a = self.tokens[j - 1] if j >= 1 else V  # V = "no token" (start of text)
+            rows.append(self.table[a, self.tokens[j]])
+        logits = torch.stack(rows) if rows else torch.empty(0, V)
+        hidden = torch.tensor([float(self.tokens[-1]), float(len(self.tokens))])
+        return logits, hidden
+
+    def rollback(self, length: int):
+        del self.tokens[length:]

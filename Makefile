@@ -1,0 +1,38 @@
+# Each target does its own set-up: a .venv with pinned dependencies, and the model fetch when needed.
+PY      := .venv/bin/python
+STAMP   := .venv/.installed-stamp
+export PYTHONUNBUFFERED := 1
+
+.PHONY: setup models run test test-fast bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	# torch pinned: an unpinned torch pulls GBs of CUDA wheels on a CPU machine
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e .
+	touch $@
+
+setup: $(STAMP)
+
+# the default pair (Qwen2.5-Coder 0.5B draft / 1.5B target) as bf16 safetensors in the cache
+models: setup
+	.venv/bin/adaptive-spec fetch-models
+
+# the main job on the default pair: target-only vs speculative decoding, side by side
+run: models
+	$(PY) eval/bench_decode.py --prompts 3 --max-new-tokens 64 --ks 3,5 --temperatures 0 --out runs/bench_quick
+
+# the whole test suite, the real-pair integration tests included
+test: models
+	$(PY) -m pytest -q
+
+# without the real default pair (no model fetch)
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+bench: models
+	$(PY) eval/bench_decode.py --out runs/bench_decode
+
+clean:
+	rm -rf .venv .pytest_cache

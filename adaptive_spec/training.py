@@ -1,0 +1,775 @@
+"""Training acceptance heads with Accelerate (SpecDec++ paper, section 4.4 and appendix D.1/D.3).
+
+    accelerate launch train.py --config configs/train/default.yaml [key=value ...] [--resume]
+    python train.py --config configs/train/sweep.yaml --sweep      # the D x w_rej grid, resumable
+
+Data is the datagen folder (manifest.json + safetensors shards). One training example is one
+response position whose token came from the draft (loss_mask == 1): input = the draft's final
+hidden state there, target = min(1, p/q) (or the expected acceptance). Features stored in the
+shards are memory-mapped, not copied, so several DDP processes share one copy in the page
+cache; datasets without features get them from one pass of the frozen draft, cached on disk.
+
+The loss is the paper's weighted BCE; every `eval_every` steps we report it with the
+unweighted binary KL of Table 3 and calibration (ECE + a reliability plot). The head with the
+lowest dev loss is exported with save_pretrained to <output_dir>/head. Checkpoints hold
+everything that changes during training, so --resume reproduces an uninterrupted run exactly.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import shutil
+import struct
+import sys
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .config import config_to_dict, load_config
+from .errors import UserError
+from .heads import MAX_DEPTH, AcceptanceHead
+
+DATA_FORMAT = "adaptive_spec.datagen.v1"
+STOP_EXIT_CODE = 3  # stop_after_steps exits with this, as a killed job would: no cleanup, no results
+TARGETS = ("accept_prob", "expected_accept")
+SWEEP_DEPTHS = [0, 1, 2, 3, 4]  # paper section 5.1
+SWEEP_W_REJS = [1.0, 3.0, 6.0, 12.0]
+# Keys that may change between a run and its --resume without changing what it computes.
+RUNTIME_KEYS = {"stop_after_steps", "report_to", "wandb_project", "run_name", "keep_checkpoints",
+                "draft", "feature_cache", "depths", "w_rejs", "eval_batch_size"}
+
+
+@dataclass
+class TrainConfig:
+    data: str                          # dataset folder written by datagen (manifest.json + shards)
+    output_dir: str = "runs/head"      # run folder: log.jsonl, checkpoints/, head/, results.json
+    target: str = "accept_prob"        # accept_prob = min(1, p/q) of the sampled token | expected_accept
+    depth: int = 3                     # D residual blocks (0 = linear head); paper picks 3 or 4
+    w_rej: float = 6.0                 # weight of the rejection term (paper's best: 6, with h = 0.7)
+    w_acc: float = 1.0
+    epochs: int = 3
+    batch_size: int = 32               # positions per optimizer step, summed over processes and accumulation
+    grad_accum: int = 1                # gradient accumulation steps
+    lr: float = 5e-5
+    warmup_ratio: float = 0.03         # linear warm-up over this share of the steps, then cosine decay
+    min_lr_ratio: float = 0.0          # cosine ends at lr * min_lr_ratio
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0         # 0 = no clipping
+    init_bias: bool = True             # start the output bias at the best constant predictor
+    seed: int = 0
+    mixed_precision: str = "auto"      # auto | no | bf16 | fp16; auto = bf16 on a GPU, no on CPU
+    max_train_positions: int = 0       # 0 = all; else a fixed random subset (quick runs)
+    max_dev_positions: int = 0         # 0 = all
+    eval_train_positions: int = 100_000  # train metrics are measured on a fixed subset of this size
+    eval_every: int = 1000             # steps; also evaluated at step 0 and at the end
+    eval_batch_size: int = 8192
+    ece_bins: int = 10
+    log_every: int = 10                # steps between train-loss log rows
+    save_every: int = 1000             # steps between checkpoints (0 = none)
+    keep_checkpoints: int = 2
+    stop_after_steps: int = 0          # testing: exit abruptly after this step, as if killed
+    report_to: str = "wandb"           # wandb | none (wandb is offline unless configured)
+    wandb_project: str = "adaptive_spec"
+    run_name: str = ""
+    draft: str = ""                    # draft model for datasets without features ("" = manifest's)
+    draft_dtype: str = "auto"          # for that draft pass: auto = bf16 on a GPU, fp32 on CPU
+    feature_cache: str = ""            # where draft features are cached ("" = <output_dir>/features)
+    depths: list[int] = field(default_factory=list)   # --sweep grid ([] = 0..4)
+    w_rejs: list[float] = field(default_factory=list)  # --sweep grid ([] = 1, 3, 6, 12)
+
+    def validate(self):
+        checks = [
+            (self.target in TARGETS, f"target must be one of {', '.join(TARGETS)}"),
+            (self.mixed_precision in ("auto", "no", "bf16", "fp16"), "mixed_precision must be auto, no, bf16 or fp16"),
+            (self.report_to in ("wandb", "none"), "report_to must be wandb or none"),
+            (all(0 <= d <= MAX_DEPTH for d in [self.depth, *self.depths]), f"depths must be in 0..{MAX_DEPTH}"),
+            (self.w_rej > 0 and self.w_acc > 0 and all(w > 0 for w in self.w_rejs), "loss weights must be > 0"),
+            (self.epochs > 0 and self.batch_size > 0 and self.grad_accum > 0, "epochs, batch_size, grad_accum must be > 0"),
+            (self.lr > 0 and 0 <= self.warmup_ratio < 1, "lr must be > 0 and warmup_ratio in [0, 1)"),
+            (self.eval_every > 0 and self.log_every > 0 and self.eval_batch_size > 0, "eval_every, log_every, eval_batch_size must be > 0"),
+            (self.save_every >= 0 and self.keep_checkpoints >= 1, "save_every must be >= 0 and keep_checkpoints >= 1"),
+            (bool(self.data), "data must name a dataset folder written by datagen"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise UserError(f"invalid training config: {msg}")
+
+
+# ----------------------------------------------------------------------------- loss and metrics
+
+def weighted_bce(logits: torch.Tensor, target: torch.Tensor, w_acc: float = 1.0, w_rej: float = 1.0) -> torch.Tensor:
+    """Mean of -w_acc P log p - w_rej (1-P) log(1-p), p = sigmoid(logits); from logits for stability."""
+    logits, target = logits.float(), target.float()
+    return -(w_acc * target * F.logsigmoid(logits) + w_rej * (1 - target) * F.logsigmoid(-logits)).mean()
+
+
+def binary_kl(target: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Per-position KL(P || p) = P log(P/p) + (1-P) log((1-P)/(1-p)) (paper D.3), in float64.
+
+    P is clamped to [0, 1] and 0 log 0 = 0 (xlogy); log p comes from logsigmoid, so p = 0 or 1
+    in float32 costs a large but finite value instead of inf.
+    """
+    p, z = target.double().clamp(0, 1), logits.double()
+    return torch.xlogy(p, p) - p * F.logsigmoid(z) + torch.xlogy(1 - p, 1 - p) - (1 - p) * F.logsigmoid(-z)
+
+
+def calibration_bins(pred: torch.Tensor, target: torch.Tensor, n_bins: int) -> torch.Tensor:
+    """[3, n_bins] float64: count, sum of predictions, sum of targets per equal-width bin of pred."""
+    pred, target = pred.double().flatten(), target.double().flatten()
+    b = (pred * n_bins).long().clamp(0, n_bins - 1)
+    out = torch.zeros(3, n_bins, dtype=torch.float64, device=pred.device)
+    out[0].index_add_(0, b, torch.ones_like(pred))
+    out[1].index_add_(0, b, pred)
+    out[2].index_add_(0, b, target)
+    return out
+
+
+def ece(bins: torch.Tensor) -> float:
+    """Expected calibration error: sum over bins of n_b/N |mean pred_b - mean P_b|.
+
+    The targets are probabilities, so calibration compares the mean predicted acceptance
+    with the mean true acceptance probability in each bin.
+    """
+    n = bins[0].sum().item()
+    return (bins[1] - bins[2]).abs().sum().item() / n if n else float("nan")
+
+
+def plot_reliability(curves: dict[str, torch.Tensor], path: Path, title: str = ""):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, axh) = plt.subplots(2, 1, figsize=(5, 6), gridspec_kw={"height_ratios": [3, 1]}, sharex=True)
+    ax.plot([0, 1], [0, 1], "k--", lw=1, label="perfect")
+    n_bins = next(iter(curves.values())).shape[1]
+    centers = (np.arange(n_bins) + 0.5) / n_bins
+    for name, bins in curves.items():
+        cnt, sp, st = bins.cpu().numpy()
+        ok = cnt > 0
+        ax.plot(sp[ok] / cnt[ok], st[ok] / cnt[ok], "o-", label=f"{name} (ECE {ece(bins):.3f})")
+        axh.bar(centers, cnt / max(cnt.sum(), 1), width=1 / n_bins, alpha=0.5, label=name)
+    ax.set_ylabel("mean target acceptance prob")
+    ax.set_title(title)
+    ax.legend(loc="upper left")
+    axh.set_xlabel("predicted acceptance prob")
+    axh.set_ylabel("share")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- data
+
+def read_manifest(root: str | Path) -> dict:
+    root = Path(root)
+    f = root / "manifest.json"
+    if not f.is_file():
+        raise UserError(f"dataset folder {root} has no manifest.json; point data= at a folder written by datagen")
+    try:
+        m = json.loads(f.read_text())
+    except ValueError as e:
+        raise UserError(f"{f} is not valid JSON ({e}); regenerate the dataset") from None
+    if m.get("format") != DATA_FORMAT:
+        raise UserError(f"{f} has format {m.get('format')!r}, expected {DATA_FORMAT!r}; regenerate the dataset")
+    if not m.get("complete"):
+        raise UserError(f"dataset {root} is incomplete (datagen was interrupted); rerun the same "
+                        "`adaptive-spec datagen` command to finish it")
+    try:
+        d = m["models"]["draft"]
+        int(d["hidden_size"])
+        m["splits"]["train"]["shards"]
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{f} lacks {e} (models.draft.hidden_size / splits.train.shards); regenerate the dataset") from None
+    return m
+
+
+# bfloat16 has no numpy dtype: map its bytes as uint16 and reinterpret them in torch.
+_ST_DTYPES = {"BF16": (np.uint16, torch.bfloat16), "F16": (np.float16, torch.float16), "F32": (np.float32, torch.float32)}
+
+
+def mmap_tensor(path: Path, name: str) -> torch.Tensor:
+    """A tensor of a safetensors file backed by a copy-on-write memory map (nothing read up front)."""
+    try:
+        with open(path, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            info = json.loads(f.read(n))[name]
+        np_dtype, dtype = _ST_DTYPES[info["dtype"]]
+        begin, end = info["data_offsets"]
+        shape = tuple(info["shape"])
+        if begin == end:
+            return torch.empty(shape, dtype=dtype)
+        arr = np.memmap(path, dtype=np_dtype, mode="c", offset=8 + n + begin, shape=shape)
+    except (OSError, ValueError, KeyError, struct.error) as e:
+        raise UserError(f"shard {path} is corrupt or lacks '{name}' ({type(e).__name__}: {e}); regenerate the dataset") from None
+    return torch.from_numpy(arr).view(dtype)
+
+
+def read_small(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError, safe_open
+
+    if not path.is_file():
+        raise UserError(f"dataset shard {path} is missing; regenerate the dataset or restore the file")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            keys = set(f.keys())
+            out = {k: f.get_tensor(k) for k in names if k in keys}
+            out["_has_features"] = torch.tensor("features" in keys)
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"dataset shard {path} is corrupt ({e}); regenerate the dataset") from None
+    missing = [k for k in names if k not in out]
+    if missing:
+        raise UserError(f"dataset shard {path} lacks {', '.join(missing)}; regenerate the dataset")
+    return out
+
+
+class PositionSet(torch.utils.data.Dataset):
+    """Training positions: features of row `row[i]` of shard `shard[i]`, target `target[i]`.
+
+    Defines __getitems__, so a DataLoader fetches a whole batch with one gather per shard
+    instead of one Python call per position.
+    """
+
+    def __init__(self, feats: list[torch.Tensor], shard: torch.Tensor, row: torch.Tensor, target: torch.Tensor):
+        self.feats, self.shard, self.row, self.target = feats, shard, row, target
+
+    def __len__(self):
+        return len(self.target)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.feats[0].shape[1]
+
+    def gather(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shard, row = self.shard[idx], self.row[idx]
+        x = torch.empty(len(idx), self.hidden_size, dtype=self.feats[0].dtype)
+        for s in shard.unique().tolist():
+            m = shard == s
+            x[m] = self.feats[s][row[m]]
+        return x, self.target[idx]
+
+    def __getitems__(self, idx: list[int]):
+        return self.gather(torch.as_tensor(idx, dtype=torch.long))
+
+    def __getitem__(self, i: int):
+        x, y = self.gather(torch.tensor([i]))
+        return x[0], y[0]
+
+    def subset(self, n: int, seed: int) -> "PositionSet":
+        """A fixed random subset of n positions (kept in file order, for locality)."""
+        if not n or n >= len(self):
+            return self
+        g = torch.Generator().manual_seed(seed)
+        idx = torch.randperm(len(self), generator=g)[:n].sort().values
+        return PositionSet(self.feats, self.shard[idx], self.row[idx], self.target[idx])
+
+    def chunks(self, size: int):
+        for start in range(0, len(self), size):
+            yield self.gather(torch.arange(start, min(start + size, len(self))))
+
+
+def _batch_as_is(batch):
+    return batch  # __getitems__ already returns the collated (x, y)
+
+
+def load_split(cfg: TrainConfig, manifest: dict, split: str, accelerator) -> PositionSet | None:
+    """The split's loss positions; None if the dataset has no such split or it is empty."""
+    info = (manifest.get("splits") or {}).get(split) or {}
+    shards = info.get("shards") or []
+    if not shards:
+        return None
+    root = Path(cfg.data)
+    H = int(manifest["models"]["draft"]["hidden_size"])
+    smalls = [read_small(root / s["file"], ["loss_mask", cfg.target]) for s in shards]
+    has_features = all(bool(s["_has_features"]) for s in smalls)
+    targets, shard_ids, rows, feats = [], [], [], []
+    for i, (s, small) in enumerate(zip(shards, smalls)):
+        mask = small["loss_mask"].bool()
+        if small[cfg.target].shape != mask.shape:
+            raise UserError(f"{root / s['file']}: {cfg.target} and loss_mask differ in length; regenerate the dataset")
+        pos = mask.nonzero().flatten()
+        targets.append(small[cfg.target].float()[pos])
+        shard_ids.append(torch.full_like(pos, i, dtype=torch.int32))
+        rows.append(pos)
+        if has_features:
+            f = mmap_tensor(root / s["file"], "features")
+            if f.ndim != 2 or f.shape[0] != len(mask) or f.shape[1] != H:
+                raise UserError(f"features in {root / s['file']} have shape {tuple(f.shape)}, expected "
+                                f"[{len(mask)}, {H}] (manifest hidden_size); regenerate the dataset")
+            feats.append(f)
+    target = torch.cat(targets)
+    if not torch.isfinite(target).all():
+        raise UserError(f"{split} targets ({cfg.target}) in {root} contain NaN/inf; regenerate the dataset")
+    if len(target) == 0:
+        return None
+    if has_features:
+        return PositionSet(feats, torch.cat(shard_ids), torch.cat(rows), target.clamp(0, 1))
+    f = draft_features(cfg, manifest, split, [root / s["file"] for s in shards], accelerator)
+    return PositionSet([f], torch.zeros(len(f), dtype=torch.int32), torch.arange(len(f)), target.clamp(0, 1))
+
+
+def draft_features(cfg: TrainConfig, manifest: dict, split: str, files: list[Path], accelerator) -> torch.Tensor:
+    """Draft final hidden states at the loss positions of a split without stored features.
+
+    Computed once by the main process with the frozen draft and cached as safetensors (keyed
+    by the dataset's config hash), so resumes, later runs and every head of a sweep reuse it.
+    """
+    from safetensors.torch import save_file
+
+    cache = Path(cfg.feature_cache or Path(cfg.output_dir) / "features") / f"{split}.safetensors"
+    key = {"config_hash": str(manifest.get("config_hash")), "draft": cfg.draft or manifest["models"]["draft"]["name"]}
+
+    def cached() -> torch.Tensor | None:
+        if not cache.is_file():
+            return None
+        from safetensors import safe_open
+
+        with safe_open(str(cache), framework="pt") as f:
+            if {k: (f.metadata() or {}).get(k) for k in key} != key:
+                return None
+        return mmap_tensor(cache, "features")  # mapped like stored features: shared by DDP processes
+
+    if accelerator.is_main_process and cached() is None:
+        from .models import load_model
+
+        dtype = cfg.draft_dtype if cfg.draft_dtype != "auto" else ("bf16" if accelerator.device.type == "cuda" else "fp32")
+        model, _ = load_model(key["draft"], "draft", dtype=dtype, device=accelerator.device)
+        H = int(manifest["models"]["draft"]["hidden_size"])
+        if model.config.hidden_size != H:
+            raise UserError(f"draft {key['draft']!r} has hidden size {model.config.hidden_size} but the dataset "
+                            f"was made with hidden size {H}; pass draft= the model datagen used")
+        out = [_shard_features(model, f, accelerator.device) for f in files]
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(".tmp")
+        save_file({"features": torch.cat(out).contiguous()}, str(tmp), metadata=key)
+        os.replace(tmp, cache)
+        del model
+    accelerator.wait_for_everyone()
+    return cached()
+
+
+@torch.inference_mode()
+def _shard_features(model, path: Path, device) -> torch.Tensor:
+    t = read_small(path, ["input_ids", "input_offsets", "prompt_lens", "resp_offsets", "loss_mask"])
+    io, ro, pl = t["input_offsets"].tolist(), t["resp_offsets"].tolist(), t["prompt_lens"].tolist()
+    out = []
+    for s in range(len(pl)):
+        n = ro[s + 1] - ro[s]
+        if io[s + 1] - io[s] != pl[s] + n:
+            raise UserError(f"shard {path}: sequence {s} has {io[s + 1] - io[s]} input tokens but prompt "
+                            f"{pl[s]} + response {n}; regenerate the dataset")
+        i = t["loss_mask"][ro[s]: ro[s + 1]].bool().nonzero().flatten()
+        if len(i) == 0:
+            continue
+        ids = t["input_ids"][io[s]: io[s + 1]].long().to(device)[None]
+        h = model.base_model(input_ids=ids).last_hidden_state[0]
+        # Z_i sits at prompt_len + i in prompt+Z; its hidden state is what the head sees for Y_i.
+        out.append(h[pl[s] + i.to(device)].to(torch.bfloat16).cpu())
+    H = model.config.hidden_size
+    return torch.cat(out) if out else torch.empty(0, H, dtype=torch.bfloat16)
+
+
+class EpochShuffle(torch.utils.data.Sampler):
+    """A permutation that depends only on (seed, epoch), so a resumed run sees the same order."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed, self.epoch = n, seed, 0
+
+    def set_epoch(self, epoch: int):
+        self.epoch = epoch
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return iter(torch.randperm(self.n, generator=g).tolist())
+
+
+# ----------------------------------------------------------------------------- run folder
+
+class RunFiles:
+    """log.jsonl, checkpoints/step_N, head/ and results.json of one run (written by the main process)."""
+
+    def __init__(self, out: Path, main: bool):
+        self.out, self.main = out, main
+        self.log_path, self.ckpt_root = out / "log.jsonl", out / "checkpoints"
+
+    def has_run(self) -> bool:
+        return self.log_path.exists() or (self.ckpt_root.exists() and any(self.ckpt_root.iterdir()))
+
+    def log(self, row: dict):
+        if self.main:
+            with open(self.log_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def truncate_log(self, step: int):
+        """Drop rows logged after `step`: a killed run may have logged past its last checkpoint."""
+        if self.main and self.log_path.exists():
+            rows = [r for r in read_jsonl(self.log_path) if r["step"] <= step]
+            self.log_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def checkpoints(self) -> list[tuple[int, Path]]:
+        if not self.ckpt_root.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in self.ckpt_root.iterdir()
+                 if (m := re.fullmatch(r"step_(\d+)", p.name)) and (p / "trainer_state.json").is_file()]
+        return sorted(found)
+
+    def save_checkpoint(self, accelerator, step: int, state: dict, keep: int):
+        # Atomic: a kill mid-save leaves a tmp_ folder that is ignored, never a half step_N.
+        tmp, final = self.ckpt_root / f"tmp_step_{step}", self.ckpt_root / f"step_{step}"
+        if self.main and tmp.exists():
+            shutil.rmtree(tmp)
+        accelerator.wait_for_everyone()
+        accelerator.save_state(str(tmp))
+        accelerator.wait_for_everyone()
+        if self.main:
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            for _, old in self.checkpoints()[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        accelerator.wait_for_everyone()
+
+    def export_head(self, head: AcceptanceHead, extra: dict, curves: dict):
+        """Write the head to head/ via a tmp folder, so head/ is always a complete export."""
+        if not self.main:
+            return
+        tmp, final, old = self.out / "head.tmp", self.out / "head", self.out / "head.old"
+        shutil.rmtree(tmp, ignore_errors=True)
+        head.save_pretrained(tmp, extra=extra)
+        (tmp / "metrics.json").write_text(json.dumps(extra["metrics"], indent=2) + "\n")
+        plot_reliability(curves, tmp / "reliability.png", f"D={head.depth} w_rej={extra['w_rej']:g} step {extra['step']}")
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists():
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+# ----------------------------------------------------------------------------- training
+
+def wandb_configured(env=os.environ) -> bool:
+    """Whether the user set wandb up (mode, key or login); if not we log offline, never prompt."""
+    if env.get("WANDB_MODE") or env.get("WANDB_API_KEY"):
+        return True
+    netrc = Path(env.get("NETRC", Path.home() / ".netrc"))
+    try:
+        return "api.wandb.ai" in netrc.read_text(errors="ignore")
+    except OSError:
+        return False
+
+
+def make_accelerator(cfg: TrainConfig):
+    from accelerate import Accelerator
+
+    mp = cfg.mixed_precision
+    if mp == "auto":
+        # Decided here, not by `accelerate launch`: its unconfigured default is "no" even on a GPU.
+        on_gpu = torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "true")
+        mp = "bf16" if on_gpu and torch.cuda.is_bf16_supported() else "no"
+    if cfg.report_to == "wandb" and not wandb_configured():
+        os.environ["WANDB_MODE"] = "offline"
+    return Accelerator(mixed_precision=mp, gradient_accumulation_steps=cfg.grad_accum,
+                       log_with="wandb" if cfg.report_to == "wandb" else None)
+
+
+def lr_lambda(total: int, warmup: int, min_ratio: float):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        t = (step - warmup) / max(1, total - warmup)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+    return f
+
+
+@torch.no_grad()
+def evaluate(head, data: PositionSet, cfg: TrainConfig, w_rej: float, accelerator) -> tuple[dict, torch.Tensor]:
+    """(metrics, calibration bins) over all of `data`; every process computes the same numbers."""
+    head.eval()
+    dev = accelerator.device
+    loss = kl = 0.0
+    mean_p = mean_pred = 0.0
+    bins = torch.zeros(3, cfg.ece_bins, dtype=torch.float64, device=dev)
+    for x, y in data.chunks(cfg.eval_batch_size):
+        x, y = x.to(dev), y.to(dev)
+        with accelerator.autocast():
+            z = head(x).float()
+        loss += weighted_bce(z, y, cfg.w_acc, w_rej).double().item() * len(y)
+        kl += binary_kl(y, z).sum().item()
+        pred = torch.sigmoid(z.double())
+        mean_p += y.double().sum().item()
+        mean_pred += pred.sum().item()
+        bins += calibration_bins(pred, y, cfg.ece_bins)
+    head.train()
+    n = len(data)
+    return {"loss": loss / n, "kl": kl / n, "ece": ece(bins), "mean_target": mean_p / n,
+            "mean_pred": mean_pred / n, "n": n}, bins
+
+
+def check_resume_config(out: Path, cfg: TrainConfig):
+    saved = out / "train_config.json"
+    if not saved.is_file():
+        return
+    old = json.loads(saved.read_text())
+    new = config_to_dict(cfg)
+    diff = [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in new if k not in RUNTIME_KEYS and old.get(k) != new[k]]
+    if diff:
+        raise UserError(f"{out} holds a run with other settings ({'; '.join(diff)}); resume with the same config "
+                        "or choose another output_dir")
+
+
+def train(cfg: TrainConfig, resume: bool = False, accelerator=None) -> dict:
+    """Train one head; returns results (also in <output_dir>/results.json)."""
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+
+    out = Path(cfg.output_dir)
+    results_path = out / "results.json"
+    if resume and results_path.is_file():
+        print(f"{out} already finished; results in {results_path}", file=sys.stderr)
+        return json.loads(results_path.read_text())
+    if not resume and (RunFiles(out, False).has_run() or results_path.exists()):
+        raise UserError(f"output_dir {out} already holds a run; pass --resume to continue it or choose another output_dir")
+    if resume:
+        check_resume_config(out, cfg)
+    manifest = read_manifest(cfg.data)
+    acc = accelerator or make_accelerator(cfg)
+    files = RunFiles(out, acc.is_main_process)
+    ckpts = files.checkpoints() if resume else []
+    draft = manifest["models"]["draft"]
+    train_set = load_split(cfg, manifest, "train", acc)
+    if train_set is None:
+        raise UserError(f"dataset {cfg.data} has no training positions (split 'train' with loss_mask == 1)")
+    train_set = train_set.subset(cfg.max_train_positions, cfg.seed)
+    dev_set = load_split(cfg, manifest, "dev", acc)
+    dev_set = dev_set.subset(cfg.max_dev_positions, cfg.seed + 1) if dev_set is not None else None
+    train_eval = train_set.subset(cfg.eval_train_positions, cfg.seed + 2)
+
+    per_step = acc.num_processes * cfg.grad_accum
+    if cfg.batch_size % per_step:
+        raise UserError(f"batch_size {cfg.batch_size} is not divisible by processes x grad_accum = {per_step}")
+    micro = cfg.batch_size // per_step
+
+    set_seed(cfg.seed)
+    head = AcceptanceHead(train_set.hidden_size, cfg.depth, draft_model=draft.get("name"),
+                          draft_fingerprint=draft.get("fingerprint"))
+    if cfg.init_bias:
+        # Most targets are near 1; the constant minimising the weighted BCE is
+        # w_acc P / (w_acc P + w_rej (1 - P)). Starting there skips learning the base rate.
+        pbar_ = train_set.target.double().mean().item()
+        p0 = min(max(cfg.w_acc * pbar_ / (cfg.w_acc * pbar_ + cfg.w_rej * (1 - pbar_)), 1e-4), 1 - 1e-4)
+        with torch.no_grad():
+            head.out.bias.fill_(math.log(p0 / (1 - p0)))
+    optimizer = torch.optim.Adam(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sampler = EpochShuffle(len(train_set), cfg.seed)
+    loader = torch.utils.data.DataLoader(train_set, batch_size=micro, sampler=sampler, collate_fn=_batch_as_is)
+    model, optimizer, loader = acc.prepare(head, optimizer, loader)
+    steps_per_epoch = math.ceil(len(loader) / cfg.grad_accum)  # accelerate syncs at the end of each epoch
+    total = steps_per_epoch * cfg.epochs
+    # Stepped by us once per optimizer step (not prepared: accelerate would step it per process).
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer.optimizer, lr_lambda(total, int(cfg.warmup_ratio * total), cfg.min_lr_ratio))
+    acc.register_for_checkpointing(scheduler)
+
+    state = {"step": 0, "best_loss": None, "best_step": None}
+    if ckpts:
+        _, path = ckpts[-1]
+        acc.load_state(str(path))
+        state = json.loads((path / "trainer_state.json").read_text())
+        files.truncate_log(state["step"])
+        acc.print(f"resuming {out} from {path} (step {state['step']}/{total})")
+    elif acc.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        files.log_path.unlink(missing_ok=True)  # --resume without a checkpoint starts over
+        (out / "train_config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
+
+    if cfg.report_to == "wandb" and acc.is_main_process:
+        id_file = out / "wandb_id.txt"
+        if not id_file.exists():
+            id_file.write_text(uuid.uuid4().hex[:12])
+        acc.init_trackers(cfg.wandb_project, config=config_to_dict(cfg), init_kwargs={"wandb": {
+            "name": cfg.run_name or out.name, "dir": str(out), "id": id_file.read_text().strip(), "resume": "allow"}})
+
+    extra_meta = {"w_rej": cfg.w_rej, "w_acc": cfg.w_acc, "target": cfg.target, "dataset": str(cfg.data),
+                  "dataset_config_hash": manifest.get("config_hash"), "n_train_positions": len(train_set),
+                  "epochs": cfg.epochs, "lr": cfg.lr, "batch_size": cfg.batch_size}
+
+    def do_eval(step: int) -> dict:
+        unwrapped = acc.unwrap_model(model)
+        m_tr, b_tr = evaluate(unwrapped, train_eval, cfg, cfg.w_rej, acc)
+        row = {"step": step, **{f"train_{k}": v for k, v in m_tr.items()}}
+        curves = {"train": b_tr}
+        if dev_set is not None:
+            m_dev, b_dev = evaluate(unwrapped, dev_set, cfg, cfg.w_rej, acc)
+            row.update({f"dev_{k}": v for k, v in m_dev.items()})
+            curves["dev"] = b_dev
+        sel = row.get("dev_loss", row["train_loss"])  # select on dev; on train only without a dev split
+        files.log({"kind": "eval", **row})
+        acc.log({f"eval/{k}": v for k, v in row.items() if k != "step"}, step=step)
+        if acc.is_main_process:
+            plot_reliability(curves, out / "reliability.png", f"step {step}")
+        if state["best_loss"] is None or sel < state["best_loss"]:
+            state.update(best_loss=sel, best_step=step)
+            files.export_head(unwrapped, {**extra_meta, "step": step, "metrics": row}, curves)
+        return row
+
+    step = state["step"]
+    if step == 0:
+        do_eval(0)
+    pbar = tqdm(total=total, initial=step, disable=not acc.is_main_process, desc=f"head D={cfg.depth} w_rej={cfg.w_rej:g}")
+    loss_sum, n_micro = torch.zeros((), device=acc.device), 0
+    model.train()
+    for epoch in range(step // steps_per_epoch, cfg.epochs):
+        skip = (step - epoch * steps_per_epoch) * cfg.grad_accum
+        epoch_loader = acc.skip_first_batches(loader, skip) if skip else loader
+        epoch_loader.set_epoch(epoch)  # accelerate re-sets the sampler's epoch from this when iterating
+        sampler.set_epoch(epoch)
+        for x, y in epoch_loader:
+            with acc.accumulate(model):
+                loss = weighted_bce(model(x), y, cfg.w_acc, cfg.w_rej)
+                acc.backward(loss)
+                if acc.sync_gradients and cfg.max_grad_norm > 0:
+                    acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad()
+            loss_sum += loss.detach()
+            n_micro += 1
+            if not acc.sync_gradients:
+                continue
+            lr = scheduler.get_last_lr()[0]
+            scheduler.step()
+            step += 1
+            pbar.update(1)
+            # The last step is saved too: its model.safetensors is the run's final weights.
+            saving = cfg.save_every and (step % cfg.save_every == 0 or step == total)
+            # Flush the loss window at checkpoints too, so a resumed run logs the same rows.
+            if step % cfg.log_every == 0 or saving or step == total:
+                mean = acc.reduce(loss_sum / n_micro, "mean").item()
+                loss_sum.zero_()
+                n_micro = 0
+                row = {"step": step, "epoch": round(step / steps_per_epoch, 6), "lr": lr, "loss": mean}
+                files.log({"kind": "train", **row})
+                acc.log({"train/loss": mean, "train/lr": lr, "train/epoch": row["epoch"]}, step=step)
+                pbar.set_postfix(loss=f"{mean:.4f}")
+            if step % cfg.eval_every == 0 or step == total:
+                ev = do_eval(step)
+                pbar.set_postfix(loss=f"{ev['train_loss']:.4f}", dev_kl=f"{ev.get('dev_kl', float('nan')):.4f}")
+            if saving:
+                state["step"] = step
+                files.save_checkpoint(acc, step, dict(state), cfg.keep_checkpoints)
+            if cfg.stop_after_steps and step == cfg.stop_after_steps:
+                pbar.close()
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(STOP_EXIT_CODE)  # no tracker/file cleanup: what a kill leaves behind
+    pbar.close()
+
+    if acc.is_main_process:
+        best = json.loads((out / "head" / "metrics.json").read_text())
+        results = {"depth": cfg.depth, "w_rej": cfg.w_rej, "best_step": state["best_step"], "total_steps": total,
+                   "best": best, "head": str(out / "head")}
+        results_path.write_text(json.dumps(results, indent=2) + "\n")
+        for t in acc.trackers:
+            t.finish()
+    acc.trackers = []
+    acc.wait_for_everyone()
+    results = json.loads(results_path.read_text())
+    acc.print(f"best head (step {results['best_step']}) in {out / 'head'}: " + json.dumps(results["best"]))
+    acc.free_memory()
+    acc._custom_objects.clear()  # the scheduler; free_memory leaves registered objects behind
+    if accelerator is None:
+        acc.end_training()
+    return results
+
+
+# ----------------------------------------------------------------------------- sweep
+
+SWEEP_COLUMNS = ["depth", "w_rej", "best_step", "train_loss", "train_kl", "train_ece", "dev_loss", "dev_kl", "dev_ece"]
+
+
+def sweep(cfg: TrainConfig) -> list[dict]:
+    """Train every (depth, w_rej) head of the grid under <output_dir>/d{D}_wrej{w}; skip finished ones.
+
+    All heads share one Accelerator (its process group lives for the whole sweep) and one
+    feature cache. Writes sweep.csv and sweep.md (train/dev loss, KL, ECE: paper Table 3).
+    """
+    root = Path(cfg.output_dir)
+    acc = make_accelerator(cfg)
+    grid = [(d, w) for w in (cfg.w_rejs or SWEEP_W_REJS) for d in (cfg.depths or SWEEP_DEPTHS)]
+    rows = []
+    for d, w in grid:
+        name = f"d{d}_wrej{w:g}"
+        sub = dataclasses.replace(cfg, depth=d, w_rej=float(w), output_dir=str(root / name),
+                                  feature_cache=cfg.feature_cache or str(root / "features"),
+                                  run_name=f"{cfg.run_name or root.name}-{name}")
+        acc.print(f"[sweep] head {name}")
+        res = train(sub, resume=True, accelerator=acc)
+        best = res.get("best") or {}
+        rows.append({"depth": d, "w_rej": w, "best_step": res.get("best_step"),
+                     **{k: best.get(k) for k in SWEEP_COLUMNS[3:]}})
+    if acc.is_main_process:
+        write_table(rows, root)
+    acc.end_training()
+    return rows
+
+
+def write_table(rows: list[dict], root: Path):
+    import csv
+
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / "sweep.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=SWEEP_COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+
+    def fmt(v):
+        return "-" if v is None else (f"{v:.4f}" if isinstance(v, float) and not float(v).is_integer() else f"{v:g}"
+                                      if isinstance(v, float) else str(v))
+
+    lines = ["| " + " | ".join(SWEEP_COLUMNS) + " |", "|" + "---|" * len(SWEEP_COLUMNS)]
+    lines += ["| " + " | ".join(fmt(r[c]) for c in SWEEP_COLUMNS) + " |" for r in rows]
+    (root / "sweep.md").write_text("\n".join(lines) + "\n")
+    print(f"sweep table: {root / 'sweep.md'}, {root / 'sweep.csv'}", file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def main(argv: list[str] | None = None):
+    p = argparse.ArgumentParser(prog="train.py", description="Train SpecDec++ acceptance heads (run with "
+                                "`accelerate launch train.py ...` for GPUs/DDP, or plain python).")
+    p.add_argument("--config", help="YAML file of TrainConfig keys (configs/train/*.yaml)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides applied after the YAML")
+    p.add_argument("--resume", action="store_true", help="continue the run in output_dir from its last checkpoint")
+    p.add_argument("--sweep", action="store_true", help="train the depths x w_rejs grid (resumes by itself)")
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(TrainConfig, args.config, args.overrides)
+        if args.sweep:
+            sweep(cfg)
+        else:
+            train(cfg, resume=args.resume)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""Data generation for acceptance heads: targets, mixing, features, storage, resume, errors.
+
+Every stored quantity is recomputed here independently, by teacher-forced unbatched forwards of
+the tiny models over prompt + X (for P_i and 1 - TV) and prompt + Z (for the features).
+"""
+from __future__ import annotations
+
+import io
+import json
+import random
+import shutil
+
+import pytest
+import torch
+
+from adaptive_spec import datagen
+from adaptive_spec.config import load_config
+from adaptive_spec.datagen import DatagenConfig
+from adaptive_spec.errors import UserError
+from adaptive_spec.sampling import SamplingParams, process_logits
+
+TOP_K, TOP_P = 20, 0.95  # non-trivial processing (vocab 32), so p and q must be the processed ones
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # tiny models on a shared 2-core machine: a second thread only adds synchronisation stalls
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _write_prompts(path, n=24, seed=0, field="question"):
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            words = ["".join(rng.choice("abcdefghij") for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(2, 6))]
+            f.write(json.dumps({field: " ".join(words), "other": 1}) + "\n")
+    return path
+
+
+def _overrides(tiny_pair, prompts, out_dir, **extra):
+    draft, target = tiny_pair
+    kw = dict(dataset=str(prompts), prompt_field="question", draft=str(draft), target=str(target), dtype="fp32",
+              device="cpu", max_new_tokens=14, batch_size=3, shard_size=5, top_k=TOP_K, top_p=TOP_P,
+              train_frac=0.6, dev_frac=0.2, test_frac=0.2, seed=7, out_dir=str(out_dir), progress=False, name="t",
+              threads=1)  # tiny models: one thread avoids oversubscription stalls on a busy machine
+    kw.update(extra)
+    return [f"{k}={v}" for k, v in kw.items()]
+
+
+def _run(overrides) -> dict:
+    return datagen.run(load_config(DatagenConfig, None, overrides))
+
+
+@pytest.fixture(scope="module")
+def ref_run(tiny_pair, tmp_path_factory):
+    root = tmp_path_factory.mktemp("datagen")
+    prompts = _write_prompts(root / "prompts.jsonl")
+    out = root / "ref"
+    man = _run(_overrides(tiny_pair, prompts, out))
+    return prompts, out, man
+
+
+def _models(tiny_pair):
+    from transformers import AutoModelForCausalLM
+
+    return [AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for p in tiny_pair]
+
+
+def _all_seqs(out):
+    for split in datagen.SPLITS:
+        for sh in datagen.iter_shards(out, split):
+            io_, ro = sh["input_offsets"], sh["resp_offsets"]
+            for i in range(len(sh["prompt_lens"])):
+                pl = int(sh["prompt_lens"][i])
+                ids = sh["input_ids"][io_[i]:io_[i + 1]].long()
+                r = slice(int(ro[i]), int(ro[i + 1]))
+                yield {"prompt": ids[:pl], "z_in": ids[pl:], **{k: sh[k][r] for k in (
+                    "x_ids", "y_ids", "z_ids", "loss_mask", "accept_prob", "expected_accept", "features")}}
+
+
+def test_manifest_and_shard_format(ref_run, tiny_pair):
+    prompts, out, man = ref_run
+    disk = json.loads((out / "manifest.json").read_text())
+    assert disk == json.loads(json.dumps(man))
+    assert man["format"] == "adaptive_spec.datagen.v1" and man["complete"] and man["seed"] == 7
+    assert man["config"]["mix_ratio"] == 0.15 and len(man["config_hash"]) == 16
+    assert man["models"]["draft"]["hidden_size"] == 16 and man["models"]["target"]["hidden_size"] == 24
+    assert man["models"]["draft"]["vocab_size"] == 32
+    assert man["models"]["draft"]["fingerprint"] != man["models"]["target"]["fingerprint"]
+    total = 0
+    for split in datagen.SPLITS:
+        s = man["splits"][split]
+        total += s["n_prompts"]
+        assert s["n_prompts"] == sum(sh["n_seqs"] for sh in s["shards"])
+        assert s["n_tokens"] == sum(sh["n_tokens"] for sh in s["shards"])
+        for sh_entry, sh in zip(s["shards"], datagen.iter_shards(out, split)):
+            assert sh_entry["file"].startswith(f"{split}/shard-")
+            T, n = sh["z_ids"].numel(), sh["prompt_lens"].numel()
+            assert (T, n) == (sh_entry["n_tokens"], sh_entry["n_seqs"])
+            assert int(sh["loss_mask"].sum()) == sh_entry["n_loss_tokens"]
+            dtypes = {"input_ids": torch.int32, "input_offsets": torch.int64, "prompt_lens": torch.int32,
+                      "resp_offsets": torch.int64, "x_ids": torch.int32, "y_ids": torch.int32, "z_ids": torch.int32,
+                      "loss_mask": torch.uint8, "accept_prob": torch.float32, "expected_accept": torch.float32,
+                      "features": torch.bfloat16}
+            assert {k: v.dtype for k, v in sh.items()} == dtypes
+            assert sh["features"].shape == (T, 16)
+            assert sh["input_ids"].numel() == int(sh["input_offsets"][-1]) == int(sh["prompt_lens"].sum()) + T
+            assert sh["resp_offsets"].shape == (n + 1,) and int(sh["resp_offsets"][-1]) == T
+    assert total == 24  # every (distinct) prompt lands in exactly one split
+
+
+def test_targets_and_features_match_teacher_forced_recompute(ref_run, tiny_pair):
+    _, out, _ = ref_run
+    draft, target = _models(tiny_pair)
+    params = SamplingParams(1.0, TOP_K, TOP_P)
+    n_seq = 0
+    for s in _all_seqs(out):
+        n_seq += 1
+        pl, N = len(s["prompt"]), len(s["x_ids"])
+        assert 1 <= N <= 14 and torch.equal(s["z_in"], s["z_ids"].long())
+        tf = torch.cat([s["prompt"], s["x_ids"].long()])[None]
+        with torch.no_grad():
+            p = process_logits(target(tf).logits[0, pl - 1:pl - 1 + N], params)
+            q = process_logits(draft(tf).logits[0, pl - 1:pl - 1 + N], params)
+            h = draft.model(torch.cat([s["prompt"], s["z_ids"].long()])[None]).last_hidden_state[0, pl:pl + N]
+        rows, y = torch.arange(N), s["y_ids"].long()
+        assert (q[rows, y] > 0).all()  # Y_i was drawn from the processed q_i
+        torch.testing.assert_close(s["accept_prob"], (p[rows, y] / q[rows, y]).clamp(max=1), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(s["expected_accept"], 1 - 0.5 * (p - q).abs().sum(-1), atol=1e-5, rtol=1e-4)
+        assert (p[rows, s["x_ids"].long()] > 0).all()  # X_i was drawn from the processed p_i
+        torch.testing.assert_close(s["features"].float(), h, atol=2e-2, rtol=1e-2)  # bf16 storage
+        if N < 14:  # a response shorter than max_new_tokens ended with EOS (id 1), and only there
+            assert int(s["x_ids"][-1]) == 1 and not (s["x_ids"][:-1] == 1).any()
+    assert n_seq == 24
+
+
+def test_mixing_follows_loss_mask(ref_run):
+    _, out, _ = ref_run
+    n = n_x = 0
+    for s in _all_seqs(out):
+        m = s["loss_mask"].bool()
+        assert torch.equal(s["z_ids"][m], s["y_ids"][m]) and torch.equal(s["z_ids"][~m], s["x_ids"][~m])
+        n += len(m)
+        n_x += int((~m).sum())
+    assert n > 150 and abs(n_x / n - 0.15) < 0.1  # r = 0.15 with ~200 tokens: sd ~0.025
+
+
+def test_mix_share_is_r():
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.zeros(200_000, dtype=torch.long), torch.ones(200_000, dtype=torch.long)
+    for r in (0.0, 0.15, 0.5, 1.0):
+        z, mask = datagen.mix_tokens(x, y, r, gen)
+        assert abs(float((z == 0).float().mean()) - r) < 0.005
+        assert torch.equal(mask.bool(), z == 1)
+
+
+def test_kill_and_resume_is_byte_identical(ref_run, tiny_pair, tmp_path, monkeypatch):
+    prompts, ref, ref_man = ref_run
+    out = tmp_path / "resumed"
+    real_write, calls = datagen._write_shard, []
+
+    def dying_write(path, tensors, meta):
+        calls.append(path)
+        if len(calls) == 2:  # the process "dies" while computing the second shard
+            raise KeyboardInterrupt
+        real_write(path, tensors, meta)
+
+    monkeypatch.setattr(datagen, "_write_shard", dying_write)
+    with pytest.raises(KeyboardInterrupt):
+        _run(_overrides(tiny_pair, prompts, out))
+    man = json.loads((out / "manifest.json").read_text())
+    assert not man["complete"] and [sh["file"] for sh in man["splits"]["train"]["shards"]] == ["train/shard-00000.safetensors"]
+    monkeypatch.setattr(datagen, "_write_shard", real_write)
+    assert datagen.main(["--config", str(_yaml(tmp_path, _overrides(tiny_pair, prompts, out)))]) == 0
+
+    ref_files = sorted(p.relative_to(ref) for p in ref.rglob("*") if p.is_file())
+    assert ref_files == sorted(p.relative_to(out) for p in out.rglob("*") if p.is_file())  # no tmp files left
+    for f in ref_files:
+        if f.suffix == ".safetensors":
+            assert (ref / f).read_bytes() == (out / f).read_bytes(), f
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["complete"] and man["config"].pop("out_dir") == str(out)
+    ref_disk = json.loads((ref / "manifest.json").read_text())
+    ref_disk["config"].pop("out_dir")
+    assert man == ref_disk
+
+
+def _yaml(tmp_path, overrides):
+    path = tmp_path / "cfg.yaml"
+    path.write_text("".join(f"{o.split('=', 1)[0]}: {json.dumps(o.split('=', 1)[1])}\n" for o in overrides))
+    return path
+
+
+def test_unknown_config_key_lists_valid_keys(capsys):
+    assert datagen.main(["dataset=x.jsonl", "mix_rate=0.2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "'mix_rate'" in err and "mix_ratio" in err and "\n" not in err
+
+
+def test_missing_prompt_field_lists_fields(tiny_pair, tmp_path, capsys):
+    prompts = _write_prompts(tmp_path / "p.jsonl", n=4)
+    ov = _overrides(tiny_pair, prompts, tmp_path / "out", prompt_field="instruction")
+    assert datagen.main(ov) == 2
+    err = capsys.readouterr().err
+    assert "'instruction'" in err and "question, other" in err
+
+
+def test_out_dir_with_another_config_is_refused(ref_run, tiny_pair, tmp_path, capsys):
+    prompts, ref, _ = ref_run
+    out = tmp_path / "copy"
+    shutil.copytree(ref, out)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert datagen.main(_overrides(tiny_pair, prompts, out, seed=8)) == 2
+    err = capsys.readouterr().err
+    assert "seed" in err and "overwrite=true" in err and "same config" in err
+    assert before == {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}  # untouched
+    # overwrite=true starts over with the new config
+    man = _run(_overrides(tiny_pair, prompts, out, seed=8, overwrite="true", max_train_prompts=2,
+                          max_dev_prompts=0, max_test_prompts=0, store_features="false"))
+    assert man["complete"] and man["splits"]["train"]["n_prompts"] == 2 and man["splits"]["dev"]["shards"] == []
+    assert not (out / "dev" / "shard-00000.safetensors").exists()
+    assert "features" not in datagen.load_shard(out / "train" / "shard-00000.safetensors")
+
+
+def test_split_by_prompt_hash_is_stable():
+    texts = [f"prompt number {i}" for i in range(5000)]
+    a = [datagen.split_of(t, 0.7, 0.2) for t in texts]
+    assert a == [datagen.split_of(t, 0.7, 0.2) for t in texts]
+    for s, frac in (("train", 0.7), ("dev", 0.2), ("test", 0.1)):
+        assert abs(a.count(s) / len(a) - frac) < 0.03
+
+
+def test_chat_template_is_applied(tiny_pair):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_pair[1])
+    ids = datagen.encode_prompt(tok, "ab c")
+    assert ids[0] == 3 and tok.decode(ids[1:]) == "ab c"  # <|user|> from the template
+    assert datagen.encode_prompt(tok, "ab c", chat=False) == ids[1:]
+
+
+def test_json_array_parser_stops_at_truncated_tail():
+    text = '[{"id": 1, "conversations": [{"from": "human", "value": "hi"}]},\n {"id": 2}, {"id": 3, "conv'
+    got = list(datagen._iter_json_array(io.BytesIO(text.encode()), chunk_chars=7))
+    assert [o["id"] for o in got] == [1, 2]
+    assert [o["id"] for o in datagen._iter_json_array(io.BytesIO(b'[{"id": 1}, {"id": 2}]'))] == [1, 2]
+
+
+@pytest.mark.parametrize("name", ["gsm8k", "alpaca", "sharegpt"])
+def test_shipped_configs_load(name):
+    cfg = load_config(DatagenConfig, datagen.PROJECT_ROOT / "configs" / "datagen" / f"{name}.yaml")
+    assert cfg.draft == cfg.target == "default" and cfg.mix_ratio == 0.15 and cfg.top_k == 50
+    if cfg.dataset.endswith(".jsonl") and datagen._project_path(cfg.dataset).is_file():  # ../shared beside the repo
+        texts = datagen.load_prompt_texts(cfg)
+        assert len(texts) in (7473, 805) and all(isinstance(t, str) for t in texts[:10])

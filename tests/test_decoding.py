@@ -1,0 +1,167 @@
+"""Exactness of the speculative decoder on tiny random models (small vocabulary, enumerable)."""
+import itertools
+import math
+
+import pytest
+import torch
+
+from adaptive_spec import sampling
+from adaptive_spec.decoding import Decoder
+from adaptive_spec.models import CausalLM
+from adaptive_spec.policies import FixedK
+from adaptive_spec.sampling import SamplingParams, process_logits
+from tiny import MockLM, make_model
+
+GREEDY = SamplingParams(temperature=0)
+
+
+def pair(vocab=32, same=False, draft_seed=1, target_seed=2, scale=4.0, layers=2):
+    target = CausalLM(make_model(vocab, hidden_size=24, layers=layers, seed=target_seed, logit_scale=scale))
+    draft = target if same else CausalLM(make_model(vocab, hidden_size=16, layers=layers, seed=draft_seed,
+                                                    logit_scale=scale))
+    if same:  # a separate runner (own cache) over the same weights
+        draft = CausalLM(target.model)
+    return draft, target
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["draft=target", "random-draft"])
+@pytest.mark.parametrize("k", range(1, 9))
+def test_greedy_equals_target(k, same):
+    draft, target = pair(same=same)
+    dec = Decoder(target, draft)
+    prompt = [5, 9, 4, 17]
+    ref = dec.generate(prompt, max_new_tokens=40, sampling=GREEDY, policy=None).token_ids
+    spec = dec.generate(prompt, max_new_tokens=40, sampling=GREEDY, policy=FixedK(k))
+    assert spec.token_ids == ref
+    m = spec.metrics
+    assert m.n_tokens == 40
+    if same:  # a draft equal to the target is always right: K+1 tokens per target pass
+        assert m.n_discarded == 0 and m.acceptance_rate == 1.0
+        assert m.n_target_forwards == math.ceil(40 / (k + 1))
+
+
+def test_metrics_are_consistent():
+    draft, target = pair()
+    g = Decoder(target, draft).generate([5, 9, 4], max_new_tokens=50, sampling=SamplingParams(1.0), policy=FixedK(3))
+    m = g.metrics
+    assert m.n_tokens == len(g.token_ids) == 50
+    assert m.n_discarded == m.n_drafted - m.n_accepted
+    assert sum(m.accepted_hist.values()) == m.n_target_forwards
+    # every round yields its accepted tokens plus one (the last round may be cut at the limit)
+    assert m.n_accepted + m.n_target_forwards >= m.n_tokens
+    assert m.n_draft_forwards == m.n_drafted  # one draft forward per candidate
+    assert m.draft_s > 0 and m.target_s > 0 and m.wall_s >= m.draft_s + m.target_s
+    assert m.discard_rate == pytest.approx(m.n_discarded / 50)
+    assert m.verification_rate == pytest.approx(m.n_target_forwards / 50)
+
+
+def test_rollback_matches_fresh_forward():
+    """Cropping the cache after a rejection leaves it equal to a cache built from scratch."""
+    _, target = pair()
+    seq = torch.tensor([5, 9, 4, 17, 8, 6, 11, 12, 20])
+    lm = target
+    lm.reset()
+    lm.forward(seq[:4], n_logits=0)
+    lm.forward(seq[4:9], n_logits=5)  # a verify pass over 5 candidates
+    lm.rollback(6)  # 2 of them accepted
+    x = torch.tensor([25, 3])
+    got, h_got = lm.forward(x, n_logits=2)
+    fresh = CausalLM(target.model)
+    ref, h_ref = fresh.forward(torch.cat([seq[:6], x]), n_logits=2)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h_got, h_ref, rtol=1e-5, atol=1e-5)
+    assert lm.length == fresh.length == 8
+
+
+# ---- exact output distribution ---------------------------------------------------------------
+
+V, L, N_SAMPLES = 5, 3, 3000
+
+
+def exact_sequence_probs(target, prompt, params):
+    """P(sequence) for all V^L continuations under processed target sampling."""
+    probs = {}
+    for seqs in itertools.product(range(V), repeat=L):
+        p = 1.0
+        ids = list(prompt)
+        for t in seqs:
+            target.reset()
+            logits, _ = target.forward(torch.tensor(ids), n_logits=1)
+            p *= process_logits(logits[0], params)[t].item()
+            ids.append(t)
+        probs[seqs] = p
+    return probs
+
+
+def chi_square_pvalue(counts: dict, probs: dict, n: int) -> float:
+    """Pearson chi-square goodness of fit; cells with expected count < 5 are pooled."""
+    stat, df, pool_obs, pool_exp = 0.0, 0, 0.0, 0.0
+    for cell, p in probs.items():
+        exp, obs = p * n, counts.get(cell, 0)
+        if exp < 5:
+            pool_obs, pool_exp = pool_obs + obs, pool_exp + exp
+            continue
+        stat += (obs - exp) ** 2 / exp
+        df += 1
+    if pool_exp > 0:
+        stat += (pool_obs - pool_exp) ** 2 / max(pool_exp, 1e-9)
+        df += 1
+    assert not any(counts.get(c, 0) and probs[c] == 0 for c in probs), "sampled an impossible sequence"
+    df -= 1
+    return torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                   torch.tensor(stat / 2, dtype=torch.float64)).item()
+
+
+def sample_counts(dec, prompt, params, policy, n=N_SAMPLES):
+    counts = {}
+    for s in range(n):
+        g = dec.generate(prompt, max_new_tokens=L, sampling=params, policy=policy, seed=s)
+        counts[tuple(g.token_ids)] = counts.get(tuple(g.token_ids), 0) + 1
+    return counts
+
+
+def exact_pair():
+    # trigram mocks from different seeds: q is far from p, so the residual matters
+    return MockLM(V, seed=4), MockLM(V, seed=3)
+
+
+@pytest.mark.parametrize("params,k", [
+    (SamplingParams(1.0), 2),
+    (SamplingParams(1.0, top_k=3), 3),
+    (SamplingParams(0.8, top_p=0.7), 1),
+], ids=["t1-k2", "topk3-k3", "topp0.7-t0.8-k1"])
+def test_speculative_distribution_is_exact(params, k):
+    draft, target = exact_pair()
+    prompt = [1, 2]
+    probs = exact_sequence_probs(target, prompt, params)
+    counts = sample_counts(Decoder(target, draft), prompt, params, FixedK(k))
+    assert chi_square_pvalue(counts, probs, N_SAMPLES) > 1e-3
+
+
+def test_distribution_test_catches_a_wrong_residual(monkeypatch):
+    """The same test must fail when the correction after a rejection is drawn from p, not
+    from norm(max(p - q, 0)): that biases the output toward the draft's choices."""
+    draft, target = exact_pair()
+    params, prompt = SamplingParams(1.0), [1, 2]
+    probs = exact_sequence_probs(target, prompt, params)
+    monkeypatch.setattr(sampling, "residual", lambda p, q: p)
+    counts = sample_counts(Decoder(target, draft), prompt, params, FixedK(2))
+    assert chi_square_pvalue(counts, probs, N_SAMPLES) < 1e-3
+
+
+def test_distribution_is_exact_on_transformer_models():
+    """The same check through real (tiny) Qwen2 models, KV-cache cropping included."""
+    target = CausalLM(make_model(V, hidden_size=16, layers=1, seed=3, logit_scale=3.0))
+    draft = CausalLM(make_model(V, hidden_size=16, layers=1, seed=4, logit_scale=3.0))
+    params, prompt = SamplingParams(1.0), [1, 2]
+    probs = exact_sequence_probs(target, prompt, params)
+    counts = sample_counts(Decoder(target, draft), prompt, params, FixedK(2), n=1500)
+    assert chi_square_pvalue(counts, probs, 1500) > 1e-3
+
+
+def test_autoregressive_distribution_is_exact():
+    _, target = exact_pair()
+    params, prompt = SamplingParams(1.0, top_k=4), [1, 2]
+    probs = exact_sequence_probs(target, prompt, params)
+    counts = sample_counts(Decoder(target), prompt, params, None, n=2000)
+    assert chi_square_pvalue(counts, probs, 2000) > 1e-3

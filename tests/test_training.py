@@ -1,0 +1,199 @@
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from adaptive_spec import training
+from adaptive_spec.config import load_config
+from adaptive_spec.errors import UserError
+from adaptive_spec.heads import AcceptanceHead
+from train_fixtures import make_dataset
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+# One thread per process: tiny matmuls only get slower with more, and the machine is shared.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true",
+       "TOKENIZERS_PARALLELISM": "false"}
+RUN = ["report_to=none", "epochs=2", "batch_size=32", "lr=1e-2", "w_rej=1", "depth=2", "warmup_ratio=0.1",
+       "log_every=2", "eval_every=10", "save_every=4"]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return make_dataset(tmp_path_factory.mktemp("data") / "ds", seqs={"train": 40, "dev": 12, "test": 4})
+
+
+def launch(args, accelerate=True, timeout=120):
+    cmd = ([str(BIN / "accelerate"), "launch", "--cpu", "--num_processes", "1", "--num_machines", "1",
+            "--mixed_precision", "no", "--dynamo_backend", "no"] if accelerate else [sys.executable])
+    return subprocess.run(cmd + ["train.py", *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+# ---------------------------------------------------------------- loss and metrics by hand
+
+def test_weighted_bce_matches_hand_computation():
+    logits = torch.tensor([0.0, 2.0, -1.0, 3.0])
+    target = torch.tensor([1.0, 0.5, 0.2, 0.0])
+    w_rej = 3.0
+    want = 0.0
+    for z, p in zip(logits.tolist(), target.tolist()):
+        q = 1 / (1 + math.exp(-z))
+        want += -(1.0 * p * math.log(q) + w_rej * (1 - p) * math.log(1 - q))
+    got = training.weighted_bce(logits, target, w_acc=1.0, w_rej=w_rej)
+    assert got.item() == pytest.approx(want / 4, rel=1e-6)
+    # Stable at extreme logits where sigmoid rounds to 1 in float32.
+    assert torch.isfinite(training.weighted_bce(torch.tensor([40.0]), torch.tensor([0.0]))).all()
+
+
+def test_binary_kl_and_ece_by_hand():
+    target = torch.tensor([1.0, 0.0, 0.3, 0.3])
+    logits = torch.tensor([0.0, 0.0, 0.0, math.log(0.3 / 0.7)])
+    kl = training.binary_kl(target, logits)
+    want = [math.log(2), math.log(2), 0.3 * math.log(0.3 / 0.5) + 0.7 * math.log(0.7 / 0.5), 0.0]
+    torch.testing.assert_close(kl, torch.tensor(want, dtype=torch.float64), atol=1e-6, rtol=1e-6)
+    pred = torch.tensor([0.05, 0.15, 0.95, 0.92])
+    tgt = torch.tensor([0.05, 0.35, 0.75, 0.82])
+    bins = training.calibration_bins(pred, tgt, 10)
+    assert bins[0].tolist() == [1, 1, 0, 0, 0, 0, 0, 0, 0, 2]
+    # bin 0: |0.05-0.05|, bin 1: |0.15-0.35|, bin 9: |0.935-0.785| x 2 positions
+    assert training.ece(bins) == pytest.approx((0 + 0.2 + 2 * 0.15) / 4)
+
+
+def test_lr_schedule_warms_up_then_decays():
+    f = training.lr_lambda(total=100, warmup=10, min_ratio=0.0)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(10) == pytest.approx(1.0) and f(55) == pytest.approx(0.5) and f(100) == pytest.approx(0.0)
+
+
+def test_config_refuses_unknown_keys_and_bad_values(tmp_path):
+    with pytest.raises(UserError, match="valid keys: data, output_dir"):
+        load_config(training.TrainConfig, None, ["data=x", "wrej=3"])
+    with pytest.raises(UserError, match="target must be one of"):
+        load_config(training.TrainConfig, None, ["data=x", "target=foo"])
+    with pytest.raises(UserError, match="missing required key"):
+        load_config(training.TrainConfig, None, [])
+    for f in sorted((ROOT / "configs" / "train").glob("*.yaml")):  # the shipped configs load
+        load_config(training.TrainConfig, f, ["data=x"])
+
+
+def test_bad_datasets_are_refused(tmp_path, dataset):
+    with pytest.raises(UserError, match="no manifest.json"):
+        training.read_manifest(tmp_path)
+    m = json.loads((dataset / "manifest.json").read_text())
+    (tmp_path / "manifest.json").write_text(json.dumps({**m, "complete": False}))
+    with pytest.raises(UserError, match="incomplete"):
+        training.read_manifest(tmp_path)
+    cfg = training.TrainConfig(data=str(tmp_path))
+    (tmp_path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(UserError, match="is missing"):  # manifest names shards that are not there
+        training.load_split(cfg, m, "train", None)
+
+
+# ---------------------------------------------------------------- data
+
+def test_positions_and_features_follow_the_format(dataset):
+    cfg = training.TrainConfig(data=str(dataset))
+    m = training.read_manifest(dataset)
+    ds = training.load_split(cfg, m, "train", None)
+    raw = [load_file(str(dataset / s["file"])) for s in m["splits"]["train"]["shards"]]
+    mask = torch.cat([r["loss_mask"] for r in raw]).bool()
+    assert len(ds) == int(mask.sum()) == m["splits"]["train"]["n_loss_tokens"]
+    x, y = ds.gather(torch.arange(len(ds)))
+    assert torch.equal(x, torch.cat([r["features"] for r in raw])[mask])
+    assert torch.equal(y, torch.cat([r["accept_prob"] for r in raw])[mask])
+    cfg2 = training.TrainConfig(data=str(dataset), target="expected_accept")
+    assert torch.equal(training.load_split(cfg2, m, "train", None).target, torch.cat([r["expected_accept"] for r in raw])[mask])
+    xb, yb = ds.__getitems__([5, 0, 3])  # the DataLoader's batched fetch keeps the order
+    assert torch.equal(xb, x[[5, 0, 3]]) and torch.equal(yb, y[[5, 0, 3]])
+
+
+def test_features_from_the_draft_when_the_dataset_has_none(tmp_path, tiny_pair, monkeypatch):
+    draft_dir, _ = tiny_pair
+    ds = make_dataset(tmp_path / "ds", seqs={"train": 6, "dev": 3}, features=False, draft_name=str(draft_dir))
+    cfg = training.TrainConfig(data=str(ds), output_dir=str(tmp_path / "run"))
+    acc = SimpleNamespace(is_main_process=True, device=torch.device("cpu"), wait_for_everyone=lambda: None)
+    m = training.read_manifest(ds)
+    got = training.load_split(cfg, m, "train", acc)
+    # By hand: the draft's final hidden state at the position of Z_i in prompt+Z, for loss positions.
+    from adaptive_spec.models import load_model
+
+    model, _ = load_model(str(draft_dir), "draft", dtype="fp32")
+    want = []
+    for s in m["splits"]["train"]["shards"]:
+        t = load_file(str(ds / s["file"]))
+        for k in range(len(t["prompt_lens"])):
+            ids = t["input_ids"][t["input_offsets"][k]: t["input_offsets"][k + 1]].long()[None]
+            h = model.base_model(input_ids=ids).last_hidden_state[0].detach()
+            mask = t["loss_mask"][t["resp_offsets"][k]: t["resp_offsets"][k + 1]].bool()
+            want.append(h[int(t["prompt_lens"][k]):][mask])
+    x, _ = got.gather(torch.arange(len(got)))
+    torch.testing.assert_close(x.float(), torch.cat(want), atol=2e-2, rtol=1e-2)  # cached in bf16
+    assert (tmp_path / "run" / "features" / "train.safetensors").is_file()
+    # Cached: a second load does not run the draft again.
+    monkeypatch.setattr("adaptive_spec.models.load_model", lambda *a, **k: pytest.fail("draft rerun"))
+    again = training.load_split(cfg, m, "train", acc)
+    assert torch.equal(again.feats[0], got.feats[0])
+
+
+# ---------------------------------------------------------------- end to end
+
+def test_accelerate_launch_trains_and_resume_equals_an_uninterrupted_run(tmp_path, dataset, capsys):
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    r = launch([f"data={dataset}", f"output_dir={full}", *RUN[1:], "report_to=wandb"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((full / "results.json").read_text())
+    total = res["total_steps"]
+    log = training.read_jsonl(full / "log.jsonl")
+    evals = [row for row in log if row["kind"] == "eval"]
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == total
+    assert evals[-1]["dev_kl"] < 0.8 * evals[0]["dev_kl"]  # the head learned P = f(h)
+    assert {"train_loss", "train_kl", "train_ece", "dev_loss", "dev_kl", "dev_ece"} <= set(evals[-1])
+    assert [row["step"] for row in log if row["kind"] == "train"][:3] == [2, 4, 6]
+    assert (full / "reliability.png").stat().st_size > 0 and (full / "head" / "reliability.png").is_file()
+    assert list((full / "wandb").glob("offline-run-*"))  # the tracker ran (offline)
+    head = AcceptanceHead.from_pretrained(full / "head", hidden_size=16)
+    assert head.draft_model == "tiny-draft" and head.draft_fingerprint == "fp-draft" and head.depth == 2
+    assert head.extra["w_rej"] == 1.0 and head.extra["step"] == res["best_step"]
+
+    # Killed after step 6 (last checkpoint: 4), then resumed: identical weights and log.
+    r = launch([f"data={dataset}", f"output_dir={killed}", *RUN, "stop_after_steps=6"])
+    assert r.returncode != 0
+    assert [p.name for _, p in training.RunFiles(killed, False).checkpoints()] == ["step_4"]
+    assert max(row["step"] for row in training.read_jsonl(killed / "log.jsonl")) == 6
+    r = launch([f"data={dataset}", f"output_dir={killed}", *RUN, "--resume"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "from" in r.stdout + r.stderr and "step_4" in r.stdout + r.stderr
+    assert training.read_jsonl(killed / "log.jsonl") == log
+    final = f"checkpoints/step_{total}/model.safetensors"
+    assert (killed / final).read_bytes() == (full / final).read_bytes()
+    assert (killed / "head/model.safetensors").read_bytes() == (full / "head/model.safetensors").read_bytes()
+
+    # A new run in a used folder, or a resume with changed settings, is refused (before any work).
+    for extra, msg in [([], "already holds a run"), (["lr=0.5", "--resume"], "lr: 0.01 -> 0.5")]:
+        (killed / "results.json").unlink(missing_ok=True)
+        with pytest.raises(SystemExit) as e:
+            training.main([f"data={dataset}", f"output_dir={killed}", *RUN, *extra])
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_sweep_writes_the_table_and_skips_finished_heads(tmp_path, dataset):
+    args = ["--sweep", f"data={dataset}", f"output_dir={tmp_path / 'sweep'}", *RUN, "epochs=1", "eval_every=100",
+            "depths=[0,1]", "w_rejs=[1,3]"]
+    r = launch(args, accelerate=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    md = (tmp_path / "sweep" / "sweep.md").read_text().splitlines()
+    assert md[0].startswith("| depth | w_rej | best_step | train_loss | train_kl")
+    assert len(md) == 2 + 4
+    csv = (tmp_path / "sweep" / "sweep.csv").read_text().splitlines()
+    assert len(csv) == 1 + 4 and csv[1].startswith("0,1.0,")
+    assert sorted(p.name for p in (tmp_path / "sweep").glob("d*_wrej*")) == ["d0_wrej1", "d0_wrej3", "d1_wrej1", "d1_wrej3"]
+    r = launch(args, accelerate=False)
+    assert r.returncode == 0 and r.stderr.count("already finished") == 4
+    assert (tmp_path / "sweep" / "sweep.md").read_text().splitlines() == md
