@@ -15,11 +15,16 @@ def _add_generate(sub):
     g.add_argument("--draft", default="default", help="draft model: hub id, local folder or 'default'")
     g.add_argument("--target", default="default", help="target model: hub id, local folder or 'default'")
     g.add_argument("--policy", default="fixed",
-                   help="stop policy: ar (target only), fixed, or another registered policy")
+                   help="ar (target only) | fixed | learned | confidence | entropy | heuristic | oracle | "
+                        "tree | ersd | spectr | batch-sd")
     g.add_argument("--k", type=int, default=None, help="candidates per round for --policy fixed (default 4)")
     g.add_argument("--threshold", type=float, default=None, help="h (learned) or tau (heuristics)")
     g.add_argument("--head", default=None, help="acceptance head folder for --policy learned")
-    g.add_argument("--k-max", type=int, default=None, help="hard cap on candidates per round")
+    g.add_argument("--k-max", type=int, default=None, help="hard cap on candidates per round (learned: 20)")
+    g.add_argument("--tree-budget", type=int, default=None, help="drafted tokens per round for tree policies")
+    g.add_argument("--tree-estimator", default=None, help="positional | head: acceptance estimates for the tree")
+    g.add_argument("--drafting", default=None, help="sequence | batch | tree, for --policy ersd")
+    g.add_argument("--num-drafts", type=int, default=None, help="drafts per round for spectr / batch-sd")
     g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
@@ -34,8 +39,11 @@ def _add_generate(sub):
 def _generate(args) -> int:
     from .pipeline import SpecPair
 
-    policy_kwargs = {k: v for k, v in (("k", args.k), ("threshold", args.threshold), ("head", args.head),
-                                         ("k_max", args.k_max)) if v is not None}
+    names = ("k", "threshold", "head", "k_max", "tree_budget", "tree_estimator", "drafting", "num_drafts")
+    policy_kwargs = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # weight-loading bars would drown the streamed text
     if not args.prompt.strip():
         raise UserError("the prompt is empty; pass some text with --prompt")
     # validate cheap arguments before loading gigabytes of weights

@@ -10,7 +10,7 @@ Z_i, i.e. e_i(x, Z<i, Z_i); we store it (`features`) so training never runs the 
 
 p_i and q_i come from the generation pass itself: target and draft are stepped in lockstep on
 the sampled X (batched, left padded, KV cached), so no teacher-forced re-run of the target is
-needed. Only the features need a second, cheap, prefill-style draft pass over prompt + Z.
+needed. Only the features need a second draft pass, over Z alone (the prompt's KV cache is reused).
 
 On-disk format (a contract with the trainer; see README "Data generation"):
   out_dir/manifest.json  {"format": "adaptive_spec.datagen.v1", "config", "config_hash", "seed",
@@ -427,10 +427,12 @@ def generate_batch(draft, target, prompts: list[list[int]], cfg: DatagenConfig, 
         t_logits = _step(target, x[:, None].cpu(), mask, next_pos, tcache, vocab, dev)
         d_logits = _step(draft, x[:, None].cpu(), mask, next_pos, dcache, vocab, dev)
         next_pos = next_pos + 1
-    del tcache, dcache
+    del tcache
     X, Y = torch.stack(xs, 1), torch.stack(ys, 1)
     P, E = torch.stack(ps, 1), torch.stack(es, 1)
     Z, loss_mask = mix_tokens(X, Y, cfg.mix_ratio, gen)
+    feats = _draft_features(draft, dcache, ids.shape[1], pos[:, -1:] + 1, mask[:, :ids.shape[1]], Z) \
+        if cfg.store_features else None
     X, Y, Z, P, E, loss_mask = (t.cpu() for t in (X, Y, Z, P, E, loss_mask))
     seqs = []
     for b in range(B):
@@ -439,24 +441,29 @@ def generate_batch(draft, target, prompts: list[list[int]], cfg: DatagenConfig, 
                      "y": Y[b, :n].to(torch.int32), "z": Z[b, :n].to(torch.int32),
                      "loss_mask": loss_mask[b, :n].contiguous(), "accept_prob": P[b, :n].float(),
                      "expected_accept": E[b, :n].float()})
-    if cfg.store_features:
-        feats = draft_features(draft, [s["prompt"].tolist() + s["z"].tolist() for s in seqs],
-                               [len(s["z"]) for s in seqs], pad_id)
-        for s, f in zip(seqs, feats):
-            s["features"] = f
+        if feats is not None:
+            seqs[-1]["features"] = feats[b, :n].contiguous()
     return seqs
 
 
-@torch.inference_mode()
-def draft_features(draft, seqs: list[list[int]], n_last: list[int], pad_id: int) -> list[torch.Tensor]:
-    """The draft's final hidden state (after the final norm) at the last n_last[b] positions of
-    each sequence, i.e. at the positions whose input tokens are Z_1..Z_N. bf16 [n, H] each."""
-    ids, mask = _left_pad(seqs, pad_id)
+def _draft_features(draft, dcache, prompt_len: int, first_pos, prompt_mask, Z) -> torch.Tensor:
+    """The draft's final hidden state (after the final norm) at the positions whose input tokens
+    are Z_1..Z_n, i.e. over the sequence (prompt, Z). bf16 [B, n, H].
+
+    The draft's generation cache already holds the (padded) prompt: cropped back to it, only Z
+    has to be fed, which saves the prompt's share of this pass. Rows that ended early carry
+    trailing tokens past their EOS; the pass is causal, so those do not touch earlier positions.
+    """
+    B, n = Z.shape
+    extra = dcache.get_seq_length() - prompt_len  # X_1..X_{n-1} fed during generation
+    if extra > 0:
+        dcache.crop(-extra)  # transformers 5: a negative count drops that many trailing positions
+    mask = torch.cat([prompt_mask, torch.ones((B, n), dtype=prompt_mask.dtype)], dim=1)
+    pos = first_pos + torch.arange(n)
     d = _input_device(draft)
-    h = draft.base_model(input_ids=ids.to(d), attention_mask=mask.to(d), position_ids=_positions(mask).to(d),
-                         use_cache=False).last_hidden_state
-    L = ids.shape[1]
-    return [h[b, L - n:].to(torch.bfloat16).cpu().contiguous() for b, n in enumerate(n_last)]
+    h = draft.base_model(input_ids=Z.to(d), attention_mask=mask.to(d), position_ids=pos.to(d), past_key_values=dcache,
+                         use_cache=True).last_hidden_state
+    return h.to(torch.bfloat16).cpu()
 
 
 def pack_shard(seqs: list[dict[str, torch.Tensor]], store_features: bool) -> dict[str, torch.Tensor]:

@@ -103,3 +103,203 @@ def make_policy(name: str, **kwargs) -> StopPolicy | None:
     if name not in POLICIES:
         raise UserError(f"unknown policy {name!r}; valid policies: ar, {', '.join(sorted(POLICIES))}")
     return POLICIES[name](**kwargs)
+
+
+# ---- SpecDec++ and training-free baselines (SpecDec++ paper, Algorithm 1 and section 5) -------
+
+
+def _check_unit_interval(value, what: str) -> float:
+    if value is None or not (0.0 < float(value) < 1.0):
+        raise UserError(f"{what} must be in (0, 1), got {value!r}")
+    return float(value)
+
+
+class LearnedThreshold(StopPolicy):
+    """SpecDec++: stop when the predicted probability that some candidate is rejected,
+    1 - prod_i sigmoid(f(e_i)), exceeds h; or at the hard cap k_max (20 in the paper).
+
+    The one-step lag: the head scores y_j from e_j, the draft's hidden state at y_j's own
+    position, which exists only after y_j has been fed to the draft, i.e. during the forward
+    that drafts y_{j+1}. So the decision taken after drafting y_i has seen predictions for
+    y_1..y_{i-1} only, and y_i goes to verification unscored (Algorithm 1 breaks after
+    sampling y_i). At i = 1 the hidden state is that of the round's first input token, which
+    the target already produced, so there is nothing to score yet. The head costs one small
+    MLP on a vector the draft computed anyway: no extra draft pass, no all-layer outputs.
+    """
+
+    name = "learned"
+
+    def __init__(self, head, threshold: float, k_max: int = 20):
+        self.head = head
+        self.h = _check_unit_interval(threshold, "the SpecDec++ threshold h")
+        self.k_max = check_k_max(k_max)
+        self.p_all = None
+
+    def begin_round(self, pos: int) -> int:
+        self.p_all = None  # prod of predicted acceptance probabilities of y_1..y_{i-1}
+        return self.k_max
+
+    def should_stop(self, step: DraftStep) -> bool:
+        if step.i == 1:
+            return False
+        p_hat = self.head.acceptance_prob(step.hidden)
+        self.p_all = p_hat if self.p_all is None else self.p_all * p_hat
+        return bool(1.0 - self.p_all > self.h)
+
+    def describe(self) -> dict:
+        return {"policy": self.name, "h": self.h, "k_max": self.k_max, "depth": self.head.depth}
+
+
+class ConfidenceThreshold(StopPolicy):
+    """Stop after a candidate the draft itself is unsure of: q(y_i) < tau (the draft
+    confidence rule of transformers' assisted generation). In greedy mode q is a point mass,
+    so the confidence is read from the softmax of the raw logits."""
+
+    name = "confidence"
+
+    def __init__(self, threshold: float, k_max: int = 20):
+        self.tau = _check_unit_interval(threshold, "the confidence threshold tau")
+        self.k_max = check_k_max(k_max)
+
+    def should_stop(self, step: DraftStep) -> bool:
+        greedy = bool(step.probs.max() == 1.0)
+        conf = (step.logits.float().softmax(-1) if greedy else step.probs)[step.token]
+        return bool(conf < self.tau)
+
+    def describe(self) -> dict:
+        return {"policy": self.name, "tau": self.tau, "k_max": self.k_max}
+
+
+class EntropyThreshold(StopPolicy):
+    """Stop after a candidate drawn from a high-entropy draft distribution (AdaEDL, SVIP):
+    H(q_i) > tau nats, H from the draft's temperature-1 distribution."""
+
+    name = "entropy"
+
+    def __init__(self, threshold: float, k_max: int = 20):
+        if threshold is None or threshold <= 0:
+            raise UserError(f"the entropy threshold tau must be > 0 nats, got {threshold!r}")
+        self.tau = float(threshold)
+        self.k_max = check_k_max(k_max)
+
+    def should_stop(self, step: DraftStep) -> bool:
+        from .sampling import entropy
+
+        return bool(entropy(step.logits) > self.tau)
+
+    def describe(self) -> dict:
+        return {"policy": self.name, "tau": self.tau, "k_max": self.k_max}
+
+
+class HeuristicSchedule(StopPolicy):
+    """transformers' "heuristic" schedule: K += 2 after a round whose candidates were all
+    accepted, K -= 1 (not below 1) otherwise; starts at K = 5 like transformers."""
+
+    name = "heuristic"
+
+    def __init__(self, k_start: int = 5, k_max: int = 20):
+        self.k_start = FixedK(k_start).k
+        self.k_max = check_k_max(k_max)
+        self.reset()
+
+    def reset(self) -> None:
+        self.k = self.k_start
+
+    def begin_round(self, pos: int) -> int:
+        return min(self.k, self.k_max)
+
+    def end_round(self, n_drafted: int, n_accepted: int) -> None:
+        if n_drafted == 0:
+            return
+        self.k = self.k + 2 if n_accepted == n_drafted else max(1, self.k - 1)
+
+    def describe(self) -> dict:
+        return {"policy": self.name, "k_start": self.k_start}
+
+
+class HindsightOracle(StopPolicy):
+    """The greedy hindsight oracle of Theorem 4.1: knowing the target's greedy output X, stop
+    exactly before the first position where the draft's greedy token Y_i differs from X_i.
+    It reaches N_target = |S| + 1 with N_discarded = 0, the best verification rate possible.
+
+    X and Y are computed before generation (not timed): X by greedy target decoding, Y by
+    one teacher-forced draft pass over prompt + X.
+    """
+
+    name = "oracle"
+
+    def __init__(self, agree: list[bool], k_max: int = 10_000):
+        self.agree = agree  # agree[j]: the draft's greedy token at new position j equals X_j
+        self.k_max = k_max
+
+    @classmethod
+    def from_pair(cls, pair, prompt_ids: list[int], max_new_tokens: int, k_max: int = 10_000):
+        import torch
+
+        from .decoding import Decoder
+        from .models import CausalLM
+        from .sampling import SamplingParams
+
+        dec = Decoder(pair.target, None, eos_token_ids=pair.eos_token_ids)
+        x = dec.generate(prompt_ids, max_new_tokens=max_new_tokens, sampling=SamplingParams(0.0)).token_ids
+        draft = CausalLM(pair.draft.model, pair.draft.vocab_size)
+        ids = torch.tensor(list(prompt_ids) + x, device=draft.device)
+        logits, _ = draft.forward(ids, n_logits=len(x) + 1)
+        y = logits.argmax(-1).tolist()  # y[j] = draft's greedy token for new position j
+        return cls([y[j] == x[j] for j in range(len(x))], k_max)
+
+    def begin_round(self, pos: int) -> int:
+        k = 0
+        while pos + k < len(self.agree) and self.agree[pos + k] and k < self.k_max:
+            k += 1
+        return k
+
+    def describe(self) -> dict:
+        return {"policy": self.name}
+
+
+def load_head_for(pair, head_path: str | None):
+    from .heads import AcceptanceHead
+
+    if not head_path:
+        raise UserError("the learned policy needs a trained acceptance head: pass --head PATH (a folder "
+                        "written by train.py, e.g. checkpoints/<name>)")
+    draft = pair.draft
+    name = getattr(draft.model, "name_or_path", None)
+    head = AcceptanceHead.from_pretrained(head_path, hidden_size=draft.hidden_size, draft_model=name,
+                                          device=draft.device, dtype=torch.float32)
+    return head.eval()
+
+
+@register("learned")
+def _make_learned(pair=None, head=None, threshold=None, k_max: int = 20, **_):
+    if threshold is None:
+        raise UserError("the learned policy needs --threshold h in (0, 1) (the paper's best is about 0.7)")
+    _check_unit_interval(threshold, "the SpecDec++ threshold h")
+    if not hasattr(head, "acceptance_prob"):
+        head = load_head_for(pair, head)
+    return LearnedThreshold(head, threshold, k_max)
+
+
+@register("confidence")
+def _make_confidence(threshold=None, k_max: int = 20, **_):
+    return ConfidenceThreshold(0.4 if threshold is None else threshold, k_max)
+
+
+@register("entropy")
+def _make_entropy(threshold=None, k_max: int = 20, **_):
+    return EntropyThreshold(1.0 if threshold is None else threshold, k_max)
+
+
+@register("heuristic")
+def _make_heuristic(k=None, k_max: int = 20, **_):
+    return HeuristicSchedule(5 if k is None else k, k_max)
+
+
+@register("oracle")
+def _make_oracle(pair=None, prompt_ids=None, sampling=None, max_new_tokens: int = 128, k_max: int = 10_000, **_):
+    if sampling is not None and not sampling.greedy:
+        raise UserError("the hindsight oracle is defined for greedy decoding; use --temperature 0")
+    if pair is None or prompt_ids is None:
+        raise UserError("the oracle policy needs the model pair and the prompt (use SpecPair.generate)")
+    return HindsightOracle.from_pair(pair, prompt_ids, max_new_tokens, k_max)

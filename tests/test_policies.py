@@ -1,0 +1,173 @@
+"""Stop policies: SpecDec++'s learned threshold, heuristics and the hindsight oracle."""
+import json
+
+import pytest
+import torch
+
+from adaptive_spec.cli import main
+from adaptive_spec.decoding import Decoder
+from adaptive_spec.heads import AcceptanceHead
+from adaptive_spec.models import CausalLM
+from adaptive_spec.pipeline import SpecPair
+from adaptive_spec.policies import (ConfidenceThreshold, EntropyThreshold, FixedK, HeuristicSchedule,
+                                    LearnedThreshold)
+from adaptive_spec.sampling import SamplingParams
+from test_decoding import (L, N_SAMPLES, V, chi_square_pvalue, exact_pair, exact_sequence_probs, pair,
+                           sample_counts)
+
+GREEDY = SamplingParams(0.0)
+
+
+def random_head(hidden_size, seed=0, depth=2, bias=1.0):
+    torch.manual_seed(seed)
+    head = AcceptanceHead(hidden_size, depth=depth)
+    with torch.no_grad():
+        head.out.bias.fill_(bias)
+    return head.eval()
+
+
+def policies_for(hidden_size):
+    return {
+        "learned": LearnedThreshold(random_head(hidden_size), threshold=0.5, k_max=6),
+        "confidence": ConfidenceThreshold(0.5, k_max=6),
+        "entropy": EntropyThreshold(0.8, k_max=6),
+        "heuristic": HeuristicSchedule(2, k_max=6),
+    }
+
+
+@pytest.mark.parametrize("name", ["learned", "confidence", "entropy", "heuristic"])
+def test_greedy_equals_target(name):
+    draft, target = pair()
+    dec = Decoder(target, draft)
+    prompt = [5, 9, 4, 17]
+    ref = dec.generate(prompt, max_new_tokens=40, sampling=GREEDY).token_ids
+    g = dec.generate(prompt, max_new_tokens=40, sampling=GREEDY, policy=policies_for(draft.hidden_size)[name])
+    assert g.token_ids == ref
+
+
+@pytest.mark.parametrize("name", ["learned", "confidence", "entropy", "heuristic"])
+def test_distribution_is_exact(name):
+    draft, target = exact_pair()
+    params, prompt = SamplingParams(1.0), [1, 2]
+    probs = exact_sequence_probs(target, prompt, params)
+    pol = policies_for(draft.hidden_size)[name]
+    if name == "learned":  # a head that sometimes stops after 1-2 candidates on the mock
+        pol = LearnedThreshold(random_head(draft.hidden_size, seed=3, bias=0.5), threshold=0.6, k_max=4)
+    counts = sample_counts(Decoder(target, draft), prompt, params, pol, n=2000)
+    assert chi_square_pvalue(counts, probs, 2000) > 1e-3
+
+
+class RecordingHead(torch.nn.Module):
+    """Predicts acceptance p for every hidden state and records what it was shown."""
+
+    def __init__(self, p):
+        super().__init__()
+        self.p, self.seen = p, []
+        self.depth = 0
+
+    def acceptance_prob(self, h):
+        self.seen.append(h.clone())
+        return torch.tensor(self.p)
+
+
+def test_stop_rule_and_one_step_lag():
+    """With p_hat = 0.8 for every token and h = 0.5: 1 - 0.8^j > 0.5 first at j = 4 scored
+    tokens. Scoring lags one token, so the round stops right after drafting y_5 (K = 5), and the
+    head saw the hidden states of y_1..y_4 only (the MockLM's hidden state is [token, length])."""
+    draft, target = exact_pair()
+    head = RecordingHead(0.8)
+    pol = LearnedThreshold(head, threshold=0.5, k_max=20)
+    dec = Decoder(target, draft)
+    g = dec.generate([1, 2], max_new_tokens=7, sampling=SamplingParams(1.0), policy=pol, seed=0)
+    # first round: K = 5 candidates, unless max length cut it (7 new tokens allow 6)
+    first_round_k = len(head.seen) + 1
+    assert first_round_k == 5 or g.metrics.n_target_forwards > 1
+    seen_tokens = [int(h[0]) for h in head.seen[:4]]
+    seen_lengths = [int(h[1]) for h in head.seen[:4]]
+    # prompt [1, 2] -> y_1 sits at position 2 (length 3 once fed); e_j is the state after feeding y_j
+    assert seen_lengths == [3, 4, 5, 6]
+    assert g.metrics.n_drafted >= 5
+    assert len(seen_tokens) == 4
+
+
+def test_learned_policy_caps_at_k_max():
+    draft, target = exact_pair()
+    pol = LearnedThreshold(RecordingHead(1.0), threshold=0.5, k_max=3)  # never predicts a rejection
+    g = Decoder(target, draft).generate([1, 2], max_new_tokens=30, sampling=SamplingParams(1.0), policy=pol)
+    assert max(int(k) for k in g.metrics.accepted_hist) <= 3
+    assert g.metrics.n_drafted <= 3 * g.metrics.n_target_forwards
+
+
+def test_heuristic_schedule():
+    pol = HeuristicSchedule(5, k_max=20)
+    assert pol.begin_round(0) == 5
+    pol.end_round(5, 5)
+    assert pol.begin_round(0) == 7
+    pol.end_round(7, 2)
+    pol.end_round(6, 0)
+    assert pol.begin_round(0) == 5
+    for _ in range(10):
+        pol.end_round(1, 0)
+    assert pol.begin_round(0) == 1
+
+
+def test_oracle_reaches_theorem_4_1(tiny_pair):
+    """Greedy oracle: same output as the target, zero discards, one target pass per
+    disagreement (plus the last round)."""
+    sp = SpecPair.load(target=str(tiny_pair[1]), draft=str(tiny_pair[0]), dtype="fp32", device="cpu")
+    ids = sp.encode("abcab")
+    ref = sp.generate(ids, policy="ar", temperature=0, max_new_tokens=40)
+    g = sp.generate(ids, policy="oracle", temperature=0, max_new_tokens=40)
+    assert g.token_ids == ref.token_ids
+    m = g.metrics
+    assert m.n_discarded == 0
+    # the disagreement set S, computed independently
+    x = ref.token_ids
+    lm = CausalLM(sp.draft.model)
+    logits, _ = lm.forward(torch.tensor(ids + x), n_logits=len(x) + 1)
+    s = {j for j in range(len(x)) if int(logits[j].argmax()) != x[j]}
+    assert m.n_target_forwards == len(s | {len(x) - 1})
+    # no fixed K beats it on target passes
+    for k in (1, 2, 4, 8):
+        assert sp.generate(ids, policy="fixed", k=k, temperature=0, max_new_tokens=40).metrics.n_target_forwards \
+            >= m.n_target_forwards
+
+
+def test_oracle_refuses_sampling(tiny_pair, capsys):
+    code = main(["generate", "--prompt", "ab", "--draft", str(tiny_pair[0]), "--target", str(tiny_pair[1]),
+                 "--dtype", "fp32", "--policy", "oracle", "--temperature", "1"])
+    assert code == 2 and "greedy" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def head_dirs(tmp_path_factory, tiny_pair):
+    root = tmp_path_factory.mktemp("heads")
+    good = random_head(16).save_pretrained(root / "good")  # the tiny draft's hidden size is 16
+    bad = random_head(24).save_pretrained(root / "bad")
+    return good, bad
+
+
+def test_learned_policy_cli(tiny_pair, head_dirs, capsys):
+    draft, target = map(str, tiny_pair)
+    code = main(["generate", "--prompt", "abc", "--draft", draft, "--target", target, "--dtype", "fp32",
+                 "--policy", "learned", "--head", str(head_dirs[0]), "--threshold", "0.7", "--temperature", "0",
+                 "--max-new-tokens", "20", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["metrics"]["n_tokens"] == 20
+    main(["generate", "--prompt", "abc", "--target", target, "--policy", "ar", "--dtype", "fp32",
+          "--temperature", "0", "--max-new-tokens", "20", "--json"])
+    assert json.loads(capsys.readouterr().out)["token_ids"] == out["token_ids"]
+
+
+@pytest.mark.parametrize("case,expect", [("h0", "must be in (0, 1)"), ("h1", "must be in (0, 1)"),
+                                         ("other_draft", "hidden size"), ("no_head", "--head")])
+def test_learned_policy_bad_input(case, expect, tiny_pair, head_dirs, capsys):
+    draft, target = map(str, tiny_pair)
+    args = {"h0": ["--head", str(head_dirs[0]), "--threshold", "0"],
+            "h1": ["--head", str(head_dirs[0]), "--threshold", "1.5"],
+            "other_draft": ["--head", str(head_dirs[1]), "--threshold", "0.5"],
+            "no_head": ["--threshold", "0.5"]}[case]
+    code = main(["generate", "--prompt", "abc", "--draft", draft, "--target", target, "--dtype", "fp32",
+                 "--policy", "learned", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and expect in err, err
