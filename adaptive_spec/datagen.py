@@ -670,15 +670,20 @@ def _run(cfg: DatagenConfig) -> dict:
                                                                     if n_done_before else ""), file=sys.stderr, flush=True)
     bar = tqdm(total=n_todo, unit="prompt", disable=not cfg.progress, dynamic_ncols=True, mininterval=1.0,
                desc=f"datagen[{state.index}]" if state.world > 1 else "datagen")
-    t0, n_tok = time.perf_counter(), 0
+    t0, n_tok, n_prompts_done = time.perf_counter(), 0, 0
     for s, k in todo:
         gen = shard_generator(cfg.seed, s, k, gen_device)
         prompts = plan[s][k * cfg.shard_size:(k + 1) * cfg.shard_size]
-        seqs = []
-        for b in range(0, len(prompts), cfg.batch_size):
-            batch = generate_batch(draft, target, prompts[b:b + cfg.batch_size], cfg, vocab, eos_ids, pad_id, gen)
-            seqs += batch
+        # batch prompts of similar length (less padding in the prefill); stored in file order
+        order = sorted(range(len(prompts)), key=lambda j: len(prompts[j]))
+        seqs: list = [None] * len(prompts)
+        for b in range(0, len(order), cfg.batch_size):
+            idx = order[b:b + cfg.batch_size]
+            batch = generate_batch(draft, target, [prompts[j] for j in idx], cfg, vocab, eos_ids, pad_id, gen)
+            for j, seq in zip(idx, batch):
+                seqs[j] = seq
             n_tok += sum(len(q["z"]) for q in batch)
+            n_prompts_done += len(batch)
             bar.update(len(batch))
             bar.set_postfix_str(f"{n_tok / (time.perf_counter() - t0):.1f} tok/s, {n_tok} tok")
         tensors = pack_shard(seqs, cfg.store_features)
@@ -690,8 +695,10 @@ def _run(cfg: DatagenConfig) -> dict:
         if not bar.disable and not sys.stderr.isatty():
             # nohup logs: a plain line per shard besides tqdm's carriage-return updates
             el = time.perf_counter() - t0
+            eta = el / n_prompts_done * (n_todo - n_prompts_done)
             print(f"\ndatagen: wrote {shard_file(s, k)} ({meta['n_seqs']} seqs, {meta['n_tokens']} tokens); "
-                  f"{n_tok} tokens in {el:.0f}s = {n_tok / el:.2f} tok/s", file=sys.stderr, flush=True)
+                  f"{n_tok} tokens in {el:.0f}s = {n_tok / el:.2f} tok/s; {n_prompts_done}/{n_todo} prompts, "
+                  f"ETA {eta / 3600:.1f} h", file=sys.stderr, flush=True)
     bar.close()
     state.barrier()
     man = build_manifest(out_dir, cfg, models, planned)

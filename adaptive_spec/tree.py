@@ -87,6 +87,7 @@ def tree_forward(lm, ids: torch.Tensor, positions: torch.Tensor, attend: torch.T
     return logits, h
 
 
+@torch.inference_mode()
 def compact_cache(lm, base: int, extra: list[int]):
     """Keep cache slots [0, base) followed by the slots `extra` (in that order), drop the rest.
 

