@@ -34,6 +34,11 @@ def _add_generate(sub):
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     g.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    g.add_argument("--backend", default="dynamic", choices=["dynamic", "static"],
+                   help="KV caches: dynamic (grow and crop) or static (preallocated, indexed by position)")
+    g.add_argument("--runtime", default="eager", choices=["eager", "cudagraph", "compile"],
+                   help="static backend on GPU: capture one CUDA graph per input length (cudagraph/compile)")
+    g.add_argument("--max-cache-len", type=int, default=None, help="static backend: preallocated positions")
 
 
 def _generate(args) -> int:
@@ -54,7 +59,8 @@ def _generate(args) -> int:
     if args.k is not None and args.k < 1:
         raise UserError(f"--k must be >= 1, got {args.k}")
     pair = SpecPair.load(target=args.target, draft=None if args.policy == "ar" else args.draft,
-                         dtype=args.dtype, device=args.device)
+                         dtype=args.dtype, device=args.device, backend=args.backend, runtime=args.runtime,
+                         max_cache_len=args.max_cache_len)
     stream = None if args.json else (lambda s: print(s, end="", flush=True))
     g = pair.generate(args.prompt, policy=args.policy, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,

@@ -424,8 +424,8 @@ def generate_batch(draft, target, prompts: list[list[int]], cfg: DatagenConfig, 
         # feed X_i to both models; finished rows keep decoding (cheaper than reshaping the
         # caches) and their extra tokens are dropped below
         mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype)], dim=1)
-        t_logits = _step(target, x[:, None].cpu(), mask, next_pos, tcache, vocab, dev)
-        d_logits = _step(draft, x[:, None].cpu(), mask, next_pos, dcache, vocab, dev)
+        t_logits = _step(target, x[:, None], mask, next_pos, tcache, vocab, dev)
+        d_logits = _step(draft, x[:, None], mask, next_pos, dcache, vocab, dev)
         next_pos = next_pos + 1
     del tcache
     X, Y = torch.stack(xs, 1), torch.stack(ys, 1)
@@ -652,15 +652,18 @@ def _run(cfg: DatagenConfig) -> dict:
     if state.is_main:
         if wipe:
             shutil.rmtree(out_dir)
-        for s in SPLITS:
-            (out_dir / s).mkdir(parents=True, exist_ok=True)
+        # the manifest first: a folder with anything else in it is then always recognisable
+        out_dir.mkdir(parents=True, exist_ok=True)
         write_manifest(out_dir, build_manifest(out_dir, cfg, models, planned))
+        for s in SPLITS:
+            (out_dir / s).mkdir(exist_ok=True)
     state.barrier()
 
     eos_ids = _eos_ids(tok, target)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
     gen_device = device if not cfg.target_device_map else _input_device(draft)
-    todo = [(s, k) for s in SPLITS for k in range(planned[s]["n_shards"])
+    # the small evaluation splits first: a partial run is then already usable (dev + some train)
+    todo = [(s, k) for s in ("dev", "test", "train") for k in range(planned[s]["n_shards"])
             if k % state.world == state.index and not (out_dir / shard_file(s, k)).is_file()]
     n_todo = sum(len(plan[s][k * cfg.shard_size:(k + 1) * cfg.shard_size]) for s, k in todo)
     n_done_before = sum(planned[s]["n_prompts"] for s in SPLITS) - n_todo if state.world == 1 else 0

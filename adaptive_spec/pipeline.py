@@ -12,19 +12,28 @@ import torch
 
 from .decoding import Decoder, Generation
 from .errors import UserError
-from .models import CausalLM, check_vocab, load_model, resolve_device
+from .models import check_vocab, load_model, resolve_device
 from .policies import make_policy
 from .sampling import SamplingParams
 
 
 class SpecPair:
-    def __init__(self, target_model, tokenizer, draft_model=None, draft_tokenizer=None):
+    def __init__(self, target_model, tokenizer, draft_model=None, draft_tokenizer=None, backend: str = "dynamic",
+                 runtime: str = "eager", max_cache_len: int | None = None, k_max: int = 20):
+        """backend "dynamic": growing KV caches (any model, any device); "static": preallocated
+        caches indexed by position, with runtime eager | cudagraph | compile (GPU)."""
+        from .static_runner import DRAFT_SHAPES, make_runner, verify_shapes
+
         vocab = None
         if draft_model is not None:
             vocab = check_vocab(draft_tokenizer or tokenizer, tokenizer, draft_model, target_model)
         self.tokenizer = tokenizer
-        self.target = CausalLM(target_model, vocab)
-        self.draft = CausalLM(draft_model, vocab) if draft_model is not None else None
+        graphs = runtime != "eager"
+        self.target = make_runner(target_model, vocab, backend, runtime, max_cache_len,
+                                  warmup_shapes=verify_shapes(k_max) if graphs else ())
+        self.draft = (make_runner(draft_model, vocab, backend, runtime, max_cache_len,
+                                  warmup_shapes=DRAFT_SHAPES if graphs else ())
+                      if draft_model is not None else None)
         eos = set()
         for cfg in (target_model.generation_config, target_model.config):
             e = getattr(cfg, "eos_token_id", None) if cfg is not None else None
@@ -36,14 +45,14 @@ class SpecPair:
 
     @classmethod
     def load(cls, target: str | None = "default", draft: str | None = "default", dtype="bf16",
-             device: str | None = None, num_threads: int | None = None) -> "SpecPair":
+             device: str | None = None, num_threads: int | None = None, **runner_kwargs) -> "SpecPair":
         """Load a pair by hub id or local path ("default" = the default pair; draft=None: target only)."""
         if num_threads:
             torch.set_num_threads(num_threads)
         device = resolve_device(device)
         target_model, tok = load_model(target, "target", dtype, device)
         draft_model, dtok = (load_model(draft, "draft", dtype, device) if draft is not None else (None, None))
-        return cls(target_model, tok, draft_model, dtok)
+        return cls(target_model, tok, draft_model, dtok, **runner_kwargs)
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         if not prompt or not prompt.strip():

@@ -99,7 +99,8 @@ def verify(
     accepted = r * q_y < p_y
     n = accepted.long().cumprod(0).sum()
     dists = torch.cat([residual(p[:K], q), p[K:K + 1]], dim=0)
-    return n, sample(dists[n], generator)
+    # index_select, not dists[n]: indexing with a 0-d device tensor reads it back to the host
+    return n, sample(dists.index_select(0, n.view(1))[0], generator)
 
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:

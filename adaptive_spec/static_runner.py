@@ -15,7 +15,7 @@ unchanged. What differs, in the style of gpt-fast:
   be captured, which `warmup(shapes)` does up front: (1, 1) and (2, 1) for draft steps, (n, n)
   for a verify of n = K + 1 tokens, K = 0..K_max. Two ways: `compile=True` is
   `torch.compile(mode="reduce-overhead", fullgraph=True, dynamic=False)` (inductor kernels +
-  CUDA graphs on GPU; slow to compile, about a minute per shape for a 1.5B model), and
+  CUDA graphs on GPU; slow: tens of seconds of compile per shape), and
   `cuda_graphs=True` captures the eager step with `torch.cuda.CUDAGraph` (no kernel fusion,
   but a capture takes one forward). Shapes that were not warmed up (prefill, odd lengths) run
   eagerly, so nothing compiles or captures in the middle of a timed run.
@@ -87,6 +87,29 @@ def verify_shapes(k_max: int) -> list[tuple[int, int]]:
 
 
 DRAFT_SHAPES = [(1, 1), (2, 1)]  # one pending token, or two after a fully accepted round
+
+BACKENDS = ("dynamic", "static")
+RUNTIMES = ("eager", "cudagraph", "compile")
+
+
+def make_runner(model, vocab_size: int | None = None, backend: str = "dynamic", runtime: str = "eager",
+                max_cache_len: int | None = None, warmup_shapes=(), head=None):
+    """The runner for `backend`: "dynamic" = CausalLM (growing DynamicCache), "static" =
+    StaticCausalLM with `runtime` eager | cudagraph | compile, warmed up on `warmup_shapes`
+    (e.g. verify_shapes(k_max) for a target, DRAFT_SHAPES for a draft)."""
+    if backend not in BACKENDS:
+        raise UserError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    if runtime not in RUNTIMES:
+        raise UserError(f"unknown runtime {runtime!r}; use one of {', '.join(RUNTIMES)}")
+    if backend == "dynamic":
+        if runtime != "eager":
+            raise UserError("graph runtimes need the static backend (--backend static)")
+        return CausalLM(model, vocab_size)
+    lm = StaticCausalLM(model, vocab_size, max_cache_len=max_cache_len, compile=runtime == "compile",
+                        cuda_graphs=runtime == "cudagraph", head=head)
+    if warmup_shapes:
+        lm.warmup(warmup_shapes)
+    return lm
 
 
 class StaticCausalLM(CausalLM):
@@ -270,7 +293,7 @@ class StaticCausalLM(CausalLM):
             # a fixed input buffer per length: one address for the graph, and one tensor kind
             # whatever the caller passes (dynamo's guards would otherwise recompile)
             buf = self._buf(n)
-            buf.copy_(ids.view(1, n))
+            buf.copy_(ids.reshape(1, n))
             if self._graphs is not None:
                 graph, static_out = self._graphs[key]
                 graph.replay()
@@ -282,7 +305,7 @@ class StaticCausalLM(CausalLM):
                 if self._cudagraphs:
                     out = tuple(t.clone() for t in out)
         else:
-            out = self._step(ids.view(1, n).to(self.device), n_logits, with_head)
+            out = self._step(ids.reshape(1, n).to(self.device), n_logits, with_head)
         self.length += n
         self._toc(t0)
         return out

@@ -480,6 +480,8 @@ def main(argv=None) -> int:
     ap.add_argument("--head-depth", type=int, default=3, help="acceptance head in the draft step (-1: none)")
     ap.add_argument("--no-hf-generate", action="store_true", help="skip transformers' generate baseline")
     ap.add_argument("--hf-repeats", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU threads (default: 1 for a --tiny CPU run, whose tensors are too small to share)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/bench_gpu")
     args = ap.parse_args(argv)
@@ -490,6 +492,9 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     tiny = args.tiny
+    threads = args.threads or (1 if tiny and device.type == "cpu" else None)
+    if threads:
+        torch.set_num_threads(threads)
     pairs = (args.pairs or ("tiny" if tiny else "default")).split(",")
     for p in pairs:
         if p not in PAIRS:

@@ -20,7 +20,7 @@ from adaptive_spec.heads import AcceptanceHead
 from adaptive_spec.models import CausalLM
 from adaptive_spec.policies import FixedK
 from adaptive_spec.sampling import SamplingParams
-from adaptive_spec.static_runner import DRAFT_SHAPES, StaticCausalLM, verify_shapes
+from adaptive_spec.static_runner import DRAFT_SHAPES, StaticCausalLM, make_runner, verify_shapes
 from test_decoding import L, V, chi_square_pvalue, exact_sequence_probs, sample_counts
 from tiny import make_model
 
@@ -94,6 +94,18 @@ def test_cache_overflow_is_a_user_error(models):
         lm.forward(torch.arange(3), n_logits=1)
     with pytest.raises(UserError):
         StaticCausalLM(models[0], max_cache_len=10_000)  # past max_position_embeddings (128)
+
+
+def test_make_runner_selects_the_backend(models):
+    assert type(make_runner(models[0])) is CausalLM
+    lm = make_runner(models[0], backend="static", max_cache_len=16, warmup_shapes=DRAFT_SHAPES)
+    assert isinstance(lm, StaticCausalLM) and lm.runtime == "eager" and lm.length == 0 and lm.n_forwards == 0
+    with pytest.raises(UserError, match="backend"):
+        make_runner(models[0], backend="vllm")
+    with pytest.raises(UserError, match="static backend"):
+        make_runner(models[0], runtime="cudagraph")
+    with pytest.raises(UserError, match="CUDA"):
+        make_runner(models[0], backend="static", runtime="cudagraph")  # CPU here
 
 
 class _HostReads(TorchDispatchMode):
