@@ -23,7 +23,10 @@ def _add_generate(sub):
     g.add_argument("--k-max", type=int, default=None, help="hard cap on candidates per round (learned: 20)")
     g.add_argument("--tree-budget", type=int, default=None, help="drafted tokens per round for tree policies")
     g.add_argument("--tree-estimator", default=None, help="positional | head: acceptance estimates for the tree")
-    g.add_argument("--drafting", default=None, help="sequence | batch | tree, for --policy ersd")
+    g.add_argument("--drafting", default=None,
+                   help="tree (optimal) | sequence | batch | specinfer: draft shape for --policy tree / ersd")
+    g.add_argument("--tree-rates", default=None,
+                   help="calibration.json of per-sibling acceptance rates for tree policies (bench_trees writes one)")
     g.add_argument("--num-drafts", type=int, default=None, help="drafts per round for spectr / batch-sd")
     g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -44,7 +47,8 @@ def _add_generate(sub):
 def _generate(args) -> int:
     from .pipeline import SpecPair
 
-    names = ("k", "threshold", "head", "k_max", "tree_budget", "tree_estimator", "drafting", "num_drafts")
+    names = ("k", "threshold", "head", "k_max", "tree_budget", "tree_estimator", "drafting", "num_drafts",
+             "tree_rates")
     policy_kwargs = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     from transformers.utils import logging as hf_logging
 

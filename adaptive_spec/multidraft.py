@@ -66,23 +66,36 @@ def draft_trie(draft, seq, sampling, gen, num_drafts: int, k: int):
     return tree, paths
 
 
-def kseq_gamma(p: torch.Tensor, q: torch.Tensor, n: torch.Tensor, iters: int = 40) -> torch.Tensor:
+def kseq_gamma(p: torch.Tensor, q: torch.Tensor, n: torch.Tensor, iters: int = 50) -> torch.Tensor:
     """gamma* of K-SEQ per row by bisection: the root in [1, n] of
     f(gamma) = 1 - (1 - beta(gamma))^n - gamma beta(gamma), beta(gamma) = sum min(q, p / gamma).
     f decreases in gamma (f(1) >= 0 >= f(n)); the upper end of the bracket is returned, so that
     f(gamma) <= 0, the condition under which K-SEQ is a valid coupling (Theorem 2). f is evaluated
     as sum max(p - gamma q, 0) - (sum max(q - p / gamma, 0))^n, the same quantity without the
-    cancellation against 1 that would swamp it in float32 when p is close to q."""
-    n = n.to(p.dtype)
+    cancellation against 1 that would swamp it in float32 when p is close to q.
+    Both sums only involve the tokens whose ratio t = p/q lies above (resp. below) gamma, so the
+    rows are sorted by t once and each bisection step is a binary search on prefix sums (float64)
+    instead of a pass over the vocabulary."""
+    B = p.shape[0]
+    p64, q64 = p.double(), q.double()
+    t = torch.where(q64 > 0, p64 / q64.clamp_min(1e-300), torch.where(p64 > 0, torch.inf, 1.0))
+    t, order = torch.sort(t, dim=-1)
+    cp = torch.cat([p64.new_zeros(B, 1), p64.gather(1, order).cumsum(-1)], dim=-1)
+    cq = torch.cat([q64.new_zeros(B, 1), q64.gather(1, order).cumsum(-1)], dim=-1)
+    n = n.to(torch.float64)
     lo, hi = torch.ones_like(n), n.clone()
     for _ in range(iters):
         mid = (lo + hi) / 2
         g = mid.view(-1, 1)
-        f = (p - g * q).clamp_min(0).sum(-1) - (q - p / g).clamp_min(0).sum(-1) ** n
+        below = torch.searchsorted(t, g, right=False)  # tokens with t < gamma
+        above = torch.searchsorted(t, g, right=True)  # tokens with t <= gamma
+        b_sum = (cq.gather(1, below) - cp.gather(1, below) / g)[:, 0]  # sum max(q - p/gamma, 0)
+        a_sum = ((cp[:, -1:] - cp.gather(1, above)) - g * (cq[:, -1:] - cq.gather(1, above)))[:, 0]
+        f = a_sum.clamp_min(0) - b_sum.clamp_min(0) ** n
         ok = f <= 0
         hi = torch.where(ok, mid, hi)
         lo = torch.where(ok, lo, mid)
-    return hi
+    return hi.to(p.dtype)
 
 
 def kseq(p: torch.Tensor, q: torch.Tensor, xs: torch.Tensor, n: torch.Tensor, gen) -> torch.Tensor:

@@ -100,6 +100,8 @@ def make_policy(name: str, **kwargs) -> StopPolicy | None:
     (the pair, the prompt, the sampling settings) are ignored by it."""
     if name == "ar":
         return None
+    from . import multidraft, tree  # noqa: F401  (they register tree, ersd, spectr, batch-sd)
+
     if name not in POLICIES:
         raise UserError(f"unknown policy {name!r}; valid policies: ar, {', '.join(sorted(POLICIES))}")
     return POLICIES[name](**kwargs)

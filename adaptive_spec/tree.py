@@ -36,7 +36,6 @@ import heapq
 import json
 import math
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -196,10 +195,12 @@ def tree_value(parents: list[int], sibs: list[int], r: list[float]) -> float:
     return sum(R[1:])
 
 
-def shape_tree(drafting: str, k: int, r: list[float], depth_cap: int | None = None):
-    """(parents, sibs) of a named drafting strategy with k drafted tokens, cut at depth_cap."""
+def shape_tree(drafting: str, k: int, r: list[float], depth_cap: int | None = None,
+               max_children: int | None = None):
+    """(parents, sibs) of a named drafting strategy with k drafted tokens, cut at depth_cap and
+    at max_children children per node (the vocabulary size, for tiny vocabularies)."""
     if drafting == "tree":
-        parents, sibs, _ = optimal_tree(k, r, depth_cap)
+        parents, sibs, _ = optimal_tree(k, r[:max_children] if max_children else r, depth_cap)
         return parents, sibs
     if drafting == "sequence":
         parents, sibs = sequence_tree(k)
@@ -209,16 +210,19 @@ def shape_tree(drafting: str, k: int, r: list[float], depth_cap: int | None = No
         parents, sibs = specinfer_tree(k)
     else:
         raise UserError(f"unknown drafting {drafting!r}; use one of {', '.join(DRAFTINGS)}")
-    if depth_cap is not None:
-        parents, sibs = _cut_depth(parents, sibs, depth_cap)
+    if depth_cap is not None or max_children is not None:
+        parents, sibs = _prune(parents, sibs, depth_cap, max_children)
     return parents, sibs
 
 
-def _cut_depth(parents, sibs, cap):
+def _prune(parents, sibs, cap, max_children):
+    """Drop the nodes deeper than cap or with a sibling index >= max_children (and their subtrees)."""
+    cap = cap if cap is not None else len(parents)
+    max_children = max_children if max_children is not None else len(parents)
     depth, keep, new_id = [0], [0], {0: 0}
     for j in range(1, len(parents)):
         depth.append(depth[parents[j]] + 1)
-        if depth[j] <= cap and parents[j] in new_id:
+        if depth[j] <= cap and sibs[j] < max_children and parents[j] in new_id:
             new_id[j] = len(keep)
             keep.append(j)
     return [-1] + [new_id[parents[j]] for j in keep[1:]], [0] + [sibs[j] for j in keep[1:]]
@@ -258,6 +262,25 @@ def tunstall_bound(r: list[float], k: int, vocab_size: int) -> float:
 
 # ---- acceptance-rate estimation -------------------------------------------------------------
 
+def load_rates(path, method: str = "gsd") -> list[float]:
+    """Conditional rates c_i from a JSON file: a list, {"cond_rates": [...]}, or the
+    calibration.json of eval/bench_trees.py ({"gsd": {"cond_rates": ...}, "ersd": ...})."""
+    p = Path(path).expanduser()
+    fix = "pass a JSON list of rates or a calibration.json written by eval/bench_trees.py"
+    if not p.is_file():
+        raise UserError(f"acceptance-rate file {p} does not exist; {fix}")
+    try:
+        d = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"acceptance-rate file {p} is not valid JSON ({e}); {fix}") from None
+    if isinstance(d, dict) and "cond_rates" not in d and isinstance(d.get(method), dict):
+        d = d[method]
+    rates = d.get("cond_rates") if isinstance(d, dict) else d
+    if not isinstance(rates, list):
+        raise UserError(f"acceptance-rate file {p} holds no rates for {method}; {fix}")
+    return rates
+
+
 class PositionalRates:
     """Running estimate of the 0-th order conditional acceptance rates c_i per sibling index.
 
@@ -266,14 +289,10 @@ class PositionalRates:
     all rejected) counts as a trial for sibling indices 0..min(idx, m-1), a success at idx.
     `rates` may be a list of c_i or a JSON file holding one (key "cond_rates")."""
 
-    def __init__(self, rates=None, weight: float = 4.0, adapt: bool = True, max_index: int = 64):
+    def __init__(self, rates=None, weight: float = 4.0, adapt: bool = True, max_index: int = 64,
+                 method: str = "gsd"):
         if isinstance(rates, (str, Path)):
-            p = Path(rates).expanduser()
-            if not p.is_file():
-                raise UserError(f"acceptance-rate file {p} does not exist; pass a JSON list of rates or a "
-                                "calibration.json written by eval/bench_trees.py")
-            d = json.loads(p.read_text())
-            rates = d["cond_rates"] if isinstance(d, dict) else d
+            rates = load_rates(rates, method)
         prior = list(rates) if rates is not None else list(DEFAULT_COND_RATES)
         if not prior or not all(0.0 <= float(c) <= 1.0 for c in prior):
             raise UserError(f"acceptance rates must be a non-empty list of numbers in [0, 1], got {rates!r}")
@@ -411,7 +430,8 @@ class DraftTree:
 
 def grow_static(tree: DraftTree, parents: list[int], sibs: list[int]):
     """Draft a fixed topology (parents/sibs, parent before child) depth by depth: one draft
-    forward per level, over the nodes of that level that have children."""
+    forward per level, over the nodes of that level that have children. The tree's node ids are
+    assigned level by level, so they may differ from the topology's indices."""
     if len(parents) <= 1:
         return
     depth, has_kids = [0], [False] * len(parents)
@@ -667,9 +687,12 @@ class TreePolicy(StopPolicy):
             raise UserError(f"unknown tree estimator {estimator!r}; use positional or head")
         if estimator == "head" and drafting != "tree":
             raise UserError("tree_estimator 'head' builds the optimal tree; use it with drafting 'tree'")
+        if estimator == "head" and not hasattr(head, "acceptance_prob"):
+            raise UserError("tree_estimator 'head' needs an acceptance head (an AcceptanceHead, or pass --head DIR)")
         self.method, self.drafting, self.budget, self.estimator = method, drafting, _pos_int("tree budget", budget), estimator
         self.head = head
-        self.rates = rates if isinstance(rates, PositionalRates) else PositionalRates(rates, adapt=adapt_rates)
+        self.rates = rates if isinstance(rates, PositionalRates) else PositionalRates(rates, adapt=adapt_rates,
+                                                                                      method=method)
         self.name = name or ("tree" if method == "gsd" else "ersd")
         self.k_max = self.budget
         self.reset()
@@ -693,7 +716,8 @@ class TreePolicy(StopPolicy):
             R = grow_with_head(tree, self.budget, r, self.head, depth_cap=cap, met=met)
             self.predicted += sum(R[1:])
         else:
-            parents, sibs = shape_tree(self.drafting, self.budget, r, depth_cap=cap)
+            parents, sibs = shape_tree(self.drafting, self.budget, r, depth_cap=cap,
+                                       max_children=decoder.draft.vocab_size)
             self.predicted += tree_value(parents, sibs, r)
             tree = DraftTree(decoder.draft, seq, sampling, gen, len(parents) - 1,
                              max_children=max(sibs) + 1 if len(sibs) > 1 else 0)

@@ -228,10 +228,12 @@ def main(argv=None):
     pair = SpecPair.load(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device,
                          num_threads=args.threads)
     head = T._load_head(args.head, pair) if "tree-head" in strategies else None
-    prompts = load_prompts(args.dataset, field=args.field, n=args.prompts + args.calib_prompts)
+    # evaluation prompts from the front of the (fixed) shuffle, calibration prompts from its end:
+    # both stay the same when --prompts changes, so results and calibration can be reused
+    prompts = load_prompts(args.dataset, field=args.field)
     if len(prompts) < args.prompts + args.calib_prompts:
-        raise UserError(f"{args.dataset} has only {len(prompts)} prompts")
-    eval_prompts, calib_prompts = prompts[:args.prompts], prompts[args.prompts:]
+        raise UserError(f"{args.dataset} has only {len(prompts)} prompts; lower --prompts / --calib-prompts")
+    eval_prompts, calib_prompts = prompts[:args.prompts], prompts[len(prompts) - args.calib_prompts:]
     settings = {k: getattr(args, k) for k in ("draft", "target", "dataset", "max_new_tokens", "temperature", "top_k",
                                              "top_p", "chat", "dtype", "calib_prompts", "calib_width")}
     settings["head"] = args.head

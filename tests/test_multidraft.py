@@ -126,3 +126,21 @@ def test_spectr_distribution_is_exact_on_transformer_models():
     probs = exact_sequence_probs(target, prompt, params, V, L)
     counts = sample_counts(Decoder(target, draft), prompt, params, MD.MultiDraftPolicy("spectr", 3, 2), 1000, L)
     assert chi_square_pvalue(counts, probs, 1000) > 1e-3
+
+
+@pytest.mark.parametrize("policy,kw", [
+    ("tree", dict(tree_budget=6, tree_estimator="positional")),
+    ("ersd", dict(drafting="batch", num_drafts=3)),
+    ("spectr", dict(num_drafts=2, k=3)),
+    ("batch-sd", dict(num_drafts=2, k=3, threshold=None, k_max=None)),
+])
+def test_registered_policies_through_the_pipeline(tiny_pair, policy, kw):
+    """The names and keyword arguments the CLI forwards, through SpecPair.generate."""
+    from adaptive_spec import SpecPair
+    from adaptive_spec import tree  # noqa: F401  (registers tree / ersd)
+
+    draft_dir, target_dir = tiny_pair
+    pair = SpecPair.load(target=str(target_dir), draft=str(draft_dir), dtype="fp32", device="cpu")
+    ref = pair.generate("abc de", policy="ar", temperature=0, max_new_tokens=12)
+    g = pair.generate("abc de", policy=policy, temperature=0, max_new_tokens=12, **kw)
+    assert g.token_ids == ref.token_ids and g.metrics.n_target_forwards <= 12

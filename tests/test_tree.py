@@ -3,6 +3,7 @@ tiny Qwen2 models, Algorithm 3 optimality, and exactness of GSD / ERSD trees."""
 import heapq
 import itertools
 import random
+from collections import Counter
 
 import pytest
 import torch
@@ -69,7 +70,7 @@ def test_tree_mask_logits_and_compaction_match_plain_forwards(n_pending):
     # compact both caches to the deepest path (its leaf was never forwarded by the draft)
     path = tr.ancestors(max(range(tr.n + 1), key=lambda j: tr.depth[j]))
     assert len(path) == 4 and [tr.slot[j] is None for j in path] == [False, False, False, True]
-    T.finish_round(Decoder(target, draft), tr, seq, path, _Met(), __import__("collections").Counter())
+    T.finish_round(Decoder(target, draft), tr, seq, path, _Met(), Counter())
     assert target.length == L + 4 and draft.length == L + 3
     for lm, n in ((target, 4), (draft, 3)):
         ref = CausalLM(lm.model)
@@ -258,3 +259,30 @@ def test_tree_distribution_is_exact_on_transformer_models():
     for pol in (T._make_tree(tree_budget=4), T._make_ersd(tree_budget=4)):
         counts = sample_counts(Decoder(target, draft), prompt, params, pol, 1000, L)
         assert chi_square_pvalue(counts, probs, 1000) > 1e-3
+
+
+def test_bench_trees_smoke(tmp_path):
+    """eval/bench_trees.py end to end on tiny models: results, resume, summary, plot."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "eval" / "bench_trees.py"
+    spec = importlib.util.spec_from_file_location("bench_trees", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"text": t}) + "\n" for t in ("abc de", "fgh ij", "kl mno")))
+    out = tmp_path / "out"
+    argv = ["--tiny", "--dataset", str(prompts), "--field", "text", "--prompts", "1", "--calib-prompts", "1",
+            "--max-new-tokens", "8", "--budgets", "1,4", "--methods", "gsd,ersd", "--strategies", "tree,tree-head,batch",
+            "--out", str(out)]
+    bench.main(argv)
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 + 2 * 3 * 2  # ar + methods x strategies x budgets
+    summary = json.loads((out / "summary.json").read_text())["summary"]
+    tree4 = next(s for s in summary if (s["method"], s["strategy"], s["k"]) == ("gsd", "tree", 4))
+    assert tree4["tunstall_bound_generated"] >= 1 + tree4["predicted_0th_order"] - 1e-9
+    assert (out / "accepted_vs_drafted.png").stat().st_size > 0 and (out / "calibration.json").is_file()
+    bench.main(argv)  # resumed: nothing left to run
+    assert len((out / "results.jsonl").read_text().splitlines()) == len(rows)
