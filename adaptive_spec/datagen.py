@@ -657,6 +657,8 @@ def _run(cfg: DatagenConfig) -> dict:
         write_manifest(out_dir, build_manifest(out_dir, cfg, models, planned))
         for s in SPLITS:
             (out_dir / s).mkdir(exist_ok=True)
+            for stale in (out_dir / s).glob(".*.tmp.*"):  # half-written shards of a killed run
+                stale.unlink()
     state.barrier()
 
     eos_ids = _eos_ids(tok, target)

@@ -109,7 +109,7 @@ class Decoder:
         self.device = target.device
         if draft is not None and draft.vocab_size != target.vocab_size:
             raise UserError(f"draft and target must score the same vocabulary ({draft.vocab_size} vs "
-                            f"{target.vocab_size}); build the pair with load_pair / check_vocab")
+                            f"{target.vocab_size}); load them with SpecPair, which checks the vocabularies")
 
     def _check_prompt(self, prompt_ids: list[int], max_new_tokens: int):
         if len(prompt_ids) == 0:
@@ -120,11 +120,10 @@ class Decoder:
             if m is not None and m.max_length and len(prompt_ids) >= m.max_length:
                 raise UserError(f"the prompt has {len(prompt_ids)} tokens but the {role} model's context is "
                                 f"{m.max_length}; shorten the prompt")
-        room = min(m.max_length for m in (self.target, self.draft) if m is not None and m.max_length) \
-            if any(m is not None and m.max_length for m in (self.target, self.draft)) else None
-        if room is not None:
+        limits = [m.max_length for m in (self.target, self.draft) if m is not None and m.max_length]
+        if limits:
             # rounds never draft past max_new_tokens, so this keeps every position in context
-            max_new_tokens = min(max_new_tokens, room - len(prompt_ids))
+            max_new_tokens = min(max_new_tokens, min(limits) - len(prompt_ids))
         return max_new_tokens
 
     @torch.inference_mode()

@@ -6,7 +6,6 @@ the PyPI GGUF packages by `adaptive-spec fetch-models` (see fetch.py).
 """
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -58,8 +57,8 @@ def resolve_model_path(name: str | None, role: str, auto_fetch: bool = True) -> 
             raise UserError(f"{role} model folder {p} has no config.json; point --{role} at a folder "
                             "saved with save_pretrained, or at a hub id")
         return str(p)
-    looks_like_path = name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep in name.rstrip("/").split("/", 1)[0]
-    if looks_like_path:
+    # a hub id is "name" or "org/name"; anything else that does not exist is a missing folder
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise UserError(f"{role} model path {name} does not exist; pass an existing folder or a hub id "
                         "such as Qwen/Qwen2.5-Coder-0.5B-Instruct")
     return name

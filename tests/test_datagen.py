@@ -16,7 +16,6 @@ import torch
 from adaptive_spec import datagen
 from adaptive_spec.config import load_config
 from adaptive_spec.datagen import DatagenConfig
-from adaptive_spec.errors import UserError
 from adaptive_spec.sampling import SamplingParams, process_logits
 
 TOP_K, TOP_P = 20, 0.95  # non-trivial processing (vocab 32), so p and q must be the processed ones
@@ -175,6 +174,7 @@ def test_kill_and_resume_is_byte_identical(ref_run, tiny_pair, tmp_path, monkeyp
     done = [sh["file"] for split in man["splits"].values() for sh in split["shards"]]
     assert not man["complete"] and done == ["dev/shard-00000.safetensors"]  # dev is generated first
     monkeypatch.setattr(datagen, "_write_shard", real_write)
+    (out / "train" / ".shard-00001.safetensors.tmp.999").write_bytes(b"half-written")  # left by a real kill
     assert datagen.main(["--config", str(_yaml(tmp_path, _overrides(tiny_pair, prompts, out)))]) == 0
 
     ref_files = sorted(p.relative_to(ref) for p in ref.rglob("*") if p.is_file())
