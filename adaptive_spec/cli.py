@@ -56,7 +56,6 @@ def _generate(args) -> int:
     if not args.prompt.strip():
         raise UserError("the prompt is empty; pass some text with --prompt")
     # validate cheap arguments before loading gigabytes of weights
-    from .policies import make_policy  # noqa: F401
     from .sampling import SamplingParams
 
     SamplingParams(args.temperature, args.top_k, args.top_p)

@@ -121,7 +121,6 @@ def kseq(p: torch.Tensor, q: torch.Tensor, xs: torch.Tensor, n: torch.Tensor, ge
 def verify_spectr(tree, paths, P: torch.Tensor, gen):
     """SpecTr draft selection over the trie: per node the K-SEQ choice among the next tokens of
     the drafts through it (leaves: a sample from P). Same return as tree.verify_gsd."""
-    N1 = tree.n + 1
     tok = sample(P, gen)
     through = {}
     for path in paths:

@@ -1,5 +1,4 @@
 """Exactness of the speculative decoder on tiny random models (small vocabulary, enumerable)."""
-import itertools
 import math
 
 import pytest
@@ -9,7 +8,9 @@ from adaptive_spec import sampling
 from adaptive_spec.decoding import Decoder
 from adaptive_spec.models import CausalLM
 from adaptive_spec.policies import FixedK
-from adaptive_spec.sampling import SamplingParams, process_logits
+from adaptive_spec.sampling import SamplingParams
+import exact
+from exact import chi_square_pvalue
 from tiny import MockLM, make_model
 
 GREEDY = SamplingParams(temperature=0)
@@ -79,45 +80,11 @@ V, L, N_SAMPLES = 5, 3, 3000
 
 
 def exact_sequence_probs(target, prompt, params):
-    """P(sequence) for all V^L continuations under processed target sampling."""
-    probs = {}
-    for seqs in itertools.product(range(V), repeat=L):
-        p = 1.0
-        ids = list(prompt)
-        for t in seqs:
-            target.reset()
-            logits, _ = target.forward(torch.tensor(ids), n_logits=1)
-            p *= process_logits(logits[0], params)[t].item()
-            ids.append(t)
-        probs[seqs] = p
-    return probs
-
-
-def chi_square_pvalue(counts: dict, probs: dict, n: int) -> float:
-    """Pearson chi-square goodness of fit; cells with expected count < 5 are pooled."""
-    stat, df, pool_obs, pool_exp = 0.0, 0, 0.0, 0.0
-    for cell, p in probs.items():
-        exp, obs = p * n, counts.get(cell, 0)
-        if exp < 5:
-            pool_obs, pool_exp = pool_obs + obs, pool_exp + exp
-            continue
-        stat += (obs - exp) ** 2 / exp
-        df += 1
-    if pool_exp > 0:
-        stat += (pool_obs - pool_exp) ** 2 / max(pool_exp, 1e-9)
-        df += 1
-    assert not any(counts.get(c, 0) and probs[c] == 0 for c in probs), "sampled an impossible sequence"
-    df -= 1
-    return torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                   torch.tensor(stat / 2, dtype=torch.float64)).item()
+    return exact.exact_sequence_probs(target, prompt, params, V, L)
 
 
 def sample_counts(dec, prompt, params, policy, n=N_SAMPLES):
-    counts = {}
-    for s in range(n):
-        g = dec.generate(prompt, max_new_tokens=L, sampling=params, policy=policy, seed=s)
-        counts[tuple(g.token_ids)] = counts.get(tuple(g.token_ids), 0) + 1
-    return counts
+    return exact.sample_counts(dec, prompt, params, policy, n, L)
 
 
 def exact_pair():

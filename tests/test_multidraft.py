@@ -7,17 +7,11 @@ from adaptive_spec.decoding import Decoder
 from adaptive_spec.models import CausalLM
 from adaptive_spec.sampling import SamplingParams
 from tiny import make_model
-from tree_mocks import TreeMockLM, chi_square_pvalue, exact_sequence_probs, sample_counts
+from exact import chi_square_pvalue, exact_sequence_probs, sample_counts
+from tree_mocks import TreeMockLM
 
 GREEDY = SamplingParams(temperature=0)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def dists(V, seed, sharp=2.0):
@@ -137,7 +131,6 @@ def test_spectr_distribution_is_exact_on_transformer_models():
 def test_registered_policies_through_the_pipeline(tiny_pair, policy, kw):
     """The names and keyword arguments the CLI forwards, through SpecPair.generate."""
     from adaptive_spec import SpecPair
-    from adaptive_spec import tree  # noqa: F401  (registers tree / ersd)
 
     draft_dir, target_dir = tiny_pair
     pair = SpecPair.load(target=str(target_dir), draft=str(draft_dir), dtype="fp32", device="cpu")

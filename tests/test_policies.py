@@ -9,11 +9,9 @@ from adaptive_spec.decoding import Decoder
 from adaptive_spec.heads import AcceptanceHead
 from adaptive_spec.models import CausalLM
 from adaptive_spec.pipeline import SpecPair
-from adaptive_spec.policies import (ConfidenceThreshold, EntropyThreshold, FixedK, HeuristicSchedule,
-                                    LearnedThreshold)
+from adaptive_spec.policies import ConfidenceThreshold, EntropyThreshold, HeuristicSchedule, LearnedThreshold
 from adaptive_spec.sampling import SamplingParams
-from test_decoding import (L, N_SAMPLES, V, chi_square_pvalue, exact_pair, exact_sequence_probs, pair,
-                           sample_counts)
+from test_decoding import chi_square_pvalue, exact_pair, exact_sequence_probs, pair, sample_counts
 
 GREEDY = SamplingParams(0.0)
 

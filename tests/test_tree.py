@@ -14,18 +14,11 @@ from adaptive_spec.heads import AcceptanceHead
 from adaptive_spec.models import CausalLM
 from adaptive_spec.sampling import SamplingParams
 from tiny import make_model
-from tree_mocks import ConstHead, MockHead, TreeMockLM, chi_square_pvalue, exact_sequence_probs, sample_counts
+from exact import chi_square_pvalue, exact_sequence_probs, sample_counts
+from tree_mocks import ConstHead, MockHead, TreeMockLM
 
 GREEDY = SamplingParams(temperature=0)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny tensors: a second intra-op thread only adds synchronisation on a busy machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def hf_pair(vocab=32, scale=4.0):
