@@ -32,6 +32,15 @@ def append_jsonl(path: Path, row: dict):
 
 
 def table(rows: list[dict]) -> str:
+    # only prompts that ran every configuration at a temperature, so all rows of a
+    # temperature average over the same prompts (an interrupted run leaves some half done)
+    configs_at = {}
+    for r in rows:
+        configs_at.setdefault(r["temperature"], set()).add(r["config"])
+    have = {}
+    for r in rows:
+        have.setdefault((r["temperature"], r["prompt_idx"]), set()).add(r["config"])
+    rows = [r for r in rows if have[(r["temperature"], r["prompt_idx"])] == configs_at[r["temperature"]]]
     by = {}
     for r in rows:
         by.setdefault((r["temperature"], r["config"]), []).append(r)
@@ -72,6 +81,7 @@ def main(argv=None):
     ap.add_argument("--device", default=None)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default="runs/bench_decode")
+    ap.add_argument("--table-only", action="store_true", help="print the table of what <out> holds; run nothing")
     args = ap.parse_args(argv)
 
     out = Path(args.out)
@@ -82,6 +92,10 @@ def main(argv=None):
     done_rows = [r for r in done_rows if r.get("settings") == settings]
     done = {(r["prompt_idx"], r["temperature"], r["config"]) for r in done_rows}
 
+    if args.table_only:
+        n = len({r["prompt_idx"] for r in done_rows})
+        print(f"# Decode benchmark (from {res_path}: {len(done_rows)} runs over {n} prompts)\n\n" + table(done_rows))
+        return
     pair = SpecPair.load(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device,
                          num_threads=args.threads)
     prompts = load_prompts(args.dataset, field=args.field, n=args.prompts)
