@@ -94,3 +94,21 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
+
+
+def config_from_argv(cls: type[T], argv, prog: str, description: str, default_name: str) -> T:
+    """`--config FILE key=value ...` -> a loaded `cls`; an empty `name` becomes the file's stem.
+
+    The shared command line of the long jobs (datagen, sweep): one YAML file, overrides last.
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help=f"YAML file of {cls.__name__} keys")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, applied last")
+    args = parser.parse_args(argv)
+    cfg = load_config(cls, args.config, args.overrides)
+    if not cfg.name:
+        cfg.name = Path(args.config).stem if args.config else default_name
+    return cfg

@@ -31,7 +31,6 @@ adaptive_spec.datagen ...` (shard k goes to process k % world_size).
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import io
 import json
@@ -47,7 +46,7 @@ from typing import Iterator
 
 import torch
 
-from .config import config_to_dict, load_config
+from .config import config_from_argv, config_to_dict
 from .errors import UserError
 
 FORMAT = "adaptive_spec.datagen.v1"
@@ -716,15 +715,8 @@ def _run(cfg: DatagenConfig) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="adaptive-spec datagen", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="YAML file of DatagenConfig keys (configs/datagen/*.yaml)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, applied last")
-    args = parser.parse_args(argv)
     try:
-        cfg = load_config(DatagenConfig, args.config, args.overrides)
-        if not cfg.name:
-            cfg.name = Path(args.config).stem if args.config else "datagen"
+        cfg = config_from_argv(DatagenConfig, argv, "adaptive-spec datagen", __doc__.split("\n\n")[0], "datagen")
         run(cfg)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

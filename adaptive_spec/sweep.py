@@ -31,7 +31,6 @@ Then `adaptive-spec report --sweep-dir DIR` writes the tables and Pareto plots.
 """
 from __future__ import annotations
 
-import argparse
 import glob
 import hashlib
 import json
@@ -41,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import config_to_dict, load_config
+from .config import config_from_argv, config_to_dict
 from .errors import UserError
 from .prompts import PROJECT_ROOT, load_prompts
 
@@ -538,15 +537,8 @@ def _warmup(pair, ids, specs, cfg, heads, draft_decoder):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="adaptive-spec sweep", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="YAML file of SweepConfig keys (configs/sweep/*.yaml)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, applied last")
-    args = parser.parse_args(argv)
     try:
-        cfg = load_config(SweepConfig, args.config, args.overrides)
-        if not cfg.name:
-            cfg.name = Path(args.config).stem if args.config else "sweep"
+        cfg = config_from_argv(SweepConfig, argv, "adaptive-spec sweep", __doc__.split("\n\n")[0], "sweep")
         out = run(cfg)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
