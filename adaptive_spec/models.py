@@ -13,8 +13,6 @@ import torch
 
 from .errors import UserError
 
-DEFAULT_DRAFT_ID = "Qwen/Qwen2.5-Coder-0.5B-Instruct"
-DEFAULT_TARGET_ID = "Qwen/Qwen2.5-Coder-1.5B-Instruct"
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
           "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
