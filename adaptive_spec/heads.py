@@ -5,6 +5,13 @@ D residual blocks x + SiLU(W_d x + b_d), then a linear layer to one logit. sigmo
 predicts P(Y_i accepted | Y_1..Y_{i-1} accepted), i.e. min(1, p(Y_i)/q(Y_i)) in expectation.
 D = 0 is a single linear layer. The paper sweeps D in 0..4 and picks D = 3 or 4.
 
+Which hidden state the head reads (`feature`):
+  token    e_i, the state at y_i's own position (the paper's setting). It exists only once y_i
+           has been fed to the draft, so in decoding the score of y_i arrives one step late.
+  context  e_{i-1}, the state that produced q_i. It scores y_i before y_i is fed (in expectation
+           over y_i ~ q_i), so a round may stop after its first candidate (K = 1): on hardware
+           where a draft step is not cheap relative to a target pass, that is often the best K.
+
 A saved head is a folder with config.json (sizes, the draft it was trained on, training
 metadata) and model.safetensors. The draft is part of the contract: the head reads that
 draft's hidden states, so loading checks the hidden size and refuses a mismatch.
@@ -25,6 +32,7 @@ HEAD_FORMAT = "adaptive_spec.head.v1"
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 MAX_DEPTH = 4
+FEATURES = ("token", "context")
 
 
 class ResBlock(nn.Module):
@@ -38,8 +46,10 @@ class ResBlock(nn.Module):
 
 class AcceptanceHead(nn.Module):
     def __init__(self, hidden_size: int, depth: int = 3, draft_model: str | None = None,
-                 draft_fingerprint: str | None = None):
+                 draft_fingerprint: str | None = None, feature: str = "token"):
         super().__init__()
+        if feature not in FEATURES:
+            raise UserError(f"head feature must be one of {', '.join(FEATURES)}, got {feature!r}")
         if not (isinstance(depth, int) and 0 <= depth <= MAX_DEPTH):
             raise UserError(f"head depth must be an integer in 0..{MAX_DEPTH}, got {depth!r}")
         if not (isinstance(hidden_size, int) and hidden_size > 0):
@@ -48,6 +58,7 @@ class AcceptanceHead(nn.Module):
         self.depth = depth
         self.draft_model = draft_model
         self.draft_fingerprint = draft_fingerprint
+        self.feature = feature
         self.extra: dict = {}  # training metadata read back by from_pretrained
         # A list comprehension, not [ResBlock(h)] * depth: each block needs its own weights.
         self.blocks = nn.ModuleList([ResBlock(hidden_size) for _ in range(depth)])
@@ -73,7 +84,8 @@ class AcceptanceHead(nn.Module):
 
     def config_dict(self, extra: dict | None = None) -> dict:
         core = {"format": HEAD_FORMAT, "hidden_size": self.hidden_size, "depth": self.depth,
-                "draft_model": self.draft_model, "draft_fingerprint": self.draft_fingerprint}
+                "draft_model": self.draft_model, "draft_fingerprint": self.draft_fingerprint,
+                "feature": self.feature}
         return {**(extra or {}), **core}  # metadata never overrides the fields loading relies on
 
     def save_pretrained(self, path: str | Path, extra: dict | None = None) -> Path:
@@ -119,7 +131,10 @@ class AcceptanceHead(nn.Module):
                 f"head at {path} was trained for draft model '{trained_for}' (hidden size {h}) but the draft in "
                 f"use{in_use} has hidden size {hidden_size}; pass the draft it was trained for or train a head "
                 "for this draft")
-        head = cls(h, depth, draft_model=trained_for, draft_fingerprint=cfg.get("draft_fingerprint"))
+        feature = cfg.get("feature", "token")  # heads saved before `feature` existed are token heads
+        if feature not in FEATURES:
+            raise UserError(f"{cfg_file} names feature {feature!r}; expected one of {', '.join(FEATURES)}. {fix}")
+        head = cls(h, depth, draft_model=trained_for, draft_fingerprint=cfg.get("draft_fingerprint"), feature=feature)
         try:
             state = load_file(str(weights_file))
             head.load_state_dict(state, strict=True)

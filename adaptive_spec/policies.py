@@ -125,8 +125,10 @@ class LearnedThreshold(StopPolicy):
     that drafts y_{j+1}. So the decision taken after drafting y_i has seen predictions for
     y_1..y_{i-1} only, and y_i goes to verification unscored (Algorithm 1 breaks after
     sampling y_i). At i = 1 the hidden state is that of the round's first input token, which
-    the target already produced, so there is nothing to score yet. The head costs one small
-    MLP on a vector the draft computed anyway: no extra draft pass, no all-layer outputs.
+    the target already produced, so there is nothing to score yet, and K >= 2.
+    A `context` head (heads.py) reads the state that produced q_i and so scores y_i itself at
+    step i: no lag, and K = 1 is reachable. Either way the head costs one small MLP on a vector
+    the draft computed anyway: no extra draft pass, no all-layer outputs.
     """
 
     name = "learned"
@@ -142,14 +144,16 @@ class LearnedThreshold(StopPolicy):
         return self.k_max
 
     def should_stop(self, step: DraftStep) -> bool:
-        if step.i == 1:
+        lag = getattr(self.head, "feature", "token") == "token"
+        if lag and step.i == 1:
             return False
         p_hat = self.head.acceptance_prob(step.hidden)
         self.p_all = p_hat if self.p_all is None else self.p_all * p_hat
         return bool(1.0 - self.p_all > self.h)
 
     def describe(self) -> dict:
-        return {"policy": self.name, "h": self.h, "k_max": self.k_max, "depth": self.head.depth}
+        return {"policy": self.name, "h": self.h, "k_max": self.k_max, "depth": self.head.depth,
+                "feature": getattr(self.head, "feature", "token")}
 
 
 class ConfidenceThreshold(StopPolicy):

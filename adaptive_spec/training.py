@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from .config import config_to_dict, load_config
 from .errors import UserError
-from .heads import MAX_DEPTH, AcceptanceHead
+from .heads import FEATURES, MAX_DEPTH, AcceptanceHead
 
 DATA_FORMAT = "adaptive_spec.datagen.v1"
 STOP_EXIT_CODE = 3  # stop_after_steps exits with this, as a killed job would: no cleanup, no results
@@ -53,6 +53,7 @@ class TrainConfig:
     output_dir: str = "runs/head"      # run folder: log.jsonl, checkpoints/, head/, results.json
     target: str = "accept_prob"        # accept_prob = min(1, p/q) of the sampled token | expected_accept
     depth: int = 3                     # D residual blocks (0 = linear head); paper picks 3 or 4
+    feature: str = "token"             # token: e at Y_i's position (paper, one-step lag) | context: e that produced q_i (heads.py)
     w_rej: float = 6.0                 # weight of the rejection term (paper's best: 6, with h = 0.7)
     w_acc: float = 1.0
     epochs: int = 3
@@ -88,6 +89,7 @@ class TrainConfig:
     def validate(self):
         checks = [
             (self.target in TARGETS, f"target must be one of {', '.join(TARGETS)}"),
+            (self.feature in FEATURES, f"feature must be one of {', '.join(FEATURES)}"),
             (self.mixed_precision in ("auto", "no", "bf16", "fp16"), "mixed_precision must be auto, no, bf16 or fp16"),
             (self.report_to in ("wandb", "none"), "report_to must be wandb or none"),
             (all(0 <= d <= MAX_DEPTH for d in [self.depth, *self.depths]), f"depths must be in 0..{MAX_DEPTH}"),
@@ -291,17 +293,30 @@ def load_split(cfg: TrainConfig, manifest: dict, split: str, accelerator) -> Pos
         return None
     root = Path(cfg.data)
     H = int(manifest["models"]["draft"]["hidden_size"])
-    smalls = [read_small(root / s["file"], ["loss_mask", cfg.target]) for s in shards]
+    smalls = [read_small(root / s["file"], ["loss_mask", "resp_offsets", cfg.target]) for s in shards]
     has_features = all(bool(s["_has_features"]) for s in smalls)
+    if cfg.feature == "context" and not has_features:
+        raise UserError(f"feature=context needs stored draft features, and {root} has none; regenerate it "
+                        "with store_features=true (or train feature=token)")
     targets, shard_ids, rows, feats = [], [], [], []
     for i, (s, small) in enumerate(zip(shards, smalls)):
         mask = small["loss_mask"].bool()
         if small[cfg.target].shape != mask.shape:
             raise UserError(f"{root / s['file']}: {cfg.target} and loss_mask differ in length; regenerate the dataset")
-        pos = mask.nonzero().flatten()
+        if cfg.feature == "context":
+            # Y_i scored from the state after Z_{i-1}, which never contains Y_i: every position but
+            # a response's first (whose context is the prompt's last state, not stored) is usable.
+            starts = small["resp_offsets"].long()[:-1]
+            first = torch.zeros(len(mask), dtype=torch.bool)
+            first[starts[starts < len(mask)]] = True
+            pos = (~first).nonzero().flatten()
+            feat_rows = pos - 1
+        else:
+            pos = mask.nonzero().flatten()  # Z_i came from Y_i: its own state is the head's input
+            feat_rows = pos
         targets.append(small[cfg.target].float()[pos])
         shard_ids.append(torch.full_like(pos, i, dtype=torch.int32))
-        rows.append(pos)
+        rows.append(feat_rows)
         if has_features:
             f = mmap_tensor(root / s["file"], "features")
             if f.ndim != 2 or f.shape[0] != len(mask) or f.shape[1] != H:
@@ -453,11 +468,50 @@ class RunFiles:
         head.save_pretrained(tmp, extra=extra)
         (tmp / "metrics.json").write_text(json.dumps(extra["metrics"], indent=2) + "\n")
         plot_reliability(curves, tmp / "reliability.png", f"D={head.depth} w_rej={extra['w_rej']:g} step {extra['step']}")
+        (tmp / "README.md").write_text(model_card(head, extra))
         shutil.rmtree(old, ignore_errors=True)
         if final.exists():
             os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
+
+
+def model_card(head: AcceptanceHead, extra: dict) -> str:
+    """A short README for an exported head: what it reads, what it was trained on, how well."""
+    m = extra["metrics"]
+    rows = [(k, m.get(f"train_{k}"), m.get(f"dev_{k}")) for k in ("loss", "kl", "ece")]
+    fmt = lambda v: "-" if v is None else f"{v:.4f}"
+    reads = ("the state at the candidate's own position, as in the paper: scores arrive one draft step late"
+             if head.feature == "token" else
+             "the state that produced the candidate's distribution: scores it before it is fed, no lag")
+    return "\n".join([
+        f"# Acceptance head: D={head.depth}, w_rej={extra['w_rej']:g}",
+        "",
+        f"A SpecDec++ acceptance-prediction head ({head.depth + 1}-layer ResNet, SiLU) on the final hidden state "
+        f"(size {head.hidden_size}) of the draft `{head.draft_model}` (fingerprint `{head.draft_fingerprint}`); "
+        f"feature `{head.feature}` ({reads}).",
+        "It predicts P(draft token accepted | earlier ones accepted); the decoder stops drafting when "
+        "1 - prod(p_hat) > h.",
+        "",
+        "```",
+        f"adaptive-spec generate --policy learned --head <this folder> --threshold 0.7 --prompt '...'",
+        "```",
+        "",
+        "## Training",
+        f"- data: `{extra['dataset']}` (datagen config hash `{extra['dataset_config_hash']}`), "
+        f"{extra['n_train_positions']:,} training positions (draft tokens only; token mixing r from the datagen config)",
+        f"- target: `{extra['target']}`; weighted BCE w_acc={extra['w_acc']:g}, w_rej={extra['w_rej']:g}",
+        f"- {extra['epochs']} epochs, batch {extra['batch_size']}, lr {extra['lr']:g} (Adam, cosine); "
+        f"exported at step {extra['step']} (lowest dev loss)",
+        "",
+        "## Metrics at export (KL = unweighted binary KL between target and prediction; ECE = calibration error)",
+        "| metric | train | dev |",
+        "|---|---|---|",
+        *[f"| {k} | {fmt(tr)} | {fmt(dv)} |" for k, tr, dv in rows],
+        "",
+        "Reliability plot: `reliability.png`.",
+        "",
+    ])
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -570,7 +624,7 @@ def train(cfg: TrainConfig, resume: bool = False, accelerator=None) -> dict:
 
     set_seed(cfg.seed)
     head = AcceptanceHead(train_set.hidden_size, cfg.depth, draft_model=draft.get("name"),
-                          draft_fingerprint=draft.get("fingerprint"))
+                          draft_fingerprint=draft.get("fingerprint"), feature=cfg.feature)
     if cfg.init_bias:
         # Most targets are near 1; the constant minimising the weighted BCE is
         # w_acc P / (w_acc P + w_rej (1 - P)). Starting there skips learning the base rate.

@@ -652,15 +652,19 @@ def _load_head(head, pair):
     if head is None:
         raise UserError("tree_estimator 'head' needs an acceptance head: pass --head DIR (a head trained "
                         "for this draft)")
-    if hasattr(head, "acceptance_prob"):
-        return head
-    from .heads import AcceptanceHead
+    if not hasattr(head, "acceptance_prob"):
+        from .heads import AcceptanceHead
 
-    draft = getattr(pair, "draft", None) if pair is not None else None
-    hidden = draft.hidden_size if draft is not None else None
-    dev = draft.device if draft is not None else None
-    h = AcceptanceHead.from_pretrained(head, hidden_size=hidden, device=dev)
-    return h
+        draft = getattr(pair, "draft", None) if pair is not None else None
+        hidden = draft.hidden_size if draft is not None else None
+        dev = draft.device if draft is not None else None
+        head = AcceptanceHead.from_pretrained(head, hidden_size=hidden, device=dev)
+    if getattr(head, "feature", "token") != "token":
+        # grow_with_head scores a node from its own state; a context head scores the parent's
+        # next draw in expectation and cannot tell siblings apart.
+        raise UserError("tree_estimator 'head' needs a head trained with feature=token; this one reads "
+                        f"feature={head.feature}")
+    return head
 
 
 def _pos_int(name, v):

@@ -66,6 +66,19 @@ def test_save_load_round_trip(tmp_path):
     assert bf.dtype == torch.bfloat16
 
 
+def test_feature_is_saved_and_checked(tmp_path):
+    AcceptanceHead(16, depth=1, feature="context").save_pretrained(tmp_path / "c")
+    assert AcceptanceHead.from_pretrained(tmp_path / "c").feature == "context"
+    AcceptanceHead(16, depth=1).save_pretrained(tmp_path / "t")
+    cfg = json.loads((tmp_path / "t" / "config.json").read_text())
+    assert cfg["feature"] == "token"
+    del cfg["feature"]  # a head saved before `feature` existed reads as a token head
+    (tmp_path / "t" / "config.json").write_text(json.dumps(cfg))
+    assert AcceptanceHead.from_pretrained(tmp_path / "t").feature == "token"
+    with pytest.raises(UserError, match="feature must be one of token, context"):
+        AcceptanceHead(16, feature="prefix")
+
+
 def test_head_for_another_draft_is_refused(tmp_path):
     AcceptanceHead(896, depth=0, draft_model="Qwen/Qwen2.5-Coder-0.5B-Instruct").save_pretrained(tmp_path / "h")
     with pytest.raises(UserError) as e:

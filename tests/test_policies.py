@@ -88,6 +88,50 @@ def test_stop_rule_and_one_step_lag():
     assert len(seen_tokens) == 4
 
 
+def test_context_head_has_no_lag():
+    """A `context` head scores y_i from the state that produced q_i, at step i itself: with
+    p_hat = 0.8 and h = 0.5 the round stops right after y_4 (1 - 0.8^4 > 0.5), having shown the
+    head the states of the round's first input and y_1..y_3 (lengths 2..5). With p_hat = 0.3 a
+    round stops after its first candidate (K = 1), which a token head can never do."""
+    draft, target = exact_pair()
+    head = RecordingHead(0.8)
+    head.feature = "context"
+    dec = Decoder(target, draft)
+    g = dec.generate([1, 2], max_new_tokens=7, sampling=SamplingParams(1.0),
+                     policy=LearnedThreshold(head, threshold=0.5, k_max=20), seed=0)
+    assert [int(h[1]) for h in head.seen[:4]] == [2, 3, 4, 5]
+    assert g.metrics.n_drafted >= 4 and len(head.seen) >= 4
+    low = RecordingHead(0.3)
+    low.feature = "context"
+    g = dec.generate([1, 2], max_new_tokens=12, sampling=SamplingParams(1.0),
+                     policy=LearnedThreshold(low, threshold=0.5, k_max=20), seed=0)
+    rounds = sum(g.metrics.accepted_hist.values())
+    assert max(g.metrics.accepted_hist) <= 1 and g.metrics.n_drafted <= rounds  # K = 1 every round
+    token = RecordingHead(0.3)
+    g = dec.generate([1, 2], max_new_tokens=12, sampling=SamplingParams(1.0),
+                     policy=LearnedThreshold(token, threshold=0.5, k_max=20), seed=0)
+    rounds = sum(g.metrics.accepted_hist.values())
+    assert g.metrics.n_drafted > 1.5 * rounds  # K = 2 but where the length cap cuts the last rounds
+
+
+@pytest.mark.parametrize("feature", ["token", "context"])
+def test_learned_context_head_exact(feature):
+    draft, target = exact_pair()
+    params, prompt = SamplingParams(1.0), [1, 2]
+    probs = exact_sequence_probs(target, prompt, params)
+    head = AcceptanceHead(draft.hidden_size, depth=1, feature=feature)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for prm in head.parameters():
+            prm.normal_(0, 0.7)
+    pol = LearnedThreshold(head.eval(), threshold=0.5, k_max=4)
+    counts = sample_counts(Decoder(target, draft), prompt, params, pol, n=2000)
+    assert chi_square_pvalue(counts, probs, 2000) > 1e-3
+    if feature == "context":
+        g = Decoder(target, draft).generate([1, 2, 3], max_new_tokens=30, sampling=GREEDY, policy=pol)
+        assert g.token_ids == Decoder(target, draft).generate([1, 2, 3], max_new_tokens=30, sampling=GREEDY).token_ids
+
+
 def test_learned_policy_caps_at_k_max():
     draft, target = exact_pair()
     pol = LearnedThreshold(RecordingHead(1.0), threshold=0.5, k_max=3)  # never predicts a rejection

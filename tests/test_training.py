@@ -114,6 +114,29 @@ def test_positions_and_features_follow_the_format(dataset):
     assert torch.equal(xb, x[[5, 0, 3]]) and torch.equal(yb, y[[5, 0, 3]])
 
 
+def test_context_feature_pairs_each_target_with_the_previous_state(dataset, tmp_path):
+    """feature=context: Y_i's target with the state after Z_{i-1}, at every position of a response
+    but its first (mixed or not: that state never saw Y_i); the head exported remembers it."""
+    cfg = training.TrainConfig(data=str(dataset), feature="context")
+    m = training.read_manifest(dataset)
+    ds = training.load_split(cfg, m, "train", None)
+    want_x, want_y = [], []
+    for s in m["splits"]["train"]["shards"]:
+        t = load_file(str(dataset / s["file"]))
+        ro = t["resp_offsets"].tolist()
+        for k in range(len(ro) - 1):
+            want_x.append(t["features"][ro[k]: ro[k + 1] - 1])
+            want_y.append(t["accept_prob"][ro[k] + 1: ro[k + 1]])
+    x, y = ds.gather(torch.arange(len(ds)))
+    assert torch.equal(x, torch.cat(want_x)) and torch.equal(y, torch.cat(want_y))
+    assert len(ds) == m["splits"]["train"]["n_tokens"] - m["splits"]["train"]["n_prompts"]
+    with pytest.raises(UserError, match="feature must be one of token, context"):
+        training.TrainConfig(data=str(dataset), feature="hidden").validate()
+    nofeat = make_dataset(tmp_path / "nofeat", seqs={"train": 4}, features=False)
+    with pytest.raises(UserError, match="store_features=true"):
+        training.load_split(training.TrainConfig(data=str(nofeat), feature="context"), training.read_manifest(nofeat), "train", None)
+
+
 def test_features_from_the_draft_when_the_dataset_has_none(tmp_path, tiny_pair, monkeypatch):
     draft_dir, _ = tiny_pair
     ds = make_dataset(tmp_path / "ds", seqs={"train": 6, "dev": 3}, features=False, draft_name=str(draft_dir))
@@ -161,6 +184,9 @@ def test_accelerate_launch_trains_and_resume_equals_an_uninterrupted_run(tmp_pat
     head = AcceptanceHead.from_pretrained(full / "head", hidden_size=16)
     assert head.draft_model == "tiny-draft" and head.draft_fingerprint == "fp-draft" and head.depth == 2
     assert head.extra["w_rej"] == 1.0 and head.extra["step"] == res["best_step"]
+    card = (full / "head" / "README.md").read_text()  # the model card names data, config and dev metrics
+    assert "D=2, w_rej=1" in card and f"step {res['best_step']}" in card
+    assert f"| kl | {head.extra['metrics']['train_kl']:.4f} | {head.extra['metrics']['dev_kl']:.4f} |" in card
 
     # Killed after step 6 (last checkpoint: 4), then resumed: identical weights and log.
     r = launch([f"data={dataset}", f"output_dir={killed}", *RUN, "stop_after_steps=6"])

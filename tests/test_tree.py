@@ -279,3 +279,13 @@ def test_bench_trees_smoke(tmp_path):
     assert (out / "accepted_vs_drafted.png").stat().st_size > 0 and (out / "calibration.json").is_file()
     bench.main(argv)  # resumed: nothing left to run
     assert len((out / "results.jsonl").read_text().splitlines()) == len(rows)
+
+
+def test_tree_head_estimator_refuses_a_context_head():
+    from adaptive_spec.errors import UserError
+    from adaptive_spec.heads import AcceptanceHead
+    from adaptive_spec.tree import _load_head
+
+    assert _load_head(AcceptanceHead(8, depth=0), None).feature == "token"
+    with pytest.raises(UserError, match="feature=token"):
+        _load_head(AcceptanceHead(8, depth=0, feature="context"), None)
