@@ -64,7 +64,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.0          # cosine ends at lr * min_lr_ratio
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0         # 0 = no clipping
-    init_bias: bool = True             # start the output bias at the best constant predictor
+    init_bias: bool = True             # start at the best constant predictor (output bias set, output weights 0)
     seed: int = 0
     mixed_precision: str = "auto"      # auto | no | bf16 | fp16; auto = bf16 on a GPU, no on CPU
     max_train_positions: int = 0       # 0 = all; else a fixed random subset (quick runs)
@@ -630,8 +630,11 @@ def train(cfg: TrainConfig, resume: bool = False, accelerator=None) -> dict:
         # w_acc P / (w_acc P + w_rej (1 - P)). Starting there skips learning the base rate.
         pbar_ = train_set.target.double().mean().item()
         p0 = min(max(cfg.w_acc * pbar_ / (cfg.w_acc * pbar_ + cfg.w_rej * (1 - pbar_)), 1e-4), 1 - 1e-4)
+        # The output weights start at zero too, so step 0 IS that constant: random output weights
+        # on a 896-dim hidden state add logit noise that a small lr takes most of a run to undo.
         with torch.no_grad():
             head.out.bias.fill_(math.log(p0 / (1 - p0)))
+            head.out.weight.zero_()
     optimizer = torch.optim.Adam(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sampler = EpochShuffle(len(train_set), cfg.seed)
     loader = torch.utils.data.DataLoader(train_set, batch_size=micro, sampler=sampler, collate_fn=_batch_as_is)
