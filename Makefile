@@ -19,9 +19,11 @@ setup: $(STAMP)
 models: setup
 	.venv/bin/adaptive-spec fetch-models
 
-# the main job on the default pair: target-only vs speculative decoding, side by side
+# the main job on the default pair: target alone vs fixed K vs SpecDec++ (committed head) vs the
+# +2/-1 heuristic vs transformers' assisted generation, side by side; then the report
 run: models
-	$(PY) eval/bench_decode.py --prompts 3 --max-new-tokens 64 --ks 3,5 --temperatures 0 --out runs/bench_quick
+	.venv/bin/adaptive-spec sweep --config configs/sweep/quick.yaml
+	.venv/bin/adaptive-spec report --sweep-dir runs/sweep/quick
 
 # the whole test suite, the real-pair integration tests included
 test: models
