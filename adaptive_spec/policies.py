@@ -137,6 +137,7 @@ class LearnedThreshold(StopPolicy):
         self.head = head
         self.h = _check_unit_interval(threshold, "the SpecDec++ threshold h")
         self.k_max = check_k_max(k_max)
+        self.feature = getattr(head, "feature", "token")  # duck-typed heads without one read like the paper's
         self.p_all = None
 
     def begin_round(self, pos: int) -> int:
@@ -144,8 +145,7 @@ class LearnedThreshold(StopPolicy):
         return self.k_max
 
     def should_stop(self, step: DraftStep) -> bool:
-        lag = getattr(self.head, "feature", "token") == "token"
-        if lag and step.i == 1:
+        if self.feature == "token" and step.i == 1:
             return False
         p_hat = self.head.acceptance_prob(step.hidden)
         self.p_all = p_hat if self.p_all is None else self.p_all * p_hat
@@ -153,7 +153,7 @@ class LearnedThreshold(StopPolicy):
 
     def describe(self) -> dict:
         return {"policy": self.name, "h": self.h, "k_max": self.k_max, "depth": self.head.depth,
-                "feature": getattr(self.head, "feature", "token")}
+                "feature": self.feature}
 
 
 class ConfidenceThreshold(StopPolicy):
