@@ -319,6 +319,30 @@ def check_out_dir(out: Path, settings: dict, overwrite: bool):
         (out / name).unlink(missing_ok=True)
 
 
+def lock_out_dir(out: Path):
+    """Hold an exclusive lock on out_dir for this process's lifetime (released at exit, even on
+    a kill): two sweeps appending to one results.jsonl would duplicate runs and, worse, time
+    each other's runs on shared cores. Returns the open lock file (keep a reference)."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): run unguarded
+        return None
+    f = open(out / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        f.close()
+        raise UserError(f"another sweep (pid {holder}) is writing to {out}; wait for it to finish or stop it, "
+                        "then rerun this command to resume") from None
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
+
+
 def prompt_sha(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
@@ -451,6 +475,7 @@ def run(cfg: SweepConfig) -> Path:
     shash = settings_hash(settings)
     out = cfg.resolved_out_dir()
     out.mkdir(parents=True, exist_ok=True)
+    lock = lock_out_dir(out)  # noqa: F841 (held until this process exits)
     check_out_dir(out, settings, cfg.overwrite)
 
     from transformers.utils import logging as hf_logging
@@ -500,7 +525,11 @@ def run(cfg: SweepConfig) -> Path:
     rpath = out / RESULTS
     done = {(r.get("dataset"), r.get("prompt_idx"), r.get("prompt_sha"), r.get("config"))
             for r in read_results(rpath, repair=True)}
-    jobs = [(ds, i, t, ids, s) for ds in cfg.datasets for (i, t, ids) in selected[ds] for s in specs]
+    # prompt-major and round-robin over datasets: a sweep stopped early (or still running) has
+    # every config on the same prompts and every dataset about equally far along, so its partial
+    # results already compare side by side
+    jobs = [(ds, *selected[ds][rank], s) for rank in range(max(len(v) for v in selected.values()))
+            for ds in cfg.datasets if rank < len(selected[ds]) for s in specs]
     todo = [j for j in jobs if (j[0], j[1], prompt_sha(j[2]), j[4].key) not in done]
     if todo and cfg.warmup:
         _warmup(pair, todo[0][3], specs, cfg, heads, draft_decoder)

@@ -177,6 +177,11 @@ def test_sweep_resume_and_report(inputs, tmp_path, monkeypatch, capsys):
     keys = [(r["dataset"], r["prompt_idx"], r["prompt_sha"], r["config"]) for r in rows]
     assert len(keys) == len(set(keys)) == 2 * 2 * len(grid)  # 2 datasets x 2 prompts x configs, no duplicate
     assert rows[:7] == first  # the rows before the interruption are kept as they were
+    # prompt-major, round-robin over datasets: a#0, b#0, a#1, b#1, each a block of the whole grid
+    blocks = [(r["dataset"], r["prompt_idx"]) for r in rows[::len(grid)]]
+    assert [d for d, _ in blocks] == [inputs["a"], inputs["b"]] * 2
+    assert all(len({(r["dataset"], r["prompt_idx"]) for r in rows[j:j + len(grid)]}) == 1
+               for j in range(0, len(rows), len(grid)))
     for ds in (inputs["a"], inputs["b"]):
         by_prompt = {}
         for r in rows:
@@ -227,3 +232,13 @@ def test_greedy_oracle(inputs, tmp_path):
     assert len({r["output_sha"] for r in rows}) == 1  # greedy: every method gives the target's output
     assert by["oracle"]["n_discarded"] == 0
     assert by["oracle"]["n_target_forwards"] <= by["fixed:k=2"]["n_target_forwards"]
+
+
+def test_second_sweep_on_same_out_dir_is_refused(tmp_path):
+    """Two sweeps appending to one results file would duplicate runs and slow each other's
+    timings; the second is refused with the holder's pid, and the lock dies with its holder."""
+    held = sweep.lock_out_dir(tmp_path)
+    with pytest.raises(UserError, match=rf"another sweep \(pid {__import__('os').getpid()}\) is writing to"):
+        sweep.lock_out_dir(tmp_path)
+    held.close()
+    sweep.lock_out_dir(tmp_path).close()  # free again

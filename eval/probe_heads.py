@@ -1,0 +1,165 @@
+"""Diagnostic: how well does each predictor of acceptance separate accepted from rejected draft
+tokens on a datagen split? The ceiling on what any stop policy can gain is set here.
+
+For every draft token Y_i of the split (loss positions, except a response's first, whose
+context state is the prompt's and is not stored) the target is P_i = min(1, p(Y_i)/q(Y_i)).
+Predictors:
+  constant        the split's mean P (the no-information baseline)
+  q(y), H(q)      the draft's own confidence in Y_i and its entropy at step i (the training-free
+                  rules), from the draft's LM head applied to the stored state e_{i-1}, with the
+                  datagen run's temperature/top-k/top-p
+  <head>          each acceptance head on its own input (token: e_i, context: e_{i-1})
+  logistic(...)   logistic regressions on combinations, fitted and scored by 2-fold cross
+                  validation inside the split (so they are honest about what the split allows)
+Scores: KL(P || p_hat) per token (Bernoulli, what training minimises), and AUC: the chance that
+a token with P_i >= 0.99 is ranked above one with P_i < 0.99 (not P_i = 1 exactly: where p and
+q nearly coincide, p/q lands a hair below 1 in floating point, and such a token is as good as
+accepted).
+
+    python eval/probe_heads.py --data runs/datagen/gsm8k --split dev --heads 'checkpoints/*'
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from adaptive_spec.heads import AcceptanceHead
+from adaptive_spec.models import load_model
+from adaptive_spec.sampling import SamplingParams, process_logits
+
+
+def load_split(root: Path, split: str, lm_head: torch.Tensor, params: SamplingParams, chunk: int = 512):
+    files = sorted((root / split).glob("*.safetensors"))
+    if not files:
+        raise SystemExit(f"error: {root / split} has no shards; run datagen first or pick another --split")
+    out = {"P": [], "ctx": [], "tok": [], "log_qy": [], "H": []}
+    for fn in files:
+        with safe_open(str(fn), "pt") as f:
+            if "features" not in f.keys():
+                raise SystemExit(f"error: {fn} has no stored features; regenerate with store_features=true")
+            g = {k: f.get_tensor(k) for k in ("loss_mask", "resp_offsets", "features", "y_ids", "accept_prob")}
+        mask = g["loss_mask"].bool()
+        starts = g["resp_offsets"][:-1]
+        first = torch.zeros(len(mask), dtype=torch.bool)
+        first[starts[starts < len(mask)]] = True
+        pos = (mask & ~first).nonzero().flatten()
+        ctx, y = g["features"][pos - 1], g["y_ids"][pos].long()
+        for s in range(0, len(pos), chunk):  # [chunk, V] float32 at a time: V = 151,936 is large
+            q = process_logits(ctx[s:s + chunk].to(lm_head.dtype) @ lm_head.T, params)
+            out["log_qy"].append(q.gather(1, y[s:s + chunk, None])[:, 0].clamp_min(1e-8).log())
+            out["H"].append(-(q * q.clamp_min(1e-30).log()).sum(-1))
+        out["P"].append(g["accept_prob"][pos].float())
+        out["ctx"].append(ctx)
+        out["tok"].append(g["features"][pos])
+    return {k: torch.cat(v) for k, v in out.items()}
+
+
+def bernoulli_kl(p_hat: torch.Tensor, t: torch.Tensor) -> float:
+    p, t = p_hat.clamp(1e-6, 1 - 1e-6), t.clamp(1e-6, 1 - 1e-6)
+    return (t * (t / p).log() + (1 - t) * ((1 - t) / (1 - p)).log()).mean().item()
+
+
+ACCEPTED = 0.99
+
+
+def auc(score: torch.Tensor, t: torch.Tensor) -> float:
+    """P(score of a P >= 0.99 token > score of a P < 0.99 token), ties counted half (rank sums)."""
+    pos = t >= ACCEPTED
+    n1, n0 = int(pos.sum()), int((~pos).sum())
+    if not n1 or not n0:
+        return float("nan")
+    order = score.double().argsort()
+    ranks = torch.empty(len(score), dtype=torch.float64)
+    ranks[order] = torch.arange(1, len(score) + 1, dtype=torch.float64)
+    s = score.double()  # average ranks over ties
+    uniq, inv = torch.unique(s, return_inverse=True)
+    mean_rank = torch.zeros(len(uniq), dtype=torch.float64).index_add_(0, inv, ranks) / torch.bincount(inv).double()
+    ranks = mean_rank[inv]
+    return ((ranks[pos].sum() - n1 * (n1 + 1) / 2) / (n1 * n0)).item()
+
+
+def cv_logistic(X: torch.Tensor, t: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """Out-of-fold predictions of a logistic regression (soft targets), 2 folds."""
+    n = len(t)
+    idx = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    folds = [idx[: n // 2], idx[n // 2:]]
+    pred = torch.empty(n)
+    for a, b in (folds, folds[::-1]):
+        mu, sd = X[a].mean(0), X[a].std(0) + 1e-6
+        w = torch.zeros(X.shape[1], requires_grad=True)
+        b0 = torch.zeros(1, requires_grad=True)
+        opt = torch.optim.LBFGS([w, b0], max_iter=200)
+        Xa = (X[a] - mu) / sd
+
+        def closure():
+            opt.zero_grad()
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(Xa @ w + b0, t[a])
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        with torch.no_grad():
+            pred[b] = torch.sigmoid(((X[b] - mu) / sd) @ w + b0)
+    return pred
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", default="runs/datagen/gsm8k")
+    ap.add_argument("--split", default="dev")
+    ap.add_argument("--heads", nargs="*", default=["checkpoints/*"], help="head folders or globs")
+    ap.add_argument("--out", default="eval/results/probe_heads")
+    args = ap.parse_args(argv)
+    root = Path(args.data)
+    manifest = json.loads((root / "manifest.json").read_text())
+    c = manifest["config"]
+    params = SamplingParams(c["temperature"], c["top_k"], c["top_p"])
+    draft, _ = load_model(c["draft"], "draft", c["dtype"], "cpu", pack=False)
+    lm_head = draft.get_output_embeddings().weight.detach()
+    with torch.inference_mode():
+        d = load_split(root, args.split, lm_head, params)
+    del draft
+    P = d["P"]
+    # (name, score, is the score a probability of acceptance, so that KL applies)
+    rows = [("constant (mean P)", torch.full_like(P, P.mean().item()), True),
+            ("draft confidence q(y)", d["log_qy"].exp(), False), ("draft entropy -H(q)", -d["H"], False)]
+    logits = {}
+    for pat in args.heads:
+        for folder in sorted(glob.glob(pat)):
+            if not (Path(folder) / "config.json").is_file():
+                continue
+            head = AcceptanceHead.from_pretrained(folder).float()
+            with torch.inference_mode():
+                z = head(d["ctx" if head.feature == "context" else "tok"].float())
+            logits[Path(folder).name] = z
+            rows.append((f"head {Path(folder).name} ({head.feature})", torch.sigmoid(z), True))
+    qf = torch.stack([d["log_qy"], d["H"]], 1)
+    rows.append(("logistic(q(y), H)", cv_logistic(qf, P), True))
+    for name, z in logits.items():
+        rows.append((f"logistic(q(y), H, {name})", cv_logistic(torch.cat([qf, z[:, None]], 1), P), True))
+    if len(logits) > 1:
+        allz = torch.cat([qf] + [z[:, None] for z in logits.values()], 1)
+        rows.append(("logistic(q(y), H, all heads)", cv_logistic(allz, P), True))
+    res = [{"predictor": n, "kl": bernoulli_kl(p, P) if is_prob else None, "auc": auc(p, P)} for n, p, is_prob in rows]
+    lines = [f"{args.data} {args.split}: {len(P)} draft tokens, mean P {P.mean():.3f}, "
+             f"{(P >= ACCEPTED).float().mean():.1%} with P >= {ACCEPTED}; sampling T={params.temperature} "
+             f"top-k {params.top_k} top-p {params.top_p}", "",
+             f"| predictor | KL(P‖p̂) per token | AUC (P ≥ {ACCEPTED} vs P < {ACCEPTED}) |", "|---|---|---|"]
+    lines += [f"| {r['predictor']} | {'–' if r['kl'] is None else format(r['kl'], '.4f')} | {r['auc']:.4f} |"
+              for r in res]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"data": args.data, "split": args.split, "n": len(P),
+                                                   "rows": res}, indent=1) + "\n")
+    (out / "table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
