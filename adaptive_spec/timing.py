@@ -32,7 +32,7 @@ class ForwardFit:
 
     t_draft: float | None
     t_target: float | None
-    r2: float  # centred R^2 of the fit (nan for fewer than 2 rows or constant T)
+    r2: float  # centred R^2 of the fit (nan for fewer than 2 rows, constant T, or identical counts in every row)
     n_rows: int
     rank_ok: bool = True  # False: the columns were collinear (e.g. a single fixed K), t's not identified
 
@@ -68,7 +68,10 @@ def fit_forward_times(rows: Iterable[Sequence[float]]) -> ForwardFit:
     t = [None, None]
     for j, c in zip(used, coef):
         t[j] = float(c)
-    return ForwardFit(t[0], t[1], _r2(y, Xu @ coef), len(a), bool(rank == len(used)))
+    # with the same counts in every row (e.g. every target-only run made 128 tokens) the fit is a
+    # mean and explains no variance by construction: R^2 would read 0, which is not a finding
+    r2 = float("nan") if np.all(np.ptp(Xu, axis=0) == 0) else _r2(y, Xu @ coef)
+    return ForwardFit(t[0], t[1], r2, len(a), bool(rank == len(used)))
 
 
 def fit_standalone(counts: Iterable[float], times: Iterable[float]) -> tuple[float | None, float, int]:
