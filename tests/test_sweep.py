@@ -1,5 +1,7 @@
 """Prompt sets and `adaptive-spec sweep` end to end on tiny random models: rows, resume, errors."""
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -238,7 +240,16 @@ def test_second_sweep_on_same_out_dir_is_refused(tmp_path):
     """Two sweeps appending to one results file would duplicate runs and slow each other's
     timings; the second is refused with the holder's pid, and the lock dies with its holder."""
     held = sweep.lock_out_dir(tmp_path)
-    with pytest.raises(UserError, match=rf"another sweep \(pid {__import__('os').getpid()}\) is writing to"):
+    with pytest.raises(UserError, match=rf"another sweep \(pid {os.getpid()}\) is writing to"):
         sweep.lock_out_dir(tmp_path)
     held.close()
     sweep.lock_out_dir(tmp_path).close()  # free again
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "configs" / "sweep").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_shipped_sweep_configs_load(path):
+    cfg = load_config(SweepConfig, str(path))
+    cfg.validate()
+    specs, _ = sweep.build_grid(cfg, ["head"] if cfg.heads else [])
+    assert specs and len({s.key for s in specs}) == len(specs)  # a non-empty grid, no config twice
