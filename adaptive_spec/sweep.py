@@ -520,7 +520,7 @@ def run(cfg: SweepConfig) -> Path:
     (out / "config.json").write_text(json.dumps({
         "config": config_to_dict(cfg), "grid": [s.key for s in specs], "notes": notes, "device": device,
         "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
-        "cpu_pad_to": {role: list(getattr(m.model, "cpu_pad_to", ()) or ()) for role, m in
+        "cpu_pad_to": {role: list(getattr(m.model, "cpu_pad_to", ())) for role, m in
                        (("target", pair.target), ("draft", pair.draft)) if m is not None},
         "written": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=2) + "\n")
 

@@ -236,6 +236,15 @@ def read_small(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
     return out
 
 
+def response_starts(resp_offsets: torch.Tensor, n: int) -> torch.Tensor:
+    """[n] bool: True at each response's first position. Its context state (that produced q_1)
+    is the prompt's last, which datagen does not store, so context features skip it."""
+    starts = resp_offsets.long()[:-1]
+    first = torch.zeros(n, dtype=torch.bool)
+    first[starts[starts < n]] = True
+    return first
+
+
 class PositionSet(torch.utils.data.Dataset):
     """Training positions: features of row `row[i]` of shard `shard[i]`, target `target[i]`.
 
@@ -306,10 +315,7 @@ def load_split(cfg: TrainConfig, manifest: dict, split: str, accelerator) -> Pos
         if cfg.feature == "context":
             # Y_i scored from the state after Z_{i-1}, which never contains Y_i: every position but
             # a response's first (whose context is the prompt's last state, not stored) is usable.
-            starts = small["resp_offsets"].long()[:-1]
-            first = torch.zeros(len(mask), dtype=torch.bool)
-            first[starts[starts < len(mask)]] = True
-            pos = (~first).nonzero().flatten()
+            pos = (~response_starts(small["resp_offsets"], len(mask))).nonzero().flatten()
             feat_rows = pos - 1
         else:
             pos = mask.nonzero().flatten()  # Z_i came from Y_i: its own state is the head's input

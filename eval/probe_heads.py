@@ -26,28 +26,27 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from adaptive_spec.heads import AcceptanceHead
 from adaptive_spec.models import load_model
 from adaptive_spec.sampling import SamplingParams, process_logits
+from adaptive_spec.training import binary_kl, mmap_tensor, read_small, response_starts
 
 
-def load_split(root: Path, split: str, lm_head: torch.Tensor, params: SamplingParams, chunk: int = 512):
-    files = sorted((root / split).glob("*.safetensors"))
-    if not files:
-        raise SystemExit(f"error: {root / split} has no shards; run datagen first or pick another --split")
+def load_split(root: Path, manifest: dict, split: str, lm_head: torch.Tensor, params: SamplingParams,
+               chunk: int = 512):
+    shards = ((manifest.get("splits") or {}).get(split) or {}).get("shards") or []
+    if not shards:
+        raise SystemExit(f"error: {root} has no {split} shards; run datagen first or pick another --split")
     out = {"P": [], "ctx": [], "tok": [], "log_qy": [], "H": []}
-    for fn in files:
-        with safe_open(str(fn), "pt") as f:
-            if "features" not in f.keys():
-                raise SystemExit(f"error: {fn} has no stored features; regenerate with store_features=true")
-            g = {k: f.get_tensor(k) for k in ("loss_mask", "resp_offsets", "features", "y_ids", "accept_prob")}
+    for shard in shards:
+        fn = root / shard["file"]
+        g = read_small(fn, ["loss_mask", "resp_offsets", "y_ids", "accept_prob"])
+        if not bool(g["_has_features"]):
+            raise SystemExit(f"error: {fn} has no stored features; regenerate with store_features=true")
+        g["features"] = mmap_tensor(fn, "features")
         mask = g["loss_mask"].bool()
-        starts = g["resp_offsets"][:-1]
-        first = torch.zeros(len(mask), dtype=torch.bool)
-        first[starts[starts < len(mask)]] = True
-        pos = (mask & ~first).nonzero().flatten()
+        pos = (mask & ~response_starts(g["resp_offsets"], len(mask))).nonzero().flatten()
         ctx, y = g["features"][pos - 1], g["y_ids"][pos].long()
         for s in range(0, len(pos), chunk):  # [chunk, V] float32 at a time: V = 151,936 is large
             q = process_logits(ctx[s:s + chunk].to(lm_head.dtype) @ lm_head.T, params)
@@ -57,11 +56,6 @@ def load_split(root: Path, split: str, lm_head: torch.Tensor, params: SamplingPa
         out["ctx"].append(ctx)
         out["tok"].append(g["features"][pos])
     return {k: torch.cat(v) for k, v in out.items()}
-
-
-def bernoulli_kl(p_hat: torch.Tensor, t: torch.Tensor) -> float:
-    p, t = p_hat.clamp(1e-6, 1 - 1e-6), t.clamp(1e-6, 1 - 1e-6)
-    return (t * (t / p).log() + (1 - t) * ((1 - t) / (1 - p)).log()).mean().item()
 
 
 ACCEPTED = 0.99
@@ -84,7 +78,7 @@ def auc(score: torch.Tensor, t: torch.Tensor) -> float:
 
 
 def cv_logistic(X: torch.Tensor, t: torch.Tensor, seed: int = 0) -> torch.Tensor:
-    """Out-of-fold predictions of a logistic regression (soft targets), 2 folds."""
+    """Out-of-fold logits of a logistic regression (soft targets), 2 folds."""
     n = len(t)
     idx = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     folds = [idx[: n // 2], idx[n // 2:]]
@@ -104,7 +98,7 @@ def cv_logistic(X: torch.Tensor, t: torch.Tensor, seed: int = 0) -> torch.Tensor
 
         opt.step(closure)
         with torch.no_grad():
-            pred[b] = torch.sigmoid(((X[b] - mu) / sd) @ w + b0)
+            pred[b] = ((X[b] - mu) / sd) @ w + b0
     return pred
 
 
@@ -122,11 +116,12 @@ def main(argv=None) -> int:
     draft, _ = load_model(c["draft"], "draft", c["dtype"], "cpu", pack=False)
     lm_head = draft.get_output_embeddings().weight.detach()
     with torch.inference_mode():
-        d = load_split(root, args.split, lm_head, params)
+        d = load_split(root, manifest, args.split, lm_head, params)
     del draft
     P = d["P"]
-    # (name, score, is the score a probability of acceptance, so that KL applies)
-    rows = [("constant (mean P)", torch.full_like(P, P.mean().item()), True),
+    # (name, score, is the score a logit of the acceptance probability, so that KL applies);
+    # AUC needs only the order, which a logit keeps
+    rows = [("constant (mean P)", torch.full_like(P, torch.logit(P.mean()).item()), True),
             ("draft confidence q(y)", d["log_qy"].exp(), False), ("draft entropy -H(q)", -d["H"], False)]
     logits = {}
     for pat in args.heads:
@@ -137,7 +132,7 @@ def main(argv=None) -> int:
             with torch.inference_mode():
                 z = head(d["ctx" if head.feature == "context" else "tok"].float())
             logits[Path(folder).name] = z
-            rows.append((f"head {Path(folder).name} ({head.feature})", torch.sigmoid(z), True))
+            rows.append((f"head {Path(folder).name} ({head.feature})", z, True))
     qf = torch.stack([d["log_qy"], d["H"]], 1)
     rows.append(("logistic(q(y), H)", cv_logistic(qf, P), True))
     for name, z in logits.items():
@@ -145,7 +140,8 @@ def main(argv=None) -> int:
     if len(logits) > 1:
         allz = torch.cat([qf] + [z[:, None] for z in logits.values()], 1)
         rows.append(("logistic(q(y), H, all heads)", cv_logistic(allz, P), True))
-    res = [{"predictor": n, "kl": bernoulli_kl(p, P) if is_prob else None, "auc": auc(p, P)} for n, p, is_prob in rows]
+    res = [{"predictor": n, "kl": binary_kl(P, z).mean().item() if is_logit else None, "auc": auc(z, P)}
+           for n, z, is_logit in rows]
     lines = [f"{args.data} {args.split}: {len(P)} draft tokens, mean P {P.mean():.3f}, "
              f"{(P >= ACCEPTED).float().mean():.1%} with P >= {ACCEPTED}; sampling T={params.temperature} "
              f"top-k {params.top_k} top-p {params.top_p}", "",
