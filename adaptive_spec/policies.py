@@ -239,15 +239,24 @@ class HindsightOracle(StopPolicy):
         self.k_max = k_max
 
     @classmethod
-    def from_pair(cls, pair, prompt_ids: list[int], max_new_tokens: int, k_max: int = 10_000):
+    def from_pair(cls, pair, prompt_ids: list[int], max_new_tokens: int, k_max: int = 10_000,
+                  target_output: list[int] | None = None):
+        """`target_output`: X when the caller already has it (the target's greedy output for this
+        prompt and max_new_tokens, e.g. from a target-alone run), which saves a target decode."""
         import torch
 
         from .decoding import Decoder
         from .models import CausalLM
         from .sampling import SamplingParams
 
-        dec = Decoder(pair.target, None, eos_token_ids=pair.eos_token_ids)
-        x = dec.generate(prompt_ids, max_new_tokens=max_new_tokens, sampling=SamplingParams(0.0)).token_ids
+        if target_output is not None:
+            x = list(target_output)
+            if not x or len(x) > max_new_tokens:
+                raise UserError(f"target_output has {len(x)} tokens; the oracle needs the target's greedy "
+                                f"output of 1..max_new_tokens={max_new_tokens} tokens for this prompt")
+        else:
+            dec = Decoder(pair.target, None, eos_token_ids=pair.eos_token_ids)
+            x = dec.generate(prompt_ids, max_new_tokens=max_new_tokens, sampling=SamplingParams(0.0)).token_ids
         draft = CausalLM(pair.draft.model, pair.draft.vocab_size)
         ids = torch.tensor(list(prompt_ids) + x, device=draft.device)
         logits, _ = draft.forward(ids, n_logits=len(x) + 1)
@@ -303,9 +312,10 @@ def _make_heuristic(k=None, k_max: int = 20, **_):
 
 
 @register("oracle")
-def _make_oracle(pair=None, prompt_ids=None, sampling=None, max_new_tokens: int = 128, k_max: int = 10_000, **_):
+def _make_oracle(pair=None, prompt_ids=None, sampling=None, max_new_tokens: int = 128, k_max: int = 10_000,
+                 target_output=None, **_):
     if sampling is not None and not sampling.greedy:
         raise UserError("the hindsight oracle is defined for greedy decoding; use --temperature 0")
     if pair is None or prompt_ids is None:
         raise UserError("the oracle policy needs the model pair and the prompt (use SpecPair.generate)")
-    return HindsightOracle.from_pair(pair, prompt_ids, max_new_tokens, k_max)
+    return HindsightOracle.from_pair(pair, prompt_ids, max_new_tokens, k_max, target_output=target_output)

@@ -407,8 +407,9 @@ def hf_schedule_note(draft_model) -> str:
 
 
 def run_one(pair, spec: RunSpec, ids: list[int], cfg: SweepConfig, seed: int, heads: dict, draft_decoder,
-            max_new_tokens: int | None = None):
-    """(Metrics, stopped_by, new token ids) of one configuration on one prompt."""
+            max_new_tokens: int | None = None, target_output: list[int] | None = None):
+    """(Metrics, stopped_by, new token ids) of one configuration on one prompt. `target_output`:
+    the target's greedy output on this prompt, when known, for the oracle (saves a decode)."""
     from .sampling import SamplingParams
 
     mnt = max_new_tokens or cfg.max_new_tokens
@@ -425,6 +426,8 @@ def run_one(pair, spec: RunSpec, ids: list[int], cfg: SweepConfig, seed: int, he
         return m, g.stopped_by, g.token_ids
     if spec.method in ("ar", "heuristic", "oracle"):
         kw = {"k_max": cfg.k_max} if spec.method == "heuristic" else {}
+        if spec.method == "oracle" and target_output is not None:
+            kw["target_output"] = target_output
         g = pair.generate(ids, policy=spec.method, **samp, **kw)
     elif spec.method == "fixed":
         g = pair.generate(ids, policy="fixed", k=p["k"], **samp)
@@ -517,12 +520,14 @@ def run(cfg: SweepConfig) -> Path:
     (out / "prompts.json").write_text(json.dumps(prompt_log, indent=1) + "\n")
     import transformers
 
+    # the CPU padding is measured at each load, so a resumed sweep may run with another one:
+    # config.json has this session's, and every row carries the one it ran with
+    cpu_pad_to = {role: list(getattr(m.model, "cpu_pad_to", ())) for role, m in
+                  (("target", pair.target), ("draft", pair.draft)) if m is not None}
     (out / "config.json").write_text(json.dumps({
         "config": config_to_dict(cfg), "grid": [s.key for s in specs], "notes": notes, "device": device,
         "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
-        "cpu_pad_to": {role: list(getattr(m.model, "cpu_pad_to", ())) for role, m in
-                       (("target", pair.target), ("draft", pair.draft)) if m is not None},
-        "written": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=2) + "\n")
+        "cpu_pad_to": cpu_pad_to, "written": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=2) + "\n")
 
     rpath = out / RESULTS
     done = {(r.get("dataset"), r.get("prompt_idx"), r.get("prompt_sha"), r.get("config"))
@@ -540,14 +545,19 @@ def run(cfg: SweepConfig) -> Path:
 
     bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="sweep", unit="run", dynamic_ncols=True,
                disable=not cfg.progress, file=sys.stderr)
+    greedy_x = {}  # (dataset, prompt) -> the target-alone greedy output, the oracle's X (Theorem 4.1)
     try:
         for ds, i, text, ids, spec in todo:
             seed = cfg.seed * 100_003 + i
-            m, stopped, new = run_one(pair, spec, ids, cfg, seed, heads, draft_decoder)
+            m, stopped, new = run_one(pair, spec, ids, cfg, seed, heads, draft_decoder,
+                                      target_output=greedy_x.pop((ds, i), None) if spec.method == "oracle" else None)
+            if spec.method == "ar" and cfg.temperature == 0:
+                greedy_x[(ds, i)] = new
             row = {"dataset": ds, "prompt_idx": i, "prompt_sha": prompt_sha(text), "n_prompt_tokens": len(ids),
                    **spec.row_fields(), "seed": seed, "stopped_by": stopped,
                    "output_sha": prompt_sha(json.dumps(new)), **m.to_dict(),
-                   "counts_derived": spec.method == "hf_assisted", "settings_hash": shash, "time": time.time()}
+                   "counts_derived": spec.method == "hf_assisted", "settings_hash": shash, "cpu_pad_to": cpu_pad_to,
+                   "time": time.time()}
             append_jsonl(rpath, row)
             bar.update(1)
             bar.set_postfix_str(f"{Path(ds).stem} #{i} {spec.key} {m.tokens_per_s:.1f} tok/s", refresh=False)

@@ -6,6 +6,7 @@ import torch
 
 from adaptive_spec.cli import main
 from adaptive_spec.decoding import Decoder
+from adaptive_spec.errors import UserError
 from adaptive_spec.heads import AcceptanceHead
 from adaptive_spec.models import CausalLM
 from adaptive_spec.pipeline import SpecPair
@@ -173,6 +174,18 @@ def test_oracle_reaches_theorem_4_1(tiny_pair):
     for k in (1, 2, 4, 8):
         assert sp.generate(ids, policy="fixed", k=k, temperature=0, max_new_tokens=40).metrics.n_target_forwards \
             >= m.n_target_forwards
+    # X handed in (as the sweep does from its target-alone run) gives the same oracle, no target decode
+    calls = []
+    real = Decoder.generate
+    Decoder.generate = lambda self, *a, **kw: calls.append(self.draft) or real(self, *a, **kw)
+    try:
+        g2 = sp.generate(ids, policy="oracle", temperature=0, max_new_tokens=40, target_output=x)
+    finally:
+        Decoder.generate = real
+    assert len(calls) == 1  # only the oracle's own speculative decode, no hindsight target decode
+    assert g2.token_ids == x and g2.metrics.n_target_forwards == m.n_target_forwards
+    with pytest.raises(UserError, match="target_output has 0 tokens"):
+        sp.generate(ids, policy="oracle", temperature=0, max_new_tokens=40, target_output=[])
 
 
 def test_oracle_refuses_sampling(tiny_pair, capsys):

@@ -205,6 +205,8 @@ def test_sweep_resume_and_report(inputs, tmp_path, monkeypatch, capsys):
     assert {r["h"] for r in rows if r["method"] == "learned"} == {0.3, 0.7}
     saved = json.loads((out / "heads.json").read_text())["d1-wrej6"]
     assert saved["w_rej"] == 6 and saved["metrics"]["dev_kl"] == 0.58 and saved["depth"] == 1
+    pad = json.loads((out / "config.json").read_text())["cpu_pad_to"]
+    assert set(pad) == {"target", "draft"} and all(r["cpu_pad_to"] == pad for r in rows)
     prompts = json.loads((out / "prompts.json").read_text())
     assert [p["text"] for p in prompts[inputs["a"]]] == load_prompts(inputs["a"], "text", n=2)
 
@@ -224,12 +226,20 @@ def test_sweep_resume_and_report(inputs, tmp_path, monkeypatch, capsys):
         assert title in md
 
 
-def test_greedy_oracle(inputs, tmp_path):
+def test_greedy_oracle(inputs, tmp_path, monkeypatch):
+    from adaptive_spec.policies import HindsightOracle
+
+    handed = []
+    real = HindsightOracle.from_pair.__func__
+    monkeypatch.setattr(HindsightOracle, "from_pair", classmethod(
+        lambda cls, *a, **kw: handed.append(kw.get("target_output")) or real(cls, *a, **kw)))
     cfg = load_config(SweepConfig, None, overrides(
         inputs, tmp_path / "g", datasets=f"[{inputs['a']}]", n_prompts=1, temperature=0, ks="[2]", heads="[]",
         confidence_taus="[]", heuristic="false", hf_assisted="false", include_draft_ar="false", oracle="true"))
     rows = read_rows(sweep.run(cfg))
     by = {r["config"]: r for r in rows}
+    # the oracle's X is the target-alone run's output, not a second target decode
+    assert len(handed) == 1 and handed[0] is not None and sweep.prompt_sha(json.dumps(handed[0])) == by["ar"]["output_sha"]
     assert set(by) == {"ar", "fixed:k=2", "oracle"}
     assert len({r["output_sha"] for r in rows}) == 1  # greedy: every method gives the target's output
     assert by["oracle"]["n_discarded"] == 0
