@@ -20,6 +20,7 @@ generation.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -230,44 +231,85 @@ class HindsightOracle(StopPolicy):
 
     X and Y are computed before generation (not timed): X by greedy target decoding, Y by
     one teacher-forced draft pass over prompt + X.
+
+    Why it re-derives: in bf16 a one-row target step (how X is made) and a (K+1)-row verify
+    round round differently, so at a near-tie (one bf16 ulp) the speculative output can leave X.
+    From there the precomputed agreement list describes another sequence and the oracle would
+    over-draft. So each round checks its new tokens against X; after a divergence, X and Y are
+    derived again from the tokens actually produced (with separate caches, so the running
+    decode is untouched). That hindsight work is not timed: it goes to `Metrics.hindsight_s`,
+    which the decoder keeps out of wall_s.
     """
 
     name = "oracle"
 
-    def __init__(self, agree: list[bool], k_max: int = 10_000):
-        self.agree = agree  # agree[j]: the draft's greedy token at new position j equals X_j
+    def __init__(self, agree: list[bool], k_max: int = 10_000, x: list[int] | None = None):
+        self.agree0 = list(agree)  # agree[j]: the draft's greedy token at new position j equals X_j
+        self.x0 = None if x is None else list(x)  # X; None: no divergence check
         self.k_max = k_max
+        self.reset()
 
-    @classmethod
-    def from_pair(cls, pair, prompt_ids: list[int], max_new_tokens: int, k_max: int = 10_000,
-                  target_output: list[int] | None = None):
-        """`target_output`: X when the caller already has it (the target's greedy output for this
-        prompt and max_new_tokens, e.g. from a target-alone run), which saves a target decode."""
+    def reset(self) -> None:
+        self.agree = list(self.agree0)
+        self.x = None if self.x0 is None else list(self.x0)
+        self.stale = False
+        self.n_rederived = 0
+
+    @staticmethod
+    def agreement(target, draft, prefix: list[int], max_new_tokens: int, eos_token_ids=(),
+                  x: list[int] | None = None) -> tuple[list[int], list[bool]]:
+        """(X, agree) after `prefix`: X the target's greedy continuation (unless given), agree[j]
+        whether the draft's teacher-forced greedy token at X's position j equals X_j. Runs on
+        fresh wrappers of the models' weights, never on `target`'s or `draft`'s own caches."""
         import torch
 
         from .decoding import Decoder
         from .models import CausalLM
         from .sampling import SamplingParams
 
-        if target_output is not None:
-            x = list(target_output)
-            if not x or len(x) > max_new_tokens:
-                raise UserError(f"target_output has {len(x)} tokens; the oracle needs the target's greedy "
-                                f"output of 1..max_new_tokens={max_new_tokens} tokens for this prompt")
-        else:
-            dec = Decoder(pair.target, None, eos_token_ids=pair.eos_token_ids)
-            x = dec.generate(prompt_ids, max_new_tokens=max_new_tokens, sampling=SamplingParams(0.0)).token_ids
-        draft = CausalLM(pair.draft.model, pair.draft.vocab_size)
-        ids = torch.tensor(list(prompt_ids) + x, device=draft.device)
-        logits, _ = draft.forward(ids, n_logits=len(x) + 1)
+        if x is None:
+            dec = Decoder(CausalLM(target.model, target.vocab_size), None, eos_token_ids=eos_token_ids)
+            x = dec.generate(prefix, max_new_tokens=max_new_tokens, sampling=SamplingParams(0.0)).token_ids
+        lm = CausalLM(draft.model, draft.vocab_size)
+        logits, _ = lm.forward(torch.tensor(list(prefix) + x, device=lm.device), n_logits=len(x) + 1)
         y = logits.argmax(-1).tolist()  # y[j] = draft's greedy token for new position j
-        return cls([y[j] == x[j] for j in range(len(x))], k_max)
+        return x, [y[j] == x[j] for j in range(len(x))]
+
+    @classmethod
+    def from_pair(cls, pair, prompt_ids: list[int], max_new_tokens: int, k_max: int = 10_000,
+                  target_output: list[int] | None = None):
+        """`target_output`: X when the caller already has it (the target's greedy output for this
+        prompt and max_new_tokens, e.g. from a target-alone run), which saves a target decode."""
+        if target_output is not None:
+            target_output = list(target_output)
+            if not target_output or len(target_output) > max_new_tokens:
+                raise UserError(f"target_output has {len(target_output)} tokens; the oracle needs the target's "
+                                f"greedy output of 1..max_new_tokens={max_new_tokens} tokens for this prompt")
+        x, agree = cls.agreement(pair.target, pair.draft, prompt_ids, max_new_tokens, pair.eos_token_ids,
+                                 x=target_output)
+        return cls(agree, k_max, x=x)
 
     def begin_round(self, pos: int) -> int:
         k = 0
         while pos + k < len(self.agree) and self.agree[pos + k] and k < self.k_max:
             k += 1
         return k
+
+    def run_round(self, dec, seq, pos, remaining, sampling, gen, met, hist) -> list[int]:
+        if self.stale:
+            t0 = time.perf_counter()
+            # seq = prompt + the pos tokens produced so far; X and Y are rebuilt after it
+            x, agree = self.agreement(dec.target, dec.draft, seq.tolist(), remaining, dec.eos)
+            self.x, self.agree = self.x[:pos] + x, self.agree[:pos] + agree
+            self.stale = False
+            self.n_rederived += 1
+            met.hindsight_s += time.perf_counter() - t0
+        new = dec._round(seq, pos, remaining, sampling, self, gen, met, hist)
+        # compared before the decoder's EOS cut: X stops at EOS too, so a longer `new` only
+        # marks stale a generation that is ending anyway
+        if self.x is not None and new != self.x[pos:pos + len(new)]:
+            self.stale = True
+        return new
 
     def describe(self) -> dict:
         return {"policy": self.name}

@@ -426,7 +426,7 @@ def run_one(pair, spec: RunSpec, ids: list[int], cfg: SweepConfig, seed: int, he
         return m, g.stopped_by, g.token_ids
     if spec.method in ("ar", "heuristic", "oracle"):
         kw = {"k_max": cfg.k_max} if spec.method == "heuristic" else {}
-        if spec.method == "oracle" and target_output is not None:
+        if spec.method == "oracle":
             kw["target_output"] = target_output
         g = pair.generate(ids, policy=spec.method, **samp, **kw)
     elif spec.method == "fixed":
@@ -546,12 +546,13 @@ def run(cfg: SweepConfig) -> Path:
     bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="sweep", unit="run", dynamic_ncols=True,
                disable=not cfg.progress, file=sys.stderr)
     greedy_x = {}  # (dataset, prompt) -> the target-alone greedy output, the oracle's X (Theorem 4.1)
+    keep_x = any(s.method == "oracle" for s in specs)  # build_grid adds the oracle only when greedy
     try:
         for ds, i, text, ids, spec in todo:
             seed = cfg.seed * 100_003 + i
             m, stopped, new = run_one(pair, spec, ids, cfg, seed, heads, draft_decoder,
                                       target_output=greedy_x.pop((ds, i), None) if spec.method == "oracle" else None)
-            if spec.method == "ar" and cfg.temperature == 0:
+            if spec.method == "ar" and keep_x:
                 greedy_x[(ds, i)] = new
             row = {"dataset": ds, "prompt_idx": i, "prompt_sha": prompt_sha(text), "n_prompt_tokens": len(ids),
                    **spec.row_fields(), "seed": seed, "stopped_by": stopped,

@@ -188,6 +188,31 @@ def test_oracle_reaches_theorem_4_1(tiny_pair):
         sp.generate(ids, policy="oracle", temperature=0, max_new_tokens=40, target_output=[])
 
 
+def test_oracle_rederives_after_divergence(tiny_pair):
+    """If the output leaves X (in bf16: a near-tie that a verify round rounds the other way),
+    the oracle must re-derive X and Y from the tokens produced, not over-draft on a stale list.
+    Simulated exactly in fp32 by handing in an X that is wrong from position j on."""
+    sp = SpecPair.load(target=str(tiny_pair[1]), draft=str(tiny_pair[0]), dtype="fp32", device="cpu")
+    ids = sp.encode("abcab")
+    x = sp.generate(ids, policy="ar", temperature=0, max_new_tokens=40).token_ids
+    j = len(x) // 2
+    lm = CausalLM(sp.draft.model)
+    y_j = int(lm.forward(torch.tensor(ids + x[:j]), n_logits=1)[0][0].argmax())
+    # a wrong X_j that the draft does not propose, and a tail that belongs to no real sequence
+    wrong = next(t for t in range(sp.target.vocab_size) if t not in (x[j], y_j))
+    bad_x = x[:j] + [wrong] + [(t + 7) % sp.target.vocab_size for t in x[j + 1:]]
+    g = sp.generate(ids, policy="oracle", temperature=0, max_new_tokens=40, target_output=bad_x)
+    assert g.token_ids == x  # verification keeps the output exact whatever the oracle believes
+    m = g.metrics
+    assert m.n_discarded == 0  # the round reaching j stops before it (agree[j] is False); then X is rebuilt
+    assert m.hindsight_s > 0
+    # the re-derived oracle is the true one from j on: one target pass per disagreement, plus
+    # at most one extra round (the one that ended at j)
+    ref = sp.generate(ids, policy="oracle", temperature=0, max_new_tokens=40, target_output=x).metrics
+    assert ref.hindsight_s == 0 and ref.n_discarded == 0
+    assert ref.n_target_forwards <= m.n_target_forwards <= ref.n_target_forwards + 1
+
+
 def test_oracle_refuses_sampling(tiny_pair, capsys):
     code = main(["generate", "--prompt", "ab", "--draft", str(tiny_pair[0]), "--target", str(tiny_pair[1]),
                  "--dtype", "fp32", "--policy", "oracle", "--temperature", "1"])
