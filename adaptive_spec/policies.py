@@ -253,7 +253,6 @@ class HindsightOracle(StopPolicy):
         self.agree = list(self.agree0)
         self.x = None if self.x0 is None else list(self.x0)
         self.stale = False
-        self.n_rederived = 0
 
     @staticmethod
     def agreement(target, draft, prefix: list[int], max_new_tokens: int, eos_token_ids=(),
@@ -261,8 +260,6 @@ class HindsightOracle(StopPolicy):
         """(X, agree) after `prefix`: X the target's greedy continuation (unless given), agree[j]
         whether the draft's teacher-forced greedy token at X's position j equals X_j. Runs on
         fresh wrappers of the models' weights, never on `target`'s or `draft`'s own caches."""
-        import torch
-
         from .decoding import Decoder
         from .models import CausalLM
         from .sampling import SamplingParams
@@ -302,7 +299,6 @@ class HindsightOracle(StopPolicy):
             x, agree = self.agreement(dec.target, dec.draft, seq.tolist(), remaining, dec.eos)
             self.x, self.agree = self.x[:pos] + x, self.agree[:pos] + agree
             self.stale = False
-            self.n_rederived += 1
             met.hindsight_s += time.perf_counter() - t0
         new = dec._round(seq, pos, remaining, sampling, self, gen, met, hist)
         # compared before the decoder's EOS cut: X stops at EOS too, so a longer `new` only

@@ -154,7 +154,7 @@ def test_heuristic_schedule():
     assert pol.begin_round(0) == 1
 
 
-def test_oracle_reaches_theorem_4_1(tiny_pair):
+def test_oracle_reaches_theorem_4_1(tiny_pair, monkeypatch):
     """Greedy oracle: same output as the target, zero discards, one target pass per
     disagreement (plus the last round)."""
     sp = SpecPair.load(target=str(tiny_pair[1]), draft=str(tiny_pair[0]), dtype="fp32", device="cpu")
@@ -177,11 +177,9 @@ def test_oracle_reaches_theorem_4_1(tiny_pair):
     # X handed in (as the sweep does from its target-alone run) gives the same oracle, no target decode
     calls = []
     real = Decoder.generate
-    Decoder.generate = lambda self, *a, **kw: calls.append(self.draft) or real(self, *a, **kw)
-    try:
-        g2 = sp.generate(ids, policy="oracle", temperature=0, max_new_tokens=40, target_output=x)
-    finally:
-        Decoder.generate = real
+    monkeypatch.setattr(Decoder, "generate", lambda self, *a, **kw: calls.append(self.draft) or real(self, *a, **kw))
+    g2 = sp.generate(ids, policy="oracle", temperature=0, max_new_tokens=40, target_output=x)
+    monkeypatch.undo()
     assert len(calls) == 1  # only the oracle's own speculative decode, no hindsight target decode
     assert g2.token_ids == x and g2.metrics.n_target_forwards == m.n_target_forwards
     with pytest.raises(UserError, match="target_output has 0 tokens"):
