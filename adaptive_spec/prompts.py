@@ -10,11 +10,13 @@
 
 The list is shuffled with `random.Random(seed)` and cut to the first n, so every run and every
 decoding configuration sees the same prompts in the same order. Relative paths are tried from the
-working directory first, then from the project root ("../shared/data" lives beside the project).
+working directory first, then from the project root. The named sets read "../shared/data" beside
+the project, or the folder named by ADAPTIVE_SPEC_DATA.
 """
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -22,6 +24,15 @@ from .errors import UserError
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = PROJECT_ROOT.parent / "shared" / "data"
+
+
+def shared_data_dir() -> Path:
+    """Where the named offline sets live: $ADAPTIVE_SPEC_DATA, else ../shared/data beside the project.
+
+    Read at call time, so a checkout that is not beside the data (a CI runner, a clone in /tmp)
+    only needs the variable, not a copy."""
+    env = os.environ.get("ADAPTIVE_SPEC_DATA")
+    return Path(env).expanduser() if env else SHARED_DATA
 
 # name -> (file under ../shared/data, default text field)
 SHARED = {
@@ -86,10 +97,11 @@ def _records(dataset: str, hf_config, hf_split) -> tuple[list[dict], str | None,
     """(records, default field, a description of the source)."""
     if dataset in SHARED:
         rel, field = SHARED[dataset]
-        path = SHARED_DATA / rel
+        path = shared_data_dir() / rel
         if not path.is_file():
             raise UserError(f"prompt set {dataset!r} needs {path} (the shared offline copy) and it is missing; "
-                            "pass a local .json/.jsonl file instead")
+                            "set ADAPTIVE_SPEC_DATA to the folder that holds alpaca_eval/ and gsm8k/, "
+                            "or pass a local .json/.jsonl file instead")
         return _read_json_rows(path), field, str(path)
     if dataset == "humaneval":
         try:

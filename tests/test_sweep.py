@@ -11,7 +11,7 @@ from adaptive_spec.config import load_config
 from adaptive_spec.decoding import Metrics
 from adaptive_spec.errors import UserError
 from adaptive_spec.heads import AcceptanceHead
-from adaptive_spec.prompts import SHARED_DATA, load_prompts
+from adaptive_spec.prompts import load_prompts, shared_data_dir
 from adaptive_spec.sweep import SweepConfig
 
 A_TEXTS = ["abc def", "hello world", "the cat sat", "xyz 123", "one two"]
@@ -71,11 +71,23 @@ def test_load_prompts_local_files(inputs):
         load_prompts("nope/missing.jsonl")
 
 
-@pytest.mark.skipif(not (SHARED_DATA / "gsm8k" / "test.jsonl").is_file(), reason="no shared data copy")
+@pytest.mark.skipif(not (shared_data_dir() / "gsm8k" / "test.jsonl").is_file(),
+                    reason="no shared data copy: set ADAPTIVE_SPEC_DATA")
 def test_load_prompts_shared_sets():
     g = load_prompts("gsm8k", n=3)
     assert len(g) == 3 and all(isinstance(t, str) and t for t in g)
     assert len(load_prompts("alpaca")) == 805
+
+
+def test_load_prompts_data_dir_from_env(tmp_path, monkeypatch):
+    # a checkout that is not beside ../shared/data finds the named sets through ADAPTIVE_SPEC_DATA
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "gsm8k" / "test.jsonl").write_text(
+        "".join(json.dumps({"question": f"q{i}?", "answer": "1"}) + "\n" for i in range(4)))
+    monkeypatch.setenv("ADAPTIVE_SPEC_DATA", str(tmp_path))
+    assert sorted(load_prompts("gsm8k")) == ["q0?", "q1?", "q2?", "q3?"]
+    with pytest.raises(UserError, match="set ADAPTIVE_SPEC_DATA to the folder"):
+        load_prompts("alpaca")  # not in that folder: the error says where it looked and how to fix it
 
 
 def test_load_prompts_humaneval():
