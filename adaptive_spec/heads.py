@@ -152,3 +152,21 @@ def _dtype(name: str) -> torch.dtype:
     from .models import resolve_dtype
 
     return resolve_dtype(name)
+
+
+def load_head(head, hidden_size: int | None = None, draft_model: str | None = None, device=None,
+              dtype=torch.float32, feature: str | None = None, why: str = "the learned policy"):
+    """The one way to get a head for decoding: an AcceptanceHead (or anything with
+    `acceptance_prob`) is returned as is; a folder (or hub id) is loaded and checked against the
+    draft in use (`hidden_size`). `feature`: refuse a head that reads another feature; `why`
+    names who asked, for the error."""
+    if head is None or head == "":
+        raise UserError(f"{why} needs a trained acceptance head: pass --head PATH (a folder written by "
+                        "`adaptive-spec train`, e.g. checkpoints/qwen-coder-0.5b-d3-wrej6)")
+    if not hasattr(head, "acceptance_prob"):
+        head = AcceptanceHead.from_pretrained(head, hidden_size=hidden_size, draft_model=draft_model,
+                                              device=device, dtype=dtype)
+    got = getattr(head, "feature", "token")
+    if feature is not None and got != feature:
+        raise UserError(f"{why} needs a head trained with feature={feature}; this one reads feature={got}")
+    return head.eval() if hasattr(head, "eval") else head
