@@ -16,6 +16,7 @@ from .errors import UserError
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
           "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")  # auto: see cpu.auto_dtype
 
 
 def resolve_device(device: str | None = None) -> torch.device:
@@ -24,13 +25,17 @@ def resolve_device(device: str | None = None) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device | str | None = None) -> torch.dtype:
+    """A torch dtype for a user's name; "auto" (or None) picks per device and CPU (cpu.auto_dtype:
+    bf16 where bf16 kernels are native, fp32 on AVX2-only CPUs)."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype is None:
-        return torch.bfloat16
+    if dtype in (None, "auto"):
+        from .cpu import auto_dtype
+
+        return auto_dtype(resolve_device(device) if not isinstance(device, torch.device) else device)
     if dtype not in DTYPES:
-        raise UserError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+        raise UserError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_CHOICES)}")
     return DTYPES[dtype]
 
 
@@ -66,28 +71,41 @@ class PackedLinear(torch.nn.Module):
     """nn.Linear whose weight is pre-packed once into oneDNN's blocked layout (CPU only).
 
     Why: a decode step is a stack of matrix-vector products, and stock bf16 `F.linear` re-reads
-    the row-major weight through a generic path at ~15-20 GB/s on this project's CPU, while the
-    pre-packed oneDNN kernel streams ~26-31 GB/s. The original weight stays as `.weight` (tied
-    embeddings share it, state_dict and save_pretrained still work); with grad enabled the
-    stock path runs, since the packed op has no backward.
+    the row-major weight through a generic path at ~15-20 GB/s on an AVX-512 CPU, while the
+    pre-packed oneDNN kernel streams ~26-31 GB/s. On an AVX2-only CPU (no bf16 kernels, so
+    models run in fp32: see cpu.py) the packed fp32 kernel is 1.7x the stock one for one row and
+    3.6x for five (four 8960x1536 layers: 6.8 vs 11.7 ms, 9.3 vs 33.5 ms), which is what makes a
+    K + 1-token verification cost about one decode step there.
+
+    The original weight stays as `.weight` (tied embeddings share it, state_dict and
+    save_pretrained still work) unless `release=True`, which frees it for weights nothing else
+    shares (an inference-only model then holds one copy, not two); with grad enabled the stock
+    path runs, since the packed op has no backward.
 
     `pad_to`: oneDNN picks its kernel by the number of input rows M, and on some CPUs the
-    M = 1..2 kernels read weights slower than the M = 4..6 ones (here: target forward 149 ms at
-    M = 1, 123 ms at M = 5). Reading the weight once is the whole cost, so an input of M rows is
-    zero-padded to pad_to[M] rows and the extra outputs are dropped: a decode step then costs
-    what a 5-token verify costs. Rows are independent in a matmul, so padding changes no value
-    beyond kernel rounding order. () = no padding.
+    M = 1..2 kernels read weights slower than the M = 4..6 ones (AVX-512 box: target forward
+    149 ms at M = 1, 123 ms at M = 5). Reading the weight once is the whole cost, so an input
+    of M rows is zero-padded to pad_to[M] rows and the extra outputs are dropped. Rows are
+    independent in a matmul, so padding changes no value beyond kernel rounding order.
+    () = no padding.
     """
 
-    def __init__(self, linear: torch.nn.Linear, pad_to: tuple = ()):
+    def __init__(self, linear: torch.nn.Linear, pad_to: tuple = (), release: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+        self.weight_bytes = linear.weight.numel() * linear.weight.element_size()
         self.pad_to = pad_to
+        self.released = False
+        if release:
+            # an empty tensor keeps .weight's dtype/device for code that asks, without the bytes
+            self.weight = torch.nn.Parameter(linear.weight.new_empty(0), requires_grad=False)
+            self.released = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() or x.dim() < 2 or x.dtype != self.weight.dtype:
+        stock = torch.is_grad_enabled() or x.dim() < 2 or x.dtype != self.weight.dtype
+        if stock and not self.released:
             return torch.nn.functional.linear(x, self.weight, self.bias)
         rows = x.numel() // self.in_features
         if rows < len(self.pad_to) and self.pad_to[rows] > rows:
@@ -95,11 +113,13 @@ class PackedLinear(torch.nn.Module):
             xp[:rows] = x.reshape(rows, self.in_features)
             y = torch.ops.mkldnn._linear_pointwise(xp, self.packed, self.bias, "none", [], "")
             return y[:rows].reshape(*x.shape[:-1], self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        x2 = x.reshape(rows, self.in_features).to(self.packed.dtype).contiguous()
+        y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"packed=oneDNN, pad_to={self.pad_to}")
+                f"packed=oneDNN, pad_to={self.pad_to}, released={self.released}")
 
 
 def choose_padding(linears: list, max_rows: int = 8, budget_bytes: int = 256 << 20) -> tuple:
@@ -122,8 +142,8 @@ def choose_padding(linears: list, max_rows: int = 8, budget_bytes: int = 256 << 
         if total >= budget_bytes:
             break
         timed.append(m)
-        total += m.weight.numel() * m.weight.element_size()
-    inputs = {r: {m.in_features: torch.zeros(r, m.in_features, dtype=m.weight.dtype) for m in timed}
+        total += m.weight_bytes
+    inputs = {r: {m.in_features: torch.zeros(r, m.in_features, dtype=m.packed.dtype) for m in timed}
               for r in range(1, max_rows + 1)}
     cost = {}
     with torch.inference_mode():
@@ -142,28 +162,35 @@ def choose_padding(linears: list, max_rows: int = 8, budget_bytes: int = 256 << 
     return tuple(pad_to) if any(r != m for m, r in enumerate(pad_to)) else ()
 
 
-def pack_cpu_linears(model) -> int:
-    """Swap every nn.Linear of a CPU bf16/fp16 model for a PackedLinear; returns how many.
+def pack_cpu_linears(model, release: bool = False) -> int:
+    """Swap every nn.Linear of a CPU model for a PackedLinear; returns how many.
 
-    A no-op (0) on other devices or dtypes (fp32 GEMV is already near the stock kernel's best
-    here, and packing doubles the weights' memory), without oneDNN, or when the environment
-    sets ADAPTIVE_SPEC_CPU_PACK=0. The padding is measured once per model (see
-    PackedLinear and choose_padding).
+    A no-op (0) on other devices, where oneDNN has no packed kernel for the model's dtype on this
+    CPU (bf16 on AVX2: cpu.onednn_packed says why), or when the environment sets
+    ADAPTIVE_SPEC_CPU_PACK=0. The padding is measured once per model (see PackedLinear and
+    choose_padding). `release`: free the original weights nothing else shares (inference only;
+    tied embeddings keep theirs). The chosen path is recorded as `model.cpu_path`.
     """
     import os
 
+    from .cpu import onednn_packed
+
     p = next(model.parameters(), None)
-    if (p is None or p.device.type != "cpu" or p.dtype not in (torch.bfloat16, torch.float16)
-            or os.environ.get("ADAPTIVE_SPEC_CPU_PACK", "1") == "0" or not torch.backends.mkldnn.is_available()):
+    if p is None or p.device.type != "cpu":
         return 0
+    why_not = ("ADAPTIVE_SPEC_CPU_PACK=0" if os.environ.get("ADAPTIVE_SPEC_CPU_PACK", "1") == "0"
+               else onednn_packed(p.dtype))
+    model.cpu_path = {"dtype": str(p.dtype).removeprefix("torch."), "linear": "stock", "pad_to": ()}
+    if why_not:
+        model.cpu_path["why_stock"] = why_not
+        return 0
+    # weights another module also holds (tied input embeddings) must survive the release
+    shared = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     packed = []
     for mod in list(model.modules()):
         for cname, child in list(mod.named_children()):
             if type(child) is torch.nn.Linear:
-                try:
-                    new = PackedLinear(child)
-                except RuntimeError:  # an op build without this kernel: keep the stock layer
-                    continue
+                new = PackedLinear(child, release=release and id(child.weight) not in shared)
                 setattr(mod, cname, new)
                 packed.append(new)
     if packed:
@@ -171,28 +198,130 @@ def pack_cpu_linears(model) -> int:
         for m in packed:
             m.pad_to = pad_to
         model.cpu_pad_to = pad_to
+        model.cpu_path.update(linear="onednn-packed", pad_to=pad_to)
     return len(packed)
 
 
-def load_model(name: str | None, role: str = "target", dtype=None, device=None, pack: bool = True):
+QUANTS = ("none", "int8")
+
+
+class Int8Linear(torch.nn.Module):
+    """Weight-only int8 linear layer: symmetric per-output-channel scales, run by torch's
+    maintained `_weight_int8pack_mm` kernel (CPU and CUDA), not a GEMM of our own.
+
+    For the draft only. Why it is free accuracy-wise: verification keeps the output distributed
+    exactly as the target's whatever q is, so a cheaper q costs acceptance, never correctness.
+    Why it pays: a decode step streams the weights, and int8 is a quarter of fp32's bytes
+    (measured on an AVX2 CPU, twelve 4864x896 layers, one row: 3.96 ms against 7.92 ms for
+    fp32 oneDNN-packed). Activations enter the kernel in bf16: its fp32-activation path is
+    6x slower on that CPU; the draft's logits come out in the model's dtype.
+    """
+
+    def __init__(self, linear: torch.nn.Linear, act_dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w = linear.weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scales", scale.to(act_dtype))
+        self.bias = linear.bias
+        self.act_dtype = act_dtype
+        self.weight_bytes = self.qweight.numel() + self.scales.numel() * self.scales.element_size()
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight (what the layer computes with), for code that reads .weight."""
+        return (self.qweight.float() * self.scales.float()[:, None]).to(self.bias.dtype if self.bias is not None
+                                                                           else torch.float32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, self.in_features).to(self.act_dtype).contiguous(),
+                                               self.qweight, self.scales)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel, act={self.act_dtype}"
+
+
+def int8_kernel(device: torch.device | str) -> str | None:
+    """None when `_weight_int8pack_mm` runs on `device`, else why not."""
+    try:
+        q = torch.zeros(8, 32, dtype=torch.int8, device=device)
+        torch.ops.aten._weight_int8pack_mm(torch.zeros(1, 32, dtype=torch.bfloat16, device=device), q,
+                                           torch.ones(8, dtype=torch.bfloat16, device=device))
+    except (RuntimeError, NotImplementedError, AttributeError) as e:
+        return (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return None
+
+
+def check_quant(quant: str | None, device=None) -> str:
+    """The draft quantization name, refused when unknown or when `device` has no kernel for it."""
+    quant = quant or "none"
+    if quant not in QUANTS:
+        raise UserError(f"unknown draft quantization {quant!r}; use one of {', '.join(QUANTS)}")
+    if quant == "int8" and device is not None:
+        why = int8_kernel(resolve_device(device) if not isinstance(device, torch.device) else device)
+        if why:
+            raise UserError(f"--draft-quant int8 has no kernel on {device} ({why}); use --draft-quant none")
+    return quant
+
+
+def quantize_linears(model) -> int:
+    """Swap every nn.Linear (and PackedLinear) of `model` for an Int8Linear; returns how many.
+    The original weights are dropped unless an embedding shares them (a tied LM head)."""
+    n = 0
+    for mod in list(model.modules()):
+        for cname, child in list(mod.named_children()):
+            if type(child) in (torch.nn.Linear, PackedLinear):
+                if isinstance(child, PackedLinear):
+                    raise ValueError("quantize before packing: a PackedLinear may have released its weight")
+                setattr(mod, cname, Int8Linear(child))
+                n += 1
+    path = getattr(model, "cpu_path", {})
+    model.cpu_path = {**path, "linear": "int8 (_weight_int8pack_mm)", "quant": "int8"}
+    return n
+
+
+def load_model(name: str | None, role: str = "target", dtype=None, device=None, pack: bool = True,
+               quant: str | None = "none", draft_vocab=None):
     """(model, tokenizer) for a hub id, local path or the default pair's `role`.
 
-    On CPU in bf16/fp16 the linear layers are pre-packed for oneDNN (see PackedLinear) unless
-    pack=False."""
+    quant "int8": every linear layer becomes an Int8Linear (weight-only int8; for drafts).
+    draft_vocab N | FILE | FILE:N: the output layer keeps only those tokens (vocab.py; for drafts).
+
+    dtype "auto" (or None): bf16, or fp32 on a CPU without bf16 kernels (cpu.auto_dtype). On CPU
+    the linear layers are pre-packed for oneDNN where it has a kernel for the dtype (see
+    PackedLinear) unless pack=False; `model.cpu_path` records what was chosen."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = resolve_model_path(name, role)
     device = resolve_device(device)
+    quant = check_quant(quant, device)  # before gigabytes of weights are read
+    path = resolve_model_path(name, role)
     try:
         tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype))
+        keep_ids = None
+        if draft_vocab not in (None, "", "none", "full"):  # refused (0, too large, wrong tokenizer) before the weights load
+            from transformers import AutoConfig
+
+            from .vocab import resolve_draft_vocab
+
+            keep_ids = resolve_draft_vocab(draft_vocab, tok, AutoConfig.from_pretrained(path).vocab_size)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device))
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"could not load {role} model {name!r} ({first}); pass a local folder or a hub id "
                         "that is cached or reachable") from None
     model.to(device).eval()
-    if pack:
-        pack_cpu_linears(model)
+    if keep_ids is not None:
+        from .vocab import reduce_output_layer
+
+        reduce_output_layer(model, keep_ids)
+    if quant == "int8":
+        quantize_linears(model)
+    elif pack:
+        pack_cpu_linears(model, release=True)
     model.name_or_path = name or ("default-" + role)
     return model, tok
 
@@ -211,11 +340,16 @@ def check_vocab(draft_tok, target_tok, draft_model, target_model) -> int:
             f"draft and target vocabularies differ ({len(dv)} vs {len(tv)} tokens, {only_d} draft entries "
             "not in the target); speculative decoding needs a draft that shares the target's tokenizer"
         )
-    v = min(draft_model.get_output_embeddings().out_features, target_model.get_output_embeddings().out_features)
+    v = min(_vocab_rows(draft_model), _vocab_rows(target_model))
     if len(tv) > v:
         raise UserError(f"the tokenizer has {len(tv)} tokens but a model's output layer has only {v}; "
                         "the draft and target do not fit together")
     return v
+
+
+def _vocab_rows(model) -> int:
+    """Rows of the model's full output layer (a reduced draft vocabulary keeps fewer: see vocab.py)."""
+    return getattr(model, "full_vocab_size", None) or model.get_output_embeddings().out_features
 
 
 class CausalLM:
@@ -236,7 +370,11 @@ class CausalLM:
         self.base = model.base_model
         self.lm_head = model.get_output_embeddings()
         self.softcap = getattr(model.config, "final_logit_softcapping", None)
-        self.vocab_size = vocab_size or self.lm_head.out_features
+        self.vocab_size = vocab_size or _vocab_rows(model)
+        # a reduced draft vocabulary (vocab.py): the head scores these ids, every other id gets
+        # logit -inf, i.e. q = 0 there; verification's residual still reaches those tokens
+        kept = getattr(model, "kept_ids", None)
+        self.kept_ids = None if kept is None else kept[kept < self.vocab_size]
         self.hidden_size = model.config.hidden_size
         self.max_length = getattr(model.config, "max_position_embeddings", None)
         self.device = next(model.parameters()).device
@@ -249,10 +387,14 @@ class CausalLM:
         self.length = 0
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = self.lm_head(hidden)[..., : self.vocab_size].float()
+        out = self.lm_head(hidden).float()
         if self.softcap:
             out = torch.tanh(out / self.softcap) * self.softcap
-        return out
+        if self.kept_ids is None:
+            return out[..., : self.vocab_size]
+        full = out.new_full((*out.shape[:-1], self.vocab_size), float("-inf"))
+        full[..., self.kept_ids] = out[..., : len(self.kept_ids)]
+        return full
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, n_logits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

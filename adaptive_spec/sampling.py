@@ -105,4 +105,5 @@ def verify(
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:
     logp = logits.float().log_softmax(-1)
-    return -(logp.exp() * logp).sum(-1)
+    # xlogy: 0 * log 0 = 0 where a reduced draft vocabulary gives a token logit -inf
+    return -torch.special.xlogy(logp.exp(), logp.exp()).sum(-1)

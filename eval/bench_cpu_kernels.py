@@ -1,38 +1,66 @@
-"""Benchmark: one decode step and one K+1-token verify step of each model, stock nn.Linear vs
-the oneDNN pre-packed PackedLinear (adaptive_spec.models) without and with its row padding,
-side by side in one process (the three layouts alternate, --rounds times, so drifts in the
-machine's speed hit all three alike).
+"""Benchmark: what one forward of each model costs on this CPU, per numeric path.
 
-Reports ms per forward and the weight bandwidth achieved (bytes of the model's linear weights
-read per forward / time), the number that bounds batch-1 decoding; and the largest logit
-difference against the stock layout. Timing: 3 untimed warm-up forwards, then the median of
---reps, per round; the table gives the median over rounds.
+For each model of the default pair and each path (bf16 stock kernels, the pre-AVX2-fix default
+on every CPU; fp32 stock; fp32 oneDNN-packed, the `auto` path on AVX2-only CPUs; bf16
+oneDNN-packed, the `auto` path where bf16 kernels exist), side by side in one process:
+- ms per forward of 1 token (a decode step) and of K + 1 tokens (a verification of K candidates),
+  and their ratio: speculation pays only where verifying K + 1 costs about one decode step;
+- the prefill of a --prefill-token prompt;
+- GB/s of linear weights streamed, against the machine's own read bandwidth (measured first);
+- the largest logit difference against fp32 stock (the reference).
+The paths alternate --rounds times so drifts in the machine's speed hit all alike; timing is
+3 untimed warm-up forwards, then the median of --reps per round, median over rounds. The CPU's
+flags head every table: a number from another CPU kind says nothing about this one.
 
-    python eval/bench_cpu_kernels.py [--models draft,target] [--lens 1,2,4,9] [--reps 10] [--rounds 3] [--threads 2]
+    python eval/bench_cpu_kernels.py [--models draft,target] [--lens 1,2,3,5,9] [--prefill 235] [--threads 2]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from adaptive_spec.models import CausalLM, PackedLinear, load_model
+from adaptive_spec.cpu import describe, flags_line, onednn_packed
+from adaptive_spec.models import CausalLM, PackedLinear, load_model, resolve_dtype
+
+# path name -> (dtype, packed)
+PATHS = {"bf16 stock": ("bf16", False), "fp32 stock": ("fp32", False), "fp32 packed": ("fp32", True),
+         "bf16 packed": ("bf16", True)}
+
+
+def read_bandwidth_gbps(gib: float = 1.0, reps: int = 5) -> float:
+    """Best-of-reps GB/s of summing a buffer far larger than the caches: the ceiling a
+    bandwidth-bound decode step can reach on this machine with torch's threads."""
+    x = torch.ones(int(gib * (1 << 30) // 4), dtype=torch.float32)
+    x.sum()
+    best = min(_timed(lambda: x.sum()) for _ in range(reps))
+    return x.numel() * 4 / best / 1e9
+
+
+def _timed(f) -> float:
+    t0 = time.perf_counter()
+    f()
+    return time.perf_counter() - t0
 
 
 def linear_bytes(model) -> int:
     seen, n = set(), 0
     for m in model.modules():
-        if isinstance(m, (torch.nn.Linear, PackedLinear)) and m.weight.data_ptr() not in seen:
-            seen.add(m.weight.data_ptr())
+        if isinstance(m, PackedLinear):
+            n += m.weight_bytes if id(m.packed) not in seen else 0
+            seen.add(id(m.packed))
+        elif isinstance(m, torch.nn.Linear) and id(m.weight) not in seen:
+            seen.add(id(m.weight))
             n += m.weight.numel() * m.weight.element_size()
     return n
 
 
-def time_step(lm: CausalLM, prompt: torch.Tensor, n: int, reps: int) -> tuple[float, torch.Tensor]:
+def time_forward(lm: CausalLM, prompt: torch.Tensor, n: int, reps: int) -> tuple[float, torch.Tensor]:
     """Median seconds of feeding n tokens after the prompt (rolled back each time), and the logits."""
     lm.reset()
     lm.forward(prompt, n_logits=0)
@@ -48,62 +76,92 @@ def time_step(lm: CausalLM, prompt: torch.Tensor, n: int, reps: int) -> tuple[fl
     return statistics.median(times), logits
 
 
+def time_prefill(lm: CausalLM, n: int, reps: int) -> float:
+    ids = torch.arange(300, 300 + n) % lm.vocab_size
+    times = []
+    for _ in range(reps + 1):
+        lm.reset()
+        times.append(_timed(lambda: lm.forward(ids, n_logits=0)))
+    return statistics.median(times[1:])
+
+
+def load_path(name: str, role: str, dtype: str, packed: bool) -> CausalLM:
+    env = os.environ.get("ADAPTIVE_SPEC_CPU_PACK")
+    os.environ["ADAPTIVE_SPEC_CPU_PACK"] = "1" if packed else "0"
+    try:
+        model, _ = load_model(name, role, dtype, "cpu")
+    finally:
+        os.environ.pop("ADAPTIVE_SPEC_CPU_PACK") if env is None else os.environ.__setitem__("ADAPTIVE_SPEC_CPU_PACK", env)
+    return CausalLM(model)
+
+
+def bench_model(name: str, args, lens: list[int]) -> list[dict]:
+    role = name if name in ("draft", "target") else "target"
+    path = None if name in ("draft", "target") else name
+    # a packed path this CPU has no kernel for is left out (the table's first line says why)
+    paths = {p: (dt, pk) for p, (dt, pk) in PATHS.items() if not (pk and onednn_packed(resolve_dtype(dt)))}
+    runners = {p: load_path(path, role, dt, pk) for p, (dt, pk) in paths.items()}
+    prompt = torch.arange(200, 264) % runners["fp32 stock"].vocab_size  # 64 tokens of cache; content irrelevant
+    times, logits, prefill = {}, {}, {}
+    for _ in range(args.rounds):
+        for p, lm in runners.items():
+            for n in lens:
+                dt, lg = time_forward(lm, prompt, n, args.reps)
+                times.setdefault((p, n), []).append(dt)
+                logits[(p, n)] = lg.float()
+            if args.prefill:
+                prefill.setdefault(p, []).append(time_prefill(lm, args.prefill, 1))
+    rows = []
+    for p, lm in runners.items():
+        nbytes = linear_bytes(lm.model)
+        step = statistics.median(times[(p, 1)])
+        for n in lens:
+            dt = statistics.median(times[(p, n)])
+            rows.append({"model": name, "path": p, "tokens": n, "ms": dt * 1e3, "vs_step": dt / step,
+                         "weight_GBps": nbytes / dt / 1e9, "linear_weight_GB": nbytes / 1e9,
+                         "max_abs_logit_diff": (logits[(p, n)] - logits[("fp32 stock", n)]).abs().max().item(),
+                         "prefill_ms": statistics.median(prefill[p]) * 1e3 if prefill else None,
+                         "pad_to": list(getattr(lm.model, "cpu_pad_to", ())), "threads": args.threads})
+    return rows
+
+
+def table(rows: list[dict], bw: float, prefill: int) -> str:
+    lines = [f"{flags_line()}", f"read bandwidth (sum over 1 GiB, best of 5): {bw:.1f} GB/s", "",
+             "| model | path | tokens | ms/forward | x decode step | GB/s of weights | % of read bw | "
+             f"prefill {prefill} tok, s | prefill speed-up vs bf16 stock | max abs logit diff vs fp32 |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ref = next((s for s in rows if s["model"] == r["model"] and s["path"] == "bf16 stock"), None)
+        pf = r["prefill_ms"]
+        sp = f"{ref['prefill_ms'] / pf:.2f}x" if pf and ref else "—"
+        lines.append(f"| {r['model']} | {r['path']} | {r['tokens']} | {r['ms']:.1f} | {r['vs_step']:.2f} | "
+                     f"{r['weight_GBps']:.1f} | {100 * r['weight_GBps'] / bw:.0f}% | "
+                     f"{pf / 1e3:.2f} | {sp} | {r['max_abs_logit_diff']:.3g} |" if pf else
+                     f"| {r['model']} | {r['path']} | {r['tokens']} | {r['ms']:.1f} | {r['vs_step']:.2f} | "
+                     f"{r['weight_GBps']:.1f} | {100 * r['weight_GBps'] / bw:.0f}% | — | — | {r['max_abs_logit_diff']:.3g} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="draft,target", help="roles of the default pair, or model paths / hub ids")
-    ap.add_argument("--dtype", default="bf16")
-    ap.add_argument("--lens", default="1,2,4,9", help="tokens per forward: 1 = a decode step, K + 1 = a verify")
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default="eval/results/bench_cpu_kernels")
+    ap.add_argument("--lens", default="1,2,3,5,9", help="tokens per forward: 1 = a decode step, K + 1 = a verify")
+    ap.add_argument("--prefill", type=int, default=235, help="prompt tokens for the prefill timing (0 = skip)")
+    ap.add_argument("--reps", type=int, default=7, help="timed forwards per (path, length) per round")
+    ap.add_argument("--rounds", type=int, default=3, help="times the paths alternate")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--out", default=None, help="output folder (default eval/results/bench_cpu_kernels_<isa>)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    lens = [int(x) for x in args.lens.split(",")]
-    rows = []
-    for name in args.models.split(","):
-        role = name if name in ("draft", "target") else "target"
-        path = None if name in ("draft", "target") else name
-        stock, _ = load_model(path, role, args.dtype, "cpu", pack=False)
-        packed, _ = load_model(path, role, args.dtype, "cpu")
-        layers = [m for m in packed.modules() if isinstance(m, PackedLinear)]
-        if not layers:
-            print(f"{name}: nothing packed (no oneDNN, not bf16/fp16, or ADAPTIVE_SPEC_CPU_PACK=0)")
-            continue
-        pad_to = layers[0].pad_to
-        print(f"{name}: padding chosen on this machine: {pad_to or 'none'} (pad_to[M] for M input rows)")
-        nbytes = linear_bytes(stock)
-        runners = {"stock": CausalLM(stock), "packed": CausalLM(packed), "packed+pad": CausalLM(packed)}
-        prompt = torch.arange(200, 264) % stock.config.vocab_size  # 64 tokens: a realistic cache; content irrelevant
-        times, logits = {}, {}
-        for _ in range(args.rounds):
-            for layout, lm in runners.items():
-                for m in layers:  # the two packed layouts share one model: set its padding per layout
-                    m.pad_to = pad_to if layout == "packed+pad" else ()
-                for n in lens:
-                    dt, lg = time_step(lm, prompt, n, args.reps)
-                    times.setdefault((layout, n), []).append(dt)
-                    logits[(layout, n)] = lg
-        for layout in runners:
-            for n in lens:
-                dt = statistics.median(times[(layout, n)])
-                diff = (logits[(layout, n)] - logits[("stock", n)]).abs().max().item()
-                rows.append({"model": name, "layout": layout, "tokens": n, "ms": dt * 1e3,
-                             "weight_GBps": nbytes / dt / 1e9, "linear_weight_GB": nbytes / 1e9,
-                             "max_abs_logit_diff": diff, "pad_to": list(pad_to), "threads": args.threads,
-                             "dtype": args.dtype, "rounds": args.rounds, "reps": args.reps})
-        del stock, packed, runners
-    out = Path(args.out)
+    lens = sorted({1, *(int(x) for x in args.lens.split(","))})
+    bw = read_bandwidth_gbps()
+    rows = [r for name in args.models.split(",") for r in bench_model(name, args, lens)]
+    out = Path(args.out or f"eval/results/bench_cpu_kernels_{describe()['isa'].lower()}")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
-    lines = ["| model | layout | tokens | ms/forward | GB/s of weights | speed-up vs stock | max abs logit diff |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        stock = next(s for s in rows if s["model"] == r["model"] and s["tokens"] == r["tokens"] and s["layout"] == "stock")
-        lines.append(f"| {r['model']} | {r['layout']} | {r['tokens']} | {r['ms']:.1f} | {r['weight_GBps']:.1f} | "
-                     f"{stock['ms'] / r['ms']:.2f}x | {r['max_abs_logit_diff']:.3g} |")
-    (out / "table.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    (out / "results.json").write_text(json.dumps({"machine": describe(), "read_GBps": bw, "rows": rows}, indent=1) + "\n")
+    text = table(rows, bw, args.prefill)
+    (out / "table.md").write_text(text)
+    print(text)
     return 0
 
 

@@ -1,7 +1,12 @@
-"""The CPU pre-packed linear layers (models.PackedLinear) change kernels, never results."""
+"""The CPU pre-packed linear layers (models.PackedLinear) change kernels, never results.
+
+Every test runs in fp32 (oneDNN packs fp32 on any x86 CPU: the AVX2 path) and in bf16, which
+skips where oneDNN has no packed bf16 kernel, naming the missing CPU feature.
+"""
 import pytest
 import torch
 
+from adaptive_spec.cpu import auto_dtype, describe, onednn_packed
 from adaptive_spec.decoding import Decoder
 from adaptive_spec.errors import UserError
 from adaptive_spec.models import CausalLM, PackedLinear, choose_padding, load_model, pack_cpu_linears
@@ -10,16 +15,22 @@ from adaptive_spec.sampling import SamplingParams
 from exact import chi_square_pvalue, exact_sequence_probs, sample_counts
 from tiny import make_model
 
-pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+def _param(dtype):
+    why = onednn_packed(dtype)
+    return pytest.param(dtype, id=str(dtype).removeprefix("torch."),
+                        marks=pytest.mark.skipif(why is not None, reason=f"oneDNN packed {dtype} unavailable "
+                                                 f"on this CPU: {why}"))
 
 
+DTYPES = [_param(torch.float32), _param(torch.bfloat16)]
 V, L = 5, 3
 
 
-def packed_bf16(seed, vocab=16, pad_to=(0, 4, 4, 4, 4), **kw):
-    """A tiny bf16 model with packed linears; pad_to forces the row padding on (on tiny layers
-    the measured choice is usually none) so that the padded path is what gets tested."""
-    m = make_model(vocab, hidden_size=32, layers=2, seed=seed, logit_scale=3.0, **kw).to(torch.bfloat16)
+def packed_model(seed, dtype, vocab=16, pad_to=(0, 4, 4, 4, 4), **kw):
+    """A tiny model with packed linears; pad_to forces the row padding on (on tiny layers the
+    measured choice is usually none) so that the padded path is what gets tested."""
+    m = make_model(vocab, hidden_size=32, layers=2, seed=seed, logit_scale=3.0, **kw).to(dtype)
     assert pack_cpu_linears(m) == 2 * 7 + 1  # q,k,v,o,gate,up,down per layer + lm_head
     for x in m.modules():
         if isinstance(x, PackedLinear):
@@ -27,29 +38,53 @@ def packed_bf16(seed, vocab=16, pad_to=(0, 4, 4, 4, 4), **kw):
     return m
 
 
+def _tol(dtype):
+    return dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("release", [False, True], ids=["kept", "released"])
 @pytest.mark.parametrize("pad_to", [(), (0, 6, 6, 6, 6, 6)], ids=["unpadded", "padded"])
-@pytest.mark.parametrize("shape", [(1, 32), (5, 32), (1, 1, 32), (1, 3, 32), (3, 7, 32)])
-def test_packed_linear_matches_stock_linear(shape, pad_to):
+@pytest.mark.parametrize("shape", [(32,), (1, 32), (5, 32), (1, 1, 32), (1, 3, 32), (3, 7, 32)])
+def test_packed_linear_matches_stock_linear(shape, pad_to, release, dtype):
     torch.manual_seed(0)
-    lin = torch.nn.Linear(32, 48, bias=True).to(torch.bfloat16)
-    x = torch.randn(shape, dtype=torch.bfloat16)
+    lin = torch.nn.Linear(32, 48, bias=True).to(dtype)
+    x = torch.randn(shape, dtype=dtype)
     with torch.inference_mode():
-        ref, got = lin(x), PackedLinear(lin, pad_to)(x)
+        ref = lin(x)
+        got = PackedLinear(lin, pad_to, release=release)(x)
     assert got.shape == ref.shape
-    torch.testing.assert_close(got.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got.float(), ref.float(), **_tol(dtype))
 
 
-def test_pack_skips_fp32_and_grad_uses_stock_path():
-    m = make_model(16, hidden_size=32, layers=1, seed=0)
-    assert pack_cpu_linears(m) == 0  # fp32: left alone
-    lin = PackedLinear(torch.nn.Linear(8, 4).to(torch.bfloat16))
-    x = torch.randn(2, 8, dtype=torch.bfloat16, requires_grad=True)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grad_uses_stock_path(dtype):
+    lin = PackedLinear(torch.nn.Linear(8, 4).to(dtype))
+    x = torch.randn(2, 8, dtype=dtype, requires_grad=True)
     lin(x).float().sum().backward()  # the packed op has no backward; the stock path must run
     assert x.grad is not None and lin.weight.grad is not None
 
 
+def test_release_keeps_tied_weights_and_frees_the_rest():
+    m = make_model(16, hidden_size=32, layers=1, seed=0)
+    emb = m.get_input_embeddings().weight
+    m.get_output_embeddings().weight = emb  # tied, as in Qwen2.5-Coder 0.5B and 1.5B
+    assert pack_cpu_linears(m, release=True) == 7 + 1
+    head = m.get_output_embeddings()
+    assert head.weight is emb and not head.released  # the embedding still reads its table
+    released = [x for x in m.modules() if isinstance(x, PackedLinear) and x.released]
+    assert len(released) == 7 and all(x.weight.numel() == 0 for x in released)
+
+
+def test_stock_path_recorded_when_packing_is_off(monkeypatch):
+    m = make_model(16, hidden_size=32, layers=1, seed=0)
+    monkeypatch.setenv("ADAPTIVE_SPEC_CPU_PACK", "0")
+    assert pack_cpu_linears(m) == 0
+    assert m.cpu_path == {"dtype": "float32", "linear": "stock", "pad_to": (), "why_stock": "ADAPTIVE_SPEC_CPU_PACK=0"}
+
+
 def test_padding_choice(monkeypatch):
-    lins = [PackedLinear(torch.nn.Linear(64, 256).to(torch.bfloat16)) for _ in range(3)]
+    lins = [PackedLinear(torch.nn.Linear(64, 256)) for _ in range(3)]
     pad_to = choose_padding(lins, max_rows=4)  # measured: none, or rows r >= M for each M
     assert pad_to == () or (len(pad_to) == 5 and all(r >= m for m, r in enumerate(pad_to)))
     monkeypatch.setenv("ADAPTIVE_SPEC_CPU_PAD_ROWS", "4")
@@ -61,34 +96,63 @@ def test_padding_choice(monkeypatch):
         choose_padding(lins)
 
 
-def test_packed_model_logits_match_unpacked():
-    ref = make_model(16, hidden_size=32, layers=2, seed=5, logit_scale=3.0).to(torch.bfloat16)
-    packed = packed_bf16(5)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_model_logits_match_unpacked(dtype):
+    ref = make_model(16, hidden_size=32, layers=2, seed=5, logit_scale=3.0).to(dtype)
+    packed = packed_model(5, dtype)
     ids = torch.tensor([[1, 4, 7, 2, 9]])
     with torch.inference_mode():
-        torch.testing.assert_close(packed(ids).logits.float(), ref(ids).logits.float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(packed(ids).logits.float(), ref(ids).logits.float(),
+                                   **(_tol(dtype) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)))
 
 
-def test_greedy_speculative_equals_greedy_target_with_packed_models():
-    target, draft = CausalLM(packed_bf16(6)), CausalLM(packed_bf16(7))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_greedy_speculative_equals_greedy_target_with_packed_models(dtype):
+    target, draft = CausalLM(packed_model(6, dtype)), CausalLM(packed_model(7, dtype))
     params = SamplingParams(0.0)
     ar = Decoder(target).generate([1, 2, 3], 24, params).token_ids
     for k in (1, 3):
         assert Decoder(target, draft).generate([1, 2, 3], 24, params, FixedK(k)).token_ids == ar
 
 
-def test_distribution_is_exact_with_packed_models():
-    target, draft = CausalLM(packed_bf16(8, vocab=V)), CausalLM(packed_bf16(9, vocab=V))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_distribution_is_exact_with_packed_models(dtype):
+    target, draft = CausalLM(packed_model(8, dtype, vocab=V)), CausalLM(packed_model(9, dtype, vocab=V))
     params, prompt = SamplingParams(1.0), [1, 2]
     probs = exact_sequence_probs(target, prompt, params, V, L)
     counts = sample_counts(Decoder(target, draft), prompt, params, FixedK(2), 1500, L)
     assert chi_square_pvalue(counts, probs, 1500) > 1e-3
 
 
-def test_load_model_packs_bf16_on_cpu(tiny_pair, monkeypatch):
+def test_auto_dtype_follows_the_cpu(tiny_pair):
+    """dtype "auto" loads bf16 where bf16 kernels exist and fp32 where they do not (AVX2), and the
+    model is packed either way; the chosen path is recorded."""
     _, target = tiny_pair
-    m, _ = load_model(str(target), "target", "bf16", "cpu")
+    m, _ = load_model(str(target), "target", "auto", "cpu")
+    want = auto_dtype("cpu")
+    assert want == (torch.bfloat16 if onednn_packed(torch.bfloat16) is None else torch.float32)
+    assert next(m.parameters()).dtype == want
+    assert m.cpu_path["linear"] == "onednn-packed" and m.cpu_path["dtype"] == str(want).removeprefix("torch.")
+    assert set(describe()) >= {"cpu", "isa", "cpu_flags", "bf16_kernels"}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_load_model_packs_on_cpu(tiny_pair, monkeypatch, dtype):
+    _, target = tiny_pair
+    m, _ = load_model(str(target), "target", dtype, "cpu")
     assert any(isinstance(x, PackedLinear) for x in m.modules())
     monkeypatch.setenv("ADAPTIVE_SPEC_CPU_PACK", "0")
-    m, _ = load_model(str(target), "target", "bf16", "cpu")
+    m, _ = load_model(str(target), "target", dtype, "cpu")
     assert not any(isinstance(x, PackedLinear) for x in m.modules())
+
+
+def test_forced_stock_bf16_path_still_exact_on_any_cpu(monkeypatch):
+    """The fallback a user gets with --dtype bf16 on an AVX2 CPU (stock kernels, no packing)
+    keeps greedy speculative output equal to greedy target output."""
+    monkeypatch.setenv("ADAPTIVE_SPEC_CPU_PACK", "0")
+    models = [make_model(16, hidden_size=32, layers=2, seed=s, logit_scale=3.0).to(torch.bfloat16) for s in (6, 7)]
+    assert all(pack_cpu_linears(m) == 0 for m in models)
+    target, draft = CausalLM(models[0]), CausalLM(models[1])
+    params = SamplingParams(0.0)
+    ar = Decoder(target).generate([1, 2, 3], 24, params).token_ids
+    assert Decoder(target, draft).generate([1, 2, 3], 24, params, FixedK(3)).token_ids == ar

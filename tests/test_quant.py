@@ -1,0 +1,66 @@
+"""The int8 draft (models.Int8Linear): a cheaper q, the target's distribution unchanged."""
+import pytest
+import torch
+
+from adaptive_spec.decoding import Decoder
+from adaptive_spec.errors import UserError
+from adaptive_spec.models import CausalLM, Int8Linear, check_quant, int8_kernel, load_model, quantize_linears
+from adaptive_spec.policies import FixedK
+from adaptive_spec.sampling import SamplingParams
+from exact import chi_square_pvalue, exact_sequence_probs, sample_counts
+from tiny import make_model
+
+pytestmark = pytest.mark.skipif(int8_kernel("cpu") is not None, reason=f"no int8 kernel: {int8_kernel('cpu')}")
+V, L = 5, 3
+
+
+def int8_model(seed, vocab=16):
+    m = make_model(vocab, hidden_size=32, layers=2, seed=seed, logit_scale=3.0)
+    assert quantize_linears(m) == 2 * 7 + 1
+    return m
+
+
+@pytest.mark.parametrize("shape", [(32,), (1, 32), (5, 32), (1, 3, 32)])
+def test_int8_linear_is_close_to_the_float_layer(shape):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(32, 48)
+    q = Int8Linear(lin)
+    x = torch.randn(shape)
+    with torch.inference_mode():
+        ref, got = lin(x), q(x)
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    # int8 weights (error <= scale/2 per weight) and bf16 activations: a few percent of the scale
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+    assert q.qweight.dtype == torch.int8 and q.weight_bytes < lin.weight.numel() * 4 / 3.5
+
+
+def test_int8_draft_keeps_the_distribution_exact():
+    target = CausalLM(make_model(V, hidden_size=32, layers=2, seed=8, logit_scale=3.0))
+    draft = CausalLM(int8_model(9, vocab=V))
+    params, prompt = SamplingParams(1.0), [1, 2]
+    probs = exact_sequence_probs(target, prompt, params, V, L)
+    counts = sample_counts(Decoder(target, draft), prompt, params, FixedK(2), 1500, L)
+    assert chi_square_pvalue(counts, probs, 1500) > 1e-3
+
+
+def test_greedy_with_int8_draft_equals_greedy_target():
+    target = CausalLM(make_model(16, hidden_size=32, layers=2, seed=6, logit_scale=3.0))
+    draft = CausalLM(int8_model(7))
+    params = SamplingParams(0.0)
+    ar = Decoder(target).generate([1, 2, 3], 24, params).token_ids
+    for k in (1, 3):
+        assert Decoder(target, draft).generate([1, 2, 3], 24, params, FixedK(k)).token_ids == ar
+
+
+def test_load_model_quantizes_and_records_it(tiny_pair):
+    draft, _ = tiny_pair
+    m, _ = load_model(str(draft), "draft", "fp32", "cpu", quant="int8")
+    assert any(isinstance(x, Int8Linear) for x in m.modules())
+    assert not any(type(x) is torch.nn.Linear for x in m.modules())
+    assert m.cpu_path["quant"] == "int8"
+
+
+def test_bad_quant_is_refused_before_loading():
+    with pytest.raises(UserError, match="unknown draft quantization 'int4'; use one of none, int8"):
+        load_model("/nonexistent/model", "draft", quant="int4")
+    assert check_quant(None) == "none" and check_quant("int8", "cpu") == "int8"
