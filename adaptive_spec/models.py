@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from .errors import UserError
+from .timing import timed
 
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
@@ -380,6 +381,7 @@ class CausalLM:
         self.device = next(model.parameters()).device
         self.fwd_time = 0.0  # seconds spent in forward(), synced where the device is async
         self.n_forwards = 0
+        self.prefill_s = 0.0  # the last prompt prefill (Decoder sets it), part of fwd_time
         self.reset()
 
     def reset(self):
@@ -400,17 +402,15 @@ class CausalLM:
     def forward(self, ids: torch.Tensor, n_logits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed `ids` [n] after the cached prefix. Returns (logits of the last n_logits
         positions [n_logits, V] float32, final hidden state of the last position [H])."""
-        t0 = time.perf_counter()
-        n = ids.shape[-1]
-        pos = torch.arange(self.length, self.length + n, device=self.device)
-        out = self.base(input_ids=ids.view(1, n), past_key_values=self.cache, use_cache=True,
-                        position_ids=pos.view(1, n))
-        h = out.last_hidden_state[0]
-        logits = self.logits(h[n - n_logits:]) if n_logits else h.new_empty(0, self.vocab_size)
-        self.length += n
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.fwd_time += time.perf_counter() - t0
+        with timed(self.device) as t:
+            n = ids.shape[-1]
+            pos = torch.arange(self.length, self.length + n, device=self.device)
+            out = self.base(input_ids=ids.view(1, n), past_key_values=self.cache, use_cache=True,
+                            position_ids=pos.view(1, n))
+            h = out.last_hidden_state[0]
+            logits = self.logits(h[n - n_logits:]) if n_logits else h.new_empty(0, self.vocab_size)
+            self.length += n
+        self.fwd_time += t.s
         self.n_forwards += 1
         return logits, h[-1]
 

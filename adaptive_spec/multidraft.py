@@ -3,7 +3,7 @@
 Each round the draft samples `num_drafts` independent sequences of `k` tokens (with replacement:
 two drafts may share a prefix or be identical). They are merged into a prefix tree (trie), so a
 shared prefix is scored once, and the target verifies the whole trie in ONE forward pass with the
-tree attention mask of `adaptive_spec.tree`; both caches are then compacted to the accepted path.
+tree attention mask of `adaptive_spec.tree_verify`; both caches are then compacted to the accepted path.
 
   * SpecTr (Sun et al., "SpecTr: Fast Speculative Decoding via Optimal Transport"), Algorithm 3
     draft selection: at a reached node the next tokens of the drafts through it are i.i.d. samples
@@ -28,10 +28,10 @@ from __future__ import annotations
 import torch
 
 from .errors import UserError
-from .policies import StopPolicy, register
+from .interfaces import RoundOwner, RoundState, register
 from .sampling import residual, sample, verify
-from .tree import (DraftTree, _match_children, finish_round, plain_step, read_path, target_pass,
-                   verify_greedy)
+from .tree_draft import DraftTree
+from .tree_verify import finish_round, match_children, plain_step, read_path, target_pass, verify_greedy
 
 METHODS = ("spectr", "batch-sd")
 
@@ -141,7 +141,7 @@ def verify_spectr(tree, paths, P: torch.Tensor, gen):
         iv = torch.tensor(internal, device=dev)
         q = tree.q[torch.tensor([tree.row[v] for v in internal], device=dev)]
         tok[iv] = kseq(P[iv], q, tree.tok[nodes], n, gen)
-    return _match_children(tree, tok), tok
+    return match_children(tree, tok), tok
 
 
 def verify_batch_sd(tree, paths, P: torch.Tensor, gen):
@@ -172,7 +172,7 @@ def verify_batch_sd(tree, paths, P: torch.Tensor, gen):
     return first, root_tok, torch.stack(ns), torch.stack(toks)
 
 
-class MultiDraftPolicy(StopPolicy):
+class MultiDraftPolicy(RoundOwner):
     def __init__(self, method: str, num_drafts: int = 4, k: int = 4):
         if method not in METHODS:
             raise UserError(f"unknown multi-draft method {method!r}; use one of {', '.join(METHODS)}")
@@ -186,30 +186,29 @@ class MultiDraftPolicy(StopPolicy):
     def describe(self) -> dict:
         return {"policy": self.name, "num_drafts": self.num_drafts, "k": self.k}
 
-    def run_round(self, decoder, seq, pos, remaining, sampling, gen, met, hist) -> list[int]:
-        cap = min(self.k, remaining - 1)
+    def run_round(self, state: RoundState) -> list[int]:
+        cap = min(self.k, state.remaining - 1)  # never draft past the length limit
         if cap <= 0:
-            return plain_step(decoder, seq, sampling, gen, hist)
-        tree, paths = draft_trie(decoder.draft, seq, sampling, gen, self.num_drafts, cap)
-        P = target_pass(decoder.target, seq, tree, sampling)
-        if self.method == "spectr":
-            if sampling.greedy:
-                child, tok = verify_greedy(tree, P)
-            else:
-                child, tok = verify_spectr(tree, paths, P, gen)
-            path, path_tok, nxt, _ = read_path(tree, child, tok)
+            return plain_step(state)
+        tree, paths = draft_trie(state.draft, state.seq, state.sampling, state.gen, self.num_drafts, cap)
+        P = target_pass(state.target, state.seq, tree, state.sampling)
+        if self.method == "batch-sd":
+            path, nxt = _batch_sd_path(tree, paths, P, state.gen)
         else:
-            first, root_tok, ns, toks = verify_batch_sd(tree, paths, P, gen)
-            vals = torch.cat([first.view(1), root_tok.view(1), ns, toks]).tolist()
-            M = len(paths)
-            f = vals[0]
-            if f < 0:
-                path, nxt = [], vals[1]
-            else:
-                path, nxt = paths[f][:1 + vals[2 + f]], vals[2 + M + f]
-            path_tok = [tree.tok_host[j] for j in path]
-        finish_round(decoder, tree, seq, path, met, hist)
-        return path_tok + [nxt]
+            child, tok = verify_greedy(tree, P) if state.sampling.greedy else verify_spectr(tree, paths, P, state.gen)
+            path, _, nxt, _ = read_path(tree, child, tok)
+        finish_round(state, tree, path)
+        return [tree.tok_host[j] for j in path] + [nxt]
+
+
+def _batch_sd_path(tree, paths, P: torch.Tensor, gen) -> tuple[list[int], int]:
+    """Batch SD's accepted path (node ids) and next token, read to the host in one go."""
+    first, root_tok, ns, toks = verify_batch_sd(tree, paths, P, gen)
+    vals = torch.cat([first.view(1), root_tok.view(1), ns, toks]).tolist()
+    M, f = len(paths), vals[0]
+    if f < 0:
+        return [], vals[1]
+    return paths[f][:1 + vals[2 + f]], vals[2 + M + f]
 
 
 @register("spectr")

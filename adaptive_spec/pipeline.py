@@ -1,7 +1,7 @@
 """The Python API: a draft/target pair with its tokenizer, generating text.
 
     from adaptive_spec import SpecPair
-    pair = SpecPair.load()                      # the default pair, bf16, CUDA if present
+    pair = SpecPair.load()                      # the default pair; dtype auto; CUDA if present
     g = pair.generate("Write quicksort in Python.", policy="fixed", k=4, temperature=0,
                       max_new_tokens=128, chat=True)
     print(g.text, g.metrics.summary())
@@ -10,11 +10,26 @@ from __future__ import annotations
 
 import torch
 
+from . import multidraft, policies, tree  # noqa: F401  (importing them registers their policies)
 from .decoding import Decoder, Generation
 from .errors import UserError
-from .models import check_vocab, load_model, resolve_device
-from .policies import make_policy
+from .interfaces import Policy, lookup, registered
+from .models import check_quant, check_vocab, load_model, resolve_device
+from .prompts import encode_prompt, eos_token_ids
 from .sampling import SamplingParams
+
+
+def policy_names() -> list[str]:
+    """Every name `make_policy` accepts ("ar" first), without loading any model: for `--policy` choices."""
+    return ["ar"] + registered()
+
+
+def make_policy(name: str, **kwargs) -> Policy | None:
+    """A policy by name; "ar" gives None (target-only decoding). kwargs not used by a policy
+    (the pair, the prompt, the sampling settings) are ignored by it."""
+    if name == "ar":
+        return None
+    return lookup(name)(**kwargs)
 
 
 class SpecPair:
@@ -34,36 +49,41 @@ class SpecPair:
         self.draft = (make_runner(draft_model, vocab, backend, runtime, max_cache_len,
                                   warmup_shapes=DRAFT_SHAPES if graphs else ())
                       if draft_model is not None else None)
-        eos = set()
-        for cfg in (target_model.generation_config, target_model.config):
-            e = getattr(cfg, "eos_token_id", None) if cfg is not None else None
-            eos.update(e if isinstance(e, (list, tuple)) else ([e] if e is not None else []))
-        if tokenizer.eos_token_id is not None:
-            eos.add(tokenizer.eos_token_id)
-        self.eos_token_ids = sorted(eos)
+        self.eos_token_ids = eos_token_ids(tokenizer, target_model)
         self.decoder = Decoder(self.target, self.draft, eos_token_ids=self.eos_token_ids)
 
     @classmethod
-    def load(cls, target: str | None = "default", draft: str | None = "default", dtype="bf16",
-             device: str | None = None, num_threads: int | None = None, **runner_kwargs) -> "SpecPair":
-        """Load a pair by hub id or local path ("default" = the default pair; draft=None: target only)."""
+    def load(cls, target: str | None = "default", draft: str | None = "default", dtype="auto",
+             device: str | None = None, num_threads: int | None = None, draft_quant: str = "none",
+             draft_vocab=None, **runner_kwargs) -> "SpecPair":
+        """Load a pair by hub id or local path ("default" = the default pair; draft=None: target only).
+
+        dtype "auto": bf16, or fp32 on a CPU without bf16 kernels (cpu.py). The draft may be made
+        cheaper without touching exactness: draft_quant "int8" (weight-only int8), draft_vocab
+        N | FILE | FILE:N (its output layer keeps the N most frequent tokens; vocab.py)."""
         if num_threads:
             torch.set_num_threads(num_threads)
         device = resolve_device(device)
+        check_quant(draft_quant, device)  # refused before any weights load
         target_model, tok = load_model(target, "target", dtype, device)
-        draft_model, dtok = (load_model(draft, "draft", dtype, device) if draft is not None else (None, None))
-        return cls(target_model, tok, draft_model, dtok, **runner_kwargs)
+        draft_model, dtok = ((load_model(draft, "draft", dtype, device, quant=draft_quant, draft_vocab=draft_vocab)
+                              if draft is not None else (None, None)))
+        pair = cls(target_model, tok, draft_model, dtok, **runner_kwargs)
+        pair.draft_config = {"draft_quant": draft_quant or "none", "draft_vocab": draft_vocab or "full"}
+        return pair
+
+    def runtime_info(self) -> dict:
+        """The machine and each model's numeric path: recorded with every measurement."""
+        from .cpu import describe
+
+        info = {"machine": describe(), **getattr(self, "draft_config", {})}
+        for role, lm in (("target", self.target), ("draft", self.draft)):
+            if lm is not None:
+                info[f"{role}_path"] = getattr(lm.model, "cpu_path", {"dtype": str(next(lm.model.parameters()).dtype)})
+        return info
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
-        if not prompt or not prompt.strip():
-            raise UserError("the prompt is empty; pass some prompt text")
-        if chat:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise UserError("this tokenizer has no chat template; drop --chat to use the raw prompt")
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                      add_generation_prompt=True, tokenize=False)
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return self.tokenizer(prompt)["input_ids"]
+        return encode_prompt(self.tokenizer, prompt, chat)
 
     def generate(self, prompt: str | list[int], policy: str = "fixed", max_new_tokens: int = 128,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = 0,

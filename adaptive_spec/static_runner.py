@@ -351,12 +351,12 @@ class StaticCausalLM(CausalLM):
         self.fwd_time, self.n_forwards = 0.0, 0
         return time.perf_counter() - t0
 
-    # ---- tree-policy hooks (adaptive_spec.tree looks for these) ------------------------------
+    # ---- tree-policy hooks (adaptive_spec.tree_cache looks for these) ---------------------------
 
     @torch.inference_mode()
     def tree_forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor, logit_from: int = 0):
         """Feed `ids` [n] into slots length..length+n-1 with the visibility pattern attend
-        [n, length + n] and position ids `positions` [n] (eager; contract of tree.tree_forward)."""
+        [n, length + n] and position ids `positions` [n] (eager; contract of tree_cache.tree_forward)."""
         n = ids.shape[0]
         kv = self.length + n
         if tuple(attend.shape) != (n, kv):

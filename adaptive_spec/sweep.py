@@ -34,20 +34,20 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import config_from_argv, config_to_dict
-from .errors import UserError
-from .prompts import PROJECT_ROOT, load_prompts
+from .errors import UserError, run_main
+from .prompts import load_prompts
+from .runs import PROJECT_ROOT, append_jsonl, lock_dir, project_path, read_json, read_jsonl, settings_problem, write_json
 
 RESULTS = "results.jsonl"
 # config keys that change the numbers in results.jsonl; a resume must keep them
-RESULT_KEYS = ("draft", "target", "dtype", "device", "threads", "max_new_tokens", "temperature", "top_k",
-               "top_p", "chat", "seed", "k_max", "max_prompt_tokens")
+RESULT_KEYS = ("draft", "target", "dtype", "draft_quant", "draft_vocab", "device", "threads", "max_new_tokens",
+               "temperature", "top_k", "top_p", "chat", "seed", "k_max", "max_prompt_tokens")
 
 
 @dataclass
@@ -56,7 +56,9 @@ class SweepConfig:
     # models
     draft: str = "default"
     target: str = "default"
-    dtype: str = "bf16"
+    dtype: str = "auto"  # auto: bf16, or fp32 on CPUs without bf16 kernels (AVX2); rows record what ran
+    draft_quant: str = "none"  # none | int8: weight-only int8 draft (exactness unchanged)
+    draft_vocab: str = ""  # "" = all; N | FILE | FILE:N: the draft's output layer keeps those tokens
     device: str | None = None  # None / auto: cuda if available
     threads: int = 0  # torch CPU threads; 0 = torch's default
     # prompts
@@ -128,8 +130,7 @@ class SweepConfig:
             raise UserError("heads are given but thresholds is empty; list the h values to sweep")
 
     def resolved_out_dir(self) -> Path:
-        p = Path(self.out_dir or f"runs/sweep/{self.name or 'sweep'}").expanduser()
-        return p if p.is_absolute() else PROJECT_ROOT / p
+        return project_path(self.out_dir or f"runs/sweep/{self.name or 'sweep'}")
 
 
 # ----------------------------------------------------------------------------- the grid
@@ -258,35 +259,6 @@ def _draft_hidden_size(draft: str) -> int | None:
 
 # ----------------------------------------------------------------------------- results file
 
-def append_jsonl(path: Path, row: dict):
-    """One line per write, flushed and fsynced: an interrupted run loses at most the line in flight."""
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def read_results(path: Path, repair: bool = False) -> list[dict]:
-    """The rows of results.jsonl; a torn last line (a kill mid-write) is dropped, and with `repair`
-    cut from the file so appends start on a fresh line."""
-    path = Path(path)
-    if not path.is_file():
-        return []
-    data = path.read_bytes()
-    cut = data.rfind(b"\n") + 1
-    if repair and cut < len(data):
-        with open(path, "r+b") as f:
-            f.truncate(cut)
-    rows = []
-    for line in data[:cut].decode("utf-8").splitlines():
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return rows
-
-
 def _settings(cfg: SweepConfig, device: str) -> dict:
     d = {k: getattr(cfg, k) for k in RESULT_KEYS}
     d["device"] = device
@@ -297,50 +269,27 @@ def settings_hash(settings: dict) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
+RUN_FILES = (RESULTS, "settings.json", "config.json", "heads.json", "prompts.json")
+
+
 def check_out_dir(out: Path, settings: dict, overwrite: bool):
     """Refuse to mix results of different settings in one out_dir; with `overwrite`, discard results of
     other (or unknown) settings instead. Results of the same settings are always resumed."""
-    sfile, rfile = out / "settings.json", out / RESULTS
-    problem = None
-    if sfile.is_file():
-        old = json.loads(sfile.read_text()).get("settings", {})
-        diff = [k for k in sorted(set(old) | set(settings)) if old.get(k) != settings.get(k)]
-        if diff:
-            what = ", ".join(f"{k}: {old.get(k)!r} -> {settings.get(k)!r}" for k in diff)
-            problem = f"{out} holds sweep results made with other settings ({what})"
+    saved = read_json(out / "settings.json", required=False, hint="delete it, or use another out_dir")
+    rfile = out / RESULTS
+    if saved is not None:
+        problem = settings_problem(out, saved.get("settings", {}), settings, "sweep")
     elif rfile.is_file() and rfile.stat().st_size:
         problem = f"{out} holds a {RESULTS} without settings.json, so its settings are unknown"
+    else:
+        problem = None
     if problem is None:
         return
     if not overwrite:
         raise UserError(f"{problem}; use another out_dir, or overwrite=true to discard them")
     print(f"note: {problem}; overwrite=true: discarding them", file=sys.stderr)
-    for name in (RESULTS, "settings.json", "config.json", "heads.json", "prompts.json"):
+    for name in RUN_FILES:
         (out / name).unlink(missing_ok=True)
-
-
-def lock_out_dir(out: Path):
-    """Hold an exclusive lock on out_dir for this process's lifetime (released at exit, even on
-    a kill): two sweeps appending to one results.jsonl would duplicate runs and, worse, time
-    each other's runs on shared cores. Returns the open lock file (keep a reference)."""
-    try:
-        import fcntl
-    except ImportError:  # no flock (Windows): run unguarded
-        return None
-    f = open(out / ".lock", "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.seek(0)
-        holder = f.read().strip() or "?"
-        f.close()
-        raise UserError(f"another sweep (pid {holder}) is writing to {out}; wait for it to finish or stop it, "
-                        "then rerun this command to resume") from None
-    f.seek(0)
-    f.truncate()
-    f.write(str(os.getpid()))
-    f.flush()
-    return f
 
 
 def prompt_sha(text: str) -> str:
@@ -355,6 +304,7 @@ def _hf_assisted(pair, ids: list[int], cfg: SweepConfig, seed: int, max_new_toke
     from transformers.utils import logging as hf_logging
 
     from .decoding import Metrics
+    from .timing import timed
 
     tm, dm = pair.target.model, pair.draft.model
     counts = {"target": 0, "draft": 0}
@@ -371,19 +321,15 @@ def _hf_assisted(pair, ids: list[int], cfg: SweepConfig, seed: int, max_new_toke
     hf_logging.set_verbosity_error()
     try:
         torch.manual_seed(seed)
-        with torch.inference_mode():
-            t0 = time.perf_counter()
+        with torch.inference_mode(), timed(x.device) as t:
             out = tm.generate(x, attention_mask=torch.ones_like(x), assistant_model=dm, **kw)
-            if x.device.type == "cuda":
-                torch.cuda.synchronize(x.device)
-            wall = time.perf_counter() - t0
     finally:
         hf_logging.set_verbosity(verbosity)
         for h in hooks:
             h.remove()
     new = out[0, len(ids):].tolist()
     n = len(new)
-    m = Metrics(n_tokens=n, n_draft_forwards=counts["draft"], n_target_forwards=counts["target"], wall_s=wall)
+    m = Metrics(n_tokens=n, n_draft_forwards=counts["draft"], n_target_forwards=counts["target"], wall_s=t.s)
     # one target pass per round, one draft pass per candidate: N_draft + N_target = N + N_discarded
     m.n_discarded = max(0, m.n_draft_forwards + m.n_target_forwards - n)
     m.n_accepted = max(0, n - m.n_target_forwards)
@@ -460,111 +406,142 @@ def _select_prompts(pair, texts: list[str], cfg: SweepConfig) -> tuple[list[tupl
 
 def run(cfg: SweepConfig) -> Path:
     """Run (or resume) the sweep; returns the out_dir."""
-    import torch
-
-    from .decoding import Decoder
-    from .models import resolve_device
-    from .pipeline import SpecPair
-
     # everything that can be checked without the models, first
     texts = {ds: load_prompts(ds, cfg.fields.get(ds), None, cfg.seed, cfg.hf_configs.get(ds), cfg.hf_splits.get(ds))
              for ds in cfg.datasets}
     heads = load_heads(cfg, _draft_hidden_size(cfg.draft))
     specs, notes = build_grid(cfg, list(heads))
-    for note in notes:
-        print(f"note: {note}", file=sys.stderr)
-    device = str(resolve_device(cfg.device))
-    settings = _settings(cfg, device)
-    shash = settings_hash(settings)
+    _note(notes)
+    settings = _settings(cfg, _device_name(cfg.device))
     out = cfg.resolved_out_dir()
     out.mkdir(parents=True, exist_ok=True)
-    lock = lock_out_dir(out)  # noqa: F841 (held until this process exits)
+    lock = lock_dir(out, "sweep")  # noqa: F841 (held until this process exits)
     check_out_dir(out, settings, cfg.overwrite)
 
+    pair, draft_decoder = _load_pair(cfg, heads)
+    if any(s.method == "hf_assisted" for s in specs):
+        notes += _note([hf_schedule_note(pair.draft.model)])
+    selected = {ds: _select_dataset(pair, ds, texts[ds], cfg, notes) for ds in cfg.datasets}
+    cpu_pad_to = _cpu_pad_to(pair)
+    _write_run_files(out, cfg, settings, heads, selected, specs, notes, cpu_pad_to, pair.runtime_info())
+    todo, n_jobs = _todo(out / RESULTS, cfg, selected, specs)
+    if todo and cfg.warmup:
+        _warmup(pair, todo[0][3], specs, cfg, heads, draft_decoder)
+    # every row carries the machine and the numeric paths it ran on: "auto" resolves per CPU
+    runtime = pair.runtime_info()
+    context = {"settings_hash": settings_hash(settings), "cpu_pad_to": cpu_pad_to, "isa": runtime["machine"]["isa"],
+               "cpu_flags": runtime["machine"]["cpu_flags"],
+               "paths": {r: runtime.get(f"{r}_path") for r in ("target", "draft")}}
+    _run_jobs(pair, todo, n_jobs, cfg, heads, draft_decoder, out / RESULTS, context)
+    return out
+
+
+def _note(notes: list[str]) -> list[str]:
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    return notes
+
+
+def _device_name(device: str | None) -> str:
+    from .models import resolve_device
+
+    return str(resolve_device(device))
+
+
+def _load_pair(cfg: SweepConfig, heads: dict):
+    """The pair, with every head checked against its draft and moved to its device, and a
+    decoder that runs the draft alone (the draft_ar baseline)."""
     from transformers.utils import logging as hf_logging
+
+    from .decoding import Decoder
+    from .pipeline import SpecPair
 
     hf_logging.disable_progress_bar()
     pair = SpecPair.load(target=cfg.target, draft=cfg.draft, dtype=cfg.dtype, device=cfg.device,
-                         num_threads=cfg.threads or None)
+                         num_threads=cfg.threads or None, draft_quant=cfg.draft_quant,
+                         draft_vocab=cfg.draft_vocab or None)
     for label, (head, info) in heads.items():
         if head.hidden_size != pair.draft.hidden_size:
             raise UserError(f"head {label} at {info['path']} was trained for a draft of hidden size "
                             f"{head.hidden_size} but the draft in use has hidden size {pair.draft.hidden_size}; "
                             "pass the draft it was trained for or train a head for this draft")
         head.to(pair.draft.device)
-    draft_decoder = Decoder(pair.draft, None, eos_token_ids=pair.eos_token_ids)
-    if any(s.method == "hf_assisted" for s in specs):
-        notes.append(hf_schedule_note(pair.draft.model))
-        print(f"note: {notes[-1]}", file=sys.stderr)
+    return pair, Decoder(pair.draft, None, eos_token_ids=pair.eos_token_ids)
 
-    selected, prompt_log = {}, {}
-    for ds in cfg.datasets:
-        chosen, skipped = _select_prompts(pair, texts[ds], cfg)
-        if not chosen:
-            raise UserError(f"no prompt of dataset {ds!r} fits in {cfg.max_prompt_tokens} tokens (and the context "
-                            "with max_new_tokens); raise max_prompt_tokens or lower max_new_tokens")
-        new_notes = []
-        if skipped:
-            new_notes.append(f"{ds}: {skipped} prompt(s) longer than the token limit were skipped")
-        if len(chosen) < cfg.n_prompts:
-            new_notes.append(f"{ds}: only {len(chosen)} prompts (n_prompts = {cfg.n_prompts})")
-        for note in new_notes:
-            print(f"note: {note}", file=sys.stderr)
-        notes += new_notes
-        selected[ds] = chosen
-        prompt_log[ds] = [{"prompt_idx": i, "prompt_sha": prompt_sha(t), "n_prompt_tokens": len(ids), "text": t}
-                          for i, t, ids in chosen]
 
-    (out / "settings.json").write_text(json.dumps({"settings": settings, "hash": shash}, indent=2) + "\n")
-    (out / "heads.json").write_text(json.dumps({k: v[1] for k, v in heads.items()}, indent=2, default=str) + "\n")
-    (out / "prompts.json").write_text(json.dumps(prompt_log, indent=1) + "\n")
-    import transformers
+def _select_dataset(pair, ds: str, texts: list[str], cfg: SweepConfig, notes: list[str]) -> list:
+    """The prompts of one dataset that fit (see _select_prompts); what was skipped goes to `notes`."""
+    chosen, skipped = _select_prompts(pair, texts, cfg)
+    if not chosen:
+        raise UserError(f"no prompt of dataset {ds!r} fits in {cfg.max_prompt_tokens} tokens (and the context "
+                        "with max_new_tokens); raise max_prompt_tokens or lower max_new_tokens")
+    if skipped:
+        notes += _note([f"{ds}: {skipped} prompt(s) longer than the token limit were skipped"])
+    if len(chosen) < cfg.n_prompts:
+        notes += _note([f"{ds}: only {len(chosen)} prompts (n_prompts = {cfg.n_prompts})"])
+    return chosen
 
+
+def _cpu_pad_to(pair) -> dict:
     # the CPU padding is measured at each load, so a resumed sweep may run with another one:
     # config.json has this session's, and every row carries the one it ran with
-    cpu_pad_to = {role: list(getattr(m.model, "cpu_pad_to", ())) for role, m in
-                  (("target", pair.target), ("draft", pair.draft)) if m is not None}
-    (out / "config.json").write_text(json.dumps({
-        "config": config_to_dict(cfg), "grid": [s.key for s in specs], "notes": notes, "device": device,
-        "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
-        "cpu_pad_to": cpu_pad_to, "written": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=2) + "\n")
+    return {role: list(getattr(m.model, "cpu_pad_to", ())) for role, m in
+            (("target", pair.target), ("draft", pair.draft)) if m is not None}
 
-    rpath = out / RESULTS
+
+def _write_run_files(out: Path, cfg: SweepConfig, settings: dict, heads: dict, selected: dict, specs, notes,
+                     cpu_pad_to: dict, pair_runtime: dict):
+    """settings.json, heads.json, prompts.json and config.json (see the module doc)."""
+    import torch
+    import transformers
+
+    write_json(out / "settings.json", {"settings": settings, "hash": settings_hash(settings)})
+    write_json(out / "heads.json", {k: v[1] for k, v in heads.items()}, default=str)
+    write_json(out / "prompts.json", {ds: [{"prompt_idx": i, "prompt_sha": prompt_sha(t), "n_prompt_tokens": len(ids),
+                                            "text": t} for i, t, ids in chosen] for ds, chosen in selected.items()},
+               indent=1)
+    write_json(out / "config.json", {
+        "config": config_to_dict(cfg), "grid": [s.key for s in specs], "notes": notes, "device": settings["device"],
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
+        "cpu_pad_to": cpu_pad_to, "runtime": pair_runtime, "written": time.strftime("%Y-%m-%d %H:%M:%S")}, default=str)
+
+
+def _todo(rpath: Path, cfg: SweepConfig, selected: dict, specs) -> tuple[list[tuple], int]:
+    """The (dataset, prompt_idx, text, ids, spec) runs not yet in results.jsonl, and the number of
+    runs in all. Prompt-major and round-robin over datasets: a sweep stopped early (or still
+    running) has every config on the same prompts and every dataset about equally far along, so
+    its partial results already compare side by side."""
     done = {(r.get("dataset"), r.get("prompt_idx"), r.get("prompt_sha"), r.get("config"))
-            for r in read_results(rpath, repair=True)}
-    # prompt-major and round-robin over datasets: a sweep stopped early (or still running) has
-    # every config on the same prompts and every dataset about equally far along, so its partial
-    # results already compare side by side
+            for r in read_jsonl(rpath, repair=True)}
     jobs = [(ds, *selected[ds][rank], s) for rank in range(max(len(v) for v in selected.values()))
             for ds in cfg.datasets if rank < len(selected[ds]) for s in specs]
-    todo = [j for j in jobs if (j[0], j[1], prompt_sha(j[2]), j[4].key) not in done]
-    if todo and cfg.warmup:
-        _warmup(pair, todo[0][3], specs, cfg, heads, draft_decoder)
+    return [j for j in jobs if (j[0], j[1], prompt_sha(j[2]), j[4].key) not in done], len(jobs)
 
+
+def _run_jobs(pair, todo: list[tuple], n_jobs: int, cfg: SweepConfig, heads: dict, draft_decoder, rpath: Path,
+              context: dict):
+    """Run each job and append its row to results.jsonl as soon as it is done."""
     from tqdm import tqdm
 
-    bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="sweep", unit="run", dynamic_ncols=True,
+    bar = tqdm(total=n_jobs, initial=n_jobs - len(todo), desc="sweep", unit="run", dynamic_ncols=True,
                disable=not cfg.progress, file=sys.stderr)
     greedy_x = {}  # (dataset, prompt) -> the target-alone greedy output, the oracle's X (Theorem 4.1)
-    keep_x = any(s.method == "oracle" for s in specs)  # build_grid adds the oracle only when greedy
+    keep_x = any(j[4].method == "oracle" for j in todo)  # build_grid adds the oracle only when greedy
     try:
         for ds, i, text, ids, spec in todo:
             seed = cfg.seed * 100_003 + i
-            m, stopped, new = run_one(pair, spec, ids, cfg, seed, heads, draft_decoder,
-                                      target_output=greedy_x.pop((ds, i), None) if spec.method == "oracle" else None)
+            x = greedy_x.pop((ds, i), None) if spec.method == "oracle" else None
+            m, stopped, new = run_one(pair, spec, ids, cfg, seed, heads, draft_decoder, target_output=x)
             if spec.method == "ar" and keep_x:
                 greedy_x[(ds, i)] = new
-            row = {"dataset": ds, "prompt_idx": i, "prompt_sha": prompt_sha(text), "n_prompt_tokens": len(ids),
-                   **spec.row_fields(), "seed": seed, "stopped_by": stopped,
-                   "output_sha": prompt_sha(json.dumps(new)), **m.to_dict(),
-                   "counts_derived": spec.method == "hf_assisted", "settings_hash": shash, "cpu_pad_to": cpu_pad_to,
-                   "time": time.time()}
-            append_jsonl(rpath, row)
+            append_jsonl(rpath, {"dataset": ds, "prompt_idx": i, "prompt_sha": prompt_sha(text),
+                                 "n_prompt_tokens": len(ids), **spec.row_fields(), "seed": seed, "stopped_by": stopped,
+                                 "output_sha": prompt_sha(json.dumps(new)), **m.to_dict(),
+                                 "counts_derived": spec.method == "hf_assisted", **context, "time": time.time()})
             bar.update(1)
             bar.set_postfix_str(f"{Path(ds).stem} #{i} {spec.key} {m.tokens_per_s:.1f} tok/s", refresh=False)
     finally:
         bar.close()
-    return out
 
 
 def _warmup(pair, ids, specs, cfg, heads, draft_decoder):
@@ -578,18 +555,18 @@ def _warmup(pair, ids, specs, cfg, heads, draft_decoder):
         run_one(pair, spec, ids, cfg, 0, heads, draft_decoder, max_new_tokens=n)
 
 
-def main(argv=None) -> int:
-    try:
-        cfg = config_from_argv(SweepConfig, argv, "adaptive-spec sweep", __doc__.split("\n\n")[0], "sweep")
-        out = run(cfg)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted; rerun the same command to resume (finished runs are kept)", file=sys.stderr)
-        return 130
+INTERRUPTED = "finished runs are kept in results.jsonl; rerun the same command to resume"
+
+
+def _main(argv) -> int:
+    cfg = config_from_argv(SweepConfig, argv, "adaptive-spec sweep", __doc__.split("\n\n")[0], "sweep")
+    out = run(cfg)
     print(f"sweep results in {out / RESULTS}; tables and plots: adaptive-spec report --sweep-dir {out}")
     return 0
+
+
+def main(argv=None) -> int:
+    return run_main(_main, argv, INTERRUPTED)
 
 
 if __name__ == "__main__":

@@ -20,10 +20,43 @@ T = wall_s - prefill_s ("decode time").
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict, dataclass
 from typing import Iterable, Sequence
 
 import numpy as np
+
+
+# ----------------------------------------------------------------------------- measuring forwards
+
+def sync(device) -> None:
+    """Wait for the device to finish its queued work (CUDA runs asynchronously; CPU is a no-op)."""
+    if getattr(device, "type", str(device).split(":")[0]) == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+class timed:
+    """Wall time of a block of device work: `with timed(device) as t: ...; t.s` seconds.
+
+    The clock stops only after the device is idle, because a CUDA forward returns before its
+    kernels ran and timing the call alone would measure the launch, not the work."""
+
+    def __init__(self, device="cpu"):
+        self.device, self.s = device, 0.0
+
+    def __enter__(self) -> "timed":
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        sync(self.device)
+        self.s = time.perf_counter() - self.t0
+        return False
+
+
+# ----------------------------------------------------------------------------- the model
 
 
 @dataclass

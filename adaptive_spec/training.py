@@ -22,20 +22,25 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import struct
 import sys
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .config import config_to_dict, load_config
+from .config import config_help, config_to_dict, load_config
 from .errors import UserError
 from .heads import FEATURES, MAX_DEPTH, AcceptanceHead
+from .runs import append_jsonl, atomic_write, check_settings, read_jsonl, write_json
+from .runs import read_manifest as read_manifest_json
+from .tables import md_table
 
 DATA_FORMAT = "adaptive_spec.datagen.v1"
 STOP_EXIT_CODE = 3  # stop_after_steps exits with this, as a killed job would: no cleanup, no results
@@ -175,14 +180,10 @@ def plot_reliability(curves: dict[str, torch.Tensor], path: Path, title: str = "
 # ----------------------------------------------------------------------------- data
 
 def read_manifest(root: str | Path) -> dict:
+    """A complete datagen manifest with the fields training reads, or a UserError saying what to do."""
     root = Path(root)
     f = root / "manifest.json"
-    if not f.is_file():
-        raise UserError(f"dataset folder {root} has no manifest.json; point data= at a folder written by datagen")
-    try:
-        m = json.loads(f.read_text())
-    except ValueError as e:
-        raise UserError(f"{f} is not valid JSON ({e}); regenerate the dataset") from None
+    m = read_manifest_json(root, hint="point data= at a folder written by datagen, or regenerate the dataset")
     if m.get("format") != DATA_FORMAT:
         raise UserError(f"{f} has format {m.get('format')!r}, expected {DATA_FORMAT!r}; regenerate the dataset")
     if not m.get("complete"):
@@ -420,50 +421,60 @@ class EpochShuffle(torch.utils.data.Sampler):
 
 # ----------------------------------------------------------------------------- run folder
 
+CKPT_STATE = "trainer_state.json"  # written last into a checkpoint: a folder without it is incomplete
+
+
 class RunFiles:
-    """log.jsonl, checkpoints/step_N, head/ and results.json of one run (written by the main process)."""
+    """log.jsonl, checkpoints/checkpoint_N, head/ and results.json of one run (written by the main process).
+
+    Checkpoints are accelerate's (ProjectConfiguration automatic naming: checkpoint_0, _1, ...,
+    the oldest deleted past keep_checkpoints); each holds trainer_state.json with its step.
+    """
 
     def __init__(self, out: Path, main: bool):
         self.out, self.main = out, main
         self.log_path, self.ckpt_root = out / "log.jsonl", out / "checkpoints"
+        self.results_path = out / "results.json"
 
     def has_run(self) -> bool:
         return self.log_path.exists() or (self.ckpt_root.exists() and any(self.ckpt_root.iterdir()))
 
     def log(self, row: dict):
         if self.main:
-            with open(self.log_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+            append_jsonl(self.log_path, row)
 
     def truncate_log(self, step: int):
         """Drop rows logged after `step`: a killed run may have logged past its last checkpoint."""
         if self.main and self.log_path.exists():
             rows = [r for r in read_jsonl(self.log_path) if r["step"] <= step]
-            self.log_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            atomic_write(self.log_path, "".join(json.dumps(r) + "\n" for r in rows))
 
     def checkpoints(self) -> list[tuple[int, Path]]:
+        """(accelerate's iteration, folder) of the complete checkpoints, oldest first."""
+        return [(n, p) for n, p in self._numbered() if (p / CKPT_STATE).is_file()]
+
+    def _numbered(self) -> list[tuple[int, Path]]:
         if not self.ckpt_root.is_dir():
             return []
-        found = [(int(m.group(1)), p) for p in self.ckpt_root.iterdir()
-                 if (m := re.fullmatch(r"step_(\d+)", p.name)) and (p / "trainer_state.json").is_file()]
-        return sorted(found)
+        return sorted((int(m.group(1)), p) for p in self.ckpt_root.iterdir()
+                      if (m := re.fullmatch(r"checkpoint_(\d+)", p.name)))
 
-    def save_checkpoint(self, accelerator, step: int, state: dict, keep: int):
-        # Atomic: a kill mid-save leaves a tmp_ folder that is ignored, never a half step_N.
-        tmp, final = self.ckpt_root / f"tmp_step_{step}", self.ckpt_root / f"step_{step}"
-        if self.main and tmp.exists():
-            shutil.rmtree(tmp)
-        accelerator.wait_for_everyone()
-        accelerator.save_state(str(tmp))
-        accelerator.wait_for_everyone()
+    def drop_incomplete(self):
+        """A kill mid-save leaves a checkpoint without trainer_state.json: delete it, so that
+        accelerate neither resumes from it nor refuses to save over its name."""
         if self.main:
-            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            for _, old in self.checkpoints()[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
-        accelerator.wait_for_everyone()
+            for _, p in self._numbered():
+                if not (p / CKPT_STATE).is_file():
+                    shutil.rmtree(p, ignore_errors=True)
+
+    def last_checkpoint(self) -> str:
+        """For the Ctrl-C message: the newest complete checkpoint and its step."""
+        ckpts = self.checkpoints()
+        if not ckpts:
+            return "no checkpoint yet"
+        path = ckpts[-1][1]
+        step = json.loads((path / CKPT_STATE).read_text()).get("step")
+        return f"last checkpoint {path} (step {step}) kept"
 
     def export_head(self, head: AcceptanceHead, extra: dict, curves: dict):
         """Write the head to head/ via a tmp folder, so head/ is always a complete export."""
@@ -471,10 +482,9 @@ class RunFiles:
             return
         tmp, final, old = self.out / "head.tmp", self.out / "head", self.out / "head.old"
         shutil.rmtree(tmp, ignore_errors=True)
-        head.save_pretrained(tmp, extra=extra)
-        (tmp / "metrics.json").write_text(json.dumps(extra["metrics"], indent=2) + "\n")
+        head.save_pretrained(tmp, extra=extra)  # config.json, model.safetensors, README.md (model card)
+        write_json(tmp / "metrics.json", extra["metrics"])
         plot_reliability(curves, tmp / "reliability.png", f"D={head.depth} w_rej={extra['w_rej']:g} step {extra['step']}")
-        (tmp / "README.md").write_text(model_card(head, extra))
         shutil.rmtree(old, ignore_errors=True)
         if final.exists():
             os.replace(final, old)
@@ -482,49 +492,7 @@ class RunFiles:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def model_card(head: AcceptanceHead, extra: dict) -> str:
-    """A short README for an exported head: what it reads, what it was trained on, how well."""
-    m = extra["metrics"]
-    rows = [(k, m.get(f"train_{k}"), m.get(f"dev_{k}")) for k in ("loss", "kl", "ece")]
-    fmt = lambda v: "-" if v is None else f"{v:.4f}"
-    reads = ("the state at the candidate's own position, as in the paper: scores arrive one draft step late"
-             if head.feature == "token" else
-             "the state that produced the candidate's distribution: scores it before it is fed, no lag")
-    return "\n".join([
-        f"# Acceptance head: D={head.depth}, w_rej={extra['w_rej']:g}",
-        "",
-        f"A SpecDec++ acceptance-prediction head ({head.depth + 1}-layer ResNet, SiLU) on the final hidden state "
-        f"(size {head.hidden_size}) of the draft `{head.draft_model}` (fingerprint `{head.draft_fingerprint}`); "
-        f"feature `{head.feature}` ({reads}).",
-        "It predicts P(draft token accepted | earlier ones accepted); the decoder stops drafting when "
-        "1 - prod(p_hat) > h.",
-        "",
-        "```",
-        f"adaptive-spec generate --policy learned --head <this folder> --threshold 0.7 --prompt '...'",
-        "```",
-        "",
-        "## Training",
-        f"- data: `{extra['dataset']}` (datagen config hash `{extra['dataset_config_hash']}`), "
-        f"{extra['n_train_positions']:,} training positions (draft tokens only; token mixing r from the datagen config)",
-        f"- target: `{extra['target']}`; weighted BCE w_acc={extra['w_acc']:g}, w_rej={extra['w_rej']:g}",
-        f"- {extra['epochs']} epochs, batch {extra['batch_size']}, lr {extra['lr']:g} (Adam, cosine); "
-        f"exported at step {extra['step']} (lowest dev loss)",
-        "",
-        "## Metrics at export (KL = unweighted binary KL between target and prediction; ECE = calibration error)",
-        "| metric | train | dev |",
-        "|---|---|---|",
-        *[f"| {k} | {fmt(tr)} | {fmt(dv)} |" for k, tr, dv in rows],
-        "",
-        "Reliability plot: `reliability.png`.",
-        "",
-    ])
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-# ----------------------------------------------------------------------------- training
+# ----------------------------------------------------------------------------- accelerator
 
 def wandb_configured(env=os.environ) -> bool:
     """Whether the user set wandb up (mode, key or login); if not we log offline, never prompt."""
@@ -537,18 +505,33 @@ def wandb_configured(env=os.environ) -> bool:
         return False
 
 
-def make_accelerator(cfg: TrainConfig):
-    from accelerate import Accelerator
-
+def mixed_precision_kwargs(cfg: TrainConfig, env=os.environ) -> dict:
+    """The launcher's choice (`accelerate launch --mixed_precision`, or its config file, which
+    sets ACCELERATE_MIXED_PRECISION) always wins; only a plain `python train.py` run takes it
+    from the config, where auto means bf16 on a GPU and no on CPU."""
+    launched = env.get("ACCELERATE_MIXED_PRECISION")
+    if launched:
+        if cfg.mixed_precision not in ("auto", launched):
+            print(f"note: mixed_precision={cfg.mixed_precision} ignored: the launcher set {launched} "
+                  "(pass `accelerate launch --mixed_precision ...` to change it)", file=sys.stderr)
+        return {}
     mp = cfg.mixed_precision
     if mp == "auto":
-        # Decided here, not by `accelerate launch`: its unconfigured default is "no" even on a GPU.
-        on_gpu = torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "true")
-        mp = "bf16" if on_gpu and torch.cuda.is_bf16_supported() else "no"
+        mp = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    return {"mixed_precision": mp}
+
+
+def make_accelerator(cfg: TrainConfig):
+    """One Accelerator per run: its ProjectConfiguration names, rotates and finds the checkpoints."""
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
     if cfg.report_to == "wandb" and not wandb_configured():
         os.environ["WANDB_MODE"] = "offline"
-    return Accelerator(mixed_precision=mp, gradient_accumulation_steps=cfg.grad_accum,
-                       log_with="wandb" if cfg.report_to == "wandb" else None)
+    project = ProjectConfiguration(project_dir=cfg.output_dir, automatic_checkpoint_naming=True,
+                                   total_limit=cfg.keep_checkpoints)
+    return Accelerator(gradient_accumulation_steps=cfg.grad_accum, project_config=project,
+                       log_with="wandb" if cfg.report_to == "wandb" else None, **mixed_precision_kwargs(cfg))
 
 
 def lr_lambda(total: int, warmup: int, min_ratio: float):
@@ -560,206 +543,304 @@ def lr_lambda(total: int, warmup: int, min_ratio: float):
     return f
 
 
+# ----------------------------------------------------------------------------- evaluation
+
 @torch.no_grad()
-def evaluate(head, data: PositionSet, cfg: TrainConfig, w_rej: float, accelerator) -> tuple[dict, torch.Tensor]:
-    """(metrics, calibration bins) over all of `data`; every process computes the same numbers."""
+def evaluate(head, loader, cfg: TrainConfig, accelerator) -> tuple[dict, torch.Tensor]:
+    """(metrics, calibration bins) over a prepared (sharded) loader: each process scores its shard,
+    gather_for_metrics brings every position (padding dropped) to every process, so all
+    processes compute the same numbers."""
     head.eval()
-    dev = accelerator.device
-    loss = kl = 0.0
-    mean_p = mean_pred = 0.0
-    bins = torch.zeros(3, cfg.ece_bins, dtype=torch.float64, device=dev)
-    for x, y in data.chunks(cfg.eval_batch_size):
-        x, y = x.to(dev), y.to(dev)
+    sums = torch.zeros(4, dtype=torch.float64, device=accelerator.device)  # loss, kl, target, pred
+    bins = torch.zeros(3, cfg.ece_bins, dtype=torch.float64, device=accelerator.device)
+    n = 0
+    for x, y in loader:
         with accelerator.autocast():
             z = head(x).float()
-        loss += weighted_bce(z, y, cfg.w_acc, w_rej).double().item() * len(y)
-        kl += binary_kl(y, z).sum().item()
+        z, y = accelerator.gather_for_metrics((z, y))
         pred = torch.sigmoid(z.double())
-        mean_p += y.double().sum().item()
-        mean_pred += pred.sum().item()
+        sums += torch.stack([weighted_bce(z, y, cfg.w_acc, cfg.w_rej).double() * len(y), binary_kl(y, z).sum(),
+                             y.double().sum(), pred.sum()])
         bins += calibration_bins(pred, y, cfg.ece_bins)
+        n += len(y)
     head.train()
-    n = len(data)
-    return {"loss": loss / n, "kl": kl / n, "ece": ece(bins), "mean_target": mean_p / n,
-            "mean_pred": mean_pred / n, "n": n}, bins
+    loss, kl, mean_p, mean_pred = (sums / n).tolist()
+    return {"loss": loss, "kl": kl, "ece": ece(bins), "mean_target": mean_p, "mean_pred": mean_pred, "n": n}, bins
 
 
-def check_resume_config(out: Path, cfg: TrainConfig):
-    saved = out / "train_config.json"
-    if not saved.is_file():
-        return
-    old = json.loads(saved.read_text())
-    new = config_to_dict(cfg)
-    diff = [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in new if k not in RUNTIME_KEYS and old.get(k) != new[k]]
-    if diff:
-        raise UserError(f"{out} holds a run with other settings ({'; '.join(diff)}); resume with the same config "
-                        "or choose another output_dir")
+# ----------------------------------------------------------------------------- one run
+
+@dataclass
+class Run:
+    """Everything one training run holds; the functions below each do one part of it."""
+    cfg: TrainConfig
+    acc: Any
+    files: RunFiles
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    loader: Any
+    sampler: EpochShuffle
+    eval_loaders: dict            # "train" (a fixed subset) and, when the dataset has one, "dev"
+    steps_per_epoch: int
+    total: int
+    meta: dict                    # training metadata stored with the exported head
+    state: dict = field(default_factory=lambda: {"step": 0, "best_loss": None, "best_step": None})
+    loss_sum: Any = 0.0           # train loss summed since the last log row
+    n_micro: int = 0
 
 
-def train(cfg: TrainConfig, resume: bool = False, accelerator=None) -> dict:
-    """Train one head; returns results (also in <output_dir>/results.json)."""
-    from accelerate.utils import set_seed
-    from tqdm.auto import tqdm
+def train(cfg: TrainConfig, resume: bool = False, end_training: bool = True) -> dict:
+    """Train one head; returns results (also in <output_dir>/results.json).
 
-    out = Path(cfg.output_dir)
-    results_path = out / "results.json"
-    if resume and results_path.is_file():
-        print(f"{out} already finished; results in {results_path}", file=sys.stderr)
-        return json.loads(results_path.read_text())
-    if not resume and (RunFiles(out, False).has_run() or results_path.exists()):
-        raise UserError(f"output_dir {out} already holds a run; pass --resume to continue it or choose another output_dir")
-    if resume:
-        check_resume_config(out, cfg)
+    end_training=False leaves the process group up for the next head of a sweep."""
+    files = RunFiles(Path(cfg.output_dir), False)
+    if resume and files.results_path.is_file():
+        print(f"{files.out} already finished; results in {files.results_path}", file=sys.stderr)
+        return json.loads(files.results_path.read_text())
+    check_output_dir(cfg, files, resume)
     manifest = read_manifest(cfg.data)
-    acc = accelerator or make_accelerator(cfg)
-    files = RunFiles(out, acc.is_main_process)
-    ckpts = files.checkpoints() if resume else []
-    draft = manifest["models"]["draft"]
+    acc = make_accelerator(cfg)
+    run = setup_run(cfg, manifest, acc)
+    restore_or_start(run, resume)
+    start_trackers(run)
+    train_loop(run)
+    results = finish_run(run)
+    acc.free_memory()
+    if end_training:
+        acc.end_training()  # stops the trackers and the process group
+    else:
+        for tracker in acc.trackers:
+            tracker.finish()
+    return results
+
+
+def check_output_dir(cfg: TrainConfig, files: RunFiles, resume: bool):
+    """Refuse, before any work, a new run over an old one or a resume with other settings."""
+    if not resume and (files.has_run() or files.results_path.exists()):
+        raise UserError(f"output_dir {files.out} already holds a run; pass --resume to continue it or choose "
+                        "another output_dir")
+    saved = files.out / "train_config.json"
+    if resume and saved.is_file():
+        check_settings(files.out, json.loads(saved.read_text()), config_to_dict(cfg), kind="run",
+                       ignore=RUNTIME_KEYS, fix="resume with the same config or choose another output_dir")
+
+
+def load_data(cfg: TrainConfig, manifest: dict, acc) -> tuple[PositionSet, PositionSet, PositionSet | None]:
+    """(train positions, the fixed train subset evaluated, dev positions or None)."""
     train_set = load_split(cfg, manifest, "train", acc)
     if train_set is None:
         raise UserError(f"dataset {cfg.data} has no training positions (split 'train' with loss_mask == 1)")
     train_set = train_set.subset(cfg.max_train_positions, cfg.seed)
     dev_set = load_split(cfg, manifest, "dev", acc)
     dev_set = dev_set.subset(cfg.max_dev_positions, cfg.seed + 1) if dev_set is not None else None
-    train_eval = train_set.subset(cfg.eval_train_positions, cfg.seed + 2)
+    return train_set, train_set.subset(cfg.eval_train_positions, cfg.seed + 2), dev_set
 
-    per_step = acc.num_processes * cfg.grad_accum
-    if cfg.batch_size % per_step:
-        raise UserError(f"batch_size {cfg.batch_size} is not divisible by processes x grad_accum = {per_step}")
-    micro = cfg.batch_size // per_step
 
-    set_seed(cfg.seed)
+def new_head(cfg: TrainConfig, draft: dict, train_set: PositionSet) -> AcceptanceHead:
     head = AcceptanceHead(train_set.hidden_size, cfg.depth, draft_model=draft.get("name"),
                           draft_fingerprint=draft.get("fingerprint"), feature=cfg.feature)
     if cfg.init_bias:
         # Most targets are near 1; the constant minimising the weighted BCE is
         # w_acc P / (w_acc P + w_rej (1 - P)). Starting there skips learning the base rate.
-        pbar_ = train_set.target.double().mean().item()
-        p0 = min(max(cfg.w_acc * pbar_ / (cfg.w_acc * pbar_ + cfg.w_rej * (1 - pbar_)), 1e-4), 1 - 1e-4)
+        pbar = train_set.target.double().mean().item()
+        p0 = min(max(cfg.w_acc * pbar / (cfg.w_acc * pbar + cfg.w_rej * (1 - pbar)), 1e-4), 1 - 1e-4)
         # The output weights start at zero too, so step 0 IS that constant: random output weights
         # on a 896-dim hidden state add logit noise that a small lr takes most of a run to undo.
         with torch.no_grad():
             head.out.bias.fill_(math.log(p0 / (1 - p0)))
             head.out.weight.zero_()
+    return head
+
+
+def micro_batch(cfg: TrainConfig, num_processes: int) -> int:
+    per_step = num_processes * cfg.grad_accum
+    if cfg.batch_size % per_step:
+        raise UserError(f"batch_size {cfg.batch_size} is not divisible by processes x grad_accum = {per_step}")
+    return cfg.batch_size // per_step
+
+
+def setup_run(cfg: TrainConfig, manifest: dict, acc) -> Run:
+    """Data, head, optimizer, loaders and schedule, prepared by accelerate."""
+    from accelerate.utils import set_seed
+
+    train_set, train_eval, dev_set = load_data(cfg, manifest, acc)
+    micro = micro_batch(cfg, acc.num_processes)
+    set_seed(cfg.seed)
+    head = new_head(cfg, manifest["models"]["draft"], train_set)
     optimizer = torch.optim.Adam(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sampler = EpochShuffle(len(train_set), cfg.seed)
     loader = torch.utils.data.DataLoader(train_set, batch_size=micro, sampler=sampler, collate_fn=_batch_as_is)
-    model, optimizer, loader = acc.prepare(head, optimizer, loader)
+    evals = {name: torch.utils.data.DataLoader(ds, batch_size=cfg.eval_batch_size, collate_fn=_batch_as_is)
+             for name, ds in (("train", train_eval), ("dev", dev_set)) if ds is not None}
+    model, optimizer, loader, *eval_loaders = acc.prepare(head, optimizer, loader, *evals.values())
     steps_per_epoch = math.ceil(len(loader) / cfg.grad_accum)  # accelerate syncs at the end of each epoch
     total = steps_per_epoch * cfg.epochs
-    # Stepped by us once per optimizer step (not prepared: accelerate would step it per process).
+    # Stepped by us once per optimizer step (not prepared: accelerate would step it once per process).
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer.optimizer, lr_lambda(total, int(cfg.warmup_ratio * total), cfg.min_lr_ratio))
     acc.register_for_checkpointing(scheduler)
+    meta = {"w_rej": cfg.w_rej, "w_acc": cfg.w_acc, "target": cfg.target, "dataset": str(cfg.data),
+            "dataset_config_hash": manifest.get("config_hash"), "n_train_positions": len(train_set),
+            "epochs": cfg.epochs, "lr": cfg.lr, "batch_size": cfg.batch_size,
+            # the draft configuration the features came from: a head follows its draft (policies.load_pair_head)
+            "draft_quant": manifest.get("config", {}).get("draft_quant", "none"),
+            "draft_vocab": manifest.get("config", {}).get("draft_vocab") or "full"}
+    return Run(cfg, acc, RunFiles(Path(cfg.output_dir), acc.is_main_process), model, optimizer, scheduler, loader,
+               sampler, dict(zip(evals, eval_loaders)), steps_per_epoch, total, meta)
 
-    state = {"step": 0, "best_loss": None, "best_step": None}
+
+def restore_or_start(run: Run, resume: bool):
+    """--resume: load the newest complete checkpoint; otherwise start the run folder afresh."""
+    acc, files = run.acc, run.files
+    if resume:
+        files.drop_incomplete()
+        acc.wait_for_everyone()
+    ckpts = files.checkpoints() if resume else []
     if ckpts:
-        _, path = ckpts[-1]
+        n, path = ckpts[-1]
         acc.load_state(str(path))
-        state = json.loads((path / "trainer_state.json").read_text())
-        files.truncate_log(state["step"])
-        acc.print(f"resuming {out} from {path} (step {state['step']}/{total})")
+        # load_state does not advance the automatic naming: the next save is checkpoint_{n+1}.
+        acc.project_configuration.iteration = n + 1
+        run.state = json.loads((path / CKPT_STATE).read_text())
+        files.truncate_log(run.state["step"])
+        acc.print(f"resuming {files.out} from {path} (step {run.state['step']}/{run.total})")
     elif acc.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
+        files.out.mkdir(parents=True, exist_ok=True)
         files.log_path.unlink(missing_ok=True)  # --resume without a checkpoint starts over
-        (out / "train_config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
-
-    if cfg.report_to == "wandb" and acc.is_main_process:
-        id_file = out / "wandb_id.txt"
-        if not id_file.exists():
-            id_file.write_text(uuid.uuid4().hex[:12])
-        acc.init_trackers(cfg.wandb_project, config=config_to_dict(cfg), init_kwargs={"wandb": {
-            "name": cfg.run_name or out.name, "dir": str(out), "id": id_file.read_text().strip(), "resume": "allow"}})
-
-    extra_meta = {"w_rej": cfg.w_rej, "w_acc": cfg.w_acc, "target": cfg.target, "dataset": str(cfg.data),
-                  "dataset_config_hash": manifest.get("config_hash"), "n_train_positions": len(train_set),
-                  "epochs": cfg.epochs, "lr": cfg.lr, "batch_size": cfg.batch_size}
-
-    def do_eval(step: int) -> dict:
-        unwrapped = acc.unwrap_model(model)
-        m_tr, b_tr = evaluate(unwrapped, train_eval, cfg, cfg.w_rej, acc)
-        row = {"step": step, **{f"train_{k}": v for k, v in m_tr.items()}}
-        curves = {"train": b_tr}
-        if dev_set is not None:
-            m_dev, b_dev = evaluate(unwrapped, dev_set, cfg, cfg.w_rej, acc)
-            row.update({f"dev_{k}": v for k, v in m_dev.items()})
-            curves["dev"] = b_dev
-        sel = row.get("dev_loss", row["train_loss"])  # select on dev; on train only without a dev split
-        files.log({"kind": "eval", **row})
-        acc.log({f"eval/{k}": v for k, v in row.items() if k != "step"}, step=step)
-        if acc.is_main_process:
-            plot_reliability(curves, out / "reliability.png", f"step {step}")
-        if state["best_loss"] is None or sel < state["best_loss"]:
-            state.update(best_loss=sel, best_step=step)
-            files.export_head(unwrapped, {**extra_meta, "step": step, "metrics": row}, curves)
-        return row
-
-    step = state["step"]
-    if step == 0:
-        do_eval(0)
-    pbar = tqdm(total=total, initial=step, disable=not acc.is_main_process, desc=f"head D={cfg.depth} w_rej={cfg.w_rej:g}")
-    loss_sum, n_micro = torch.zeros((), device=acc.device), 0
-    model.train()
-    for epoch in range(step // steps_per_epoch, cfg.epochs):
-        skip = (step - epoch * steps_per_epoch) * cfg.grad_accum
-        epoch_loader = acc.skip_first_batches(loader, skip) if skip else loader
-        epoch_loader.set_epoch(epoch)  # accelerate re-sets the sampler's epoch from this when iterating
-        sampler.set_epoch(epoch)
-        for x, y in epoch_loader:
-            with acc.accumulate(model):
-                loss = weighted_bce(model(x), y, cfg.w_acc, cfg.w_rej)
-                acc.backward(loss)
-                if acc.sync_gradients and cfg.max_grad_norm > 0:
-                    acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad()
-            loss_sum += loss.detach()
-            n_micro += 1
-            if not acc.sync_gradients:
-                continue
-            lr = scheduler.get_last_lr()[0]
-            scheduler.step()
-            step += 1
-            pbar.update(1)
-            # The last step is saved too: its model.safetensors is the run's final weights.
-            saving = cfg.save_every and (step % cfg.save_every == 0 or step == total)
-            # Flush the loss window at checkpoints too, so a resumed run logs the same rows.
-            if step % cfg.log_every == 0 or saving or step == total:
-                mean = acc.reduce(loss_sum / n_micro, "mean").item()
-                loss_sum.zero_()
-                n_micro = 0
-                row = {"step": step, "epoch": round(step / steps_per_epoch, 6), "lr": lr, "loss": mean}
-                files.log({"kind": "train", **row})
-                acc.log({"train/loss": mean, "train/lr": lr, "train/epoch": row["epoch"]}, step=step)
-                pbar.set_postfix(loss=f"{mean:.4f}")
-            if step % cfg.eval_every == 0 or step == total:
-                ev = do_eval(step)
-                pbar.set_postfix(loss=f"{ev['train_loss']:.4f}", dev_kl=f"{ev.get('dev_kl', float('nan')):.4f}")
-            if saving:
-                state["step"] = step
-                files.save_checkpoint(acc, step, dict(state), cfg.keep_checkpoints)
-            if cfg.stop_after_steps and step == cfg.stop_after_steps:
-                pbar.close()
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(STOP_EXIT_CODE)  # no tracker/file cleanup: what a kill leaves behind
-    pbar.close()
-
-    if acc.is_main_process:
-        best = json.loads((out / "head" / "metrics.json").read_text())
-        results = {"depth": cfg.depth, "w_rej": cfg.w_rej, "best_step": state["best_step"], "total_steps": total,
-                   "best": best, "head": str(out / "head")}
-        results_path.write_text(json.dumps(results, indent=2) + "\n")
-        for t in acc.trackers:
-            t.finish()
-    acc.trackers = []
+        write_json(files.out / "train_config.json", config_to_dict(run.cfg))
     acc.wait_for_everyone()
-    results = json.loads(results_path.read_text())
-    acc.print(f"best head (step {results['best_step']}) in {out / 'head'}: " + json.dumps(results["best"]))
-    acc.free_memory()
-    acc._custom_objects.clear()  # the scheduler; free_memory leaves registered objects behind
-    if accelerator is None:
-        acc.end_training()
+
+
+def start_trackers(run: Run):
+    """wandb (offline unless configured), resumed under the same run id after a kill."""
+    cfg, out = run.cfg, run.files.out
+    if cfg.report_to != "wandb":
+        return
+    id_file = out / "wandb_id.txt"
+    if run.acc.is_main_process and not id_file.exists():
+        id_file.write_text(uuid.uuid4().hex[:12])
+    run.acc.wait_for_everyone()
+    run.acc.init_trackers(cfg.wandb_project, config=config_to_dict(cfg), init_kwargs={"wandb": {
+        "name": cfg.run_name or out.name, "dir": str(out), "id": id_file.read_text().strip(), "resume": "allow"}})
+
+
+def train_loop(run: Run):
+    from tqdm.auto import tqdm
+
+    cfg, acc = run.cfg, run.acc
+    if run.state["step"] == 0:
+        eval_and_export(run, 0)
+    run.loss_sum = torch.zeros((), device=acc.device)
+    run.model.train()
+    # A context manager: on Ctrl-C the bar is closed before the "interrupted" line, not after it.
+    with tqdm(total=run.total, initial=run.state["step"], disable=not acc.is_main_process,
+              desc=f"head D={cfg.depth} w_rej={cfg.w_rej:g}") as pbar:
+        for epoch in range(run.state["step"] // run.steps_per_epoch, cfg.epochs):
+            for x, y in epoch_batches(run, epoch):
+                train_step(run, x, y)
+                if acc.sync_gradients:
+                    after_step(run, pbar)
+
+
+def epoch_batches(run: Run, epoch: int):
+    """The epoch's micro-batches; a resumed epoch skips those done before the checkpoint."""
+    skip = (run.state["step"] - epoch * run.steps_per_epoch) * run.cfg.grad_accum
+    loader = run.acc.skip_first_batches(run.loader, skip) if skip > 0 else run.loader
+    loader.set_epoch(epoch)  # accelerate re-sets the sampler's epoch from this when iterating
+    run.sampler.set_epoch(epoch)
+    return loader
+
+
+def train_step(run: Run, x: torch.Tensor, y: torch.Tensor):
+    """One micro-batch; the optimizer really steps on the last one of each accumulation window."""
+    cfg, acc = run.cfg, run.acc
+    with acc.accumulate(run.model):
+        loss = weighted_bce(run.model(x), y, cfg.w_acc, cfg.w_rej)
+        acc.backward(loss)
+        if acc.sync_gradients and cfg.max_grad_norm > 0:
+            acc.clip_grad_norm_(run.model.parameters(), cfg.max_grad_norm)
+        run.optimizer.step()
+        run.optimizer.zero_grad()
+    run.loss_sum += loss.detach()
+    run.n_micro += 1
+
+
+def after_step(run: Run, pbar):
+    """After an optimizer step: schedule, then log / evaluate / checkpoint when due."""
+    cfg = run.cfg
+    lr = run.scheduler.get_last_lr()[0]
+    run.scheduler.step()
+    run.state["step"] = step = run.state["step"] + 1
+    pbar.update(1)
+    last = step == run.total
+    # The last step is saved too: its model.safetensors is the run's final weights.
+    saving = cfg.save_every and (step % cfg.save_every == 0 or last)
+    # Flush the loss window at checkpoints too, so a resumed run logs the same rows.
+    if step % cfg.log_every == 0 or saving or last:
+        pbar.set_postfix(loss=f"{log_train_loss(run, step, lr):.4f}")
+    if step % cfg.eval_every == 0 or last:
+        ev = eval_and_export(run, step)
+        pbar.set_postfix(loss=f"{ev['train_loss']:.4f}", dev_kl=f"{ev.get('dev_kl', float('nan')):.4f}")
+    if saving:
+        save_checkpoint(run)
+    if cfg.stop_after_steps and step == cfg.stop_after_steps:
+        pbar.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(STOP_EXIT_CODE)  # no tracker/file cleanup: what a kill leaves behind
+
+
+def log_train_loss(run: Run, step: int, lr: float) -> float:
+    mean = run.acc.reduce(run.loss_sum / run.n_micro, "mean").item()
+    run.loss_sum.zero_()
+    run.n_micro = 0
+    row = {"step": step, "epoch": round(step / run.steps_per_epoch, 6), "lr": lr, "loss": mean}
+    run.files.log({"kind": "train", **row})
+    run.acc.log({"train/loss": mean, "train/lr": lr, "train/epoch": row["epoch"]}, step=step)
+    return mean
+
+
+def eval_and_export(run: Run, step: int) -> dict:
+    """Evaluate on train (subset) and dev, log, plot; export the head if its selection loss is the best."""
+    acc, out = run.acc, run.files.out
+    head = acc.unwrap_model(run.model)
+    row, curves = {"step": step}, {}
+    for name, loader in run.eval_loaders.items():
+        metrics, curves[name] = evaluate(head, loader, run.cfg, acc)
+        row.update({f"{name}_{k}": v for k, v in metrics.items()})
+    sel = row.get("dev_loss", row["train_loss"])  # select on dev; on train only without a dev split
+    run.files.log({"kind": "eval", **row})
+    acc.log({f"eval/{k}": v for k, v in row.items() if k != "step"}, step=step)
+    if acc.is_main_process:
+        plot_reliability(curves, out / "reliability.png", f"step {step}")
+    if run.state["best_loss"] is None or sel < run.state["best_loss"]:
+        run.state.update(best_loss=sel, best_step=step)
+        run.files.export_head(head, {**run.meta, "step": step, "metrics": row}, curves)
+    return row
+
+
+def save_checkpoint(run: Run):
+    """accelerate's save_state (it names checkpoint_N and deletes the oldest past total_limit),
+    then trainer_state.json, written last: only a checkpoint that has it is resumed from."""
+    acc = run.acc
+    acc.save_state()
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        folder = run.files.ckpt_root / f"checkpoint_{acc.project_configuration.iteration - 1}"
+        write_json(folder / CKPT_STATE, run.state)
+    acc.wait_for_everyone()
+
+
+def finish_run(run: Run) -> dict:
+    acc, files, cfg = run.acc, run.files, run.cfg
+    if acc.is_main_process:
+        best = json.loads((files.out / "head" / "metrics.json").read_text())
+        write_json(files.results_path, {"depth": cfg.depth, "w_rej": cfg.w_rej, "best_step": run.state["best_step"],
+                                        "total_steps": run.total, "best": best, "head": str(files.out / "head")})
+    acc.wait_for_everyone()
+    results = json.loads(files.results_path.read_text())
+    acc.print(f"best head (step {results['best_step']}) in {files.out / 'head'}: " + json.dumps(results["best"]))
     return results
 
 
@@ -771,11 +852,13 @@ SWEEP_COLUMNS = ["depth", "w_rej", "best_step", "train_loss", "train_kl", "train
 def sweep(cfg: TrainConfig) -> list[dict]:
     """Train every (depth, w_rej) head of the grid under <output_dir>/d{D}_wrej{w}; skip finished ones.
 
-    All heads share one Accelerator (its process group lives for the whole sweep) and one
-    feature cache. Writes sweep.csv and sweep.md (train/dev loss, KL, ECE: paper Table 3).
+    Each head is its own run (its own Accelerator and checkpoints); the process group lives for
+    the whole sweep and all heads share one feature cache. Writes sweep.csv and sweep.md
+    (train/dev loss, KL, ECE: paper Table 3).
     """
+    from accelerate import PartialState
+
     root = Path(cfg.output_dir)
-    acc = make_accelerator(cfg)
     grid = [(d, w) for w in (cfg.w_rejs or SWEEP_W_REJS) for d in (cfg.depths or SWEEP_DEPTHS)]
     rows = []
     for d, w in grid:
@@ -783,14 +866,14 @@ def sweep(cfg: TrainConfig) -> list[dict]:
         sub = dataclasses.replace(cfg, depth=d, w_rej=float(w), output_dir=str(root / name),
                                   feature_cache=cfg.feature_cache or str(root / "features"),
                                   run_name=f"{cfg.run_name or root.name}-{name}")
-        acc.print(f"[sweep] head {name}")
-        res = train(sub, resume=True, accelerator=acc)
+        PartialState().print(f"[sweep] head {name}")
+        res = train(sub, resume=True, end_training=False)
         best = res.get("best") or {}
         rows.append({"depth": d, "w_rej": w, "best_step": res.get("best_step"),
                      **{k: best.get(k) for k in SWEEP_COLUMNS[3:]}})
-    if acc.is_main_process:
+    if PartialState().is_main_process:
         write_table(rows, root)
-    acc.end_training()
+    PartialState().destroy_process_group()
     return rows
 
 
@@ -802,27 +885,37 @@ def write_table(rows: list[dict], root: Path):
         w = csv.DictWriter(f, fieldnames=SWEEP_COLUMNS)
         w.writeheader()
         w.writerows(rows)
-
-    def fmt(v):
-        return "-" if v is None else (f"{v:.4f}" if isinstance(v, float) and not float(v).is_integer() else f"{v:g}"
-                                      if isinstance(v, float) else str(v))
-
-    lines = ["| " + " | ".join(SWEEP_COLUMNS) + " |", "|" + "---|" * len(SWEEP_COLUMNS)]
-    lines += ["| " + " | ".join(fmt(r[c]) for c in SWEEP_COLUMNS) + " |" for r in rows]
-    (root / "sweep.md").write_text("\n".join(lines) + "\n")
+    atomic_write(root / "sweep.md", md_table(SWEEP_COLUMNS, [[r[c] for c in SWEEP_COLUMNS] for r in rows]) + "\n")
     print(f"sweep table: {root / 'sweep.md'}, {root / 'sweep.csv'}", file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------- CLI
 
-def main(argv: list[str] | None = None):
-    p = argparse.ArgumentParser(prog="train.py", description="Train SpecDec++ acceptance heads (run with "
-                                "`accelerate launch train.py ...` for GPUs/DDP, or plain python).")
-    p.add_argument("--config", help="YAML file of TrainConfig keys (configs/train/*.yaml)")
-    p.add_argument("overrides", nargs="*", help="key=value overrides applied after the YAML")
+def parser(prog: str = "train.py") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=config_help(TrainConfig),
+        description="Train SpecDec++ acceptance heads. Run with `accelerate launch [--num_processes N] "
+                    "[--mixed_precision bf16] train.py ...` for GPUs/DDP (the launcher's mixed precision wins "
+                    "over the config's), or with plain python.")
+    p.add_argument("--config", help="YAML file of the config keys below (configs/train/*.yaml)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, applied after the YAML")
     p.add_argument("--resume", action="store_true", help="continue the run in output_dir from its last checkpoint")
     p.add_argument("--sweep", action="store_true", help="train the depths x w_rejs grid (resumes by itself)")
-    args = p.parse_args(argv)
+    return p
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command that continues this run: the same arguments plus --resume, under the same launcher."""
+    launcher = "accelerate launch train.py" if os.environ.get("ACCELERATE_MIXED_PRECISION") else "python train.py"
+    args = [a for a in argv if a != "--resume"]
+    return " ".join([launcher, *(shlex.quote(a) for a in args), "--resume"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`train.py` / `adaptive-spec train`: 0 done, 2 bad input (one `error:` line), 130 Ctrl-C."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser().parse_args(argv)
+    cfg = None
     try:
         cfg = load_config(TrainConfig, args.config, args.overrides)
         if args.sweep:
@@ -831,8 +924,15 @@ def main(argv: list[str] | None = None):
             train(cfg, resume=args.resume)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        return 2
+    except KeyboardInterrupt:
+        # Every process gets the Ctrl-C; one line, from the main one, says what is kept and what to run.
+        if int(os.environ.get("RANK", "0")) == 0:
+            kept = RunFiles(Path(cfg.output_dir), False).last_checkpoint() if cfg else "nothing started"
+            print(f"\ninterrupted: {kept}; resume with: {resume_command(argv)}", file=sys.stderr)
+        return 130
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -122,29 +122,17 @@ def reduce_output_layer(model, keep_ids: torch.Tensor) -> None:
     model.full_vocab_size = full
 
 
-def main(argv=None) -> int:
-    """adaptive-spec draft-vocab: count token frequencies over texts and write a token list."""
-    import argparse
-
-    from transformers import AutoTokenizer
-
-    from .models import resolve_model_path
-
-    ap = argparse.ArgumentParser(prog="adaptive-spec draft-vocab", description=main.__doc__)
-    ap.add_argument("--tokenizer", default="default", help="model whose tokenizer counts (hub id, folder, default)")
-    ap.add_argument("--texts", nargs="+", required=True,
-                    help="JSONL files of texts (FILE:FIELD picks a field; default field 'text'), e.g. target "
-                         "responses or a chat corpus")
-    ap.add_argument("--out", required=True, help="token list to write (.safetensors)")
-    args = ap.parse_args(argv)
-    tok = AutoTokenizer.from_pretrained(resolve_model_path(args.tokenizer, "draft"))
+def build_token_list(tok, text_files: list[str], out: str | Path) -> tuple[Path, Counter]:
+    """Count tokens over JSONL files (FILE:FIELD picks a field, default 'text') and write the
+    list; EOS, pad and the chat markers go first. `adaptive-spec draft-vocab` calls this."""
     counts = Counter()
-    for spec in args.texts:
+    for spec in text_files:
         file, _, field = spec.partition(":")
+        if not Path(file).is_file():
+            raise UserError(f"text file {file} does not exist; pass JSONL files of texts (FILE or FILE:FIELD)")
         with open(file) as fh:
             count_tokens(tok, (json.loads(line).get(field or "text", "") for line in fh if line.strip()), counts)
     always = [t for t in (tok.eos_token_id, tok.pad_token_id) if t is not None]
-    always += tok.convert_tokens_to_ids([t for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>") if t in tok.get_vocab()])
-    path = save_token_list(args.out, tok, counts, source=" ".join(args.texts), always=always)
-    print(f"{path}: {len(counts)} distinct tokens, {sum(counts.values())} counted")
-    return 0
+    markers = [t for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>") if t in tok.get_vocab()]
+    always += tok.convert_tokens_to_ids(markers)
+    return save_token_list(out, tok, counts, source=" ".join(text_files), always=always), counts

@@ -10,8 +10,6 @@ and a markdown table to <out>/table.md.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -21,14 +19,11 @@ from tqdm import tqdm
 
 from adaptive_spec import SpecPair
 from adaptive_spec.prompts import load_prompts
+from adaptive_spec.runs import append_jsonl, read_jsonl
+from adaptive_spec.tables import md_table
 
-
-def append_jsonl(path: Path, row: dict):
-    # one line per write, flushed and fsynced: an interrupted run loses at most the line in flight
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+HEADER = ["temp", "config", "tok/s", "speed-up vs ar", "N_target/N", "N_discarded/N", "accept", "tok/target pass",
+          "outside forwards", "n prompts"]
 
 
 def table(rows: list[dict]) -> str:
@@ -44,8 +39,7 @@ def table(rows: list[dict]) -> str:
     by = {}
     for r in rows:
         by.setdefault((r["temperature"], r["config"]), []).append(r)
-    out = ["| temp | config | tok/s | speed-up vs ar | N_target/N | N_discarded/N | accept | tok/target pass | "
-           "outside forwards | n prompts |", "|---|---|---|---|---|---|---|---|---|---|"]
+    out = []
     for temp in sorted({t for t, _ in by}):
         ar = {r["prompt_idx"]: r for r in by.get((temp, "ar"), [])}
         for (t, cfg), rs in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1] != "ar", kv[0][1])):
@@ -58,69 +52,146 @@ def table(rows: list[dict]) -> str:
                       for r in rs if r["prompt_idx"] in ar]
             other = sum(r["other_s"] for r in rs) / wall
             acc = [r["acceptance_rate"] for r in rs if r["acceptance_rate"] == r["acceptance_rate"]]
-            out.append(
-                f"| {t:g} | {cfg} | {tok / wall:.2f} | {statistics.mean(ratios):.3f} | "
-                f"{sum(r['n_target_forwards'] for r in rs) / tok:.3f} | {sum(r['n_discarded'] for r in rs) / tok:.3f} | "
-                f"{statistics.mean(acc) if acc else float('nan'):.3f} | "
-                f"{tok / sum(r['n_target_forwards'] for r in rs):.2f} | {100 * other:.1f}% | {len(rs)} |")
-    return "\n".join(out)
+            n_target = sum(r["n_target_forwards"] for r in rs)
+            out.append([f"{t:g}", cfg, f"{tok / wall:.2f}", f"{statistics.mean(ratios):.3f}", f"{n_target / tok:.3f}",
+                        f"{sum(r['n_discarded'] for r in rs) / tok:.3f}",
+                        f"{statistics.mean(acc) if acc else float('nan'):.3f}", f"{tok / n_target:.2f}",
+                        f"{100 * other:.1f}%", str(len(rs))])
+    return md_table(HEADER, out)
+
+
+def draft_label(spec: str) -> str:
+    return "bf16/auto" if spec == "none" else spec
+
+
+def parse_draft(spec: str) -> tuple[str, str | None]:
+    """"none" | "int8" | "int8:32768" | "none:32768" -> (draft_quant, draft_vocab)."""
+    quant, _, vocab = spec.partition(":")
+    return quant or "none", vocab or None
+
+
+def load_pairs(args) -> dict:
+    """One target, shared; one SpecPair per draft configuration (each with its own caches), so
+    every configuration runs in this process on the same prompts, back to back."""
+    from adaptive_spec.models import load_model
+
+    base = SpecPair.load(target=args.target, draft=None, dtype=args.dtype, device=args.device,
+                         num_threads=args.threads)
+    target_model = base.target.model
+    pairs = {"ar": base}
+    for spec in args.drafts.split(","):
+        quant, vocab = parse_draft(spec)
+        draft_model, dtok = load_model(args.draft, "draft", args.dtype, args.device, quant=quant, draft_vocab=vocab)
+        pair = SpecPair(target_model, base.tokenizer, draft_model, dtok)
+        pair.draft_config = {"draft_quant": quant, "draft_vocab": vocab or "full"}
+        pairs[spec] = pair
+    return pairs
+
+
+def draft_costs(rows: list[dict], pairs: dict) -> str:
+    """Per draft configuration: mean seconds per decode forward of draft and target (prefill
+    excluded), c = t_draft / t_target, the draft's weight bytes per step and GB/s."""
+    from bench_cpu_kernels import linear_bytes
+
+    out = []
+    t_target = _per_forward([r for r in rows if r["config"] == "ar"], "target")
+    for spec, pair in pairs.items():
+        if spec == "ar":
+            continue
+        rs = [r for r in rows if r["draft"] == spec and r["config"] != "ar"]
+        t_draft = _per_forward(rs, "draft")
+        nbytes = linear_bytes(pair.draft.model)
+        acc = [r["acceptance_rate"] for r in rs if r["acceptance_rate"] == r["acceptance_rate"]]
+        out.append([draft_label(spec), f"{t_draft * 1e3:.1f}", f"{t_target * 1e3:.1f}", f"{t_draft / t_target:.3f}",
+                    f"{nbytes / 1e9:.3f}", f"{nbytes / t_draft / 1e9:.1f}",
+                    f"{statistics.mean(acc):.3f}" if acc else "—"])
+    return md_table(["draft", "t_draft ms", "t_target ms (ar step)", "c = t_draft/t_target", "draft linear GB",
+                     "draft GB/s", "acceptance rate"], out)
+
+
+def _per_forward(rows: list[dict], role: str) -> float:
+    # prefill is one forward of the whole prompt per model: keep it out of the per-step cost
+    s = sum(r[f"{role}_s"] for r in rows) - sum(r.get(f"{role}_prefill_s", 0.0) for r in rows)
+    n = sum(r[f"n_{role}_forwards"] for r in rows)
+    return s / max(n, 1)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--draft", default="default")
-    ap.add_argument("--target", default="default")
+    ap.add_argument("--draft", default="default", help="draft model: hub id, local folder or 'default'")
+    ap.add_argument("--target", default="default", help="target model: hub id, local folder or 'default'")
     ap.add_argument("--dataset", default="alpaca",
                     help="alpaca | gsm8k | gsm8k-train | humaneval | sharegpt | path.json(l) | hub id")
-    ap.add_argument("--field", default=None)
-    ap.add_argument("--prompts", type=int, default=10)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--ks", default="1,2,3,4,5,6,7,8")
-    ap.add_argument("--temperatures", default="0,1")
-    ap.add_argument("--dtype", default="bf16")
-    ap.add_argument("--device", default=None)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--out", default="runs/bench_decode")
+    ap.add_argument("--field", default=None, help="text field of a local/hub dataset (default: the set's own)")
+    ap.add_argument("--prompts", type=int, default=10, help="number of prompts (shuffled with seed 0)")
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per run")
+    ap.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="comma-separated fixed K values")
+    ap.add_argument("--temperatures", default="0,1", help="comma-separated temperatures (0 = greedy)")
+    ap.add_argument("--dtype", default="auto", help="auto (default), bf16, fp16 or fp32")
+    ap.add_argument("--drafts", default="none",
+                    help="comma-separated draft configurations QUANT[:VOCAB], e.g. none,int8,int8:32768 "
+                         "(QUANT none|int8; VOCAB as --draft-vocab), all run side by side")
+    ap.add_argument("--top-k", type=int, default=0, help="top-k of the sampling (0 = off; the paper: 50)")
+    ap.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--out", default="runs/bench_decode", help="folder for results.jsonl and table.md")
     ap.add_argument("--table-only", action="store_true", help="print the table of what <out> holds; run nothing")
     args = ap.parse_args(argv)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res_path = out / "results.jsonl"
-    settings = {k: getattr(args, k) for k in ("draft", "target", "dataset", "max_new_tokens", "dtype")}
-    done_rows = [json.loads(line) for line in res_path.read_text().splitlines()] if res_path.exists() else []
-    done_rows = [r for r in done_rows if r.get("settings") == settings]
-    done = {(r["prompt_idx"], r["temperature"], r["config"]) for r in done_rows}
+    settings = {k: getattr(args, k) for k in ("draft", "target", "dataset", "max_new_tokens", "dtype", "top_k")}
+    done_rows = [r for r in read_jsonl(res_path, repair=True) if r.get("settings") == settings]
+    done = {(r["prompt_idx"], r["temperature"], r["config"], r.get("draft", "none")) for r in done_rows}
 
     if args.table_only:
         n = len({r["prompt_idx"] for r in done_rows})
         print(f"# Decode benchmark (from {res_path}: {len(done_rows)} runs over {n} prompts)\n\n" + table(done_rows))
         return
-    pair = SpecPair.load(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device,
-                         num_threads=args.threads)
+    pairs = load_pairs(args)
     prompts = load_prompts(args.dataset, field=args.field, n=args.prompts)
-    configs = ["ar"] + [f"k{k}" for k in args.ks.split(",")]
+    jobs = [("ar", "ar")] + [(c, f"k{k}") for c in args.drafts.split(",") for k in args.ks.split(",")]
     temps = [float(t) for t in args.temperatures.split(",")]
-    # warm-up: the first forwards pay for allocation and kernel selection
-    pair.generate(prompts[0], policy="fixed", k=2, max_new_tokens=8, temperature=0, chat=True)
-    pair.generate(prompts[0], policy="ar", max_new_tokens=8, temperature=0, chat=True)
+    for spec, pair in pairs.items():  # warm-up: the first forwards pay for allocation and kernel selection
+        pair.generate(prompts[0], policy="ar" if spec == "ar" else "fixed", k=2, max_new_tokens=8, temperature=0,
+                      chat=True)
+    todo = [(i, t, d, c) for i in range(len(prompts)) for t in temps for d, c in jobs if (i, t, c, d) not in done]
+    rows = list(done_rows) + run_jobs(todo, pairs, prompts, args, settings, res_path)
+    write_report(rows, pairs, args, len(prompts), out)
 
-    todo = [(i, t, c) for i in range(len(prompts)) for t in temps for c in configs if (i, t, c) not in done]
+
+def run_jobs(todo, pairs, prompts, args, settings, res_path) -> list[dict]:
+    rows = []
     bar = tqdm(todo, desc="bench", unit="run", dynamic_ncols=True)
-    rows = list(done_rows)
-    for i, temp, cfg in bar:
+    for i, temp, spec, cfg in bar:
         kw = {"policy": "ar"} if cfg == "ar" else {"policy": "fixed", "k": int(cfg[1:])}
+        pair = pairs[spec]
         g = pair.generate(prompts[i], max_new_tokens=args.max_new_tokens, temperature=temp,
-                          top_k=0, seed=i, chat=True, **kw)
+                          top_k=args.top_k, seed=i, chat=True, **kw)
         m = g.metrics
-        row = {"settings": settings, "prompt_idx": i, "temperature": temp, "config": cfg, **m.to_dict()}
+        prefill = {"target_prefill_s": pair.target.prefill_s,
+                   "draft_prefill_s": pair.draft.prefill_s if cfg != "ar" else 0.0}
+        row = {"settings": settings, "prompt_idx": i, "temperature": temp, "config": cfg,
+               "draft": spec if cfg != "ar" else "ar", **m.to_dict(), **prefill}
         append_jsonl(res_path, row)
         rows.append(row)
-        bar.set_postfix_str(f"{cfg} t={temp:g} {m.tokens_per_s:.2f} tok/s")
-    md = table(rows)
-    hdr = (f"# Decode benchmark\n\n{args.target} (target) / {args.draft} (draft), {args.dtype}, "
-           f"device {pair.target.device}, {torch.get_num_threads()} threads, {len(prompts)} prompts from "
-           f"{args.dataset} (chat template), {args.max_new_tokens} new tokens, top-k off. "
+        bar.set_postfix_str(f"{draft_label(spec)} {cfg} t={temp:g} {m.tokens_per_s:.2f} tok/s")
+    return rows
+
+
+def write_report(rows, pairs, args, n_prompts, out: Path):
+    from adaptive_spec.cpu import flags_line
+
+    for r in rows:  # one table keyed by draft configuration and K
+        if r["config"] != "ar" and not r["config"].startswith(draft_label(r.get("draft", "none"))):
+            r["config"] = f"{draft_label(r.get('draft', 'none'))} {r['config']}"
+    runtime = pairs["ar"].runtime_info()
+    md = table(rows) + "\n\n" + draft_costs(rows, pairs)
+    hdr = (f"# Decode benchmark\n\n{flags_line()}\n\ntarget path: {runtime.get('target_path')}\n\n"
+           f"{args.target} (target) / {args.draft} (draft; configurations {args.drafts}), dtype {args.dtype}, "
+           f"device {pairs['ar'].target.device}, {torch.get_num_threads()} threads, {n_prompts} prompts from "
+           f"{args.dataset} (chat template), {args.max_new_tokens} new tokens, top-k {args.top_k or 'off'}. "
            f"Written {time.strftime('%Y-%m-%d %H:%M')}.\n\n")
     (out / "table.md").write_text(hdr + md + "\n")
     print(hdr + md)

@@ -35,6 +35,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 from adaptive_spec import SpecPair
 from adaptive_spec import tree as T
+from adaptive_spec import tree_shapes as S
 from adaptive_spec.errors import UserError
 from adaptive_spec.prompts import load_prompts
 from adaptive_spec.sampling import SamplingParams
@@ -97,7 +98,7 @@ def calibrate(pair, prompts, methods, args, path: Path, settings: dict) -> dict:
     for method in methods:
         if method in cal:
             continue
-        est = T.PositionalRates(weight=1.0, adapt=True)
+        est = S.PositionalRates(weight=1.0, adapt=True)
         runs = [("batch", args.calib_width), ("sequence", 4)]
         bar = tqdm([(i, r) for i in range(len(prompts)) for r in runs], desc=f"calibrate {method}", unit="run",
                    dynamic_ncols=True)
@@ -127,9 +128,9 @@ def summarize(rows: list[dict], rates: dict, budgets, vocab: int) -> list[dict]:
              "tokens_per_s": sum(r["n_tokens"] for r in rs) / max(sum(r["wall_s"] for r in rs), 1e-9),
              "acceptance_rate": sum(r["n_accepted"] for r in rs) / max(sum(r["n_drafted"] for r in rs), 1)}
         if method in rates:
-            r0 = T.acceptance_distribution(rates[method]["cond_rates"], max(budgets))
-            s["tunstall_bound_generated"] = T.tunstall_bound(r0, k, vocab)
-            s["predicted_0th_order"] = T.tree_value(*T.shape_tree("tree" if strategy.startswith("tree") else strategy,
+            r0 = S.acceptance_distribution(rates[method]["cond_rates"], max(budgets))
+            s["tunstall_bound_generated"] = S.tunstall_bound(r0, k, vocab)
+            s["predicted_0th_order"] = S.tree_value(*S.shape_tree("tree" if strategy.startswith("tree") else strategy,
                                                                   k, r0), r0)
         out.append(s)
     return out
@@ -227,7 +228,7 @@ def main(argv=None):
 
     pair = SpecPair.load(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device,
                          num_threads=args.threads)
-    head = T._load_head(args.head, pair) if "tree-head" in strategies else None
+    head = T.load_tree_head(args.head, pair) if "tree-head" in strategies else None
     # evaluation prompts from the front of the (fixed) shuffle, calibration prompts from its end:
     # both stay the same when --prompts changes, so results and calibration can be reused
     prompts = load_prompts(args.dataset, field=args.field)

@@ -73,3 +73,127 @@ def test_bad_input_gives_one_clear_line(case, tiny_pair, other_vocab_model, caps
     assert code == 2
     lines = [ln for ln in err.strip().splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and expect in lines[0], err
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fails the test if any model would load: argument checks must come first."""
+    from adaptive_spec import pipeline
+
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(pipeline.SpecPair, "load", classmethod(refuse))
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"adaptive-spec {version('adaptive_spec')}"
+
+
+@pytest.mark.parametrize("extra, expect", [
+    (["--policy", "learnd"], "unknown policy 'learnd'"),
+    (["--k", "0"], "--k must be >= 1"),
+    (["--k-max", "0"], "--k-max must be >= 1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--top-p", "1.5"], "top-p must be in (0, 1]"),
+    (["--policy", "learned", "--threshold", "0.7"], "needs a trained acceptance head"),
+    (["--policy", "learned", "--head", "./no/head", "--threshold", "0.7"], "does not exist"),
+    (["--policy", "learned", "--head", ".", "--threshold", "1.5"], "must be in (0, 1)"),
+    (["--policy", "entropy", "--threshold", "0"], "must be > 0 nats"),
+    (["--policy", "oracle", "--temperature", "1"], "greedy decoding"),
+    (["--dtype", "fp8"], "invalid choice"),
+    (["--draft-quant", "int3"], "invalid choice"),
+    (["--draft-vocab", "0"], "--draft-vocab must be a token count >= 1"),
+    (["--draft-vocab", "-5"], "--draft-vocab must be a token count >= 1"),
+    (["--draft-vocab", "no/such/list.safetensors"], "does not exist"),
+])
+def test_arguments_are_refused_before_any_model_loads(extra, expect, no_model_load, capsys):
+    code = main(["generate", "--prompt", "abc", *extra])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and expect in err, err
+
+
+def test_policy_choices_come_from_the_registry(capsys):
+    from adaptive_spec import cli
+
+    assert main(["generate", "--help"]) == 0
+    out = capsys.readouterr().out
+    names = cli.policy_names()
+    assert {"ar", "fixed", "learned"} <= set(names) and all(n in out for n in names)
+
+
+def test_every_flag_has_help():
+    from adaptive_spec import cli
+
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "cmd")
+    for action in sub.choices["generate"]._actions + parser._actions:
+        assert action.help, action.option_strings
+
+
+@pytest.mark.parametrize("cmd, cls, key", [("datagen", "DatagenConfig", "mix_ratio"),
+                                           ("sweep", "SweepConfig", "thresholds")])
+def test_help_lists_config_keys(cmd, cls, key, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([cmd, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert f"config keys" in out and cls in out and f"  {key} [" in out and "  out_dir [''" in out
+
+
+def test_train_subcommand_delegates(monkeypatch):
+    from adaptive_spec import training
+
+    seen = []
+    monkeypatch.setattr(training, "main", lambda argv: seen.append(argv))
+    assert main(["train", "--config", "configs/train/default.yaml", "epochs=1"]) == 0
+    assert seen == [["--config", "configs/train/default.yaml", "epochs=1"]]
+
+
+@pytest.mark.parametrize("cmd, module, says", [("datagen", "datagen", "finished shards are kept"),
+                                               ("sweep", "sweep", "finished runs are kept"),
+                                               ("report", "report", "no report was written"),
+                                               ("fetch-models", "fetch", "rerun the same command")])
+def test_ctrl_c_prints_one_line(cmd, module, says, monkeypatch, capsys):
+    import importlib
+
+    mod = importlib.import_module(f"adaptive_spec.{module}")
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    for name in ("run", "build_report", "fetch_default_pair"):
+        if hasattr(mod, name):
+            monkeypatch.setattr(mod, name, interrupted)
+    argv = {"report": ["--sweep-dir", "x"], "fetch-models": []}.get(cmd, ["dataset=x.jsonl"] if cmd == "datagen" else [])
+    assert main([cmd, *argv]) == 130
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("interrupted: ") and says in lines[0]
+
+
+def test_draft_configuration_errors_and_runtime_record(tiny_pair, tmp_path, capsys):
+    """A --draft-vocab larger than the vocabulary and a token list of another tokenizer each get
+    one line; a good configuration is recorded in --json's runtime with the CPU's flags."""
+    from collections import Counter
+
+    from adaptive_spec.vocab import save_token_list
+    from tiny import make_tokenizer
+
+    draft, target = tiny_pair
+    base = ["generate", "--prompt", "abc", "--draft", str(draft), "--target", str(target), "--dtype", "fp32",
+            "--max-new-tokens", "6", "--json"]
+    code, _, err = run(capsys, *base, "--draft-vocab", "99999")
+    assert code == 2 and err.startswith("error: --draft-vocab must be in 1..32") and err.count("\n") == 1, err
+    other = save_token_list(tmp_path / "other.safetensors", make_tokenizer(20), Counter({5: 1}), "test")
+    code, _, err = run(capsys, *base, "--draft-vocab", str(other))
+    assert code == 2 and "counted with another tokenizer" in err and err.count("\n") == 1, err
+    mine = save_token_list(tmp_path / "mine.safetensors", make_tokenizer(32), Counter({5: 3, 7: 1}), "test", always=[1])
+    code, out, _ = run(capsys, *base, "--draft-vocab", f"{mine}:3", "--draft-quant", "int8")
+    assert code == 0, out
+    rt = json.loads(out)["runtime"]
+    assert rt["draft_quant"] == "int8" and rt["draft_vocab"] == f"{mine}:3"
+    assert rt["draft_path"]["quant"] == "int8" and rt["target_path"]["dtype"] == "float32"
+    assert {"isa", "cpu_flags", "bf16_kernels"} <= set(rt["machine"])

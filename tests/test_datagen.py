@@ -13,9 +13,11 @@ import shutil
 import pytest
 import torch
 
-from adaptive_spec import datagen
+from adaptive_spec import datagen, prompts
 from adaptive_spec.config import load_config
 from adaptive_spec.datagen import DatagenConfig
+from adaptive_spec.prompts import encode_prompt
+from adaptive_spec.runs import PROJECT_ROOT
 from adaptive_spec.sampling import SamplingParams, process_logits
 
 TOP_K, TOP_P = 20, 0.95  # non-trivial processing (vocab 32), so p and q must be the processed ones
@@ -265,22 +267,37 @@ def test_chat_template_is_applied(tiny_pair):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_pair[1])
-    ids = datagen.encode_prompt(tok, "ab c")
+    ids = encode_prompt(tok, "ab c", chat=True)
     assert ids[0] == 3 and tok.decode(ids[1:]) == "ab c"  # <|user|> from the template
-    assert datagen.encode_prompt(tok, "ab c", chat=False) == ids[1:]
+    assert encode_prompt(tok, "ab c", chat=False) == ids[1:]
 
 
 def test_json_array_parser_stops_at_truncated_tail():
     text = '[{"id": 1, "conversations": [{"from": "human", "value": "hi"}]},\n {"id": 2}, {"id": 3, "conv'
-    got = list(datagen._iter_json_array(io.BytesIO(text.encode()), chunk_chars=7))
+    got = list(prompts._iter_json_array(io.BytesIO(text.encode()), chunk_chars=7))
     assert [o["id"] for o in got] == [1, 2]
-    assert [o["id"] for o in datagen._iter_json_array(io.BytesIO(b'[{"id": 1}, {"id": 2}]'))] == [1, 2]
+    assert [o["id"] for o in prompts._iter_json_array(io.BytesIO(b'[{"id": 1}, {"id": 2}]'))] == [1, 2]
 
 
 @pytest.mark.parametrize("name", ["gsm8k", "alpaca", "sharegpt"])
 def test_shipped_configs_load(name):
-    cfg = load_config(DatagenConfig, datagen.PROJECT_ROOT / "configs" / "datagen" / f"{name}.yaml")
+    path = PROJECT_ROOT / "configs" / "datagen" / f"{name}.yaml"
+    assert "dataset: ../" not in path.read_text()  # named sets: ADAPTIVE_SPEC_DATA reaches datagen too
+    cfg = load_config(DatagenConfig, path)
     assert cfg.draft == cfg.target == "default" and cfg.mix_ratio == 0.15 and cfg.top_k == 50
-    if cfg.dataset.endswith(".jsonl") and datagen._project_path(cfg.dataset).is_file():  # ../shared beside the repo
+    assert cfg.dataset in prompts.BUILTIN
+    if cfg.dataset != "sharegpt" and prompts.shared_data_dir().is_dir():  # the offline copy is there
         texts = datagen.load_prompt_texts(cfg)
         assert len(texts) in (7473, 805) and all(isinstance(t, str) for t in texts[:10])
+
+
+def test_datagen_reads_named_sets_like_sweeps(tmp_path, monkeypatch):
+    """One loader for both: a named set comes from ADAPTIVE_SPEC_DATA, in file order (datagen
+    splits by hash), and sweeps see the same texts shuffled."""
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "gsm8k" / "train.jsonl").write_text("".join(json.dumps({"question": f"q{i}?"}) + "\n" for i in range(6)))
+    monkeypatch.setenv("ADAPTIVE_SPEC_DATA", str(tmp_path))
+    cfg = load_config(DatagenConfig, None, ["dataset=gsm8k-train"])
+    texts = datagen.load_prompt_texts(cfg)
+    assert texts == [f"q{i}?" for i in range(6)]
+    assert sorted(prompts.load_prompts("gsm8k-train")) == texts

@@ -1,12 +1,15 @@
 """Exactness of the speculative decoder on tiny random models (small vocabulary, enumerable)."""
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from adaptive_spec import sampling
 from adaptive_spec.decoding import Decoder
+from adaptive_spec.heads import AcceptanceHead
 from adaptive_spec.models import CausalLM
+from adaptive_spec.pipeline import make_policy, policy_names
 from adaptive_spec.policies import FixedK
 from adaptive_spec.sampling import SamplingParams
 import exact
@@ -54,6 +57,35 @@ def test_metrics_are_consistent():
     assert m.draft_s > 0 and m.target_s > 0 and m.wall_s >= m.draft_s + m.target_s
     assert m.discard_rate == pytest.approx(m.n_discarded / 50)
     assert m.verification_rate == pytest.approx(m.n_target_forwards / 50)
+
+
+@pytest.mark.parametrize("name", [n for n in policy_names() if n != "ar"])
+def test_eos_cut_books_cut_candidates_as_discarded(name):
+    """Issue #17: when EOS ends the output inside a round, the candidates after it were never
+    emitted and count as discarded, for every policy. With a draft equal to the target most
+    candidates are accepted, so the EOS usually falls among them. Metrics' invariants:
+    n_drafted = n_accepted + n_discarded and n_tokens = n_accepted + rounds - n_final_cut."""
+    _, target = pair()
+    draft = CausalLM(target.model)
+    prompt = [5, 9, 4, 17]
+    x = Decoder(target).generate(prompt, max_new_tokens=40, sampling=GREEDY).token_ids
+    eos = next(t for j, t in enumerate(x) if j >= 6 and t not in x[:j])  # the greedy output hits it at j
+    dec = Decoder(target, draft, eos_token_ids=[eos])
+    sampling = GREEDY if name == "oracle" else SamplingParams(1.0)
+    torch.manual_seed(0)
+    kw = dict(pair=SimpleNamespace(target=target, draft=draft, eos_token_ids=[eos]), prompt_ids=prompt,
+              sampling=sampling, max_new_tokens=40, head=AcceptanceHead(24, depth=1), threshold=0.5, k=3)
+    stops = []
+    for seed in range(4):
+        g = dec.generate(prompt, max_new_tokens=40, sampling=sampling, policy=make_policy(name, **kw), seed=seed)
+        m = g.metrics
+        rounds = sum(m.accepted_hist.values())
+        assert m.n_tokens == len(g.token_ids)
+        assert m.n_drafted == m.n_accepted + m.n_discarded
+        assert m.n_tokens == m.n_accepted + rounds - m.n_final_cut
+        assert m.n_final_cut in ((0, 1) if g.stopped_by == "eos" else (0,))  # only a round ending at EOS
+        stops.append(g.stopped_by)
+    assert "eos" in stops
 
 
 def test_rollback_matches_fresh_forward():

@@ -1,10 +1,14 @@
 import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from huggingface_hub import hub_mixin
 
 from adaptive_spec.errors import UserError
-from adaptive_spec.heads import AcceptanceHead
+from adaptive_spec.heads import AcceptanceHead, load_head
 
 
 def test_residual_blocks_do_not_share_parameters():
@@ -115,3 +119,81 @@ def test_missing_and_corrupt_checkpoints(tmp_path):
     (d / "config.json").unlink()
     with pytest.raises(UserError, match="no config.json"):
         AcceptanceHead.from_pretrained(d)
+
+
+# Logits of each committed head on torch.randn(4, 896, generator=manual_seed(0)), recorded with the
+# loader as it was before heads moved onto PyTorchModelHubMixin: the committed folders must load
+# unchanged and compute the same function.
+COMMITTED = {
+    "qwen-coder-0.5b-d0-wrej1": [2.23421049118042, 2.2490813732147217, 2.0386528968811035, 2.042095899581909],
+    "qwen-coder-0.5b-d0-wrej6": [0.4495367109775543, 0.45803186297416687, 0.24474328756332397, 0.24773457646369934],
+    "qwen-coder-0.5b-d3-wrej1": [2.409303903579712, 2.6051037311553955, 1.953974962234497, 1.9413138628005981],
+    "qwen-coder-0.5b-d3-wrej1-context": [2.169219493865967, 2.200791120529175, 1.734668493270874, 2.0552804470062256],
+    "qwen-coder-0.5b-d3-wrej6": [0.6500842571258545, 0.8558855652809143, 0.1659427434206009, 0.15146993100643158],
+}
+CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
+
+
+@pytest.mark.parametrize("name", sorted(COMMITTED))
+def test_committed_heads_load_unchanged(name):
+    head = load_head(CHECKPOINTS / name, hidden_size=896, draft_model="default")
+    x = torch.randn(4, 896, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(head(x), torch.tensor(COMMITTED[name]), atol=1e-6, rtol=0)
+    assert head.feature == ("context" if name.endswith("context") else "token")
+    assert head.extra["metrics"]["dev_kl"] > 0 and head.draft_model == "default"
+
+
+def fake_hub_cache(cache: Path, repo_id: str, folder: Path) -> Path:
+    """The layout hf_hub_download reads offline: refs/main -> snapshots/<commit>/files."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    commit = "0" * 40
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    shutil.copytree(folder, repo / "snapshots" / commit)
+    return cache
+
+
+def test_heads_load_by_hub_id(tmp_path, monkeypatch):
+    torch.manual_seed(3)
+    head = AcceptanceHead(16, depth=2, draft_model="tiny-draft", feature="context")
+    head.save_pretrained(tmp_path / "h", extra={"w_rej": 3.0})
+    cache = fake_hub_cache(tmp_path / "cache", "someone/tiny-head", tmp_path / "h")
+    loaded = AcceptanceHead.from_pretrained("someone/tiny-head", hidden_size=16, cache_dir=cache, local_files_only=True)
+    h = torch.randn(5, 16)
+    assert torch.equal(loaded(h), head(h)) and loaded.feature == "context" and loaded.extra["w_rej"] == 3.0
+    with pytest.raises(UserError, match="trained for draft model 'tiny-draft' \\(hidden size 16\\)"):
+        AcceptanceHead.from_pretrained("someone/tiny-head", hidden_size=24, cache_dir=cache, local_files_only=True)
+
+
+def test_unknown_hub_id_is_one_clear_error(tmp_path):
+    with pytest.raises(UserError, match="could not be fetched from the Hugging Face hub"):
+        AcceptanceHead.from_pretrained("someone/no-such-head", cache_dir=tmp_path, local_files_only=True)
+    with pytest.raises(UserError, match="does not exist"):
+        load_head(tmp_path / "a" / "b")
+
+
+def test_push_to_hub_uploads_a_loadable_head(tmp_path, monkeypatch):
+    pushed = tmp_path / "pushed"
+
+    class FakeApi:  # what the mixin's push_to_hub calls; no network
+        def __init__(self, token=None):
+            pass
+
+        def create_repo(self, repo_id, private=None, exist_ok=False):
+            return SimpleNamespace(repo_id=repo_id)
+
+        def upload_folder(self, repo_id, folder_path, **kwargs):
+            shutil.copytree(folder_path, pushed)
+            return f"https://huggingface.co/{repo_id}/commit/x"
+
+    monkeypatch.setattr(hub_mixin, "HfApi", FakeApi)
+    torch.manual_seed(4)
+    head = AcceptanceHead(8, depth=1, draft_model="tiny-draft")
+    head.extra = {"w_rej": 6.0}
+    assert head.push_to_hub("someone/head").endswith("/commit/x")
+    assert sorted(p.name for p in pushed.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    card = (pushed / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: adaptive-spec") and "# Acceptance head: D=1, w_rej=6" in card
+    loaded = AcceptanceHead.from_pretrained(pushed, hidden_size=8)
+    h = torch.randn(3, 8)
+    assert torch.equal(loaded(h), head(h)) and loaded.extra == {"w_rej": 6.0}

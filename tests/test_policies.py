@@ -10,7 +10,11 @@ from adaptive_spec.errors import UserError
 from adaptive_spec.heads import AcceptanceHead
 from adaptive_spec.models import CausalLM
 from adaptive_spec.pipeline import SpecPair
-from adaptive_spec.policies import ConfidenceThreshold, EntropyThreshold, HeuristicSchedule, LearnedThreshold
+from adaptive_spec import interfaces
+from adaptive_spec.interfaces import RoundOwner, RoundState, StopPolicy, register
+from adaptive_spec.pipeline import make_policy, policy_names
+from adaptive_spec.policies import (ConfidenceThreshold, EntropyThreshold, FixedK, HeuristicSchedule,
+                                    LearnedThreshold)
 from adaptive_spec.sampling import SamplingParams
 from test_decoding import chi_square_pvalue, exact_pair, exact_sequence_probs, pair, sample_counts
 
@@ -249,3 +253,57 @@ def test_learned_policy_bad_input(case, expect, tiny_pair, head_dirs, capsys):
                  "--policy", "learned", *args])
     err = capsys.readouterr().err
     assert code == 2 and expect in err, err
+
+
+class TwoChains(RoundOwner):
+    """A round owner from outside the package: two chain rounds of K = 2 per call, booked by the
+    decoder's public chain round."""
+
+    name = "two-chains"
+
+    def reset(self):
+        self.calls = 0
+
+    def run_round(self, state: RoundState) -> list[int]:
+        self.calls += 1
+        new = state.decoder.chain_round(state, FixedK(2))
+        if len(new) >= state.remaining:
+            return new
+        state.seq = torch.cat([state.seq, torch.tensor(new)])
+        state.pos, state.remaining = state.pos + len(new), state.remaining - len(new)
+        return new + state.decoder.chain_round(state, FixedK(2))
+
+
+def test_extension_points(monkeypatch):
+    """A stop rule and a round owner registered by name reach the decoder through make_policy;
+    the decoder tells them apart by interface (a round owner is not a stop rule)."""
+    monkeypatch.setattr(interfaces, "_REGISTRY", dict(interfaces._REGISTRY))
+    register("two-chains")(lambda **_: TwoChains())
+    register("stop-at-2")(lambda **_: type("StopAt2", (StopPolicy,), {"should_stop": lambda self, s: s.i == 2})())
+    assert {"ar", "fixed", "tree", "two-chains", "stop-at-2"} <= set(policy_names())
+    draft, target = pair()
+    dec = Decoder(target, draft)
+    ref = dec.generate([5, 9, 4, 17], max_new_tokens=30, sampling=GREEDY).token_ids
+    owner = make_policy("two-chains", k=9)
+    g = dec.generate([5, 9, 4, 17], max_new_tokens=30, sampling=GREEDY, policy=owner)
+    assert g.token_ids == ref and not isinstance(owner, StopPolicy)
+    rounds = g.metrics.n_target_forwards
+    assert sum(g.metrics.accepted_hist.values()) == rounds and 2 * owner.calls - 1 <= rounds <= 2 * owner.calls
+    g = dec.generate([5, 9, 4, 17], max_new_tokens=30, sampling=GREEDY, policy=make_policy("stop-at-2"))
+    assert g.token_ids == ref and max(g.metrics.accepted_hist) <= 2
+    with pytest.raises(UserError, match="unknown policy 'nope'; valid policies: ar, "):
+        make_policy("nope")
+
+
+def test_head_trained_on_another_draft_configuration_warns(capsys):
+    from adaptive_spec.heads import AcceptanceHead
+    from adaptive_spec.policies import warn_draft_config
+
+    head = AcceptanceHead(8, depth=0)
+    head.extra = {"draft_quant": "none", "draft_vocab": "full"}
+    warn_draft_config(head, {"draft_quant": "none", "draft_vocab": "full"})
+    assert capsys.readouterr().err == ""
+    warn_draft_config(head, {"draft_quant": "int8", "draft_vocab": "32768"})
+    err = capsys.readouterr().err
+    assert err.startswith("warning:") and "draft_quant none (trained) vs int8 (in use)" in err
+    assert "draft_vocab full (trained) vs 32768 (in use)" in err and err.count("\n") == 1

@@ -12,6 +12,7 @@ from adaptive_spec.decoding import Metrics
 from adaptive_spec.errors import UserError
 from adaptive_spec.heads import AcceptanceHead
 from adaptive_spec.prompts import load_prompts, shared_data_dir
+from adaptive_spec.runs import lock_dir
 from adaptive_spec.sweep import SweepConfig
 
 A_TEXTS = ["abc def", "hello world", "the cat sat", "xyz 123", "one two"]
@@ -110,7 +111,7 @@ def test_oracle_skipped_when_sampling():
     ({"fields": "{A: nofield}"}, r"has no field 'nofield'; its fields are: id, text"),
     ({"thresholds": "[0.5, 1.2]"}, r"h must be in \(0, 1\), got 1.2"),
     ({"heads": "[WRONG]"}, r"hidden size 24\) but the draft in use"),
-    ({"heads": "[nowhere/head]"}, "does not exist"),
+    ({"heads": "[no/such/head]"}, "does not exist"),  # two slashes: not a hub repo id either
     ({"fields": "{other.jsonl: text}"}, "not in datasets"),
 ])
 def test_bad_input_refused_before_models_load(inputs, tmp_path, monkeypatch, change, match):
@@ -141,14 +142,6 @@ def test_out_dir_settings_guard(tmp_path):
     (out / "results.jsonl").write_text('{"config": "ar"}\n')  # results of unknown settings
     with pytest.raises(UserError, match="without settings.json"):
         sweep.check_out_dir(out, settings, overwrite=False)
-
-
-def test_torn_last_line_is_repaired(tmp_path):
-    p = tmp_path / "results.jsonl"
-    p.write_text('{"a": 1}\n{"a": 2}\n{"a": 3, "b"')  # killed mid-write
-    assert sweep.read_results(p, repair=True) == [{"a": 1}, {"a": 2}]
-    sweep.append_jsonl(p, {"a": 4})
-    assert sweep.read_results(p) == [{"a": 1}, {"a": 2}, {"a": 4}]
 
 
 def test_cli_error_is_one_line(inputs, tmp_path, capsys):
@@ -218,7 +211,10 @@ def test_sweep_resume_and_report(inputs, tmp_path, monkeypatch, capsys):
     saved = json.loads((out / "heads.json").read_text())["d1-wrej6"]
     assert saved["w_rej"] == 6 and saved["metrics"]["dev_kl"] == 0.58 and saved["depth"] == 1
     pad = json.loads((out / "config.json").read_text())["cpu_pad_to"]
-    assert set(pad) == {"target", "draft"} and all(r["cpu_pad_to"] == pad for r in rows)
+    # padding is measured at each load: config.json and the resumed session's rows share one,
+    # the interrupted session's rows carry their own
+    assert set(pad) == {"target", "draft"} and all(r["cpu_pad_to"] == pad for r in rows[7:])
+    assert all(set(r["cpu_pad_to"]) == {"target", "draft"} for r in rows)
     prompts = json.loads((out / "prompts.json").read_text())
     assert [p["text"] for p in prompts[inputs["a"]]] == load_prompts(inputs["a"], "text", n=2)
 
@@ -261,11 +257,11 @@ def test_greedy_oracle(inputs, tmp_path, monkeypatch):
 def test_second_sweep_on_same_out_dir_is_refused(tmp_path):
     """Two sweeps appending to one results file would duplicate runs and slow each other's
     timings; the second is refused with the holder's pid, and the lock dies with its holder."""
-    held = sweep.lock_out_dir(tmp_path)
+    held = lock_dir(tmp_path, "sweep")
     with pytest.raises(UserError, match=rf"another sweep \(pid {os.getpid()}\) is writing to"):
-        sweep.lock_out_dir(tmp_path)
+        lock_dir(tmp_path, "sweep")
     held.close()
-    sweep.lock_out_dir(tmp_path).close()  # free again
+    lock_dir(tmp_path, "sweep").close()  # free again
 
 
 @pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "configs" / "sweep").glob("*.yaml")),

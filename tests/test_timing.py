@@ -91,3 +91,13 @@ def test_relative_error_and_mean_std():
     assert math.isnan(timing.relative_error(1.0, 0.0))
     m, s = timing.mean_std([0.0206, 0.0207, 0.0206])
     assert m == pytest.approx(0.020633, abs=1e-6) and s == pytest.approx(5.77e-5, rel=1e-2)
+
+
+def test_timed_measures_the_block():
+    import time
+
+    from adaptive_spec.timing import timed
+
+    with timed("cpu") as t:
+        time.sleep(0.01)
+    assert 0.01 <= t.s < 1.0

@@ -3,12 +3,14 @@ tiny Qwen2 models, Algorithm 3 optimality, and exactness of GSD / ERSD trees."""
 import heapq
 import itertools
 import random
-from collections import Counter
 
 import pytest
 import torch
 
 from adaptive_spec import tree as T
+from adaptive_spec import tree_draft as D
+from adaptive_spec import tree_shapes as S
+from adaptive_spec import tree_verify as TV
 from adaptive_spec.decoding import Decoder
 from adaptive_spec.heads import AcceptanceHead
 from adaptive_spec.models import CausalLM
@@ -40,13 +42,13 @@ def test_tree_mask_logits_and_compaction_match_plain_forwards(n_pending):
         m.n_forwards = 0
     params = SamplingParams(1.0)
     gen = torch.Generator().manual_seed(0)
-    tr = T.DraftTree(draft, seq, params, gen, max_nodes=9, max_children=3)
+    tr = D.DraftTree(draft, seq, params, gen, max_nodes=9, max_children=3)
     # a tree with branching at several depths: root(3 children) -> chains and sub-branches
     parents = [-1, 0, 0, 0, 1, 1, 2, 4, 7, 4]
     sibs = [0, 0, 1, 2, 0, 1, 0, 0, 0, 1]
-    T.grow_static(tr, parents, sibs)
+    D.grow_static(tr, parents, sibs)
     assert tr.n == 9 and draft.n_forwards == 1 + 3  # the root, then one forward per inner level
-    P = T.target_pass(target, seq, tr, params)
+    P = TV.target_pass(target, seq, tr, params)
     toks = tr.tok.tolist()
     fresh = CausalLM(target.model)
     for j in range(tr.n + 1):
@@ -63,7 +65,7 @@ def test_tree_mask_logits_and_compaction_match_plain_forwards(n_pending):
     # compact both caches to the deepest path (its leaf was never forwarded by the draft)
     path = tr.ancestors(max(range(tr.n + 1), key=lambda j: tr.depth[j]))
     assert len(path) == 4 and [tr.slot[j] is None for j in path] == [False, False, False, True]
-    T.finish_round(Decoder(target, draft), tr, seq, path, _Met(), Counter())
+    TV.compact_to_path(target, draft, tr, L, path)
     assert target.length == L + 4 and draft.length == L + 3
     for lm, n in ((target, 4), (draft, 3)):
         ref = CausalLM(lm.model)
@@ -76,11 +78,6 @@ def test_tree_mask_logits_and_compaction_match_plain_forwards(n_pending):
         a, _ = lm.forward(nxt, n_logits=1)
         b, _ = ref.forward(nxt, n_logits=1)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-
-
-class _Met:
-    n_drafted = n_accepted = n_discarded = 0
-    policy_s = 0.0
 
 
 # ---- tree construction ----------------------------------------------------------------------
@@ -105,32 +102,32 @@ def test_optimal_tree_is_optimal(seed):
     scale = rnd.uniform(0.6, 1.0)
     r = [x / sum(w) * scale for x in w[:4]]
     for k in range(1, 7):
-        parents, sibs, R = T.optimal_tree(k, r)
+        parents, sibs, R = S.optimal_tree(k, r)
         assert len(parents) == k + 1 and all(parents[j] < j for j in range(1, k + 1))
-        assert T.tree_value(parents, sibs, r) == pytest.approx(sum(R[1:]))
+        assert S.tree_value(parents, sibs, r) == pytest.approx(sum(R[1:]))
         assert sum(R[1:]) == pytest.approx(brute_force_best(k, r), rel=1e-9)
         # and it beats the fixed shapes of the same budget
         for shape in ("sequence", "batch", "specinfer"):
-            p2, s2 = T.shape_tree(shape, k, r)
+            p2, s2 = S.shape_tree(shape, k, r)
             assert len(p2) == k + 1
-            assert T.tree_value(p2, s2, r) <= sum(R[1:]) + 1e-12
+            assert S.tree_value(p2, s2, r) <= sum(R[1:]) + 1e-12
         # Tunstall (Thm 4.1 / Lemma 4.2): an upper bound on accepted + 1
-        assert T.tunstall_bound(r, k, vocab_size=1000) >= sum(R[1:]) + 1 - 1e-9
+        assert S.tunstall_bound(r, k, vocab_size=1000) >= sum(R[1:]) + 1 - 1e-9
 
 
 def test_optimal_tree_depth_cap_and_shapes():
-    r = T.acceptance_distribution([0.9, 0.5], 8)
-    parents, sibs, _ = T.optimal_tree(16, r, depth_cap=3)
+    r = S.acceptance_distribution([0.9, 0.5], 8)
+    parents, sibs, _ = S.optimal_tree(16, r, depth_cap=3)
     depth = [0]
     for j in range(1, len(parents)):
         depth.append(depth[parents[j]] + 1)
     assert max(depth) == 3 and len(parents) == 17
-    assert T.specinfer_tree(8) == ([-1, 0, 1, 2, 3, 2, 5, 2, 7], [0, 0, 0, 0, 0, 1, 0, 2, 0])
-    assert T.shape_tree("sequence", 5, r, depth_cap=2) == ([-1, 0, 1], [0, 0, 0])
+    assert S.specinfer_tree(8) == ([-1, 0, 1, 2, 3, 2, 5, 2, 7], [0, 0, 0, 0, 0, 1, 0, 2, 0])
+    assert S.shape_tree("sequence", 5, r, depth_cap=2) == ([-1, 0, 1], [0, 0, 0])
 
 
 def test_positional_rates_update():
-    est = T.PositionalRates([0.5, 0.5], weight=2.0)
+    est = S.PositionalRates([0.5, 0.5], weight=2.0)
     est.update(3, 1)  # child 0 rejected, child 1 accepted
     est.update(2, None)  # both rejected
     est.update(1, 0)
@@ -138,7 +135,7 @@ def test_positional_rates_update():
     assert c[0] == pytest.approx((1 + 1) / (2 + 3))
     assert c[1] == pytest.approx((1 + 1) / (2 + 2))
     assert c[2] == pytest.approx(0.5)
-    assert T.acceptance_distribution([0.5, 0.2], 3) == pytest.approx([0.5, 0.1, 0.08])
+    assert S.acceptance_distribution([0.5, 0.2], 3) == pytest.approx([0.5, 0.1, 0.08])
 
 
 # ---- greedy: identical to target-only decoding ---------------------------------------------
@@ -199,6 +196,34 @@ def test_metrics_and_forward_counts():
     assert pol.rounds == rounds and pol.predicted > 0
 
 
+REUSED = [("tree", dict(tree_budget=6)), ("tree", dict(tree_budget=6, tree_estimator="head")),
+          ("ersd", dict(tree_budget=6))]
+
+
+@pytest.mark.parametrize("name,kw", REUSED, ids=["tree", "tree-head", "ersd"])
+def test_reused_policy_object_repeats_its_output(name, kw):
+    """Issue #17: the per-sibling rates a generation adapts must not leak into the next one.
+    reset() restores the calibrated rates, so the same object, seed and prompt give the same
+    output every time; carry_rates=True is the opt-in that lets them carry over."""
+    draft, target = hf_pair()
+    dec = Decoder(target, draft)
+    torch.manual_seed(0)
+    head = AcceptanceHead(16, depth=1)
+    pol = make(name, kw, head)
+    calibrated = pol.rates.cond()
+    for seed in range(3):
+        a = dec.generate([5, 9, 4, 17], max_new_tokens=30, sampling=SamplingParams(1.0), policy=pol, seed=seed)
+        assert pol.rates.cond() != calibrated  # the rates did adapt during the generation
+        b = dec.generate([5, 9, 4, 17], max_new_tokens=30, sampling=SamplingParams(1.0), policy=pol, seed=seed)
+        assert a.token_ids == b.token_ids and a.metrics.n_accepted == b.metrics.n_accepted
+    carry = make(name, kw, head)
+    carry.carry_rates = True
+    dec.generate([5, 9, 4, 17], max_new_tokens=30, sampling=SamplingParams(1.0), policy=carry, seed=0)
+    adapted = carry.rates.cond()
+    carry.reset()
+    assert carry.rates.cond() == adapted
+
+
 # ---- exact output distribution --------------------------------------------------------------
 
 V, L, N = 5, 3, 2000
@@ -238,7 +263,7 @@ def test_distribution_test_catches_siblings_without_residual_update(monkeypatch)
     draft, target = mock_pair()
     params, prompt = SamplingParams(1.0), [1, 2]
     probs = exact_sequence_probs(target, prompt, params, V, L)
-    monkeypatch.setattr(T, "_rrs_residual", lambda p, q: p)
+    monkeypatch.setattr(TV, "_rrs_residual", lambda p, q: p)
     counts = sample_counts(Decoder(target, draft), prompt, params, T._make_tree(tree_budget=3, drafting="batch"), N, L)
     assert chi_square_pvalue(counts, probs, N) < 1e-3
 
@@ -284,8 +309,8 @@ def test_bench_trees_smoke(tmp_path):
 def test_tree_head_estimator_refuses_a_context_head():
     from adaptive_spec.errors import UserError
     from adaptive_spec.heads import AcceptanceHead
-    from adaptive_spec.tree import _load_head
+    from adaptive_spec.tree import load_tree_head
 
-    assert _load_head(AcceptanceHead(8, depth=0), None).feature == "token"
+    assert load_tree_head(AcceptanceHead(8, depth=0), None).feature == "token"
     with pytest.raises(UserError, match="feature=token"):
-        _load_head(AcceptanceHead(8, depth=0, feature="context"), None)
+        load_tree_head(AcceptanceHead(8, depth=0, feature="context"), None)

@@ -1,0 +1,92 @@
+"""The package's import graph has no cycles, function-level imports included.
+
+A cycle hidden inside a function (`from .decoding import Decoder` in a method) works at run time
+but ties the modules into one unit that can only be read, tested and changed together; the
+decoder's extension points (adaptive_spec/interfaces.py) exist so that none is needed.
+"""
+import ast
+from pathlib import Path
+
+PACKAGE = "adaptive_spec"
+ROOT = Path(__file__).resolve().parent.parent / PACKAGE
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def resolve(node: ast.ImportFrom, importer: str, is_package: bool) -> str:
+    """The absolute module a `from ... import` names (relative levels resolved)."""
+    if node.level == 0:
+        return node.module or ""
+    base = importer.split(".") if is_package else importer.split(".")[:-1]
+    base = base[:len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports_of(path: Path, modules: set[str]) -> set[str]:
+    """Every package module `path` imports, at any depth of its syntax tree. `from . import x`
+    counts as importing the submodule x when x is one."""
+    me, is_package = module_name(path), path.name == "__init__.py"
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name in modules)
+        elif isinstance(node, ast.ImportFrom):
+            target = resolve(node, me, is_package)
+            subs = {f"{target}.{a.name}" for a in node.names} & modules
+            out.update(subs or ({target} & modules))
+    out.discard(me)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = sorted(ROOT.rglob("*.py"))
+    modules = {module_name(p) for p in paths}
+    return {module_name(p): imports_of(p, modules) for p in paths}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle as [a, b, ..., a], or None (depth-first search, three colours)."""
+    state, stack = {}, []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == "open":
+                return stack[stack.index(n):] + [n]
+            if n not in state:
+                found = visit(n)
+                if found:
+                    return found
+        stack.pop()
+        state[m] = "done"
+        return None
+
+    for m in sorted(graph):
+        if m not in state:
+            found = visit(m)
+            if found:
+                return found
+    return None
+
+
+def test_graph_sees_function_level_and_relative_imports():
+    graph = import_graph()
+    assert "adaptive_spec.errors" in graph["adaptive_spec.decoding"]
+    assert "adaptive_spec.models" in graph["adaptive_spec.pipeline"]
+    # cli.py imports the pipeline inside a function only
+    assert "adaptive_spec.pipeline" in graph["adaptive_spec.cli"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_package_import_graph_is_acyclic():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_interfaces_is_a_leaf():
+    """The stop-rule and round-owner interfaces and the registry import nothing else of the package."""
+    assert import_graph()["adaptive_spec.interfaces"] <= {"adaptive_spec.errors"}
