@@ -61,7 +61,7 @@ def table(rows: list[dict]) -> str:
 
 
 def draft_label(spec: str) -> str:
-    return "bf16/auto" if spec == "none" else spec
+    return "unquantized" if spec == "none" else spec
 
 
 def parse_draft(spec: str) -> tuple[str, str | None]:
@@ -79,6 +79,8 @@ def load_pairs(args) -> dict:
                          num_threads=args.threads)
     target_model = base.target.model
     pairs = {"ar": base}
+    for dt in filter(None, args.ar_dtypes.split(",")):
+        pairs[f"ar-{dt}"] = SpecPair.load(target=args.target, draft=None, dtype=dt, device=args.device)
     for spec in args.drafts.split(","):
         quant, vocab = parse_draft(spec)
         draft_model, dtok = load_model(args.draft, "draft", args.dtype, args.device, quant=quant, draft_vocab=vocab)
@@ -96,7 +98,7 @@ def draft_costs(rows: list[dict], pairs: dict) -> str:
     out = []
     t_target = _per_forward([r for r in rows if r["config"] == "ar"], "target")
     for spec, pair in pairs.items():
-        if spec == "ar":
+        if spec.startswith("ar"):
             continue
         rs = [r for r in rows if r["draft"] == spec and r["config"] != "ar"]
         t_draft = _per_forward(rs, "draft")
@@ -132,6 +134,9 @@ def main(argv=None):
                     help="comma-separated draft configurations QUANT[:VOCAB], e.g. none,int8,int8:32768 "
                          "(QUANT none|int8; VOCAB as --draft-vocab), all run side by side")
     ap.add_argument("--top-k", type=int, default=0, help="top-k of the sampling (0 = off; the paper: 50)")
+    ap.add_argument("--ar-dtypes", default="",
+                    help="extra target-alone baselines in other dtypes, e.g. bf16 (on an AVX2 CPU: bf16 stock "
+                         "kernels, the fastest one-token step there), loaded beside the main target")
     ap.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--out", default="runs/bench_decode", help="folder for results.jsonl and table.md")
@@ -151,11 +156,12 @@ def main(argv=None):
         return
     pairs = load_pairs(args)
     prompts = load_prompts(args.dataset, field=args.field, n=args.prompts)
-    jobs = [("ar", "ar")] + [(c, f"k{k}") for c in args.drafts.split(",") for k in args.ks.split(",")]
+    jobs = [(a, a) for a in pairs if a.startswith("ar")] + [(c, f"k{k}") for c in args.drafts.split(",")
+                                                              for k in args.ks.split(",")]
     temps = [float(t) for t in args.temperatures.split(",")]
     for spec, pair in pairs.items():  # warm-up: the first forwards pay for allocation and kernel selection
-        pair.generate(prompts[0], policy="ar" if spec == "ar" else "fixed", k=2, max_new_tokens=8, temperature=0,
-                      chat=True)
+        pair.generate(prompts[0], policy="ar" if spec.startswith("ar") else "fixed", k=2, max_new_tokens=8,
+                      temperature=0, chat=True)
     todo = [(i, t, d, c) for i in range(len(prompts)) for t in temps for d, c in jobs if (i, t, c, d) not in done]
     rows = list(done_rows) + run_jobs(todo, pairs, prompts, args, settings, res_path)
     write_report(rows, pairs, args, len(prompts), out)
@@ -165,15 +171,15 @@ def run_jobs(todo, pairs, prompts, args, settings, res_path) -> list[dict]:
     rows = []
     bar = tqdm(todo, desc="bench", unit="run", dynamic_ncols=True)
     for i, temp, spec, cfg in bar:
-        kw = {"policy": "ar"} if cfg == "ar" else {"policy": "fixed", "k": int(cfg[1:])}
+        kw = {"policy": "ar"} if cfg.startswith("ar") else {"policy": "fixed", "k": int(cfg[1:])}
         pair = pairs[spec]
         g = pair.generate(prompts[i], max_new_tokens=args.max_new_tokens, temperature=temp,
                           top_k=args.top_k, seed=i, chat=True, **kw)
         m = g.metrics
         prefill = {"target_prefill_s": pair.target.prefill_s,
-                   "draft_prefill_s": pair.draft.prefill_s if cfg != "ar" else 0.0}
+                   "draft_prefill_s": pair.draft.prefill_s if pair.draft is not None else 0.0}
         row = {"settings": settings, "prompt_idx": i, "temperature": temp, "config": cfg,
-               "draft": spec if cfg != "ar" else "ar", **m.to_dict(), **prefill}
+               "draft": spec if not cfg.startswith("ar") else cfg, **m.to_dict(), **prefill}
         append_jsonl(res_path, row)
         rows.append(row)
         bar.set_postfix_str(f"{draft_label(spec)} {cfg} t={temp:g} {m.tokens_per_s:.2f} tok/s")
@@ -184,7 +190,7 @@ def write_report(rows, pairs, args, n_prompts, out: Path):
     from adaptive_spec.cpu import flags_line
 
     for r in rows:  # one table keyed by draft configuration and K
-        if r["config"] != "ar" and not r["config"].startswith(draft_label(r.get("draft", "none"))):
+        if not r["config"].startswith("ar") and not r["config"].startswith(draft_label(r.get("draft", "none"))):
             r["config"] = f"{draft_label(r.get('draft', 'none'))} {r['config']}"
     runtime = pairs["ar"].runtime_info()
     md = table(rows) + "\n\n" + draft_costs(rows, pairs)
