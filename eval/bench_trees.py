@@ -182,7 +182,7 @@ def plot(summary: list[dict], methods, path: Path, title: str):
     plt.close(fig)
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--draft", default="default")
     ap.add_argument("--target", default="default")
@@ -205,14 +205,11 @@ def main(argv=None):
     ap.add_argument("--device", default=None)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default="runs/bench_trees")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if args.tiny:
-        args.draft, args.target, tiny_head = make_tiny_pair(out / "tiny_pair")
-        args.head = args.head or tiny_head
-        args.chat = False
+
+def check_choices(args) -> tuple[list[int], list[str], list[str]]:
+    """Budgets, methods and strategies from their comma lists; tree-head is dropped without --head."""
     budgets = [int(k) for k in args.budgets.split(",")]
     methods = [m for m in args.methods.split(",") if m]
     strategies = [s for s in args.strategies.split(",") if s]
@@ -225,6 +222,50 @@ def main(argv=None):
     if "tree-head" in strategies and not args.head:
         print("note: no --head given, skipping the tree-head strategy", file=sys.stderr)
         strategies.remove("tree-head")
+    return budgets, methods, strategies
+
+
+def run_pending(pair, eval_prompts, configs, args, sampling, rates: dict, head, settings: dict,
+                res_path: Path) -> list[dict]:
+    """Runs every (prompt, config) that results.jsonl lacks for these settings, appending each
+    row as it finishes (a rerun skips what is done); returns all rows of these settings."""
+    rows = [r for r in read_jsonl(res_path) if r.get("settings") == settings]
+    done = {(r["prompt_idx"], r["method"], r["strategy"], r["k"]) for r in rows}
+    todo = [(i, k, m, s) for i in range(len(eval_prompts)) for k, m, s in configs if (i, m, s, k) not in done]
+    bar = tqdm(todo, desc="bench", unit="run", dynamic_ncols=True)
+    for i, k, method, strategy in bar:
+        ids = pair.encode(eval_prompts[i], chat=args.chat)
+        pol = None if method == "ar" else make_policy(method, strategy, k, rates[method]["cond_rates"], head)
+        g = pair.decoder.generate(ids, max_new_tokens=args.max_new_tokens, sampling=sampling, policy=pol, seed=i)
+        m = g.metrics
+        row = {"settings": settings, "prompt_idx": i, "method": method, "strategy": strategy, "k": k,
+               "rounds": pol.rounds if pol else m.n_target_forwards, "predicted": pol.predicted if pol else 0.0,
+               **m.to_dict()}
+        append_jsonl(res_path, row)
+        rows.append(row)
+        bar.set_postfix_str(f"{method} {strategy} k={k}: {m.n_accepted / max(m.n_target_forwards, 1):.2f} acc/pass "
+                            f"{m.tokens_per_s:.1f} tok/s")
+    return rows
+
+
+def table_header(args, pair, n_eval: int, n_calib: int) -> str:
+    return (f"# Tree drafting benchmark\n\n{args.target} (target) / {args.draft} (draft), {args.dtype}, device "
+            f"{pair.target.device}, {torch.get_num_threads()} threads, {n_eval} prompts from {args.dataset}, "
+            f"{args.max_new_tokens} new tokens, temperature {args.temperature:g}. 'predicted' = sum of R over the "
+            f"drafted nodes (0-th order rates from {n_calib} calibration prompts; the head's R for "
+            f"tree-head); Tunstall bound = Lemma 4.2 bound on generated tokens per pass, minus 1. Written "
+            f"{time.strftime('%Y-%m-%d %H:%M')}.\n\n")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.tiny:
+        args.draft, args.target, tiny_head = make_tiny_pair(out / "tiny_pair")
+        args.head = args.head or tiny_head
+        args.chat = False
+    budgets, methods, strategies = check_choices(args)
 
     pair = SpecPair.load(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device,
                          num_threads=args.threads)
@@ -249,36 +290,15 @@ def main(argv=None):
         print(f"{m}: conditional acceptance rates c_i = {[round(c, 3) for c in rates[m]['cond_rates'][:8]]} "
               f"(trials {[int(t) for t in rates[m]['trials'][:8]]})", file=sys.stderr)
 
-    res_path = out / "results.jsonl"
-    rows = [r for r in read_jsonl(res_path) if r.get("settings") == settings]
-    done = {(r["prompt_idx"], r["method"], r["strategy"], r["k"]) for r in rows}
     configs = [(0, "ar", "-")] + [(k, m, s) for m in methods for s in strategies for k in budgets]
-    todo = [(i, k, m, s) for i in range(len(eval_prompts)) for k, m, s in configs if (i, m, s, k) not in done]
-    bar = tqdm(todo, desc="bench", unit="run", dynamic_ncols=True)
-    for i, k, method, strategy in bar:
-        ids = pair.encode(eval_prompts[i], chat=args.chat)
-        pol = None if method == "ar" else make_policy(method, strategy, k, rates[method]["cond_rates"], head)
-        g = pair.decoder.generate(ids, max_new_tokens=args.max_new_tokens, sampling=sampling, policy=pol, seed=i)
-        m = g.metrics
-        row = {"settings": settings, "prompt_idx": i, "method": method, "strategy": strategy, "k": k,
-               "rounds": pol.rounds if pol else m.n_target_forwards, "predicted": pol.predicted if pol else 0.0,
-               **m.to_dict()}
-        append_jsonl(res_path, row)
-        rows.append(row)
-        bar.set_postfix_str(f"{method} {strategy} k={k}: {m.n_accepted / max(m.n_target_forwards, 1):.2f} acc/pass "
-                            f"{m.tokens_per_s:.1f} tok/s")
+    rows = run_pending(pair, eval_prompts, configs, args, sampling, rates, head, settings, out / "results.jsonl")
 
     summary = summarize(rows, rates, budgets, pair.target.vocab_size)
     title = (f"{Path(str(args.target)).name} / {Path(str(args.draft)).name}, T={args.temperature:g}, "
              f"{len(eval_prompts)} prompts x {args.max_new_tokens} tokens")
     plot(summary, methods, out / "accepted_vs_drafted.png", title)
     (out / "summary.json").write_text(json.dumps({"settings": settings, "rates": rates, "summary": summary}, indent=1))
-    hdr = (f"# Tree drafting benchmark\n\n{args.target} (target) / {args.draft} (draft), {args.dtype}, device "
-           f"{pair.target.device}, {torch.get_num_threads()} threads, {len(eval_prompts)} prompts from {args.dataset}, "
-           f"{args.max_new_tokens} new tokens, temperature {args.temperature:g}. 'predicted' = sum of R over the "
-           f"drafted nodes (0-th order rates from {len(calib_prompts)} calibration prompts; the head's R for "
-           f"tree-head); Tunstall bound = Lemma 4.2 bound on generated tokens per pass, minus 1. Written "
-           f"{time.strftime('%Y-%m-%d %H:%M')}.\n\n")
+    hdr = table_header(args, pair, len(eval_prompts), len(calib_prompts))
     (out / "table.md").write_text(hdr + table(summary) + "\n")
     print(hdr + table(summary))
     print(f"\nplot: {out / 'accepted_vs_drafted.png'}")
