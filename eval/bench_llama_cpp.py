@@ -84,7 +84,7 @@ def bench_target(bins: Path, target: Path, n: int, threads: int) -> float:
 def bench_spec(bins: Path, target: Path, draft: Path, prompt: str, n: int, k: int, threads: int) -> dict:
     out = run([str(bins / "llama-speculative-simple"), "-m", str(target), "-md", str(draft), "-p", prompt,
                "-n", str(n), "--temp", "0", "--top-k", "1", "--seed", "0", "-t", str(threads), "-td", str(threads),
-               "--spec-draft-n-max", str(k), "-c", "4096"])
+               "--spec-type", "draft-simple", "--spec-draft-n-max", str(k), "-c", "4096"])
     dec = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", out)
     drafted = re.search(r"n_drafted = (\d+)", out)
     accepted = re.search(r"n_accept\s+= (\d+)", out)
