@@ -144,6 +144,15 @@ def test_help_lists_config_keys(cmd, cls, key, capsys):
     assert f"config keys" in out and cls in out and f"  {key} [" in out and "  out_dir [''" in out
 
 
+def test_train_help_lists_config_keys(capsys):
+    try:
+        code = main(["train", "--help"])
+    except SystemExit as e:  # argparse's --help exit, when it is not caught on the way
+        code = e.code
+    out = capsys.readouterr().out
+    assert code == 0 and "config keys" in out and "TrainConfig" in out and "  depth [3]" in out and "  w_rej [" in out
+
+
 def test_train_subcommand_delegates(monkeypatch):
     from adaptive_spec import training
 
