@@ -34,7 +34,7 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 
 bench: models
-	$(PY) eval/bench_decode.py --out runs/bench_decode
+	$(PY) eval/bench_decode.py --dataset humaneval --out runs/bench_decode
 
 clean:
 	rm -rf .venv .pytest_cache

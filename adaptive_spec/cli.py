@@ -139,12 +139,13 @@ def validate(args):
 
 def _validate_draft_vocab(spec: str | None):
     """N must be a positive count (its upper bound, the vocabulary, is checked at load); a FILE must exist."""
-    if spec is None:
+    from .vocab import parse_draft_vocab
+
+    parsed = parse_draft_vocab(spec)
+    if parsed is None:
         return
-    path, _, n = spec.rpartition(":")
-    if not n.lstrip("-").isdigit():
-        path, n = spec, ""
-    if n and int(n) < 1:
+    path, n = parsed
+    if n is not None and n < 1:
         raise UserError(f"--draft-vocab must be a token count >= 1 or a token-list file, got {spec}")
     if path and not Path(path).is_file():
         raise UserError(f"--draft-vocab file {path} does not exist; build one with `adaptive-spec draft-vocab`")

@@ -45,6 +45,7 @@ import torch
 
 from .config import config_from_argv, config_to_dict
 from .errors import UserError, run_main
+from .models import spread_kept_logits
 from .prompts import encode_prompt, eos_token_ids, prompt_texts
 from .runs import atomic_write, project_path, read_manifest, settings_problem, write_json
 
@@ -253,9 +254,7 @@ def _step(model, ids, mask, pos, cache, vocab: int, dev) -> torch.Tensor:
     logits = out.logits[:, -1].float()
     kept = getattr(model, "kept_ids", None)
     if kept is not None:  # a reduced draft vocabulary: q = 0 outside the kept tokens, as in decoding
-        full = logits.new_full((logits.shape[0], vocab), float("-inf"))
-        full[:, kept[kept < vocab]] = logits[:, : int((kept < vocab).sum())]
-        logits = full
+        logits = spread_kept_logits(logits, kept[kept < vocab], vocab)
     return logits[:, :vocab].to(dev)
 
 

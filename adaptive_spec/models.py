@@ -34,7 +34,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device | str | 
     if dtype in (None, "auto"):
         from .cpu import auto_dtype
 
-        return auto_dtype(resolve_device(device) if not isinstance(device, torch.device) else device)
+        return auto_dtype(resolve_device(device))
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_CHOICES)}")
     return DTYPES[dtype]
@@ -263,25 +263,23 @@ def check_quant(quant: str | None, device=None) -> str:
     if quant not in QUANTS:
         raise UserError(f"unknown draft quantization {quant!r}; use one of {', '.join(QUANTS)}")
     if quant == "int8" and device is not None:
-        why = int8_kernel(resolve_device(device) if not isinstance(device, torch.device) else device)
+        why = int8_kernel(resolve_device(device))
         if why:
             raise UserError(f"--draft-quant int8 has no kernel on {device} ({why}); use --draft-quant none")
     return quant
 
 
 def quantize_linears(model) -> int:
-    """Swap every nn.Linear (and PackedLinear) of `model` for an Int8Linear; returns how many.
-    The original weights are dropped unless an embedding shares them (a tied LM head)."""
+    """Swap every nn.Linear of `model` for an Int8Linear (instead of packing it: load_model does
+    one or the other); returns how many. An embedding tied to the LM head keeps its own table."""
     n = 0
     for mod in list(model.modules()):
         for cname, child in list(mod.named_children()):
-            if type(child) in (torch.nn.Linear, PackedLinear):
-                if isinstance(child, PackedLinear):
-                    raise ValueError("quantize before packing: a PackedLinear may have released its weight")
+            if type(child) is torch.nn.Linear:
                 setattr(mod, cname, Int8Linear(child))
                 n += 1
-    path = getattr(model, "cpu_path", {})
-    model.cpu_path = {**path, "linear": "int8 (_weight_int8pack_mm)", "quant": "int8"}
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    model.cpu_path = {"dtype": dtype, "linear": "int8 (_weight_int8pack_mm)", "pad_to": (), "quant": "int8"}
     return n
 
 
@@ -303,7 +301,7 @@ def load_model(name: str | None, role: str = "target", dtype=None, device=None, 
     try:
         tok = AutoTokenizer.from_pretrained(path)
         keep_ids = None
-        if draft_vocab not in (None, "", "none", "full"):  # refused (0, too large, wrong tokenizer) before the weights load
+        if draft_vocab is not None:  # refused (0, too large, wrong tokenizer) before the weights load
             from transformers import AutoConfig
 
             from .vocab import resolve_draft_vocab
@@ -346,6 +344,14 @@ def check_vocab(draft_tok, target_tok, draft_model, target_model) -> int:
         raise UserError(f"the tokenizer has {len(tv)} tokens but a model's output layer has only {v}; "
                         "the draft and target do not fit together")
     return v
+
+
+def spread_kept_logits(logits: torch.Tensor, kept_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits of a reduced output layer (columns = kept_ids, all < vocab_size) over the whole
+    vocabulary: -inf, i.e. q = 0, at every other id."""
+    full = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+    full[..., kept_ids] = logits[..., : len(kept_ids)]
+    return full
 
 
 def _vocab_rows(model) -> int:
@@ -394,9 +400,7 @@ class CausalLM:
             out = torch.tanh(out / self.softcap) * self.softcap
         if self.kept_ids is None:
             return out[..., : self.vocab_size]
-        full = out.new_full((*out.shape[:-1], self.vocab_size), float("-inf"))
-        full[..., self.kept_ids] = out[..., : len(self.kept_ids)]
-        return full
+        return spread_kept_logits(out, self.kept_ids, self.vocab_size)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, n_logits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

@@ -423,12 +423,12 @@ def run(cfg: SweepConfig) -> Path:
         notes += _note([hf_schedule_note(pair.draft.model)])
     selected = {ds: _select_dataset(pair, ds, texts[ds], cfg, notes) for ds in cfg.datasets}
     cpu_pad_to = _cpu_pad_to(pair)
-    _write_run_files(out, cfg, settings, heads, selected, specs, notes, cpu_pad_to, pair.runtime_info())
+    runtime = pair.runtime_info()
+    _write_run_files(out, cfg, settings, heads, selected, specs, notes, cpu_pad_to, runtime)
     todo, n_jobs = _todo(out / RESULTS, cfg, selected, specs)
     if todo and cfg.warmup:
         _warmup(pair, todo[0][3], specs, cfg, heads, draft_decoder)
     # every row carries the machine and the numeric paths it ran on: "auto" resolves per CPU
-    runtime = pair.runtime_info()
     context = {"settings_hash": settings_hash(settings), "cpu_pad_to": cpu_pad_to, "isa": runtime["machine"]["isa"],
                "cpu_flags": runtime["machine"]["cpu_flags"],
                "paths": {r: runtime.get(f"{r}_path") for r in ("target", "draft")}}

@@ -72,18 +72,27 @@ def load_token_list(path: str | Path, tok) -> torch.Tensor:
     return ids.long()
 
 
+def parse_draft_vocab(spec) -> tuple[str, int | None] | None:
+    """`--draft-vocab` split into (FILE or "", N or None); None means the whole vocabulary.
+    "N" -> ("", N), "FILE" -> (FILE, None), "FILE:N" -> (FILE, N). Bounds are checked by the callers."""
+    if spec in (None, "", "none", "full"):
+        return None
+    spec = str(spec).strip()
+    path, _, n = spec.rpartition(":")
+    if not n.lstrip("-").isdigit():
+        path, n = spec, ""
+    return path, int(n) if n else None
+
+
 def resolve_draft_vocab(spec, tok, vocab_size: int) -> torch.Tensor | None:
     """Kept token ids for `--draft-vocab N|FILE` (None/0-less "full"/"none": the whole vocabulary).
 
     N takes the N most frequent ids of the list shipped for this tokenizer (the default pair's);
     FILE takes every id of a list built by `adaptive-spec draft-vocab`, or FILE:N its first N."""
-    if spec in (None, "", "none", "full"):
+    parsed = parse_draft_vocab(spec)
+    if parsed is None:
         return None
-    spec = str(spec).strip()
-    path, _, n = spec.rpartition(":")  # "N", "FILE" or "FILE:N"
-    if not n.lstrip("-").isdigit():
-        path, n = spec, ""
-    n = int(n) if n else None
+    path, n = parsed
     if n is not None and not 0 < n <= vocab_size:
         raise UserError(f"--draft-vocab must be in 1..{vocab_size} (the vocabulary size), got {n}")
     if not path:

@@ -122,7 +122,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--draft", default="default", help="draft model: hub id, local folder or 'default'")
     ap.add_argument("--target", default="default", help="target model: hub id, local folder or 'default'")
-    ap.add_argument("--dataset", default="alpaca",
+    ap.add_argument("--dataset", default="humaneval",
                     help="alpaca | gsm8k | gsm8k-train | humaneval | sharegpt | path.json(l) | hub id")
     ap.add_argument("--field", default=None, help="text field of a local/hub dataset (default: the set's own)")
     ap.add_argument("--prompts", type=int, default=10, help="number of prompts (shuffled with seed 0)")
