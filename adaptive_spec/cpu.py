@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from .errors import first_line
+
 # the flags that decide a kernel; the rest of /proc/cpuinfo says nothing about our paths
 KEY_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
              "avx512_bf16", "avx_vnni", "avx_ne_convert", "amx_tile", "amx_bf16", "amx_int8")
@@ -62,7 +64,7 @@ def onednn_packed(dtype: torch.dtype) -> str | None:
         packed = torch.ops.mkldnn._reorder_linear_weight(w)
         torch.ops.mkldnn._linear_pointwise(torch.zeros(2, 8, dtype=dtype), packed, None, "none", [], "")
     except RuntimeError as e:
-        return str(e).strip().splitlines()[0]
+        return first_line(e)
     return None
 
 

@@ -160,8 +160,8 @@ class Decoder:
         if policy is not None:
             policy.reset()
         t_start = time.perf_counter()
-        met = Metrics(prefill_s=self._prefill(models, prompt_ids))
         seq = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
+        met = Metrics(prefill_s=self._prefill(models, seq))
         out: list[int] = []
         stopped_by = "length"
         hist: Counter = Counter()
@@ -177,13 +177,12 @@ class Decoder:
         self._count(met, out, hist, policy is not None)
         return Generation(token_ids=out, metrics=met, stopped_by=stopped_by)
 
-    def _prefill(self, models, prompt_ids: list[int]) -> float:
+    def _prefill(self, models, seq: torch.Tensor) -> float:
         """Feed everything but the last prompt token (the first round feeds it); returns the time
         it took. Counters then restart, so they count decoding forwards."""
-        seq = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
         for m in models:
             m.fwd_time, m.n_forwards = 0.0, 0
-            if len(prompt_ids) > 1:
+            if seq.shape[0] > 1:
                 m.forward(seq[:-1], n_logits=0)
         prefill_s = sum(m.fwd_time for m in models)
         for m in models:  # prefill time stays in the forward time (and is kept per model)

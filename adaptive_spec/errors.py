@@ -29,3 +29,10 @@ def run_main(fn, argv=None, interrupted: str = "nothing half-done was kept") -> 
         print(f"\ninterrupted: {interrupted}", file=sys.stderr)
         return 130
     return 0 if rc is None else int(rc)
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type name when it has none): what an error
+    line quotes from a library's multi-line message."""
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__

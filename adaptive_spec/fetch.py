@@ -47,7 +47,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import UserError, run_main
+from .errors import UserError, first_line, run_main
 
 ROLES = ("draft", "target")
 MARKER = ".complete"  # written last into a model folder; holds the source GGUF's sha256
@@ -382,8 +382,7 @@ def _load_gguf(gguf_path: Path, dtype, quiet: bool):
         # same numbers as dequantizing to float32 and casting afterwards.
         return tok, AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
     except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"transformers could not load {gguf_path} as a GGUF model ({first})") from None
+        raise UserError(f"transformers could not load {gguf_path} as a GGUF model ({first_line(e)})") from None
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars:

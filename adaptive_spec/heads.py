@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
 
-from .errors import UserError
+from .errors import UserError, first_line
 
 HEAD_FORMAT = "adaptive_spec.head.v1"
 CONFIG_NAME = "config.json"
@@ -145,7 +145,7 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="adaptive-spe
                             f"{_FIX}") from None
         except OSError as e:  # hub: offline, no such repo or file
             raise UserError(f"acceptance head {name} is not a local folder and could not be fetched from the "
-                            f"Hugging Face hub ({_first_line(e)}); {_FIX}") from None
+                            f"Hugging Face hub ({first_line(e)}); {_FIX}") from None
 
     @classmethod
     def _from_pretrained(cls, *, model_id: str, config: dict | None = None, draft_hidden_size: int | None = None,
@@ -190,7 +190,7 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="adaptive-spe
         try:
             self.load_state_dict(load_file(weights_file), strict=True)
         except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-            raise UserError(f"{where}/{WEIGHTS_NAME} is corrupt or does not match {CONFIG_NAME} ({_first_line(e)}); "
+            raise UserError(f"{where}/{WEIGHTS_NAME} is corrupt or does not match {CONFIG_NAME} ({first_line(e)}); "
                             f"re-export the head, {_FIX}") from None
 
 
@@ -209,10 +209,6 @@ def _is_repo_id(name: str) -> bool:
 
 def _describe(model_id: str) -> str:
     return model_id if os.path.isdir(model_id) else f"hub repo {model_id}"
-
-
-def _first_line(e: BaseException) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def _weights_file(model_id: str, hub: dict) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import UserError
+from .errors import UserError, first_line
 from .timing import timed
 
 
@@ -253,7 +253,7 @@ def int8_kernel(device: torch.device | str) -> str | None:
         torch.ops.aten._weight_int8pack_mm(torch.zeros(1, 32, dtype=torch.bfloat16, device=device), q,
                                            torch.ones(8, dtype=torch.bfloat16, device=device))
     except (RuntimeError, NotImplementedError, AttributeError) as e:
-        return (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return first_line(e)
     return None
 
 
@@ -309,8 +309,7 @@ def load_model(name: str | None, role: str = "target", dtype=None, device=None, 
             keep_ids = resolve_draft_vocab(draft_vocab, tok, AutoConfig.from_pretrained(path).vocab_size)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device))
     except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"could not load {role} model {name!r} ({first}); pass a local folder or a hub id "
+        raise UserError(f"could not load {role} model {name!r} ({first_line(e)}); pass a local folder or a hub id "
                         "that is cached or reachable") from None
     model.to(device).eval()
     if keep_ids is not None:

@@ -12,7 +12,6 @@ import torch
 
 from . import multidraft, policies, tree  # noqa: F401  (importing them registers their policies)
 from .decoding import Decoder, Generation
-from .errors import UserError
 from .interfaces import Policy, lookup, registered
 from .models import check_quant, check_vocab, load_model, resolve_device
 from .prompts import encode_prompt, eos_token_ids

@@ -29,7 +29,7 @@ import zipfile
 from pathlib import Path
 from typing import Iterator
 
-from .errors import UserError
+from .errors import UserError, first_line
 from .runs import PROJECT_ROOT, atomic_write
 
 SHARED_DATA = PROJECT_ROOT.parent / "shared" / "data"
@@ -142,8 +142,7 @@ def _hub_records(name: str, hf_config, hf_split) -> tuple[list[dict], None, str]
     try:
         ds = datasets.load_dataset(name, hf_config, split=hf_split)
     except Exception as e:  # datasets raises many types for a missing/unreachable dataset
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise UserError(f"could not load hub dataset {name!r} ({first}); {_usage()}, or a hub dataset that is "
+        raise UserError(f"could not load hub dataset {name!r} ({first_line(e)}); {_usage()}, or a hub dataset that is "
                         "cached (set hf_config / hf_split where it has several)") from None
     if isinstance(ds, datasets.DatasetDict):
         split = "test" if "test" in ds else "train" if "train" in ds else next(iter(ds))
