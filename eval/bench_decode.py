@@ -10,6 +10,7 @@ and a markdown table to <out>/table.md.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import statistics
 import time
 from pathlib import Path
@@ -90,13 +91,16 @@ def load_pairs(args) -> dict:
     return pairs
 
 
-def draft_costs(rows: list[dict], pairs: dict) -> str:
+def draft_costs(rows: list[dict], pairs: dict, bw_gbps: float) -> str:
     """Per draft configuration: mean seconds per decode forward of draft and target (prefill
-    excluded), c = t_draft / t_target, the draft's weight bytes per step and GB/s."""
+    excluded), c = t_draft / t_target, the weight bytes each streams per step and the GB/s that
+    makes, against the machine's read bandwidth (the ceiling of a bandwidth-bound step)."""
     from bench_cpu_kernels import linear_bytes
 
-    out = []
     t_target = _per_forward([r for r in rows if r["config"] == "ar"], "target")
+    tbytes = linear_bytes(pairs["ar"].target.model)
+    out = [["target (ar step)", "—", f"{t_target * 1e3:.1f}", "1", f"{tbytes / 1e9:.3f}",
+            f"{tbytes / t_target / 1e9:.1f} ({100 * tbytes / t_target / 1e9 / bw_gbps:.0f}%)", "—"]]
     for spec, pair in pairs.items():
         if spec.startswith("ar"):
             continue
@@ -105,10 +109,22 @@ def draft_costs(rows: list[dict], pairs: dict) -> str:
         nbytes = linear_bytes(pair.draft.model)
         acc = [r["acceptance_rate"] for r in rs if r["acceptance_rate"] == r["acceptance_rate"]]
         out.append([draft_label(spec), f"{t_draft * 1e3:.1f}", f"{t_target * 1e3:.1f}", f"{t_draft / t_target:.3f}",
-                    f"{nbytes / 1e9:.3f}", f"{nbytes / t_draft / 1e9:.1f}",
+                    f"{nbytes / 1e9:.3f}", f"{nbytes / t_draft / 1e9:.1f} ({100 * nbytes / t_draft / 1e9 / bw_gbps:.0f}%)",
                     f"{statistics.mean(acc):.3f}" if acc else "—"])
-    return md_table(["draft", "t_draft ms", "t_target ms (ar step)", "c = t_draft/t_target", "draft linear GB",
-                     "draft GB/s", "acceptance rate"], out)
+    return md_table(["model", "t_draft ms", "t_target ms (ar step)", "c = t_draft/t_target", "linear weights GB",
+                     "GB/s (% of read bw)", "acceptance rate"], out)
+
+
+def greedy_check(rows: list[dict]) -> str:
+    """Greedy speculative output must be the target's greedy output token for token; on a real
+    model a near-tie can still flip where a K+1-token pass rounds differently from a 1-token step."""
+    ar = {r["prompt_idx"]: r.get("output_sha") for r in rows if r["config"] == "ar" and r["temperature"] == 0}
+    spec = [r for r in rows if r["temperature"] == 0 and not r["config"].startswith("ar")
+            and r["prompt_idx"] in ar and r.get("output_sha")]
+    if not spec:
+        return ""
+    same = sum(r["output_sha"] == ar[r["prompt_idx"]] for r in spec)
+    return f"Greedy: speculative output equals the target's own greedy output in {same} of {len(spec)} runs.\n\n"
 
 
 def _per_forward(rows: list[dict], role: str) -> float:
@@ -163,7 +179,11 @@ def main(argv=None):
         pair.generate(prompts[0], policy="ar" if spec.startswith("ar") else "fixed", k=2, max_new_tokens=8,
                       temperature=0, chat=True)
     todo = [(i, t, d, c) for i in range(len(prompts)) for t in temps for d, c in jobs if (i, t, c, d) not in done]
-    rows = list(done_rows) + run_jobs(todo, pairs, prompts, args, settings, res_path)
+    # the report covers this invocation's grid only: rows of other drafts or K left in <out> by an
+    # earlier run would otherwise make every prompt look incomplete
+    wanted = {(i, t, c, d) for i in range(len(prompts)) for t in temps for d, c in jobs}
+    done_rows = [r for r in done_rows if (r["prompt_idx"], r["temperature"], r["config"], r.get("draft", "none")) in wanted]
+    rows = done_rows + run_jobs(todo, pairs, prompts, args, settings, res_path)
     write_report(rows, pairs, args, len(prompts), out)
 
 
@@ -179,7 +199,8 @@ def run_jobs(todo, pairs, prompts, args, settings, res_path) -> list[dict]:
         prefill = {"target_prefill_s": pair.target.prefill_s,
                    "draft_prefill_s": pair.draft.prefill_s if pair.draft is not None else 0.0}
         row = {"settings": settings, "prompt_idx": i, "temperature": temp, "config": cfg,
-               "draft": spec if not cfg.startswith("ar") else cfg, **m.to_dict(), **prefill}
+               "draft": spec if not cfg.startswith("ar") else cfg, **m.to_dict(), **prefill,
+               "output_sha": hashlib.sha256(str(g.token_ids).encode()).hexdigest()[:16]}
         if cfg == "ar":  # the target's own responses: eval/bench_draft_vocab.py scores drafts on them
             row["token_ids"], row["prompt_ids"] = g.token_ids, pair.encode(prompts[i], chat=True)
         append_jsonl(res_path, row)
@@ -194,9 +215,13 @@ def write_report(rows, pairs, args, n_prompts, out: Path):
     for r in rows:  # one table keyed by draft configuration and K
         if not r["config"].startswith("ar") and not r["config"].startswith(draft_label(r.get("draft", "none"))):
             r["config"] = f"{draft_label(r.get('draft', 'none'))} {r['config']}"
+    from bench_cpu_kernels import read_bandwidth_gbps
+
     runtime = pairs["ar"].runtime_info()
-    md = table(rows) + "\n\n" + draft_costs(rows, pairs)
-    hdr = (f"# Decode benchmark\n\n{flags_line()}\n\ntarget path: {runtime.get('target_path')}\n\n"
+    bw = read_bandwidth_gbps()
+    md = table(rows) + "\n\n" + greedy_check(rows) + draft_costs(rows, pairs, bw)
+    hdr = (f"# Decode benchmark\n\n{flags_line()}\n\nread bandwidth: {bw:.1f} GB/s (sum over 1 GiB, best of 5)\n\n"
+           f"target path: {runtime.get('target_path')}\n\n"
            f"{args.target} (target) / {args.draft} (draft; configurations {args.drafts}), dtype {args.dtype}, "
            f"device {pairs['ar'].target.device}, {torch.get_num_threads()} threads, {n_prompts} prompts from "
            f"{args.dataset} (chat template), {args.max_new_tokens} new tokens, top-k {args.top_k or 'off'}. "
