@@ -1,4 +1,4 @@
-"""`adaptive-spec` command line: fetch-models, generate, datagen, train, sweep, report."""
+"""`adaptive-spec` command line: fetch-models, generate, datagen, train, autotune, sweep, report."""
 from __future__ import annotations
 
 import argparse
@@ -90,11 +90,29 @@ def _add_model_args(g):
     g.add_argument("--max-cache-len", type=int, default=None, help="static backend: preallocated positions")
 
 
+def _number_or_auto(kind):
+    def parse(s: str):
+        if s == "auto":
+            return s
+        try:
+            return kind(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'} or auto, "
+                                             f"got {s!r}") from None
+
+    return parse
+
+
 def _add_policy_args(g):
-    g.add_argument("--k", type=int, default=None, help="candidates per round for --policy fixed (default 4), "
-                   "tokens per draft for spectr / batch-sd")
-    g.add_argument("--threshold", type=float, default=None,
-                   help="h in (0, 1) for learned, tau in (0, 1) for confidence, tau > 0 nats for entropy")
+    g.add_argument("--k", type=_number_or_auto(int), default=None,
+                   help="candidates per round for --policy fixed (default 4; auto: the K of best predicted "
+                        "throughput on this machine, from a curve), tokens per draft for spectr / batch-sd")
+    g.add_argument("--threshold", type=_number_or_auto(float), default=None,
+                   help="h in (0, 1) for learned (auto: the h of best predicted throughput on this machine, from "
+                        "the head's threshold_curve.json), tau in (0, 1) for confidence, tau > 0 nats for entropy")
+    g.add_argument("--curve", default=None,
+                   help="threshold_curve.json (or its folder) for --threshold auto / --k auto; default: the one "
+                        "beside --head (made by `adaptive-spec autotune`)")
     g.add_argument("--head", default=None, help="acceptance head folder (or hub id) for --policy learned")
     g.add_argument("--k-max", type=int, default=None, help="hard cap on candidates per round (learned: 20)")
     g.add_argument("--tree-budget", type=int, default=None, help="drafted tokens per round for tree policies")
@@ -105,6 +123,10 @@ def _add_policy_args(g):
     g.add_argument("--tree-rates", default=None,
                    help="calibration.json of per-sibling acceptance rates for tree policies (bench_trees writes one)")
     g.add_argument("--num-drafts", type=int, default=None, help="drafts per round for spectr / batch-sd")
+    g.add_argument("--tree-learned", action="store_true", default=None,
+                   help="tree / ersd: draft as many tokens per round as are worth their cost (at most --tree-budget)")
+    g.add_argument("--tree-node-cost", type=float, default=None,
+                   help="with --tree-learned: the cost of one drafted token in target steps (default: measured)")
 
 
 def _add_sampling_args(g):
@@ -127,11 +149,14 @@ def validate(args):
     SamplingParams(args.temperature, args.top_k, args.top_p)
     for name in POSITIVE:
         v = getattr(args, name)
-        if v is not None and v < 1:
+        if v is not None and v != "auto" and v < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if args.tree_node_cost is not None and not args.tree_node_cost > 0:
+        raise UserError(f"--tree-node-cost must be > 0 (target steps per drafted token), got {args.tree_node_cost}")
     _validate_threshold(args.policy, args.threshold)
     if args.policy == "learned" or args.tree_estimator == "head":
         _validate_head(args.head, args.policy if args.policy == "learned" else "--tree-estimator head")
+    _validate_auto(args)
     if args.policy == "oracle" and args.temperature > 0:
         raise UserError("the hindsight oracle is defined for greedy decoding; use --temperature 0")
     _validate_draft_vocab(args.draft_vocab)
@@ -151,10 +176,23 @@ def _validate_draft_vocab(spec: str | None):
         raise UserError(f"--draft-vocab file {path} does not exist; build one with `adaptive-spec draft-vocab`")
 
 
-def _validate_threshold(policy: str, h: float | None):
+def _validate_auto(args):
+    """auto belongs to one policy each, and its curve must exist before any model loads."""
+    from .autotune import load_curve
+
+    for flag, value, policy, need in (("--threshold", args.threshold, "learned", "h"), ("--k", args.k, "fixed", "k")):
+        if value != "auto":
+            continue
+        if args.policy != policy:
+            raise UserError(f"{flag} auto is for --policy {policy} (got {args.policy}); pass a number instead")
+        load_curve(args.curve or args.head, need, args.head)
+
+
+def _validate_threshold(policy: str, h: float | str | None):
     if policy == "learned" and h is None:
-        raise UserError("the learned policy needs --threshold h in (0, 1) (the paper's best is about 0.7)")
-    if h is None:
+        raise UserError("the learned policy needs --threshold h in (0, 1) (the paper's best is about 0.7), or "
+                        "--threshold auto")
+    if h is None or h == "auto":
         return
     if policy in ("learned", "confidence") and not 0.0 < h < 1.0:
         raise UserError(f"--threshold for {policy} must be in (0, 1), got {h}")
@@ -181,7 +219,7 @@ def _generate(args) -> int:
 
     hf_logging.disable_progress_bar()  # weight-loading bars would drown the streamed text
     names = ("k", "threshold", "head", "k_max", "tree_budget", "tree_estimator", "drafting", "num_drafts",
-             "tree_rates")
+             "tree_rates", "curve", "tree_learned", "tree_node_cost")
     policy_kwargs = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     pair = SpecPair.load(target=args.target, draft=None if args.policy == "ar" else args.draft,
                          dtype=args.dtype, device=args.device, backend=args.backend, runtime=args.runtime,
@@ -203,8 +241,8 @@ def _print_result(g, args, runtime: dict):
     metrics = {k: getattr(m, k) for k in ("n_tokens", "n_draft_forwards", "n_target_forwards", "n_discarded",
                                            "discard_rate", "verification_rate", "acceptance_rate", "wall_s")}
     metrics.update({k: v for k, v in m.to_dict().items() if k not in metrics})
-    print(json.dumps({"text": g.text, "token_ids": g.token_ids, "metrics": metrics,
-                      "policy": args.policy, "stopped_by": g.stopped_by, "runtime": runtime}, default=str))
+    print(json.dumps({"text": g.text, "token_ids": g.token_ids, "metrics": metrics, "policy": args.policy,
+                      "stopped_by": g.stopped_by, "auto": getattr(g, "auto", None), "runtime": runtime}, default=str))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -217,6 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_parser(name, help=help_, add_help=False)
     sub.add_parser("draft-vocab", help="count token frequencies for a reduced draft vocabulary (--draft-vocab)",
                    add_help=False)
+    sub.add_parser("autotune", help="predict throughput per threshold h and per K from a head and dev data "
+                   "(for --threshold auto / --k auto)", add_help=False)
     return parser
 
 
@@ -253,12 +293,33 @@ def _draft_vocab(argv: list[str]) -> int:
     return 0
 
 
+def _autotune(argv: list[str]) -> int:
+    """adaptive-spec autotune: replay an acceptance head on the dev responses of a datagen run and
+    save the expected counts per threshold h and per fixed K beside the head (threshold_curve.json:
+    machine-independent), which --threshold auto and --k auto turn into a pick for the running machine."""
+    from .autotune import curve_table, make_curve
+
+    ap = _Parser(prog="adaptive-spec autotune", description=_autotune.__doc__)
+    ap.add_argument("--head", default=None, help="acceptance head folder (omit for the per-K curve only, with --out)")
+    ap.add_argument("--data", required=True, help="datagen folder (manifest.json + shards) with stored features")
+    ap.add_argument("--split", default="dev", help="datagen split to replay (default dev)")
+    ap.add_argument("--k-max", type=int, default=20, help="hard cap on candidates per round, as in decoding (20)")
+    ap.add_argument("--out", default=None, help="curve file to write (default <head>/threshold_curve.json)")
+    args = ap.parse_args(argv)
+    path, curve = make_curve(args.head, args.data, args.split, args.k_max, args.out)
+    print(curve_table(curve))
+    print(f"\n{path}: {curve['n_responses']} responses, {curve['n_tokens']} tokens of {args.data} ({args.split})")
+    return 0
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in DELEGATED:
         return _delegate(argv[0], argv[1:])
     if argv and argv[0] == "draft-vocab":
         return run_main(_draft_vocab, argv[1:], "nothing was written; run the same command again")
+    if argv and argv[0] == "autotune":
+        return run_main(_autotune, argv[1:], "no curve was written; run the same command again")
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help, --version, or a bad argument (already reported on one line)

@@ -6,7 +6,13 @@ For every prompt x we sample a target response X_1..X_N, and at every position i
   1 - TV(p_i, q_i) = sum_v min(p_i, q_i)      -- the expected acceptance, stored for analysis.
 Token mixing: Z_i = X_i with probability r, else Y_i; the loss is taken where Z_i came from Y
 (`loss_mask`). The head sees the draft's final hidden state at the position whose input token is
-Z_i, i.e. e_i(x, Z<i, Z_i); we store it (`features`) so training never runs the draft.
+Z_i, i.e. e_i(x, Z<i, Z_i); we store it (`features`) so training never runs the draft. The
+draft's own statistics of its candidate, features.draft_stats(q_i, Y_i) (log q_i(Y_i), entropy
+of q_i, top-1 minus top-2 probability), are stored too (`draft_stats`).
+
+Prompts come from one set (`dataset`) or a mix of named training sets (`sources`, each drawn and
+split train/dev/test on its own, so every source has its own dev prompts); `source_ids` says which
+source each sequence came from, and the manifest counts prompts and tokens per source and split.
 
 p_i and q_i come from the generation pass itself: target and draft are stepped in lockstep on
 the sampled X (batched, left padded, KV cached), so no teacher-forced re-run of the target is
@@ -16,9 +22,11 @@ On-disk format (a contract with the trainer; see README "Data generation"):
   out_dir/manifest.json  {"format": "adaptive_spec.datagen.v1", "config", "config_hash", "seed",
                           "models": {"draft"|"target": {name, hidden_size, vocab_size, fingerprint}},
                           "splits": {split: {n_prompts, n_tokens, n_loss_tokens, shards: [...]}},
+                          "sources": [{name, n, field, splits: {split: {n_prompts, n_tokens, n_loss_tokens}}}],
                           "complete"}
-  out_dir/<split>/shard-NNNNN.safetensors with input_ids, input_offsets, prompt_lens,
-  resp_offsets, x_ids, y_ids, z_ids, loss_mask, accept_prob, expected_accept[, features].
+  out_dir/<split>/shard-NNNNN.safetensors with input_ids, input_offsets, prompt_lens, source_ids
+  (per sequence: an index into manifest "sources"), resp_offsets, x_ids, y_ids, z_ids, loss_mask,
+  accept_prob, expected_accept, draft_stats [T, 3] float32 [, features].
 n_tokens counts response tokens (T), n_loss_tokens those with loss_mask 1.
 
 Resuming: a shard is the unit of work. It is written atomically, and its random numbers come
@@ -37,7 +45,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -45,14 +53,18 @@ import torch
 
 from .config import config_from_argv, config_to_dict
 from .errors import UserError, run_main
+from .features import draft_stats
 from .models import spread_kept_logits
-from .prompts import encode_prompt, eos_token_ids, prompt_texts
+from .prompts import EVAL_SETS, TRAINING_SETS, encode_prompt, eos_token_ids, prompt_texts
 from .runs import atomic_write, project_path, read_manifest, settings_problem, write_json
 
 FORMAT = "adaptive_spec.datagen.v1"
 SPLITS = ("train", "dev", "test")
 # Keys that cannot change what is generated: a resume may change them freely.
 UNHASHED_KEYS = ("name", "out_dir", "overwrite", "threads", "progress")
+# What a head is trained for: a run of one draft configuration is never resumed with another.
+DRAFT_KEYS = ("draft", "draft_quant", "draft_vocab")
+SOURCE_KEYS = ("name", "n", "field")
 _META_KEY = "adaptive_spec.datagen"  # the single safetensors metadata key (see _write_shard)
 
 
@@ -62,6 +74,10 @@ class DatagenConfig:
     # prompts: a named set of adaptive_spec.prompts (gsm8k-train, alpaca, humaneval, sharegpt, ...),
     # a local .json/.jsonl file, or a hub dataset
     dataset: str = ""
+    # ... or a mix of named training sets, each drawn and split on its own (dev prompts per source):
+    # [{name: sharegpt, n: 2400}, {name: mbpp}]; n = prompts taken from the set (-1 or absent: all),
+    # field = its text field (absent: the set's own). Set `dataset` or `sources`, not both.
+    sources: list[dict] = field(default_factory=list)
     dataset_config: str | None = None  # hub dataset configuration, e.g. "main" for gsm8k
     dataset_split: str = "train"  # the hub dataset's own split that prompts are read from
     prompt_field: str = ""  # "" = the named set's own field, else the first of prompt/instruction/question/text
@@ -69,7 +85,7 @@ class DatagenConfig:
     train_frac: float = 0.8
     dev_frac: float = 0.1
     test_frac: float = 0.1
-    # caps per split, taking the split's prompts in file order: -1 = all, 0 = skip the split
+    # caps per split (per source in a mix), taking the split's prompts in order: -1 = all, 0 = skip the split
     max_train_prompts: int = -1
     max_dev_prompts: int = -1
     max_test_prompts: int = -1
@@ -103,9 +119,21 @@ class DatagenConfig:
     def validate(self):
         from .sampling import SamplingParams
 
-        if not self.dataset:
-            raise UserError("config key 'dataset' is empty; set it to a named prompt set (gsm8k-train, alpaca, "
-                            "humaneval, sharegpt), a .json/.jsonl file or a hub dataset name")
+        if not self.dataset and not self.sources:
+            raise UserError("config keys 'dataset' and 'sources' are both empty; set 'dataset' to a named prompt set "
+                            "(gsm8k-train, alpaca, humaneval, sharegpt, ...), a .json/.jsonl file or a hub dataset "
+                            f"name, or 'sources' to a mix of {', '.join(TRAINING_SETS)}")
+        if self.dataset and self.sources:
+            raise UserError("config keys 'dataset' and 'sources' are both set; keep one (dataset: one prompt set, "
+                            "sources: a mix of sets)")
+        self.sources = [_source_entry(s) for s in self.sources]
+        names = [s["name"] for s in self.sources]
+        twice = next((n for n in names if names.count(n) > 1), None)
+        if twice:
+            raise UserError(f"config key 'sources' lists {twice!r} twice; list each prompt set once")
+        if self.sources and self.prompt_field:
+            raise UserError("config key 'prompt_field' belongs to 'dataset'; in 'sources' give the entry its own "
+                            "field, e.g. {name: my.jsonl, field: text}, and leave prompt_field empty")
         fr = (self.train_frac, self.dev_frac, self.test_frac)
         if any(f < 0 for f in fr) or abs(sum(fr) - 1.0) > 1e-6:
             raise UserError(f"train_frac + dev_frac + test_frac must be 1 with none negative, got {fr}")
@@ -127,6 +155,38 @@ class DatagenConfig:
     def resolved_out_dir(self) -> Path:
         return project_path(self.out_dir or f"runs/datagen/{self.name or 'datagen'}")
 
+    def source_list(self) -> list[dict]:
+        """The prompt sources as `sources` entries: `dataset` alone is a one-source mix taking all."""
+        return self.sources or [{"name": self.dataset, "n": -1, "field": self.prompt_field}]
+
+
+def _source_entry(s) -> dict:
+    """One `sources` entry checked, in the canonical form {name, n, field}: defaults filled in, so
+    `{name: mbpp}` and `{name: mbpp, n: -1}` hash alike and resume each other's runs."""
+    valid = f"valid names: {', '.join(TRAINING_SETS)}, or a local .json/.jsonl file"
+    if isinstance(s, str):
+        s = {"name": s}
+    if not isinstance(s, dict) or not isinstance(s.get("name"), str) or not s["name"].strip():
+        raise UserError(f"config key 'sources' takes entries like {{name: sharegpt, n: 3000}}, got {s!r}; {valid}")
+    name = s["name"].strip()
+    unknown = sorted(set(s) - set(SOURCE_KEYS))
+    if unknown:
+        raise UserError(f"config key 'sources': the entry for {name!r} has unknown key(s) {', '.join(unknown)}; "
+                        f"valid keys: {', '.join(SOURCE_KEYS)}")
+    if name in EVAL_SETS:
+        raise UserError(f"config key 'sources': {name!r} is an evaluation set (the benchmarks' own prompts), and "
+                        f"training on it would leak the evaluation; {valid}")
+    if name not in TRAINING_SETS and not name.endswith((".json", ".jsonl")):
+        raise UserError(f"config key 'sources': unknown source {name!r}; {valid}")
+    n = s.get("n", -1)
+    if isinstance(n, bool) or not isinstance(n, int) or (n < 1 and n != -1):
+        raise UserError(f"config key 'sources': n of {name!r} must be a positive number of prompts or -1 (all), "
+                        f"got {n!r}")
+    fld = s.get("field") or ""
+    if not isinstance(fld, str):
+        raise UserError(f"config key 'sources': field of {name!r} must be a field name, got {fld!r}")
+    return {"name": name, "n": n, "field": fld}
+
 
 def config_hash(cfg: DatagenConfig) -> str:
     d = {k: v for k, v in config_to_dict(cfg).items() if k not in UNHASHED_KEYS}
@@ -136,43 +196,70 @@ def config_hash(cfg: DatagenConfig) -> str:
 # ----------------------------------------------------------------------------------- prompts
 
 
-def load_prompt_texts(cfg: DatagenConfig) -> list[str]:
-    """All prompt texts of the configured dataset, in file order (the same named sets, files and
-    hub datasets as sweeps: adaptive_spec.prompts)."""
-    return prompt_texts(cfg.dataset, cfg.prompt_field or None, cfg.dataset_config, cfg.dataset_split)
+def load_prompt_texts(cfg: DatagenConfig, source: dict | None = None) -> list[str]:
+    """All prompt texts of one source (default: the first, or `dataset`), in file order (the same
+    named sets, files and hub datasets as sweeps: adaptive_spec.prompts)."""
+    src = source or cfg.source_list()[0]
+    hub = (None, None) if cfg.sources else (cfg.dataset_config, cfg.dataset_split)  # a mix names no hub sets
+    return prompt_texts(src["name"], src["field"] or None, *hub)
+
+
+def _unit(text: str) -> float:
+    """A uniform number in [0, 1) from a hash of `text`: the same on every machine and run."""
+    return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big") / 2.0**64
 
 
 def split_of(text: str, train_frac: float, dev_frac: float) -> str:
     """train/dev/test by a hash of the prompt text: stable, and duplicates land together."""
-    u = int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big") / 2.0**64
+    u = _unit(text)
     return "train" if u < train_frac else "dev" if u < train_frac + dev_frac else "test"
 
 
-def plan_splits(cfg: DatagenConfig, tok) -> dict[str, list[list[int]]]:
-    """Token ids of the prompts of each split: deduplicated, length-filtered, capped."""
-    texts = load_prompt_texts(cfg)
-    by_split: dict[str, list[str]] = {s: [] for s in SPLITS}
-    seen = set()
-    for t in texts:
-        if t not in seen:
-            seen.add(t)
-            by_split[split_of(t, cfg.train_frac, cfg.dev_frac)].append(t)
-    plan = {}
-    for s in SPLITS:
-        cap = getattr(cfg, f"max_{s}_prompts")
-        ids = []
-        for t in by_split[s]:
-            if cap >= 0 and len(ids) >= cap:
+def plan_splits(cfg: DatagenConfig, tok) -> dict[str, list[tuple[int, list[int]]]]:
+    """(source index, token ids) of the prompts of each split: deduplicated (across sources too: a
+    text drawn by an earlier source is skipped by later ones), length-filtered, capped per source,
+    at most n per source.
+
+    `dataset` keeps file order. A mix takes each set in an order of its own hash, so n draws a
+    random subset independent of the split, and then interleaves the sources the same way in every
+    split, so a partial run (or one shard) already holds the mix."""
+    caps = {s: getattr(cfg, f"max_{s}_prompts") for s in SPLITS}
+    plan: dict[str, list] = {s: [] for s in SPLITS}
+    taken: set[str] = set()
+    for i, src in enumerate(cfg.source_list()):
+        texts = [t for t in dict.fromkeys(load_prompt_texts(cfg, src)) if t not in taken]
+        if cfg.sources:
+            texts.sort(key=lambda t: _unit(f"draw/{t}"))
+        by_split: dict[str, list] = {s: [] for s in SPLITS}
+        n = 0
+        for t in texts:
+            if n == src["n"]:
                 break
+            s = split_of(t, cfg.train_frac, cfg.dev_frac)
+            if 0 <= caps[s] <= len(by_split[s]):
+                continue
             e = encode_prompt(tok, t, cfg.chat_template, template_optional=True)
             if len(e) <= cfg.max_prompt_tokens:
-                ids.append(e)
-        plan[s] = ids
-    return plan
+                by_split[s].append((t, i, e))
+                taken.add(t)
+                n += 1
+        if 0 < src["n"] != n:
+            print(f"datagen: source {src['name']} gave {n} prompts, not n = {src['n']} (it has no more that fit "
+                  "max_prompt_tokens and the caps)", file=sys.stderr, flush=True)
+        for s in SPLITS:
+            plan[s] += by_split[s]
+    if cfg.sources:
+        for s in SPLITS:
+            plan[s].sort(key=lambda r: _unit(f"order/{r[0]}"))
+    return {s: [(i, e) for _, i, e in plan[s]] for s in SPLITS}
 
 
-def _prompts_hash(prompts: list[list[int]]) -> str:
+def _prompts_hash(prompts: list[tuple[int, list[int]]]) -> str:
     return hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16]
+
+
+def _by_source(prompts: list[tuple[int, list[int]]], n_sources: int) -> list[int]:
+    return [sum(1 for i, _ in prompts if i == k) for k in range(n_sources)]
 
 
 # ------------------------------------------------------------------------------------ models
@@ -195,7 +282,8 @@ def model_fingerprint(model) -> str:
     return h.hexdigest()[:16]
 
 
-def _load_models(cfg: DatagenConfig, device):
+def load_models(cfg: DatagenConfig, device):
+    """(draft, target, tokenizer, shared vocabulary size) as datagen runs them."""
     from .models import check_vocab, load_model, resolve_dtype, resolve_model_path
 
     draft, dtok = load_model(cfg.draft, "draft", cfg.dtype, device, quant=cfg.draft_quant,
@@ -262,7 +350,7 @@ def _step(model, ids, mask, pos, cache, vocab: int, dev) -> torch.Tensor:
 def generate_batch(draft, target, prompts: list[list[int]], cfg: DatagenConfig, vocab: int, eos_ids: list[int],
                    pad_id: int, gen: torch.Generator) -> list[dict[str, torch.Tensor]]:
     """Lockstep generation for one batch: per sequence x, y, z, loss_mask, accept_prob,
-    expected_accept (and features) over its N response positions."""
+    expected_accept, draft_stats (and features) over its N response positions."""
     from transformers import DynamicCache
 
     params = cfg.sampling()
@@ -277,13 +365,14 @@ def generate_batch(draft, target, prompts: list[list[int]], cfg: DatagenConfig, 
     eos = torch.tensor(eos_ids, dtype=torch.long, device=dev)
     lengths = torch.full((B,), cfg.max_new_tokens, dtype=torch.long)
     done = torch.zeros(B, dtype=torch.bool, device=dev)
-    xs, ys, ps, es = [], [], [], []
+    xs, ys, ps, es, ds = [], [], [], [], []
     for i in range(cfg.max_new_tokens):
-        x, y, accept_prob, expected_accept = _sample_position(t_logits, d_logits, params, gen)
+        x, y, accept_prob, expected_accept, stats = _sample_position(t_logits, d_logits, params, gen)
         xs.append(x)
         ys.append(y)
         ps.append(accept_prob)
         es.append(expected_accept)
+        ds.append(stats)
         if cfg.stop_at_eos and eos.numel():
             ended = ~done & torch.isin(x, eos)
             lengths[ended.cpu()] = i + 1
@@ -304,13 +393,19 @@ def generate_batch(draft, target, prompts: list[list[int]], cfg: DatagenConfig, 
     Z, loss_mask = mix_tokens(X, Y, cfg.mix_ratio, gen)
     feats = _draft_features(draft, dcache, ids.shape[1], pos[:, -1:] + 1, mask[:, :ids.shape[1]], Z) \
         if cfg.store_features else None
-    X, Y, Z, P, E, loss_mask = (t.cpu() for t in (X, Y, Z, P, E, loss_mask))
-    return _split_sequences(prompts, lengths, X, Y, Z, P, E, loss_mask, feats)
+    X, Y, Z, P, E, loss_mask, D = (t.cpu() for t in (X, Y, Z, P, E, loss_mask, torch.stack(ds, 1)))
+    return _split_sequences(prompts, lengths, X, Y, Z, P, E, loss_mask, D, feats)
 
 
 def _sample_position(t_logits, d_logits, params, gen: torch.Generator):
     """One response position of the batch: X_i ~ p_i, Y_i ~ q_i, the probability that Y_i is
-    accepted, min(1, p(Y_i)/q(Y_i)), and its expectation over Y_i, 1 - TV(p_i, q_i)."""
+    accepted, min(1, p(Y_i)/q(Y_i)), its expectation over Y_i, 1 - TV(p_i, q_i), and
+    draft_stats(q_i, Y_i) [B, 3].
+
+    q is the processed distribution (temperature, top-k, top-p) that Y_i is drawn from: the
+    decoder's q, the one its stop rules and heads see when drafting. Its statistics are taken at
+    Y_i, not Z_i: Z_i = Y_i wherever the loss is taken, and X_i may lie outside q's support
+    (log q = -inf) where it is not."""
     from .sampling import process_logits, sample
 
     p = process_logits(t_logits, params)
@@ -319,10 +414,10 @@ def _sample_position(t_logits, d_logits, params, gen: torch.Generator):
     y = sample(q, gen)  # Y_i ~ q_i: the draft's candidate at the same position
     p_y = p.gather(-1, y[:, None])[:, 0]
     q_y = q.gather(-1, y[:, None])[:, 0]  # > 0: y was drawn from q
-    return x, y, (p_y / q_y).clamp(max=1.0), torch.minimum(p, q).sum(-1)  # 1 - TV(p, q)
+    return x, y, (p_y / q_y).clamp(max=1.0), torch.minimum(p, q).sum(-1), draft_stats(q, y)  # 1 - TV(p, q)
 
 
-def _split_sequences(prompts, lengths, X, Y, Z, P, E, loss_mask, feats) -> list[dict[str, torch.Tensor]]:
+def _split_sequences(prompts, lengths, X, Y, Z, P, E, loss_mask, D, feats) -> list[dict[str, torch.Tensor]]:
     """Per sequence b, its first lengths[b] positions (tokens past its EOS dropped)."""
     seqs = []
     for b in range(len(prompts)):
@@ -330,7 +425,7 @@ def _split_sequences(prompts, lengths, X, Y, Z, P, E, loss_mask, feats) -> list[
         seqs.append({"prompt": torch.tensor(prompts[b], dtype=torch.int32), "x": X[b, :n].to(torch.int32),
                      "y": Y[b, :n].to(torch.int32), "z": Z[b, :n].to(torch.int32),
                      "loss_mask": loss_mask[b, :n].contiguous(), "accept_prob": P[b, :n].float(),
-                     "expected_accept": E[b, :n].float()})
+                     "expected_accept": E[b, :n].float(), "draft_stats": D[b, :n].float().contiguous()})
         if feats is not None:
             seqs[-1]["features"] = feats[b, :n].contiguous()
     return seqs
@@ -366,6 +461,7 @@ def pack_shard(seqs: list[dict[str, torch.Tensor]], store_features: bool) -> dic
         "input_ids": torch.cat([torch.cat([s["prompt"], s["z"]]) for s in seqs]).to(torch.int32),
         "input_offsets": offsets([len(s["prompt"]) + len(s["z"]) for s in seqs]),
         "prompt_lens": torch.tensor([len(s["prompt"]) for s in seqs], dtype=torch.int32),
+        "source_ids": torch.tensor([s["source"] for s in seqs], dtype=torch.int32),
         "resp_offsets": offsets(resp_lens),
         "x_ids": torch.cat([s["x"] for s in seqs]),
         "y_ids": torch.cat([s["y"] for s in seqs]),
@@ -373,6 +469,7 @@ def pack_shard(seqs: list[dict[str, torch.Tensor]], store_features: bool) -> dic
         "loss_mask": torch.cat([s["loss_mask"] for s in seqs]).to(torch.uint8),
         "accept_prob": torch.cat([s["accept_prob"] for s in seqs]).to(torch.float32),
         "expected_accept": torch.cat([s["expected_accept"] for s in seqs]).to(torch.float32),
+        "draft_stats": torch.cat([s["draft_stats"] for s in seqs]).to(torch.float32),
     }
     if store_features:
         t["features"] = torch.cat([s["features"] for s in seqs]).to(torch.bfloat16)
@@ -422,11 +519,16 @@ def _n_shards(n_prompts: int, shard_size: int) -> int:
     return -(-n_prompts // shard_size)
 
 
+COUNTS = ("n_prompts", "n_tokens", "n_loss_tokens")
+
+
 def build_manifest(out_dir: Path, cfg: DatagenConfig, models: dict, planned: dict) -> dict:
-    """The manifest as the folder stands: every finished shard file, in index order."""
+    """The manifest as the folder stands: every finished shard file, in index order, and the
+    counts per split and per source."""
+    srcs = [{**src, "splits": {s: dict.fromkeys(COUNTS, 0) for s in SPLITS}} for src in cfg.source_list()]
     splits, complete = {}, True
     for s in SPLITS:
-        entry = {"n_prompts": 0, "n_tokens": 0, "n_loss_tokens": 0, "shards": []}
+        entry = {**dict.fromkeys(COUNTS, 0), "shards": []}
         for k in range(planned[s]["n_shards"]):
             f = shard_file(s, k)
             if not (out_dir / f).is_file():
@@ -435,11 +537,14 @@ def build_manifest(out_dir: Path, cfg: DatagenConfig, models: dict, planned: dic
             m = shard_meta(out_dir / f)
             entry["shards"].append({"file": f, "n_seqs": m["n_seqs"], "n_tokens": m["n_tokens"],
                                     "n_loss_tokens": m["n_loss_tokens"]})
-            for a, b in (("n_prompts", "n_seqs"), ("n_tokens", "n_tokens"), ("n_loss_tokens", "n_loss_tokens")):
+            for a, b in zip(COUNTS, ("n_seqs", "n_tokens", "n_loss_tokens")):
                 entry[a] += m[b]
+            for src, counts in zip(srcs, m.get("by_source", [])):
+                for a, c in zip(COUNTS, counts):
+                    src["splits"][s][a] += c
         splits[s] = entry
     return {"format": FORMAT, "config": config_to_dict(cfg), "config_hash": config_hash(cfg), "seed": cfg.seed,
-            "models": models, "splits": splits, "planned": planned, "complete": complete}
+            "models": models, "splits": splits, "sources": srcs, "planned": planned, "complete": complete}
 
 
 def write_manifest(out_dir: Path, manifest: dict):
@@ -454,19 +559,44 @@ def _identity(config: dict, models: dict, planned: dict) -> dict:
     return d
 
 
-def _check_out_dir(out_dir: Path, cfg: DatagenConfig, models: dict, planned: dict) -> bool:
-    """Whether out_dir must be wiped first (overwrite=true); refuses a run of another config."""
+def _existing_run(out_dir: Path) -> dict | None:
+    """The manifest of the datagen run in out_dir, None for an empty or missing folder; a folder
+    holding anything else is refused."""
     if not out_dir.exists() or not any(out_dir.iterdir()):
-        return False
+        return None
     man = read_manifest(out_dir, required=False, hint="delete it or choose another out_dir")
     if man is None or man.get("format") != FORMAT:
         raise UserError(f"out_dir {out_dir} is not empty and holds no datagen run; choose another out_dir")
+    return man
+
+
+def check_draft_config(out_dir: Path, cfg: DatagenConfig):
+    """Refuse to resume a run made for another draft configuration, before any model loads.
+
+    Heads are trained for the draft they serve (its q, its hidden states): shards of two draft
+    configurations in one dataset would silently mix two training sets."""
+    man = None if cfg.overwrite else _existing_run(out_dir)
+    old = (man or {}).get("config") or {}
+    diff = [f"{k}: {old.get(k)!r} there, {getattr(cfg, k)!r} now" for k in DRAFT_KEYS
+            if man is not None and old.get(k) != getattr(cfg, k)]
+    if diff:
+        raise UserError(f"out_dir {out_dir} holds a datagen run made with another draft configuration "
+                        f"({'; '.join(diff)}); one dataset serves one draft configuration: choose another out_dir "
+                        "for this one, or pass overwrite=true to replace that run")
+
+
+def _check_out_dir(out_dir: Path, cfg: DatagenConfig, models: dict, planned: dict) -> bool:
+    """Whether out_dir must be wiped first (overwrite=true); refuses a run of another config."""
+    man = _existing_run(out_dir)
+    if man is None:
+        return False
     if cfg.overwrite:
         return True
     old = _identity(man.get("config", {}), man.get("models", {}), man.get("planned", {}))
     problem = settings_problem(out_dir, old, _identity(config_to_dict(cfg), models, planned), "datagen run")
     if problem:
-        raise UserError(f"{problem}; pass the same config to resume it, or overwrite=true to start over")
+        raise UserError(f"{problem}; pass the same config to resume it, choose another out_dir, or pass "
+                        "overwrite=true to start over")
     return False
 
 
@@ -511,24 +641,28 @@ def _run(cfg: DatagenConfig) -> dict:
     state = _State()
     device = state.device(cfg.device)
     out_dir = cfg.resolved_out_dir()
-    draft, target, tok, vocab = _load_models(cfg, device)
+    check_draft_config(out_dir, cfg)  # before the minutes that loading the models takes
+    draft, target, tok, vocab = load_models(cfg, device)
     models = {role: {"name": getattr(cfg, role), "hidden_size": m.config.hidden_size, "vocab_size": vocab,
                      "fingerprint": model_fingerprint(m)} for role, m in (("draft", draft), ("target", target))}
     plan = plan_splits(cfg, tok)
+    n_src = len(cfg.source_list())
     planned = {s: {"n_prompts": len(plan[s]), "n_shards": _n_shards(len(plan[s]), cfg.shard_size),
-                   "prompts_hash": _prompts_hash(plan[s])} for s in SPLITS}
+                   "prompts_hash": _prompts_hash(plan[s]), "by_source": _by_source(plan[s], n_src)} for s in SPLITS}
     _prepare_out_dir(out_dir, cfg, models, planned, state)
 
-    eos_ids = eos_token_ids(tok, target)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
+    eos_ids, pad_id = eos_and_pad(tok, target)
     gen_device = device if not cfg.target_device_map else _input_device(draft)
     todo = _todo_shards(out_dir, planned, state)
     progress = _Progress(cfg, state, out_dir, plan, planned, todo)
     for s, k in todo:
-        prompts = plan[s][k * cfg.shard_size:(k + 1) * cfg.shard_size]
+        chunk = plan[s][k * cfg.shard_size:(k + 1) * cfg.shard_size]
         gen = shard_generator(cfg.seed, s, k, gen_device)
-        seqs = _generate_shard(draft, target, prompts, cfg, vocab, eos_ids, pad_id, gen, progress.batch_done)
-        meta = _save_shard(out_dir, s, k, seqs, cfg)
+        seqs = generate_shard(draft, target, [e for _, e in chunk], cfg, vocab, eos_ids, pad_id, gen,
+                               progress.batch_done)
+        for seq, (i, _) in zip(seqs, chunk):
+            seq["source"] = i
+        meta = _save_shard(out_dir, s, k, seqs, cfg, n_src)
         if state.is_main:
             write_manifest(out_dir, build_manifest(out_dir, cfg, models, planned))
         progress.shard_done(shard_file(s, k), meta)
@@ -562,7 +696,13 @@ def _todo_shards(out_dir: Path, planned: dict, state: "_State") -> list[tuple[st
             if k % state.world == state.index and not (out_dir / shard_file(s, k)).is_file()]
 
 
-def _generate_shard(draft, target, prompts, cfg, vocab, eos_ids, pad_id, gen, on_batch) -> list[dict]:
+def eos_and_pad(tok, target) -> tuple[list[int], int]:
+    """The ids that end a response, and the id that left-pads a batch."""
+    eos_ids = eos_token_ids(tok, target)
+    return eos_ids, tok.pad_token_id if tok.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
+
+
+def generate_shard(draft, target, prompts, cfg, vocab, eos_ids, pad_id, gen, on_batch) -> list[dict]:
     """The sequences of one shard, in file order; batches hold prompts of similar length (less
     padding in the prefill)."""
     order = sorted(range(len(prompts)), key=lambda j: len(prompts[j]))
@@ -576,10 +716,14 @@ def _generate_shard(draft, target, prompts, cfg, vocab, eos_ids, pad_id, gen, on
     return seqs
 
 
-def _save_shard(out_dir: Path, split: str, k: int, seqs: list[dict], cfg: DatagenConfig) -> dict:
+def _save_shard(out_dir: Path, split: str, k: int, seqs: list[dict], cfg: DatagenConfig, n_sources: int) -> dict:
     tensors = pack_shard(seqs, cfg.store_features)
+    by_source = [[0, 0, 0] for _ in range(n_sources)]  # [n_seqs, n_tokens, n_loss_tokens] per source
+    for q in seqs:
+        c = by_source[q["source"]]
+        c[0], c[1], c[2] = c[0] + 1, c[1] + len(q["z"]), c[2] + int(q["loss_mask"].sum())
     meta = {"split": split, "shard": k, "n_seqs": len(seqs), "n_tokens": int(tensors["z_ids"].numel()),
-            "n_loss_tokens": int(tensors["loss_mask"].sum()), "config_hash": config_hash(cfg)}
+            "n_loss_tokens": int(tensors["loss_mask"].sum()), "config_hash": config_hash(cfg), "by_source": by_source}
     _write_shard(out_dir / shard_file(split, k), tensors, meta)
     return meta
 
@@ -597,6 +741,10 @@ class _Progress:
             print(f"datagen: {out_dir}: " + ", ".join(f"{s} {planned[s]['n_prompts']} prompts" for s in SPLITS)
                   + f"; {len(todo)} shard(s) to do on this process"
                   + (f", {done_before} prompts already done" if done_before else ""), file=sys.stderr, flush=True)
+            if cfg.sources:
+                print("datagen: prompts per source (train/dev/test): " + ", ".join(
+                    f"{src['name']} " + "/".join(str(planned[s]["by_source"][i]) for s in SPLITS)
+                    for i, src in enumerate(cfg.sources)), file=sys.stderr, flush=True)
         self.bar = tqdm(total=self.n_todo, unit="prompt", disable=not cfg.progress, dynamic_ncols=True,
                         mininterval=1.0, desc=f"datagen[{state.index}]" if state.world > 1 else "datagen")
         self.t0, self.n_tok, self.n_prompts = time.perf_counter(), 0, 0

@@ -12,6 +12,14 @@ Which hidden state the head reads (`feature`):
            over y_i ~ q_i), so a round may stop after its first candidate (K = 1): on hardware
            where a draft step is not cheap relative to a target pass, that is often the best K.
 
+What else it reads (`inputs`):
+  hidden        that state alone (the paper's head; every head saved before `inputs` existed)
+  hidden+stats  that state and the draft's own statistics of the candidate (features.draft_stats:
+                log q(y), entropy of q, top-1 - top-2 margin), standardized inside the head by the
+                training set's mean and std (buffers saved with the weights). An input row is
+                [hidden (H), stats (3)]; `join_inputs` builds it, `shard_inputs` builds one per
+                response position of a datagen shard, and the learned policy one per draft step.
+
 A saved head is a folder (or a hub repo) with config.json (sizes, the draft it was trained on,
 training metadata), model.safetensors and a model card; huggingface_hub's PyTorchModelHubMixin
 gives `from_pretrained` by folder or hub id and `push_to_hub`. The draft is part of the
@@ -30,12 +38,14 @@ from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
 
 from .errors import UserError, first_line
+from .features import N_STATS, STATS, position_map, sampling_from
 
 HEAD_FORMAT = "adaptive_spec.head.v1"
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 MAX_DEPTH = 4
 FEATURES = ("token", "context")
+INPUTS = ("hidden", "hidden+stats")
 
 
 class ResBlock(nn.Module):
@@ -54,10 +64,13 @@ _CARD_TEMPLATE = "---\n{{ card_data }}\n---\n\n{{ body }}\n"
 class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="adaptive-spec", model_card_template=_CARD_TEMPLATE,
                      tags=["speculative-decoding", "specdec++"], paper_url="https://arxiv.org/abs/2405.19715"):
     def __init__(self, hidden_size: int, depth: int = 3, draft_model: str | None = None,
-                 draft_fingerprint: str | None = None, feature: str = "token"):
+                 draft_fingerprint: str | None = None, feature: str = "token", inputs: str = "hidden",
+                 stats_sampling: dict | None = None):
         super().__init__()
         if feature not in FEATURES:
             raise UserError(f"head feature must be one of {', '.join(FEATURES)}, got {feature!r}")
+        if inputs not in INPUTS:
+            raise UserError(f"head inputs must be one of {', '.join(INPUTS)}, got {inputs!r}")
         if not (isinstance(depth, int) and 0 <= depth <= MAX_DEPTH):
             raise UserError(f"head depth must be an integer in 0..{MAX_DEPTH}, got {depth!r}")
         if not (isinstance(hidden_size, int) and hidden_size > 0):
@@ -67,10 +80,18 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="adaptive-spe
         self.draft_model = draft_model
         self.draft_fingerprint = draft_fingerprint
         self.feature = feature
+        self.inputs = inputs
         self.extra: dict = {}  # training metadata read back by from_pretrained
+        self.in_dim = hidden_size + (N_STATS if inputs == "hidden+stats" else 0)
+        if inputs == "hidden+stats":
+            # how the datagen run processed q before taking its stats; the policy does the same
+            self.stats_sampling = dict(stats_sampling or {})
+            self.stats_params = sampling_from(self.stats_sampling)
+            self.register_buffer("stats_mean", torch.zeros(N_STATS))
+            self.register_buffer("stats_std", torch.ones(N_STATS))
         # A list comprehension, not [ResBlock(h)] * depth: each block needs its own weights.
-        self.blocks = nn.ModuleList([ResBlock(hidden_size) for _ in range(depth)])
-        self.out = nn.Linear(hidden_size, 1)
+        self.blocks = nn.ModuleList([ResBlock(self.in_dim) for _ in range(depth)])
+        self.out = nn.Linear(self.in_dim, 1)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -81,8 +102,17 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="adaptive-spe
         return self.out.weight.device
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """h [..., H] -> acceptance logits [...]."""
+        """Input rows [..., in_dim] (see `inputs`) -> acceptance logits [...]."""
+        if h.shape[-1] != self.in_dim:
+            raise UserError(
+                f"this acceptance head reads inputs={self.inputs} (rows of {self.in_dim}: hidden state"
+                f"{' + 3 draft stats' if self.in_dim > self.hidden_size else ''}) but was given rows of "
+                f"{h.shape[-1]}; build rows with heads.join_inputs / heads.shard_inputs, or use a head trained with "
+                "inputs=hidden where only the hidden state is available")
         x = h.to(self.out.weight.dtype)
+        if self.in_dim > self.hidden_size:
+            H = self.hidden_size
+            x = torch.cat([x[..., :H], (x[..., H:] - self.stats_mean) / self.stats_std], -1)
         for block in self.blocks:
             x = block(x)
         return self.out(x).squeeze(-1)
@@ -93,7 +123,9 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="adaptive-spe
     def config_dict(self, extra: dict | None = None) -> dict:
         core = {"format": HEAD_FORMAT, "hidden_size": self.hidden_size, "depth": self.depth,
                 "draft_model": self.draft_model, "draft_fingerprint": self.draft_fingerprint,
-                "feature": self.feature}
+                "feature": self.feature, "inputs": self.inputs}
+        if self.inputs == "hidden+stats":
+            core["stats_sampling"] = self.stats_sampling
         return {**(extra or {}), **core}  # metadata never overrides the fields loading relies on
 
     # ------------------------------------------------------------------ saving (the mixin's save_pretrained / push_to_hub)
@@ -151,7 +183,7 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="adaptive-spe
     def _from_pretrained(cls, *, model_id: str, config: dict | None = None, draft_hidden_size: int | None = None,
                          draft_in_use: str | None = None, device=None, dtype=None, **hub) -> "AcceptanceHead":
         # Init arguments the mixin read from config.json arrive in `hub` too; `config` is checked instead.
-        for k in ("hidden_size", "depth", "draft_model", "draft_fingerprint", "feature"):
+        for k in ("hidden_size", "depth", "draft_model", "draft_fingerprint", "feature", "inputs", "stats_sampling"):
             hub.pop(k, None)
         where = _describe(model_id)
         if config is None:
@@ -181,7 +213,12 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="adaptive-spe
         if feature not in FEATURES:
             raise UserError(f"{where}/{CONFIG_NAME} names feature {feature!r}; expected one of "
                             f"{', '.join(FEATURES)}. {_FIX}")
-        return cls(h, depth, draft_model=trained_for, draft_fingerprint=cfg.get("draft_fingerprint"), feature=feature)
+        inputs = cfg.get("inputs", "hidden")  # heads saved before `inputs` existed read the hidden state only
+        if inputs not in INPUTS:
+            raise UserError(f"{where}/{CONFIG_NAME} names inputs {inputs!r}; this version reads "
+                            f"{', '.join(INPUTS)}: upgrade adaptive_spec, or {_FIX}")
+        return cls(h, depth, draft_model=trained_for, draft_fingerprint=cfg.get("draft_fingerprint"), feature=feature,
+                   inputs=inputs, stats_sampling=cfg.get("stats_sampling"))
 
     def _load_weights(self, weights_file: str, where: str):
         from safetensors import SafetensorError
@@ -241,7 +278,7 @@ def model_card(head: AcceptanceHead) -> str:
         "",
         f"A SpecDec++ acceptance-prediction head ({head.depth + 1}-layer ResNet, SiLU) on the final hidden state "
         f"(size {head.hidden_size}) of the draft `{head.draft_model}` (fingerprint `{head.draft_fingerprint}`); "
-        f"feature `{head.feature}` ({reads}).",
+        f"feature `{head.feature}` ({reads}); inputs `{head.inputs}` ({_reads_inputs(head)}).",
         "It predicts P(draft token accepted | earlier ones accepted); the decoder stops drafting when "
         "1 - prod(p_hat) > h.",
         "",
@@ -253,26 +290,43 @@ def model_card(head: AcceptanceHead) -> str:
     return "\n".join(lines + (_training_card(head.extra) if "metrics" in head.extra else []))
 
 
+def _reads_inputs(head: AcceptanceHead) -> str:
+    if head.inputs == "hidden":
+        return "the hidden state alone"
+    s = head.stats_params
+    return (f"the hidden state and the draft's statistics of the candidate: {', '.join(STATS)} "
+            f"(adaptive_spec.features.draft_stats, q at temperature {s.temperature:g}, top-k {s.top_k}, "
+            f"top-p {s.top_p:g} as in its datagen run), standardized by the training set's mean and std")
+
+
 def _training_card(extra: dict) -> list[str]:
     m = extra["metrics"]
-    rows = [(k, m.get(f"train_{k}"), m.get(f"dev_{k}")) for k in ("loss", "kl", "ece")]
+    rows = [(k, m.get(f"train_{k}"), m.get(f"dev_{k}")) for k in ("loss", "kl", "auc", "ece")]
     fmt = lambda v: "-" if v is None else f"{v:.4f}"
     g = lambda k, spec="": "?" if extra.get(k) is None else format(extra[k], spec)  # metadata of older heads may lack a key
+    sources = extra.get("sources")
+    by_source = extra.get("dev_by_source") or {}
     return [
         "## Training",
         f"- data: `{g('dataset')}` (datagen config hash `{g('dataset_config_hash')}`), "
-        f"{g('n_train_positions', ',')} training positions (draft tokens only; token mixing r from the datagen config)",
+        f"{g('n_train_positions', ',')} training positions (draft tokens only; token mixing r from the datagen config)"
+        + (f"; prompt sources: {', '.join(map(str, sources))}" if sources else ""),
         f"- draft configuration: quantization {extra.get('draft_quant', 'none')}, vocabulary "
         f"{extra.get('draft_vocab', 'full')}",
         f"- target: `{g('target')}`; weighted BCE w_acc={g('w_acc', 'g')}, w_rej={g('w_rej', 'g')}",
         f"- {g('epochs')} epochs, batch {g('batch_size')}, lr {g('lr', 'g')} (Adam, cosine); "
         f"exported at step {g('step')} (lowest dev loss)",
         "",
-        "## Metrics at export (KL = unweighted binary KL between target and prediction; ECE = calibration error)",
+        "## Metrics at export (KL = unweighted binary KL between target and prediction; AUC = chance an accepted "
+        "token (P >= 0.99) is ranked above a rejected one; ECE = expected calibration error, "
+        f"{extra.get('ece_bins', 10)} equal-width bins)",
         "| metric | train | dev |",
         "|---|---|---|",
         *[f"| {k} | {fmt(tr)} | {fmt(dv)} |" for k, tr, dv in rows],
         "",
+        *(["Dev metrics per prompt source:", "", "| source | positions | KL | AUC | ECE |", "|---|---|---|---|---|",
+           *[f"| {s} | {r.get('n', '?')} | {fmt(r.get('kl'))} | {fmt(r.get('auc'))} | {fmt(r.get('ece'))} |"
+             for s, r in by_source.items()], ""] if by_source else []),
         "Reliability plot: `reliability.png`.",
         "",
     ]
@@ -285,11 +339,12 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def load_head(head, hidden_size: int | None = None, draft_model: str | None = None, device=None,
-              dtype=torch.float32, feature: str | None = None, why: str = "the learned policy"):
+              dtype=torch.float32, feature: str | None = None, inputs: tuple[str, ...] = ("hidden",),
+              why: str = "the learned policy"):
     """The one way to get a head for decoding: an AcceptanceHead (or anything with
     `acceptance_prob`) is returned as is; a folder (or hub id) is loaded and checked against the
-    draft in use (`hidden_size`). `feature`: refuse a head that reads another feature; `why`
-    names who asked, for the error."""
+    draft in use (`hidden_size`). `feature`: refuse a head that reads another feature; `inputs`:
+    the input sets the caller can supply (refuse others); `why` names who asked, for the error."""
     if head is None or head == "":
         raise UserError(f"{why} needs a trained acceptance head: pass --head PATH (a folder written by "
                         "`adaptive-spec train`, e.g. checkpoints/qwen-coder-0.5b-d3-wrej6)")
@@ -299,4 +354,49 @@ def load_head(head, hidden_size: int | None = None, draft_model: str | None = No
     got = getattr(head, "feature", "token")
     if feature is not None and got != feature:
         raise UserError(f"{why} needs a head trained with feature={feature}; this one reads feature={got}")
+    got = getattr(head, "inputs", "hidden")
+    if got not in inputs:
+        raise UserError(f"{why} can supply inputs {' or '.join(inputs)} but this head was trained with inputs={got}; "
+                        f"use a head trained with inputs={inputs[0]} (train.py ... inputs={inputs[0]})")
     return head.eval() if hasattr(head, "eval") else head
+
+
+def join_inputs(hidden: torch.Tensor, stats: torch.Tensor | None = None) -> torch.Tensor:
+    """A head's input rows: the hidden state [..., H], then the draft stats [..., 3] if it reads them.
+    float32 either way, so bf16 states and float32 stats meet in one row without losing the stats."""
+    return hidden.float() if stats is None else torch.cat([hidden.float(), stats.float()], -1)
+
+
+def shard_inputs(head, shard: dict) -> torch.Tensor:
+    """[T, in_dim] input rows of `head` for every response position of a datagen shard (the dict of
+    datagen.load_shard), built as training builds them: row i scores Y_i, from the state training
+    pairs with it (token: features[i]; context: features[i - 1]) and, for inputs=hidden+stats, the
+    stored draft_stats[i]. Rows equal training's where `shard_positions` is True; elsewhere a token
+    head's row holds the state after X_i (Z_i was the target's token) and a context head's row at a
+    response's first position has no state (zeros)."""
+    feats = shard.get("features")
+    if feats is None:
+        raise UserError("the datagen shard has no stored draft features ('features'); regenerate the dataset with "
+                        "store_features=true")
+    T = feats.shape[0]
+    feature, inputs = getattr(head, "feature", "token"), getattr(head, "inputs", "hidden")
+    used, row = position_map(feature, shard["loss_mask"], shard["resp_offsets"])
+    hidden = feats[row].float()
+    if feature == "context":
+        hidden[~used] = 0.0
+    stats = None
+    if inputs == "hidden+stats":
+        stats = shard.get("draft_stats")
+        if stats is None:
+            raise UserError("a head with inputs=hidden+stats needs the draft statistics ('draft_stats') that the "
+                            "current datagen stores, and this shard has none; regenerate the dataset with the current "
+                            "`adaptive-spec datagen` (or use a head trained with inputs=hidden)")
+        if tuple(stats.shape) != (T, N_STATS):
+            raise UserError(f"draft_stats has shape {tuple(stats.shape)}, expected [{T}, {N_STATS}]; regenerate the "
+                            "dataset")
+    return join_inputs(hidden, stats)
+
+
+def shard_positions(head, shard: dict) -> torch.Tensor:
+    """[T] bool: the response positions where `shard_inputs` rows are exactly what training used."""
+    return position_map(getattr(head, "feature", "token"), shard["loss_mask"], shard["resp_offsets"])[0]

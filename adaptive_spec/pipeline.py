@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import multidraft, policies, tree  # noqa: F401  (importing them registers their policies)
+from .autotune import resolve_auto
 from .decoding import Decoder, Generation
 from .interfaces import Policy, lookup, registered
 from .models import check_quant, check_vocab, load_model, resolve_device
@@ -88,9 +89,14 @@ class SpecPair:
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = 0,
                  chat: bool = False, on_text=None, **policy_kwargs) -> Generation:
         """Generate from a prompt (text, or token ids). policy: "ar" for target-only decoding,
-        "fixed" (k=...), or any name `make_policy` knows, with its keyword arguments."""
+        "fixed" (k=...), or any name `make_policy` knows, with its keyword arguments.
+
+        threshold="auto" (learned) / k="auto" (fixed): the h / K of best predicted throughput on
+        this machine, from the head's threshold_curve.json (or curve=PATH; autotune.py); the pick
+        is printed once per pair and kept as `Generation.auto`."""
         ids = self.encode(prompt, chat) if isinstance(prompt, str) else list(prompt)
         sampling = SamplingParams(temperature, top_k, top_p)
+        policy_kwargs, auto = resolve_auto(self, policy, policy_kwargs)
         pol = make_policy(policy, pair=self, prompt_ids=ids, sampling=sampling,
                           max_new_tokens=max_new_tokens, **policy_kwargs)
         on_tokens = None
@@ -99,6 +105,7 @@ class SpecPair:
         g = self.decoder.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, policy=pol,
                                   seed=seed, on_tokens=on_tokens)
         g.text = self.tokenizer.decode(g.token_ids, skip_special_tokens=True)
+        g.auto = auto
         return g
 
 

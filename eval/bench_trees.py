@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -35,33 +34,15 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 from adaptive_spec import SpecPair
 from adaptive_spec import tree as T
-from adaptive_spec import tree_shapes as S
 from adaptive_spec.errors import UserError
 from adaptive_spec.prompts import load_prompts
+from adaptive_spec.runs import append_jsonl, read_jsonl
 from adaptive_spec.sampling import SamplingParams
+from adaptive_spec.tree_calibration import load_or_calibrate, measure_rates, tunstall_accepted, zeroth_order_accepted
 
 STRATEGIES = ("sequence", "batch", "specinfer", "tree", "tree-head")
 STYLE = {"sequence": ("tab:blue", "o"), "batch": ("tab:orange", "s"), "specinfer": ("tab:green", "^"),
          "tree": ("tab:red", "D"), "tree-head": ("tab:purple", "v")}
-
-
-def append_jsonl(path: Path, row: dict):
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut by a kill: redo that run
-            pass
-    return rows
 
 
 def make_tiny_pair(folder: Path) -> tuple[str, str]:
@@ -90,29 +71,15 @@ def make_policy(method: str, strategy: str, k: int, rates, head):
 
 
 def calibrate(pair, prompts, methods, args, path: Path, settings: dict) -> dict:
-    """0-th order conditional acceptance rates per method from batch + sequence drafting."""
-    cal = json.loads(path.read_text()) if path.exists() else {}
-    if cal.get("settings") != settings:
-        cal = {"settings": settings}
+    """0-th order conditional acceptance rates per method from batch + sequence drafting (reused
+    from `path` while the settings hold)."""
+    ids = [pair.encode(p, chat=args.chat) for p in prompts]
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
-    for method in methods:
-        if method in cal:
-            continue
-        est = S.PositionalRates(weight=1.0, adapt=True)
-        runs = [("batch", args.calib_width), ("sequence", 4)]
-        bar = tqdm([(i, r) for i in range(len(prompts)) for r in runs], desc=f"calibrate {method}", unit="run",
-                   dynamic_ncols=True)
-        for i, (drafting, k) in bar:
-            pol = T.TreePolicy(method, drafting, k, rates=est)
-            ids = pair.encode(prompts[i], chat=args.chat)
-            pair.decoder.generate(ids, max_new_tokens=args.max_new_tokens, sampling=sampling, policy=pol, seed=10_000 + i)
-            bar.set_postfix_str(f"c0={est.cond()[0]:.3f}")
-        cal[method] = est.to_dict()
-        path.write_text(json.dumps(cal, indent=1))
-    return cal
+    return load_or_calibrate(path, settings, methods, lambda m: measure_rates(
+        pair, ids, sampling, args.max_new_tokens, m, args.calib_width, progress=True))
 
 
-def summarize(rows: list[dict], rates: dict, budgets, vocab: int) -> list[dict]:
+def summarize(rows: list[dict], rates: dict, vocab: int) -> list[dict]:
     by = {}
     for r in rows:
         by.setdefault((r["method"], r["strategy"], r["k"]), []).append(r)
@@ -128,10 +95,10 @@ def summarize(rows: list[dict], rates: dict, budgets, vocab: int) -> list[dict]:
              "tokens_per_s": sum(r["n_tokens"] for r in rs) / max(sum(r["wall_s"] for r in rs), 1e-9),
              "acceptance_rate": sum(r["n_accepted"] for r in rs) / max(sum(r["n_drafted"] for r in rs), 1)}
         if method in rates:
-            r0 = S.acceptance_distribution(rates[method]["cond_rates"], max(budgets))
-            s["tunstall_bound_generated"] = S.tunstall_bound(r0, k, vocab)
-            s["predicted_0th_order"] = S.tree_value(*S.shape_tree("tree" if strategy.startswith("tree") else strategy,
-                                                                  k, r0), r0)
+            cond = rates[method]["cond_rates"]
+            s["tunstall_bound_generated"] = tunstall_accepted(cond, k, vocab) + 1
+            s["predicted_0th_order"] = zeroth_order_accepted(cond, "tree" if strategy.startswith("tree") else strategy,
+                                                             k, vocab)
         out.append(s)
     return out
 
@@ -293,7 +260,7 @@ def main(argv=None):
     configs = [(0, "ar", "-")] + [(k, m, s) for m in methods for s in strategies for k in budgets]
     rows = run_pending(pair, eval_prompts, configs, args, sampling, rates, head, settings, out / "results.jsonl")
 
-    summary = summarize(rows, rates, budgets, pair.target.vocab_size)
+    summary = summarize(rows, rates, pair.target.vocab_size)
     title = (f"{Path(str(args.target)).name} / {Path(str(args.draft)).name}, T={args.temperature:g}, "
              f"{len(eval_prompts)} prompts x {args.max_new_tokens} tokens")
     plot(summary, methods, out / "accepted_vs_drafted.png", title)

@@ -8,7 +8,8 @@ Predictors:
   q(y), H(q)      the draft's own confidence in Y_i and its entropy at step i (the training-free
                   rules), from the draft's LM head applied to the stored state e_{i-1}, with the
                   datagen run's temperature/top-k/top-p
-  <head>          each acceptance head on its own input (token: e_i, context: e_{i-1})
+  <head>          each acceptance head on its own input (token: e_i, context: e_{i-1}; with
+                  inputs=hidden+stats also the stored draft_stats of Y_i)
   logistic(...)   logistic regressions on combinations, fitted and scored by 2-fold cross
                   validation inside the split (so they are honest about what the split allows)
 Scores: KL(P || p_hat) per token (Bernoulli, what training minimises), and AUC: the chance that
@@ -27,10 +28,11 @@ from pathlib import Path
 
 import torch
 
-from adaptive_spec.heads import AcceptanceHead
+from adaptive_spec.features import response_starts
+from adaptive_spec.heads import AcceptanceHead, join_inputs
 from adaptive_spec.models import load_model
 from adaptive_spec.sampling import SamplingParams, process_logits
-from adaptive_spec.training import binary_kl, mmap_tensor, read_small, response_starts
+from adaptive_spec.training import ACCEPTED, auc, binary_kl, mmap_tensor, read_small
 
 
 def load_split(root: Path, manifest: dict, split: str, lm_head: torch.Tensor, params: SamplingParams,
@@ -38,10 +40,10 @@ def load_split(root: Path, manifest: dict, split: str, lm_head: torch.Tensor, pa
     shards = ((manifest.get("splits") or {}).get(split) or {}).get("shards") or []
     if not shards:
         raise SystemExit(f"error: {root} has no {split} shards; run datagen first or pick another --split")
-    out = {"P": [], "ctx": [], "tok": [], "log_qy": [], "H": []}
+    out = {"P": [], "ctx": [], "tok": [], "log_qy": [], "H": [], "stats": []}
     for shard in shards:
         fn = root / shard["file"]
-        g = read_small(fn, ["loss_mask", "resp_offsets", "y_ids", "accept_prob"])
+        g = read_small(fn, ["loss_mask", "resp_offsets", "y_ids", "accept_prob"], optional=("draft_stats",))
         if not bool(g["_has_features"]):
             raise SystemExit(f"error: {fn} has no stored features; regenerate with store_features=true")
         g["features"] = mmap_tensor(fn, "features")
@@ -55,26 +57,9 @@ def load_split(root: Path, manifest: dict, split: str, lm_head: torch.Tensor, pa
         out["P"].append(g["accept_prob"][pos].float())
         out["ctx"].append(ctx)
         out["tok"].append(g["features"][pos])
-    return {k: torch.cat(v) for k, v in out.items()}
-
-
-ACCEPTED = 0.99
-
-
-def auc(score: torch.Tensor, t: torch.Tensor) -> float:
-    """P(score of a P >= 0.99 token > score of a P < 0.99 token), ties counted half (rank sums)."""
-    pos = t >= ACCEPTED
-    n1, n0 = int(pos.sum()), int((~pos).sum())
-    if not n1 or not n0:
-        return float("nan")
-    order = score.double().argsort()
-    ranks = torch.empty(len(score), dtype=torch.float64)
-    ranks[order] = torch.arange(1, len(score) + 1, dtype=torch.float64)
-    s = score.double()  # average ranks over ties
-    uniq, inv = torch.unique(s, return_inverse=True)
-    mean_rank = torch.zeros(len(uniq), dtype=torch.float64).index_add_(0, inv, ranks) / torch.bincount(inv).double()
-    ranks = mean_rank[inv]
-    return ((ranks[pos].sum() - n1 * (n1 + 1) / 2) / (n1 * n0)).item()
+        if "draft_stats" in g:  # datasets made before datagen stored them have none: no stats heads then
+            out["stats"].append(g["draft_stats"][pos])
+    return {k: torch.cat(v) if v else None for k, v in out.items()}
 
 
 def cv_logistic(X: torch.Tensor, t: torch.Tensor, seed: int = 0) -> torch.Tensor:
@@ -129,10 +114,14 @@ def main(argv=None) -> int:
             if not (Path(folder) / "config.json").is_file():
                 continue
             head = AcceptanceHead.from_pretrained(folder).float()
+            stats = d["stats"] if head.inputs == "hidden+stats" else None
+            if head.inputs == "hidden+stats" and stats is None:
+                print(f"skipping {folder}: it reads draft_stats, which {root} does not store")
+                continue
             with torch.inference_mode():
-                z = head(d["ctx" if head.feature == "context" else "tok"].float())
+                z = head(join_inputs(d["ctx" if head.feature == "context" else "tok"], stats))
             logits[Path(folder).name] = z
-            rows.append((f"head {Path(folder).name} ({head.feature})", z, True))
+            rows.append((f"head {Path(folder).name} ({head.feature}, {head.inputs})", z, True))
     qf = torch.stack([d["log_qy"], d["H"]], 1)
     rows.append(("logistic(q(y), H)", cv_logistic(qf, P), True))
     for name, z in logits.items():

@@ -4,6 +4,7 @@ import json
 import pytest
 
 from adaptive_spec.cli import main
+from adaptive_spec.errors import UserError
 from tiny import save_model
 
 
@@ -109,6 +110,12 @@ def test_version(capsys):
     (["--draft-vocab", "0"], "--draft-vocab must be a token count >= 1"),
     (["--draft-vocab", "-5"], "--draft-vocab must be a token count >= 1"),
     (["--draft-vocab", "no/such/list.safetensors"], "does not exist"),
+    (["--policy", "confidence", "--threshold", "auto"], "--threshold auto is for --policy learned"),
+    (["--k", "auto"], "--k auto needs a predicted curve"),
+    (["--k", "auto", "--curve", "no/such/curve.json"], "no/such/curve.json, which does not exist"),
+    (["--policy", "entropy", "--k", "auto"], "--k auto is for --policy fixed"),
+    (["--k", "two"], "expected an integer or auto"),
+    (["--policy", "tree", "--tree-node-cost", "0"], "--tree-node-cost must be > 0"),
 ])
 def test_arguments_are_refused_before_any_model_loads(extra, expect, no_model_load, capsys):
     code = main(["generate", "--prompt", "abc", *extra])
@@ -206,3 +213,56 @@ def test_draft_configuration_errors_and_runtime_record(tiny_pair, tmp_path, caps
     assert rt["draft_quant"] == "int8" and rt["draft_vocab"] == f"{mine}:3"
     assert rt["draft_path"]["quant"] == "int8" and rt["target_path"]["dtype"] == "float32"
     assert {"isa", "cpu_flags", "bf16_kernels"} <= set(rt["machine"])
+
+
+@pytest.fixture
+def saved_head(tmp_path):
+    import torch
+
+    from adaptive_spec.heads import AcceptanceHead
+
+    torch.manual_seed(0)
+    AcceptanceHead(16, depth=0).save_pretrained(tmp_path / "head")
+    return tmp_path / "head"
+
+
+def test_threshold_auto_without_a_curve_is_one_line(saved_head, no_model_load, capsys):
+    code = main(["generate", "--prompt", "abc", "--policy", "learned", "--head", str(saved_head), "--threshold", "auto"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+    assert f"{saved_head}/threshold_curve.json" in err and f"adaptive-spec autotune --head {saved_head} --data" in err
+
+
+def test_autotune_then_generate_with_threshold_auto(tiny_pair, saved_head, tmp_path, monkeypatch, capsys):
+    from train_fixtures import make_dataset
+
+    monkeypatch.setenv("ADAPTIVE_SPEC_CACHE", str(tmp_path / "cache"))
+    data = make_dataset(tmp_path / "data", hidden_size=16)
+    code, out, err = run(capsys, "autotune", "--head", str(saved_head), "--data", str(data))
+    assert code == 0 and (saved_head / "threshold_curve.json").is_file() and "| h=0.05 |" in out and "| K=1 |" in out, err
+    draft, target = tiny_pair
+    code, out, err = run(capsys, "generate", "--prompt", "abc", "--draft", str(draft), "--target", str(target),
+                         "--dtype", "fp32", "--policy", "learned", "--head", str(saved_head), "--threshold", "auto",
+                         "--temperature", "0", "--max-new-tokens", "8", "--json")
+    assert code == 0, err
+    auto = json.loads(out)["auto"]
+    assert auto["kind"] == "h" and f"auto: h = {auto['value']:g}" in err
+    code, _, err = run(capsys, "autotune", "--data", str(data))
+    assert code == 2 and err.count("\n") == 1 and "--out FILE" in err, err
+
+
+def test_tree_flags_reach_the_policy_factory(monkeypatch, capsys):
+    from adaptive_spec import pipeline
+
+    seen = []
+
+    class Pair:
+        def generate(self, prompt, **kw):
+            seen.append(kw)
+            raise UserError("recorded")
+
+    monkeypatch.setattr(pipeline.SpecPair, "load", classmethod(lambda cls, **kw: Pair()))
+    assert main(["generate", "--prompt", "abc", "--policy", "tree", "--tree-learned", "--tree-node-cost", "0.5"]) == 2
+    assert main(["generate", "--prompt", "abc", "--policy", "tree"]) == 2
+    assert seen[0]["tree_learned"] is True and seen[0]["tree_node_cost"] == 0.5
+    assert "tree_learned" not in seen[1] and "tree_node_cost" not in seen[1]

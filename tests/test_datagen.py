@@ -1,7 +1,8 @@
-"""Data generation for acceptance heads: targets, mixing, features, storage, resume, errors.
+"""Data generation for acceptance heads: targets, mixing, features, prompt mixes, storage, resume, errors.
 
 Every stored quantity is recomputed here independently, by teacher-forced unbatched forwards of
-the tiny models over prompt + X (for P_i and 1 - TV) and prompt + Z (for the features).
+the tiny models over prompt + X (for P_i, 1 - TV and the draft's statistics) and prompt + Z (for
+the features).
 """
 from __future__ import annotations
 
@@ -78,8 +79,9 @@ def _all_seqs(out):
                 pl = int(sh["prompt_lens"][i])
                 ids = sh["input_ids"][io_[i]:io_[i + 1]].long()
                 r = slice(int(ro[i]), int(ro[i + 1]))
-                yield {"prompt": ids[:pl], "z_in": ids[pl:], **{k: sh[k][r] for k in (
-                    "x_ids", "y_ids", "z_ids", "loss_mask", "accept_prob", "expected_accept", "features")}}
+                yield {"prompt": ids[:pl], "z_in": ids[pl:], "split": split, "source": int(sh["source_ids"][i]),
+                       **{k: sh[k][r] for k in ("x_ids", "y_ids", "z_ids", "loss_mask", "accept_prob",
+                                                "expected_accept", "draft_stats", "features")}}
 
 
 def test_manifest_and_shard_format(ref_run, tiny_pair):
@@ -105,12 +107,16 @@ def test_manifest_and_shard_format(ref_run, tiny_pair):
             dtypes = {"input_ids": torch.int32, "input_offsets": torch.int64, "prompt_lens": torch.int32,
                       "resp_offsets": torch.int64, "x_ids": torch.int32, "y_ids": torch.int32, "z_ids": torch.int32,
                       "loss_mask": torch.uint8, "accept_prob": torch.float32, "expected_accept": torch.float32,
-                      "features": torch.bfloat16}
+                      "features": torch.bfloat16, "draft_stats": torch.float32, "source_ids": torch.int32}
             assert {k: v.dtype for k, v in sh.items()} == dtypes
-            assert sh["features"].shape == (T, 16)
+            assert sh["features"].shape == (T, 16) and sh["draft_stats"].shape == (T, 3)
+            assert sh["source_ids"].shape == (n,) and not sh["source_ids"].any()  # one source: index 0
             assert sh["input_ids"].numel() == int(sh["input_offsets"][-1]) == int(sh["prompt_lens"].sum()) + T
             assert sh["resp_offsets"].shape == (n + 1,) and int(sh["resp_offsets"][-1]) == T
     assert total == 24  # every (distinct) prompt lands in exactly one split
+    (src,) = man["sources"]  # `dataset` is a one-source mix taking all
+    assert (src["name"], src["n"], src["field"]) == (str(prompts), -1, "question")
+    assert src["splits"] == {s: {k: man["splits"][s][k] for k in datagen.COUNTS} for s in datagen.SPLITS}
 
 
 def test_targets_and_features_match_teacher_forced_recompute(ref_run, tiny_pair):
@@ -133,6 +139,10 @@ def test_targets_and_features_match_teacher_forced_recompute(ref_run, tiny_pair)
         torch.testing.assert_close(s["expected_accept"], 1 - 0.5 * (p - q).abs().sum(-1), atol=1e-5, rtol=1e-4)
         assert (p[rows, s["x_ids"].long()] > 0).all()  # X_i was drawn from the processed p_i
         torch.testing.assert_close(s["features"].float(), h, atol=2e-2, rtol=1e-2)  # bf16 storage
+        # the draft's statistics of its candidate Y_i under the processed q_i (the decoder's q)
+        top2 = q.topk(2, dim=-1).values
+        direct = torch.stack([q[rows, y].log(), -torch.special.xlogy(q, q).sum(-1), top2[:, 0] - top2[:, 1]], -1)
+        torch.testing.assert_close(s["draft_stats"], direct, atol=1e-4, rtol=1e-4)
         if N < 14:  # a response shorter than max_new_tokens ended with EOS (id 1), and only there
             assert int(s["x_ids"][-1]) == 1 and not (s["x_ids"][:-1] == 1).any()
     assert n_seq == 24
@@ -279,12 +289,20 @@ def test_json_array_parser_stops_at_truncated_tail():
     assert [o["id"] for o in prompts._iter_json_array(io.BytesIO(b'[{"id": 1}, {"id": 2}]'))] == [1, 2]
 
 
-@pytest.mark.parametrize("name", ["gsm8k", "alpaca", "sharegpt"])
+@pytest.mark.parametrize("name", ["gsm8k", "alpaca", "sharegpt", "mix"])
 def test_shipped_configs_load(name):
     path = PROJECT_ROOT / "configs" / "datagen" / f"{name}.yaml"
     assert "dataset: ../" not in path.read_text()  # named sets: ADAPTIVE_SPEC_DATA reaches datagen too
     cfg = load_config(DatagenConfig, path)
     assert cfg.draft == cfg.target == "default" and cfg.mix_ratio == 0.15 and cfg.top_k == 50
+    if name == "mix":  # the real run of issue 16
+        assert [s["name"] for s in cfg.sources] == ["sharegpt", "gsm8k-train", "sharegpt-code", "mbpp"]
+        assert cfg.max_new_tokens >= 128 and cfg.dev_frac > 0 and cfg.store_features
+        assert (cfg.draft_quant, cfg.draft_vocab) == ("int8", "")  # the draft configuration the project serves
+        n_train = sum(s["n"] if s["n"] > 0 else 397 for s in cfg.sources) * cfg.train_frac
+        # 300k loss positions within reach at a mean response of 82 tokens (the config's arithmetic)
+        assert n_train * 82 * (1 - cfg.mix_ratio) >= 300_000
+        return
     assert cfg.dataset in prompts.BUILTIN
     if cfg.dataset != "sharegpt" and prompts.shared_data_dir().is_dir():  # the offline copy is there
         texts = datagen.load_prompt_texts(cfg)
@@ -301,3 +319,105 @@ def test_datagen_reads_named_sets_like_sweeps(tmp_path, monkeypatch):
     texts = datagen.load_prompt_texts(cfg)
     assert texts == [f"q{i}?" for i in range(6)]
     assert sorted(prompts.load_prompts("gsm8k-train")) == texts
+
+
+# ------------------------------------------------------------------------------ prompt mixes
+
+
+def _words(rng, letters):
+    return " ".join("".join(rng.choice(letters) for _ in range(rng.randint(2, 5))) for _ in range(rng.randint(2, 5)))
+
+
+@pytest.fixture
+def mix_sets(tmp_path, monkeypatch):
+    """Offline stand-ins of the named training sets: gsm8k/train.jsonl under ADAPTIVE_SPEC_DATA and
+    the ShareGPT and MBPP caches under ADAPTIVE_SPEC_DATA_CACHE (texts in the tiny tokenizer's alphabet)."""
+    rng = random.Random(3)
+    # letters only: the tiny tokenizer knows a-z, space and 0 (other digits would all be <unk>)
+    texts = {"gsm8k-train": [f"how many {_words(rng, 'abcdef')}" for _ in range(20)],
+             "sharegpt": [f"tell me {_words(rng, 'ghijkl')}" for _ in range(16)]
+             + [f"python write a function {_words(rng, 'mnopq')}" for _ in range(14)],
+             "mbpp": [f"def {_words(rng, 'rstuv')}" for _ in range(7)]}
+    files = {"gsm8k-train": ("data/gsm8k/train.jsonl", "question"), "sharegpt": (
+        "cache/sharegpt/sharegpt_first_turns.jsonl", "prompt"), "mbpp": ("cache/mbpp/mbpp.jsonl", "prompt")}
+    for name, (rel, fld) in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("".join(json.dumps({fld: t}) + "\n" for t in texts[name]))
+    monkeypatch.setenv("ADAPTIVE_SPEC_DATA", str(tmp_path / "data"))
+    monkeypatch.setenv("ADAPTIVE_SPEC_DATA_CACHE", str(tmp_path / "cache"))
+    texts["sharegpt-code"] = [t for t in texts["sharegpt"] if prompts.is_code_prompt(t)]
+    assert len(texts["sharegpt-code"]) == 14
+    return texts
+
+
+MIX = "[{name: sharegpt, n: 8}, {name: gsm8k-train, n: 9}, {name: sharegpt-code, n: 5}, {name: mbpp}]"
+
+
+def test_mix_draws_counts_per_source_with_own_dev_splits(tiny_pair, mix_sets, tmp_path):
+    from transformers import AutoTokenizer
+
+    out = tmp_path / "mix"
+    man = _run(_overrides(tiny_pair, "", out, dataset="", prompt_field="", sources=MIX, max_new_tokens=5,
+                          train_frac=0.5, dev_frac=0.3, test_frac=0.2))
+    names = ["sharegpt", "gsm8k-train", "sharegpt-code", "mbpp"]
+    assert [(s["name"], s["n"], s["field"]) for s in man["sources"]] == list(zip(names, [8, 9, 5, -1], [""] * 4))
+    drawn = {s["name"]: sum(s["splits"][sp]["n_prompts"] for sp in datagen.SPLITS) for s in man["sources"]}
+    assert drawn == {"sharegpt": 8, "gsm8k-train": 9, "sharegpt-code": 5, "mbpp": 7}  # mbpp: n absent = all
+    assert all(s["splits"]["dev"]["n_prompts"] > 0 for s in man["sources"])  # a dev split per source
+
+    tok = AutoTokenizer.from_pretrained(tiny_pair[1])
+    text_of = {tuple(encode_prompt(tok, t, True)): t for ts in mix_sets.values() for t in ts}
+    seqs = list(_all_seqs(out))
+    seen = [text_of[tuple(q["prompt"].tolist())] for q in seqs]
+    assert len(set(seen)) == len(seen) == 29  # no text twice, though sharegpt and sharegpt-code overlap
+    counted = {(n, sp): dict.fromkeys(datagen.COUNTS, 0) for n in names for sp in datagen.SPLITS}
+    for q, text in zip(seqs, seen):
+        name = names[q["source"]]
+        assert text in mix_sets[name] and q["split"] == datagen.split_of(text, 0.5, 0.3)
+        c = counted[name, q["split"]]
+        c["n_prompts"], c["n_tokens"] = c["n_prompts"] + 1, c["n_tokens"] + len(q["z_ids"])
+        c["n_loss_tokens"] += int(q["loss_mask"].sum())
+    # source_ids and the manifest's per-source counts agree: per-source dev metrics need nothing else
+    assert counted == {(s["name"], sp): s["splits"][sp] for s in man["sources"] for sp in datagen.SPLITS}
+
+
+@pytest.mark.parametrize("sources, expect", [
+    ("[{name: nope, n: 5}]", ["unknown source 'nope'", "'sources'", *prompts.TRAINING_SETS, ".jsonl"]),
+    ("[{name: humaneval}]", ["'humaneval' is an evaluation set", "'sources'", "mbpp"]),
+    ("[{name: mbpp, count: 5}]", ["unknown key(s) count", "name, n, field"]),
+    ("[{name: mbpp, n: 0}]", ["n of 'mbpp'", "-1 (all)"]),
+    ("[mbpp, mbpp]", ["'mbpp' twice"]),
+])
+def test_bad_mix_is_one_error_line(tiny_pair, tmp_path, capsys, sources, expect):
+    assert datagen.main(_overrides(tiny_pair, "", tmp_path / "out", dataset="", sources=sources)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err
+    for e in expect:
+        assert e in err, (e, err)
+    assert not (tmp_path / "out").exists()
+
+
+def test_dataset_and_sources_together_are_refused(tiny_pair, tmp_path, capsys):
+    assert datagen.main(_overrides(tiny_pair, "p.jsonl", tmp_path / "out", sources="[mbpp]")) == 2
+    assert "'dataset' and 'sources' are both set" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("key", ["draft_quant", "draft_vocab", "draft"])
+def test_resume_with_another_draft_configuration_is_refused(ref_run, tiny_pair, tmp_path, capsys, monkeypatch, key):
+    prompts_file, ref, _ = ref_run
+    out = tmp_path / "copy"
+    shutil.copytree(ref, out)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    old = json.loads((ref / "manifest.json").read_text())["config"][key]
+    new = {"draft_quant": "int8", "draft_vocab": "16", "draft": str(tiny_pair[1])}[key]
+
+    def no_load(*a, **k):
+        raise AssertionError("the draft configuration is checked before the models load")
+
+    monkeypatch.setattr(datagen, "load_models", no_load)
+    assert datagen.main(_overrides(tiny_pair, prompts_file, out, **{key: new})) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err
+    assert f"another draft configuration ({key}: {old!r} there, {new!r} now)" in err
+    assert "another out_dir" in err and "overwrite=true" in err
+    assert before == {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}  # untouched

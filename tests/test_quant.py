@@ -64,3 +64,19 @@ def test_bad_quant_is_refused_before_loading():
     with pytest.raises(UserError, match="unknown draft quantization 'int4'; use one of none, int8"):
         load_model("/nonexistent/model", "draft", quant="int4")
     assert check_quant(None) == "none" and check_quant("int8", "cpu") == "int8"
+
+
+def test_int8_linear_dense_path_for_many_rows_matches_the_kernel():
+    """From dense_rows input rows on, the layer dequantizes and runs a dense GEMM (faster for
+    batched passes); both paths compute with the same int8 weights, so they agree to rounding."""
+    torch.manual_seed(0)
+    q = Int8Linear(torch.nn.Linear(32, 48))
+    x = torch.randn(2, 5, 32)
+    with torch.inference_mode():
+        kernel = q(x)
+        q.dense_rows = 10  # 2 x 5 rows: now the dense path
+        dense = q(x)
+    assert dense.shape == kernel.shape and dense.dtype == kernel.dtype
+    # the kernel rounds activations to bf16; the dense path keeps them in x's dtype
+    assert (dense - kernel).abs().max() < 0.02 * kernel.abs().max()
+    assert not torch.equal(dense, kernel)  # it really took the other path

@@ -155,3 +155,95 @@ def test_errors(tmp_path, capsys):
     (tmp_path / "results.jsonl").write_text('{"a": 1}\n')
     with pytest.raises(UserError, match="not a sweep results file"):
         report.build_report(tmp_path)
+
+
+# ----------------------------------------------------------------------------- tree and multi-draft rows
+
+# config -> (method, params, N, N_draft, N_target, n_drafted, tree depth, predicted accepted per round), prompt 1
+TREE_CONFIGS = {
+    "tree:tree:positional:b=4": ("tree", {"drafting": "tree", "estimator": "positional", "budget": 4},
+                                 100, 60, 30, 120, 2.0, 2.5),
+    "tree:tree:head=d3-wrej6:b=4": ("tree", {"drafting": "tree", "estimator": "head", "budget": 4, "head": "d3-wrej6"},
+                                    100, 60, 25, 100, 2.5, 3.2),
+    "tree:tree:positional:b=learned<=8:c=auto": ("tree", {"drafting": "tree", "estimator": "positional",
+                                                          "budget": "learned", "max_budget": 8},
+                                                 100, 50, 26, 90, 2.2, 2.9),
+    "ersd:tree:positional:b=4": ("ersd", {"drafting": "tree", "estimator": "positional", "budget": 4},
+                                 100, 60, 28, 112, 2.1, 2.6),
+    "spectr:n=2:k=2": ("spectr", {"num_drafts": 2, "k": 2}, 100, 80, 40, 160, None, None),
+}
+CALIBRATION = {"settings": {"prompts": ["p1", "p2"], "vocab_size": 32},
+               "gsd": {"cond_rates": [0.6, 0.3, 0.2]}, "ersd": {"cond_rates": [0.7, 0.35, 0.2]}}
+
+
+def make_tree_rows(datasets=("alpaca", "gsm8k")):
+    rows = []
+    for ds in datasets:
+        for p, scale in ((0, 1.0), (1, 0.5)):
+            for cfg, (method, params, n, nd, nt, drafted, depth, pred) in TREE_CONFIGS.items():
+                n, nd, nt, drafted = n * scale, nd * scale, nt * scale, drafted * scale
+                rows.append({"dataset": ds, "prompt_idx": p, "prompt_sha": f"{ds}{p}", "config": cfg, "method": method,
+                             "k": params.get("k"), "head": params.get("head"), "h": None, "tau": None, **params,
+                             "n_tokens": n, "n_draft_forwards": nd, "n_target_forwards": nt, "rounds": nt,
+                             "n_accepted": n - nt, "n_drafted": drafted, "n_discarded": drafted - (n - nt),
+                             "tree_depth": depth, "predicted_accepted": pred,
+                             "wall_s": TD * nd + TT * nt + PREFILL, "prefill_s": PREFILL, "counts_derived": False})
+    return rows
+
+
+def tree_tps(cfg, scale=None):
+    """Measured tokens/s: pooled over both prompts, or of one prompt (scale 1 or 0.5)."""
+    _, _, n, nd, nt, *_ = TREE_CONFIGS[cfg] if cfg in TREE_CONFIGS else CONFIGS[cfg]
+    if scale is None:
+        return 1.5 * n / (1.5 * (TD * nd + TT * nt) + 2 * PREFILL)
+    return scale * n / (scale * (TD * nd + TT * nt) + PREFILL)
+
+
+def paired(a, b):
+    return (tree_tps(a, 1.0) / tree_tps(b, 1.0) * tree_tps(a, 0.5) / tree_tps(b, 0.5)) ** 0.5
+
+
+def test_tree_rows_family_table_plots_and_fig3(tmp_path):
+    from adaptive_spec.tree_calibration import tunstall_accepted, zeroth_order_accepted
+
+    d = write_sweep(tmp_path, make_rows() + make_tree_rows())
+    (d / "tree_calibration.json").write_text(json.dumps(CALIBRATION))
+    out = report.build_report(d)
+    md = out.read_text()
+    t1 = md.split("## Table 1")[1].split("## Table 2")[0]
+    head, pos = "tree:tree:head=d3-wrej6:b=4", "tree:tree:positional:b=4"
+    learned = "tree:tree:positional:b=learned<=8:c=auto"
+    # the best of each family, with tokens/s, paired speed-up over the target alone, tokens and drafted per pass
+    for cfg, fam, tok_pass, drafted in ((head, "optimal tree, head-estimated R", "4.000", "4.00"),
+                                        (pos, "optimal tree, positional R", "3.333", "4.00"),
+                                        ("spectr:n=2:k=2", "SpecTr", "2.500", "4.00")):
+        line = (f"| alpaca | {fam} | {cfg} | {tree_tps(cfg):.2f} | {paired(cfg, 'ar'):.3f}× | {tok_pass} | "
+                f"{drafted} |")
+        assert line in t1
+    assert f"| alpaca | fixed K | fixed:k=4 | {tree_tps('fixed:k=4'):.2f} |" in t1
+    assert f"| gsm8k | optimal tree, learned budget | {learned} |" in t1
+    assert "| alpaca | ERSD | ersd:tree:positional:b=4 |" in t1 and "batch SD" not in t1  # no such rows
+    # head vs positional tree, learned vs best fixed budget (the head tree here), paired per prompt
+    assert f"{100 * (paired(head, pos) - 1):+.1f}% ({head} vs {pos})" in t1
+    assert f"{100 * (paired(learned, head) - 1):+.1f}% ({learned} vs {head})" in t1
+    # ERSD Fig. 3: measured (105 accepted / 45 passes), the policy's prediction, the 0-th order model
+    # and the Tunstall bound of the calibrated rates; none of the latter for a learned budget or SpecTr
+    z, b = zeroth_order_accepted([0.6, 0.3, 0.2], "tree", 4, 32), tunstall_accepted([0.6, 0.3, 0.2], 4, 32)
+    assert b >= z
+    fig3 = md.split("## ERSD Fig. 3")[1]
+    assert f"| {pos} | 4.00 | 2.00 | 2.333 | 2.500 | {z:.3f} | {b:.3f} |" in fig3
+    assert f"| {learned} | 3.46 | 2.20 | 2.846 | 2.900 | — | — |" in fig3
+    assert "| spectr:n=2:k=2 | 4.00 | — | 1.500 | — | — | — |" in fig3
+    assert "2 calibration prompts (gsd: c = [0.6, 0.3, 0.2]; ersd: c = [0.7, 0.35, 0.2])" in fig3
+    for ds in ("alpaca", "gsm8k"):
+        png = d / f"accepted_vs_drafted_{ds}.png"
+        assert png.is_file() and png.stat().st_size > 1000 and f"]({png.name})" in md
+    # the chain tables keep their numbers
+    assert f"{tps('fixed:k=4'):.2f} (K=4;" in t1
+
+
+def test_report_without_tree_rows_has_no_tree_sections(tmp_path):
+    d = write_sweep(tmp_path, make_rows())
+    md = report.build_report(d).read_text()
+    assert "per family" not in md and "ERSD" not in md and "accepted_vs_drafted" not in md
+    assert not list(d.glob("accepted_vs_drafted_*.png"))

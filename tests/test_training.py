@@ -13,9 +13,10 @@ import torch
 from safetensors.torch import load_file
 
 from adaptive_spec import training
+from adaptive_spec.cli import main as cli_main
 from adaptive_spec.config import config_keys, load_config
 from adaptive_spec.errors import UserError
-from adaptive_spec.heads import AcceptanceHead
+from adaptive_spec.heads import AcceptanceHead, shard_inputs, shard_positions
 from train_fixtures import make_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,6 +100,69 @@ def test_bad_datasets_are_refused(tmp_path, dataset):
 
 
 # ---------------------------------------------------------------- data
+
+def test_auc_by_hand_and_against_all_pairs():
+    # accepted (P >= 0.99, 0.995 included) at scores 0.3 and 0.8; rejected at 0.1, 0.35 and 0.8 (a tie)
+    score = torch.tensor([0.1, 0.3, 0.35, 0.8, 0.8])
+    target = torch.tensor([0.0, 0.995, 0.5, 1.0, 0.2])
+    assert training.auc(score, target) == pytest.approx((1 + 2.5) / 6)
+    assert math.isnan(training.auc(score, torch.ones(5)))  # one class only
+    g = torch.Generator().manual_seed(0)
+    s = torch.randint(0, 6, (300,), generator=g).double()  # many ties
+    t = (torch.rand(300, generator=g) < 0.7).double()
+    pos, neg = s[t >= 0.99], s[t < 0.99]
+    pairs = (pos[:, None] > neg[None]).double() + 0.5 * (pos[:, None] == neg[None]).double()
+    assert training.auc(s, t) == pytest.approx(pairs.mean().item(), abs=1e-12)
+
+
+def test_ece_and_metrics_on_hand_made_predictions():
+    pred = torch.tensor([0.02, 0.5, 0.51, 0.99], dtype=torch.float64)
+    tgt = torch.tensor([0.0, 1.0, 0.0, 1.0])
+    m, bins = training.prediction_metrics(torch.logit(pred), tgt, n_bins=15)
+    # 15 bins of width 1/15: 0.02 -> bin 0, 0.5 and 0.51 -> bin 7, 0.99 -> bin 14
+    assert bins[0].nonzero().flatten().tolist() == [0, 7, 14]
+    assert m["ece"] == pytest.approx((0.02 + 2 * abs(0.505 - 0.5) + 0.01) / 4, abs=1e-12)
+    assert m["auc"] == 0.75 and m["n"] == 4 and m["mean_pred"] == pytest.approx(0.505)  # 0.5 (accepted) < 0.51
+    assert m["kl"] == pytest.approx(training.binary_kl(tgt, torch.logit(pred)).mean().item())
+    # the constant at the mean target: calibrated (ECE 0) and blind (AUC 0.5)
+    const = torch.zeros(4, dtype=torch.float64)  # logit 0: p_hat = 0.5, the mean target
+    m, _ = training.prediction_metrics(const, tgt, n_bins=10)
+    assert m["ece"] == pytest.approx(0.0, abs=1e-12) and m["auc"] == 0.5
+
+
+@pytest.mark.parametrize("feature,inputs", [("token", "hidden"), ("token", "hidden+stats"), ("context", "hidden"),
+                                            ("context", "hidden+stats")])
+def test_training_rows_are_shard_inputs_rows(dataset, feature, inputs):
+    """What training feeds the head at each position is what heads.shard_inputs (the offline
+    replay) builds for it, row for row, and the stats are datagen's draft_stats there."""
+    cfg = training.TrainConfig(data=str(dataset), feature=feature, inputs=inputs)
+    m = training.read_manifest(dataset)
+    ds = training.load_split(cfg, m, "train", None)
+    x, y = ds.gather(torch.arange(len(ds)))
+    head = AcceptanceHead(16, depth=0, feature=feature, inputs=inputs)
+    want_x, want_y = [], []
+    for s in m["splits"]["train"]["shards"]:
+        shard = load_file(str(dataset / s["file"]))
+        used = shard_positions(head, shard)
+        want_x.append(shard_inputs(head, shard)[used])
+        want_y.append(shard["accept_prob"][used])
+    assert torch.equal(x.float(), torch.cat(want_x)) and torch.equal(y, torch.cat(want_y))
+    assert x.shape[1] == head.in_dim and (x.dtype == torch.float32) == (inputs == "hidden+stats")
+
+
+def test_stats_need_datagen_draft_stats(tmp_path):
+    old = make_dataset(tmp_path / "old", seqs={"train": 4, "dev": 2}, stats=False)
+    cfg = training.TrainConfig(data=str(old), inputs="hidden+stats")
+    with pytest.raises(UserError, match="inputs=hidden\\+stats needs the draft statistics \\(shard tensor draft_stats\\)"
+                                        ".*regenerate the dataset with the current `adaptive-spec datagen` "
+                                        "\\(or train inputs=hidden\\)"):
+        training.load_split(cfg, training.read_manifest(old), "train", None)
+    assert len(training.load_split(training.TrainConfig(data=str(old)), training.read_manifest(old), "train", None))
+    with pytest.raises(UserError, match="inputs must be one of hidden, hidden\\+stats"):
+        load_config(training.TrainConfig, None, [f"data={old}", "inputs=stats"])
+    with pytest.raises(UserError, match="ece_bins must be >= 2"):
+        load_config(training.TrainConfig, None, [f"data={old}", "ece_bins=1"])
+
 
 def test_positions_and_features_follow_the_format(dataset):
     cfg = training.TrainConfig(data=str(dataset))
@@ -279,3 +343,77 @@ def test_sweep_writes_the_table_and_skips_finished_heads(tmp_path, dataset):
     r = launch(args, accelerate=False)
     assert r.returncode == 0 and r.stderr.count("already finished") == 4
     assert (tmp_path / "sweep" / "sweep.md").read_text().splitlines() == md
+
+
+# ---------------------------------------------------------------- the input ablation (eval/ablate_heads.py)
+
+def ablate_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ablate_heads", ROOT / "eval" / "ablate_heads.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_ablation_trains_the_grid_resumes_and_reports_per_source(tmp_path, tiny_pair, capsys):
+    """hidden / hidden+stats / context heads on data where P depends on log q(Y_i) as well as on the
+    state: the stats head learns what the others cannot see. Per-source dev metrics, recomputed
+    from shard_inputs rows, add up to the dev metrics training measured on its own rows. A rerun
+    skips every finished head. The stats head then drives the learned policy on the tiny pair."""
+    data = make_dataset(tmp_path / "ds", seqs={"train": 48, "dev": 16}, stats_weight=3.0, sources=["gsm8k", "code"])
+    out = tmp_path / "abl"
+    args = ["eval/ablate_heads.py", "--data", str(data), "--out", str(out), "--depths", "0", "--w-rejs", "1",
+            "report_to=none", "epochs=4", "batch_size=32", "lr=3e-2", "warmup_ratio=0.1", "eval_every=10",
+            "save_every=0", "log_every=5"]
+    r = subprocess.run([sys.executable, *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    table = json.loads((out / "ablation.json").read_text())
+    rows = {row["inputs"]: row for row in table["rows"]}
+    assert list(rows) == ["hidden", "hidden+stats", "context"] and table["sources"] == ["gsm8k", "code"]
+    assert rows["hidden+stats"]["dev_kl"] < 0.8 * rows["hidden"]["dev_kl"]
+    assert rows["hidden+stats"]["dev_auc"] > rows["hidden"]["dev_auc"]
+    md = (out / "ablation.md").read_text()
+    assert "| inputs | D | w_rej | training positions | best step | dev KL | dev AUC | dev ECE | gsm8k: KL / AUC / ECE " \
+           "| code: KL / AUC / ECE |" in md
+    for name in ("hidden-d0-wrej1", "hidden-stats-d0-wrej1", "context-d0-wrej1"):
+        res = json.loads((out / name / "results.json").read_text())
+        by = json.loads((out / name / "ablation.json").read_text())
+        assert by["all"]["n"] == res["best"]["dev_n"] == by["gsm8k"]["n"] + by["code"]["n"]
+        for k in ("kl", "auc", "ece", "loss"):
+            assert by["all"][k] == pytest.approx(res["best"][f"dev_{k}"], abs=1e-5)
+        card = (out / name / "head" / "README.md").read_text()
+        assert "Dev metrics per prompt source" in card and f"| code | {by['code']['n']} |" in card
+        assert "prompt sources: gsm8k, code" in card
+    head = AcceptanceHead.from_pretrained(out / "hidden-stats-d0-wrej1" / "head", hidden_size=16)
+    assert head.inputs == "hidden+stats" and head.stats_params.top_k == 0  # the manifest's datagen sampling
+    m = training.read_manifest(data)
+    st = torch.cat([load_file(str(data / s["file"]))["draft_stats"][load_file(str(data / s["file"]))["loss_mask"].bool()]
+                    for s in m["splits"]["train"]["shards"]]).double()
+    torch.testing.assert_close(head.stats_mean, st.mean(0).float())  # standardized by the training positions
+    torch.testing.assert_close(head.stats_std, st.std(0, correction=0).float())
+
+    r2 = subprocess.run([sys.executable, *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert r2.returncode == 0 and r2.stderr.count("already finished") == 3, r2.stderr[-3000:]
+    assert (out / "ablation.md").read_text() == md
+
+    draft, target = map(str, tiny_pair)
+    run = ["generate", "--prompt", "abc", "--draft", draft, "--target", target, "--dtype", "fp32", "--temperature", "0",
+           "--max-new-tokens", "20", "--json"]
+    assert cli_main([*run, "--policy", "learned", "--head", str(out / "hidden-stats-d0-wrej1" / "head"),
+                     "--threshold", "0.7"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert cli_main([*run, "--policy", "ar"]) == 0
+    assert spec["token_ids"] == json.loads(capsys.readouterr().out)["token_ids"]
+
+
+def test_ablation_refuses_bad_grids(tmp_path, dataset, capsys):
+    mod = ablate_module()
+    for argv, msg in [(["--variants", "hidden,stats"], "--variants takes a comma-separated list of hidden, "
+                                                         "hidden+stats, context, context+stats"),
+                      (["--depths", "0,7"], "depths must be in 0..4"),
+                      (["--w-rejs", "x"], "--w-rejs takes a comma-separated list of positive numbers")]:
+        assert mod.main(["--data", str(dataset), "--out", str(tmp_path / "a"), *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and msg in err and err.count("\n") == 1, err
+    assert not (tmp_path / "a").exists()

@@ -17,16 +17,9 @@ from adaptive_spec.models import CausalLM
 from adaptive_spec.sampling import SamplingParams
 from tiny import make_model
 from exact import chi_square_pvalue, exact_sequence_probs, sample_counts
-from tree_mocks import ConstHead, MockHead, TreeMockLM
+from tree_mocks import MOCK_V, ConstHead, MockHead, hf_pair, mock_pair
 
 GREEDY = SamplingParams(temperature=0)
-
-
-
-def hf_pair(vocab=32, scale=4.0):
-    target = CausalLM(make_model(vocab, hidden_size=24, layers=2, seed=2, logit_scale=scale))
-    draft = CausalLM(make_model(vocab, hidden_size=16, layers=2, seed=1, logit_scale=scale))
-    return draft, target
 
 
 # ---- tree attention and cache compaction on real (tiny) transformers ------------------------
@@ -194,6 +187,7 @@ def test_metrics_and_forward_counts():
     assert m.n_accepted + rounds >= 40
     assert m.n_draft_forwards <= 4 * rounds  # one per level that has children, the root included
     assert pol.rounds == rounds and pol.predicted > 0
+    assert pol.drafted == m.n_drafted and rounds - 1 <= pol.depth_sum <= 4 * rounds  # depth 4 but near the end
 
 
 REUSED = [("tree", dict(tree_budget=6)), ("tree", dict(tree_budget=6, tree_estimator="head")),
@@ -226,11 +220,7 @@ def test_reused_policy_object_repeats_its_output(name, kw):
 
 # ---- exact output distribution --------------------------------------------------------------
 
-V, L, N = 5, 3, 2000
-
-
-def mock_pair():
-    return TreeMockLM(V, seed=4), TreeMockLM(V, seed=3)  # draft, target: far apart
+V, L, N = MOCK_V, 3, 2000
 
 
 EXACT = [

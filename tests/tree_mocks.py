@@ -4,13 +4,29 @@
 needs from a model: a forward with an arbitrary attention pattern (`tree_forward`) and cache
 compaction (`compact`). A token's "context" is what its attention row allows: the previous token
 of a row is the last slot it may attend to before its own, exactly as a causal transformer would
-see a tree path. `ConstHead` / `MockHead` stand in for an AcceptanceHead.
+see a tree path. `ConstHead` / `MockHead` stand in for an AcceptanceHead. `hf_pair` and
+`mock_pair` are the (draft, target) pairs the tree tests decode with.
 """
 from __future__ import annotations
 
 import torch
 
-from tiny import MockLM
+from adaptive_spec.models import CausalLM
+from tiny import MockLM, make_model
+
+MOCK_V = 5  # vocabulary of mock_pair: small enough to enumerate every continuation
+
+
+def hf_pair(vocab=32, scale=4.0):
+    """Tiny Qwen2 models (draft, target)."""
+    target = CausalLM(make_model(vocab, hidden_size=24, layers=2, seed=2, logit_scale=scale))
+    draft = CausalLM(make_model(vocab, hidden_size=16, layers=2, seed=1, logit_scale=scale))
+    return draft, target
+
+
+def mock_pair():
+    """(draft, target) trigram mocks, far apart."""
+    return TreeMockLM(MOCK_V, seed=4), TreeMockLM(MOCK_V, seed=3)
 
 
 class TreeMockLM(MockLM):

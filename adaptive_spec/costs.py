@@ -1,0 +1,166 @@
+"""What a forward pass costs on the running machine: the hardware side of Eq. 5.1.
+
+    t_draft   one draft step (one token in, its logits out)
+    t_target  a target pass over one token
+    t_cand    the extra target time per candidate in a verification pass of K + 1 tokens
+
+A verification pass of K + 1 tokens is timed for K + 1 = 1..9 and fitted by least squares as
+t_target + t_cand * K. On GPUs and AVX-512 CPUs t_cand is near zero (the pass reads the weights
+once whatever K is), but on an AVX2-only CPU it is about 10 ms per candidate, which Eq. 3.1,
+T = t_draft N_draft + t_target N_target, has no term for (timemodel.py has the one with it).
+
+`measure_costs(pair)` runs a few forwards through the pair's own runners (warm-up first, the
+median of `reps`), after a 32-token prefix so attention has a context to read. The result is
+cached as JSON in <cache>/costs/<key>.json ($ADAPTIVE_SPEC_CACHE or ~/.cache/adaptive_spec),
+the key hashing everything that moves these times: the CPU and its flags, torch threads and
+version, the device, both models' fingerprints and dtypes, the draft's quantization and
+vocabulary, the runner class. A cache file that does not parse is measured again, with a warning.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .errors import UserError
+from .runs import write_json
+from .timing import timed
+
+VERIFY_LENGTHS = tuple(range(1, 10))  # K + 1 for K = 0..8
+PREFIX = 32
+
+
+@dataclass
+class Costs:
+    t_draft: float
+    t_target: float
+    t_cand: float
+    key: str
+    measured: str  # when (UTC) and where the times were taken
+
+    @property
+    def c(self) -> float:
+        """t_draft / t_target, the paper's cost ratio."""
+        return self.t_draft / self.t_target
+
+    @property
+    def node_cost(self) -> float:
+        """One more drafted token (its draft step and its share of the verification), in target steps."""
+        return (self.t_draft + self.t_cand) / self.t_target
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def costs_dir() -> Path:
+    from .fetch import cache_dir
+
+    return cache_dir() / "costs"
+
+
+def cost_config(pair) -> dict:
+    """What the forward times depend on (hashed into the cache key)."""
+    import torch
+
+    from .cpu import describe
+    from .datagen import model_fingerprint
+
+    machine = describe()
+    device = pair.target.device
+    config = {"cpu": machine["cpu"], "cpu_flags": machine["cpu_flags"], "isa": machine["isa"],
+              "threads": torch.get_num_threads(), "torch": torch.__version__, "device": str(device),
+              "backend": type(pair.target).__name__, **getattr(pair, "draft_config", {})}
+    if device.type == "cuda":
+        config["gpu"] = torch.cuda.get_device_name(device)
+    for role, lm in (("target", pair.target), ("draft", pair.draft)):
+        config[f"{role}_fingerprint"] = model_fingerprint(lm.model)
+        config[f"{role}_dtype"] = str(next(lm.model.parameters()).dtype)
+    return config
+
+
+def config_key(config: dict) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def measure_costs(pair, reps: int = 3, cache: bool = True) -> Costs:
+    """This machine's Costs for `pair` (a SpecPair, or anything with CausalLM-like .target and
+    .draft), from the cache when this configuration was measured before."""
+    if getattr(pair, "draft", None) is None:
+        raise UserError("forward costs need a draft model; load the pair with a draft (not --policy ar)")
+    config = cost_config(pair)
+    key = config_key(config)
+    path = costs_dir() / f"{key}.json"
+    if cache:
+        hit = _read_cached(path, key)
+        if hit is not None:
+            return hit
+        print(f"measuring forward times on this machine (once per configuration; cached in {path})",
+              file=sys.stderr)
+    costs = _measure(pair, reps, key)
+    if cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, {**costs.to_dict(), "config": config})
+    return costs
+
+
+def costs_from_json(d: dict) -> Costs:
+    """Costs from a cache file's JSON (KeyError / TypeError / ValueError where it is not one)."""
+    return Costs(float(d["t_draft"]), float(d["t_target"]), float(d["t_cand"]), str(d["key"]), str(d["measured"]))
+
+
+def _read_cached(path: Path, key: str) -> Costs | None:
+    if not path.is_file():
+        return None
+    try:
+        costs = costs_from_json(json.loads(path.read_text()))
+        if costs.key != key or not (costs.t_draft > 0 and costs.t_target > 0 and costs.t_cand >= 0):
+            raise ValueError(f"key {costs.key}, times {costs.t_draft}, {costs.t_target}, {costs.t_cand}")
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        print(f"warning: cached forward times {path} are unreadable ({type(e).__name__}: {e}); measuring again",
+              file=sys.stderr)
+        return None
+    return costs
+
+
+def _measure(pair, reps: int, key: str) -> Costs:
+    import numpy as np
+
+    if reps < 1:
+        raise UserError(f"reps must be >= 1, got {reps}")
+    t_draft = _forward_times(pair.draft, (1,), reps, all_logits=False)[1]
+    verify = _forward_times(pair.target, VERIFY_LENGTHS, reps, all_logits=True)
+    k = np.asarray(VERIFY_LENGTHS, dtype=float) - 1
+    slope, intercept = np.polyfit(k, [verify[n] for n in VERIFY_LENGTHS], 1)
+    if slope < 0:  # timing noise on a pass that does not grow with K: no per-candidate cost
+        slope, intercept = 0.0, statistics.mean(verify.values())
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return Costs(float(t_draft), float(intercept), float(slope), key, stamp)
+
+
+def _forward_times(lm, lengths, reps: int, all_logits: bool) -> dict[int, float]:
+    """Median seconds of feeding n tokens after a PREFIX-token context, per n; the first run of
+    each length is a warm-up (allocation, kernel selection). The runner is left reset and its
+    counters as they were, so measuring never shows up in a generation's metrics."""
+    import torch
+
+    saved = (lm.fwd_time, lm.n_forwards)
+    ids = (torch.arange(PREFIX + max(lengths), device=lm.device) * 7 + 5) % lm.vocab_size
+    lm.reset()
+    lm.forward(ids[:PREFIX], n_logits=0)
+    out = {}
+    for n in lengths:
+        times = []
+        for r in range(reps + 1):
+            lm.rollback(PREFIX)
+            with timed(lm.device) as t:
+                lm.forward(ids[PREFIX:PREFIX + n], n_logits=n if all_logits else 1)
+            if r:
+                times.append(t.s)
+        out[n] = statistics.median(times)
+    lm.reset()
+    lm.fwd_time, lm.n_forwards = saved
+    return out

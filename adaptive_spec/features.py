@@ -1,0 +1,83 @@
+"""What an acceptance head reads, defined once for datagen, training and decoding.
+
+`draft_stats(q, y)` are the draft's own statistics of a candidate y drawn from q:
+
+    log_q     log q(y), floored at MIN_LOG_Q (q(y) = 0 happens when decoding processes q
+              differently from datagen, e.g. a smaller top-k; the floor keeps it finite)
+    entropy   H(q) in nats
+    margin    top-1 minus top-2 probability of q
+
+Datagen stores draft_stats(q_i, Y_i) per response position (shard tensor `draft_stats` [T, 3]),
+q_i processed with the datagen run's temperature / top-k / top-p. At decoding time the learned
+policy recomputes q from the step's raw logits with those same parameters (the head records
+them as `stats_sampling`) rather than using the decoder's q: at temperature 0 the decoder's q
+is a point mass, whose statistics (0, 0, 1) training never saw. With the same logits and y the
+two paths give bit-identical rows (sums in float64, rounded once to float32), so a batched
+datagen step and a one-row decode step agree. Cost per draft step: one more process_logits and
+one pass over the vocabulary, about 1.5x the decoder's own process_logits (counted in policy_s).
+
+Position in the round is deliberately not a feature. Given the accepted prefix, whether y_i is
+accepted, min(1, p(y_i)/q(y_i)), does not depend on where the round began, so the position
+carries no information the prefix (and the hidden state) does not. Datagen has no rounds, so it
+could only be simulated with draws independent of the target, which a head learns to ignore, or
+taken from some policy's rounds, which would tie the head to that policy's threshold. The
+product 1 - prod p_hat_i already accounts for the round's length.
+
+`position_map` says which response positions a head trains on and which stored state it reads
+there (token: the state at Y_i's own position, where Z_i = Y_i; context: the state after
+Z_{i-1}, at every position but a response's first).
+"""
+from __future__ import annotations
+
+import torch
+
+from .sampling import SamplingParams, process_logits
+
+STATS = ("log_q", "entropy", "margin")
+N_STATS = len(STATS)
+MIN_LOG_Q = -20.0  # q(y) < 2e-9: as good as impossible; the floor keeps standardisation sane
+
+
+def draft_stats(q_probs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """q [..., V] probabilities, y [...] token ids -> [..., 3] float32 (log q(y), H(q), top1 - top2)."""
+    q_y = q_probs.gather(-1, y.long().unsqueeze(-1)).squeeze(-1).double()
+    log_q = q_y.log().clamp_min(MIN_LOG_Q)  # log 0 = -inf, floored
+    # per-element terms in q's dtype, summed in float64: one pass over V (the cost), and a sum
+    # whose rounding does not depend on how many rows share the call
+    ent = -torch.special.xlogy(q_probs, q_probs).sum(-1, dtype=torch.float64)  # 0 log 0 = 0
+    top = q_probs.topk(min(2, q_probs.shape[-1]), dim=-1).values.double()
+    margin = top[..., 0] - (top[..., 1] if top.shape[-1] > 1 else 0.0)
+    return torch.stack([log_q, ent, margin], -1).float()
+
+
+def step_stats(logits: torch.Tensor, token: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """draft_stats of a drafted token, q from the raw logits processed as datagen processed them."""
+    return draft_stats(process_logits(logits, sampling), token)
+
+
+def sampling_from(d: dict | None) -> SamplingParams:
+    """SamplingParams from a head's `stats_sampling` record (None: temperature 1, no truncation)."""
+    d = d or {}
+    return SamplingParams(float(d.get("temperature", 1.0)), int(d.get("top_k", 0)), float(d.get("top_p", 1.0)))
+
+
+def response_starts(resp_offsets: torch.Tensor, n: int) -> torch.Tensor:
+    """[n] bool: True at each response's first position. Its context state (that produced q_1)
+    is the prompt's last, which datagen does not store, so context features skip it."""
+    starts = resp_offsets.long()[:-1]
+    first = torch.zeros(n, dtype=torch.bool)
+    first[starts[starts < n]] = True
+    return first
+
+
+def position_map(feature: str, loss_mask: torch.Tensor, resp_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(used [T] bool, state_row [T] long) for a shard's T response positions.
+
+    used: the positions a head of this `feature` trains on; state_row[i]: the stored state it
+    reads for Y_i (always a valid row index; meaningless where a context head has no state)."""
+    T = len(loss_mask)
+    rows = torch.arange(T)
+    if feature == "context":
+        # Y_i from the state after Z_{i-1}, which never contains Y_i: usable mixed or not
+        return ~response_starts(resp_offsets, T), (rows - 1).clamp_min(0)
+    return loss_mask.bool(), rows  # Z_i came from Y_i: its own state is the head's input

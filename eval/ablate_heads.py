@@ -1,0 +1,185 @@
+"""Head inputs, ablated (issue 16): train heads on one datagen folder over input set x D x w_rej
+and tabulate dev KL, AUC and ECE, overall and per prompt source.
+
+    python eval/ablate_heads.py --data runs/datagen/mix [--out runs/heads/ablation]
+        [--variants hidden,hidden+stats,context] [--depths 0,3] [--w-rejs 1,6]
+        [--config configs/train/default.yaml] [key=value ...]      # rerun the same command to resume
+
+Input sets (a head's `feature` and `inputs`, adaptive_spec/heads.py):
+  hidden         feature=token, inputs=hidden: the paper's head on the draft's last hidden state
+  hidden+stats   feature=token, inputs=hidden+stats: also log q(y), H(q), top-1 - top-2 (features.py)
+  context        feature=context, inputs=hidden: the no-lag head on the state that produced q_i
+  context+stats  feature=context, inputs=hidden+stats (not in the default grid)
+
+Each head is one `adaptive_spec.training.train` run in <out>/<set>-d<D>-wrej<w>/ (resumed after an
+interruption, skipped once finished); key=value overrides apply to every run (e.g. epochs=2).
+All heads share the config's target (default accept_prob = min(1, p/q)), so their metrics
+compare. Overall dev metrics are those of the exported head (lowest dev loss); per-source ones
+are recomputed from that head on heads.shard_inputs rows (the rows the offline replay of
+`--threshold auto` reads), cached in the run's ablation.json and added to its model card
+(head/README.md). Writes <out>/ablation.md and <out>/ablation.json.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from adaptive_spec.config import load_config
+from adaptive_spec.errors import UserError, run_main
+from adaptive_spec.heads import AcceptanceHead, shard_inputs, shard_positions
+from adaptive_spec.runs import atomic_write, write_json
+from adaptive_spec.tables import fmt, md_table
+from adaptive_spec.training import TrainConfig, dataset_sources, prediction_metrics, read_manifest, train
+
+VARIANTS = {"hidden": ("token", "hidden"), "hidden+stats": ("token", "hidden+stats"),
+            "context": ("context", "hidden"), "context+stats": ("context", "hidden+stats")}
+DEFAULT_VARIANTS = "hidden,hidden+stats,context"
+
+
+def _list(text: str, cast, what: str, valid: str) -> list:
+    try:
+        items = [cast(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        items = []
+    if not items:
+        raise UserError(f"{what} takes a comma-separated list of {valid}, got {text!r}")
+    return items
+
+
+def _variant(name: str) -> str:
+    if name.strip() not in VARIANTS:
+        raise ValueError(name)
+    return name.strip()
+
+
+def run_name(variant: str, depth: int, w_rej: float) -> str:
+    return f"{variant.replace('+', '-')}-d{depth}-wrej{w_rej:g}"
+
+
+def source_of_positions(shard: dict) -> torch.Tensor:
+    """[T] source index of each response position (datagen stores one per sequence)."""
+    return torch.repeat_interleave(shard["source_ids"].long(), shard["resp_offsets"].long().diff())
+
+
+@torch.no_grad()
+def dev_metrics(head: AcceptanceHead, cfg: TrainConfig, manifest: dict) -> dict:
+    """{"all": metrics, source: metrics, ...} of `head` on every dev shard, from shard_inputs rows
+    at the positions training uses (shard_positions)."""
+    from safetensors.torch import load_file
+
+    names = dataset_sources(manifest)
+    zs, ys, srcs = [], [], []
+    for entry in ((manifest.get("splits") or {}).get("dev") or {}).get("shards") or []:
+        shard = load_file(str(Path(cfg.data) / entry["file"]))
+        used = shard_positions(head, shard)
+        zs.append(head(shard_inputs(head, shard)[used]).float())
+        ys.append(shard[cfg.target].float()[used].clamp(0, 1))
+        if names:
+            srcs.append(source_of_positions(shard)[used])
+    if not zs:
+        return {}
+    z, y = torch.cat(zs), torch.cat(ys)
+    out = {"all": prediction_metrics(z, y, cfg.w_acc, cfg.w_rej, cfg.ece_bins)[0]}
+    s = torch.cat(srcs) if srcs else None
+    for k, name in enumerate(names):
+        out[name] = prediction_metrics(z[s == k], y[s == k], cfg.w_acc, cfg.w_rej, cfg.ece_bins)[0]
+    return out
+
+
+def evaluate_head(run_dir: Path, cfg: TrainConfig, manifest: dict) -> dict:
+    """The run's ablation.json (computed once): its head's dev metrics overall and per source; the
+    per-source ones also go into the head's model card."""
+    cached = run_dir / "ablation.json"
+    if cached.is_file():
+        return json.loads(cached.read_text())
+    head = AcceptanceHead.from_pretrained(run_dir / "head", dtype=torch.float32)
+    by = dev_metrics(head, cfg, manifest)
+    if len(by) > 1:
+        head.extra["dev_by_source"] = {k: v for k, v in by.items() if k != "all"}
+        atomic_write(run_dir / "head" / "README.md", str(head.generate_model_card()))
+    write_json(cached, by)
+    return by
+
+
+def table_row(variant: str, cfg: TrainConfig, results: dict, by: dict, sources: list[str]) -> dict:
+    best = results.get("best") or {}
+    head_cfg = json.loads((Path(cfg.output_dir) / "head" / "config.json").read_text())
+    return {"inputs": variant, "D": cfg.depth, "w_rej": cfg.w_rej, "positions": head_cfg.get("n_train_positions"),
+            "best_step": results.get("best_step"), "dev_kl": best.get("dev_kl"), "dev_auc": best.get("dev_auc"),
+            "dev_ece": best.get("dev_ece"), "head": str(Path(cfg.output_dir) / "head"),
+            "by_source": {s: by.get(s, {}) for s in sources}}
+
+
+def write_tables(rows: list[dict], out: Path, cfg: TrainConfig, manifest: dict, sources: list[str]):
+    cols = ["inputs", "D", "w_rej", "training positions", "best step", "dev KL", "dev AUC", "dev ECE",
+            *[f"{s}: KL / AUC / ECE" for s in sources]]
+    cells = [[r["inputs"], r["D"], f"{r['w_rej']:g}", f"{r['positions']:,}" if r["positions"] else "-", r["best_step"],
+              fmt(r["dev_kl"], ".4f"), fmt(r["dev_auc"], ".4f"), fmt(r["dev_ece"], ".4f"),
+              *[" / ".join(fmt(r["by_source"][s].get(k), ".4f") for k in ("kl", "auc", "ece")) for s in sources]]
+             for r in rows]
+    text = [f"# Head inputs, ablated: {cfg.data} (datagen config hash {manifest.get('config_hash')})", "",
+            f"Target `{cfg.target}`; dev metrics of each exported head (lowest dev loss): KL = unweighted binary "
+            f"KL(P || p_hat), AUC = chance a token with P >= 0.99 ranks above one with P < 0.99, ECE over "
+            f"{cfg.ece_bins} equal-width bins. w_rej > 1 biases predictions down on purpose, which raises KL and "
+            "ECE: compare KL and ECE within a w_rej, AUC across all.", "", md_table(cols, cells), ""]
+    atomic_write(out / "ablation.md", "\n".join(text))
+    write_json(out / "ablation.json", {"data": cfg.data, "config_hash": manifest.get("config_hash"),
+                                       "target": cfg.target, "sources": sources, "rows": rows})
+    print(f"ablation table: {out / 'ablation.md'}", file=sys.stderr)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="eval/ablate_heads.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", required=True, help="datagen output folder (manifest.json + shards)")
+    p.add_argument("--out", default="runs/heads/ablation", help="one run folder per head, plus ablation.md")
+    p.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"input sets: {', '.join(VARIANTS)}")
+    p.add_argument("--depths", default="0,3", help="residual blocks D, each in 0..4")
+    p.add_argument("--w-rejs", default="1,6", help="rejection weights w_rej")
+    p.add_argument("--config", help="training YAML for every run (configs/train/*.yaml); default: TrainConfig's")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="training config overrides for every run")
+    return p
+
+
+def _main(argv) -> int:
+    from accelerate import PartialState
+
+    args = parser().parse_args(argv)
+    variants = _list(args.variants, _variant, "--variants", ", ".join(VARIANTS))
+    depths = _list(args.depths, int, "--depths", "integers in 0..4")
+    w_rejs = _list(args.w_rejs, float, "--w-rejs", "positive numbers")
+    base = load_config(TrainConfig, args.config, [*args.overrides, f"data={args.data}"])
+    manifest = read_manifest(base.data)
+    sources = dataset_sources(manifest)
+    out = Path(args.out)
+    grid = [(v, d, w) for v in variants for d in depths for w in w_rejs]
+    for v, d, w in grid:  # every run's settings checked before the first one trains
+        dataclasses.replace(base, feature=VARIANTS[v][0], inputs=VARIANTS[v][1], depth=d, w_rej=w).validate()
+    state, rows = PartialState(), []
+    for v, d, w in grid:
+        name = run_name(v, d, w)
+        cfg = dataclasses.replace(base, feature=VARIANTS[v][0], inputs=VARIANTS[v][1], depth=d, w_rej=w,
+                                  output_dir=str(out / name), feature_cache=base.feature_cache or str(out / "features"),
+                                  run_name=f"{base.run_name or out.name}-{name}")
+        state.print(f"[ablation] head {name} ({grid.index((v, d, w)) + 1}/{len(grid)})")
+        results = train(cfg, resume=True, end_training=False)
+        if state.is_main_process:
+            rows.append(table_row(v, cfg, results, evaluate_head(out / name, cfg, manifest), sources))
+    if state.is_main_process:
+        write_tables(rows, out, base, manifest, sources)
+    state.destroy_process_group()
+    return 0
+
+
+def main(argv=None) -> int:
+    return run_main(_main, argv, interrupted="finished heads and the last checkpoint of the running one are kept; "
+                                             "rerun the same command to resume")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

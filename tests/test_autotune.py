@@ -1,0 +1,201 @@
+"""autotune: the offline replay (closed forms, brute-force enumeration, the learned policy's own
+stop rule), the saved curve, the pick, and threshold="auto" / k="auto" through SpecPair."""
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from adaptive_spec import autotune as A
+from adaptive_spec.costs import Costs, measure_costs
+from adaptive_spec.errors import UserError
+from adaptive_spec.heads import AcceptanceHead
+from adaptive_spec.interfaces import DraftStep
+from adaptive_spec.pipeline import SpecPair
+from adaptive_spec.policies import LearnedThreshold
+from tiny import make_model, make_tokenizer
+from train_fixtures import make_dataset
+
+
+def expected_counts(P, K):
+    """(rounds, drafted, accepted) by enumerating every acceptance outcome of every round."""
+    T = len(P)
+
+    def from_(s):
+        if s >= T:
+            return np.zeros(3)
+        k = min(int(K[s]), T - s - 1)
+        total, reach = np.zeros(3), 1.0
+        for a in range(k + 1):  # a accepted: the first a pass, then a rejection (or all k passed)
+            p = reach * ((1.0 - P[s + a]) if a < k else 1.0)
+            total += p * (np.array([1.0, k, a]) + from_(s + a + 1))
+            if a < k:
+                reach *= P[s + a]
+        return total
+
+    return from_(0)
+
+
+def test_replay_is_the_exact_expectation():
+    rng = np.random.default_rng(0)
+    for T in (1, 2, 5, 9):
+        P = rng.uniform(0, 1, T)
+        P[rng.uniform(size=T) < 0.3] = 1.0  # many exact 1s and a 0, as min(1, p/q) gives
+        P[0] = 0.0 if T > 3 else P[0]
+        K = rng.integers(1, 5, T)
+        got = A.replay(A.window_products(P, 5), K)
+        assert got == pytest.approx(expected_counts(P, K), abs=1e-12)
+        assert got[0] + got[2] == pytest.approx(T)  # every response yields exactly T tokens
+
+
+@pytest.mark.parametrize("a", [0.5, 0.8, 0.95])
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_fixed_k_matches_the_closed_form(a, k):
+    """Constant acceptance a: a round yields (1 - a^(K+1)) / (1 - a) tokens in expectation."""
+    T = 10000
+    rounds, drafted, accepted = A.replay(A.window_products(np.full(T, a), k), np.full(T, k))
+    assert T / rounds == pytest.approx((1 - a ** (k + 1)) / (1 - a), rel=2e-3)
+    assert accepted / drafted == pytest.approx((a - a ** (k + 1)) / (1 - a) / k, rel=2e-3)
+
+
+class ValueHead:
+    """A duck-typed head whose 'hidden state' is its own prediction."""
+
+    depth = 0
+
+    def __init__(self, feature):
+        self.feature = feature
+
+    def acceptance_prob(self, h):
+        return h
+
+
+@pytest.mark.parametrize("feature, lag", [("token", 1), ("context", 0)])
+def test_stop_lengths_follow_the_learned_policy(feature, lag):
+    """K(s) of the replay equals what LearnedThreshold decides when fed, step by step, the
+    states the decoder hands it (token head: y_{i-1}'s at step i; context head: y_i's)."""
+    rng = np.random.default_rng(1)
+    phat = rng.uniform(0.3, 1.0, 40)
+    k_max = 6
+    for h in (0.1, 0.4, 0.8):
+        K = A.stop_lengths(A.window_products(phat, k_max), h, k_max, lag)
+        pol = LearnedThreshold(ValueHead(feature), h, k_max)
+        for s in range(len(phat) - k_max):
+            pol.begin_round(s)
+            for i in range(1, k_max + 1):
+                j = s + i - 1 - lag  # the position whose prediction arrives at step i
+                hidden = torch.tensor(phat[j] if j >= s else 0.5, dtype=torch.float64)
+                if pol.should_stop(DraftStep(i, None, None, None, hidden, s + i - 1)) or i == k_max:
+                    break
+            assert K[s] == i, (h, s)
+
+
+def test_a_cheap_draft_picks_longer_rounds():
+    T = 4000
+    curve = {"fixed_k": [{"k": k, **A.counts_row(T, A.replay(A.window_products(np.full(T, 0.8), k), np.full(T, k)))}
+                         for k in A.K_GRID], "thresholds": []}
+    picks = {}
+    for c in (0.05, 0.6):
+        costs = Costs(c * 0.1, 0.1, 0.0, "key", "now")
+        choice = A.pick(curve, "k", costs)
+        assert choice["value"] == max(choice["predicted"], key=choice["predicted"].get)
+        assert choice["tokens_per_s"] == max(choice["predicted"].values())
+        picks[c] = choice["value"]
+    assert picks[0.05] > picks[0.6] >= 1
+    # a per-candidate verification cost (t_cand) shortens the rounds the extended model picks
+    slow_verify = A.pick(curve, "k", Costs(0.005, 0.1, 0.02, "key", "now"))
+    assert slow_verify["value"] < picks[0.05]
+    assert A.pick(curve, "k", Costs(0.005, 0.1, 0.02, "key", "now"), model="paper")["value"] == picks[0.05]
+
+
+@pytest.fixture
+def head_and_data(tmp_path):
+    torch.manual_seed(0)
+    head_dir = tmp_path / "head"
+    AcceptanceHead(16, depth=0).save_pretrained(head_dir)
+    data = make_dataset(tmp_path / "data", hidden_size=16, seqs={"train": 4, "dev": 12})
+    return head_dir, data
+
+
+def test_curve_is_saved_beside_the_head_and_checked(head_and_data):
+    head_dir, data = head_and_data
+    path, curve = A.make_curve(str(head_dir), str(data))
+    assert path == head_dir / A.CURVE_NAME and json.loads(path.read_text()) == json.loads(json.dumps(curve))
+    man = json.loads((data / "manifest.json").read_text())
+    assert curve["n_tokens"] == man["splits"]["dev"]["n_tokens"] and curve["n_responses"] == 12
+    assert [p["h"] for p in curve["thresholds"]] == list(A.H_GRID)
+    assert [p["k"] for p in curve["fixed_k"]] == list(A.K_GRID)
+    for p in curve["thresholds"] + curve["fixed_k"]:
+        assert p["n_accepted"] + p["n_target_forwards"] == pytest.approx(curve["n_tokens"])
+    assert curve["head"]["weights"] == A.weights_hash(head_dir) and curve["data"]["split"] == "dev"
+    assert A.load_curve(head_dir, "h", str(head_dir))["k_max"] == 20
+    AcceptanceHead(16, depth=0).save_pretrained(head_dir)  # retrained: the curve is stale
+    with pytest.raises(UserError, match="other weights"):
+        A.load_curve(head_dir, "h", str(head_dir))
+
+
+def test_missing_curve_names_the_command(head_and_data):
+    head_dir, _ = head_and_data
+    with pytest.raises(UserError) as e:
+        A.load_curve(head_dir, "h", str(head_dir))
+    assert A.CURVE_NAME in str(e.value) and f"adaptive-spec autotune --head {head_dir} --data" in str(e.value)
+
+
+def test_auto_through_specpair(head_and_data, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ADAPTIVE_SPEC_CACHE", str(tmp_path / "cache"))
+    head_dir, data = head_and_data
+    A.make_curve(str(head_dir), str(data))
+    tok = make_tokenizer(32)
+    pair = SpecPair(make_model(32, 24, seed=2, logit_scale=4.0), tok, make_model(32, 16, seed=1, logit_scale=4.0), tok)
+    g = pair.generate([5, 6, 7], policy="learned", head=str(head_dir), threshold="auto", temperature=0,
+                      max_new_tokens=12)
+    curve = A.load_curve(head_dir, "h")
+    best = A.pick(curve, "h", measure_costs(pair))
+    assert g.auto["kind"] == "h" and g.auto["value"] == best["value"] and "auto: h = " in capsys.readouterr().err
+    again = pair.generate([5, 6, 7], policy="learned", head=str(head_dir), threshold=best["value"], temperature=0,
+                          max_new_tokens=12)
+    assert again.token_ids == g.token_ids
+    g = pair.generate([5, 6, 7], policy="fixed", k="auto", curve=str(head_dir / A.CURVE_NAME), temperature=0,
+                      max_new_tokens=12)
+    k = A.pick(curve, "k", measure_costs(pair))["value"]
+    assert g.auto["value"] == k and max(map(int, g.metrics.accepted_hist)) <= k
+    with pytest.raises(UserError, match="is for --policy learned"):
+        pair.generate([5], policy="confidence", threshold="auto")
+    with pytest.raises(UserError, match="made with k_max 20"):
+        pair.generate([5], policy="learned", head=str(head_dir), threshold="auto", k_max=5)
+
+
+def test_per_k_curve_without_a_head(head_and_data, tmp_path):
+    _, data = head_and_data
+    with pytest.raises(UserError, match="--out"):
+        A.make_curve(None, str(data))
+    path, curve = A.make_curve(None, str(data), out=str(tmp_path / "k.json"))
+    assert curve["thresholds"] == [] and A.load_curve(path, "k")["fixed_k"]
+    with pytest.raises(UserError, match="without a head"):
+        A.load_curve(path, "h")
+    costs = SimpleNamespace(t_draft=0.01, t_target=0.1, t_cand=0.0, to_dict=dict)
+    assert A.pick(curve, "k", costs)["value"] in A.K_GRID
+
+
+def test_per_source_curves_add_up_to_the_pooled_one(head_and_data):
+    """A datagen mix names each sequence's prompt source: the curve keeps counts per source too."""
+    from safetensors.torch import load_file, save_file
+
+    head_dir, data = head_and_data
+    man = json.loads((data / "manifest.json").read_text())
+    man["sources"] = [{"name": "code"}, {"name": "math"}]
+    (data / "manifest.json").write_text(json.dumps(man))
+    for sh in man["splits"]["dev"]["shards"]:
+        t = load_file(str(data / sh["file"]))
+        t["source_ids"] = torch.arange(sh["n_seqs"], dtype=torch.int32) % 2
+        save_file(t, str(data / sh["file"]))
+    _, curve = A.make_curve(str(head_dir), str(data))
+    parts = curve["by_source"]
+    assert set(parts) == {"code", "math"} and sum(p["n_responses"] for p in parts.values()) == 12
+    assert sum(p["n_tokens"] for p in parts.values()) == curve["n_tokens"]
+    for part in ("thresholds", "fixed_k"):
+        for i, pooled in enumerate(curve[part]):
+            for key in ("n_target_forwards", "n_drafted", "n_accepted"):
+                assert pooled[key] == pytest.approx(sum(p[part][i][key] for p in parts.values()))
+    assert A.pick(parts["code"], "h", Costs(0.01, 0.1, 0.0, "k", "now"))["value"] in A.H_GRID

@@ -1,0 +1,84 @@
+"""costs.measure_costs: real timed forwards of tiny models, the verification fit, and the cache
+per machine and configuration (hit, miss on a key change, a corrupt file measured again)."""
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from adaptive_spec import costs as C
+from adaptive_spec.errors import UserError
+from adaptive_spec.pipeline import SpecPair
+from tiny import make_model, make_tokenizer
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("ADAPTIVE_SPEC_CACHE", str(tmp_path))
+    return tmp_path / "costs"
+
+
+@pytest.fixture(scope="module")
+def pair():
+    tok = make_tokenizer(32)
+    return SpecPair(make_model(32, 24, seed=2, logit_scale=4.0), tok, make_model(32, 16, seed=1, logit_scale=4.0), tok)
+
+
+def test_measured_times_and_the_runners_are_left_as_they_were(pair, cache):
+    before = pair.generate([5, 6, 7], policy="fixed", k=3, temperature=0, max_new_tokens=12)
+    pair.target.n_forwards, pair.target.fwd_time = 7, 1.5
+    c = C.measure_costs(pair, reps=1)
+    assert c.t_draft > 0 and c.t_target > 0 and c.t_cand >= 0
+    assert c.c == pytest.approx(c.t_draft / c.t_target)
+    assert c.node_cost == pytest.approx((c.t_draft + c.t_cand) / c.t_target)
+    # measuring shows up in no counter and leaves no cached position behind
+    assert (pair.target.n_forwards, pair.target.fwd_time) == (7, 1.5)
+    assert pair.target.length == 0 and pair.draft.length == 0
+    after = pair.generate([5, 6, 7], policy="fixed", k=3, temperature=0, max_new_tokens=12)
+    assert after.token_ids == before.token_ids
+    assert after.metrics.n_target_forwards == before.metrics.n_target_forwards
+    saved = json.loads((cache / f"{c.key}.json").read_text())
+    assert saved["t_target"] == c.t_target and saved["config"]["draft_fingerprint"]
+
+
+def test_verification_fit(monkeypatch):
+    """t_target and t_cand come from the fit of a K + 1-token pass over K; a pass that does not grow
+    with K (a negative slope is timing noise) has t_cand = 0 and t_target its mean time."""
+    def fake(verify):
+        return lambda lm, lengths, reps, all_logits: verify if all_logits else {1: 0.03}
+
+    runners = SimpleNamespace(draft=None, target=None)
+    monkeypatch.setattr(C, "_forward_times", fake({n: 0.1 + 0.01 * (n - 1) for n in C.VERIFY_LENGTHS}))
+    c = C._measure(runners, 3, "k")
+    assert (c.t_draft, c.t_target, c.t_cand) == pytest.approx((0.03, 0.1, 0.01))
+    monkeypatch.setattr(C, "_forward_times", fake({n: 0.2 - 0.001 * n for n in C.VERIFY_LENGTHS}))
+    c = C._measure(runners, 3, "k")
+    assert c.t_cand == 0.0 and c.t_target == pytest.approx(0.2 - 0.005)
+
+
+def test_cache_hit_miss_and_corrupt_file(pair, cache, monkeypatch, capsys):
+    first = C.measure_costs(pair, reps=1)
+    calls = []
+
+    def measure(p, reps, key):
+        calls.append(key)
+        return C.Costs(0.01, 0.1, 0.002, key, "now")
+
+    monkeypatch.setattr(C, "_measure", measure)
+    assert C.measure_costs(pair) == first and not calls  # hit: nothing timed
+    monkeypatch.setattr(pair, "draft_config", {"draft_quant": "int8", "draft_vocab": "full"}, raising=False)
+    other = C.measure_costs(pair)  # another draft configuration: another key, measured
+    assert calls == [other.key] and other.key != first.key
+    assert sorted(p.name for p in cache.iterdir()) == sorted([f"{first.key}.json", f"{other.key}.json"])
+    (cache / f"{other.key}.json").write_text("{not json")
+    capsys.readouterr()
+    again = C.measure_costs(pair)
+    assert "unreadable" in capsys.readouterr().err and calls == [other.key, other.key]
+    assert C.costs_from_json(json.loads((cache / f"{other.key}.json").read_text())) == again
+
+
+def test_no_cache_writes_nothing_and_a_pair_needs_a_draft(pair, cache):
+    C.measure_costs(pair, reps=1, cache=False)
+    assert not cache.exists()
+    tok = make_tokenizer(32)
+    with pytest.raises(UserError, match="need a draft model"):
+        C.measure_costs(SpecPair(make_model(32, 24, seed=2), tok))
