@@ -296,7 +296,10 @@ def test_two_process_run_killed_and_resumed_equals_an_uninterrupted_one(tmp_path
 def test_ctrl_c_prints_one_line_with_the_resume_command(tmp_path, dataset):
     out = tmp_path / "run"
     cmd = [sys.executable, "train.py", f"data={dataset}", f"output_dir={out}", *RUN, "epochs=100000"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # the child starts with SIGINT at its default (a parent that ignores SIGINT would hand the
+    # child SIG_IGN, and Python keeps an inherited SIG_IGN: the Ctrl-C would never arrive)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 60  # until a checkpoint exists (rotation may already have removed checkpoint_0)
     while not training.RunFiles(out, False).checkpoints() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.1)
