@@ -120,19 +120,26 @@ def test_context_head_has_no_lag():
     assert g.metrics.n_drafted > 1.5 * rounds  # K = 2 but where the length cap cuts the last rounds
 
 
-@pytest.mark.parametrize("feature", ["token", "context"])
-def test_learned_context_head_exact(feature):
+def _random_head_keeps_the_output_exact(feature: str, inputs: str, seed: int):
+    """Chi-square of a learned policy with a random head against the target's exact distribution;
+    returns (draft, target, policy) for further checks."""
     draft, target = exact_pair()
     params, prompt = SamplingParams(1.0), [1, 2]
     probs = exact_sequence_probs(target, prompt, params)
-    head = AcceptanceHead(draft.hidden_size, depth=1, feature=feature)
-    torch.manual_seed(5)
+    head = AcceptanceHead(draft.hidden_size, depth=1, feature=feature, inputs=inputs)
+    torch.manual_seed(seed)
     with torch.no_grad():
         for prm in head.parameters():
             prm.normal_(0, 0.7)
     pol = LearnedThreshold(head.eval(), threshold=0.5, k_max=4)
     counts = sample_counts(Decoder(target, draft), prompt, params, pol, n=2000)
     assert chi_square_pvalue(counts, probs, 2000) > 1e-3
+    return draft, target, pol
+
+
+@pytest.mark.parametrize("feature", ["token", "context"])
+def test_learned_context_head_exact(feature):
+    draft, target, pol = _random_head_keeps_the_output_exact(feature, "hidden", seed=5)
     if feature == "context":
         g = Decoder(target, draft).generate([1, 2, 3], max_new_tokens=30, sampling=GREEDY, policy=pol)
         assert g.token_ids == Decoder(target, draft).generate([1, 2, 3], max_new_tokens=30, sampling=GREEDY).token_ids
@@ -389,17 +396,7 @@ def test_policy_stats_equal_the_stats_datagen_stored(tiny_pair, tmp_path):
 
 @pytest.mark.parametrize("feature", ["token", "context"])
 def test_stats_head_keeps_the_output_exact(feature):
-    draft, target = exact_pair()
-    params, prompt = SamplingParams(1.0), [1, 2]
-    probs = exact_sequence_probs(target, prompt, params)
-    head = AcceptanceHead(draft.hidden_size, depth=1, feature=feature, inputs="hidden+stats")
-    torch.manual_seed(6)
-    with torch.no_grad():
-        for prm in head.parameters():
-            prm.normal_(0, 0.7)
-    pol = LearnedThreshold(head.eval(), threshold=0.5, k_max=4)
-    counts = sample_counts(Decoder(target, draft), prompt, params, pol, n=2000)
-    assert chi_square_pvalue(counts, probs, 2000) > 1e-3
+    _random_head_keeps_the_output_exact(feature, "hidden+stats", seed=6)
 
 
 def test_tree_estimator_refuses_a_stats_head():
