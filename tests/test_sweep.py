@@ -46,6 +46,21 @@ def inputs(tiny_pair, tmp_path_factory):
             "draft": str(draft), "target": str(target)}
 
 
+def interrupt_after(monkeypatch, n: int):
+    """Make the sweep raise KeyboardInterrupt (a Ctrl-C) when it is about to write its (n+1)-th
+    row; returns the real append_jsonl, for the resume that follows."""
+    real_append, written = sweep.append_jsonl, []
+
+    def append_then_interrupt(path, row):
+        if len(written) == n:
+            raise KeyboardInterrupt
+        written.append(row)
+        real_append(path, row)
+
+    monkeypatch.setattr(sweep, "append_jsonl", append_then_interrupt)
+    return real_append
+
+
 def overrides(inp, out, **kw):
     base = {"draft": inp["draft"], "target": inp["target"], "dtype": "fp32", "datasets": f"[{inp['a']}, {inp['b']}]",
             "fields": f"{{{inp['a']}: text}}", "n_prompts": 2, "max_new_tokens": 12, "ks": "[1, 3]",
@@ -161,16 +176,7 @@ def test_sweep_resume_and_report(inputs, tmp_path, monkeypatch, capsys):
     cfg_file.write_text("n_prompts: 1\nmax_new_tokens: 12\nchat: true\n")  # n_prompts overridden below
     out = tmp_path / "out"
     argv = ["--config", str(cfg_file)] + overrides(inputs, out)
-    real_append = sweep.append_jsonl
-    written = []
-
-    def append_then_interrupt(path, row):
-        if len(written) == 7:
-            raise KeyboardInterrupt
-        written.append(row)
-        real_append(path, row)
-
-    monkeypatch.setattr(sweep, "append_jsonl", append_then_interrupt)
+    real_append = interrupt_after(monkeypatch, 7)
     assert sweep.main(argv) == 130
     assert "rerun the same command to resume" in capsys.readouterr().err
     first = read_rows(out)

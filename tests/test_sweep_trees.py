@@ -15,7 +15,7 @@ from adaptive_spec.errors import UserError
 from adaptive_spec.heads import AcceptanceHead
 from adaptive_spec.sweep import SweepConfig
 import test_sweep
-from test_sweep import overrides, read_rows
+from test_sweep import interrupt_after, overrides, read_rows
 
 inputs, keep_threads = test_sweep.inputs, test_sweep.keep_threads  # the sweep tests' fixtures, shared
 
@@ -114,15 +114,7 @@ def test_tree_sweep_rows_calibration_resume_and_report(inputs, tmp_path, monkeyp
                         lambda pair, prompts, *a, **kw: measured.append((a[2], len(prompts)))
                         or real_measure(pair, prompts, *a, **kw))
     monkeypatch.setattr(pipeline, "make_policy", lambda name, **kw: made.append((name, kw)) or real_make(name, **kw))
-    real_append, written = sweep.append_jsonl, []
-
-    def append_then_interrupt(path, row):
-        if len(written) == 5:
-            raise KeyboardInterrupt
-        written.append(row)
-        real_append(path, row)
-
-    monkeypatch.setattr(sweep, "append_jsonl", append_then_interrupt)
+    real_append = interrupt_after(monkeypatch, 5)
     assert sweep.main(argv) == 130
     # calibrated once per verification method, on one prompt per dataset, before any run
     assert sorted(measured) == [("ersd", 2), ("gsd", 2)]
