@@ -17,6 +17,9 @@ source each sequence came from, and the manifest counts prompts and tokens per s
 p_i and q_i come from the generation pass itself: target and draft are stepped in lockstep on
 the sampled X (batched, left padded, KV cached), so no teacher-forced re-run of the target is
 needed. Only the features need a second draft pass, over Z alone (the prompt's KV cache is reused).
+Where the time goes (CPU): prompts are prefilled one by one (no pad rows: a prefill is
+compute-bound), a row leaves the batch and both caches when it samples EOS, and an int8 draft
+computes with a dense copy of its dequantized weights (every pass here is batched).
 
 On-disk format (a contract with the trainer; see README "Data generation"):
   out_dir/manifest.json  {"format": "adaptive_spec.datagen.v1", "config", "config_hash", "seed",
@@ -284,10 +287,13 @@ def model_fingerprint(model) -> str:
 
 def load_models(cfg: DatagenConfig, device):
     """(draft, target, tokenizer, shared vocabulary size) as datagen runs them."""
-    from .models import check_vocab, load_model, resolve_dtype, resolve_model_path
+    from .models import check_vocab, densify_int8, load_model, resolve_dtype, resolve_model_path
 
     draft, dtok = load_model(cfg.draft, "draft", cfg.dtype, device, quant=cfg.draft_quant,
                              draft_vocab=cfg.draft_vocab or None)
+    # every datagen pass is batched (prefill, a batch of rows per step, the features pass), where
+    # the int8 kernel's per-row cost loses to a dense GEMM over the same int8-valued weights
+    densify_int8(draft)
     if cfg.target_device_map:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -346,52 +352,105 @@ def _step(model, ids, mask, pos, cache, vocab: int, dev) -> torch.Tensor:
     return logits[:, :vocab].to(dev)
 
 
+def _prefill(model, prompts: list[list[int]], vocab: int, dev):
+    """Each prompt's own forward, then its KV right-aligned into one left-padded batch cache:
+    (logits at each prompt's last token [B, vocab], per layer (keys, values) [B, heads, L, dim]).
+
+    Why not one forward padded to the batch's longest prompt: a prefill is compute-bound, and on
+    the mix's prompts (median 71 tokens, a tail to 1024) pad rows were 40% of the rows of
+    length-sorted batches of 8, more for larger batches. (Prefilling runs of similar-length
+    prompts together, with a little padding, measured no faster: a forward's fixed cost, the
+    weights read once, about equals the pad rows it adds.) The pad slots of the cache stay zero;
+    the attention mask hides them, as it hid the pad rows' KV before."""
+    from transformers import DynamicCache
+
+    caches, logits = [], []
+    for s in prompts:
+        c = DynamicCache(config=model.config)
+        ids = torch.tensor([s], dtype=torch.long)
+        logits.append(_step(model, ids, torch.ones_like(ids), torch.arange(len(s))[None], c, vocab, dev))
+        caches.append(c)
+    L = max(len(s) for s in prompts)
+    kv = []
+    for i in range(len(caches[0].layers)):
+        k0, v0 = caches[0].layers[i].keys, caches[0].layers[i].values
+        keys = k0.new_zeros(len(prompts), k0.shape[1], L, k0.shape[3])
+        values = v0.new_zeros(len(prompts), v0.shape[1], L, v0.shape[3])
+        for b, c in enumerate(caches):
+            n = len(prompts[b])
+            keys[b, :, L - n:] = c.layers[i].keys[0]
+            values[b, :, L - n:] = c.layers[i].values[0]
+        kv.append((keys, values))
+    return torch.cat(logits), kv
+
+
+def _cache(model, kv: list[tuple[torch.Tensor, torch.Tensor]]):
+    """A DynamicCache holding copies of per-layer (keys, values): decoding appends to and
+    compacts its own tensors, never these."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    for i, (k, v) in enumerate(kv):
+        cache.update(k, v, i)  # an empty layer's update concatenates: a copy
+    return cache
+
+
 @torch.inference_mode()
 def generate_batch(draft, target, prompts: list[list[int]], cfg: DatagenConfig, vocab: int, eos_ids: list[int],
                    pad_id: int, gen: torch.Generator) -> list[dict[str, torch.Tensor]]:
     """Lockstep generation for one batch: per sequence x, y, z, loss_mask, accept_prob,
     expected_accept, draft_stats (and features) over its N response positions."""
-    from transformers import DynamicCache
-
     params = cfg.sampling()
     dev = gen.device
     B = len(prompts)
-    ids, mask = _left_pad(prompts, pad_id)
+    _, mask = _left_pad(prompts, pad_id)
     pos = _positions(mask)
-    tcache, dcache = DynamicCache(config=target.config), DynamicCache(config=draft.config)
-    t_logits = _step(target, ids, mask, pos, tcache, vocab, dev)
-    d_logits = _step(draft, ids, mask, pos, dcache, vocab, dev)
+    prompt_mask = mask
+    t_logits, t_kv = _prefill(target, prompts, vocab, dev)
+    d_logits, d_kv = _prefill(draft, prompts, vocab, dev)
+    tcache, dcache = _cache(target, t_kv), _cache(draft, d_kv)  # d_kv stays: the features pass
+    del t_kv
     next_pos = pos[:, -1:] + 1
     eos = torch.tensor(eos_ids, dtype=torch.long, device=dev)
     lengths = torch.full((B,), cfg.max_new_tokens, dtype=torch.long)
-    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    # The rows still generating (indices into the batch). A row that samples EOS leaves the batch
+    # and both caches: decoding it on to max_new_tokens cost ~12% of the steps' rows at 128
+    # tokens, while dropping rows from the caches is a copy of their KV, paid once per ending.
+    act = torch.arange(B, device=dev)
     xs, ys, ps, es, ds = [], [], [], [], []
+
+    def full(v: torch.Tensor, fill) -> torch.Tensor:  # active rows' values -> [B, ...]
+        return torch.full((B, *v.shape[1:]), fill, dtype=v.dtype, device=v.device).index_copy_(0, act, v)
+
     for i in range(cfg.max_new_tokens):
         x, y, accept_prob, expected_accept, stats = _sample_position(t_logits, d_logits, params, gen)
-        xs.append(x)
-        ys.append(y)
-        ps.append(accept_prob)
-        es.append(expected_accept)
-        ds.append(stats)
-        if cfg.stop_at_eos and eos.numel():
-            ended = ~done & torch.isin(x, eos)
-            lengths[ended.cpu()] = i + 1
-            done |= ended
-            if bool(done.all()):
-                break
+        xs.append(full(x, pad_id))
+        ys.append(full(y, pad_id))
+        ps.append(full(accept_prob, 0))
+        es.append(full(expected_accept, 0))
+        ds.append(full(stats, 0))
         if i + 1 == cfg.max_new_tokens:
             break
-        # feed X_i to both models; finished rows keep decoding (cheaper than reshaping the
-        # caches) and their extra tokens are dropped below
-        mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype)], dim=1)
+        if cfg.stop_at_eos and eos.numel():
+            ended = torch.isin(x, eos)
+            if bool(ended.any()):
+                lengths[act[ended].cpu()] = i + 1
+                keep = (~ended).nonzero()[:, 0]
+                if keep.numel() == 0:
+                    break
+                act, x, mask, next_pos = act[keep], x[keep], mask[keep.cpu()], next_pos[keep.cpu()]
+                for c in (tcache, dcache):
+                    c.batch_select_indices(keep.to(c.layers[0].keys.device))
+        # feed X_i to both models
+        mask = torch.cat([mask, torch.ones((len(act), 1), dtype=mask.dtype)], dim=1)
         t_logits = _step(target, x[:, None], mask, next_pos, tcache, vocab, dev)
         d_logits = _step(draft, x[:, None], mask, next_pos, dcache, vocab, dev)
         next_pos = next_pos + 1
-    del tcache
+    del tcache, dcache
     X, Y = torch.stack(xs, 1), torch.stack(ys, 1)
     P, E = torch.stack(ps, 1), torch.stack(es, 1)
     Z, loss_mask = mix_tokens(X, Y, cfg.mix_ratio, gen)
-    feats = _draft_features(draft, dcache, ids.shape[1], pos[:, -1:] + 1, mask[:, :ids.shape[1]], Z) \
+    feats = _draft_features(draft, _cache(draft, d_kv), pos[:, -1:] + 1, prompt_mask, Z) \
         if cfg.store_features else None
     X, Y, Z, P, E, loss_mask, D = (t.cpu() for t in (X, Y, Z, P, E, loss_mask, torch.stack(ds, 1)))
     return _split_sequences(prompts, lengths, X, Y, Z, P, E, loss_mask, D, feats)
@@ -431,23 +490,20 @@ def _split_sequences(prompts, lengths, X, Y, Z, P, E, loss_mask, D, feats) -> li
     return seqs
 
 
-def _draft_features(draft, dcache, prompt_len: int, first_pos, prompt_mask, Z) -> torch.Tensor:
+def _draft_features(draft, prompt_cache, first_pos, prompt_mask, Z) -> torch.Tensor:
     """The draft's final hidden state (after the final norm) at the positions whose input tokens
     are Z_1..Z_n, i.e. over the sequence (prompt, Z). bf16 [B, n, H].
 
-    The draft's generation cache already holds the (padded) prompt: cropped back to it, only Z
-    has to be fed, which saves the prompt's share of this pass. Rows that ended early carry
-    trailing tokens past their EOS; the pass is causal, so those do not touch earlier positions.
+    `prompt_cache` holds the (padded) prompt from the prefill, so only Z is fed, which saves the
+    prompt's share of this pass. Rows that ended early carry trailing pad tokens past their EOS;
+    the pass is causal, so those do not touch earlier positions.
     """
     B, n = Z.shape
-    extra = dcache.get_seq_length() - prompt_len  # X_1..X_{n-1} fed during generation
-    if extra > 0:
-        dcache.crop(-extra)  # transformers 5: a negative count drops that many trailing positions
     mask = torch.cat([prompt_mask, torch.ones((B, n), dtype=prompt_mask.dtype)], dim=1)
     pos = first_pos + torch.arange(n)
     d = _input_device(draft)
-    h = draft.base_model(input_ids=Z.to(d), attention_mask=mask.to(d), position_ids=pos.to(d), past_key_values=dcache,
-                         use_cache=True).last_hidden_state
+    h = draft.base_model(input_ids=Z.to(d), attention_mask=mask.to(d), position_ids=pos.to(d),
+                         past_key_values=prompt_cache, use_cache=True).last_hidden_state
     return h.to(torch.bfloat16).cpu()
 
 

@@ -59,13 +59,18 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row of `probs` [..., V], without a host sync.
+    """One token per row of `probs` [..., V] (need not be normalised), without a host sync.
 
-    argmax(p / E) with E ~ Exp(1) i.i.d. is an exact sample from p (the exponential race);
-    unlike torch.multinomial it needs no sync on CUDA.
+    Inverse CDF: the first token whose cumulative mass exceeds u * total, u ~ U[0, 1). A token
+    of probability 0 owns an empty interval of the CDF, so it is never drawn. The cumulative sum
+    runs in float64, so the intervals' rounding (~1e-16 of the mass) is far below anything a
+    test or a run could see. Why not the exponential race argmax(p / E): it needs V random
+    numbers a row, and on a CPU drawing them dominated sampling (151,936 tokens: 3.5 ms a row
+    against 0.2 ms here; 126 ms against 31 ms for datagen's 32 rows).
     """
-    e = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    return (probs / e).argmax(-1)
+    cdf = probs.double().cumsum(-1)
+    u = torch.rand((*probs.shape[:-1], 1), generator=generator, dtype=torch.float64, device=probs.device)
+    return torch.searchsorted(cdf, u * cdf[..., -1:], right=True).squeeze(-1).clamp_max(probs.shape[-1] - 1)
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from adaptive_spec.models import resolve_dtype
 from adaptive_spec.runs import append_jsonl, project_path, read_jsonl
 from adaptive_spec.tables import md_table
 
-BEFORE_TOK_S = 19.7  # datagen on this CPU before issue 16 (GSM8K, 64 new tokens, batch 32, 2 threads)
+BEFORE_TOK_S = 19.7  # datagen before issue 16, on an AVX-512 CPU in bf16 (GSM8K, 64 new tokens, batch 32, 2 threads)
 
 
 def dtype_names(names: list[str]) -> dict[str, str]:

@@ -164,3 +164,20 @@ def test_autoregressive_distribution_is_exact():
     probs = exact_sequence_probs(target, prompt, params)
     counts = sample_counts(Decoder(target), prompt, params, None, n=2000)
     assert chi_square_pvalue(counts, probs, 2000) > 1e-3
+
+
+def test_sampler_draws_each_row_from_its_distribution():
+    """sampling.sample (inverse CDF): per-row chi-square on a batch whose rows differ, unnormalised
+    input, and tokens of probability zero (between, before and after the support) never drawn."""
+    g = torch.Generator().manual_seed(0)
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.25, 0.25, 0.0],
+                          [0.1, 0.0, 0.0, 0.0, 0.0, 0.9],
+                          [0.0, 0.0, 3.0, 1.0, 0.0, 0.0]], dtype=torch.float32)  # row 3: weights, sum 4
+    n = 4000
+    draws = torch.stack([sampling.sample(probs, g) for _ in range(n)])  # [n, 3]
+    for row in range(3):
+        p = probs[row] / probs[row].sum()
+        counts = torch.bincount(draws[:, row], minlength=6)
+        assert not counts[p == 0].any(), f"row {row} drew a token of probability 0"
+        cells = {t: p[t].item() for t in range(6)}
+        assert chi_square_pvalue({t: int(counts[t]) for t in range(6)}, cells, n) > 1e-3

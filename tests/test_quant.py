@@ -80,3 +80,31 @@ def test_int8_linear_dense_path_for_many_rows_matches_the_kernel():
     # the kernel rounds activations to bf16; the dense path keeps them in x's dtype
     assert (dense - kernel).abs().max() < 0.02 * kernel.abs().max()
     assert not torch.equal(dense, kernel)  # it really took the other path
+
+
+def test_densified_int8_model_computes_with_the_int8_weights_and_keeps_its_identity(tiny_pair):
+    """datagen's draft: densify_int8 keeps a dense copy of each dequantized weight and computes
+    every input with it. Outputs equal a float model holding the dequantized weights; the
+    checkpoint (state_dict) and the manifest fingerprint stay those of the int8 draft."""
+    from adaptive_spec.datagen import model_fingerprint
+    from adaptive_spec.models import densify_int8
+
+    draft, _ = tiny_pair
+    m, _ = load_model(str(draft), "draft", "fp32", "cpu", quant="int8")
+    ref, _ = load_model(str(draft), "draft", "fp32", "cpu", pack=False)
+    with torch.no_grad():  # the float reference holds exactly the int8 grid's values
+        for name, mod in m.named_modules():
+            if isinstance(mod, Int8Linear):
+                ref.get_submodule(name).weight.copy_(mod.weight)
+    before_sd = {k: v.clone() for k, v in m.state_dict().items()}
+    before_fp = model_fingerprint(m)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.inference_mode():
+        kernel = m(ids).logits
+        assert densify_int8(m) == 2 * 7 + 1 and "dense" in m.cpu_path["linear"]
+        dense, want = m(ids).logits, ref(ids).logits
+    torch.testing.assert_close(dense, want, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(dense, kernel)  # the kernel's bf16 activations are gone
+    assert model_fingerprint(m) == before_fp
+    assert m.state_dict().keys() == before_sd.keys()
+    assert all(torch.equal(m.state_dict()[k], v) for k, v in before_sd.items())
