@@ -49,6 +49,7 @@ from . import timing
 from .errors import UserError, run_main
 from .runs import read_json, read_jsonl
 from .tables import fmt, md_table
+from .timemodel import comparison_table
 from .tree_calibration import TREE_POLICIES, VERIFICATION, tunstall_accepted, zeroth_order_accepted
 
 SPEC_METHODS = ("fixed", "learned")  # the settings of Table 2's speculative fit (the paper's SpecDec, SpecDec++)
@@ -675,10 +676,38 @@ def peer_table(results: list[DatasetResult]) -> str:
                      "assisted N_disc/N (derived)"], rows)
 
 
+AUTO_OF = {"learned_auto": "learned", "fixed_auto": "fixed"}
+
+
+def auto_table(results: list[DatasetResult]) -> str:
+    """`auto` (h or K picked from the offline curve and the costs measured at load) against the
+    best swept value of the same policy on each dataset, and against the best fixed K."""
+    rows = []
+    for d in results:
+        bk = d.best("fixed")
+        for a in d.aggs.values():
+            if a.method not in AUTO_OF:
+                continue
+            mine = [r for r in d.rows if r["config"] == a.config]
+            picks = sorted({r.get("auto_value") for r in mine}, key=str)
+            predicted = [r["auto_predicted_tokens_per_s"] for r in mine if r.get("auto_predicted_tokens_per_s")]
+            swept = [b for b in d.of(AUTO_OF[a.method]) if a.method == "fixed_auto" or b.head == a.head]
+            best = max(swept, key=lambda b: b.tokens_per_s) if swept else None
+            rows.append([d.label, a.config, ", ".join(f"{v:g}" for v in picks if v is not None) or "—",
+                         fmt(sum(predicted) / len(predicted)) if predicted else "—", fmt(a.tokens_per_s),
+                         f"{fmt(best.tokens_per_s)} ({best.label()})" if best else "—",
+                         f"{fmt(paired_ratio(d, a, best), '.3f')}×" if best else "—",
+                         f"{fmt(paired_ratio(d, a, bk), '.3f')}×" if bk else "—"])
+    if not rows:
+        return "_no auto configurations in this sweep (auto in ks or thresholds)_"
+    return md_table(["dataset", "config", "picked", "predicted tok/s (decoding)", "measured tok/s",
+                     "best swept (same policy)", "auto / best swept (paired)", "auto / best fixed K (paired)"], rows)
+
+
 def all_configs_table(d: DatasetResult) -> str:
     fit = d.fits["speculative"]
-    order = {"ar": 0, "draft_ar": 1, "fixed": 2, "learned": 3, "confidence": 4, "entropy": 5, "heuristic": 6,
-             "oracle": 7, "hf_assisted": 8}
+    order = {"ar": 0, "draft_ar": 1, "fixed": 2, "fixed_auto": 2.5, "learned": 3, "learned_auto": 3.5,
+             "confidence": 4, "entropy": 5, "heuristic": 6, "oracle": 7, "hf_assisted": 8}
     aggs = sorted(d.aggs.values(), key=lambda a: (order.get(a.method, 9), a.k or 0, a.head or "", a.h or 0, a.tau or 0))
     rows = []
     for a in aggs:
@@ -751,6 +780,11 @@ def _tables(results: list[DatasetResult], heads_info: dict, trees: list[str]) ->
           "Stand-alone: target alone T = t_target·N_target (ar) and draft alone T = t_draft·N_draft (draft_ar); "
           "R² and runs given as draft & target. Speculative: T = t_draft·N_draft + t_target·N_target.", "", t2, "",
           "### Eq. 5.1 throughput vs measured decode throughput (per run)", "", terr, "",
+          "### Time models: Eq. 3.1 against the extended model (t_cand per candidate)", "",
+          "Decode time T = wall − prefill. Both models fitted on all rows (stand-alone rows identify t_draft "
+          "apart from t_cand) and scored on the speculative rows; `python eval/fit_time_model.py SWEEP_DIR "
+          "--costs FILE` adds the costs measured at load.", "",
+          comparison_table([r for d in results for r in d.rows]), "",
           "## Eq. 3.2: where the time goes (ms per token)", "",
           "T/N = t_draft (oracle) + t_draft·N_discarded/N + (t_target − t_draft)·N_target/N, with the "
           "speculative fit's times.", "", decomposition(results), "",
@@ -758,6 +792,11 @@ def _tables(results: list[DatasetResult], heads_info: dict, trees: list[str]) ->
           "Best tokens/s over h per dataset (bold: within 99% of the best head on that dataset); KL = binary KL "
           "between true and predicted acceptance probability, from the head's training metrics.", "",
           table3(results, heads_info), "",
+          "## auto: the h and K picked for this machine", "",
+          "Picked once per machine from the curve `adaptive-spec autotune` saved and the t_draft, t_target, t_cand "
+          "measured at load; predicted tokens/s is decoding only (no prefill), measured tokens/s is wall-clock. "
+          "Goal (issue 16): within 3% of the best swept value, never below the best fixed K.", "",
+          auto_table(results), "",
           "## Peer: transformers assisted generation", "",
           "Wall-clock tokens/s of `target.generate(..., assistant_model=draft)` with transformers' default "
           "candidate schedule, run back to back with ours on the same prompts; ratios pooled (paired per-prompt "

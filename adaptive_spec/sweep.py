@@ -9,6 +9,10 @@ alike and per-prompt ratios compare like with like:
     draft_ar      draft alone (stand-alone t_draft; its forwards are counted as N_draft)
     fixed k=K     SpecDec with a fixed candidate length, for each K in `ks`
     learned       SpecDec++: each acceptance head in `heads` x each threshold h in `thresholds`
+    auto          `auto` in `ks` / `thresholds`: the K / h of best predicted throughput on this
+                  machine (autotune.py: the head's threshold_curve.json, `curve` for ks, and
+                  t_draft / t_target measured at load), as methods fixed_auto / learned_auto; rows
+                  add auto_value (the pick) and auto_predicted_tokens_per_s (decoding only)
     confidence    stop when q(y_i) < tau, for each tau in `confidence_taus`
     entropy       stop when H(q_i) > tau nats, for each tau in `entropy_taus`
     heuristic     transformers' +2/-1 schedule (when `heuristic`)
@@ -92,9 +96,10 @@ class SweepConfig:
     top_p: float = 1.0
     seed: int = 0  # prompt shuffle and generation seeds
     # the grid
-    ks: list[int] = field(default_factory=lambda: list(range(1, 15)))
+    ks: list[int | str] = field(default_factory=lambda: list(range(1, 15)))  # and/or auto
     heads: list[str] = field(default_factory=list)  # head folders (or training output dirs with head/); globs ok
-    thresholds: list[float] = field(default_factory=lambda: [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
+    thresholds: list[float | str] = field(default_factory=lambda: [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
+    curve: str = ""  # threshold_curve.json for `ks: [auto]` (default: the one beside the first head)
     k_max: int = 20  # hard cap on candidates per round for the adaptive policies (paper: 20)
     confidence_taus: list[float] = field(default_factory=list)
     entropy_taus: list[float] = field(default_factory=list)
@@ -134,12 +139,17 @@ class SweepConfig:
         if self.threads < 0:
             raise UserError(f"threads must be >= 0 (0 = torch's default), got {self.threads}")
         SamplingParams(self.temperature, self.top_k, self.top_p)
+        self.ks = [_auto_or(k, int, "ks") for k in self.ks]
         for k in self.ks:
-            if not isinstance(k, int) or k < 1:
-                raise UserError(f"every K in ks must be an integer >= 1, got {k!r}")
+            if k != AUTO and k < 1:
+                raise UserError(f"every K in ks must be an integer >= 1 or auto, got {k!r}")
+        self.thresholds = [_auto_or(h, float, "thresholds") for h in self.thresholds]
         for h in self.thresholds:
-            if not 0.0 < h < 1.0:
-                raise UserError(f"every SpecDec++ threshold h must be in (0, 1), got {h!r} in thresholds")
+            if h != AUTO and not 0.0 < h < 1.0:
+                raise UserError(f"every SpecDec++ threshold h must be in (0, 1) or auto, got {h!r} in thresholds")
+        if AUTO in self.ks and not (self.curve or self.heads):
+            raise UserError("ks lists auto but neither curve nor heads is given: set curve to a threshold_curve.json "
+                            "(made by `adaptive-spec autotune`), or list a head that has one")
         for tau in self.confidence_taus:
             if not 0.0 < tau < 1.0:
                 raise UserError(f"every confidence threshold must be in (0, 1), got {tau!r} in confidence_taus")
@@ -152,6 +162,26 @@ class SweepConfig:
 
     def resolved_out_dir(self) -> Path:
         return project_path(self.out_dir or f"runs/sweep/{self.name or 'sweep'}")
+
+
+AUTO = "auto"
+
+
+def _auto_or(value, kind, key: str):
+    """`auto`, or the value as `kind` (a YAML or key=value list may hold numbers as strings)."""
+    if isinstance(value, str) and value.strip().lower() == AUTO:
+        return AUTO
+    try:
+        if kind is int and (isinstance(value, bool) or float(value) != int(float(value))):
+            raise ValueError(value)
+        return kind(value)
+    except (TypeError, ValueError):
+        raise UserError(f"config key '{key}' takes {'integers' if kind is int else 'numbers'} or auto, "
+                        f"got {value!r}") from None
+
+
+def _fmt(v) -> str:
+    return v if v == AUTO else f"{v:g}"
 
 
 # ----------------------------------------------------------------------------- the grid
@@ -178,10 +208,10 @@ def build_grid(cfg: SweepConfig, head_labels: list[str]) -> tuple[list[RunSpec],
         specs.append(RunSpec("ar", "ar"))
     if cfg.include_draft_ar:
         specs.append(RunSpec("draft_ar", "draft_ar"))
-    specs += [RunSpec(f"fixed:k={k}", "fixed", {"k": k}) for k in dict.fromkeys(cfg.ks)]
+    specs += [RunSpec(f"fixed:k={k}", "fixed_auto" if k == AUTO else "fixed", {"k": k}) for k in dict.fromkeys(cfg.ks)]
     for label in head_labels:
-        specs += [RunSpec(f"learned:head={label}:h={h:g}", "learned", {"head": label, "h": float(h)})
-                  for h in dict.fromkeys(cfg.thresholds)]
+        specs += [RunSpec(f"learned:head={label}:h={_fmt(h)}", "learned_auto" if h == AUTO else "learned",
+                          {"head": label, "h": h}) for h in dict.fromkeys(cfg.thresholds)]
     specs += [RunSpec(f"confidence:tau={t:g}", "confidence", {"tau": float(t)}) for t in dict.fromkeys(cfg.confidence_taus)]
     specs += [RunSpec(f"entropy:tau={t:g}", "entropy", {"tau": float(t)}) for t in dict.fromkeys(cfg.entropy_taus)]
     if cfg.heuristic:
@@ -540,15 +570,46 @@ def run_one(pair, spec: RunSpec, ids: list[int], cfg: SweepConfig, seed: int, he
         if spec.method == "oracle":
             kw["target_output"] = target_output
         g = pair.generate(ids, policy=spec.method, **samp, **kw)
-    elif spec.method == "fixed":
-        g = pair.generate(ids, policy="fixed", k=p["k"], **samp)
-    elif spec.method == "learned":
-        g = pair.generate(ids, policy="learned", head=heads[p["head"]][0], threshold=p["h"], k_max=cfg.k_max, **samp)
+    elif spec.method in ("fixed", "fixed_auto"):
+        auto = {"curve": auto_curve(cfg, heads)} if spec.method == "fixed_auto" else {}
+        g = pair.generate(ids, policy="fixed", k=p["k"], **auto, **samp)
+    elif spec.method in ("learned", "learned_auto"):
+        auto = {"curve": heads[p["head"]][1]["path"]} if spec.method == "learned_auto" else {}
+        g = pair.generate(ids, policy="learned", head=heads[p["head"]][0], threshold=p["h"], k_max=cfg.k_max,
+                          **auto, **samp)
     elif spec.method in ("confidence", "entropy"):
         g = pair.generate(ids, policy=spec.method, threshold=p["tau"], k_max=cfg.k_max, **samp)
     else:  # pragma: no cover - build_grid makes only the methods above
         raise ValueError(spec.method)
-    return g.metrics, g.stopped_by, g.token_ids, {}
+    pick = getattr(g, "auto", None)
+    extra = {"auto_value": pick["value"], "auto_predicted_tokens_per_s": pick["tokens_per_s"],
+             "auto_time_model": pick["model"]} if pick else {}
+    return g.metrics, g.stopped_by, g.token_ids, extra
+
+
+def auto_curve(cfg: SweepConfig, heads: dict) -> str:
+    """The curve `ks: [auto]` picks from: `curve`, else the one beside the first head."""
+    return cfg.curve or next(iter(heads.values()))[1]["path"]
+
+
+def check_auto_curves(cfg: SweepConfig, heads: dict, specs: list[RunSpec]):
+    """Every curve an auto configuration needs exists and fits, checked before the models load;
+    the error names the config key and the command that makes the curve."""
+    from .autotune import load_curve
+
+    for spec in specs:
+        key, need, source = (("thresholds", "h", heads[spec.params["head"]][1]["path"])
+                             if spec.method == "learned_auto" else ("ks", "k", auto_curve(cfg, heads))
+                             if spec.method == "fixed_auto" else (None, None, None))
+        if key:
+            try:
+                curve = load_curve(source, need, source if need == "h" else None)
+            except UserError as e:
+                raise UserError(f"config key '{key}' lists auto: {e}") from None
+            if need == "h" and curve["k_max"] != cfg.k_max:
+                raise UserError(f"config key 'thresholds' lists auto, but the curve beside {source} was made with "
+                                f"k_max {curve['k_max']}, not the sweep's k_max {cfg.k_max}; set k_max: "
+                                f"{curve['k_max']}, or rerun autotune with --k-max {cfg.k_max}")
 
 
 def _run_tree(pair, spec: RunSpec, ids: list[int], samp: dict, heads: dict, ctx: dict):
@@ -619,6 +680,7 @@ def run(cfg: SweepConfig) -> Path:
     hidden = _draft_hidden_size(cfg.draft)
     heads = load_heads(cfg, hidden)
     specs, notes = build_grid(cfg, list(heads))
+    check_auto_curves(cfg, heads, specs)
     all_heads = load_tree_heads(cfg, heads, specs, hidden)
     _note(notes)
     settings = _settings(cfg, _device_name(cfg.device))

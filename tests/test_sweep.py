@@ -124,7 +124,9 @@ def test_oracle_skipped_when_sampling():
 @pytest.mark.parametrize("change, match", [
     ({"datasets": "[alpacca]", "fields": "{}"}, "unknown dataset 'alpacca'"),
     ({"fields": "{A: nofield}"}, r"has no field 'nofield'; its fields are: id, text"),
-    ({"thresholds": "[0.5, 1.2]"}, r"h must be in \(0, 1\), got 1.2"),
+    ({"thresholds": "[0.5, 1.2]"}, r"h must be in \(0, 1\) or auto, got 1.2"),
+    ({"thresholds": "[0.5, often]"}, "config key 'thresholds' takes numbers or auto, got 'often'"),
+    ({"ks": "[2, 2.5]"}, "config key 'ks' takes integers or auto, got 2.5"),
     ({"heads": "[WRONG]"}, r"hidden size 24\) but the draft in use"),
     ({"heads": "[no/such/head]"}, "does not exist"),  # two slashes: not a hub repo id either
     ({"fields": "{other.jsonl: text}"}, "not in datasets"),
@@ -277,3 +279,44 @@ def test_shipped_sweep_configs_load(path):
     cfg.validate()
     specs, _ = sweep.build_grid(cfg, ["head"] if cfg.heads else [])
     assert specs and len({s.key for s in specs}) == len(specs)  # a non-empty grid, no config twice
+
+
+def test_sweep_auto_picks_once_for_the_machine_and_needs_its_curve(inputs, tmp_path, monkeypatch, capsys):
+    """ks / thresholds may list auto: a missing curve is refused before any model loads, naming
+    the key and the autotune command; with the curve, every auto row carries the one pick for this
+    machine, and the report compares it with the swept values."""
+    import shutil
+
+    from adaptive_spec import autotune as A
+    from train_fixtures import make_dataset
+
+    monkeypatch.setenv("ADAPTIVE_SPEC_CACHE", str(tmp_path / "cache"))  # costs measured afresh
+    head = tmp_path / "dd" / "head"
+    shutil.copytree(Path(inputs["head"]) / "head", head)
+    out = tmp_path / "out"
+    argv = overrides(inputs, out, heads=f"[{head.parent}]", ks="[1, auto]", thresholds="[0.3, auto]",
+                     confidence_taus="[]", heuristic="false", hf_assisted="false", include_draft_ar="false")
+    assert sweep.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "config key 'ks' lists auto" in err and f"adaptive-spec autotune --head {head}" in err
+    assert sweep.main(argv + ["ks=[1]"]) == 2
+    assert "config key 'thresholds' lists auto" in capsys.readouterr().err
+    assert not (out / "results.jsonl").exists()
+
+    data = make_dataset(tmp_path / "data", hidden_size=16, seqs={"train": 4, "dev": 12})
+    A.make_curve(str(head), str(data))
+    assert sweep.main(argv) == 0
+    rows = read_rows(out)
+    auto = [r for r in rows if r["method"] in ("fixed_auto", "learned_auto")]
+    assert {r["config"] for r in auto} == {"fixed:k=auto", "learned:head=dd:h=auto"} and len(auto) == 2 * 2 * 2
+    for method, grid in (("fixed_auto", A.K_GRID), ("learned_auto", A.H_GRID)):
+        picks = {r["auto_value"] for r in auto if r["method"] == method}
+        assert len(picks) == 1 and picks.pop() in grid  # one pick per machine, from the curve's grid
+    assert all(r["auto_predicted_tokens_per_s"] > 0 and r["auto_time_model"] for r in auto)
+    k = next(r["auto_value"] for r in auto if r["method"] == "fixed_auto")
+    assert all(max(map(int, r["accepted_hist"]), default=0) <= k for r in auto if r["method"] == "fixed_auto")
+
+    assert report.main(["--sweep-dir", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    section = md.split("## auto: the h and K picked for this machine")[1].split("\n## ")[0]
+    assert "| learned:head=dd:h=auto |" in section and "| fixed:k=auto |" in section
