@@ -320,3 +320,37 @@ def test_sweep_auto_picks_once_for_the_machine_and_needs_its_curve(inputs, tmp_p
     md = (out / "report.md").read_text()
     section = md.split("## auto: the h and K picked for this machine")[1].split("\n## ")[0]
     assert "| learned:head=dd:h=auto |" in section and "| fixed:k=auto |" in section
+
+
+def test_peer_runs_the_same_int8_draft(inputs, tmp_path):
+    """transformers' assisted generation gets the pair's draft module itself, so with draft_quant
+    int8 the peer drafts with the same int8 layers as ours (issue 15: "the same quantized draft")."""
+    from adaptive_spec.models import Int8Linear, int8_kernel
+
+    if int8_kernel("cpu") is not None:
+        pytest.skip(f"no int8 kernel: {int8_kernel('cpu')}")
+    out = tmp_path / "out"
+    argv = overrides(inputs, out, draft_quant="int8", ks="[2]", heads="[]", thresholds="[]", confidence_taus="[]",
+                     heuristic="false", include_draft_ar="false", n_prompts=1)
+    int8_calls, per_peer_run = [], []
+    real_forward, real_hf = Int8Linear.forward, sweep._hf_assisted
+
+    def counting(self, x):
+        int8_calls.append(1)
+        return real_forward(self, x)
+
+    def peer(*a, **k):
+        n = len(int8_calls)
+        result = real_hf(*a, **k)
+        per_peer_run.append(len(int8_calls) - n)
+        return result
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Int8Linear, "forward", counting)
+        mp.setattr(sweep, "_hf_assisted", peer)
+        assert sweep.main(argv) == 0
+    rows = read_rows(out)
+    hf = [r for r in rows if r["method"] == "hf_assisted"]
+    assert len(hf) == 2 and all(r["n_draft_forwards"] >= 1 for r in hf)
+    assert all("int8" in json.dumps(r["paths"]["draft"]) for r in rows)
+    assert per_peer_run and all(n > 0 for n in per_peer_run)  # every peer run drafted through int8 layers
