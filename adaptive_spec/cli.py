@@ -8,6 +8,8 @@ from pathlib import Path
 
 from .errors import UserError, run_main
 
+DRAFT_QUANTS = ("none", "int8", "int4")  # models.QUANTS, spelled out: --help must not import torch
+
 # used when pipeline.policy_names() cannot be imported (an older pipeline.py)
 KNOWN_POLICIES = ("ar", "fixed", "learned", "confidence", "entropy", "heuristic", "oracle", "tree", "ersd", "spectr",
                   "batch-sd")
@@ -77,8 +79,9 @@ def _add_model_args(g):
     g.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
                    help="weights' dtype (default auto: bf16 on GPUs and on CPUs with bf16 kernels, fp32 on "
                         "AVX2-only CPUs, where bf16 matrix products are several times slower)")
-    g.add_argument("--draft-quant", default="none", choices=("none", "int8"),
-                   help="draft weights: none, or int8 (weight-only, per-channel; exactness unchanged)")
+    g.add_argument("--draft-quant", default="none", choices=DRAFT_QUANTS,
+                   help="draft weights: none, int8 (weight-only, per-channel) or int4 (weight-only, groups of 64; "
+                        "CPU); exactness unchanged")
     g.add_argument("--draft-vocab", default=None, metavar="N|FILE|FILE:N",
                    help="draft output layer keeps the N most frequent tokens (shipped list for the default "
                         "tokenizer) or those of a list from `adaptive-spec draft-vocab`; default: all")

@@ -59,7 +59,7 @@ class SpecPair:
         """Load a pair by hub id or local path ("default" = the default pair; draft=None: target only).
 
         dtype "auto": bf16, or fp32 on a CPU without bf16 kernels (cpu.py). The draft may be made
-        cheaper without touching exactness: draft_quant "int8" (weight-only int8), draft_vocab
+        cheaper without touching exactness: draft_quant "int8" / "int4" (weight-only), draft_vocab
         N | FILE | FILE:N (its output layer keeps the N most frequent tokens; vocab.py)."""
         if num_threads:
             torch.set_num_threads(num_threads)

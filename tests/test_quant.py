@@ -4,7 +4,8 @@ import torch
 
 from adaptive_spec.decoding import Decoder
 from adaptive_spec.errors import UserError
-from adaptive_spec.models import CausalLM, Int8Linear, check_quant, int8_kernel, load_model, quantize_linears
+from adaptive_spec.models import (CausalLM, Int4Linear, Int8Linear, check_quant, int4_kernel, int8_kernel, load_model,
+                                  quantize_linears)
 from adaptive_spec.policies import FixedK
 from adaptive_spec.sampling import SamplingParams
 from exact import chi_square_pvalue, exact_sequence_probs, sample_counts
@@ -61,8 +62,8 @@ def test_load_model_quantizes_and_records_it(tiny_pair):
 
 
 def test_bad_quant_is_refused_before_loading():
-    with pytest.raises(UserError, match="unknown draft quantization 'int4'; use one of none, int8"):
-        load_model("/nonexistent/model", "draft", quant="int4")
+    with pytest.raises(UserError, match="unknown draft quantization 'int3'; use one of none, int8, int4"):
+        load_model("/nonexistent/model", "draft", quant="int3")
     assert check_quant(None) == "none" and check_quant("int8", "cpu") == "int8"
 
 
@@ -108,3 +109,62 @@ def test_densified_int8_model_computes_with_the_int8_weights_and_keeps_its_ident
     assert model_fingerprint(m) == before_fp
     assert m.state_dict().keys() == before_sd.keys()
     assert all(torch.equal(m.state_dict()[k], v) for k, v in before_sd.items())
+
+
+# ----------------------------------------------------------------------------- int4 (CPU kernel)
+
+needs_int4 = pytest.mark.skipif(int4_kernel("cpu") is not None, reason=f"no int4 kernel: {int4_kernel('cpu')}")
+
+
+def int4_model(seed, vocab=16):
+    # hidden 64: the kernel takes input sizes in groups of 64 and output sizes in blocks of 16
+    m = make_model(vocab, hidden_size=64, layers=2, seed=seed, logit_scale=3.0)
+    assert quantize_linears(m, "int4") == 2 * 7 + 1 and m.cpu_path["quant"] == "int4"
+    return m
+
+
+@needs_int4
+def test_int4_linear_dequantizes_exactly_and_is_close_to_the_float_layer():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(128, 48)
+    q = Int4Linear(lin)
+    # the dequantized weight is (q - 8) * scale + zero: every group of 64 takes at most 16 values,
+    # its extremes exactly (up to the bf16 scale) and within half a step elsewhere
+    w = q.dequantized()
+    assert w.shape == (48, 128)
+    for g in w.reshape(48, 2, 64).flatten(0, 1):
+        assert len(torch.unique(g)) <= 16
+    step = (lin.weight.reshape(48, 2, 64).amax(-1) - lin.weight.reshape(48, 2, 64).amin(-1)) / 15
+    assert ((w - lin.weight).abs().reshape(48, 2, 64) <= 0.51 * step[..., None] + 1e-2 * step[..., None]).all()
+    x = torch.randn(5, 128)
+    with torch.inference_mode():
+        got = q(x)
+    want = torch.nn.functional.linear(x.bfloat16().float(), w) + lin.bias
+    torch.testing.assert_close(got, want, atol=2e-2 * want.abs().max().item(), rtol=0)
+    assert q.weight_bytes < lin.weight.numel() * 4 / 7  # about half a byte a weight
+
+
+@needs_int4
+def test_int4_draft_keeps_the_distribution_exact():
+    target = CausalLM(make_model(16, hidden_size=32, layers=2, seed=8, logit_scale=3.0))
+    draft = CausalLM(int4_model(9))
+    params, prompt = SamplingParams(1.0, top_k=6), [1, 2]
+    probs = exact_sequence_probs(target, prompt, params, 16, 2)
+    counts = sample_counts(Decoder(target, draft), prompt, params, FixedK(2), 1500, 2)
+    assert chi_square_pvalue(counts, probs, 1500) > 1e-3
+
+
+@needs_int4
+def test_greedy_with_int4_draft_equals_greedy_target():
+    target = CausalLM(make_model(16, hidden_size=32, layers=2, seed=6, logit_scale=3.0))
+    draft = CausalLM(int4_model(7))
+    params = SamplingParams(0.0)
+    ar = Decoder(target).generate([1, 2, 3], 24, params).token_ids
+    for k in (1, 3):
+        assert Decoder(target, draft).generate([1, 2, 3], 24, params, FixedK(k)).token_ids == ar
+
+
+@needs_int4
+def test_int4_refuses_layers_the_kernel_cannot_take():
+    with pytest.raises(UserError, match="multiple of 64.*use --draft-quant int8"):
+        Int4Linear(torch.nn.Linear(32, 48))
