@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from adaptive_spec.cpu import describe, flags_line, onednn_packed
-from adaptive_spec.models import CausalLM, Int8Linear, PackedLinear, load_model, resolve_dtype
+from adaptive_spec.models import CausalLM, PackedLinear, QuantLinear, load_model, resolve_dtype
 
 # path name -> (dtype, packed)
 PATHS = {"bf16 stock": ("bf16", False), "fp32 stock": ("fp32", False), "fp32 packed": ("fp32", True),
@@ -51,7 +51,7 @@ def _timed(f) -> float:
 def linear_bytes(model) -> int:
     seen, n = set(), 0
     for m in model.modules():
-        if isinstance(m, (PackedLinear, Int8Linear)):  # their own byte count: the weight may be released
+        if isinstance(m, (PackedLinear, QuantLinear)):  # their own byte count: the weight may be released
             n += m.weight_bytes if id(m) not in seen else 0
             seen.add(id(m))
         elif isinstance(m, torch.nn.Linear) and id(m.weight) not in seen:
