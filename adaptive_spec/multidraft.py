@@ -182,15 +182,24 @@ class MultiDraftPolicy(RoundOwner):
         self.method, self.num_drafts, self.k = method, num_drafts, k
         self.name = method
         self.k_max = k
+        self.reset()
+
+    def reset(self):
+        # per-generation counts for the sweep's rows (sweep.tree_stats): rounds and the drafted
+        # tries' depths (k, less where a draft ended early or the length limit cut the round)
+        self.rounds = 0
+        self.depth_sum = 0
 
     def describe(self) -> dict:
         return {"policy": self.name, "num_drafts": self.num_drafts, "k": self.k}
 
     def run_round(self, state: RoundState) -> list[int]:
         cap = min(self.k, state.remaining - 1)  # never draft past the length limit
+        self.rounds += 1
         if cap <= 0:
             return plain_step(state)
         tree, paths = draft_trie(state.draft, state.seq, state.sampling, state.gen, self.num_drafts, cap)
+        self.depth_sum += max(tree.depth)
         P = target_pass(state.target, state.seq, tree, state.sampling)
         if self.method == "batch-sd":
             path, nxt = _batch_sd_path(tree, paths, P, state.gen)

@@ -103,6 +103,8 @@ def check_tree_row(r):
             assert r["tree_depth"] * r["budget"] == pytest.approx(r["drafted_per_round"])
     else:
         assert r["drafted_per_round"] <= r["num_drafts"] * r["k"]
+        # each round drafts tries of depth k (less only where the length limit cuts the round)
+        assert 0 < r["tree_depth"] <= r["k"] and r["tree_depth"] >= r["drafted_per_round"] / r["num_drafts"]
 
 
 def test_tree_sweep_rows_calibration_resume_and_report(inputs, tmp_path, monkeypatch, capsys):
