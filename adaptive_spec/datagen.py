@@ -287,13 +287,13 @@ def model_fingerprint(model) -> str:
 
 def load_models(cfg: DatagenConfig, device):
     """(draft, target, tokenizer, shared vocabulary size) as datagen runs them."""
-    from .models import check_vocab, densify_int8, load_model, resolve_dtype, resolve_model_path
+    from .models import check_vocab, densify_quantized, load_model, resolve_dtype, resolve_model_path
 
     draft, dtok = load_model(cfg.draft, "draft", cfg.dtype, device, quant=cfg.draft_quant,
                              draft_vocab=cfg.draft_vocab or None)
     # every datagen pass is batched (prefill, a batch of rows per step, the features pass), where
     # the int8 kernel's per-row cost loses to a dense GEMM over the same int8-valued weights
-    densify_int8(draft)
+    densify_quantized(draft)
     if cfg.target_device_map:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

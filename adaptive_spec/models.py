@@ -219,11 +219,7 @@ class QuantLinear(torch.nn.Module):
     """
 
     act_dtype = torch.bfloat16
-    # From this many input rows on, dequantize and run a dense GEMM: `_weight_int8pack_mm` costs a
-    # fixed ~0.11 ms a row on an AVX2 CPU (a 4864x896 layer), twice fp32 GEMM's cost at 2048 rows
-    # (datagen's batched feature pass), while the dequantization is paid once per call; at 512
-    # rows the two are even, below that int8 wins (measured on an AVX2 EPYC, 2 threads).
-    dense_rows: int = 1024
+    dense_rows: int | None = None  # from this many input rows on, dequantize per call and run a dense GEMM
     dense: torch.nn.Module | None = None  # set by densify()
 
     def dequantized(self) -> torch.Tensor:
@@ -266,7 +262,7 @@ class QuantLinear(torch.nn.Module):
         if self.dense is not None:
             return self.dense(x.to(self.dense_dtype)).to(x.dtype)
         rows = x.numel() // self.in_features
-        if rows >= self.dense_rows:
+        if self.dense_rows is not None and rows >= self.dense_rows:
             y = torch.nn.functional.linear(x, self.dequantized().to(x.dtype))
             return y + self.bias if self.bias is not None else y
         y = self.kernel(x.reshape(rows, self.in_features).to(self.act_dtype).contiguous())
@@ -278,6 +274,12 @@ class Int8Linear(QuantLinear):
     """Weight-only int8 linear layer: symmetric per-output-channel scales, run by torch's
     maintained `_weight_int8pack_mm` kernel (CPU and CUDA), not a GEMM of our own. Measured on an
     AVX2 CPU, twelve 4864x896 layers, one row: 3.96 ms against 7.92 ms for fp32 oneDNN-packed."""
+
+    # From this many input rows on, dequantize and run a dense GEMM: `_weight_int8pack_mm` costs a
+    # fixed ~0.11 ms a row on an AVX2 CPU (a 4864x896 layer), twice fp32 GEMM's cost at 2048 rows
+    # (datagen's batched feature pass), while the dequantization is paid once per call; at 512
+    # rows the two are even, below that int8 wins (measured on an AVX2 EPYC, 2 threads).
+    dense_rows = 1024
 
     def __init__(self, linear: torch.nn.Linear, act_dtype: torch.dtype = torch.bfloat16):
         super().__init__()
@@ -326,6 +328,8 @@ class Int4Linear(QuantLinear):
         self.bias = linear.bias
         self.weight_bytes = self.qweight.numel() + self.scales_and_zeros.numel() * 2
 
+    # no per-call dense path (dense_rows None): dequantizing runs the kernel over in_features rows,
+    # more than the input's own rows cost it
     def dequantized(self) -> torch.Tensor:
         # the kernel applied to the identity, in fp32: exactly (q - 8) * scale + zero, whatever the
         # packed layout (torch's internal format) is
@@ -341,7 +345,7 @@ class Int4Linear(QuantLinear):
                 f"act={self.act_dtype}")
 
 
-def densify_int8(model) -> int:
+def densify_quantized(model) -> int:
     """QuantLinear.densify on every quantized layer of `model` (int8 or int4), in the model's
     dtype; returns how many."""
     dtype = next(model.parameters()).dtype

@@ -44,13 +44,17 @@ def test_int8_draft_keeps_the_distribution_exact():
     assert chi_square_pvalue(counts, probs, 1500) > 1e-3
 
 
-def test_greedy_with_int8_draft_equals_greedy_target():
+def assert_greedy_equals_target(draft_model):
     target = CausalLM(make_model(16, hidden_size=32, layers=2, seed=6, logit_scale=3.0))
-    draft = CausalLM(int8_model(7))
+    draft = CausalLM(draft_model)
     params = SamplingParams(0.0)
     ar = Decoder(target).generate([1, 2, 3], 24, params).token_ids
     for k in (1, 3):
         assert Decoder(target, draft).generate([1, 2, 3], 24, params, FixedK(k)).token_ids == ar
+
+
+def test_greedy_with_int8_draft_equals_greedy_target():
+    assert_greedy_equals_target(int8_model(7))
 
 
 def test_load_model_quantizes_and_records_it(tiny_pair):
@@ -65,6 +69,10 @@ def test_bad_quant_is_refused_before_loading():
     with pytest.raises(UserError, match="unknown draft quantization 'int3'; use one of none, int8, int4"):
         load_model("/nonexistent/model", "draft", quant="int3")
     assert check_quant(None) == "none" and check_quant("int8", "cpu") == "int8"
+    from adaptive_spec.cli import DRAFT_QUANTS
+    from adaptive_spec.models import QUANTS
+
+    assert DRAFT_QUANTS == QUANTS  # the CLI spells the list out so --help need not import torch
 
 
 def test_int8_linear_dense_path_for_many_rows_matches_the_kernel():
@@ -84,11 +92,11 @@ def test_int8_linear_dense_path_for_many_rows_matches_the_kernel():
 
 
 def test_densified_int8_model_computes_with_the_int8_weights_and_keeps_its_identity(tiny_pair):
-    """datagen's draft: densify_int8 keeps a dense copy of each dequantized weight and computes
+    """datagen's draft: densify_quantized keeps a dense copy of each dequantized weight and computes
     every input with it. Outputs equal a float model holding the dequantized weights; the
     checkpoint (state_dict) and the manifest fingerprint stay those of the int8 draft."""
     from adaptive_spec.datagen import model_fingerprint
-    from adaptive_spec.models import densify_int8
+    from adaptive_spec.models import densify_quantized
 
     draft, _ = tiny_pair
     m, _ = load_model(str(draft), "draft", "fp32", "cpu", quant="int8")
@@ -102,7 +110,7 @@ def test_densified_int8_model_computes_with_the_int8_weights_and_keeps_its_ident
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     with torch.inference_mode():
         kernel = m(ids).logits
-        assert densify_int8(m) == 2 * 7 + 1 and "dense" in m.cpu_path["linear"]
+        assert densify_quantized(m) == 2 * 7 + 1 and "dense" in m.cpu_path["linear"]
         dense, want = m(ids).logits, ref(ids).logits
     torch.testing.assert_close(dense, want, atol=1e-5, rtol=1e-5)
     assert not torch.equal(dense, kernel)  # the kernel's bf16 activations are gone
@@ -156,12 +164,7 @@ def test_int4_draft_keeps_the_distribution_exact():
 
 @needs_int4
 def test_greedy_with_int4_draft_equals_greedy_target():
-    target = CausalLM(make_model(16, hidden_size=32, layers=2, seed=6, logit_scale=3.0))
-    draft = CausalLM(int4_model(7))
-    params = SamplingParams(0.0)
-    ar = Decoder(target).generate([1, 2, 3], 24, params).token_ids
-    for k in (1, 3):
-        assert Decoder(target, draft).generate([1, 2, 3], 24, params, FixedK(k)).token_ids == ar
+    assert_greedy_equals_target(int4_model(7))
 
 
 @needs_int4
