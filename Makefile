@@ -5,12 +5,13 @@ export PYTHONUNBUFFERED := 1
 
 .PHONY: setup models run test test-fast bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	# torch pinned: an unpinned torch pulls GBs of CUDA wheels on a CPU machine
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e .
+	# every other dependency at the versions the suite last passed with (constraints.txt)
+	$(PY) -m pip install -q -c constraints.txt -e .
 	touch $@
 
 setup: $(STAMP)

@@ -1,4 +1,4 @@
-"""`adaptive-spec` command line: fetch-models, generate, datagen, train, autotune, sweep, report."""
+"""`adaptive-spec` command line: fetch-models, generate, datagen, datagen-features, train, autotune, sweep, report."""
 from __future__ import annotations
 
 import argparse
@@ -256,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     for name, (_, help_) in DELEGATED.items():
         sub.add_parser(name, help=help_, add_help=False)
+    sub.add_parser("datagen-features", help="derive the draft's hidden states for a datagen run stored without them",
+                   add_help=False)
     sub.add_parser("draft-vocab", help="count token frequencies for a reduced draft vocabulary (--draft-vocab)",
                    add_help=False)
     sub.add_parser("autotune", help="predict throughput per threshold h and per K from a head and dev data "
@@ -296,6 +298,25 @@ def _draft_vocab(argv: list[str]) -> int:
     return 0
 
 
+def _datagen_features(argv: list[str]) -> int:
+    """adaptive-spec datagen-features: complete a datagen run stored without features (e.g. the
+    committed data/datagen/mix) with the draft's hidden states, into a folder that training,
+    autotune and eval/ablate_heads.py read (datagen_features.py)."""
+    from .datagen_features import run
+
+    ap = _Parser(prog="adaptive-spec datagen-features", description=_datagen_features.__doc__)
+    ap.add_argument("--data", required=True, help="datagen folder whose shards have no features (e.g. data/datagen/mix)")
+    ap.add_argument("--out", required=True, help="folder for the complete run with features (e.g. runs/datagen/mix)")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
+                    help="compute dtype (auto: bf16 on a GPU or a CPU with bf16 kernels, else fp32)")
+    ap.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    a = ap.parse_args(argv)
+    run(a.data, a.out, a.dtype, a.device, a.threads, not a.no_progress)
+    return 0
+
+
 def _autotune(argv: list[str]) -> int:
     """adaptive-spec autotune: replay an acceptance head on the dev responses of a datagen run and
     save the expected counts per threshold h and per fixed K beside the head (threshold_curve.json:
@@ -319,6 +340,8 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in DELEGATED:
         return _delegate(argv[0], argv[1:])
+    if argv and argv[0] == "datagen-features":
+        return run_main(_datagen_features, argv[1:], "finished shards are kept; rerun the same command to resume")
     if argv and argv[0] == "draft-vocab":
         return run_main(_draft_vocab, argv[1:], "nothing was written; run the same command again")
     if argv and argv[0] == "autotune":

@@ -417,15 +417,18 @@ def draft_features(cfg: TrainConfig, manifest: dict, split: str, files: list[Pat
         return mmap_tensor(cache, "features")  # mapped like stored features: shared by DDP processes
 
     if accelerator.is_main_process and cached() is None:
-        from .models import load_model
+        from .datagen_features import load_draft, response_features
 
         dtype = cfg.draft_dtype if cfg.draft_dtype != "auto" else ("bf16" if accelerator.device.type == "cuda" else "fp32")
-        model, _ = load_model(key["draft"], "draft", dtype=dtype, device=accelerator.device)
-        H = int(manifest["models"]["draft"]["hidden_size"])
-        if model.config.hidden_size != H:
-            raise UserError(f"draft {key['draft']!r} has hidden size {model.config.hidden_size} but the dataset "
-                            f"was made with hidden size {H}; pass draft= the model datagen used")
-        out = [_shard_features(model, f, accelerator.device) for f in files]
+        # the draft configuration the data was made with (int8 weights give other hidden states)
+        man = {**manifest, "config": {**manifest["config"], "draft": key["draft"]}}
+        if cfg.draft and cfg.draft != manifest["config"].get("draft"):  # another copy of the draft: its own weights
+            man["models"] = {**manifest["models"], "draft": {**manifest["models"]["draft"], "fingerprint": None}}
+        model = load_draft(man, dtype, accelerator.device)
+        out = []
+        for f in files:
+            t = read_small(f, ["input_ids", "input_offsets", "prompt_lens", "resp_offsets", "loss_mask"])
+            out.append(response_features(model, t)[t["loss_mask"].bool()])
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(".tmp")
         save_file({"features": torch.cat(out).contiguous()}, str(tmp), metadata=key)
@@ -433,27 +436,6 @@ def draft_features(cfg: TrainConfig, manifest: dict, split: str, files: list[Pat
         del model
     accelerator.wait_for_everyone()
     return cached()
-
-
-@torch.inference_mode()
-def _shard_features(model, path: Path, device) -> torch.Tensor:
-    t = read_small(path, ["input_ids", "input_offsets", "prompt_lens", "resp_offsets", "loss_mask"])
-    io, ro, pl = t["input_offsets"].tolist(), t["resp_offsets"].tolist(), t["prompt_lens"].tolist()
-    out = []
-    for s in range(len(pl)):
-        n = ro[s + 1] - ro[s]
-        if io[s + 1] - io[s] != pl[s] + n:
-            raise UserError(f"shard {path}: sequence {s} has {io[s + 1] - io[s]} input tokens but prompt "
-                            f"{pl[s]} + response {n}; regenerate the dataset")
-        i = t["loss_mask"][ro[s]: ro[s + 1]].bool().nonzero().flatten()
-        if len(i) == 0:
-            continue
-        ids = t["input_ids"][io[s]: io[s + 1]].long().to(device)[None]
-        h = model.base_model(input_ids=ids).last_hidden_state[0]
-        # Z_i sits at prompt_len + i in prompt+Z; its hidden state is what the head sees for Y_i.
-        out.append(h[pl[s] + i.to(device)].to(torch.bfloat16).cpu())
-    H = model.config.hidden_size
-    return torch.cat(out) if out else torch.empty(0, H, dtype=torch.bfloat16)
 
 
 class EpochShuffle(torch.utils.data.Sampler):

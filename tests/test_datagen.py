@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 
-from adaptive_spec import datagen, prompts
+from adaptive_spec import cli, datagen, prompts
 from adaptive_spec.config import load_config
 from adaptive_spec.datagen import DatagenConfig
 from adaptive_spec.prompts import encode_prompt
@@ -297,7 +297,9 @@ def test_shipped_configs_load(name):
     assert cfg.draft == cfg.target == "default" and cfg.mix_ratio == 0.15 and cfg.top_k == 50
     if name == "mix":  # the real run of issue 16
         assert [s["name"] for s in cfg.sources] == ["sharegpt", "gsm8k-train", "sharegpt-code", "mbpp"]
-        assert cfg.max_new_tokens >= 128 and cfg.dev_frac > 0 and cfg.store_features
+        assert cfg.max_new_tokens >= 128 and cfg.dev_frac > 0
+        # the token data is committed (data/datagen/mix) and features are derived from it: datagen_features
+        assert not cfg.store_features and cfg.out_dir == "data/datagen/mix"
         assert (cfg.draft_quant, cfg.draft_vocab) == ("int8", "")  # the draft configuration the project serves
         n_train = sum(s["n"] if s["n"] > 0 else 397 for s in cfg.sources) * cfg.train_frac
         # 300k loss positions within reach at a mean response of 82 tokens (the config's arithmetic)
@@ -421,3 +423,85 @@ def test_resume_with_another_draft_configuration_is_refused(ref_run, tiny_pair, 
     assert f"another draft configuration ({key}: {old!r} there, {new!r} now)" in err
     assert "another out_dir" in err and "overwrite=true" in err
     assert before == {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}  # untouched
+
+
+@pytest.mark.parametrize("quant", ["none", "int8"])
+def test_features_derived_later_equal_stored_ones(ref_run, tiny_pair, tmp_path, quant, capsys):
+    """A run stored without features, completed by datagen-features, equals the same run stored
+    with them: token data bit for bit, features up to bf16 rounding (the uncached pass over
+    (prompt, Z) against datagen's pass over Z on the prompt's cache), for the int8 draft too."""
+    from adaptive_spec import datagen_features
+
+    prompts, ref, _ = ref_run
+    kw = dict(draft_quant=quant, max_train_prompts=4)
+    ref = tmp_path / "with"
+    _run(_overrides(tiny_pair, prompts, ref, **kw))
+    bare, out = tmp_path / "bare", tmp_path / "derived"
+    man_bare = _run(_overrides(tiny_pair, prompts, bare, store_features="false", **kw))
+    man = datagen_features.run(str(bare), str(out), dtype="fp32", device="cpu", progress=False)
+    assert man["complete"] and man["config_hash"] == man_bare["config_hash"]
+    assert man["splits"] == man_bare["splits"] and man["features"]["from"] == str(bare)
+    n = 0
+    for split in datagen.SPLITS:
+        for a, b in zip(datagen.iter_shards(ref, split), datagen.iter_shards(out, split), strict=True):
+            assert a.keys() == b.keys()
+            for k in a:
+                if k != "features":
+                    assert torch.equal(a[k], b[k]), k
+            assert a["features"].shape == b["features"].shape
+            fa, fb = a["features"].float(), b["features"].float()
+            # within two bf16 ulps: int8 weights ignored would move them ~0.02 at |h| ~ 0.8 (5 ulps)
+            assert ((fa - fb).abs() <= fa.abs() * 2**-6 + 1e-5).all()
+            n += len(a["features"])
+    assert n > 0
+    # a rerun has nothing to do; another run's folder is refused, naming both hashes
+    datagen_features.run(str(bare), str(out), dtype="fp32", device="cpu", progress=False)
+    assert "up to date" in capsys.readouterr().err
+    assert cli.main(["datagen-features", "--data", str(ref_run[1]), "--out", str(out), "--dtype", "fp32"]) == 2
+    assert "another datagen run" in capsys.readouterr().err
+
+
+def test_features_resume_after_a_lost_shard_and_refuse_another_draft(ref_run, tiny_pair, tmp_path, capsys):
+    from adaptive_spec import datagen_features
+
+    prompts, _, _ = ref_run
+    bare, out = tmp_path / "bare", tmp_path / "derived"
+    _run(_overrides(tiny_pair, prompts, bare, store_features="false", max_train_prompts=4))
+    datagen_features.run(str(bare), str(out), dtype="fp32", device="cpu", progress=False)
+    f = out / "dev" / "shard-00000.safetensors"
+    before = datagen.load_shard(f)
+    f.unlink()  # as a kill before its atomic write would leave it
+    man = datagen_features.run(str(bare), str(out), dtype="fp32", device="cpu", progress=False)
+    assert man["complete"] and torch.equal(datagen.load_shard(f)["features"], before["features"])
+    # the data names a draft whose weights are not the ones that generated it
+    m = json.loads((bare / "manifest.json").read_text())
+    m["models"]["draft"]["fingerprint"] = "0" * 16
+    (bare / "manifest.json").write_text(json.dumps(m))
+    shutil.rmtree(out)
+    assert cli.main(["datagen-features", "--data", str(bare), "--out", str(out), "--dtype", "fp32", "--no-progress"]) == 2
+    assert "fingerprint" in capsys.readouterr().err
+
+
+def test_datagen_stats_adds_up_to_the_manifest(ref_run, tmp_path, capsys):
+    """eval/datagen_stats.py: per-source rows sum to each split's manifest counts, and the
+    acceptance means are those of the loss positions."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("datagen_stats", PROJECT_ROOT / "eval" / "datagen_stats.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    _, out, man = ref_run
+    _, rows = mod.stats(out)
+    col = {h: i for i, h in enumerate(mod.HEADER)}
+    for split in datagen.SPLITS:
+        total = [r for r in rows if r[0] == split and r[1] == "**all**"]
+        if not man["splits"][split]["n_prompts"]:
+            assert not total
+            continue
+        (total,) = total
+        for key, name in (("n_prompts", "responses"), ("n_tokens", "tokens"), ("n_loss_tokens", "loss positions")):
+            assert int(total[col[name]]) == man["splits"][split][key]
+        P = torch.cat([sh["accept_prob"][sh["loss_mask"].bool()] for sh in datagen.iter_shards(out, split)])
+        assert total[col["mean P"]] == f"{P.double().mean():.3f}"
+    assert mod.main(["--data", str(out), "--goal", "1000", "--out", str(tmp_path / "s.md")]) == 0
+    assert "of the goal 1000" in (tmp_path / "s.md").read_text()

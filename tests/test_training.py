@@ -209,11 +209,16 @@ def test_features_from_the_draft_when_the_dataset_has_none(tmp_path, tiny_pair, 
     cfg = training.TrainConfig(data=str(ds), output_dir=str(tmp_path / "run"))
     acc = SimpleNamespace(is_main_process=True, device=torch.device("cpu"), wait_for_everyone=lambda: None)
     m = training.read_manifest(ds)
-    got = training.load_split(cfg, m, "train", acc)
-    # By hand: the draft's final hidden state at the position of Z_i in prompt+Z, for loss positions.
+    # the features come from the draft that made the data, checked by its weights' fingerprint
+    with pytest.raises(UserError, match="fingerprint"):
+        training.load_split(cfg, m, "train", acc)
+    from adaptive_spec.datagen import model_fingerprint
     from adaptive_spec.models import load_model
 
     model, _ = load_model(str(draft_dir), "draft", dtype="fp32")
+    m["models"]["draft"]["fingerprint"] = model_fingerprint(model)
+    got = training.load_split(cfg, m, "train", acc)
+    # By hand: the draft's final hidden state at the position of Z_i in prompt+Z, for loss positions.
     want = []
     for s in m["splits"]["train"]["shards"]:
         t = load_file(str(ds / s["file"]))

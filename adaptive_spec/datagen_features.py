@@ -1,0 +1,148 @@
+"""Draft features for a datagen run that stored none: `adaptive-spec datagen-features`.
+
+A datagen run's token data (X, Y, Z, P, draft statistics) is ~5 KB a response; the draft's
+final hidden states at every response position are ~230 KB (896 bf16 values a token for the
+default draft). The token data is what costs hours (a target pass per token) and what is worth
+keeping across machines, so a run can store only it (`store_features: false`, as
+configs/datagen/mix.yaml does, committed under data/datagen/). This command derives the
+features from it, with one pass of the frozen draft per response, into a complete datagen
+folder (manifest + shards with `features`) that training, `autotune` and eval/ablate_heads.py
+read as they read any datagen run:
+
+    adaptive-spec datagen-features --data data/datagen/mix --out runs/datagen/mix
+
+The draft is loaded in the configuration the data was made with (manifest: draft, draft_quant,
+draft_vocab; its fingerprint must match), because heads are trained on the hidden states of the
+draft they serve. The pass runs over (prompt, Z) uncached, where datagen's own pass reused the
+prompt's KV cache: the same states up to rounding (tested). Each output shard is written
+atomically and is the unit of resume: a rerun skips finished shards and picks up the shards a
+longer datagen run has added since.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .errors import UserError
+from .runs import atomic_write, project_path, read_manifest
+
+SPLIT_ORDER = ("dev", "test", "train")  # the small evaluation splits first: a partial run is already usable
+
+
+def load_draft(manifest: dict, dtype: str, device):
+    """The draft in the configuration the data was made with, checked against its fingerprint."""
+    from .datagen import model_fingerprint
+    from .models import densify_quantized, load_model
+
+    cfg, want = manifest["config"], manifest["models"]["draft"]
+    draft, _ = load_model(cfg.get("draft", "default"), "draft", dtype, device, quant=cfg.get("draft_quant", "none"),
+                          draft_vocab=cfg.get("draft_vocab") or None)
+    densify_quantized(draft)  # every pass here is a many-row prefill: dense GEMM beats the int8 kernel
+    if draft.config.hidden_size != want["hidden_size"]:
+        raise UserError(f"draft {cfg.get('draft')!r} has hidden size {draft.config.hidden_size} but the data was made "
+                        f"with hidden size {want['hidden_size']}; the data belongs to another draft model")
+    fp = model_fingerprint(draft)
+    if want.get("fingerprint") and fp != want["fingerprint"]:
+        raise UserError(f"draft {cfg.get('draft')!r} (draft_quant={cfg.get('draft_quant')}) has weights fingerprint "
+                        f"{fp}, the data was made with {want['fingerprint']}; features must come from the draft "
+                        "that generated the data (rebuild it with `adaptive-spec fetch-models --force`, or "
+                        "regenerate the data)")
+    return draft
+
+
+@torch.inference_mode()
+def response_features(draft, shard: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[T, H] bf16: the draft's final hidden state at every response position of a shard, i.e.
+    at the position whose input token is Z_i, over the sequence (prompt, Z) -- what datagen's
+    `features` tensor holds."""
+    io, ro = shard["input_offsets"].tolist(), shard["resp_offsets"].tolist()
+    pl = shard["prompt_lens"].tolist()
+    dev = draft.get_input_embeddings().weight.device
+    out = []
+    for s in range(len(pl)):
+        n = ro[s + 1] - ro[s]
+        if io[s + 1] - io[s] != pl[s] + n:
+            raise UserError(f"sequence {s} has {io[s + 1] - io[s]} input tokens but prompt {pl[s]} + response "
+                            f"{n}; the shard is corrupt: regenerate it (delete it and rerun datagen)")
+        if n == 0:
+            continue
+        ids = shard["input_ids"][io[s]: io[s + 1]].long().to(dev)[None]
+        h = draft.base_model(input_ids=ids).last_hidden_state[0, pl[s]:]
+        out.append(h.to(torch.bfloat16).cpu())
+    H = draft.config.hidden_size
+    return torch.cat(out) if out else torch.empty(0, H, dtype=torch.bfloat16)
+
+
+def _out_manifest(src_man: dict, src: Path, dst: Path, extra: dict) -> dict:
+    """The source's manifest restricted to the shards present in dst, counts rebuilt from them."""
+    import dataclasses
+
+    from .datagen import DatagenConfig, build_manifest
+
+    names = {f.name for f in dataclasses.fields(DatagenConfig)}
+    cfg = DatagenConfig(**{k: v for k, v in src_man["config"].items() if k in names})
+    man = build_manifest(dst, cfg, src_man["models"], src_man["planned"])
+    man["complete"] = man["complete"] and bool(src_man.get("complete"))
+    man["features"] = {"from": str(src), **extra}
+    return man
+
+
+def run(data: str, out: str, dtype: str = "auto", device: str = "auto", threads: int = 0, progress: bool = True) -> dict:
+    from safetensors import safe_open
+    from safetensors.torch import save
+    from tqdm.auto import tqdm
+
+    from .datagen import _META_KEY, FORMAT, load_shard, write_manifest
+    from .models import resolve_device
+
+    src, dst = project_path(data), project_path(out)
+    if src.resolve() == dst.resolve():
+        raise UserError(f"--out {out} is the --data folder; write the features to another folder")
+    src_man = read_manifest(src, hint="point --data at a folder written by `adaptive-spec datagen`")
+    if src_man.get("format") != FORMAT:
+        raise UserError(f"{src} holds no datagen run (format {src_man.get('format')!r})")
+    old = read_manifest(dst, required=False) if dst.exists() else None
+    if old is None and dst.exists() and any(dst.iterdir()):
+        raise UserError(f"--out {dst} is not empty and holds no datagen run; choose another folder")
+    if old is not None and old.get("config_hash") != src_man["config_hash"]:
+        raise UserError(f"--out {dst} holds features of another datagen run (config_hash {old.get('config_hash')}, "
+                        f"--data has {src_man['config_hash']}); choose another folder or delete it")
+    todo = [sh for s in SPLIT_ORDER if s in src_man["splits"] for sh in src_man["splits"][s]["shards"]
+            if not (dst / sh["file"]).is_file()]
+    if threads > 0:
+        torch.set_num_threads(threads)
+    extra = {"dtype": dtype}
+    if not todo:
+        man = _out_manifest(src_man, src, dst, extra)
+        write_manifest(dst, man)
+        print(f"datagen-features: {dst} is up to date ({sum(len(v['shards']) for v in man['splits'].values())} shards)",
+              file=sys.stderr)
+        return man
+    draft = load_draft(src_man, dtype, resolve_device(device))
+    extra["cpu_path"] = getattr(draft, "cpu_path", {})
+    dst.mkdir(parents=True, exist_ok=True)
+    write_manifest(dst, _out_manifest(src_man, src, dst, extra))  # first: the folder is recognisable from now on
+    n_tok = sum(sh["n_tokens"] for sh in todo)
+    print(f"datagen-features: {src} -> {dst}: {len(todo)} shard(s), {n_tok} response tokens to do", file=sys.stderr)
+    t0, done = time.perf_counter(), 0
+    with tqdm(total=n_tok, unit="tok", disable=not progress, dynamic_ncols=True, mininterval=1.0,
+              desc="datagen-features") as bar:
+        for sh in todo:
+            tensors = load_shard(src / sh["file"])
+            with safe_open(str(src / sh["file"]), framework="pt") as f:
+                meta = f.metadata() or {}
+            tensors["features"] = response_features(draft, tensors)
+            (dst / sh["file"]).parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(dst / sh["file"], save({k: v.contiguous() for k, v in tensors.items()},
+                                                metadata={_META_KEY: meta.get(_META_KEY, "{}")}))
+            write_manifest(dst, _out_manifest(src_man, src, dst, extra))
+            done += sh["n_tokens"]
+            bar.update(sh["n_tokens"])
+            bar.set_postfix_str(f"{done / (time.perf_counter() - t0):.0f} tok/s")
+    man = _out_manifest(src_man, src, dst, extra)
+    write_manifest(dst, man)
+    print(f"datagen-features: done: {dst} ({done} tokens in {time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    return man
