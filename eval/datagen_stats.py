@@ -94,7 +94,9 @@ def _main(argv) -> int:
     text = "\n".join(head + [md_table(HEADER, rows)]) + "\n"
     print(text)
     if a.out:
-        atomic_write(project_path(a.out), text)
+        out = project_path(a.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(out, text)
     return 0
 
 

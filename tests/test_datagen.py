@@ -503,5 +503,5 @@ def test_datagen_stats_adds_up_to_the_manifest(ref_run, tmp_path, capsys):
             assert int(total[col[name]]) == man["splits"][split][key]
         P = torch.cat([sh["accept_prob"][sh["loss_mask"].bool()] for sh in datagen.iter_shards(out, split)])
         assert total[col["mean P"]] == f"{P.double().mean():.3f}"
-    assert mod.main(["--data", str(out), "--goal", "1000", "--out", str(tmp_path / "s.md")]) == 0
-    assert "of the goal 1000" in (tmp_path / "s.md").read_text()
+    assert mod.main(["--data", str(out), "--goal", "1000", "--out", str(tmp_path / "new" / "s.md")]) == 0
+    assert "of the goal 1000" in (tmp_path / "new" / "s.md").read_text()
