@@ -63,6 +63,7 @@ from .runs import atomic_write, project_path, read_manifest, settings_problem, w
 
 FORMAT = "adaptive_spec.datagen.v1"
 SPLITS = ("train", "dev", "test")
+WORK_ORDER = ("dev", "test", "train")  # the small evaluation splits first: a partial run is already usable
 # Keys that cannot change what is generated: a resume may change them freely.
 UNHASHED_KEYS = ("name", "out_dir", "overwrite", "threads", "progress")
 # What a head is trained for: a run of one draft configuration is never resumed with another.
@@ -748,7 +749,7 @@ def _prepare_out_dir(out_dir: Path, cfg: DatagenConfig, models: dict, planned: d
 def _todo_shards(out_dir: Path, planned: dict, state: "_State") -> list[tuple[str, int]]:
     """(split, shard index) of this process still missing on disk. The small evaluation splits
     first: a partial run is then already usable (dev + some train)."""
-    return [(s, k) for s in ("dev", "test", "train") for k in range(planned[s]["n_shards"])
+    return [(s, k) for s in WORK_ORDER for k in range(planned[s]["n_shards"])
             if k % state.world == state.index and not (out_dir / shard_file(s, k)).is_file()]
 
 

@@ -27,9 +27,7 @@ from pathlib import Path
 import torch
 
 from .errors import UserError
-from .runs import atomic_write, project_path, read_manifest
-
-SPLIT_ORDER = ("dev", "test", "train")  # the small evaluation splits first: a partial run is already usable
+from .runs import project_path, read_manifest
 
 
 def load_draft(manifest: dict, dtype: str, device):
@@ -91,11 +89,9 @@ def _out_manifest(src_man: dict, src: Path, dst: Path, extra: dict) -> dict:
 
 
 def run(data: str, out: str, dtype: str = "auto", device: str = "auto", threads: int = 0, progress: bool = True) -> dict:
-    from safetensors import safe_open
-    from safetensors.torch import save
     from tqdm.auto import tqdm
 
-    from .datagen import _META_KEY, FORMAT, load_shard, write_manifest
+    from .datagen import FORMAT, WORK_ORDER, _write_shard, load_shard, shard_meta, write_manifest
     from .models import resolve_device
 
     src, dst = project_path(data), project_path(out)
@@ -110,7 +106,7 @@ def run(data: str, out: str, dtype: str = "auto", device: str = "auto", threads:
     if old is not None and old.get("config_hash") != src_man["config_hash"]:
         raise UserError(f"--out {dst} holds features of another datagen run (config_hash {old.get('config_hash')}, "
                         f"--data has {src_man['config_hash']}); choose another folder or delete it")
-    todo = [sh for s in SPLIT_ORDER if s in src_man["splits"] for sh in src_man["splits"][s]["shards"]
+    todo = [sh for s in WORK_ORDER if s in src_man["splits"] for sh in src_man["splits"][s]["shards"]
             if not (dst / sh["file"]).is_file()]
     if threads > 0:
         torch.set_num_threads(threads)
@@ -132,12 +128,9 @@ def run(data: str, out: str, dtype: str = "auto", device: str = "auto", threads:
               desc="datagen-features") as bar:
         for sh in todo:
             tensors = load_shard(src / sh["file"])
-            with safe_open(str(src / sh["file"]), framework="pt") as f:
-                meta = f.metadata() or {}
             tensors["features"] = response_features(draft, tensors)
             (dst / sh["file"]).parent.mkdir(parents=True, exist_ok=True)
-            atomic_write(dst / sh["file"], save({k: v.contiguous() for k, v in tensors.items()},
-                                                metadata={_META_KEY: meta.get(_META_KEY, "{}")}))
+            _write_shard(dst / sh["file"], tensors, shard_meta(src / sh["file"]))  # the source shard's metadata
             write_manifest(dst, _out_manifest(src_man, src, dst, extra))
             done += sh["n_tokens"]
             bar.update(sh["n_tokens"])

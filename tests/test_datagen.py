@@ -441,6 +441,8 @@ def test_features_derived_later_equal_stored_ones(ref_run, tiny_pair, tmp_path, 
     man = datagen_features.run(str(bare), str(out), dtype="fp32", device="cpu", progress=False)
     assert man["complete"] and man["config_hash"] == man_bare["config_hash"]
     assert man["splits"] == man_bare["splits"] and man["features"]["from"] == str(bare)
+    for sh in (e["file"] for s in man["splits"].values() for e in s["shards"]):
+        assert datagen.shard_meta(out / sh) == datagen.shard_meta(bare / sh)  # the source shard's metadata kept
     n = 0
     for split in datagen.SPLITS:
         for a, b in zip(datagen.iter_shards(ref, split), datagen.iter_shards(out, split), strict=True):
