@@ -7,7 +7,11 @@ CPUs differ between machines, and the difference decides whether speculative dec
   back to a scalar-ish path: measured here (2 threads, four 8960x1536 layers) 1227 ms for a
   235-row prefill against 162 ms in fp32 with oneDNN-packed weights (7.6x), and 27 ms against
   9 ms for a 5-row verification. A verification pass of K + 1 tokens must cost about one decode
-  step for speculation to win, so on such a CPU the models run in fp32 with packed weights.
+  step for speculation to win, so on such a CPU the models run in fp32 with packed weights,
+  and, since fp32 doubles the bytes a one-row step streams, each layer also keeps an fp16 copy
+  of its weight (exact for weights from bf16 checkpoints) that FBGEMM reads for short inputs,
+  the decode steps and short verifications where that is measured faster (fbgemm_fp16,
+  models.pack_cpu_linears). Prefill and batched work stay on oneDNN fp32.
 
 `resolve_dtype("auto")` (the default everywhere) applies that rule; an explicit dtype is
 always honoured. `describe()` is what benchmarks, sweep rows and `--json` metrics record, so a
@@ -63,6 +67,29 @@ def onednn_packed(dtype: torch.dtype) -> str | None:
         w = torch.zeros(8, 8, dtype=dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(w)
         torch.ops.mkldnn._linear_pointwise(torch.zeros(2, 8, dtype=dtype), packed, None, "none", [], "")
+    except RuntimeError as e:
+        return first_line(e)
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def fbgemm_fp16() -> str | None:
+    """None when FBGEMM's fp16-weight, fp32-activation linear runs on this CPU, else why not.
+
+    Why it matters: on a CPU without bf16 kernels (AVX2) the models compute in fp32, and a
+    one-row decode step streams 4 bytes a weight through oneDNN; this kernel streams 2 (fp16,
+    widened in registers, fp32 arithmetic), measured 1.8x faster for the default target's layers
+    at one row and still faster up to about 5 (eval/bench_linear_rows.py). torch marks the op
+    deprecated; where a build drops it, this says so and oneDNN alone runs."""
+    import warnings
+
+    if not hasattr(torch, "fbgemm_linear_fp16_weight_fp32_activation"):
+        return "this torch build has no torch.fbgemm_linear_fp16_weight_fp32_activation"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            w = torch.fbgemm_pack_gemm_matrix_fp16(torch.ones(8, 8))
+            torch.fbgemm_linear_fp16_weight_fp32_activation(torch.ones(2, 8), w, torch.zeros(8))
     except RuntimeError as e:
         return first_line(e)
     return None

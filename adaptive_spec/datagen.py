@@ -290,9 +290,10 @@ def load_models(cfg: DatagenConfig, device):
     """(draft, target, tokenizer, shared vocabulary size) as datagen runs them."""
     from .models import check_vocab, densify_quantized, load_model, resolve_dtype, resolve_model_path
 
+    # every datagen pass is batched (prefill, a batch of rows per step, the features pass): no
+    # fp16 copies for short inputs (pack_cpu_linears), whose memory a batch would rather have
     draft, dtok = load_model(cfg.draft, "draft", cfg.dtype, device, quant=cfg.draft_quant,
-                             draft_vocab=cfg.draft_vocab or None)
-    # every datagen pass is batched (prefill, a batch of rows per step, the features pass), where
+                             draft_vocab=cfg.draft_vocab or None, fp16=False)
     # the int8 kernel's per-row cost loses to a dense GEMM over the same int8-valued weights
     densify_quantized(draft)
     if cfg.target_device_map:
@@ -303,7 +304,7 @@ def load_models(cfg: DatagenConfig, device):
         target = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(cfg.dtype),
                                                       device_map=cfg.target_device_map).eval()
     else:
-        target, ttok = load_model(cfg.target, "target", cfg.dtype, device)
+        target, ttok = load_model(cfg.target, "target", cfg.dtype, device, fp16=False)
     vocab = check_vocab(dtok, ttok, draft, target)
     return draft, target, ttok, vocab
 

@@ -37,7 +37,7 @@ def load_draft(manifest: dict, dtype: str, device):
 
     cfg, want = manifest["config"], manifest["models"]["draft"]
     draft, _ = load_model(cfg.get("draft", "default"), "draft", dtype, device, quant=cfg.get("draft_quant", "none"),
-                          draft_vocab=cfg.get("draft_vocab") or None)
+                          draft_vocab=cfg.get("draft_vocab") or None, fp16=False)
     densify_quantized(draft)  # every pass here is a many-row prefill: dense GEMM beats the int8 kernel
     if draft.config.hidden_size != want["hidden_size"]:
         raise UserError(f"draft {cfg.get('draft')!r} has hidden size {draft.config.hidden_size} but the data was made "

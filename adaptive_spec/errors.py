@@ -16,19 +16,36 @@ def run_main(fn, argv=None, interrupted: str = "nothing half-done was kept") -> 
     UserError: one `error: ...` line, exit 2 (the message already says what to do).
     Ctrl-C: one line, `interrupted: <interrupted>`, exit 130 (128 + SIGINT, what shells expect);
     `interrupted` says what was kept and how to resume, since that is what the user needs next.
+    SIGTERM (`kill`, a scheduler's stop) takes the same path, exit 143: a job started in the
+    background by a script has SIGINT ignored, and must still stop cleanly.
     Otherwise the body's return value (None = 0).
     """
+    import signal
     import sys
+    import threading
 
+    def on_term(signum, frame):
+        raise _Terminated
+
+    old = None
+    if threading.current_thread() is threading.main_thread():
+        old = signal.signal(signal.SIGTERM, on_term)
     try:
         rc = fn(argv)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print(f"\ninterrupted: {interrupted}", file=sys.stderr)
-        return 130
+        return 143 if isinstance(e, _Terminated) else 130
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
     return 0 if rc is None else int(rc)
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C would be, so every cleanup that handles one handles both."""
 
 
 def first_line(e: BaseException) -> str:

@@ -1,8 +1,9 @@
 """Benchmark: what one forward of each model costs on this CPU, per numeric path.
 
 For each model of the default pair and each path (bf16 stock kernels, the pre-AVX2-fix default
-on every CPU; fp32 stock; fp32 oneDNN-packed, the `auto` path on AVX2-only CPUs; bf16
-oneDNN-packed, the `auto` path where bf16 kernels exist), side by side in one process:
+on every CPU; fp32 stock; fp32 oneDNN-packed; fp32 oneDNN-packed with FBGEMM fp16 copies for
+short inputs, the `auto` path on AVX2-only CPUs; bf16 oneDNN-packed, the `auto` path where bf16
+kernels exist), side by side in one process:
 - ms per forward of 1 token (a decode step) and of K + 1 tokens (a verification of K candidates),
   and their ratio: speculation pays only where verifying K + 1 costs about one decode step;
 - the prefill of a --prefill-token prompt;
@@ -25,12 +26,13 @@ from pathlib import Path
 
 import torch
 
-from adaptive_spec.cpu import describe, flags_line, onednn_packed
+from adaptive_spec.cpu import describe, fbgemm_fp16, flags_line, onednn_packed
 from adaptive_spec.models import CausalLM, PackedLinear, QuantLinear, load_model, resolve_dtype
 
-# path name -> (dtype, packed)
-PATHS = {"bf16 stock": ("bf16", False), "fp32 stock": ("fp32", False), "fp32 packed": ("fp32", True),
-         "bf16 packed": ("bf16", True)}
+# path name -> (dtype, packed, fp16 copies for short inputs)
+PATHS = {"bf16 stock": ("bf16", False, False), "fp32 stock": ("fp32", False, False),
+         "fp32 packed": ("fp32", True, False), "fp32 packed + fp16": ("fp32", True, True),
+         "bf16 packed": ("bf16", True, False)}
 
 
 def read_bandwidth_gbps(gib: float = 1.0, reps: int = 5) -> float:
@@ -52,7 +54,7 @@ def linear_bytes(model) -> int:
     seen, n = set(), 0
     for m in model.modules():
         if isinstance(m, (PackedLinear, QuantLinear)):  # their own byte count: the weight may be released
-            n += m.weight_bytes if id(m) not in seen else 0
+            n += getattr(m, "step_bytes", m.weight_bytes) if id(m) not in seen else 0
             seen.add(id(m))
         elif isinstance(m, torch.nn.Linear) and id(m.weight) not in seen:
             seen.add(id(m.weight))
@@ -85,11 +87,11 @@ def time_prefill(lm: CausalLM, n: int, reps: int) -> float:
     return statistics.median(times[1:])
 
 
-def load_path(name: str, role: str, dtype: str, packed: bool) -> CausalLM:
+def load_path(name: str, role: str, dtype: str, packed: bool, fp16: bool) -> CausalLM:
     env = os.environ.get("ADAPTIVE_SPEC_CPU_PACK")
     os.environ["ADAPTIVE_SPEC_CPU_PACK"] = "1" if packed else "0"
     try:
-        model, _ = load_model(name, role, dtype, "cpu")
+        model, _ = load_model(name, role, dtype, "cpu", fp16=fp16)
     finally:
         os.environ.pop("ADAPTIVE_SPEC_CPU_PACK") if env is None else os.environ.__setitem__("ADAPTIVE_SPEC_CPU_PACK", env)
     return CausalLM(model)
@@ -99,9 +101,13 @@ def bench_model(name: str, args, lens: list[int]) -> list[dict]:
     role = name if name in ("draft", "target") else "target"
     path = None if name in ("draft", "target") else name
     # a packed path this CPU has no kernel for is left out (the table's first line says why)
-    paths = {p: (dt, pk) for p, (dt, pk) in PATHS.items() if not (pk and onednn_packed(resolve_dtype(dt)))}
-    runners = {p: load_path(path, role, dt, pk) for p, (dt, pk) in paths.items()}
-    prompt = torch.arange(200, 264) % runners["fp32 stock"].vocab_size  # 64 tokens of cache; content irrelevant
+    paths = {p: v for p, v in PATHS.items() if not (v[1] and onednn_packed(resolve_dtype(v[0])))
+             and not (v[2] and fbgemm_fp16())}
+    if args.paths:
+        paths = {p: v for p, v in paths.items() if p in args.paths.split(",")}
+    runners = {p: load_path(path, role, *v) for p, v in paths.items()}
+    ref = "fp32 stock" if "fp32 stock" in runners else next(iter(runners))  # logits compared against it
+    prompt = torch.arange(200, 264) % runners[ref].vocab_size  # 64 tokens of cache; content irrelevant
     times, logits, prefill = {}, {}, {}
     for _ in range(args.rounds):
         for p, lm in runners.items():
@@ -119,16 +125,17 @@ def bench_model(name: str, args, lens: list[int]) -> list[dict]:
             dt = statistics.median(times[(p, n)])
             rows.append({"model": name, "path": p, "tokens": n, "ms": dt * 1e3, "vs_step": dt / step,
                          "weight_GBps": nbytes / dt / 1e9, "linear_weight_GB": nbytes / 1e9,
-                         "max_abs_logit_diff": (logits[(p, n)] - logits[("fp32 stock", n)]).abs().max().item(),
+                         "max_abs_logit_diff": (logits[(p, n)] - logits[(ref, n)]).abs().max().item(), "reference": ref,
                          "prefill_ms": statistics.median(prefill[p]) * 1e3 if prefill else None,
-                         "pad_to": list(getattr(lm.model, "cpu_pad_to", ())), "threads": args.threads})
+                         "pad_to": list(getattr(lm.model, "cpu_pad_to", ())), "threads": args.threads,
+                         "cpu_path": getattr(lm.model, "cpu_path", {})})
     return rows
 
 
 def table(rows: list[dict], bw: float, prefill: int) -> str:
     lines = [f"{flags_line()}", f"read bandwidth (sum over 1 GiB, best of 5): {bw:.1f} GB/s", "",
              "| model | path | tokens | ms/forward | x decode step | GB/s of weights | % of read bw | "
-             f"prefill {prefill} tok, s | prefill speed-up vs bf16 stock | max abs logit diff vs fp32 |",
+             f"prefill {prefill} tok, s | prefill speed-up vs bf16 stock | max abs logit diff vs reference |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ref = next((s for s in rows if s["model"] == r["model"] and s["path"] == "bf16 stock"), None)
@@ -139,6 +146,10 @@ def table(rows: list[dict], bw: float, prefill: int) -> str:
                      f"{pf / 1e3:.2f} | {sp} | {r['max_abs_logit_diff']:.3g} |" if pf else
                      f"| {r['model']} | {r['path']} | {r['tokens']} | {r['ms']:.1f} | {r['vs_step']:.2f} | "
                      f"{r['weight_GBps']:.1f} | {100 * r['weight_GBps'] / bw:.0f}% | — | — | {r['max_abs_logit_diff']:.3g} |")
+    lines.append("")
+    for r in rows:
+        if r["tokens"] == rows[0]["tokens"]:
+            lines.append(f"- {r['model']}, {r['path']}: logits against {r['reference']}; path {r['cpu_path']}")
     return "\n".join(lines) + "\n"
 
 
@@ -150,6 +161,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=7, help="timed forwards per (path, length) per round")
     ap.add_argument("--rounds", type=int, default=3, help="times the paths alternate")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--paths", default=None, help="comma-separated subset of: " + ", ".join(PATHS)
+                    + " (default: all this CPU runs; logits are compared with fp32 stock, else the first)")
     ap.add_argument("--out", default=None, help="output folder (default eval/results/bench_cpu_kernels_<isa>)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)

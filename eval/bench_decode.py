@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import statistics
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ from adaptive_spec.prompts import load_prompts
 from adaptive_spec.runs import append_jsonl, read_jsonl
 from adaptive_spec.tables import md_table
 
+NO_FP16 = "@no-fp16"  # suffix of the configurations run on the target without fp16 copies
 HEADER = ["temp", "config", "tok/s", "speed-up vs ar", "N_target/N", "N_discarded/N", "accept", "tok/target pass",
           "outside forwards", "n prompts"]
 
@@ -62,7 +64,8 @@ def table(rows: list[dict]) -> str:
 
 
 def draft_label(spec: str) -> str:
-    return "unquantized" if spec == "none" else spec
+    base, at, rest = spec.partition("@")
+    return ("unquantized" if base == "none" else base) + at + rest
 
 
 def parse_draft(spec: str) -> tuple[str, str | None]:
@@ -82,12 +85,24 @@ def load_pairs(args) -> dict:
     pairs = {"ar": base}
     for dt in filter(None, args.ar_dtypes.split(",")):
         pairs[f"ar-{dt}"] = SpecPair.load(target=args.target, draft=None, dtype=dt, device=args.device)
+    drafts = {}
     for spec in args.drafts.split(","):
         quant, vocab = parse_draft(spec)
-        draft_model, dtok = load_model(args.draft, "draft", args.dtype, args.device, quant=quant, draft_vocab=vocab)
-        pair = SpecPair(target_model, base.tokenizer, draft_model, dtok)
+        drafts[spec] = load_model(args.draft, "draft", args.dtype, args.device, quant=quant, draft_vocab=vocab)
+        pair = SpecPair(target_model, base.tokenizer, *drafts[spec])
         pair.draft_config = {"draft_quant": quant, "draft_vocab": vocab or "full"}
         pairs[spec] = pair
+    if args.compare_no_fp16:
+        # the same target without the FBGEMM fp16 copies (oneDNN fp32 for every input), as
+        # target alone and under every draft configuration, in this run on the same prompts
+        os.environ["ADAPTIVE_SPEC_CPU_FP16"] = "0"
+        try:
+            old = SpecPair.load(target=args.target, draft=None, dtype=args.dtype, device=args.device)
+        finally:
+            os.environ.pop("ADAPTIVE_SPEC_CPU_FP16")
+        pairs[f"ar{NO_FP16}"] = old
+        for spec, (draft_model, dtok) in drafts.items():
+            pairs[spec + NO_FP16] = SpecPair(old.target.model, old.tokenizer, draft_model, dtok)
     return pairs
 
 
@@ -99,6 +114,7 @@ def draft_costs(rows: list[dict], pairs: dict, bw_gbps: float) -> str:
 
     t_target = _per_forward([r for r in rows if r["config"] == "ar"], "target")
     tbytes = linear_bytes(pairs["ar"].target.model)
+    t_fp16 = t_target
     out = [["target (ar step)", "—", f"{t_target * 1e3:.1f}", "1", f"{tbytes / 1e9:.3f}",
             f"{tbytes / t_target / 1e9:.1f} ({100 * tbytes / t_target / 1e9 / bw_gbps:.0f}%)", "—"]]
     for spec, pair in pairs.items():
@@ -106,6 +122,9 @@ def draft_costs(rows: list[dict], pairs: dict, bw_gbps: float) -> str:
             continue
         rs = [r for r in rows if r["draft"] == spec and r["config"] != "ar"]
         t_draft = _per_forward(rs, "draft")
+        if spec.endswith(NO_FP16) and t_target == t_fp16:  # c against its own target's step
+            t_target = _per_forward([r for r in rows if r["config"] == "ar" + NO_FP16], "target")
+            out.append([f"target{NO_FP16} (ar step)", "—", f"{t_target * 1e3:.1f}", "1", "", "", "—"])
         nbytes = linear_bytes(pair.draft.model)
         acc = [r["acceptance_rate"] for r in rs if r["acceptance_rate"] == r["acceptance_rate"]]
         out.append([draft_label(spec), f"{t_draft * 1e3:.1f}", f"{t_target * 1e3:.1f}", f"{t_draft / t_target:.3f}",
@@ -153,6 +172,8 @@ def main(argv=None):
     ap.add_argument("--ar-dtypes", default="",
                     help="extra target-alone baselines in other dtypes, e.g. bf16 (on an AVX2 CPU: bf16 stock "
                          "kernels, the fastest one-token step there), loaded beside the main target")
+    ap.add_argument("--compare-no-fp16", action="store_true",
+                    help="also run the target without its FBGEMM fp16 copies (ar and every draft), side by side")
     ap.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--out", default="runs/bench_decode", help="folder for results.jsonl and table.md")
@@ -168,11 +189,12 @@ def main(argv=None):
 
     if args.table_only:
         n = len({r["prompt_idx"] for r in done_rows})
+        label_configs(done_rows)
         print(f"# Decode benchmark (from {res_path}: {len(done_rows)} runs over {n} prompts)\n\n" + table(done_rows))
         return
     pairs = load_pairs(args)
     prompts = load_prompts(args.dataset, field=args.field, n=args.prompts)
-    jobs = [(a, a) for a in pairs if a.startswith("ar")] + [(c, f"k{k}") for c in args.drafts.split(",")
+    jobs = [(a, a) for a in pairs if a.startswith("ar")] + [(c, f"k{k}") for c in pairs if not c.startswith("ar")
                                                               for k in args.ks.split(",")]
     temps = [float(t) for t in args.temperatures.split(",")]
     for spec, pair in pairs.items():  # warm-up: the first forwards pay for allocation and kernel selection
@@ -209,12 +231,17 @@ def run_jobs(todo, pairs, prompts, args, settings, res_path) -> list[dict]:
     return rows
 
 
+def label_configs(rows: list[dict]) -> None:
+    """One table keyed by draft configuration and K: "k2" of draft int8 becomes "int8 k2"."""
+    for r in rows:
+        if not r["config"].startswith("ar") and not r["config"].startswith(draft_label(r.get("draft", "none"))):
+            r["config"] = f"{draft_label(r.get('draft', 'none'))} {r['config']}"
+
+
 def write_report(rows, pairs, args, n_prompts, out: Path):
     from adaptive_spec.cpu import flags_line
 
-    for r in rows:  # one table keyed by draft configuration and K
-        if not r["config"].startswith("ar") and not r["config"].startswith(draft_label(r.get("draft", "none"))):
-            r["config"] = f"{draft_label(r.get('draft', 'none'))} {r['config']}"
+    label_configs(rows)
     from bench_cpu_kernels import read_bandwidth_gbps
 
     runtime = pairs["ar"].runtime_info()

@@ -266,3 +266,22 @@ def test_tree_flags_reach_the_policy_factory(monkeypatch, capsys):
     assert main(["generate", "--prompt", "abc", "--policy", "tree"]) == 2
     assert seen[0]["tree_learned"] is True and seen[0]["tree_node_cost"] == 0.5
     assert "tree_learned" not in seen[1] and "tree_node_cost" not in seen[1]
+
+
+def test_sigterm_stops_like_ctrl_c(capsys):
+    """`kill` (SIGTERM) on a long command takes the Ctrl-C path: one line saying what was kept,
+    exit 143, and the previous SIGTERM handler is back afterwards."""
+    import os
+    import signal
+
+    from adaptive_spec.errors import run_main
+
+    def body(argv):
+        os.kill(os.getpid(), signal.SIGTERM)
+        signal.pause() if hasattr(signal, "pause") else None  # the handler raises before this returns
+
+    before = signal.getsignal(signal.SIGTERM)
+    assert run_main(body, None, "finished shards are kept") == 143
+    assert signal.getsignal(signal.SIGTERM) is before
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["interrupted: finished shards are kept"]

@@ -106,18 +106,35 @@ def test_packed_model_logits_match_unpacked(dtype):
                                    **(_tol(dtype) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_greedy_speculative_equals_greedy_target_with_packed_models(dtype):
-    target, draft = CausalLM(packed_model(6, dtype)), CausalLM(packed_model(7, dtype))
+def path_model(seed, path, monkeypatch, vocab=16):
+    """A tiny packed model on one of the CPU paths: a dtype (oneDNN), or "fp16" (oneDNN fp32 with
+    the FBGEMM fp16 copies forced on for every verification-sized input)."""
+    return fp16_model(seed, monkeypatch, vocab=vocab) if path == "fp16" else packed_model(seed, path, vocab=vocab)
+
+
+def _fp16_path():
+    from adaptive_spec.cpu import fbgemm_fp16
+
+    why = fbgemm_fp16()
+    return pytest.param("fp16", id="fp32+fp16", marks=pytest.mark.skipif(
+        why is not None, reason=f"FBGEMM fp16 linear unavailable: {why}"))
+
+
+PATHS = DTYPES + [_fp16_path()]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_greedy_speculative_equals_greedy_target_with_packed_models(path, monkeypatch):
+    target, draft = CausalLM(path_model(6, path, monkeypatch)), CausalLM(path_model(7, path, monkeypatch))
     params = SamplingParams(0.0)
     ar = Decoder(target).generate([1, 2, 3], 24, params).token_ids
     for k in (1, 3):
         assert Decoder(target, draft).generate([1, 2, 3], 24, params, FixedK(k)).token_ids == ar
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_distribution_is_exact_with_packed_models(dtype):
-    target, draft = CausalLM(packed_model(8, dtype, vocab=V)), CausalLM(packed_model(9, dtype, vocab=V))
+@pytest.mark.parametrize("path", PATHS)
+def test_distribution_is_exact_with_packed_models(path, monkeypatch):
+    target, draft = CausalLM(path_model(8, path, monkeypatch, V)), CausalLM(path_model(9, path, monkeypatch, V))
     params, prompt = SamplingParams(1.0), [1, 2]
     probs = exact_sequence_probs(target, prompt, params, V, L)
     counts = sample_counts(Decoder(target, draft), prompt, params, FixedK(2), 1500, L)
@@ -156,3 +173,81 @@ def test_forced_stock_bf16_path_still_exact_on_any_cpu(monkeypatch):
     params = SamplingParams(0.0)
     ar = Decoder(target).generate([1, 2, 3], 24, params).token_ids
     assert Decoder(target, draft).generate([1, 2, 3], 24, params, FixedK(3)).token_ids == ar
+
+
+# --- the FBGEMM fp16 copy for short inputs (fp32 models on CPUs without bf16 kernels) ---
+
+def _fp16_param():
+    return _fp16_path().marks[0]
+
+
+def fp16_model(seed, monkeypatch, rows="16", vocab=16):
+    """A tiny fp32 model whose weights fp16 holds exactly (as it holds the default pair's bf16
+    ones; a tiny random model's weights go below fp16's normal range, so round them), packed with the fp16 copy forced on for inputs of up to `rows` rows."""
+    m = make_model(vocab, hidden_size=32, layers=2, seed=seed, logit_scale=3.0).half().float()
+    monkeypatch.setenv("ADAPTIVE_SPEC_CPU_FP16", rows)
+    assert pack_cpu_linears(m, release=True) == 2 * 7 + 1
+    return m
+
+
+@_fp16_param()
+@pytest.mark.parametrize("shape", [(32,), (1, 32), (5, 32), (3, 7, 32)])
+def test_fp16_copy_matches_stock_linear(shape, monkeypatch):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(32, 48, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(lin.weight.half().float())
+    x = torch.randn(shape)
+    with torch.inference_mode():
+        ref = lin(x)
+        pl = PackedLinear(lin, release=True)
+        pl.add_fp16(lin.weight)
+        pl.fp16_rows = frozenset(range(1, 22))
+        got = pl(x)
+    assert got.shape == ref.shape
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@_fp16_param()
+def test_fp16_path_chosen_recorded_and_refused_for_inexact_weights(monkeypatch):
+    m = fp16_model(0, monkeypatch, rows="4")
+    assert m.cpu_path["linear"] == "onednn-packed + fbgemm-fp16" and m.cpu_path["fp16_rows"] == [1, 2, 3, 4]
+    lins = [x for x in m.modules() if isinstance(x, PackedLinear)]
+    assert all(x.fp16 is not None and x.fp16_rows == frozenset({1, 2, 3, 4}) for x in lins)
+    assert all(x.step_bytes == x.weight_bytes // 2 for x in lins)
+    # random fp32 weights are not all fp16 values: the model keeps oneDNN alone, and says why
+    m = make_model(16, hidden_size=32, layers=1, seed=0)
+    pack_cpu_linears(m)
+    assert m.cpu_path["linear"] == "onednn-packed" and "not exactly representable" in m.cpu_path["why_no_fp16"]
+    assert all(x.fp16 is None for x in m.modules() if isinstance(x, PackedLinear))
+    # nor for batched work (datagen), nor when switched off
+    m = make_model(16, hidden_size=32, layers=1, seed=0).half().float()
+    pack_cpu_linears(m, fp16=False)
+    assert m.cpu_path["why_no_fp16"] == "off (fp16=False: batched work)"
+    monkeypatch.setenv("ADAPTIVE_SPEC_CPU_FP16", "0")
+    m = make_model(16, hidden_size=32, layers=1, seed=0).half().float()
+    pack_cpu_linears(m)
+    assert m.cpu_path["why_no_fp16"] == "ADAPTIVE_SPEC_CPU_FP16=0"
+    monkeypatch.setenv("ADAPTIVE_SPEC_CPU_FP16", "many")
+    with pytest.raises(UserError, match="ADAPTIVE_SPEC_CPU_FP16 must be"):
+        pack_cpu_linears(make_model(16, hidden_size=32, layers=1, seed=0).half().float())
+
+
+@_fp16_param()
+def test_fp16_rows_measured_choice_is_a_set_of_row_counts(monkeypatch):
+    monkeypatch.setenv("ADAPTIVE_SPEC_CPU_FP16", "auto")
+    m = make_model(16, hidden_size=32, layers=1, seed=0).half().float()
+    pack_cpu_linears(m)
+    rows = m.cpu_path["fp16_rows"]
+    assert set(rows) <= set(range(1, 17))
+    lins = [x for x in m.modules() if isinstance(x, PackedLinear)]
+    assert all(x.fp16_rows == frozenset(rows) and (x.fp16 is None) == (not rows) for x in lins)
+
+
+@_fp16_param()
+def test_fp16_model_logits_match_unpacked(monkeypatch):
+    ref = make_model(16, hidden_size=32, layers=2, seed=5, logit_scale=3.0).half().float()
+    m = fp16_model(5, monkeypatch)
+    for ids in ([[1, 4, 7, 2, 9]], [[3]]):  # a verification-sized input and a decode step
+        with torch.inference_mode():
+            torch.testing.assert_close(m(torch.tensor(ids)).logits, ref(torch.tensor(ids)).logits, rtol=1e-4, atol=1e-4)
