@@ -13,7 +13,7 @@ T = t_draft N_draft + t_target N_target, has no term for (timemodel.py has the o
 median of `reps`), after a 32-token prefix so attention has a context to read. The result is
 cached as JSON in <cache>/costs/<key>.json ($ADAPTIVE_SPEC_CACHE or ~/.cache/adaptive_spec),
 the key hashing everything that moves these times: the CPU and its flags, torch threads and
-version, the device, both models' fingerprints and dtypes, the draft's quantization and
+version, the device, both models' fingerprints, dtypes and CPU kernels (cpu_path), the draft's quantization and
 vocabulary, the runner class. A cache file that does not parse is measured again, with a warning.
 """
 from __future__ import annotations
@@ -79,6 +79,8 @@ def cost_config(pair) -> dict:
     for role, lm in (("target", pair.target), ("draft", pair.draft)):
         config[f"{role}_fingerprint"] = model_fingerprint(lm.model)
         config[f"{role}_dtype"] = str(next(lm.model.parameters()).dtype)
+        # the CPU kernels chosen at load (oneDNN padding, fp16 rows, int8): another choice, another time
+        config[f"{role}_path"] = getattr(lm.model, "cpu_path", None)
     return config
 
 

@@ -69,10 +69,15 @@ def test_cache_hit_miss_and_corrupt_file(pair, cache, monkeypatch, capsys):
     other = C.measure_costs(pair)  # another draft configuration: another key, measured
     assert calls == [other.key] and other.key != first.key
     assert sorted(p.name for p in cache.iterdir()) == sorted([f"{first.key}.json", f"{other.key}.json"])
+    # the same models on other CPU kernels (e.g. ADAPTIVE_SPEC_CPU_FP16=0): another key
+    monkeypatch.setattr(pair.target.model, "cpu_path", {"linear": "onednn-packed", "fp16_rows": []}, raising=False)
+    third = C.measure_costs(pair)
+    assert calls == [other.key, third.key] and third.key not in (first.key, other.key)
+    monkeypatch.delattr(pair.target.model, "cpu_path", raising=False)
     (cache / f"{other.key}.json").write_text("{not json")
     capsys.readouterr()
     again = C.measure_costs(pair)
-    assert "unreadable" in capsys.readouterr().err and calls == [other.key, other.key]
+    assert "unreadable" in capsys.readouterr().err and calls == [other.key, third.key, other.key]
     assert C.costs_from_json(json.loads((cache / f"{other.key}.json").read_text())) == again
 
 
