@@ -311,9 +311,13 @@ def _datagen_features(argv: list[str]) -> int:
                     help="compute dtype (auto: bf16 on a GPU or a CPU with bf16 kernels, else fp32)")
     ap.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--prefix", default="mixed", choices=("mixed", "target"),
+                    help="the prefix the states are computed on: mixed = the token-mixed response (x, Z), the "
+                         "paper's; target = the target's own response, e(x, X_<i, Y_i) and e(x, X_<i) at every "
+                         "position, the inputs a head gets when decoding (features.py)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = ap.parse_args(argv)
-    run(a.data, a.out, a.dtype, a.device, a.threads, not a.no_progress)
+    run(a.data, a.out, a.dtype, a.device, a.threads, not a.no_progress, a.prefix)
     return 0
 
 

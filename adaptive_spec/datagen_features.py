@@ -10,11 +10,19 @@ folder (manifest + shards with `features`) that training, `autotune` and eval/ab
 read as they read any datagen run:
 
     adaptive-spec datagen-features --data data/datagen/mix --out runs/datagen/mix
+    adaptive-spec datagen-features --data data/datagen/mix --out runs/datagen/mix-target --prefix target
 
 The draft is loaded in the configuration the data was made with (manifest: draft, draft_quant,
 draft_vocab; its fingerprint must match), because heads are trained on the hidden states of the
 draft they serve. The pass runs over (prompt, Z) uncached, where datagen's own pass reused the
-prompt's KV cache: the same states up to rounding (tested). Each output shard is written
+prompt's KV cache: the same states up to rounding (tested).
+
+`--prefix target` computes the states on the target's own response instead of the token-mixed
+one (features.PREFIXES): for every Y_i, e(x, X_<i, Y_i) (`features`) and e(x, X_<i)
+(`context_features`, the state that produced q_i), in one pass over (x, X, Y) whose attention
+mask shows Y_i only the prompt and X_<i, at X_i's position. That costs N more tokens a response
+(the pass is compute-bound: about 1.5x on these prompts) and gives the inputs the decoder gives a
+head, at every position. Each output shard is written
 atomically and is the unit of resume: a rerun skips finished shards and picks up the shards a
 longer datagen run has added since.
 """
@@ -74,6 +82,44 @@ def response_features(draft, shard: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat(out) if out else torch.empty(0, H, dtype=torch.bfloat16)
 
 
+@torch.inference_mode()
+def target_prefix_features(draft, shard: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """([T, H], [T, H]) bf16: e(x, X_<i, Y_i) and e(x, X_<i) at every response position i of a
+    shard (features.PREFIXES "target"). One pass per response over (x, X_1..X_n, Y_1..Y_n): the
+    prompt and X attend causally; Y_i sits at X_i's position and attends the prompt, X_<i and
+    itself, so it sees exactly the prefix p_i and q_i were computed on."""
+    io, ro, pl = shard["input_offsets"].tolist(), shard["resp_offsets"].tolist(), shard["prompt_lens"].tolist()
+    dev = draft.get_input_embeddings().weight.device
+    dtype = draft.dtype
+    tok, ctx = [], []
+    for s in range(len(pl)):
+        L, a, b = pl[s], ro[s], ro[s + 1]
+        n = b - a
+        if io[s + 1] - io[s] != L + n:
+            raise UserError(f"sequence {s} has {io[s + 1] - io[s]} input tokens but prompt {L} + response {n}; "
+                            "the shard is corrupt: regenerate it (delete it and rerun datagen)")
+        if n == 0:
+            continue
+        prompt = shard["input_ids"][io[s]: io[s] + L].long()
+        ids = torch.cat([prompt, shard["x_ids"][a:b].long(), shard["y_ids"][a:b].long()])
+        m = L + n
+        attend = torch.zeros(m + n, m + n, dtype=torch.bool)
+        attend[:m, :m] = torch.ones(m, m, dtype=torch.bool).tril()
+        i = torch.arange(n)
+        attend[m:, :L] = True
+        attend[m:, L:m] = i[None, :] < i[:, None]  # Y_i sees X_j for j < i
+        attend[m + i, m + i] = True
+        mask = torch.zeros(1, 1, m + n, m + n, dtype=dtype).masked_fill_(~attend, torch.finfo(dtype).min)
+        pos = torch.cat([torch.arange(m), L + i])
+        h = draft.base_model(input_ids=ids.to(dev)[None], attention_mask=mask.to(dev),
+                             position_ids=pos.to(dev)[None]).last_hidden_state[0]
+        tok.append(h[m:].to(torch.bfloat16).cpu())
+        ctx.append(h[L - 1: m - 1].to(torch.bfloat16).cpu())  # after x, X_<i: what produced q_i
+    H = draft.config.hidden_size
+    empty = torch.empty(0, H, dtype=torch.bfloat16)
+    return (torch.cat(tok) if tok else empty), (torch.cat(ctx) if ctx else empty)
+
+
 def _out_manifest(src_man: dict, src: Path, dst: Path, extra: dict) -> dict:
     """The source's manifest restricted to the shards present in dst, counts rebuilt from them."""
     import dataclasses
@@ -88,11 +134,16 @@ def _out_manifest(src_man: dict, src: Path, dst: Path, extra: dict) -> dict:
     return man
 
 
-def run(data: str, out: str, dtype: str = "auto", device: str = "auto", threads: int = 0, progress: bool = True) -> dict:
+def run(data: str, out: str, dtype: str = "auto", device: str = "auto", threads: int = 0, progress: bool = True,
+        prefix: str = "mixed") -> dict:
     from tqdm.auto import tqdm
 
     from .datagen import FORMAT, WORK_ORDER, _write_shard, load_shard, shard_meta, write_manifest
+    from .features import CONTEXT_KEY, PREFIXES
     from .models import resolve_device
+
+    if prefix not in PREFIXES:
+        raise UserError(f"--prefix must be one of {', '.join(PREFIXES)}, got {prefix!r}")
 
     src, dst = project_path(data), project_path(out)
     if src.resolve() == dst.resolve():
@@ -106,11 +157,15 @@ def run(data: str, out: str, dtype: str = "auto", device: str = "auto", threads:
     if old is not None and old.get("config_hash") != src_man["config_hash"]:
         raise UserError(f"--out {dst} holds features of another datagen run (config_hash {old.get('config_hash')}, "
                         f"--data has {src_man['config_hash']}); choose another folder or delete it")
+    old_prefix = ((old or {}).get("features") or {}).get("prefix", "mixed")
+    if old is not None and old_prefix != prefix:
+        raise UserError(f"--out {dst} holds states on the {old_prefix} prefix, and --prefix is {prefix}; choose "
+                        f"another folder (e.g. {dst}-{prefix}) or rerun with --prefix {old_prefix}")
     todo = [sh for s in WORK_ORDER if s in src_man["splits"] for sh in src_man["splits"][s]["shards"]
             if not (dst / sh["file"]).is_file()]
     if threads > 0:
         torch.set_num_threads(threads)
-    extra = {"dtype": dtype}
+    extra = {"dtype": dtype, "prefix": prefix}
     if not todo:
         man = _out_manifest(src_man, src, dst, extra)
         write_manifest(dst, man)
@@ -128,7 +183,10 @@ def run(data: str, out: str, dtype: str = "auto", device: str = "auto", threads:
               desc="datagen-features") as bar:
         for sh in todo:
             tensors = load_shard(src / sh["file"])
-            tensors["features"] = response_features(draft, tensors)
+            if prefix == "target":
+                tensors["features"], tensors[CONTEXT_KEY] = target_prefix_features(draft, tensors)
+            else:
+                tensors["features"] = response_features(draft, tensors)
             (dst / sh["file"]).parent.mkdir(parents=True, exist_ok=True)
             _write_shard(dst / sh["file"], tensors, shard_meta(src / sh["file"]))  # the source shard's metadata
             write_manifest(dst, _out_manifest(src_man, src, dst, extra))

@@ -26,6 +26,18 @@ product 1 - prod p_hat_i already accounts for the round's length.
 `position_map` says which response positions a head trains on and which stored state it reads
 there (token: the state at Y_i's own position, where Z_i = Y_i; context: the state after
 Z_{i-1}, at every position but a response's first).
+
+Which prefix the stored states were computed on (`PREFIXES`):
+  mixed   the token-mixed response (x, Z): the paper's construction (section 4.4) and datagen's
+          own `features`. The ideal input for Y_i is (x, X_<i, Y_i), the prefix p_i and q_i were
+          computed on; token mixing trades that for one pass per response, so the head reads
+          (x, Z_<i, Y_i), a prefix 85% made of draft candidates that need not agree with X.
+  target  the target's own response: `features`[i] = e(x, X_<i, Y_i) and `context_features`[i] =
+          e(x, X_<i), the state that produced q_i, at every position (a response's first
+          included). These are the inputs the decoder gives a head after an accepted prefix,
+          and every Y_i has one, so no mixing is needed (`adaptive-spec datagen-features
+          --prefix target`, one pass over (x, X, Y) with a mask that shows Y_i only x and X_<i).
+A shard says which it holds: `context_features` exists only in target-prefix shards.
 """
 from __future__ import annotations
 
@@ -70,13 +82,26 @@ def response_starts(resp_offsets: torch.Tensor, n: int) -> torch.Tensor:
     return first
 
 
-def position_map(feature: str, loss_mask: torch.Tensor, resp_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+PREFIXES = ("mixed", "target")
+CONTEXT_KEY = "context_features"  # the shard tensor of target-prefix context states
+
+
+def state_key(feature: str, clean: bool) -> str:
+    """The shard tensor a head of this `feature` reads: `clean` = the shard holds target-prefix states."""
+    return CONTEXT_KEY if clean and feature == "context" else "features"
+
+
+def position_map(feature: str, loss_mask: torch.Tensor, resp_offsets: torch.Tensor,
+                 clean: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(used [T] bool, state_row [T] long) for a shard's T response positions.
 
-    used: the positions a head of this `feature` trains on; state_row[i]: the stored state it
-    reads for Y_i (always a valid row index; meaningless where a context head has no state)."""
+    used: the positions a head of this `feature` trains on; state_row[i]: the row of the tensor
+    `state_key(feature, clean)` it reads for Y_i (always a valid row index; meaningless where a
+    context head has no state). clean: the shard holds target-prefix states (see PREFIXES)."""
     T = len(loss_mask)
     rows = torch.arange(T)
+    if clean:  # every Y_i has both of its own states, a response's first included
+        return torch.ones(T, dtype=torch.bool), rows
     if feature == "context":
         # Y_i from the state after Z_{i-1}, which never contains Y_i: usable mixed or not
         return ~response_starts(resp_offsets, T), (rows - 1).clamp_min(0)

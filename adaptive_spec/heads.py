@@ -38,7 +38,7 @@ from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
 
 from .errors import UserError, first_line
-from .features import N_STATS, STATS, position_map, sampling_from
+from .features import CONTEXT_KEY, N_STATS, STATS, position_map, sampling_from, state_key
 
 HEAD_FORMAT = "adaptive_spec.head.v1"
 CONFIG_NAME = "config.json"
@@ -309,7 +309,9 @@ def _training_card(extra: dict) -> list[str]:
     return [
         "## Training",
         f"- data: `{g('dataset')}` (datagen config hash `{g('dataset_config_hash')}`), "
-        f"{g('n_train_positions', ',')} training positions (draft tokens only; token mixing r from the datagen config)"
+        f"{g('n_train_positions', ',')} training positions "
+        + ("(every draft token, states on the target's own prefix: datagen-features --prefix target)"
+           if extra.get("prefix") == "target" else "(draft tokens only; token mixing r from the datagen config)")
         + (f"; prompt sources: {', '.join(map(str, sources))}" if sources else ""),
         f"- draft configuration: quantization {extra.get('draft_quant', 'none')}, vocabulary "
         f"{extra.get('draft_vocab', 'full')}",
@@ -373,14 +375,16 @@ def shard_inputs(head, shard: dict) -> torch.Tensor:
     pairs with it (token: features[i]; context: features[i - 1]) and, for inputs=hidden+stats, the
     stored draft_stats[i]. Rows equal training's where `shard_positions` is True; elsewhere a token
     head's row holds the state after X_i (Z_i was the target's token) and a context head's row at a
-    response's first position has no state (zeros)."""
-    feats = shard.get("features")
+    response's first position has no state (zeros). On target-prefix shards (features.PREFIXES)
+    every row is the head's own input."""
+    feature, inputs = getattr(head, "feature", "token"), getattr(head, "inputs", "hidden")
+    clean = CONTEXT_KEY in shard
+    feats = shard.get(state_key(feature, clean))
     if feats is None:
         raise UserError("the datagen shard has no stored draft features ('features'); regenerate the dataset with "
                         "store_features=true")
     T = feats.shape[0]
-    feature, inputs = getattr(head, "feature", "token"), getattr(head, "inputs", "hidden")
-    used, row = position_map(feature, shard["loss_mask"], shard["resp_offsets"])
+    used, row = position_map(feature, shard["loss_mask"], shard["resp_offsets"], clean)
     hidden = feats[row].float()
     if feature == "context":
         hidden[~used] = 0.0
@@ -399,4 +403,5 @@ def shard_inputs(head, shard: dict) -> torch.Tensor:
 
 def shard_positions(head, shard: dict) -> torch.Tensor:
     """[T] bool: the response positions where `shard_inputs` rows are exactly what training used."""
-    return position_map(getattr(head, "feature", "token"), shard["loss_mask"], shard["resp_offsets"])[0]
+    return position_map(getattr(head, "feature", "token"), shard["loss_mask"], shard["resp_offsets"],
+                        CONTEXT_KEY in shard)[0]

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from .config import config_help, config_to_dict, load_config
 from .errors import UserError
-from .features import N_STATS, position_map
+from .features import CONTEXT_KEY, N_STATS, position_map, state_key
 from .heads import FEATURES, INPUTS, MAX_DEPTH, AcceptanceHead, join_inputs
 from .runs import append_jsonl, atomic_write, check_settings, read_jsonl, write_json
 from .runs import read_manifest as read_manifest_json
@@ -282,6 +282,7 @@ def read_small(path: Path, names: list[str], optional: tuple[str, ...] = ()) -> 
             keys = set(f.keys())
             out = {k: f.get_tensor(k) for k in [*names, *optional] if k in keys}
             out["_has_features"] = torch.tensor("features" in keys)
+            out["_clean"] = torch.tensor(CONTEXT_KEY in keys)  # target-prefix states (features.PREFIXES)
     except (SafetensorError, OSError) as e:
         raise UserError(f"dataset shard {path} is corrupt ({e}); regenerate the dataset") from None
     missing = [k for k in names if k not in out]
@@ -354,6 +355,11 @@ def load_split(cfg: TrainConfig, manifest: dict, split: str, accelerator) -> Pos
     smalls = [read_small(root / s["file"], ["loss_mask", "resp_offsets", cfg.target],
                          optional=("draft_stats",) if stats_wanted else ()) for s in shards]
     has_features = all(bool(s["_has_features"]) for s in smalls)
+    clean = {bool(s["_clean"]) for s in smalls}
+    if len(clean) > 1:
+        raise UserError(f"{root} mixes shards with states on the target prefix and on the mixed one; derive the "
+                        "folder again with one `adaptive-spec datagen-features --prefix ...`")
+    clean = clean.pop()
     if cfg.feature == "context" and not has_features:
         raise UserError(f"feature=context needs stored draft features, and {root} has none; regenerate it "
                         "with store_features=true (or train feature=token)")
@@ -368,7 +374,7 @@ def load_split(cfg: TrainConfig, manifest: dict, split: str, accelerator) -> Pos
         for key in (cfg.target, "draft_stats") if stats_wanted else (cfg.target,):
             if small[key].shape[0] != len(mask):
                 raise UserError(f"{root / s['file']}: {key} and loss_mask differ in length; regenerate the dataset")
-        used, state_row = position_map(cfg.feature, mask, small["resp_offsets"])
+        used, state_row = position_map(cfg.feature, mask, small["resp_offsets"], clean)
         pos = used.nonzero().flatten()
         targets.append(small[cfg.target].float()[pos])
         shard_ids.append(torch.full_like(pos, i, dtype=torch.int32))
@@ -376,9 +382,10 @@ def load_split(cfg: TrainConfig, manifest: dict, split: str, accelerator) -> Pos
         if stats_wanted:
             stats.append(small["draft_stats"].float()[pos])
         if has_features:
-            f = mmap_tensor(root / s["file"], "features")
+            key = state_key(cfg.feature, clean)
+            f = mmap_tensor(root / s["file"], key)
             if f.ndim != 2 or f.shape[0] != len(mask) or f.shape[1] != H:
-                raise UserError(f"features in {root / s['file']} have shape {tuple(f.shape)}, expected "
+                raise UserError(f"{key} in {root / s['file']} have shape {tuple(f.shape)}, expected "
                                 f"[{len(mask)}, {H}] (manifest hidden_size); regenerate the dataset")
             feats.append(f)
     target = torch.cat(targets)
@@ -735,7 +742,9 @@ def setup_run(cfg: TrainConfig, manifest: dict, acc) -> Run:
             # the draft configuration the features came from: a head follows its draft (policies.load_pair_head)
             "draft_quant": manifest.get("config", {}).get("draft_quant", "none"),
             "draft_vocab": manifest.get("config", {}).get("draft_vocab") or "full",
-            "ece_bins": cfg.ece_bins, "sources": dataset_sources(manifest) or None}
+            "ece_bins": cfg.ece_bins, "sources": dataset_sources(manifest) or None,
+            # which prefix the states were computed on (features.PREFIXES); datagen's own are mixed
+            "prefix": (manifest.get("features") or {}).get("prefix", "mixed")}
     return Run(cfg, acc, RunFiles(Path(cfg.output_dir), acc.is_main_process), model, optimizer, scheduler, loader,
                sampler, dict(zip(evals, eval_loaders)), steps_per_epoch, total, meta)
 

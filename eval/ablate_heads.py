@@ -3,6 +3,7 @@ and tabulate dev KL, AUC and ECE, overall and per prompt source.
 
     python eval/ablate_heads.py --data runs/datagen/mix [--out runs/heads/ablation]
         [--variants hidden,hidden+stats,context] [--depths 0,3] [--w-rejs 1,6]
+        [--eval-data runs/datagen/mix-target]
         [--config configs/train/default.yaml] [key=value ...]      # rerun the same command to resume
 
 Input sets (a head's `feature` and `inputs`, adaptive_spec/heads.py):
@@ -18,6 +19,13 @@ compare. Overall dev metrics are those of the exported head (lowest dev loss); p
 are recomputed from that head on heads.shard_inputs rows (the rows the offline replay of
 `--threshold auto` reads), cached in the run's ablation.json and added to its model card
 (head/README.md). Writes <out>/ablation.md and <out>/ablation.json.
+
+--eval-data scores every head also on another folder's dev split, typically the same responses
+with states on the target's prefix (`adaptive-spec datagen-features --prefix target`): the
+inputs a head gets when decoding, where the training folder's mixed-prefix dev states are the
+paper's stand-in for them (features.PREFIXES). Its metrics get their own columns, and the
+per-source columns then come from it. Either way the table ends with the reference a head must
+beat: the AUC of the draft's own log q(Y_i) (stored draft_stats), no head.
 """
 from __future__ import annotations
 
@@ -67,15 +75,15 @@ def source_of_positions(shard: dict) -> torch.Tensor:
 
 
 @torch.no_grad()
-def dev_metrics(head: AcceptanceHead, cfg: TrainConfig, manifest: dict) -> dict:
-    """{"all": metrics, source: metrics, ...} of `head` on every dev shard, from shard_inputs rows
-    at the positions training uses (shard_positions)."""
+def dev_metrics(head: AcceptanceHead, cfg: TrainConfig, manifest: dict, data: Path | None = None) -> dict:
+    """{"all": metrics, source: metrics, ...} of `head` on every dev shard of `data` (default: the
+    training data), from shard_inputs rows at the positions training uses (shard_positions)."""
     from safetensors.torch import load_file
 
     names = dataset_sources(manifest)
     zs, ys, srcs = [], [], []
     for entry in ((manifest.get("splits") or {}).get("dev") or {}).get("shards") or []:
-        shard = load_file(str(Path(cfg.data) / entry["file"]))
+        shard = load_file(str(Path(data or cfg.data) / entry["file"]))
         used = shard_positions(head, shard)
         zs.append(head(shard_inputs(head, shard)[used]).float())
         ys.append(shard[cfg.target].float()[used].clamp(0, 1))
@@ -106,30 +114,88 @@ def evaluate_head(run_dir: Path, cfg: TrainConfig, manifest: dict) -> dict:
     return by
 
 
-def table_row(variant: str, cfg: TrainConfig, results: dict, by: dict, sources: list[str]) -> dict:
+def evaluate_on(run_dir: Path, cfg: TrainConfig, data: Path, manifest: dict) -> dict:
+    """The run's head scored on another folder's dev split (--eval-data), cached in eval.json
+    for that folder and its dev shards."""
+    key = {"data": str(data), "shards": [e["file"] for e in manifest["splits"].get("dev", {}).get("shards", [])]}
+    cached = run_dir / "eval.json"
+    if cached.is_file() and json.loads(cached.read_text()).get("key") == key:
+        return json.loads(cached.read_text())["by"]
+    head = AcceptanceHead.from_pretrained(run_dir / "head", dtype=torch.float32)
+    by = dev_metrics(head, cfg, manifest, data)
+    write_json(cached, {"key": key, "by": by})
+    return by
+
+
+def reference_auc(data: Path, manifest: dict) -> dict:
+    """{"all": AUC, source: AUC} of the draft's own log q(Y_i) (draft_stats), no head, on the dev
+    split at the positions a token head is scored on."""
+    from safetensors.torch import load_file
+
+    from adaptive_spec.features import CONTEXT_KEY, position_map
+    from adaptive_spec.training import auc
+
+    names = dataset_sources(manifest)
+    lq, ps, srcs = [], [], []
+    for entry in manifest["splits"].get("dev", {}).get("shards", []):
+        sh = load_file(str(data / entry["file"]))
+        used = position_map("token", sh["loss_mask"], sh["resp_offsets"], CONTEXT_KEY in sh)[0]
+        lq.append(sh["draft_stats"][used, 0])
+        ps.append(sh["accept_prob"][used])
+        if names:
+            srcs.append(source_of_positions(sh)[used])
+    if not lq:
+        return {}
+    lq, ps = torch.cat(lq), torch.cat(ps)
+    out = {"all": auc(lq, ps)}
+    if srcs:
+        s = torch.cat(srcs)
+        out.update({name: auc(lq[s == k], ps[s == k]) for k, name in enumerate(names)})
+    return out
+
+
+def table_row(variant: str, cfg: TrainConfig, results: dict, by: dict, sources: list[str],
+              by_eval: dict | None = None) -> dict:
     best = results.get("best") or {}
     head_cfg = json.loads((Path(cfg.output_dir) / "head" / "config.json").read_text())
-    return {"inputs": variant, "D": cfg.depth, "w_rej": cfg.w_rej, "positions": head_cfg.get("n_train_positions"),
-            "best_step": results.get("best_step"), "dev_kl": best.get("dev_kl"), "dev_auc": best.get("dev_auc"),
-            "dev_ece": best.get("dev_ece"), "head": str(Path(cfg.output_dir) / "head"),
-            "by_source": {s: by.get(s, {}) for s in sources}}
+    row = {"inputs": variant, "D": cfg.depth, "w_rej": cfg.w_rej, "positions": head_cfg.get("n_train_positions"),
+           "best_step": results.get("best_step"), "dev_kl": best.get("dev_kl"), "dev_auc": best.get("dev_auc"),
+           "dev_ece": best.get("dev_ece"), "head": str(Path(cfg.output_dir) / "head"),
+           "by_source": {s: by.get(s, {}) for s in sources}}
+    if by_eval is not None:
+        row["eval"] = by_eval.get("all", {})
+        row["eval_by_source"] = {s: by_eval.get(s, {}) for s in sources}
+    return row
 
 
-def write_tables(rows: list[dict], out: Path, cfg: TrainConfig, manifest: dict, sources: list[str]):
+def write_tables(rows: list[dict], out: Path, cfg: TrainConfig, manifest: dict, sources: list[str],
+                 reference: dict, eval_data: str | None = None):
+    trio = ("kl", "auc", "ece")
+    per = "eval_by_source" if eval_data else "by_source"
     cols = ["inputs", "D", "w_rej", "training positions", "best step", "dev KL", "dev AUC", "dev ECE",
-            *[f"{s}: KL / AUC / ECE" for s in sources]]
+            *(["eval KL", "eval AUC", "eval ECE"] if eval_data else []),
+            *[f"{'eval ' if eval_data else ''}{s}: KL / AUC / ECE" for s in sources]]
     cells = [[r["inputs"], r["D"], f"{r['w_rej']:g}", f"{r['positions']:,}" if r["positions"] else "-", r["best_step"],
               fmt(r["dev_kl"], ".4f"), fmt(r["dev_auc"], ".4f"), fmt(r["dev_ece"], ".4f"),
-              *[" / ".join(fmt(r["by_source"][s].get(k), ".4f") for k in ("kl", "auc", "ece")) for s in sources]]
+              *([fmt(r["eval"].get(k), ".4f") for k in trio] if eval_data else []),
+              *[" / ".join(fmt(r[per][s].get(k), ".4f") for k in trio) for s in sources]]
              for r in rows]
+    where = f"the dev split of {eval_data}" if eval_data else "the dev split"
+    ref = (f"Reference, no head: the draft's own log q(Y_i) ranks accepted tokens above rejected ones with AUC "
+           f"{fmt(reference.get('all'), '.4f')} on {where}"
+           + (" (" + ", ".join(f"{s} {fmt(reference.get(s), '.4f')}" for s in sources) + ")" if sources else "")
+           + ". A head is worth its cost where it beats that.")
     text = [f"# Head inputs, ablated: {cfg.data} (datagen config hash {manifest.get('config_hash')})", "",
             f"Target `{cfg.target}`; dev metrics of each exported head (lowest dev loss): KL = unweighted binary "
             f"KL(P || p_hat), AUC = chance a token with P >= 0.99 ranks above one with P < 0.99, ECE over "
             f"{cfg.ece_bins} equal-width bins. w_rej > 1 biases predictions down on purpose, which raises KL and "
-            "ECE: compare KL and ECE within a w_rej, AUC across all.", "", md_table(cols, cells), ""]
+            "ECE: compare KL and ECE within a w_rej, AUC across all."
+            + (f" eval: the same heads on the dev split of {eval_data}." if eval_data else ""), "",
+            md_table(cols, cells), "", ref, ""]
     atomic_write(out / "ablation.md", "\n".join(text))
     write_json(out / "ablation.json", {"data": cfg.data, "config_hash": manifest.get("config_hash"),
-                                       "target": cfg.target, "sources": sources, "rows": rows})
+                                       "eval_data": eval_data, "target": cfg.target, "sources": sources,
+                                       "reference_log_q_auc": reference, "rows": rows})
     print(f"ablation table: {out / 'ablation.md'}", file=sys.stderr)
 
 
@@ -141,6 +207,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"input sets: {', '.join(VARIANTS)}")
     p.add_argument("--depths", default="0,3", help="residual blocks D, each in 0..4")
     p.add_argument("--w-rejs", default="1,6", help="rejection weights w_rej")
+    p.add_argument("--eval-data", help="also score every head on this folder's dev split (e.g. states on the "
+                                       "target prefix: adaptive-spec datagen-features --prefix target)")
     p.add_argument("--config", help="training YAML for every run (configs/train/*.yaml); default: TrainConfig's")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="training config overrides for every run")
     return p
@@ -156,6 +224,11 @@ def _main(argv) -> int:
     base = load_config(TrainConfig, args.config, [*args.overrides, f"data={args.data}"])
     manifest = read_manifest(base.data)
     sources = dataset_sources(manifest)
+    eval_dir = Path(args.eval_data) if args.eval_data else None
+    eval_man = read_manifest(eval_dir) if eval_dir else None
+    if eval_man is not None and dataset_sources(eval_man) != sources:
+        raise UserError(f"--eval-data {eval_dir} has prompt sources {dataset_sources(eval_man)}, --data has {sources}; "
+                        "evaluate on a folder derived from the same datagen run")
     out = Path(args.out)
     grid = [(v, d, w) for v in variants for d in depths for w in w_rejs]
     for v, d, w in grid:  # every run's settings checked before the first one trains
@@ -169,9 +242,11 @@ def _main(argv) -> int:
         state.print(f"[ablation] head {name} ({grid.index((v, d, w)) + 1}/{len(grid)})")
         results = train(cfg, resume=True, end_training=False)
         if state.is_main_process:
-            rows.append(table_row(v, cfg, results, evaluate_head(out / name, cfg, manifest), sources))
+            by_eval = evaluate_on(out / name, cfg, eval_dir, eval_man) if eval_dir else None
+            rows.append(table_row(v, cfg, results, evaluate_head(out / name, cfg, manifest), sources, by_eval))
     if state.is_main_process:
-        write_tables(rows, out, base, manifest, sources)
+        reference = reference_auc(eval_dir or Path(base.data), eval_man or manifest)
+        write_tables(rows, out, base, manifest, sources, reference, args.eval_data)
     state.destroy_process_group()
     return 0
 

@@ -6,8 +6,11 @@ response lengths, and the acceptance statistics the heads learn from.
 Columns: responses; response tokens; loss positions (loss_mask = 1: Z came from the draft);
 mean response length and the share cut at max_new_tokens (the rest ended with EOS); mean
 P = min(1, p/q) over loss positions and the share with P = 1 (the token is surely accepted);
-mean 1 - TV(p, q) (the expected acceptance); mean log q(Y) of the draft's own candidate. Reads
-only the small tensors (no features), so it runs on the committed token data.
+mean 1 - TV(p, q) (the expected acceptance); mean log q(Y) of the draft's own candidate; and two
+AUCs (accepted = P >= 0.99, as in training.auc): the draft's own log q(Y), the training-free
+predictor a head must beat, and 1 - TV(p, q), which knows the target's p (no head sees p): a
+reference for how much a predictor of acceptance can separate on this data. Reads only the small
+tensors (no features), so it runs on the committed token data.
 """
 from __future__ import annotations
 
@@ -22,15 +25,17 @@ from adaptive_spec.datagen import SPLITS, load_shard
 from adaptive_spec.errors import run_main
 from adaptive_spec.runs import atomic_write, project_path, read_manifest
 from adaptive_spec.tables import fmt, md_table
+from adaptive_spec.training import auc
 
 HEADER = ["split", "source", "responses", "tokens", "loss positions", "mean length", "cut at cap", "mean P",
-          "P = 1", "mean 1 - TV", "mean log q(Y)"]
+          "P = 1", "mean 1 - TV", "mean log q(Y)", "AUC log q(Y)", "AUC 1 - TV (knows p)"]
 
 
 class _Acc:
     def __init__(self):
         self.n = self.tok = self.loss = self.cut = 0
         self.sums = defaultdict(float)
+        self.cols = defaultdict(list)  # per loss position, for the AUCs
 
     def add(self, sh: dict, rows: list[int], cap: int):
         ro = sh["resp_offsets"].tolist()
@@ -40,16 +45,22 @@ class _Acc:
             self.n, self.tok, self.loss = self.n + 1, self.tok + (b - a), self.loss + int(m.sum())
             self.cut += int(b - a >= cap)
             P = sh["accept_prob"][a:b][m].double()
+            self.cols["P"].append(P)
+            self.cols["tv"].append(sh["expected_accept"][a:b][m])
+            self.cols["logq"].append(sh["draft_stats"][a:b, 0][m])
             self.sums["P"] += float(P.sum())
             self.sums["P1"] += float((P >= 1.0).sum())
             self.sums["tv"] += float(sh["expected_accept"][a:b][m].double().sum())
             self.sums["logq"] += float(sh["draft_stats"][a:b, 0][m].double().sum())
 
+    def auc(self, key: str) -> float:
+        return auc(torch.cat(self.cols[key]), torch.cat(self.cols["P"])) if self.loss else float("nan")
+
     def row(self, split: str, source: str) -> list[str]:
         per = (lambda k: self.sums[k] / self.loss) if self.loss else (lambda k: float("nan"))
         return [split, source, str(self.n), str(self.tok), str(self.loss), fmt(self.tok / max(self.n, 1), ".1f"),
                 fmt(self.cut / max(self.n, 1), ".1%"), fmt(per("P"), ".3f"), fmt(per("P1"), ".1%"),
-                fmt(per("tv"), ".3f"), fmt(per("logq"), ".2f")]
+                fmt(per("tv"), ".3f"), fmt(per("logq"), ".2f"), fmt(self.auc("logq"), ".3f"), fmt(self.auc("tv"), ".3f")]
 
 
 def stats(data: Path) -> tuple[dict, list[list[str]]]:

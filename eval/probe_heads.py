@@ -6,13 +6,15 @@ context state is the prompt's and is not stored) the target is P_i = min(1, p(Y_
 Predictors:
   constant        the split's mean P (the no-information baseline)
   q(y), H(q)      the draft's own confidence in Y_i and its entropy at step i (the training-free
-                  rules), from the draft's LM head applied to the stored state e_{i-1}, with the
-                  datagen run's temperature/top-k/top-p
+                  rules): datagen's stored draft_stats, i.e. q_i itself; for datasets made before
+                  datagen stored them, the draft's LM head applied to the stored state e_{i-1}
+                  (on mixed-prefix states that is q(.|x, Z_<i), not q_i: a weaker stand-in)
   <head>          each acceptance head on its own input (token: e_i, context: e_{i-1}; with
                   inputs=hidden+stats also the stored draft_stats of Y_i)
   logistic(...)   logistic regressions on combinations, fitted and scored by 2-fold cross
                   validation inside the split (so they are honest about what the split allows)
-Scores: KL(P || p_hat) per token (Bernoulli, what training minimises), and AUC: the chance that
+On target-prefix states (`datagen-features --prefix target`) every position is scored, a
+context head reading context_features. Scores: KL(P || p_hat) per token (Bernoulli, what training minimises), and AUC: the chance that
 a token with P_i >= 0.99 is ranked above one with P_i < 0.99 (not P_i = 1 exactly: where p and
 q nearly coincide, p/q lands a hair below 1 in floating point, and such a token is as good as
 accepted).
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from adaptive_spec.features import response_starts
+from adaptive_spec.features import CONTEXT_KEY, response_starts
 from adaptive_spec.heads import AcceptanceHead, join_inputs
 from adaptive_spec.models import load_model
 from adaptive_spec.sampling import SamplingParams, process_logits
@@ -48,12 +50,21 @@ def load_split(root: Path, manifest: dict, split: str, lm_head: torch.Tensor, pa
             raise SystemExit(f"error: {fn} has no stored features; regenerate with store_features=true")
         g["features"] = mmap_tensor(fn, "features")
         mask = g["loss_mask"].bool()
-        pos = (mask & ~response_starts(g["resp_offsets"], len(mask))).nonzero().flatten()
-        ctx, y = g["features"][pos - 1], g["y_ids"][pos].long()
-        for s in range(0, len(pos), chunk):  # [chunk, V] float32 at a time: V = 151,936 is large
-            q = process_logits(ctx[s:s + chunk].to(lm_head.dtype) @ lm_head.T, params)
-            out["log_qy"].append(q.gather(1, y[s:s + chunk, None])[:, 0].clamp_min(1e-8).log())
-            out["H"].append(-(q * q.clamp_min(1e-30).log()).sum(-1))
+        if bool(g["_clean"]):  # target-prefix states: every position, each with its own context state
+            pos = torch.arange(len(mask))
+            ctx = mmap_tensor(fn, CONTEXT_KEY)[pos]
+        else:
+            pos = (mask & ~response_starts(g["resp_offsets"], len(mask))).nonzero().flatten()
+            ctx = g["features"][pos - 1]
+        y = g["y_ids"][pos].long()
+        if "draft_stats" in g:  # q_i's own statistics, stored by datagen
+            out["log_qy"].append(g["draft_stats"][pos, 0])
+            out["H"].append(g["draft_stats"][pos, 1])
+        else:
+            for s in range(0, len(pos), chunk):  # [chunk, V] float32 at a time: V = 151,936 is large
+                q = process_logits(ctx[s:s + chunk].to(lm_head.dtype) @ lm_head.T, params)
+                out["log_qy"].append(q.gather(1, y[s:s + chunk, None])[:, 0].clamp_min(1e-8).log())
+                out["H"].append(-(q * q.clamp_min(1e-30).log()).sum(-1))
         out["P"].append(g["accept_prob"][pos].float())
         out["ctx"].append(ctx)
         out["tok"].append(g["features"][pos])

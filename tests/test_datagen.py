@@ -14,12 +14,14 @@ import shutil
 import pytest
 import torch
 
-from adaptive_spec import cli, datagen, prompts
+from adaptive_spec import cli, datagen, prompts, training
 from adaptive_spec.config import load_config
 from adaptive_spec.datagen import DatagenConfig
 from adaptive_spec.prompts import encode_prompt
 from adaptive_spec.runs import PROJECT_ROOT
 from adaptive_spec.sampling import SamplingParams, process_logits
+from adaptive_spec.tables import fmt
+from adaptive_spec.training import auc
 
 TOP_K, TOP_P = 20, 0.95  # non-trivial processing (vocab 32), so p and q must be the processed ones
 
@@ -463,6 +465,48 @@ def test_features_derived_later_equal_stored_ones(ref_run, tiny_pair, tmp_path, 
     assert "another datagen run" in capsys.readouterr().err
 
 
+def test_target_prefix_states_are_the_decoders_inputs(ref_run, tiny_pair, tmp_path, capsys):
+    """datagen-features --prefix target: features[i] is the draft's state after (x, X_<i, Y_i) and
+    context_features[i] the state after (x, X_<i), each equal to a plain forward over that prefix,
+    and the context state is the one datagen's q_i came from (its q gives datagen's log q(Y_i));
+    training then uses every position. A folder of the other prefix is refused."""
+    from adaptive_spec import datagen_features
+
+    prompts, _, _ = ref_run
+    bare, out = tmp_path / "bare", tmp_path / "target"
+    _run(_overrides(tiny_pair, prompts, bare, store_features="false", max_train_prompts=4))
+    man = datagen_features.run(str(bare), str(out), dtype="fp32", device="cpu", progress=False, prefix="target")
+    assert man["features"]["prefix"] == "target" and man["complete"]
+    draft, _ = _models(tiny_pair)
+    params = SamplingParams(1.0, TOP_K, TOP_P)
+    n = 0
+    for split in datagen.SPLITS:
+        for sh in datagen.iter_shards(out, split):
+            io_, ro, pls = sh["input_offsets"], sh["resp_offsets"], sh["prompt_lens"]
+            for s in range(len(pls)):
+                prompt = sh["input_ids"][int(io_[s]):int(io_[s]) + int(pls[s])].long()
+                a, b = int(ro[s]), int(ro[s + 1])
+                X, Y = sh["x_ids"][a:b].long(), sh["y_ids"][a:b].long()
+                for i in range(b - a):
+                    with torch.no_grad():
+                        h_tok = draft.model(torch.cat([prompt, X[:i], Y[i:i + 1]])[None]).last_hidden_state[0, -1]
+                        h_ctx = draft.model(torch.cat([prompt, X[:i]])[None]).last_hidden_state[0, -1]
+                        log_q = process_logits(draft.lm_head(h_ctx)[None], params)[0, Y[i]].log()
+                    torch.testing.assert_close(sh["features"][a + i].float(), h_tok, atol=2e-2, rtol=1e-2)
+                    torch.testing.assert_close(sh["context_features"][a + i].float(), h_ctx, atol=2e-2, rtol=1e-2)
+                    torch.testing.assert_close(log_q, sh["draft_stats"][a + i, 0], atol=1e-4, rtol=1e-4)
+                    n += 1
+    assert n > 20
+    cfg = training.TrainConfig(data=str(out), feature="context")
+    assert len(training.load_split(cfg, training.read_manifest(out), "train", None)) == man["splits"]["train"]["n_tokens"]
+    assert cli.main(["datagen-features", "--data", str(bare), "--out", str(out), "--dtype", "fp32"]) == 2
+    assert "holds states on the target prefix, and --prefix is mixed" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["datagen-features", "--data", str(bare), "--out", str(out), "--prefix", "x"])
+    assert e.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
 def test_features_resume_after_a_lost_shard_and_refuse_another_draft(ref_run, tiny_pair, tmp_path, capsys):
     from adaptive_spec import datagen_features
 
@@ -505,5 +549,7 @@ def test_datagen_stats_adds_up_to_the_manifest(ref_run, tmp_path, capsys):
             assert int(total[col[name]]) == man["splits"][split][key]
         P = torch.cat([sh["accept_prob"][sh["loss_mask"].bool()] for sh in datagen.iter_shards(out, split)])
         assert total[col["mean P"]] == f"{P.double().mean():.3f}"
+        logq = torch.cat([sh["draft_stats"][sh["loss_mask"].bool(), 0] for sh in datagen.iter_shards(out, split)])
+        assert total[col["AUC log q(Y)"]] == fmt(auc(logq, P), ".3f")
     assert mod.main(["--data", str(out), "--goal", "1000", "--out", str(tmp_path / "new" / "s.md")]) == 0
     assert "of the goal 1000" in (tmp_path / "new" / "s.md").read_text()

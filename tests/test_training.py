@@ -130,11 +130,15 @@ def test_ece_and_metrics_on_hand_made_predictions():
     assert m["ece"] == pytest.approx(0.0, abs=1e-12) and m["auc"] == 0.5
 
 
+@pytest.mark.parametrize("clean", [False, True], ids=["mixed-prefix", "target-prefix"])
 @pytest.mark.parametrize("feature,inputs", [("token", "hidden"), ("token", "hidden+stats"), ("context", "hidden"),
                                             ("context", "hidden+stats")])
-def test_training_rows_are_shard_inputs_rows(dataset, feature, inputs):
+def test_training_rows_are_shard_inputs_rows(dataset, tmp_path, feature, inputs, clean):
     """What training feeds the head at each position is what heads.shard_inputs (the offline
-    replay) builds for it, row for row, and the stats are datagen's draft_stats there."""
+    replay) builds for it, row for row, and the stats are datagen's draft_stats there. On
+    target-prefix states every position is used, a context head reading context_features."""
+    if clean:
+        dataset = make_dataset(tmp_path / "clean", seqs={"train": 12, "dev": 4}, clean=True)
     cfg = training.TrainConfig(data=str(dataset), feature=feature, inputs=inputs)
     m = training.read_manifest(dataset)
     ds = training.load_split(cfg, m, "train", None)
@@ -148,6 +152,11 @@ def test_training_rows_are_shard_inputs_rows(dataset, feature, inputs):
         want_y.append(shard["accept_prob"][used])
     assert torch.equal(x.float(), torch.cat(want_x)) and torch.equal(y, torch.cat(want_y))
     assert x.shape[1] == head.in_dim and (x.dtype == torch.float32) == (inputs == "hidden+stats")
+    if clean:
+        raw = [load_file(str(dataset / s["file"])) for s in m["splits"]["train"]["shards"]]
+        assert len(ds) == m["splits"]["train"]["n_tokens"]  # every Y_i, mixed or not
+        key = "context_features" if feature == "context" else "features"
+        assert torch.equal(x[:, :16].float(), torch.cat([r[key] for r in raw]).float())
 
 
 def test_stats_need_datagen_draft_stats(tmp_path):
@@ -370,9 +379,12 @@ def test_ablation_trains_the_grid_resumes_and_reports_per_source(tmp_path, tiny_
     from shard_inputs rows, add up to the dev metrics training measured on its own rows. A rerun
     skips every finished head. The stats head then drives the learned policy on the tiny pair."""
     data = make_dataset(tmp_path / "ds", seqs={"train": 48, "dev": 16}, stats_weight=3.0, sources=["gsm8k", "code"])
+    # the same kind of data with target-prefix states: every position scored, context heads on their own states
+    clean = make_dataset(tmp_path / "clean", seqs={"train": 4, "dev": 16}, stats_weight=3.0, sources=["gsm8k", "code"],
+                         clean=True, seed=5)
     out = tmp_path / "abl"
     args = ["eval/ablate_heads.py", "--data", str(data), "--out", str(out), "--depths", "0", "--w-rejs", "1",
-            "report_to=none", "epochs=4", "batch_size=32", "lr=3e-2", "warmup_ratio=0.1", "eval_every=10",
+            "--eval-data", str(clean), "report_to=none", "epochs=4", "batch_size=32", "lr=3e-2", "warmup_ratio=0.1", "eval_every=10",
             "save_every=0", "log_every=5"]
     r = subprocess.run([sys.executable, *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -382,8 +394,16 @@ def test_ablation_trains_the_grid_resumes_and_reports_per_source(tmp_path, tiny_
     assert rows["hidden+stats"]["dev_kl"] < 0.8 * rows["hidden"]["dev_kl"]
     assert rows["hidden+stats"]["dev_auc"] > rows["hidden"]["dev_auc"]
     md = (out / "ablation.md").read_text()
-    assert "| inputs | D | w_rej | training positions | best step | dev KL | dev AUC | dev ECE | gsm8k: KL / AUC / ECE " \
-           "| code: KL / AUC / ECE |" in md
+    assert "| inputs | D | w_rej | training positions | best step | dev KL | dev AUC | dev ECE | eval KL | eval AUC | " \
+           "eval ECE | eval gsm8k: KL / AUC / ECE | eval code: KL / AUC / ECE |" in md
+    cm = training.read_manifest(clean)
+    n_clean = cm["splits"]["dev"]["n_tokens"]
+    raw = [load_file(str(clean / s["file"])) for s in cm["splits"]["dev"]["shards"]]
+    want = training.auc(torch.cat([r["draft_stats"][:, 0] for r in raw]), torch.cat([r["accept_prob"] for r in raw]))
+    assert table["reference_log_q_auc"]["all"] == pytest.approx(want) and f"AUC {want:.4f}" in md
+    for row in rows.values():
+        assert row["eval"]["n"] == n_clean and row["eval"]["n"] == sum(row["eval_by_source"][s]["n"] for s in ("gsm8k", "code"))
+    assert rows["hidden+stats"]["eval"]["auc"] > rows["hidden"]["eval"]["auc"]
     for name in ("hidden-d0-wrej1", "hidden-stats-d0-wrej1", "context-d0-wrej1"):
         res = json.loads((out / name / "results.json").read_text())
         by = json.loads((out / name / "ablation.json").read_text())
@@ -420,7 +440,9 @@ def test_ablation_refuses_bad_grids(tmp_path, dataset, capsys):
     for argv, msg in [(["--variants", "hidden,stats"], "--variants takes a comma-separated list of hidden, "
                                                          "hidden+stats, context, context+stats"),
                       (["--depths", "0,7"], "depths must be in 0..4"),
-                      (["--w-rejs", "x"], "--w-rejs takes a comma-separated list of positive numbers")]:
+                      (["--w-rejs", "x"], "--w-rejs takes a comma-separated list of positive numbers"),
+                      (["--eval-data", str(make_dataset(tmp_path / "other", seqs={"train": 4, "dev": 4}, sources=["gsm8k", "code"]))],
+                       "has prompt sources ['gsm8k', 'code'], --data has []")]:
         assert mod.main(["--data", str(dataset), "--out", str(tmp_path / "a"), *argv]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and msg in err and err.count("\n") == 1, err

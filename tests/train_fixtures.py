@@ -22,7 +22,8 @@ from adaptive_spec.features import draft_stats
 
 def make_dataset(root: Path, hidden_size: int = 16, seqs: dict[str, int] | None = None, features: bool = True,
                  draft_name: str = "tiny-draft", vocab_size: int = 32, seed: int = 0, seqs_per_shard: int = 8,
-                 stats: bool = True, stats_weight: float = 0.0, sources: list[str] | None = None) -> Path:
+                 stats: bool = True, stats_weight: float = 0.0, sources: list[str] | None = None,
+                 clean: bool = False) -> Path:
     root = Path(root)
     seqs = seqs or {"train": 24, "dev": 8, "test": 4}
     g = torch.Generator().manual_seed(seed)
@@ -62,6 +63,8 @@ def make_dataset(root: Path, hidden_size: int = 16, seqs: dict[str, int] | None 
                  "loss_mask": mask, "accept_prob": p.float(), "expected_accept": (0.9 * p).float()}
             if features:
                 t["features"] = h.to(torch.bfloat16)
+            if features and clean:  # target-prefix shards (features.PREFIXES): context states of their own
+                t["context_features"] = torch.randn(T, hidden_size, generator=gs).to(torch.bfloat16)
             if stats:
                 t["draft_stats"] = st
             if sources:
