@@ -19,6 +19,11 @@ What else it reads (`inputs`):
                 training set's mean and std (buffers saved with the weights). An input row is
                 [hidden (H), stats (3)]; `join_inputs` builds it, `shard_inputs` builds one per
                 response position of a datagen shard, and the learned policy one per draft step.
+  stats         the draft's statistics alone, no hidden state: a calibrated map of log q(y), H(q) and
+                the margin (D = 0: logistic regression). The reference every hidden-state head must
+                beat, and a head that carries over to prompts unlike its training set. Its rows are
+                built like hidden+stats' (the hidden part is ignored); it is a context head (`feature:
+                context`), since the stats of y_i exist as soon as q_i does: no lag.
 
 A saved head is a folder (or a hub repo) with config.json (sizes, the draft it was trained on,
 training metadata), model.safetensors and a model card; huggingface_hub's PyTorchModelHubMixin
@@ -45,7 +50,12 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 MAX_DEPTH = 4
 FEATURES = ("token", "context")
-INPUTS = ("hidden", "hidden+stats")
+INPUTS = ("hidden", "hidden+stats", "stats")
+
+
+def reads_stats(inputs: str) -> bool:
+    """Whether a head with these inputs reads the draft statistics (its rows end in them)."""
+    return inputs in ("hidden+stats", "stats")
 
 
 class ResBlock(nn.Module):
@@ -71,6 +81,10 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="adaptive-spe
             raise UserError(f"head feature must be one of {', '.join(FEATURES)}, got {feature!r}")
         if inputs not in INPUTS:
             raise UserError(f"head inputs must be one of {', '.join(INPUTS)}, got {inputs!r}")
+        if inputs == "stats" and feature != "context":
+            raise UserError("a head with inputs=stats reads no hidden state, so it scores each candidate as soon as "
+                            "the draft step that proposed it: set feature=context (feature=token would only add a "
+                            "one-step lag)")
         if not (isinstance(depth, int) and 0 <= depth <= MAX_DEPTH):
             raise UserError(f"head depth must be an integer in 0..{MAX_DEPTH}, got {depth!r}")
         if not (isinstance(hidden_size, int) and hidden_size > 0):
@@ -82,16 +96,17 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="adaptive-spe
         self.feature = feature
         self.inputs = inputs
         self.extra: dict = {}  # training metadata read back by from_pretrained
-        self.in_dim = hidden_size + (N_STATS if inputs == "hidden+stats" else 0)
-        if inputs == "hidden+stats":
+        self.in_dim = hidden_size + (N_STATS if reads_stats(inputs) else 0)  # the rows it is given
+        width = N_STATS if inputs == "stats" else self.in_dim  # what its layers see
+        if reads_stats(inputs):
             # how the datagen run processed q before taking its stats; the policy does the same
             self.stats_sampling = dict(stats_sampling or {})
             self.stats_params = sampling_from(self.stats_sampling)
             self.register_buffer("stats_mean", torch.zeros(N_STATS))
             self.register_buffer("stats_std", torch.ones(N_STATS))
         # A list comprehension, not [ResBlock(h)] * depth: each block needs its own weights.
-        self.blocks = nn.ModuleList([ResBlock(self.in_dim) for _ in range(depth)])
-        self.out = nn.Linear(self.in_dim, 1)
+        self.blocks = nn.ModuleList([ResBlock(width) for _ in range(depth)])
+        self.out = nn.Linear(width, 1)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -112,7 +127,8 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="adaptive-spe
         x = h.to(self.out.weight.dtype)
         if self.in_dim > self.hidden_size:
             H = self.hidden_size
-            x = torch.cat([x[..., :H], (x[..., H:] - self.stats_mean) / self.stats_std], -1)
+            z = (x[..., H:] - self.stats_mean) / self.stats_std
+            x = z if self.inputs == "stats" else torch.cat([x[..., :H], z], -1)
         for block in self.blocks:
             x = block(x)
         return self.out(x).squeeze(-1)
@@ -124,7 +140,7 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="adaptive-spe
         core = {"format": HEAD_FORMAT, "hidden_size": self.hidden_size, "depth": self.depth,
                 "draft_model": self.draft_model, "draft_fingerprint": self.draft_fingerprint,
                 "feature": self.feature, "inputs": self.inputs}
-        if self.inputs == "hidden+stats":
+        if reads_stats(self.inputs):
             core["stats_sampling"] = self.stats_sampling
         return {**(extra or {}), **core}  # metadata never overrides the fields loading relies on
 
@@ -276,9 +292,13 @@ def model_card(head: AcceptanceHead) -> str:
     lines = [
         f"# Acceptance head: D={head.depth}" + (f", w_rej={head.extra['w_rej']:g}" if "w_rej" in head.extra else ""),
         "",
-        f"A SpecDec++ acceptance-prediction head ({head.depth + 1}-layer ResNet, SiLU) on the final hidden state "
-        f"(size {head.hidden_size}) of the draft `{head.draft_model}` (fingerprint `{head.draft_fingerprint}`); "
-        f"feature `{head.feature}` ({reads}); inputs `{head.inputs}` ({_reads_inputs(head)}).",
+        f"A SpecDec++ acceptance-prediction head ({head.depth + 1}-layer ResNet, SiLU) on "
+        + (f"the statistics of each candidate under the draft's own q, not a hidden state, for the draft "
+           f"`{head.draft_model}` (hidden size {head.hidden_size}, fingerprint `{head.draft_fingerprint}`); "
+           if head.inputs == "stats" else
+           f"the final hidden state (size {head.hidden_size}) of the draft `{head.draft_model}` "
+           f"(fingerprint `{head.draft_fingerprint}`); ")
+        + f"feature `{head.feature}` ({reads}); inputs `{head.inputs}` ({_reads_inputs(head)}).",
         "It predicts P(draft token accepted | earlier ones accepted); the decoder stops drafting when "
         "1 - prod(p_hat) > h.",
         "",
@@ -294,7 +314,8 @@ def _reads_inputs(head: AcceptanceHead) -> str:
     if head.inputs == "hidden":
         return "the hidden state alone"
     s = head.stats_params
-    return (f"the hidden state and the draft's statistics of the candidate: {', '.join(STATS)} "
+    which = "no hidden state, only" if head.inputs == "stats" else "the hidden state and"
+    return (f"{which} the draft's statistics of the candidate: {', '.join(STATS)} "
             f"(adaptive_spec.features.draft_stats, q at temperature {s.temperature:g}, top-k {s.top_k}, "
             f"top-p {s.top_p:g} as in its datagen run), standardized by the training set's mean and std")
 
@@ -312,7 +333,8 @@ def _training_card(extra: dict) -> list[str]:
         f"{g('n_train_positions', ',')} training positions "
         + ("(every draft token, states on the target's own prefix: datagen-features --prefix target)"
            if extra.get("prefix") == "target" else "(draft tokens only; token mixing r from the datagen config)")
-        + (f"; prompt sources: {', '.join(map(str, sources))}" if sources else ""),
+        + (f"; prompt sources: {', '.join(map(str, sources))}" if sources else "")
+        + ("; the shards datagen had written when training started (partial_data)" if extra.get("partial_data") else ""),
         f"- draft configuration: quantization {extra.get('draft_quant', 'none')}, vocabulary "
         f"{extra.get('draft_vocab', 'full')}",
         f"- target: `{g('target')}`; weighted BCE w_acc={g('w_acc', 'g')}, w_rej={g('w_rej', 'g')}",
@@ -380,6 +402,8 @@ def shard_inputs(head, shard: dict) -> torch.Tensor:
     feature, inputs = getattr(head, "feature", "token"), getattr(head, "inputs", "hidden")
     clean = CONTEXT_KEY in shard
     feats = shard.get(state_key(feature, clean))
+    if inputs == "stats":  # no state read: zeros keep the row layout, and token data alone serves
+        feats = torch.zeros(len(shard["loss_mask"]), head.hidden_size)
     if feats is None:
         raise UserError("the datagen shard has no stored draft features ('features'); regenerate the dataset with "
                         "store_features=true")
@@ -389,10 +413,10 @@ def shard_inputs(head, shard: dict) -> torch.Tensor:
     if feature == "context":
         hidden[~used] = 0.0
     stats = None
-    if inputs == "hidden+stats":
+    if reads_stats(inputs):
         stats = shard.get("draft_stats")
         if stats is None:
-            raise UserError("a head with inputs=hidden+stats needs the draft statistics ('draft_stats') that the "
+            raise UserError(f"a head with inputs={inputs} needs the draft statistics ('draft_stats') that the "
                             "current datagen stores, and this shard has none; regenerate the dataset with the current "
                             "`adaptive-spec datagen` (or use a head trained with inputs=hidden)")
         if tuple(stats.shape) != (T, N_STATS):

@@ -14,7 +14,7 @@ import torch
 from .decoding import Decoder
 from .errors import UserError
 from .features import step_stats
-from .heads import INPUTS, join_inputs, load_head
+from .heads import INPUTS, join_inputs, load_head, reads_stats
 from .interfaces import DraftStep, RoundOwner, RoundState, StopPolicy, register
 from .models import CausalLM
 from .sampling import SamplingParams, entropy
@@ -67,7 +67,7 @@ class LearnedThreshold(StopPolicy):
     A `context` head (heads.py) reads the state that produced q_i and so scores y_i itself at
     step i: no lag, and K = 1 is reachable. Either way the head costs one small MLP on a vector
     the draft computed anyway: no extra draft pass, no all-layer outputs.
-    A head with inputs=hidden+stats also reads draft_stats of the token it scores, from the
+    A head with inputs=hidden+stats (or stats alone) also reads draft_stats of the token it scores, from the
     step's raw logits processed as its datagen run processed q (features.py says why); a token
     head's stats of y_{i-1} are computed at step i - 1 and kept for step i.
     """
@@ -80,7 +80,7 @@ class LearnedThreshold(StopPolicy):
         self.k_max = check_k_max(k_max)
         self.feature = getattr(head, "feature", "token")  # duck-typed heads without one read like the paper's
         self.inputs = getattr(head, "inputs", "hidden")
-        self.stats_params = ((getattr(head, "stats_params", None) or SamplingParams()) if self.inputs == "hidden+stats"
+        self.stats_params = ((getattr(head, "stats_params", None) or SamplingParams()) if reads_stats(self.inputs)
                              else None)
         self.p_all = self.prev_stats = None
 

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from .config import config_help, config_to_dict, load_config
 from .errors import UserError
 from .features import CONTEXT_KEY, N_STATS, position_map, state_key
-from .heads import FEATURES, INPUTS, MAX_DEPTH, AcceptanceHead, join_inputs
+from .heads import FEATURES, INPUTS, MAX_DEPTH, AcceptanceHead, join_inputs, reads_stats
 from .runs import append_jsonl, atomic_write, check_settings, read_jsonl, write_json
 from .runs import read_manifest as read_manifest_json
 from .tables import md_table
@@ -63,7 +63,7 @@ class TrainConfig:
     target: str = "accept_prob"        # accept_prob = min(1, p/q) of the sampled token | expected_accept
     depth: int = 3                     # D residual blocks (0 = linear head); paper picks 3 or 4
     feature: str = "token"             # token: e at Y_i's position (paper, one-step lag) | context: e that produced q_i (heads.py)
-    inputs: str = "hidden"             # hidden (paper) | hidden+stats: also log q(y), H(q), top-1 - top-2 of the draft (features.py)
+    inputs: str = "hidden"             # hidden (paper) | hidden+stats: also log q(y), H(q), top-1 - top-2 of the draft (features.py) | stats: those alone (feature=context)
     w_rej: float = 6.0                 # weight of the rejection term (paper's best: 6, with h = 0.7)
     w_acc: float = 1.0
     epochs: int = 3
@@ -93,6 +93,7 @@ class TrainConfig:
     draft: str = ""                    # draft model for datasets without features ("" = manifest's)
     draft_dtype: str = "auto"          # for that draft pass: auto = bf16 on a GPU, fp32 on CPU
     feature_cache: str = ""            # where draft features are cached ("" = <output_dir>/features)
+    partial_data: bool = False         # train on the shards written so far of a dataset datagen is still growing
     depths: list[int] = field(default_factory=list)   # --sweep grid ([] = 0..4)
     w_rejs: list[float] = field(default_factory=list)  # --sweep grid ([] = 1, 3, 6, 12)
 
@@ -101,6 +102,8 @@ class TrainConfig:
             (self.target in TARGETS, f"target must be one of {', '.join(TARGETS)}"),
             (self.feature in FEATURES, f"feature must be one of {', '.join(FEATURES)}"),
             (self.inputs in INPUTS, f"inputs must be one of {', '.join(INPUTS)}"),
+            (self.inputs != "stats" or self.feature == "context",
+             "inputs=stats reads no hidden state: set feature=context (it scores each candidate with no lag)"),
             (self.ece_bins >= 2, "ece_bins must be >= 2 (10 to 15 is usual)"),
             (self.mixed_precision in ("auto", "no", "bf16", "fp16"), "mixed_precision must be auto, no, bf16 or fp16"),
             (self.report_to in ("wandb", "none"), "report_to must be wandb or none"),
@@ -224,16 +227,21 @@ def plot_reliability(curves: dict[str, torch.Tensor], path: Path, title: str = "
 
 # ----------------------------------------------------------------------------- data
 
-def read_manifest(root: str | Path) -> dict:
-    """A complete datagen manifest with the fields training reads, or a UserError saying what to do."""
+def read_manifest(root: str | Path, partial: bool = False) -> dict:
+    """A complete datagen manifest with the fields training reads, or a UserError saying what to do.
+
+    partial=True accepts a dataset whose datagen run has not finished: the manifest lists only the
+    shards written (atomically) so far, so training reads a consistent prefix of the run. A head
+    trained on it records that in its metadata ("partial_data")."""
     root = Path(root)
     f = root / "manifest.json"
     m = read_manifest_json(root, hint="point data= at a folder written by datagen, or regenerate the dataset")
     if m.get("format") != DATA_FORMAT:
         raise UserError(f"{f} has format {m.get('format')!r}, expected {DATA_FORMAT!r}; regenerate the dataset")
-    if not m.get("complete"):
-        raise UserError(f"dataset {root} is incomplete (datagen was interrupted); rerun the same "
-                        "`adaptive-spec datagen` command to finish it")
+    if not m.get("complete") and not partial:
+        raise UserError(f"dataset {root} is incomplete (datagen was interrupted or is still running); rerun the "
+                        "same `adaptive-spec datagen` command to finish it, or set partial_data=true to train on "
+                        "the shards written so far")
     try:
         d = m["models"]["draft"]
         int(d["hidden_size"])
@@ -351,7 +359,7 @@ def load_split(cfg: TrainConfig, manifest: dict, split: str, accelerator) -> Pos
         return None
     root = Path(cfg.data)
     H = int(manifest["models"]["draft"]["hidden_size"])
-    stats_wanted = cfg.inputs == "hidden+stats"
+    stats_wanted = reads_stats(cfg.inputs)
     smalls = [read_small(root / s["file"], ["loss_mask", "resp_offsets", cfg.target],
                          optional=("draft_stats",) if stats_wanted else ()) for s in shards]
     has_features = all(bool(s["_has_features"]) for s in smalls)
@@ -360,12 +368,13 @@ def load_split(cfg: TrainConfig, manifest: dict, split: str, accelerator) -> Pos
         raise UserError(f"{root} mixes shards with states on the target prefix and on the mixed one; derive the "
                         "folder again with one `adaptive-spec datagen-features --prefix ...`")
     clean = clean.pop()
-    if cfg.feature == "context" and not has_features:
+    no_hidden = cfg.inputs == "stats"  # a stats head reads no state: the token data alone trains it
+    if cfg.feature == "context" and not has_features and not no_hidden:
         raise UserError(f"feature=context needs stored draft features, and {root} has none; regenerate it "
                         "with store_features=true (or train feature=token)")
     no_stats = [s["file"] for s, small in zip(shards, smalls) if stats_wanted and "draft_stats" not in small]
     if no_stats:
-        raise UserError(f"inputs=hidden+stats needs the draft statistics (shard tensor draft_stats) that the current "
+        raise UserError(f"inputs={cfg.inputs} needs the draft statistics (shard tensor draft_stats) that the current "
                         f"datagen stores, and {root / no_stats[0]} has none; regenerate the dataset with the current "
                         "`adaptive-spec datagen` (or train inputs=hidden)")
     targets, shard_ids, rows, feats, stats = [], [], [], [], []
@@ -381,7 +390,7 @@ def load_split(cfg: TrainConfig, manifest: dict, split: str, accelerator) -> Pos
         rows.append(state_row[pos])
         if stats_wanted:
             stats.append(small["draft_stats"].float()[pos])
-        if has_features:
+        if has_features and not no_hidden:
             key = state_key(cfg.feature, clean)
             f = mmap_tensor(root / s["file"], key)
             if f.ndim != 2 or f.shape[0] != len(mask) or f.shape[1] != H:
@@ -396,6 +405,9 @@ def load_split(cfg: TrainConfig, manifest: dict, split: str, accelerator) -> Pos
     stats = torch.cat(stats) if stats_wanted else None
     if stats is not None and (stats.ndim != 2 or stats.shape[1] != N_STATS or not torch.isfinite(stats).all()):
         raise UserError(f"{split} draft_stats in {root} are not [T, {N_STATS}] finite values; regenerate the dataset")
+    if no_hidden:  # rows keep their layout [hidden, stats]; the head ignores the hidden part
+        return PositionSet([torch.zeros(1, H)], torch.zeros(len(target), dtype=torch.int32),
+                           torch.zeros(len(target), dtype=torch.long), target.clamp(0, 1), stats)
     if has_features:
         return PositionSet(feats, torch.cat(shard_ids), torch.cat(rows), target.clamp(0, 1), stats)
     f = draft_features(cfg, manifest, split, [root / s["file"] for s in shards], accelerator)
@@ -636,7 +648,7 @@ def train(cfg: TrainConfig, resume: bool = False, end_training: bool = True) -> 
     if resume and files.results_path.is_file():
         print(f"{files.out} already finished; results in {files.results_path}", file=sys.stderr)
         return json.loads(files.results_path.read_text())
-    manifest = read_manifest(cfg.data)
+    manifest = read_manifest(cfg.data, partial=cfg.partial_data)
     acc = make_accelerator(cfg)
     run = setup_run(cfg, manifest, acc)
     restore_or_start(run, resume)
@@ -744,7 +756,8 @@ def setup_run(cfg: TrainConfig, manifest: dict, acc) -> Run:
             "draft_vocab": manifest.get("config", {}).get("draft_vocab") or "full",
             "ece_bins": cfg.ece_bins, "sources": dataset_sources(manifest) or None,
             # which prefix the states were computed on (features.PREFIXES); datagen's own are mixed
-            "prefix": (manifest.get("features") or {}).get("prefix", "mixed")}
+            "prefix": (manifest.get("features") or {}).get("prefix", "mixed"),
+            "partial_data": not manifest.get("complete")}
     return Run(cfg, acc, RunFiles(Path(cfg.output_dir), acc.is_main_process), model, optimizer, scheduler, loader,
                sampler, dict(zip(evals, eval_loaders)), steps_per_epoch, total, meta)
 

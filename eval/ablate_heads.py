@@ -11,6 +11,8 @@ Input sets (a head's `feature` and `inputs`, adaptive_spec/heads.py):
   hidden+stats   feature=token, inputs=hidden+stats: also log q(y), H(q), top-1 - top-2 (features.py)
   context        feature=context, inputs=hidden: the no-lag head on the state that produced q_i
   context+stats  feature=context, inputs=hidden+stats (not in the default grid)
+  stats          feature=context, inputs=stats: the draft's statistics alone, no hidden state (not in
+                 the default grid): what a hidden-state head must beat to be worth its inputs
 
 Each head is one `adaptive_spec.training.train` run in <out>/<set>-d<D>-wrej<w>/ (resumed after an
 interruption, skipped once finished); key=value overrides apply to every run (e.g. epochs=2).
@@ -45,7 +47,8 @@ from adaptive_spec.tables import fmt, md_table
 from adaptive_spec.training import TrainConfig, dataset_sources, prediction_metrics, read_manifest, train
 
 VARIANTS = {"hidden": ("token", "hidden"), "hidden+stats": ("token", "hidden+stats"),
-            "context": ("context", "hidden"), "context+stats": ("context", "hidden+stats")}
+            "context": ("context", "hidden"), "context+stats": ("context", "hidden+stats"),
+            "stats": ("context", "stats")}
 DEFAULT_VARIANTS = "hidden,hidden+stats,context"
 
 
@@ -222,10 +225,10 @@ def _main(argv) -> int:
     depths = _list(args.depths, int, "--depths", "integers in 0..4")
     w_rejs = _list(args.w_rejs, float, "--w-rejs", "positive numbers")
     base = load_config(TrainConfig, args.config, [*args.overrides, f"data={args.data}"])
-    manifest = read_manifest(base.data)
+    manifest = read_manifest(base.data, partial=base.partial_data)
     sources = dataset_sources(manifest)
     eval_dir = Path(args.eval_data) if args.eval_data else None
-    eval_man = read_manifest(eval_dir) if eval_dir else None
+    eval_man = read_manifest(eval_dir, partial=base.partial_data) if eval_dir else None
     if eval_man is not None and dataset_sources(eval_man) != sources:
         raise UserError(f"--eval-data {eval_dir} has prompt sources {dataset_sources(eval_man)}, --data has {sources}; "
                         "evaluate on a folder derived from the same datagen run")

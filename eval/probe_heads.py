@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from adaptive_spec.features import CONTEXT_KEY, response_starts
-from adaptive_spec.heads import AcceptanceHead, join_inputs
+from adaptive_spec.heads import AcceptanceHead, join_inputs, reads_stats
 from adaptive_spec.models import load_model
 from adaptive_spec.sampling import SamplingParams, process_logits
 from adaptive_spec.training import ACCEPTED, auc, binary_kl, mmap_tensor, read_small
@@ -125,8 +125,8 @@ def main(argv=None) -> int:
             if not (Path(folder) / "config.json").is_file():
                 continue
             head = AcceptanceHead.from_pretrained(folder).float()
-            stats = d["stats"] if head.inputs == "hidden+stats" else None
-            if head.inputs == "hidden+stats" and stats is None:
+            stats = d["stats"] if reads_stats(head.inputs) else None
+            if reads_stats(head.inputs) and stats is None:
                 print(f"skipping {folder}: it reads draft_stats, which {root} does not store")
                 continue
             with torch.inference_mode():

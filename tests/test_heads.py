@@ -245,8 +245,33 @@ def test_stats_head_standardizes_its_stats_and_checks_row_width():
     with pytest.raises(UserError, match="reads inputs=hidden\\+stats \\(rows of 9: hidden state \\+ 3 draft stats\\) "
                                         "but was given rows of 6"):
         head(torch.randn(4, 6))
-    with pytest.raises(UserError, match="inputs must be one of hidden, hidden\\+stats"):
+    with pytest.raises(UserError, match="inputs must be one of hidden, hidden\\+stats, stats"):
+        AcceptanceHead(6, inputs="logits")
+
+
+def test_stats_only_head_reads_the_stats_and_ignores_the_state(tmp_path):
+    torch.manual_seed(4)
+    head = AcceptanceHead(6, depth=2, feature="context", inputs="stats")
+    assert head.in_dim == 9 and head.out.in_features == 3 and all(b.linear.in_features == 3 for b in head.blocks)
+    with torch.no_grad():
+        head.stats_mean.copy_(torch.tensor([-2.0, 1.0, 0.3]))
+        head.stats_std.copy_(torch.tensor([1.5, 0.5, 0.2]))
+    x = torch.randn(4, 9)
+    z = (x[:, 6:] - head.stats_mean) / head.stats_std
+    for b in head.blocks:
+        z = z + torch.nn.functional.silu(b.linear(z))
+    torch.testing.assert_close(head(x), head.out(z).squeeze(-1))
+    y = x.clone()
+    y[:, :6] = torch.randn(4, 6)  # another state, the same stats: the same prediction
+    assert torch.equal(head(y), head(x))
+    with pytest.raises(UserError, match="inputs=stats reads no hidden state.*set feature=context"):
         AcceptanceHead(6, inputs="stats")
+    head.save_pretrained(tmp_path / "s", extra={"partial_data": True, "metrics": {}, "prefix": "target"})
+    loaded = AcceptanceHead.from_pretrained(tmp_path / "s", hidden_size=6)
+    assert loaded.inputs == "stats" and torch.equal(loaded(x), head(x))
+    card = (tmp_path / "s" / "README.md").read_text()
+    assert "the statistics of each candidate under the draft's own q, not a hidden state" in card
+    assert "no hidden state, only the draft's statistics" in card and "(partial_data)" in card
 
 
 def test_stats_head_round_trip_and_old_configs(tmp_path):
@@ -296,19 +321,23 @@ def shard(tmp_path):
 
 
 @pytest.mark.parametrize("feature,inputs", [("token", "hidden"), ("token", "hidden+stats"), ("context", "hidden"),
-                                            ("context", "hidden+stats")])
+                                            ("context", "hidden+stats"), ("context", "stats")])
 def test_shard_inputs_per_input_set(shard, feature, inputs):
     head = AcceptanceHead(16, depth=1, feature=feature, inputs=inputs)
     rows, used = shard_inputs(head, shard), shard_positions(head, shard)
     T = shard["loss_mask"].numel()
     assert rows.shape == (T, head.in_dim) and rows.dtype == torch.float32 and used.shape == (T,)
     feats, starts = shard["features"].float(), shard["resp_offsets"][:-1]
+    if inputs == "stats":  # no state read: zeros, and the shard's features are not needed
+        feats = torch.zeros_like(feats)
+        no_feats = {k: v for k, v in shard.items() if k != "features"}
+        assert torch.equal(shard_inputs(head, no_feats), rows)
     if feature == "token":
         assert torch.equal(rows[:, :16], feats) and torch.equal(used, shard["loss_mask"].bool())
     else:  # the state before each position; none before a response's first
         assert torch.equal(rows[1:, :16][used[1:]], feats[:-1][used[1:]])
         assert (rows[starts, :16] == 0).all() and not used[starts].any() and used.sum() == T - len(starts)
-    if inputs == "hidden+stats":
+    if inputs != "hidden":
         assert torch.equal(rows[:, 16:], shard["draft_stats"])
     assert torch.isfinite(head(rows)).all()
 

@@ -399,6 +399,14 @@ def test_stats_head_keeps_the_output_exact(feature):
     _random_head_keeps_the_output_exact(feature, "hidden+stats", seed=6)
 
 
+def test_stats_only_head_keeps_the_output_exact_and_stops_on_the_stats():
+    """A head on the draft's statistics alone: exact, and its stop decisions follow q, not the state."""
+    draft, target, pol = _random_head_keeps_the_output_exact("context", "stats", seed=7)
+    assert pol.stats_params is not None and pol.describe()["inputs"] == "stats"
+    g = Decoder(target, draft).generate([1, 2, 3], max_new_tokens=30, sampling=GREEDY, policy=pol)
+    assert g.token_ids == Decoder(target, draft).generate([1, 2, 3], max_new_tokens=30, sampling=GREEDY).token_ids
+
+
 def test_tree_estimator_refuses_a_stats_head():
     from adaptive_spec.tree import load_tree_head
 

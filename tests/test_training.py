@@ -132,7 +132,7 @@ def test_ece_and_metrics_on_hand_made_predictions():
 
 @pytest.mark.parametrize("clean", [False, True], ids=["mixed-prefix", "target-prefix"])
 @pytest.mark.parametrize("feature,inputs", [("token", "hidden"), ("token", "hidden+stats"), ("context", "hidden"),
-                                            ("context", "hidden+stats")])
+                                            ("context", "hidden+stats"), ("context", "stats")])
 def test_training_rows_are_shard_inputs_rows(dataset, tmp_path, feature, inputs, clean):
     """What training feeds the head at each position is what heads.shard_inputs (the offline
     replay) builds for it, row for row, and the stats are datagen's draft_stats there. On
@@ -151,8 +151,10 @@ def test_training_rows_are_shard_inputs_rows(dataset, tmp_path, feature, inputs,
         want_x.append(shard_inputs(head, shard)[used])
         want_y.append(shard["accept_prob"][used])
     assert torch.equal(x.float(), torch.cat(want_x)) and torch.equal(y, torch.cat(want_y))
-    assert x.shape[1] == head.in_dim and (x.dtype == torch.float32) == (inputs == "hidden+stats")
-    if clean:
+    assert x.shape[1] == head.in_dim and (x.dtype == torch.float32) == (inputs != "hidden")
+    if inputs == "stats":  # no state read: the rows' state part is zeros
+        assert (x[:, :16] == 0).all()
+    elif clean:
         raw = [load_file(str(dataset / s["file"])) for s in m["splits"]["train"]["shards"]]
         assert len(ds) == m["splits"]["train"]["n_tokens"]  # every Y_i, mixed or not
         key = "context_features" if feature == "context" else "features"
@@ -167,7 +169,9 @@ def test_stats_need_datagen_draft_stats(tmp_path):
                                         "\\(or train inputs=hidden\\)"):
         training.load_split(cfg, training.read_manifest(old), "train", None)
     assert len(training.load_split(training.TrainConfig(data=str(old)), training.read_manifest(old), "train", None))
-    with pytest.raises(UserError, match="inputs must be one of hidden, hidden\\+stats"):
+    with pytest.raises(UserError, match="inputs must be one of hidden, hidden\\+stats, stats"):
+        load_config(training.TrainConfig, None, [f"data={old}", "inputs=logits"])
+    with pytest.raises(UserError, match="inputs=stats reads no hidden state: set feature=context"):
         load_config(training.TrainConfig, None, [f"data={old}", "inputs=stats"])
     with pytest.raises(UserError, match="ece_bins must be >= 2"):
         load_config(training.TrainConfig, None, [f"data={old}", "ece_bins=1"])
@@ -360,6 +364,49 @@ def test_sweep_writes_the_table_and_skips_finished_heads(tmp_path, dataset):
     r = launch(args, accelerate=False)
     assert r.returncode == 0 and r.stderr.count("already finished") == 4
     assert (tmp_path / "sweep" / "sweep.md").read_text().splitlines() == md
+
+
+def test_stats_head_trains_on_token_data_without_features(tmp_path):
+    """inputs=stats needs no hidden states: it trains on datagen's token data alone (e.g. the committed
+    data/datagen/mix), learns the part of P that depends on log q, and a hidden-state head on the same
+    folder is refused for want of features."""
+    data = make_dataset(tmp_path / "ds", seqs={"train": 48, "dev": 16}, features=False, stats_weight=3.0)
+    args = [f"data={data}", "report_to=none", "epochs=4", "batch_size=32", "lr=3e-2", "warmup_ratio=0.1",
+            "eval_every=10", "save_every=0", "depth=0", "w_rej=1", "feature=context", "inputs=stats"]
+    r = launch([*args, f"output_dir={tmp_path / 'run'}"], accelerate=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert res["best"]["dev_auc"] > 0.75
+    head = AcceptanceHead.from_pretrained(tmp_path / "run" / "head")
+    assert head.inputs == "stats" and head.feature == "context" and head.out.in_features == 3
+    r = launch([*args[:-1], "inputs=hidden", f"output_dir={tmp_path / 'hidden'}"], accelerate=False)
+    assert r.returncode == 2 and "feature=context needs stored draft features" in r.stderr
+
+
+def test_partial_data_trains_on_the_shards_written_so_far(tmp_path, dataset):
+    """A dataset datagen is still growing: refused by default, trained on its listed shards with
+    partial_data=true, and the head says so."""
+    import shutil
+
+    grow = tmp_path / "growing"
+    shutil.copytree(dataset, grow)
+    m = json.loads((grow / "manifest.json").read_text())
+    kept = m["splits"]["train"]["shards"][:1]
+    m["splits"]["train"] = {**m["splits"]["train"], "shards": kept,
+                            "n_tokens": sum(s["n_tokens"] for s in kept),
+                            "n_loss_tokens": sum(s["n_loss_tokens"] for s in kept)}
+    (grow / "manifest.json").write_text(json.dumps({**m, "complete": False}))
+    args = [f"data={grow}", *RUN, "epochs=1", "eval_every=100"]
+    r = launch([*args, f"output_dir={tmp_path / 'refused'}"], accelerate=False)
+    assert r.returncode == 2 and "partial_data=true" in r.stderr
+    r = launch([*args, f"output_dir={tmp_path / 'run'}", "partial_data=true"], accelerate=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    head = json.loads((tmp_path / "run" / "head" / "config.json").read_text())
+    assert head["partial_data"] is True
+    full = training.read_manifest(dataset)
+    assert head["n_train_positions"] == len(training.load_split(
+        training.TrainConfig(data=str(grow)), training.read_manifest(grow, partial=True), "train", None))
+    assert head["n_train_positions"] < len(training.load_split(training.TrainConfig(data=str(dataset)), full, "train", None))
 
 
 # ---------------------------------------------------------------- the input ablation (eval/ablate_heads.py)
