@@ -39,6 +39,7 @@ decode time, wall - prefill, because N_draft / N_target count decoding forwards 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from collections import defaultdict
@@ -720,6 +721,18 @@ def all_configs_table(d: DatasetResult) -> str:
                      "Eq. 5.1 tok/s"], rows)
 
 
+def cpu_lines(rows: list[dict]) -> list[str]:
+    """The CPU each run measured on (ISA, flags, the kernels each model ran): timings from one CPU
+    say little about another, so the report names it; one line per distinct machine."""
+    seen = {}
+    for r in rows:
+        if r.get("isa") or r.get("cpu_flags"):
+            key = (r.get("isa"), r.get("cpu_flags"), json.dumps(r.get("paths"), sort_keys=True))
+            seen[key] = seen.get(key, 0) + 1
+    return [f"CPU: ISA {isa or '?'} | flags: {flags or '-'} | kernels: {paths} ({n} runs)" for (isa, flags, paths), n
+            in seen.items()] + ([""] if seen else [])
+
+
 def build_report(sweep_dir: Path, out: Path | None = None, how: str = "pooled") -> Path:
     sweep_dir = Path(sweep_dir)
     if how not in ("pooled", "mean"):
@@ -729,6 +742,7 @@ def build_report(sweep_dir: Path, out: Path | None = None, how: str = "pooled") 
     out.parent.mkdir(parents=True, exist_ok=True)
     results = analyse(rows, how)
     md = _intro(sweep_dir.name, cfg_info, how, results)
+    md[2:2] = cpu_lines(rows)
     md += _figure3(results, out.parent, _head_order(heads_info, results), how)
     trees = []
     if any(r["method"] in TREE_POLICIES for r in rows):

@@ -101,7 +101,10 @@ def _main(argv) -> int:
                                                   for s in SPLITS if planned.get(s, {}).get("n_shards")), ""]
     if a.goal:
         have = man["splits"]["train"]["n_loss_tokens"]
-        head += [f"train loss positions: {have} of the goal {a.goal} ({have / a.goal:.1%})", ""]
+        every = man["splits"]["train"]["n_tokens"]  # with target-prefix states every Y_i trains (features.PREFIXES)
+        head += [f"train loss positions: {have} of the goal {a.goal} ({have / a.goal:.1%}) with token mixing; "
+                 f"{every} ({every / a.goal:.1%}) with states on the target prefix "
+                 "(`adaptive-spec datagen-features --prefix target`: every response token trains)", ""]
     text = "\n".join(head + [md_table(HEADER, rows)]) + "\n"
     print(text)
     if a.out:

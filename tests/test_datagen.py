@@ -552,4 +552,6 @@ def test_datagen_stats_adds_up_to_the_manifest(ref_run, tmp_path, capsys):
         logq = torch.cat([sh["draft_stats"][sh["loss_mask"].bool(), 0] for sh in datagen.iter_shards(out, split)])
         assert total[col["AUC log q(Y)"]] == fmt(auc(logq, P), ".3f")
     assert mod.main(["--data", str(out), "--goal", "1000", "--out", str(tmp_path / "new" / "s.md")]) == 0
-    assert "of the goal 1000" in (tmp_path / "new" / "s.md").read_text()
+    text = (tmp_path / "new" / "s.md").read_text()
+    have, every = man["splits"]["train"]["n_loss_tokens"], man["splits"]["train"]["n_tokens"]
+    assert f"{have} of the goal 1000" in text and f"; {every} ({every / 1000:.1%}) with states on the target prefix" in text

@@ -104,7 +104,11 @@ def test_numbers(tmp_path):
 
 
 def test_markdown_tables_and_plots(tmp_path, capsys):
-    d = write_sweep(tmp_path, make_rows())
+    rows = make_rows()
+    for i, r in enumerate(rows):  # the sweep records the CPU of each run; two machines here
+        r.update(isa="AVX512" if i % 3 else "AVX2", cpu_flags="avx2 avx512f" if i % 3 else "avx2",
+                 paths={"target": {"dtype": "bfloat16" if i % 3 else "float32"}})
+    d = write_sweep(tmp_path, rows)
     out = tmp_path / "out" / "report.md"
     assert cli_main(["report", "--sweep-dir", str(d), "--out", str(out)]) == 0
     md = out.read_text()
@@ -114,6 +118,9 @@ def test_markdown_tables_and_plots(tmp_path, capsys):
         assert f"]({png.name})" in md
     for title in ("## Table 1", "## Table 2", "## Table 3", "## Peer", "Eq. 3.2", "note: oracle skipped"):
         assert title in md
+    n_avx2 = len(range(0, len(rows), 3))
+    assert (f'CPU: ISA AVX2 | flags: avx2 | kernels: {{"target": {{"dtype": "float32"}}}} ({n_avx2} runs)' in md
+            and f"CPU: ISA AVX512 | flags: avx2 avx512f | kernels: " in md and f"({len(rows) - n_avx2} runs)" in md)
     t1 = md.split("## Table 1")[1].split("## Table 2")[0]
     pp, k4, ar = tps("learned:head=d3-wrej6:h=0.7"), tps("fixed:k=4"), tps("ar")
     assert f"{ar:.2f} tok/s" in t1

@@ -484,8 +484,8 @@ def test_ablation_trains_the_grid_resumes_and_reports_per_source(tmp_path, tiny_
 
 def test_ablation_refuses_bad_grids(tmp_path, dataset, capsys):
     mod = ablate_module()
-    for argv, msg in [(["--variants", "hidden,stats"], "--variants takes a comma-separated list of hidden, "
-                                                         "hidden+stats, context, context+stats"),
+    for argv, msg in [(["--variants", "hidden,logits"], "--variants takes a comma-separated list of hidden, "
+                                                          "hidden+stats, context, context+stats, stats"),
                       (["--depths", "0,7"], "depths must be in 0..4"),
                       (["--w-rejs", "x"], "--w-rejs takes a comma-separated list of positive numbers"),
                       (["--eval-data", str(make_dataset(tmp_path / "other", seqs={"train": 4, "dev": 4}, sources=["gsm8k", "code"]))],
