@@ -401,9 +401,9 @@ def shard_inputs(head, shard: dict) -> torch.Tensor:
     every row is the head's own input."""
     feature, inputs = getattr(head, "feature", "token"), getattr(head, "inputs", "hidden")
     clean = CONTEXT_KEY in shard
-    feats = shard.get(state_key(feature, clean))
-    if inputs == "stats":  # no state read: zeros keep the row layout, and token data alone serves
-        feats = torch.zeros(len(shard["loss_mask"]), head.hidden_size)
+    # a stats head reads no state: zeros keep the row layout, and token data alone serves
+    feats = (torch.zeros(len(shard["loss_mask"]), head.hidden_size) if inputs == "stats"
+             else shard.get(state_key(feature, clean)))
     if feats is None:
         raise UserError("the datagen shard has no stored draft features ('features'); regenerate the dataset with "
                         "store_features=true")

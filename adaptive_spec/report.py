@@ -42,7 +42,7 @@ import argparse
 import json
 import math
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -724,11 +724,8 @@ def all_configs_table(d: DatasetResult) -> str:
 def cpu_lines(rows: list[dict]) -> list[str]:
     """The CPU each run measured on (ISA, flags, the kernels each model ran): timings from one CPU
     say little about another, so the report names it; one line per distinct machine."""
-    seen = {}
-    for r in rows:
-        if r.get("isa") or r.get("cpu_flags"):
-            key = (r.get("isa"), r.get("cpu_flags"), json.dumps(r.get("paths"), sort_keys=True))
-            seen[key] = seen.get(key, 0) + 1
+    seen = Counter((r.get("isa"), r.get("cpu_flags"), json.dumps(r.get("paths"), sort_keys=True))
+                   for r in rows if r.get("isa") or r.get("cpu_flags"))
     return [f"CPU: ISA {isa or '?'} | flags: {flags or '-'} | kernels: {paths} ({n} runs)" for (isa, flags, paths), n
             in seen.items()] + ([""] if seen else [])
 
@@ -741,8 +738,7 @@ def build_report(sweep_dir: Path, out: Path | None = None, how: str = "pooled") 
     out = Path(out) if out else sweep_dir / "report.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     results = analyse(rows, how)
-    md = _intro(sweep_dir.name, cfg_info, how, results)
-    md[2:2] = cpu_lines(rows)
+    md = _intro(sweep_dir.name, cfg_info, how, results, cpu_lines(rows))
     md += _figure3(results, out.parent, _head_order(heads_info, results), how)
     trees = []
     if any(r["method"] in TREE_POLICIES for r in rows):
@@ -753,10 +749,11 @@ def build_report(sweep_dir: Path, out: Path | None = None, how: str = "pooled") 
     return out
 
 
-def _intro(name: str, cfg_info: dict, how: str, results: list[DatasetResult]) -> list[str]:
-    """Title, the sweep's settings, how prompts are aggregated, notes, and what each dataset holds."""
+def _intro(name: str, cfg_info: dict, how: str, results: list[DatasetResult], cpu: list[str]) -> list[str]:
+    """Title, the CPU (cpu_lines), the sweep's settings, how prompts are aggregated, notes, and
+    what each dataset holds."""
     cfg = cfg_info.get("config", {})
-    md = [f"# SpecDec++ sweep report: {name}", ""]
+    md = [f"# SpecDec++ sweep report: {name}", "", *cpu]
     if cfg:
         md.append(f"Target `{cfg.get('target')}`, draft `{cfg.get('draft')}`, {cfg.get('dtype')}, device "
                   f"{cfg_info.get('device', '?')} ({cfg_info.get('threads', '?')} threads); temperature "

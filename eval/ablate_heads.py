@@ -122,8 +122,9 @@ def evaluate_on(run_dir: Path, cfg: TrainConfig, data: Path, manifest: dict) -> 
     for that folder and its dev shards."""
     key = {"data": str(data), "shards": [e["file"] for e in manifest["splits"].get("dev", {}).get("shards", [])]}
     cached = run_dir / "eval.json"
-    if cached.is_file() and json.loads(cached.read_text()).get("key") == key:
-        return json.loads(cached.read_text())["by"]
+    old = json.loads(cached.read_text()) if cached.is_file() else {}
+    if old.get("key") == key:
+        return old["by"]
     head = AcceptanceHead.from_pretrained(run_dir / "head", dtype=torch.float32)
     by = dev_metrics(head, cfg, manifest, data)
     write_json(cached, {"key": key, "by": by})

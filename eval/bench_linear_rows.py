@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from adaptive_spec.cpu import describe, flags_line, onednn_packed
+from adaptive_spec.cpu import describe, fbgemm_fp16, flags_line, onednn_packed
 from adaptive_spec.models import resolve_model_path
 from adaptive_spec.tables import md_table
 
@@ -53,8 +53,6 @@ def layer_shapes(model: str) -> dict[str, tuple[int, int, int]]:
 def kernels() -> dict:
     """name -> (bytes per weight, prepare(weight fp32) -> state, call(x, state)); only those this
     CPU can run."""
-    import warnings
-
     out = {}
     for dt in (torch.float32, torch.bfloat16):
         tag = "fp32" if dt == torch.float32 else "bf16"
@@ -65,8 +63,7 @@ def kernels() -> dict:
     if torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"):
         out["MKL packed fp32"] = (4, lambda w: (torch.ops.mkl._mkl_reorder_linear_weight(w, 1), w),
                                   lambda x, s: torch.ops.mkl._mkl_linear(x, s[0], s[1], None, x.shape[0]))
-    if hasattr(torch, "fbgemm_linear_fp16_weight_fp32_activation") and torch.backends.cpu.get_cpu_capability() != "DEFAULT":
-        warnings.filterwarnings("ignore", message=".*fbgemm.*deprecated")
+    if fbgemm_fp16() is None:  # the runtime's own check; models silences the ops' deprecation warning
         out["FBGEMM fp16 weights"] = (
             2, lambda w: (torch.fbgemm_pack_gemm_matrix_fp16(w), torch.zeros(w.shape[0])),
             lambda x, s: torch.fbgemm_linear_fp16_weight_fp32_activation(x, s[0], s[1]))

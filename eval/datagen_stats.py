@@ -34,8 +34,7 @@ HEADER = ["split", "source", "responses", "tokens", "loss positions", "mean leng
 class _Acc:
     def __init__(self):
         self.n = self.tok = self.loss = self.cut = 0
-        self.sums = defaultdict(float)
-        self.cols = defaultdict(list)  # per loss position, for the AUCs
+        self.cols = defaultdict(list)  # per loss position: the means and the AUCs come from these
 
     def add(self, sh: dict, rows: list[int], cap: int):
         ro = sh["resp_offsets"].tolist()
@@ -44,23 +43,19 @@ class _Acc:
             m = sh["loss_mask"][a:b].bool()
             self.n, self.tok, self.loss = self.n + 1, self.tok + (b - a), self.loss + int(m.sum())
             self.cut += int(b - a >= cap)
-            P = sh["accept_prob"][a:b][m].double()
-            self.cols["P"].append(P)
-            self.cols["tv"].append(sh["expected_accept"][a:b][m])
-            self.cols["logq"].append(sh["draft_stats"][a:b, 0][m])
-            self.sums["P"] += float(P.sum())
-            self.sums["P1"] += float((P >= 1.0).sum())
-            self.sums["tv"] += float(sh["expected_accept"][a:b][m].double().sum())
-            self.sums["logq"] += float(sh["draft_stats"][a:b, 0][m].double().sum())
+            self.cols["P"].append(sh["accept_prob"][a:b][m].double())
+            self.cols["tv"].append(sh["expected_accept"][a:b][m].double())
+            self.cols["logq"].append(sh["draft_stats"][a:b, 0][m].double())
 
     def auc(self, key: str) -> float:
         return auc(torch.cat(self.cols[key]), torch.cat(self.cols["P"])) if self.loss else float("nan")
 
     def row(self, split: str, source: str) -> list[str]:
-        per = (lambda k: self.sums[k] / self.loss) if self.loss else (lambda k: float("nan"))
+        col = {k: torch.cat(v) for k, v in self.cols.items()}
+        per = (lambda x: float(x.mean())) if self.loss else (lambda x: float("nan"))
         return [split, source, str(self.n), str(self.tok), str(self.loss), fmt(self.tok / max(self.n, 1), ".1f"),
-                fmt(self.cut / max(self.n, 1), ".1%"), fmt(per("P"), ".3f"), fmt(per("P1"), ".1%"),
-                fmt(per("tv"), ".3f"), fmt(per("logq"), ".2f"), fmt(self.auc("logq"), ".3f"), fmt(self.auc("tv"), ".3f")]
+                fmt(self.cut / max(self.n, 1), ".1%"), fmt(per(col["P"]), ".3f"), fmt(per((col["P"] >= 1.0).double()), ".1%"),
+                fmt(per(col["tv"]), ".3f"), fmt(per(col["logq"]), ".2f"), fmt(self.auc("logq"), ".3f"), fmt(self.auc("tv"), ".3f")]
 
 
 def stats(data: Path) -> tuple[dict, list[list[str]]]:

@@ -6,7 +6,7 @@ skips where oneDNN has no packed bf16 kernel, naming the missing CPU feature.
 import pytest
 import torch
 
-from adaptive_spec.cpu import auto_dtype, describe, onednn_packed
+from adaptive_spec.cpu import auto_dtype, describe, fbgemm_fp16, onednn_packed
 from adaptive_spec.decoding import Decoder
 from adaptive_spec.errors import UserError
 from adaptive_spec.models import CausalLM, PackedLinear, choose_padding, load_model, pack_cpu_linears
@@ -112,15 +112,8 @@ def path_model(seed, path, monkeypatch, vocab=16):
     return fp16_model(seed, monkeypatch, vocab=vocab) if path == "fp16" else packed_model(seed, path, vocab=vocab)
 
 
-def _fp16_path():
-    from adaptive_spec.cpu import fbgemm_fp16
-
-    why = fbgemm_fp16()
-    return pytest.param("fp16", id="fp32+fp16", marks=pytest.mark.skipif(
-        why is not None, reason=f"FBGEMM fp16 linear unavailable: {why}"))
-
-
-PATHS = DTYPES + [_fp16_path()]
+NEEDS_FP16 = pytest.mark.skipif(fbgemm_fp16() is not None, reason=f"FBGEMM fp16 linear unavailable: {fbgemm_fp16()}")
+PATHS = DTYPES + [pytest.param("fp16", id="fp32+fp16", marks=NEEDS_FP16)]
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -177,10 +170,6 @@ def test_forced_stock_bf16_path_still_exact_on_any_cpu(monkeypatch):
 
 # --- the FBGEMM fp16 copy for short inputs (fp32 models on CPUs without bf16 kernels) ---
 
-def _fp16_param():
-    return _fp16_path().marks[0]
-
-
 def fp16_model(seed, monkeypatch, rows="16", vocab=16):
     """A tiny fp32 model whose weights fp16 holds exactly (as it holds the default pair's bf16
     ones; a tiny random model's weights go below fp16's normal range, so round them), packed with the fp16 copy forced on for inputs of up to `rows` rows."""
@@ -190,7 +179,7 @@ def fp16_model(seed, monkeypatch, rows="16", vocab=16):
     return m
 
 
-@_fp16_param()
+@NEEDS_FP16
 @pytest.mark.parametrize("shape", [(32,), (1, 32), (5, 32), (3, 7, 32)])
 def test_fp16_copy_matches_stock_linear(shape, monkeypatch):
     torch.manual_seed(0)
@@ -208,7 +197,7 @@ def test_fp16_copy_matches_stock_linear(shape, monkeypatch):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-@_fp16_param()
+@NEEDS_FP16
 def test_fp16_path_chosen_recorded_and_refused_for_inexact_weights(monkeypatch):
     m = fp16_model(0, monkeypatch, rows="4")
     assert m.cpu_path["linear"] == "onednn-packed + fbgemm-fp16" and m.cpu_path["fp16_rows"] == [1, 2, 3, 4]
@@ -233,7 +222,7 @@ def test_fp16_path_chosen_recorded_and_refused_for_inexact_weights(monkeypatch):
         pack_cpu_linears(make_model(16, hidden_size=32, layers=1, seed=0).half().float())
 
 
-@_fp16_param()
+@NEEDS_FP16
 def test_fp16_rows_measured_choice_is_a_set_of_row_counts(monkeypatch):
     monkeypatch.setenv("ADAPTIVE_SPEC_CPU_FP16", "auto")
     m = make_model(16, hidden_size=32, layers=1, seed=0).half().float()
@@ -244,7 +233,7 @@ def test_fp16_rows_measured_choice_is_a_set_of_row_counts(monkeypatch):
     assert all(x.fp16_rows == frozenset(rows) and (x.fp16 is None) == (not rows) for x in lins)
 
 
-@_fp16_param()
+@NEEDS_FP16
 def test_fp16_model_logits_match_unpacked(monkeypatch):
     ref = make_model(16, hidden_size=32, layers=2, seed=5, logit_scale=3.0).half().float()
     m = fp16_model(5, monkeypatch)
