@@ -12,9 +12,11 @@ data, not on the machine; the machine enters only through the forward times (Eq.
    per-K part only (--out).
 2. At generate time `threshold="auto"` (`k="auto"`) loads the curve, measures or loads this
    machine's forward times (costs.py) and takes the h (K) of best predicted decode throughput
-   under a time model (timemodel.py; `time_model=`, default "extended": Eq. 3.1 plus t_cand per
-   drafted token, which reduces to Eq. 3.1 where a verification pass costs the same whatever K;
-   `eval/fit_time_model.py SWEEP_DIR --costs FILE` says which predicts a sweep better).
+   under a time model (timemodel.py; `time_model=`, default "table": each verification pass
+   costs the measured time of a pass of its length, which on CPUs is a step function of K, not a
+   line; "extended" is Eq. 3.1 plus t_cand per drafted token; `eval/fit_time_model.py SWEEP_DIR
+   --costs FILE` says which predicts a sweep better). Under "table" the h pick may also cap K
+   (CAP_GRID), where longer passes cost a step more.
    `k="auto"` reads the per-K part of any curve: `curve=PATH` (`--curve`), else the one beside
    `head` (every head's curve carries it: fixed-K rounds do not depend on the head).
 
@@ -49,7 +51,12 @@ FORMAT = "adaptive_spec.threshold_curve.v1"
 CURVE_NAME = "threshold_curve.json"
 H_GRID = tuple(round(0.05 * i, 2) for i in range(1, 20))
 K_GRID = tuple(range(1, 17))
-DEFAULT_TIME_MODEL = "extended"
+# Caps on K replayed with every h. Under a constant verification cost SpecDec++'s threshold alone is
+# the optimal rule (Theorem 4.3) and a cap only loses; on a CPU a pass of more tokens can cost a
+# step more (oneDNN's row blocking: 6 tokens cost what 3 do, 7 cost 20% more), and there the best
+# rule is a threshold inside the cheap lengths. Only the `table` time model, which sees that, picks one.
+CAP_GRID = (3, 4, 5, 6, 7, 8, 10, 12)
+DEFAULT_TIME_MODEL = "table"
 
 
 # ----------------------------------------------------------------------------- the replay
@@ -74,12 +81,15 @@ def stop_lengths(phat_windows: np.ndarray, h: float, k_max: int, lag: int) -> np
 
 
 def replay(accept_windows: np.ndarray, K: np.ndarray) -> np.ndarray:
-    """Expected (rounds, drafted, accepted) over one response of T = len(K) tokens, a round
-    from position s drafting K[s] candidates; accept_windows from window_products(P, >= max K)."""
+    """Expected (rounds, drafted, accepted, rounds of 0 candidates, of 1, ..., of k_hi) over one
+    response of T = len(K) tokens, a round from position s drafting K[s] candidates;
+    accept_windows from window_products(P, >= max K). The per-K rounds say how many
+    verification passes of each length (K + 1 tokens) the policy runs, for the `table` time model."""
     T = len(K)
     w = np.zeros(T + 1)
     w[0] = 1.0
     rounds = drafted = accepted = 0.0
+    by_k = np.zeros(accept_windows.shape[1])
     for s in range(T):
         ws = w[s]
         if ws == 0.0:
@@ -92,15 +102,19 @@ def replay(accept_windows: np.ndarray, K: np.ndarray) -> np.ndarray:
         rounds += ws
         drafted += ws * k
         accepted += ws * float(c[1:].sum())
-    return np.array([rounds, drafted, accepted])
+        by_k[k] += ws
+    return np.concatenate([[rounds, drafted, accepted], by_k])
 
 
 def counts_row(T: int, totals: np.ndarray) -> dict:
-    """Curve counts, named as sweep rows name them (timemodel.predict_time reads either)."""
-    rounds, drafted, accepted = map(float, totals)
+    """Curve counts, named as sweep rows name them (timemodel.predict_time reads either):
+    target_pass_hist maps a verification pass's length (K + 1 tokens) to its expected count."""
+    rounds, drafted, accepted = map(float, totals[:3])
+    passes = {str(k + 1): float(v) for k, v in enumerate(totals[3:]) if v > 0}
     return {"n_tokens": T, "n_target_forwards": rounds, "n_draft_forwards": drafted, "n_drafted": drafted,
             "n_accepted": accepted, "n_discarded": drafted - accepted, "verification_rate": rounds / max(T, 1),
-            "discard_rate": (drafted - accepted) / max(T, 1), "tokens_per_round": T / rounds if rounds else float("nan")}
+            "discard_rate": (drafted - accepted) / max(T, 1), "tokens_per_round": T / rounds if rounds else float("nan"),
+            "target_pass_hist": passes}
 
 
 # ----------------------------------------------------------------------------- data and head
@@ -145,33 +159,43 @@ def responses(data_dir: Path, split: str, head=None):
                 yield (None if src is None else names[src]), P[a:b], (None if phat is None else phat[a:b])
 
 
+def caps_below(k_max: int) -> list[int]:
+    return [c for c in CAP_GRID if c < k_max]
+
+
 def build_curve(head, data_dir, split: str = "dev", k_max: int = 20, h_grid=H_GRID, k_grid=K_GRID) -> dict:
     """The expected counts per h (head given) and per fixed K over a datagen split (module
-    docstring), pooled and, for a mix of prompt sources, per source (`by_source`)."""
+    docstring), pooled and, for a mix of prompt sources, per source (`by_source`); and per
+    (h, cap) for the caps of CAP_GRID below k_max (`capped`)."""
     lag = 0 if getattr(head, "feature", "token") == "context" else 1
     width = max(k_max, max(k_grid))
+    caps = caps_below(k_max)
     tallies = {}
     for source, P, phat in responses(Path(data_dir), split, head):
         T = len(P)
         AP = window_products(P, width)
         by_k = [replay(AP, np.full(T, k)) for k in k_grid]
-        by_h = []
+        by_h, by_cap = [], []
         if phat is not None:
             PH = window_products(phat, k_max)
             by_h = [replay(AP, stop_lengths(PH, h, k_max, lag)) for h in h_grid]
+            by_cap = [replay(AP, stop_lengths(PH, h, cap, lag)) for cap in caps for h in h_grid]
         for name in {None, source}:
-            t = tallies.setdefault(name, {"n_responses": 0, "n_tokens": 0, "h": 0.0, "k": 0.0})
+            t = tallies.setdefault(name, {"n_responses": 0, "n_tokens": 0, "h": 0.0, "k": 0.0, "cap": 0.0})
             t["n_responses"] += 1
             t["n_tokens"] += T
-            t["h"], t["k"] = t["h"] + np.array(by_h), t["k"] + np.array(by_k)
+            t["h"], t["k"], t["cap"] = t["h"] + np.array(by_h), t["k"] + np.array(by_k), t["cap"] + np.array(by_cap)
     if not tallies:
         raise UserError(f"split {split!r} of {data_dir} holds no responses; pass a datagen run with a {split} split "
                         "(dev_frac > 0) or another --split")
 
     def section(t: dict) -> dict:
         T = t["n_tokens"]
+        grid = [(cap, h) for cap in caps for h in h_grid]
         return {"n_responses": t["n_responses"], "n_tokens": T,
                 "thresholds": [{"h": h, **counts_row(T, c)} for h, c in zip(h_grid, t["h"])] if head is not None else [],
+                "capped": [{"h": h, "k_max": cap, **counts_row(T, c)} for (cap, h), c in zip(grid, t["cap"])]
+                if head is not None else [],
                 "fixed_k": [{"k": k, **counts_row(T, c)} for k, c in zip(k_grid, t["k"])]}
 
     pooled = section(tallies.pop(None))
@@ -291,17 +315,30 @@ def load_curve(source, need: str, head=None) -> dict:
     return curve
 
 
-def pick(curve: dict, need: str, costs, model: str = DEFAULT_TIME_MODEL) -> dict:
+def pick(curve: dict, need: str, costs, model: str = DEFAULT_TIME_MODEL, k_max: int | None = None) -> dict:
     """The h (need "h") or K (need "k") of the curve with the best predicted decode throughput
-    N / T under `model` with the measured `costs`; with every candidate's prediction."""
+    N / T under `model` with the measured `costs`; with every candidate's prediction. For h under
+    the table model (with per-length verification times measured), the curve's capped rounds
+    (`capped`, K <= cap < k_max) compete too, and the pick says its cap as "k_max"."""
     from .timemodel import coef_of, predict_time
 
     coef = coef_of(costs, model)
+    model = coef.get("model", model)  # the table model without per-length times is the extended one
     points = curve["thresholds"] if need == "h" else curve["fixed_k"]
     table = [(p[need], p["n_tokens"] / predict_time(p, coef)) for p in points]
     value, tps = max(table, key=lambda vt: vt[1])
-    return {"kind": need, "value": value, "tokens_per_s": tps, "model": model, "costs": costs.to_dict(),
-            "predicted": dict(table)}
+    out = {"kind": need, "value": value, "tokens_per_s": tps, "model": model, "costs": costs.to_dict(),
+           "predicted": dict(table)}
+    limit = curve.get("k_max", 20) if k_max is None else k_max
+    if need == "h" and model == "table":
+        out["k_max"] = limit
+        capped = [((p["h"], p["k_max"]), p["n_tokens"] / predict_time(p, coef))
+                  for p in curve.get("capped", []) if p["k_max"] <= limit]
+        out["predicted_capped"] = {f"{h:g}@{cap}": v for (h, cap), v in capped}
+        best = max(capped, key=lambda vt: vt[1], default=None)
+        if best is not None and best[1] > tps:
+            (out["value"], out["k_max"]), out["tokens_per_s"] = best
+    return out
 
 
 def resolve_auto(pair, policy: str, kwargs: dict, model: str = DEFAULT_TIME_MODEL) -> tuple[dict, dict | None]:
@@ -327,20 +364,23 @@ def resolve_auto(pair, policy: str, kwargs: dict, model: str = DEFAULT_TIME_MODE
             raise UserError(f"the curve was made with k_max {curve['k_max']}, not {k_max}; drop --k-max or rerun "
                             f"autotune with --k-max {k_max}")
     memo = pair.__dict__.setdefault("_auto_picks", {})
-    key = (str(curve_path(source)), need, model)
+    key = (str(curve_path(source)), need, model, kw.get("k_max"))
     if key not in memo:
         from .costs import measure_costs
 
-        memo[key] = pick(curve, need, measure_costs(pair), model)
+        memo[key] = pick(curve, need, measure_costs(pair), model, kw.get("k_max"))
         memo[key]["curve"] = key[0]
         print(describe_pick(memo[key]), file=sys.stderr)
     kw["threshold" if need == "h" else "k"] = memo[key]["value"]
+    if "k_max" in memo[key]:
+        kw["k_max"] = memo[key]["k_max"]
     return kw, memo[key]
 
 
 def describe_pick(choice: dict) -> str:
     c = choice["costs"]
     name = "h" if choice["kind"] == "h" else "K"
-    return (f"auto: {name} = {choice['value']:g}, predicted {choice['tokens_per_s']:.2f} tok/s decoding "
+    cap = f" with K <= {choice['k_max']}" if choice.get("k_max") is not None else ""
+    return (f"auto: {name} = {choice['value']:g}{cap}, predicted {choice['tokens_per_s']:.2f} tok/s decoding "
             f"({choice['model']} time model; t_draft {1e3 * c['t_draft']:.1f} ms, t_target {1e3 * c['t_target']:.1f} ms, "
             f"t_cand {1e3 * c['t_cand']:.1f} ms; curve {choice['curve']})")

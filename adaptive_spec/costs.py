@@ -4,8 +4,8 @@
     t_target  a target pass over one token
     t_cand    the extra target time per candidate in a verification pass of K + 1 tokens
 
-A verification pass of K + 1 tokens is timed for K + 1 = 1..9 and fitted by least squares as
-t_target + t_cand * K. On GPUs and AVX-512 CPUs t_cand is near zero (the pass reads the weights
+A verification pass of K + 1 tokens is timed for K + 1 = 1..9, kept as measured (t_verify, the
+`table` time model's costs) and fitted by least squares as t_target + t_cand * K. On GPUs and AVX-512 CPUs t_cand is near zero (the pass reads the weights
 once whatever K is), but on an AVX2-only CPU it is about 10 ms per candidate, which Eq. 3.1,
 T = t_draft N_draft + t_target N_target, has no term for (timemodel.py has the one with it).
 
@@ -41,6 +41,15 @@ class Costs:
     t_cand: float
     key: str
     measured: str  # when (UTC) and where the times were taken
+    t_verify: tuple = ()  # seconds of a target pass of n = 1, 2, ... tokens (VERIFY_LENGTHS), as measured
+
+    def verify_s(self, n: int) -> float:
+        """A target pass of n tokens: the measured time, past the measured lengths the last one
+        plus t_cand per extra token, without a table the line t_target + t_cand (n - 1)."""
+        if not self.t_verify:
+            return self.t_target + self.t_cand * (n - 1)
+        m = len(self.t_verify)
+        return self.t_verify[n - 1] if n <= m else self.t_verify[-1] + self.t_cand * (n - m)
 
     @property
     def c(self) -> float:
@@ -111,7 +120,8 @@ def measure_costs(pair, reps: int = 3, cache: bool = True) -> Costs:
 
 def costs_from_json(d: dict) -> Costs:
     """Costs from a cache file's JSON (KeyError / TypeError / ValueError where it is not one)."""
-    return Costs(float(d["t_draft"]), float(d["t_target"]), float(d["t_cand"]), str(d["key"]), str(d["measured"]))
+    return Costs(float(d["t_draft"]), float(d["t_target"]), float(d["t_cand"]), str(d["key"]), str(d["measured"]),
+                 tuple(float(t) for t in d.get("t_verify") or ()))
 
 
 def _read_cached(path: Path, key: str) -> Costs | None:
@@ -121,6 +131,8 @@ def _read_cached(path: Path, key: str) -> Costs | None:
         costs = costs_from_json(json.loads(path.read_text()))
         if costs.key != key or not (costs.t_draft > 0 and costs.t_target > 0 and costs.t_cand >= 0):
             raise ValueError(f"key {costs.key}, times {costs.t_draft}, {costs.t_target}, {costs.t_cand}")
+        if len(costs.t_verify) != len(VERIFY_LENGTHS) or not all(t > 0 for t in costs.t_verify):
+            raise ValueError("no per-length verification times (written by an older version)")
     except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
         print(f"warning: cached forward times {path} are unreadable ({type(e).__name__}: {e}); measuring again",
               file=sys.stderr)
@@ -140,7 +152,8 @@ def _measure(pair, reps: int, key: str) -> Costs:
     if slope < 0:  # timing noise on a pass that does not grow with K: no per-candidate cost
         slope, intercept = 0.0, statistics.mean(verify.values())
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    return Costs(float(t_draft), float(intercept), float(slope), key, stamp)
+    return Costs(float(t_draft), float(intercept), float(slope), key, stamp,
+                 tuple(float(verify[n]) for n in VERIFY_LENGTHS))
 
 
 def _forward_times(lm, lengths, reps: int, all_logits: bool) -> dict[int, float]:

@@ -50,6 +50,9 @@ class Metrics:
     n_discarded: int = 0  # N_discarded: drafted and not emitted (rejected, after a rejection, or cut)
     n_final_cut: int = 0  # rounds whose target-drawn token was cut (see above)
     accepted_hist: dict = field(default_factory=dict)  # n accepted in a round -> rounds
+    # tokens in a decode-time target pass -> passes (chain rounds and plain steps; the table time
+    # model prices each length as measured). Policies that run their own rounds leave it empty.
+    target_pass_hist: dict = field(default_factory=dict)
     wall_s: float = 0.0
     draft_s: float = 0.0  # inside draft forward passes
     target_s: float = 0.0  # inside target forward passes
@@ -84,6 +87,7 @@ class Metrics:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["accepted_hist"] = {str(k): v for k, v in sorted(self.accepted_hist.items())}
+        d["target_pass_hist"] = {str(k): v for k, v in sorted(self.target_pass_hist.items())}
         for k in ("discard_rate", "verification_rate", "acceptance_rate", "tokens_per_target_forward",
                   "tokens_per_s", "other_s"):
             d[k] = getattr(self, k)
@@ -231,7 +235,9 @@ class Decoder:
 
     def target_step(self, state: RoundState) -> list[int]:
         """One plain target step: the next token, no drafting."""
-        logits, _ = self.target.forward(state.seq[self.target.length:], n_logits=1)
+        ids = state.seq[self.target.length:]
+        logits, _ = self.target.forward(ids, n_logits=1)
+        _count_pass(state.met, ids.shape[0])
         return [int(sample(process_logits(logits[0], state.sampling), state.gen))]
 
     def chain_round(self, state: RoundState, rule: StopPolicy) -> list[int]:
@@ -258,7 +264,7 @@ class Decoder:
             ys.append(y_i)
             qs.append(q_i)
             t0 = time.perf_counter()
-            stop = rule.should_stop(DraftStep(i, y_i, q_i, logits[0], hidden, state.pos + i - 1))
+            stop = rule.should_stop(DraftStep(i, y_i, q_i, logits[0], hidden, state.pos + i - 1, state.sampling))
             state.met.policy_s += time.perf_counter() - t0
             if stop:
                 break
@@ -271,7 +277,9 @@ class Decoder:
         """The target scores the pending token(s) and all K candidates in one pass; returns
         (n accepted, the new tokens) and crops both caches to the accepted prefix."""
         target, draft, L, K = self.target, self.draft, state.seq.shape[0], y.shape[0]
-        logits_p, _ = target.forward(torch.cat([state.seq[target.length:], y]), n_logits=K + 1)
+        ids = torch.cat([state.seq[target.length:], y])
+        logits_p, _ = target.forward(ids, n_logits=K + 1)
+        _count_pass(state.met, ids.shape[0])
         p = process_logits(logits_p, state.sampling)
         if q is None:
             q = p.new_empty(0, p.shape[-1])
@@ -283,3 +291,7 @@ class Decoder:
         target.rollback(L + n)
         draft.rollback(min(draft.length, L + n))
         return n, vals[2:2 + n] + [tok]
+
+
+def _count_pass(met: Metrics, n: int) -> None:
+    met.target_pass_hist[n] = met.target_pass_hist.get(n, 0) + 1

@@ -12,9 +12,10 @@ q_i processed with the datagen run's temperature / top-k / top-p. At decoding ti
 policy recomputes q from the step's raw logits with those same parameters (the head records
 them as `stats_sampling`) rather than using the decoder's q: at temperature 0 the decoder's q
 is a point mass, whose statistics (0, 0, 1) training never saw. With the same logits and y the
-two paths give bit-identical rows (sums in float64, rounded once to float32), so a batched
-datagen step and a one-row decode step agree. Cost per draft step: one more process_logits and
-one pass over the vocabulary, about 1.5x the decoder's own process_logits (counted in policy_s).
+two paths give the same rows (sums in float64, rounded once to float32), so a batched datagen
+step and a one-row decode step agree. Cost per draft step (counted in policy_s): where the
+decoder samples with the head's own parameters (the usual case) its q is reused, and a top-k q
+is read through one partial sort (truncated_stats), not two passes over the vocabulary.
 
 Position in the round is deliberately not a feature. Given the accepted prefix, whether y_i is
 accepted, min(1, p(y_i)/q(y_i)), does not depend on where the round began, so the position
@@ -62,9 +63,34 @@ def draft_stats(q_probs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.stack([log_q, ent, margin], -1).float()
 
 
-def step_stats(logits: torch.Tensor, token: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-    """draft_stats of a drafted token, q from the raw logits processed as datagen processed them."""
-    return draft_stats(process_logits(logits, sampling), token)
+def truncated_stats(q_probs: torch.Tensor, y: torch.Tensor, top_k: int) -> torch.Tensor:
+    """draft_stats for a q processed with top-k = `top_k`, reading only its largest values.
+
+    Such a q has about top_k nonzeros (more where logits tie at the k-th value, common with bf16
+    logits), so H(q) and the margin come from its 2 top_k largest entries, one partial sort
+    instead of two passes over the vocabulary, whenever the smallest of those is 0 (then every
+    nonzero is among them and the sums hold the same terms). Otherwise, or without top-k, it is
+    draft_stats itself. The check reads one value on the host: the policy syncs per step anyway."""
+    n = 2 * top_k
+    if top_k <= 0 or n >= q_probs.shape[-1]:
+        return draft_stats(q_probs, y)
+    top = q_probs.topk(n, dim=-1).values
+    if bool(top[..., -1].max() > 0):
+        return draft_stats(q_probs, y)
+    q_y = q_probs.gather(-1, y.long().unsqueeze(-1)).squeeze(-1).double()
+    log_q = q_y.log().clamp_min(MIN_LOG_Q)
+    ent = -torch.special.xlogy(top, top).sum(-1, dtype=torch.float64)
+    margin = top[..., 0].double() - top[..., 1].double()
+    return torch.stack([log_q, ent, margin], -1).float()
+
+
+def step_stats(logits: torch.Tensor, token: torch.Tensor, sampling: SamplingParams,
+               probs: torch.Tensor | None = None, probs_sampling: SamplingParams | None = None) -> torch.Tensor:
+    """draft_stats of a drafted token, q from the raw logits processed as datagen processed them.
+    `probs`, the decoder's own q, is reused when it was processed with the same parameters
+    (`probs_sampling == sampling`): the same function of the same logits, so the same tensor."""
+    q = probs if probs is not None and probs_sampling == sampling else process_logits(logits, sampling)
+    return truncated_stats(q, token, sampling.top_k)
 
 
 def sampling_from(d: dict | None) -> SamplingParams:

@@ -13,6 +13,7 @@ import it and the decoder can dispatch on it without any module importing a poli
     hidden    the draft's final hidden state at the last INPUT position of this step, i.e.
               e_{i-1}, the state of y_{i-1} (for i = 1: of the round's first input token)
     pos       index of y_i among the generated tokens (0 = first new token)
+    sampling  the SamplingParams that made `probs` (so a policy can reuse q instead of recomputing it)
 
   Before drafting, `begin_round(pos)` returns the most tokens the rule allows this round (0 =
   skip drafting: the round is one plain target step). After verification `end_round(K, n)`
@@ -45,6 +46,7 @@ class DraftStep:
     logits: Any
     hidden: Any
     pos: int
+    sampling: Any = None  # the SamplingParams `probs` was processed with (None: unknown)
 
 
 class StopPolicy:

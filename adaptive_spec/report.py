@@ -690,11 +690,14 @@ def auto_table(results: list[DatasetResult]) -> str:
             if a.method not in AUTO_OF:
                 continue
             mine = [r for r in d.rows if r["config"] == a.config]
-            picks = sorted({r.get("auto_value") for r in mine}, key=str)
+            # an h picked with a cap on K (the table time model) reads "h@cap"
+            picks = sorted({f"{r['auto_value']:g}" + (f"@{r['auto_k_max']}" if r.get("auto_k_max") is not None
+                                                       and a.method == "learned_auto" else "")
+                            for r in mine if r.get("auto_value") is not None})
             predicted = [r["auto_predicted_tokens_per_s"] for r in mine if r.get("auto_predicted_tokens_per_s")]
             swept = [b for b in d.of(AUTO_OF[a.method]) if a.method == "fixed_auto" or b.head == a.head]
             best = max(swept, key=lambda b: b.tokens_per_s) if swept else None
-            rows.append([d.label, a.config, ", ".join(f"{v:g}" for v in picks if v is not None) or "—",
+            rows.append([d.label, a.config, ", ".join(picks) or "—",
                          fmt(sum(predicted) / len(predicted)) if predicted else "—", fmt(a.tokens_per_s),
                          f"{fmt(best.tokens_per_s)} ({best.label()})" if best else "—",
                          f"{fmt(paired_ratio(d, a, best), '.3f')}×" if best else "—",

@@ -583,7 +583,7 @@ def run_one(pair, spec: RunSpec, ids: list[int], cfg: SweepConfig, seed: int, he
         raise ValueError(spec.method)
     pick = getattr(g, "auto", None)
     extra = {"auto_value": pick["value"], "auto_predicted_tokens_per_s": pick["tokens_per_s"],
-             "auto_time_model": pick["model"]} if pick else {}
+             "auto_time_model": pick["model"], "auto_k_max": pick.get("k_max")} if pick else {}
     return g.metrics, g.stopped_by, g.token_ids, extra
 
 

@@ -1,7 +1,15 @@
-"""Two time models of a generation, fitted to sweep rows and compared.
+"""Time models of a generation, fitted to sweep rows and compared.
 
     paper      T = t_draft N_draft + t_target N_target                     (Eq. 3.1)
     extended   T = t_draft N_draft + t_target N_target + t_cand N_drafted
+    table      T = t_draft N_draft + sum_n t_verify(n) N_pass(n)            (measured costs only)
+
+N_pass(n) counts the target passes of n tokens (a row's target_pass_hist; a curve point's
+expected one). On a CPU t_verify(n) is a step function, not a line: oneDNN's packed GEMM blocks
+rows, so a pass of 6 tokens costs what one of 3 does and one of 7 some 20% more. The table model
+takes the measured t_verify(n) of costs.py as they are; it has too many coefficients to fit
+from sweep rows, so it is scored with measured costs only. A row or point without a pass
+histogram falls back to the extended model's terms.
 
 t_cand is the extra target time per candidate in a verification pass (costs.py measures it:
 about 10 ms on an AVX2-only CPU, near zero where the pass reads the weights once whatever K is).
@@ -34,7 +42,8 @@ from .tables import fmt, md_table
 from .timing import _r2
 
 COLUMNS = {"t_draft": "n_draft_forwards", "t_target": "n_target_forwards", "t_cand": "n_drafted"}
-MODELS = {"paper": ("t_draft", "t_target"), "extended": ("t_draft", "t_target", "t_cand")}
+MODELS = {"paper": ("t_draft", "t_target"), "extended": ("t_draft", "t_target", "t_cand")}  # fitted or measured
+MEASURED_ONLY = ("table",)
 STANDALONE = ("ar", "draft_ar")
 
 
@@ -48,20 +57,32 @@ def decode_s(row: dict) -> float:
 
 
 def predict_time(row: dict, coef: dict) -> float:
-    """Seconds the model gives a row's (or a curve point's) counts; missing coefficients count 0."""
+    """Seconds the model gives a row's (or a curve point's) counts; missing coefficients count 0.
+    With `verify_s` (the table model) the target term is the sum of its passes' measured times."""
+    hist = row.get("target_pass_hist")
+    if "verify_s" in coef and hist and abs(sum(hist.values()) - _f(row, "n_target_forwards")) < 1e-6:
+        return coef["t_draft"] * _f(row, "n_draft_forwards") + sum(coef["verify_s"](int(n)) * float(c)
+                                                                    for n, c in hist.items())
     return sum(coef.get(name, 0.0) * _f(row, col) for name, col in COLUMNS.items())
 
 
 def coef_of(costs, model: str = "extended") -> dict:
-    """Measured Costs as a model's coefficients (the paper's model has no t_cand)."""
-    return {name: getattr(costs, name) for name in MODELS[_check_model(model)]}
+    """Measured Costs as a model's coefficients (the paper's model has no t_cand). The table
+    model's are the extended model's plus `verify_s` (Costs.verify_s); without measured
+    per-length times it is the extended model, and says so in "model"."""
+    if _check_model(model) == "table":
+        coef = {name: getattr(costs, name) for name in MODELS["extended"]}
+        if getattr(costs, "t_verify", ()):
+            return {**coef, "verify_s": costs.verify_s, "model": "table"}
+        return {**coef, "model": "extended"}
+    return {name: getattr(costs, name) for name in MODELS[model]}
 
 
 def _check_model(model: str) -> str:
-    if model not in MODELS:
+    if model not in MODELS and model not in MEASURED_ONLY:
         from .errors import UserError
 
-        raise UserError(f"unknown time model {model!r}; use one of {', '.join(MODELS)}")
+        raise UserError(f"unknown time model {model!r}; use one of {', '.join((*MODELS, *MEASURED_ONLY))}")
     return model
 
 
@@ -143,17 +164,18 @@ def compare(rows: list[dict], costs=None) -> list[tuple[str, TimeFit]]:
            ("Eq. 3.1, fitted on all rows", fit(rows, "paper", spec)),
            ("extended, fitted on all rows", fit(rows, "extended", spec))]
     if costs is not None:
-        for model in MODELS:
+        for model in (*MODELS, *(("table",) if getattr(costs, "t_verify", ()) else ())):
             coef = coef_of(costs, model)
             y = np.array([decode_s(r) for r in spec])
             r2 = _r2(y, np.array([predict_time(r, coef) for r in spec])) if spec else float("nan")
-            out.append((f"{model}, measured costs", TimeFit(model, {**dict.fromkeys(MODELS["extended"]), **coef}, r2,
+            shown = {k: v for k, v in coef.items() if k in MODELS["extended"]}
+            out.append((f"{model}, measured costs", TimeFit(model, {**dict.fromkeys(MODELS["extended"]), **shown}, r2,
                                                             0, True, throughput_errors(spec, coef), "measured")))
     return out
 
 
 def better_model(fits: list[tuple[str, TimeFit]]) -> str:
-    """'paper' or 'extended', whichever has the lower mean throughput error on equal terms: with
+    """The model ('paper', 'extended' or 'table') with the lower mean throughput error on equal terms: with
     measured costs (what `auto` uses) where there are any, else both fitted on all rows."""
     scope = "measured" if any(f.scope == "measured" for _, f in fits) else "all"
     best = {}

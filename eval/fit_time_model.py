@@ -1,4 +1,4 @@
-"""Eq. 3.1 against the extended time model on a sweep, side by side (adaptive_spec/timemodel.py).
+"""Eq. 3.1 against the extended time model on a sweep, side by side, and with --costs the table model (adaptive_spec/timemodel.py).
 
     python eval/fit_time_model.py eval/results/sweep_cpu_full [--costs ~/.cache/adaptive_spec/costs/KEY.json]
 

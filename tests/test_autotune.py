@@ -18,18 +18,22 @@ from tiny import make_model, make_tokenizer
 from train_fixtures import make_dataset
 
 
-def expected_counts(P, K):
-    """(rounds, drafted, accepted) by enumerating every acceptance outcome of every round."""
+def expected_counts(P, K, width):
+    """(rounds, drafted, accepted, rounds of 0, 1, ..., width candidates) by enumerating every
+    acceptance outcome of every round."""
     T = len(P)
 
     def from_(s):
         if s >= T:
-            return np.zeros(3)
+            return np.zeros(4 + width)
         k = min(int(K[s]), T - s - 1)
-        total, reach = np.zeros(3), 1.0
+        total, reach = np.zeros(4 + width), 1.0
+        this = np.zeros(4 + width)
+        this[:3], this[3 + k] = [1.0, k, 0.0], 1.0
         for a in range(k + 1):  # a accepted: the first a pass, then a rejection (or all k passed)
             p = reach * ((1.0 - P[s + a]) if a < k else 1.0)
-            total += p * (np.array([1.0, k, a]) + from_(s + a + 1))
+            this[2] = a
+            total += p * (this + from_(s + a + 1))
             if a < k:
                 reach *= P[s + a]
         return total
@@ -45,8 +49,9 @@ def test_replay_is_the_exact_expectation():
         P[0] = 0.0 if T > 3 else P[0]
         K = rng.integers(1, 5, T)
         got = A.replay(A.window_products(P, 5), K)
-        assert got == pytest.approx(expected_counts(P, K), abs=1e-12)
+        assert got == pytest.approx(expected_counts(P, K, 5), abs=1e-12)
         assert got[0] + got[2] == pytest.approx(T)  # every response yields exactly T tokens
+        assert got[3:].sum() == pytest.approx(got[0]) and got[3:] @ np.arange(6) == pytest.approx(got[1])
 
 
 @pytest.mark.parametrize("a", [0.5, 0.8, 0.95])
@@ -54,7 +59,7 @@ def test_replay_is_the_exact_expectation():
 def test_fixed_k_matches_the_closed_form(a, k):
     """Constant acceptance a: a round yields (1 - a^(K+1)) / (1 - a) tokens in expectation."""
     T = 10000
-    rounds, drafted, accepted = A.replay(A.window_products(np.full(T, a), k), np.full(T, k))
+    rounds, drafted, accepted = A.replay(A.window_products(np.full(T, a), k), np.full(T, k))[:3]
     assert T / rounds == pytest.approx((1 - a ** (k + 1)) / (1 - a), rel=2e-3)
     assert accepted / drafted == pytest.approx((a - a ** (k + 1)) / (1 - a) / k, rel=2e-3)
 
@@ -107,6 +112,38 @@ def test_a_cheap_draft_picks_longer_rounds():
     slow_verify = A.pick(curve, "k", Costs(0.005, 0.1, 0.02, "key", "now"))
     assert slow_verify["value"] < picks[0.05]
     assert A.pick(curve, "k", Costs(0.005, 0.1, 0.02, "key", "now"), model="paper")["value"] == picks[0.05]
+
+
+def test_table_model_caps_rounds_where_long_passes_cost_more():
+    """With per-length verification times, a pass of 7+ tokens costing double makes the h pick
+    cap K at 5 (the cap pays, as predicted); a flat table predicts what the extended model does
+    with t_cand 0; a user's k_max bounds the cap; without measured lengths it is the extended model."""
+    rng = np.random.default_rng(1)
+    T = 3000
+    P = rng.beta(8, 1.5, T)
+    AP, PH = A.window_products(P, 20), A.window_products(P, 20)  # a perfect head: p̂ = P
+
+    def row(K):
+        return A.counts_row(T, A.replay(AP, K))
+
+    curve = {"k_max": 20, "fixed_k": [{"k": k, **row(np.full(T, k))} for k in A.K_GRID],
+             "thresholds": [{"h": h, **row(A.stop_lengths(PH, h, 20, 0))} for h in A.H_GRID],
+             "capped": [{"h": h, "k_max": c, **row(A.stop_lengths(PH, h, c, 0))} for c in A.caps_below(20)
+                        for h in A.H_GRID]}
+    point = curve["thresholds"][5]
+    assert sum(point["target_pass_hist"].values()) == pytest.approx(point["n_target_forwards"])
+    step = Costs(0.03, 0.1, 0.0, "k", "now", (0.1,) * 6 + (0.2,) * 3)
+    want = 0.03 * point["n_draft_forwards"] + sum((0.1 if int(n) <= 6 else 0.2) * c
+                                                  for n, c in point["target_pass_hist"].items())
+    from adaptive_spec.timemodel import coef_of, predict_time
+    assert predict_time(point, coef_of(step, "table")) == pytest.approx(want)
+    s = A.pick(curve, "h", step)
+    assert s["model"] == "table" and s["k_max"] <= 5 and s["tokens_per_s"] > max(s["predicted"].values())
+    assert A.pick(curve, "h", step, k_max=4)["k_max"] <= 4
+    flat = Costs(0.03, 0.1, 0.0, "k", "now", (0.1,) * 9)
+    assert A.pick(curve, "h", flat)["predicted"] == pytest.approx(A.pick(curve, "h", flat, model="extended")["predicted"])
+    old = A.pick(curve, "h", Costs(0.03, 0.1, 0.0, "k", "now"))
+    assert old["model"] == "extended" and "k_max" not in old
 
 
 @pytest.fixture

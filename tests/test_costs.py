@@ -87,3 +87,19 @@ def test_no_cache_writes_nothing_and_a_pair_needs_a_draft(pair, cache):
     tok = make_tokenizer(32)
     with pytest.raises(UserError, match="need a draft model"):
         C.measure_costs(SpecPair(make_model(32, 24, seed=2), tok))
+
+
+def test_per_length_times_are_kept_and_an_older_cache_is_measured_again(pair, cache, capsys):
+    first = C.measure_costs(pair, reps=1)
+    assert len(first.t_verify) == len(C.VERIFY_LENGTHS) and all(t > 0 for t in first.t_verify)
+    assert first.verify_s(3) == first.t_verify[2]
+    assert first.verify_s(12) == pytest.approx(first.t_verify[-1] + 3 * first.t_cand)
+    assert C.Costs(0.01, 0.1, 0.002, "k", "now").verify_s(4) == pytest.approx(0.106)  # no table: the line
+    path = cache / f"{first.key}.json"
+    d = json.loads(path.read_text())
+    assert C.costs_from_json(d) == first
+    del d["t_verify"]  # as an older version wrote it
+    path.write_text(json.dumps(d))
+    capsys.readouterr()
+    again = C.measure_costs(pair, reps=1)
+    assert "older version" in capsys.readouterr().err and len(again.t_verify) == len(C.VERIFY_LENGTHS)

@@ -1,4 +1,5 @@
 """Exactness of the speculative decoder on tiny random models (small vocabulary, enumerable)."""
+import json
 import math
 from types import SimpleNamespace
 
@@ -57,6 +58,13 @@ def test_metrics_are_consistent():
     assert m.draft_s > 0 and m.target_s > 0 and m.wall_s >= m.draft_s + m.target_s
     assert m.discard_rate == pytest.approx(m.n_discarded / 50)
     assert m.verification_rate == pytest.approx(m.n_target_forwards / 50)
+    # every target pass by its length: K + 1 tokens a round (the pending token and K candidates)
+    hist = m.target_pass_hist
+    assert sum(hist.values()) == m.n_target_forwards and set(hist) <= {1, 2, 3, 4}
+    assert sum((n - 1) * c for n, c in hist.items()) == m.n_drafted
+    assert json.loads(json.dumps(m.to_dict()))["target_pass_hist"] == {str(n): c for n, c in sorted(hist.items())}
+    ar = Decoder(target).generate([5, 9, 4], max_new_tokens=7, sampling=SamplingParams(1.0)).metrics
+    assert ar.target_pass_hist == {1: 7}
 
 
 @pytest.mark.parametrize("name", [n for n in policy_names() if n != "ar"])

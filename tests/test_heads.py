@@ -230,6 +230,37 @@ def test_draft_stats_by_hand():
     assert all(torch.equal(sb[i, j], draft_stats(qb[i, j], yb[i, j])) for i in range(5) for j in range(7))
 
 
+def test_truncated_stats_equal_the_full_pass():
+    """The decoder's shortcut (top-2k partial sort) gives datagen's rows: with top-k, with bf16
+    logits that tie at the k-th value (more than k nonzeros), where ties overflow 2k (the full
+    pass), without top-k, and when it reuses the decoder's own q (same parameters) or not."""
+    from adaptive_spec.features import step_stats, truncated_stats
+    from adaptive_spec.sampling import process_logits
+
+    g = torch.Generator().manual_seed(3)
+    V, k = 5000, 8
+    ties = 3 * torch.randn(V, generator=g)
+    order = ties.topk(k + 3).indices
+    ties[order[k - 2:]] = float(ties[order[k - 2]])  # 5 tokens tie at the k-th value: k + 3 nonzeros (bf16 logits do this)
+    flat = torch.zeros(V)
+    flat[:40] = 5.0  # 40 tokens tie at the top: more than 2k nonzeros, the full pass must run
+    cases = [3 * torch.randn(V, generator=g), ties, flat]
+    for logits in cases:
+        for sp in (SamplingParams(1.0, k, 1.0), SamplingParams(0.7, k, 0.9), SamplingParams(1.0, 0, 1.0)):
+            q = process_logits(logits, sp)
+            for y in (int(q.argmax()), int(torch.multinomial(q, 1, generator=g)), int(q.argmin())):
+                y = torch.tensor(y)
+                want = draft_stats(q, y)
+                torch.testing.assert_close(truncated_stats(q, y, sp.top_k), want, atol=1e-6, rtol=1e-6)
+                torch.testing.assert_close(step_stats(logits, y, sp), want, atol=1e-6, rtol=1e-6)
+                torch.testing.assert_close(step_stats(logits, y, sp, q, sp), want, atol=1e-6, rtol=1e-6)
+                # the decoder's q made with other parameters (greedy here) is not reused
+                greedy = process_logits(logits, SamplingParams(0.0))
+                torch.testing.assert_close(step_stats(logits, y, sp, greedy, SamplingParams(0.0)), want,
+                                           atol=1e-6, rtol=1e-6)
+    assert int((process_logits(ties, SamplingParams(1.0, k, 1.0)) > 0).sum()) == k + 3
+
+
 def test_stats_head_standardizes_its_stats_and_checks_row_width():
     torch.manual_seed(2)
     head = AcceptanceHead(6, depth=2, inputs="hidden+stats", stats_sampling={"temperature": 1.0, "top_k": 5})

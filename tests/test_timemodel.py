@@ -100,3 +100,31 @@ def test_comparison_table_and_the_eval_script(tmp_path, capsys):
     assert mod._main([str(tmp_path), "--costs", str(costs)]) == 0
     out = capsys.readouterr().out
     assert "extended, measured costs" in out and "| gsm8k |" in out
+
+
+def test_table_model_prices_each_pass_length_and_wins_on_step_costs():
+    """Rows whose target passes cost a step function of their length (6 tokens as 3, 7+ double):
+    the table model with those measured times predicts them exactly, the line models cannot."""
+    step = (0.14,) * 6 + (0.28,) * 3
+    costs = Costs(0.06, 0.14, 0.0, "key", "now", step)
+    rng = np.random.default_rng(2)
+    rows = []
+    for prompt in range(6):
+        for k in (2, 4, 6, 8):
+            rounds = int(rng.integers(20, 40))
+            hist = {str(k + 1): rounds - 3, "1": 3}  # a few plain steps among the rounds
+            nd = k * (rounds - 3)
+            T = 0.06 * nd + sum(costs.verify_s(int(n)) * c for n, c in hist.items())
+            rows.append({"dataset": "d", "prompt_idx": prompt, "config": f"fixed:k={k}", "method": "fixed",
+                         "n_tokens": 100, "n_draft_forwards": nd, "n_target_forwards": rounds, "n_drafted": nd,
+                         "target_pass_hist": hist, "wall_s": T + 0.5, "prefill_s": 0.5, "counts_derived": False})
+    fits = dict(TM.compare(rows, costs))
+    assert fits["table, measured costs"].max_rel_error < 1e-9
+    assert fits["extended, measured costs"].mean_rel_error > 0.05
+    assert TM.better_model(list(fits.items())) == "table"
+    # a row whose histogram does not cover its passes (a tree round) falls back to the line
+    partial = {**rows[0], "target_pass_hist": {"3": 1}}
+    coef = TM.coef_of(costs, "table")
+    assert TM.predict_time(partial, coef) == pytest.approx(TM.predict_time(partial, TM.coef_of(costs, "extended")))
+    assert "table" not in dict(TM.compare(rows, Costs(0.06, 0.14, 0.0, "key", "now")))  # no table measured
+    assert "table, measured costs" not in dict(TM.compare(rows, Costs(0.06, 0.14, 0.0, "key", "now")))
