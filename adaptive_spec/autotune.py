@@ -12,11 +12,11 @@ data, not on the machine; the machine enters only through the forward times (Eq.
    per-K part only (--out).
 2. At generate time `threshold="auto"` (`k="auto"`) loads the curve, measures or loads this
    machine's forward times (costs.py) and takes the h (K) of best predicted decode throughput
-   under a time model (timemodel.py; `time_model=`, default "table": each verification pass
-   costs the measured time of a pass of its length, which on CPUs is a step function of K, not a
-   line; "extended" is Eq. 3.1 plus t_cand per drafted token; `eval/fit_time_model.py SWEEP_DIR
-   --costs FILE` says which predicts a sweep better). Under "table" the h pick may also cap K
-   (CAP_GRID), where longer passes cost a step more.
+   under a time model (timemodel.py; `time_model=`, default "extended": Eq. 3.1 plus t_cand per
+   drafted token; "table" prices each verification pass at the measured time of its length,
+   which on CPUs is a step function of K, not a line, and lets the h pick cap K (CAP_GRID) where
+   longer passes cost a step more; `eval/fit_time_model.py SWEEP_DIR --costs FILE` says which
+   predicts a sweep better).
    `k="auto"` reads the per-K part of any curve: `curve=PATH` (`--curve`), else the one beside
    `head` (every head's curve carries it: fixed-K rounds do not depend on the head).
 
@@ -56,7 +56,7 @@ K_GRID = tuple(range(1, 17))
 # step more (oneDNN's row blocking: 6 tokens cost what 3 do, 7 cost 20% more), and there the best
 # rule is a threshold inside the cheap lengths. Only the `table` time model, which sees that, picks one.
 CAP_GRID = (3, 4, 5, 6, 7, 8, 10, 12)
-DEFAULT_TIME_MODEL = "table"
+DEFAULT_TIME_MODEL = "extended"  # predicted sweep_auto_table within 4.2% (table 4.6%: its per-length times at load are noisy)
 
 
 # ----------------------------------------------------------------------------- the replay

@@ -10,7 +10,7 @@ once whatever K is), but on an AVX2-only CPU it is about 10 ms per candidate, wh
 T = t_draft N_draft + t_target N_target, has no term for (timemodel.py has the one with it).
 
 `measure_costs(pair)` runs a few forwards through the pair's own runners (warm-up first, the
-median of `reps`), after a 32-token prefix so attention has a context to read. The result is
+median of `reps`), after a PREFIX-token context (256: a typical decode's, see PREFIX). The result is
 cached as JSON in <cache>/costs/<key>.json ($ADAPTIVE_SPEC_CACHE or ~/.cache/adaptive_spec),
 the key hashing everything that moves these times: the CPU and its flags, torch threads and
 version, the device, both models' fingerprints, dtypes and CPU kernels (cpu_path), the draft's quantization and
@@ -31,7 +31,12 @@ from .runs import write_json
 from .timing import timed
 
 VERIFY_LENGTHS = tuple(range(1, 10))  # K + 1 for K = 0..8
-PREFIX = 32
+# The cached context the passes are timed after: that of a typical decode (a prompt and half a
+# response), not a short one. Time grows with context, the draft's faster than the target's: on
+# the AVX-512 box c = t_draft / t_target was 0.29 after 32 tokens and 0.41 after 256
+# (eval/results/bench_verify_lengths_avx512), and a sweep there decoded at c = 0.37; timed after
+# 32 tokens, `auto` took the draft for cheaper than it is and drafted too much.
+PREFIX = 256
 
 
 @dataclass
@@ -80,7 +85,7 @@ def cost_config(pair) -> dict:
 
     machine = describe()
     device = pair.target.device
-    config = {"cpu": machine["cpu"], "cpu_flags": machine["cpu_flags"], "isa": machine["isa"],
+    config = {"cpu": machine["cpu"], "cpu_flags": machine["cpu_flags"], "isa": machine["isa"], "context": PREFIX,
               "threads": torch.get_num_threads(), "torch": torch.__version__, "device": str(device),
               "backend": type(pair.target).__name__, **getattr(pair, "draft_config", {})}
     if device.type == "cuda":
@@ -156,6 +161,12 @@ def _measure(pair, reps: int, key: str) -> Costs:
                  tuple(float(verify[n]) for n in VERIFY_LENGTHS))
 
 
+def context_length(lm, longest: int) -> int:
+    """PREFIX, or less where the model's context cannot hold PREFIX + the longest pass."""
+    limit = getattr(lm, "max_length", None)
+    return PREFIX if not limit else max(1, min(PREFIX, limit - longest))
+
+
 def _forward_times(lm, lengths, reps: int, all_logits: bool) -> dict[int, float]:
     """Median seconds of feeding n tokens after a PREFIX-token context, per n; the first run of
     each length is a warm-up (allocation, kernel selection). The runner is left reset and its
@@ -163,16 +174,17 @@ def _forward_times(lm, lengths, reps: int, all_logits: bool) -> dict[int, float]
     import torch
 
     saved = (lm.fwd_time, lm.n_forwards)
-    ids = (torch.arange(PREFIX + max(lengths), device=lm.device) * 7 + 5) % lm.vocab_size
+    prefix = context_length(lm, max(lengths))
+    ids = (torch.arange(prefix + max(lengths), device=lm.device) * 7 + 5) % lm.vocab_size
     lm.reset()
-    lm.forward(ids[:PREFIX], n_logits=0)
+    lm.forward(ids[:prefix], n_logits=0)
     out = {}
     for n in lengths:
         times = []
         for r in range(reps + 1):
-            lm.rollback(PREFIX)
+            lm.rollback(prefix)
             with timed(lm.device) as t:
-                lm.forward(ids[PREFIX:PREFIX + n], n_logits=n if all_logits else 1)
+                lm.forward(ids[prefix:prefix + n], n_logits=n if all_logits else 1)
             if r:
                 times.append(t.s)
         out[n] = statistics.median(times)

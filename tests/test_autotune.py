@@ -137,12 +137,14 @@ def test_table_model_caps_rounds_where_long_passes_cost_more():
                                                   for n, c in point["target_pass_hist"].items())
     from adaptive_spec.timemodel import coef_of, predict_time
     assert predict_time(point, coef_of(step, "table")) == pytest.approx(want)
-    s = A.pick(curve, "h", step)
+    s = A.pick(curve, "h", step, model="table")
+    assert "k_max" not in A.pick(curve, "h", step)  # the default (extended) model picks h alone
     assert s["model"] == "table" and s["k_max"] <= 5 and s["tokens_per_s"] > max(s["predicted"].values())
-    assert A.pick(curve, "h", step, k_max=4)["k_max"] <= 4
+    assert A.pick(curve, "h", step, model="table", k_max=4)["k_max"] <= 4
     flat = Costs(0.03, 0.1, 0.0, "k", "now", (0.1,) * 9)
-    assert A.pick(curve, "h", flat)["predicted"] == pytest.approx(A.pick(curve, "h", flat, model="extended")["predicted"])
-    old = A.pick(curve, "h", Costs(0.03, 0.1, 0.0, "k", "now"))
+    assert A.pick(curve, "h", flat, model="table")["predicted"] == pytest.approx(
+        A.pick(curve, "h", flat, model="extended")["predicted"])
+    old = A.pick(curve, "h", Costs(0.03, 0.1, 0.0, "k", "now"), model="table")
     assert old["model"] == "extended" and "k_max" not in old
 
 

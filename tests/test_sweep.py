@@ -315,10 +315,10 @@ def test_sweep_auto_picks_once_for_the_machine_and_needs_its_curve(inputs, tmp_p
     assert all(r["auto_predicted_tokens_per_s"] > 0 and r["auto_time_model"] for r in auto)
     k = next(r["auto_value"] for r in auto if r["method"] == "fixed_auto")
     assert all(max(map(int, r["accepted_hist"]), default=0) <= k for r in auto if r["method"] == "fixed_auto")
-    # the table time model picks h with a cap on K, and the runs keep to it (a pass = K + 1 tokens)
+    # the default (extended) time model picks h alone; rounds keep to the sweep's k_max (a pass = K + 1 tokens)
     for r in (r for r in auto if r["method"] == "learned_auto"):
-        assert r["auto_time_model"] == "table" and 2 <= r["auto_k_max"] <= 20
-        assert max(map(int, r["target_pass_hist"])) - 1 <= r["auto_k_max"]
+        assert r["auto_time_model"] == "extended" and r["auto_k_max"] is None
+        assert max(map(int, r["target_pass_hist"])) - 1 <= 20
 
     assert report.main(["--sweep-dir", str(out)]) == 0
     md = (out / "report.md").read_text()

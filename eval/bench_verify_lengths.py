@@ -1,0 +1,92 @@
+"""Benchmark: what a target pass costs per number of tokens, at a short and a realistic context,
+and what a stats head's per-step statistics cost (issue 16's time model).
+
+The `table` time model (adaptive_spec/timemodel.py) prices each verification pass of K + 1 tokens
+at its measured time. This prints that time per length n (and the draft's one-token step) after
+a --short (costs.py's PREFIX) and a --long cached context, so one can see (a) the step shape of
+t_verify(n) on this CPU and (b) how far times at load, taken after a short prefix, are from the
+contexts a sweep decodes at. Then the per-draft-step cost of a stats head's inputs on the real
+vocabulary: the full pass (process_logits + draft_stats) against the decoder's path (its own q
+reused, a top-k q read through one partial sort: features.truncated_stats).
+
+    python eval/bench_verify_lengths.py [--draft-quant int8] [--lengths 1-12] [--short 32 --long 256]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from adaptive_spec.cpu import flags_line
+from adaptive_spec.features import draft_stats, step_stats
+from adaptive_spec.pipeline import SpecPair
+from adaptive_spec.runs import write_json
+from adaptive_spec.sampling import SamplingParams, process_logits, sample
+from adaptive_spec.tables import md_table
+from bench_cpu_kernels import time_forward
+
+
+def lengths(spec: str) -> list[int]:
+    a, _, b = spec.partition("-")
+    return list(range(int(a), int(b or a) + 1))
+
+
+def per_step_ms(fn, reps: int) -> float:
+    for _ in range(10):
+        fn()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return 1e3 * (time.perf_counter() - t0) / reps
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--draft-quant", default="int8", help="the draft's weights: none, int8, int4")
+    ap.add_argument("--lengths", default="1-12", help="target pass lengths n, e.g. 1-12")
+    ap.add_argument("--short", type=int, default=32, help="short cached context (costs.py's PREFIX)")
+    ap.add_argument("--long", type=int, default=256, help="realistic cached context (prompt + half a response)")
+    ap.add_argument("--reps", type=int, default=5, help="timed passes per cell (median; 3 warm-ups first)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="eval/results/bench_verify_lengths")
+    args = ap.parse_args(argv)
+    pair = SpecPair.load(num_threads=args.threads, draft_quant=args.draft_quant)
+    ns = lengths(args.lengths)
+    ctx = {c: (torch.arange(c) * 7 + 5) % pair.target.vocab_size for c in (args.short, args.long)}
+    with torch.inference_mode():
+        draft = {c: time_forward(pair.draft, ids, 1, args.reps)[0] for c, ids in ctx.items()}
+        target = {c: {n: time_forward(pair.target, ids, n, args.reps)[0] for n in ns} for c, ids in ctx.items()}
+        logits, _ = pair.draft.forward(ctx[args.short][:8], n_logits=1)
+        sp = SamplingParams(1.0, 50, 1.0)
+        q = process_logits(logits[0], sp)
+        y = sample(q)
+        old = per_step_ms(lambda: draft_stats(process_logits(logits[0], sp), y), 200)
+        new = per_step_ms(lambda: step_stats(logits[0], y, sp, q, sp), 200)
+    rows = [[n] + [f"{1e3 * target[c][n]:.1f}" for c in ctx] + [f"{target[c][n] / target[c][1]:.2f}" for c in ctx]
+            for n in ns]
+    head = ["tokens n"] + [f"t_verify ms (ctx {c})" for c in ctx] + [f"/ 1 token (ctx {c})" for c in ctx]
+    paths = {role: getattr(lm.model, "cpu_path", None) for role, lm in (("target", pair.target), ("draft", pair.draft))}
+    lines = [f"# Target pass time per length, {pair.draft_config}", "", flags_line(), "",
+             "kernels: " + "; ".join(f"{role} {json.dumps(p)}" for role, p in paths.items()), "",
+             md_table(head, rows), "",
+             "draft step (1 token): " + ", ".join(f"{1e3 * t:.1f} ms at ctx {c}" for c, t in draft.items()),
+             "c = t_draft / t_target(1): " + ", ".join(f"{draft[c] / target[c][1]:.3f} at ctx {c}" for c in ctx),
+             "", f"stats head inputs per draft step (V = {logits.shape[-1]}, top-k 50): full pass {old:.3f} ms, "
+             f"decoder path {new:.3f} ms", ""]
+    md = "\n".join(lines)
+    print(md)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "results.json", {"cpu": flags_line(), "paths": paths, "draft_config": pair.draft_config,
+                                      "draft_s": {str(c): t for c, t in draft.items()},
+                                      "target_s": {str(c): {str(n): t for n, t in v.items()} for c, v in target.items()},
+                                      "stats_ms": {"full": old, "decoder": new}, "args": vars(args)})
+    (out / "table.md").write_text(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
