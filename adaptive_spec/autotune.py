@@ -320,10 +320,10 @@ def pick(curve: dict, need: str, costs, model: str = DEFAULT_TIME_MODEL, k_max: 
     N / T under `model` with the measured `costs`; with every candidate's prediction. For h under
     the table model (with per-length verification times measured), the curve's capped rounds
     (`capped`, K <= cap < k_max) compete too, and the pick says its cap as "k_max"."""
-    from .timemodel import coef_of, predict_time
+    from .timemodel import coef_of, effective_model, predict_time
 
     coef = coef_of(costs, model)
-    model = coef.get("model", model)  # the table model without per-length times is the extended one
+    model = effective_model(costs, model)
     points = curve["thresholds"] if need == "h" else curve["fixed_k"]
     table = [(p[need], p["n_tokens"] / predict_time(p, coef)) for p in points]
     value, tps = max(table, key=lambda vt: vt[1])

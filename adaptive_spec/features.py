@@ -53,13 +53,19 @@ MIN_LOG_Q = -20.0  # q(y) < 2e-9: as good as impossible; the floor keeps standar
 
 def draft_stats(q_probs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """q [..., V] probabilities, y [...] token ids -> [..., 3] float32 (log q(y), H(q), top1 - top2)."""
+    return _stats(q_probs, y, q_probs, q_probs.topk(min(2, q_probs.shape[-1]), dim=-1).values)
+
+
+def _stats(q_probs: torch.Tensor, y: torch.Tensor, support: torch.Tensor, top2: torch.Tensor) -> torch.Tensor:
+    """The rows of draft_stats from `support`, values of q that hold all its nonzeros (q itself,
+    or its largest entries), and `top2`, q's two largest values."""
     q_y = q_probs.gather(-1, y.long().unsqueeze(-1)).squeeze(-1).double()
     log_q = q_y.log().clamp_min(MIN_LOG_Q)  # log 0 = -inf, floored
-    # per-element terms in q's dtype, summed in float64: one pass over V (the cost), and a sum
+    # per-element terms in q's dtype, summed in float64: one pass over the support, and a sum
     # whose rounding does not depend on how many rows share the call
-    ent = -torch.special.xlogy(q_probs, q_probs).sum(-1, dtype=torch.float64)  # 0 log 0 = 0
-    top = q_probs.topk(min(2, q_probs.shape[-1]), dim=-1).values.double()
-    margin = top[..., 0] - (top[..., 1] if top.shape[-1] > 1 else 0.0)
+    ent = -torch.special.xlogy(support, support).sum(-1, dtype=torch.float64)  # 0 log 0 = 0
+    top2 = top2.double()
+    margin = top2[..., 0] - (top2[..., 1] if top2.shape[-1] > 1 else 0.0)
     return torch.stack([log_q, ent, margin], -1).float()
 
 
@@ -77,11 +83,7 @@ def truncated_stats(q_probs: torch.Tensor, y: torch.Tensor, top_k: int) -> torch
     top = q_probs.topk(n, dim=-1).values
     if bool(top[..., -1].max() > 0):
         return draft_stats(q_probs, y)
-    q_y = q_probs.gather(-1, y.long().unsqueeze(-1)).squeeze(-1).double()
-    log_q = q_y.log().clamp_min(MIN_LOG_Q)
-    ent = -torch.special.xlogy(top, top).sum(-1, dtype=torch.float64)
-    margin = top[..., 0].double() - top[..., 1].double()
-    return torch.stack([log_q, ent, margin], -1).float()
+    return _stats(q_probs, y, top, top[..., :2])
 
 
 def step_stats(logits: torch.Tensor, token: torch.Tensor, sampling: SamplingParams,

@@ -28,15 +28,15 @@ def _cache_name(fn) -> str:
 
 
 def kv(fn, cache) -> dict:
-    """The KV-cache keyword argument for `fn` (a model class's forward or a masking function).
-    transformers 5.24 renamed `past_key_values` to `cache` (the old name warns, and goes in 5.40);
-    pyproject allows >=5.17, which only knows the old one, so the signature decides."""
-    return {_cache_name(getattr(fn, "forward", fn) if isinstance(fn, type) else fn): cache}
+    """The KV-cache keyword argument for the function `fn` (a model class's forward, a masking
+    function). transformers 5.24 renamed `past_key_values` to `cache` (the old name warns, and goes
+    in 5.40); pyproject allows >=5.17, which only knows the old one, so the signature decides."""
+    return {_cache_name(fn): cache}
 
 
 def model_kv(model, cache) -> dict:
-    """kv() for a model instance: keyed on its class, so the signature is read once per class."""
-    return kv(type(model), cache)
+    """kv() for a model instance: keyed on its class's forward, so the signature is read once per class."""
+    return kv(type(model).forward, cache)
 
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,

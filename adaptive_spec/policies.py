@@ -91,7 +91,7 @@ class LearnedThreshold(StopPolicy):
 
     def should_stop(self, step: DraftStep) -> bool:
         stats = None if self.stats_params is None else step_stats(step.logits, step.token, self.stats_params,
-                                                                 step.probs, getattr(step, "sampling", None))
+                                                                 step.probs, step.sampling)
         if self.feature == "token":  # this step's state is y_{i-1}'s: score it with y_{i-1}'s stats
             stats, self.prev_stats = self.prev_stats, stats
             if step.i == 1:

@@ -69,13 +69,15 @@ def predict_time(row: dict, coef: dict) -> float:
 def coef_of(costs, model: str = "extended") -> dict:
     """Measured Costs as a model's coefficients (the paper's model has no t_cand). The table
     model's are the extended model's plus `verify_s` (Costs.verify_s); without measured
-    per-length times it is the extended model, and says so in "model"."""
-    if _check_model(model) == "table":
-        coef = {name: getattr(costs, name) for name in MODELS["extended"]}
-        if getattr(costs, "t_verify", ()):
-            return {**coef, "verify_s": costs.verify_s, "model": "table"}
-        return {**coef, "model": "extended"}
-    return {name: getattr(costs, name) for name in MODELS[model]}
+    per-length times it is the extended model (effective_model)."""
+    model = effective_model(costs, _check_model(model))
+    coef = {name: getattr(costs, name) for name in MODELS["extended" if model == "table" else model]}
+    return {**coef, "verify_s": costs.verify_s} if model == "table" else coef
+
+
+def effective_model(costs, model: str) -> str:
+    """The model `coef_of` applies: the table model needs measured per-length times, else it is the extended one."""
+    return "extended" if model == "table" and not getattr(costs, "t_verify", ()) else model
 
 
 def _check_model(model: str) -> str:
