@@ -341,10 +341,12 @@ def pick(curve: dict, need: str, costs, model: str = DEFAULT_TIME_MODEL, k_max: 
     return out
 
 
-def resolve_auto(pair, policy: str, kwargs: dict, model: str = DEFAULT_TIME_MODEL) -> tuple[dict, dict | None]:
+def resolve_auto(pair, policy: str, kwargs: dict, model: str = DEFAULT_TIME_MODEL,
+                 temperature: float | None = None) -> tuple[dict, dict | None]:
     """Policy kwargs with threshold="auto" / k="auto" replaced by the pick for this machine, and
     the pick (None when nothing was automatic); `curve` and `time_model` kwargs are consumed here.
-    Picks are remembered on the pair and printed once."""
+    Picks are remembered on the pair and printed once, with a warning where the decode is greedy
+    and the curve replays sampled acceptance (or the other way round)."""
     kw = dict(kwargs)
     source = kw.pop("curve", None)
     model = kw.pop("time_model", None) or model
@@ -371,10 +373,27 @@ def resolve_auto(pair, policy: str, kwargs: dict, model: str = DEFAULT_TIME_MODE
         memo[key] = pick(curve, need, measure_costs(pair), model, kw.get("k_max"))
         memo[key]["curve"] = key[0]
         print(describe_pick(memo[key]), file=sys.stderr)
+        warning = sampling_mismatch(curve, temperature)
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
     kw["threshold" if need == "h" else "k"] = memo[key]["value"]
     if "k_max" in memo[key]:
         kw["k_max"] = memo[key]["k_max"]
     return kw, memo[key]
+
+
+def sampling_mismatch(curve: dict, temperature: float | None) -> str | None:
+    """Why the curve may not describe this decode: its acceptance was replayed at a temperature on
+    the other side of 0. Greedy accepts a drafted token only where it is the target's argmax,
+    sampling with probability min(1, p/q): the two acceptance rates differ, and so do the best h
+    and K. None where they agree or either temperature is unknown."""
+    recorded = ((curve.get("data") or {}).get("sampling") or {}).get("temperature")
+    if temperature is None or recorded is None or (recorded == 0) == (temperature == 0):
+        return None
+    mode = "greedy (temperature 0)" if temperature == 0 else f"sampled (temperature {temperature})"
+    return (f"the curve replays acceptance at temperature {recorded}, but this decode is {mode}: its "
+            "acceptance differs, so the pick may not be its best; pass a number, or autotune on data "
+            "generated at this temperature")
 
 
 def describe_pick(choice: dict) -> str:

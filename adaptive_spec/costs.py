@@ -4,14 +4,15 @@
     t_target  a target pass over one token
     t_cand    the extra target time per candidate in a verification pass of K + 1 tokens
 
-A verification pass of K + 1 tokens is timed for K + 1 = 1..9, kept as measured (t_verify, the
-`table` time model's costs) and fitted by least squares as t_target + t_cand * K. On GPUs and AVX-512 CPUs t_cand is near zero (the pass reads the weights
+A verification pass of K + 1 tokens is timed for K + 1 = 1..9, kept (made non-decreasing, see
+`monotone`) as t_verify, the `table` time model's costs, and fitted by least squares as
+t_target + t_cand * K. On GPUs and AVX-512 CPUs t_cand is near zero (the pass reads the weights
 once whatever K is), but on an AVX2-only CPU it is about 10 ms per candidate, which Eq. 3.1,
 T = t_draft N_draft + t_target N_target, has no term for (timemodel.py has the one with it).
 
-`measure_costs(pair)` runs a few forwards through the pair's own runners (warm-up first, the
-median of `reps`), after a PREFIX-token context (256: a typical decode's, see PREFIX). The result is
-cached as JSON in <cache>/costs/<key>.json ($ADAPTIVE_SPEC_CACHE or ~/.cache/adaptive_spec),
+`measure_costs(pair)` runs a few forwards through the pair's own runners (a warm-up round, then the
+median of `reps` rounds, each timing the draft step and every length once), after a PREFIX-token
+context (256: a typical decode's, see PREFIX). The result is cached as JSON in <cache>/costs/<key>.json ($ADAPTIVE_SPEC_CACHE or ~/.cache/adaptive_spec),
 the key hashing everything that moves these times: the CPU and its flags, torch threads and
 version, the device, both models' fingerprints, dtypes and CPU kernels (cpu_path), the draft's quantization and
 vocabulary, the runner class. A cache file that does not parse is measured again, with a warning.
@@ -37,6 +38,9 @@ VERIFY_LENGTHS = tuple(range(1, 10))  # K + 1 for K = 0..8
 # (eval/results/bench_verify_lengths_avx512), and a sweep there decoded at c = 0.37; timed after
 # 32 tokens, `auto` took the draft for cheaper than it is and drafted too much.
 PREFIX = 256
+# How the times are taken, in the cache key: times taken another way are measured again. v2: the
+# draft step and every length timed round-robin over 5 rounds, t_verify made monotone.
+METHOD = "interleaved-monotone-v2"
 
 
 @dataclass
@@ -86,6 +90,7 @@ def cost_config(pair) -> dict:
     machine = describe()
     device = pair.target.device
     config = {"cpu": machine["cpu"], "cpu_flags": machine["cpu_flags"], "isa": machine["isa"], "context": PREFIX,
+              "method": METHOD,
               "threads": torch.get_num_threads(), "torch": torch.__version__, "device": str(device),
               "backend": type(pair.target).__name__, **getattr(pair, "draft_config", {})}
     if device.type == "cuda":
@@ -102,7 +107,7 @@ def config_key(config: dict) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def measure_costs(pair, reps: int = 3, cache: bool = True) -> Costs:
+def measure_costs(pair, reps: int = 5, cache: bool = True) -> Costs:
     """This machine's Costs for `pair` (a SpecPair, or anything with CausalLM-like .target and
     .draft), from the cache when this configuration was measured before."""
     if getattr(pair, "draft", None) is None:
@@ -150,15 +155,33 @@ def _measure(pair, reps: int, key: str) -> Costs:
 
     if reps < 1:
         raise UserError(f"reps must be >= 1, got {reps}")
-    t_draft = _forward_times(pair.draft, (1,), reps, all_logits=False)[1]
-    verify = _forward_times(pair.target, VERIFY_LENGTHS, reps, all_logits=True)
+    cells = [(pair.draft, 1, False)] + [(pair.target, n, True) for n in VERIFY_LENGTHS]
+    times = _interleaved_times(cells, reps)
+    t_draft = times[0]
+    measured = times[1:]
     k = np.asarray(VERIFY_LENGTHS, dtype=float) - 1
-    slope, intercept = np.polyfit(k, [verify[n] for n in VERIFY_LENGTHS], 1)
+    slope, intercept = np.polyfit(k, measured, 1)
     if slope < 0:  # timing noise on a pass that does not grow with K: no per-candidate cost
-        slope, intercept = 0.0, statistics.mean(verify.values())
+        slope, intercept = 0.0, statistics.mean(measured)
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return Costs(float(t_draft), float(intercept), float(slope), key, stamp,
-                 tuple(float(verify[n]) for n in VERIFY_LENGTHS))
+                 tuple(float(t) for t in monotone(measured)))
+
+
+def monotone(values) -> list[float]:
+    """The non-decreasing sequence closest to `values` in least squares (pool adjacent violators).
+
+    A pass of more tokens never costs less once the runner has picked its kernels: where oneDNN
+    runs M rows slower than M' > M, models.choose_padding already pads M up to M'. So a
+    measured dip (e.g. 150 ms for 3 tokens, 130 ms for 4, both run as 6 padded rows) is timing noise,
+    and pooling the two gives each a time from twice the samples."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, c1), (m2, c2) = blocks[-2], blocks.pop()
+            blocks[-1] = [(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2]
+    return [m for m, c in blocks for _ in range(int(c))]
 
 
 def context_length(lm, longest: int) -> int:
@@ -167,27 +190,33 @@ def context_length(lm, longest: int) -> int:
     return PREFIX if not limit else max(1, min(PREFIX, limit - longest))
 
 
-def _forward_times(lm, lengths, reps: int, all_logits: bool) -> dict[int, float]:
-    """Median seconds of feeding n tokens after a PREFIX-token context, per n; the first run of
-    each length is a warm-up (allocation, kernel selection). The runner is left reset and its
-    counters as they were, so measuring never shows up in a generation's metrics."""
+def _interleaved_times(cells, reps: int) -> list[float]:
+    """Median seconds per cell (lm, n tokens, all_logits) of feeding n tokens after a PREFIX-token
+    context. Each round times every cell once, so a slow spell of the machine (these boxes vary
+    1.5x between runs) slows every cell alike instead of whichever length was timed during it;
+    round 0 is a warm-up (allocation, kernel selection). Each runner is left reset and its counters as
+    they were, so measuring never shows up in a generation's metrics."""
     import torch
 
-    saved = (lm.fwd_time, lm.n_forwards)
-    prefix = context_length(lm, max(lengths))
-    ids = (torch.arange(prefix + max(lengths), device=lm.device) * 7 + 5) % lm.vocab_size
-    lm.reset()
-    lm.forward(ids[:prefix], n_logits=0)
-    out = {}
-    for n in lengths:
-        times = []
-        for r in range(reps + 1):
-            lm.rollback(prefix)
+    lms = list({id(lm): lm for lm, _, _ in cells}.values())
+    saved = [(lm.fwd_time, lm.n_forwards) for lm in lms]
+    longest = {id(lm): max(n for m, n, _ in cells if m is lm) for lm in lms}
+    prefix = {id(lm): context_length(lm, longest[id(lm)]) for lm in lms}
+    ids = {id(lm): (torch.arange(prefix[id(lm)] + longest[id(lm)], device=lm.device) * 7 + 5) % lm.vocab_size
+           for lm in lms}
+    for lm in lms:
+        lm.reset()
+        lm.forward(ids[id(lm)][:prefix[id(lm)]], n_logits=0)
+    samples: list[list[float]] = [[] for _ in cells]
+    for r in range(reps + 1):
+        for i, (lm, n, all_logits) in enumerate(cells):
+            p = prefix[id(lm)]
+            lm.rollback(p)
             with timed(lm.device) as t:
-                lm.forward(ids[prefix:prefix + n], n_logits=n if all_logits else 1)
+                lm.forward(ids[id(lm)][p:p + n], n_logits=n if all_logits else 1)
             if r:
-                times.append(t.s)
-        out[n] = statistics.median(times)
-    lm.reset()
-    lm.fwd_time, lm.n_forwards = saved
-    return out
+                samples[i].append(t.s)
+    for lm, (fwd_time, n_forwards) in zip(lms, saved):
+        lm.reset()
+        lm.fwd_time, lm.n_forwards = fwd_time, n_forwards
+    return [statistics.median(s) for s in samples]

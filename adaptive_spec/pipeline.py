@@ -96,7 +96,7 @@ class SpecPair:
         is printed once per pair and kept as `Generation.auto`."""
         ids = self.encode(prompt, chat) if isinstance(prompt, str) else list(prompt)
         sampling = SamplingParams(temperature, top_k, top_p)
-        policy_kwargs, auto = resolve_auto(self, policy, policy_kwargs)
+        policy_kwargs, auto = resolve_auto(self, policy, policy_kwargs, temperature=temperature)
         pol = make_policy(policy, pair=self, prompt_ids=ids, sampling=sampling,
                           max_new_tokens=max_new_tokens, **policy_kwargs)
         on_tokens = None

@@ -185,13 +185,19 @@ def test_auto_through_specpair(head_and_data, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("ADAPTIVE_SPEC_CACHE", str(tmp_path / "cache"))
     head_dir, data = head_and_data
     A.make_curve(str(head_dir), str(data))
+    path = head_dir / A.CURVE_NAME
+    saved = json.loads(path.read_text())
+    saved["data"]["sampling"] = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}  # as datagen at T = 1 records
+    path.write_text(json.dumps(saved))
     tok = make_tokenizer(32)
     pair = SpecPair(make_model(32, 24, seed=2, logit_scale=4.0), tok, make_model(32, 16, seed=1, logit_scale=4.0), tok)
     g = pair.generate([5, 6, 7], policy="learned", head=str(head_dir), threshold="auto", temperature=0,
                       max_new_tokens=12)
     curve = A.load_curve(head_dir, "h")
     best = A.pick(curve, "h", measure_costs(pair))
-    assert g.auto["kind"] == "h" and g.auto["value"] == best["value"] and "auto: h = " in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert g.auto["kind"] == "h" and g.auto["value"] == best["value"] and "auto: h = " in err
+    assert "but this decode is greedy (temperature 0)" in err  # the curve replays T = 1 acceptance
     again = pair.generate([5, 6, 7], policy="learned", head=str(head_dir), threshold=best["value"], temperature=0,
                           max_new_tokens=12)
     assert again.token_ids == g.token_ids
@@ -203,6 +209,17 @@ def test_auto_through_specpair(head_and_data, tmp_path, monkeypatch, capsys):
         pair.generate([5], policy="confidence", threshold="auto")
     with pytest.raises(UserError, match="made with k_max 20"):
         pair.generate([5], policy="learned", head=str(head_dir), threshold="auto", k_max=5)
+
+
+def test_sampling_mismatch_warns_across_greedy_and_sampled():
+    def curve(t):
+        return {"data": {"sampling": {"temperature": t, "top_k": 50, "top_p": 1.0}}}
+
+    assert "decode is greedy" in A.sampling_mismatch(curve(1.0), 0.0)
+    assert "decode is sampled (temperature 0.7)" in A.sampling_mismatch(curve(0.0), 0.7)
+    assert A.sampling_mismatch(curve(1.0), 0.7) is None and A.sampling_mismatch(curve(0.0), 0.0) is None
+    assert A.sampling_mismatch(curve(None), 0.0) is None and A.sampling_mismatch({}, 0.0) is None
+    assert A.sampling_mismatch(curve(1.0), None) is None
 
 
 def test_per_k_curve_without_a_head(head_and_data, tmp_path):

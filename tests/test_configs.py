@@ -22,3 +22,13 @@ def test_every_kind_has_configs():
 def test_shipped_config_loads(path):
     cfg = load_config(KINDS[path.parent.name], str(path), [])
     assert isinstance(cfg, KINDS[path.parent.name])
+
+
+def test_trees_sweep_extends_the_final_sweep():
+    """trees.yaml adds tree rows to final.yaml's out_dir: every other key must match, or its run
+    would be refused (other settings) or rerun chain rows under another configuration."""
+    final = load_config(SweepConfig, str(ROOT / "sweep" / "final.yaml"), [])
+    trees = load_config(SweepConfig, str(ROOT / "sweep" / "trees.yaml"), [])
+    assert trees.trees and not final.trees
+    differ = {k for k in vars(final) if k not in ("trees",) and getattr(final, k) != getattr(trees, k)}
+    assert not differ, f"trees.yaml and final.yaml differ in {sorted(differ)}"

@@ -4,6 +4,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from adaptive_spec import costs as C
 from adaptive_spec.errors import UserError
@@ -44,15 +45,55 @@ def test_verification_fit(monkeypatch):
     """t_target and t_cand come from the fit of a K + 1-token pass over K; a pass that does not grow
     with K (a negative slope is timing noise) has t_cand = 0 and t_target its mean time."""
     def fake(verify):
-        return lambda lm, lengths, reps, all_logits: verify if all_logits else {1: 0.03}
+        return lambda cells, reps: [0.03] + [verify[n] for _, n, _ in cells[1:]]
 
     runners = SimpleNamespace(draft=None, target=None)
-    monkeypatch.setattr(C, "_forward_times", fake({n: 0.1 + 0.01 * (n - 1) for n in C.VERIFY_LENGTHS}))
+    monkeypatch.setattr(C, "_interleaved_times", fake({n: 0.1 + 0.01 * (n - 1) for n in C.VERIFY_LENGTHS}))
     c = C._measure(runners, 3, "k")
     assert (c.t_draft, c.t_target, c.t_cand) == pytest.approx((0.03, 0.1, 0.01))
-    monkeypatch.setattr(C, "_forward_times", fake({n: 0.2 - 0.001 * n for n in C.VERIFY_LENGTHS}))
+    monkeypatch.setattr(C, "_interleaved_times", fake({n: 0.2 - 0.001 * n for n in C.VERIFY_LENGTHS}))
     c = C._measure(runners, 3, "k")
     assert c.t_cand == 0.0 and c.t_target == pytest.approx(0.2 - 0.005)
+    assert c.t_verify == pytest.approx([0.2 - 0.005] * len(C.VERIFY_LENGTHS))  # a falling table pools flat
+
+
+def test_monotone_pools_dips_and_keeps_steps():
+    """Pool adjacent violators: a dip is averaged with what it undercuts, a rising step is kept."""
+    assert C.monotone([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    assert C.monotone([0.150, 0.130, 0.14, 0.19, 0.18]) == pytest.approx([0.14, 0.14, 0.14, 0.185, 0.185])
+    assert C.monotone([3.0, 2.0, 1.0]) == pytest.approx([2.0, 2.0, 2.0])
+    assert C.monotone([]) == []
+    measured = [0.133, 0.120, 0.150, 0.120, 0.127, 0.139, 0.190, 0.175, 0.184]
+    out = C.monotone(measured)
+    assert all(a <= b for a, b in zip(out, out[1:])) and sum(out) == pytest.approx(sum(measured))
+
+
+def test_rounds_interleave_every_cell():
+    """Each round feeds the draft step and every length once (a slow spell hits them alike), after
+    one warm-up round; the median is over the timed rounds only."""
+    fed = []
+
+    class Lm:
+        device = torch.device("cpu")
+        vocab_size, max_length, fwd_time, n_forwards = 32, None, 0.0, 0
+
+        def __init__(self, name):
+            self.name = name
+
+        def reset(self):
+            pass
+
+        def rollback(self, n):
+            assert n == C.PREFIX
+
+        def forward(self, ids, n_logits):
+            if n_logits:
+                fed.append((self.name, len(ids)))
+
+    draft, target = Lm("d"), Lm("t")
+    cells = [(draft, 1, False), (target, 1, True), (target, 3, True)]
+    out = C._interleaved_times(cells, reps=2)
+    assert fed == [("d", 1), ("t", 1), ("t", 3)] * 3 and len(out) == 3
 
 
 def test_cache_hit_miss_and_corrupt_file(pair, cache, monkeypatch, capsys):
