@@ -12,9 +12,10 @@ T = t_draft N_draft + t_target N_target, has no term for (timemodel.py has the o
 
 `measure_costs(pair)` runs a few forwards through the pair's own runners (a warm-up round, then the
 median of `reps` rounds, each timing the draft step and every length once), after a PREFIX-token
-context (256: a typical decode's, see PREFIX). The result is cached as JSON in <cache>/costs/<key>.json ($ADAPTIVE_SPEC_CACHE or ~/.cache/adaptive_spec),
-the key hashing everything that moves these times: the CPU and its flags, torch threads and
-version, the device, both models' fingerprints, dtypes and CPU kernels (cpu_path), the draft's quantization and
+context (256: a typical decode's, see PREFIX). The result is cached as JSON in
+<cache>/costs/<key>.json ($ADAPTIVE_SPEC_CACHE or ~/.cache/adaptive_spec), the key hashing
+everything that moves these times: the CPU and its flags, torch threads and version, the device,
+both models' fingerprints, dtypes and CPU kernels (cpu_path), the draft's quantization and
 vocabulary, the runner class. A cache file that does not parse is measured again, with a warning.
 """
 from __future__ import annotations
@@ -173,8 +174,8 @@ def monotone(values) -> list[float]:
 
     A pass of more tokens never costs less once the runner has picked its kernels: where oneDNN
     runs M rows slower than M' > M, models.choose_padding already pads M up to M'. So a
-    measured dip (e.g. 150 ms for 3 tokens, 130 ms for 4, both run as 6 padded rows) is timing noise,
-    and pooling the two gives each a time from twice the samples."""
+    measured dip (e.g. 150 ms for 3 tokens, 130 ms for 4, both run as 6 padded rows) is timing
+    noise, and pooling the two gives each a time from twice the samples."""
     blocks: list[list[float]] = []  # [mean, count]
     for v in values:
         blocks.append([float(v), 1.0])
@@ -194,29 +195,31 @@ def _interleaved_times(cells, reps: int) -> list[float]:
     """Median seconds per cell (lm, n tokens, all_logits) of feeding n tokens after a PREFIX-token
     context. Each round times every cell once, so a slow spell of the machine (these boxes vary
     1.5x between runs) slows every cell alike instead of whichever length was timed during it;
-    round 0 is a warm-up (allocation, kernel selection). Each runner is left reset and its counters as
-    they were, so measuring never shows up in a generation's metrics."""
+    round 0 is a warm-up (allocation, kernel selection). Each runner is left reset and its counters
+    as they were, so measuring never shows up in a generation's metrics."""
     import torch
 
-    lms = list({id(lm): lm for lm, _, _ in cells}.values())
-    saved = [(lm.fwd_time, lm.n_forwards) for lm in lms]
-    longest = {id(lm): max(n for m, n, _ in cells if m is lm) for lm in lms}
-    prefix = {id(lm): context_length(lm, longest[id(lm)]) for lm in lms}
-    ids = {id(lm): (torch.arange(prefix[id(lm)] + longest[id(lm)], device=lm.device) * 7 + 5) % lm.vocab_size
-           for lm in lms}
-    for lm in lms:
+    # per runner: its context length and the token ids (context, then the longest pass it feeds)
+    ctx = {}
+    for lm, _, _ in cells:
+        if id(lm) not in ctx:
+            longest = max(n for m, n, _ in cells if m is lm)
+            prefix = context_length(lm, longest)
+            ctx[id(lm)] = (lm, prefix, (torch.arange(prefix + longest, device=lm.device) * 7 + 5) % lm.vocab_size,
+                           (lm.fwd_time, lm.n_forwards))
+    for lm, prefix, ids, _ in ctx.values():
         lm.reset()
-        lm.forward(ids[id(lm)][:prefix[id(lm)]], n_logits=0)
+        lm.forward(ids[:prefix], n_logits=0)
     samples: list[list[float]] = [[] for _ in cells]
     for r in range(reps + 1):
         for i, (lm, n, all_logits) in enumerate(cells):
-            p = prefix[id(lm)]
-            lm.rollback(p)
+            _, prefix, ids, _ = ctx[id(lm)]
+            lm.rollback(prefix)
             with timed(lm.device) as t:
-                lm.forward(ids[id(lm)][p:p + n], n_logits=n if all_logits else 1)
+                lm.forward(ids[prefix:prefix + n], n_logits=n if all_logits else 1)
             if r:
                 samples[i].append(t.s)
-    for lm, (fwd_time, n_forwards) in zip(lms, saved):
+    for lm, _, _, (fwd_time, n_forwards) in ctx.values():
         lm.reset()
         lm.fwd_time, lm.n_forwards = fwd_time, n_forwards
     return [statistics.median(s) for s in samples]

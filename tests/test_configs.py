@@ -30,5 +30,5 @@ def test_trees_sweep_extends_the_final_sweep():
     final = load_config(SweepConfig, str(ROOT / "sweep" / "final.yaml"), [])
     trees = load_config(SweepConfig, str(ROOT / "sweep" / "trees.yaml"), [])
     assert trees.trees and not final.trees
-    differ = {k for k in vars(final) if k not in ("trees",) and getattr(final, k) != getattr(trees, k)}
+    differ = {k for k in vars(final) if k != "trees" and getattr(final, k) != getattr(trees, k)}
     assert not differ, f"trees.yaml and final.yaml differ in {sorted(differ)}"

@@ -69,8 +69,8 @@ def test_monotone_pools_dips_and_keeps_steps():
 
 
 def test_rounds_interleave_every_cell():
-    """Each round feeds the draft step and every length once (a slow spell hits them alike), after
-    one warm-up round; the median is over the timed rounds only."""
+    """Each round feeds the draft step and every length once (a slow spell hits them alike): one
+    warm-up round, then `reps` timed ones; one time per cell comes back."""
     fed = []
 
     class Lm:
