@@ -23,7 +23,8 @@ alike and per-prompt ratios compare like with like:
     trees         tree and multi-draft baselines, one configuration per entry of `trees`:
                     {policy: tree | ersd, drafting: tree | sequence | batch | specinfer,
                      estimator: positional | head, head: LABEL-or-DIR (estimator head),
-                     budget: N | learned, max_budget: N, node_cost: C | auto (budget learned)}
+                     budget: N | learned, max_budget: N, node_cost: C | auto (budget learned),
+                     adapt: false | true}
                     {policy: spectr | batch-sd, num_drafts: N, k: K}
                   e.g. trees: [{budget: 4}, {estimator: head, head: d3-wrej6, budget: 8},
                                {policy: ersd, budget: 8}, {policy: spectr, num_drafts: 2, k: 3}].
@@ -31,8 +32,10 @@ alike and per-prompt ratios compare like with like:
                   depth of a round's drafted tree) and predicted_accepted (sum of R per round).
                   tree/ersd shapes use per-sibling acceptance rates measured ONCE per sweep on
                   calibration prompts (tree_calibration_prompts per dataset, from the end of each
-                  shuffled set, never evaluated ones) and frozen for every run; a learned budget's
-                  node_cost auto is measured once (costs.measure_costs)
+                  shuffled set, never evaluated ones) and frozen for every run, or with `adapt: true`
+                  the start of every run, from which the rates adapt to that run's rounds (reset per
+                  run, so no run depends on another); a learned budget's node_cost auto is measured
+                  once (costs.measure_costs)
 
 Output in out_dir (default runs/sweep/<config name>, relative to the project root):
     results.jsonl   one line per (dataset, prompt, config): all Metrics fields plus the config's
@@ -231,7 +234,7 @@ def build_grid(cfg: SweepConfig, head_labels: list[str]) -> tuple[list[RunSpec],
 
 
 MULTI_DRAFT = ("spectr", "batch-sd")
-_TREE_KEYS = ("policy", "drafting", "estimator", "budget", "max_budget", "node_cost", "head")
+_TREE_KEYS = ("policy", "drafting", "estimator", "budget", "max_budget", "node_cost", "head", "adapt")
 _MULTI_KEYS = ("policy", "num_drafts", "k")
 
 
@@ -264,7 +267,10 @@ def _tree_entry(cfg: SweepConfig, e, at: str, labels) -> dict:
                 raise UserError(f"{at}.{key}: must be an integer >= 1, got {d[key]!r}")
         return d
     d = {"policy": policy, "drafting": e.get("drafting", "tree"), "estimator": e.get("estimator", "positional"),
-         "budget": e.get("budget", 8), "head": e.get("head")}
+         "budget": e.get("budget", 8), "head": e.get("head"), "adapt": e.get("adapt", False)}
+    if not isinstance(d["adapt"], bool):
+        raise UserError(f"{at}.adapt: must be true (the per-sibling rates adapt to each run's rounds, starting "
+                        f"from the calibrated ones) or false (frozen), got {d['adapt']!r}")
     if d["drafting"] not in DRAFTINGS:
         raise UserError(f"{at}.drafting: unknown drafting {d['drafting']!r}; use {_one_of(DRAFTINGS)}")
     if d["estimator"] not in ("positional", "head"):
@@ -320,7 +326,7 @@ def _tree_key(d: dict) -> str:
     if b == "learned":
         c = d["node_cost"]
         b = f"learned<={d['max_budget']}:c={c if c == 'auto' else format(c, 'g')}"
-    return f"{d['policy']}:{d['drafting']}:{est}:b={b}"
+    return f"{d['policy']}:{d['drafting']}:{est}:b={b}" + (":adapt" if d["adapt"] else "")
 
 
 def tree_specs(cfg: SweepConfig) -> list[RunSpec]:
@@ -613,8 +619,9 @@ def check_auto_curves(cfg: SweepConfig, heads: dict, specs: list[RunSpec]):
 
 
 def _run_tree(pair, spec: RunSpec, ids: list[int], samp: dict, heads: dict, ctx: dict):
-    """run_one for a tree or multi-draft configuration. A fresh policy per run, with the sweep's
-    calibrated rates frozen (adapt_rates False): no run depends on what ran before it."""
+    """run_one for a tree or multi-draft configuration. A fresh policy per run, starting from the
+    sweep's calibrated rates, frozen unless the entry says `adapt: true` (then they adapt within the
+    run only): no run depends on what ran before it."""
     from .pipeline import make_policy
     from .sampling import SamplingParams
 
@@ -627,7 +634,7 @@ def _run_tree(pair, spec: RunSpec, ids: list[int], samp: dict, heads: dict, ctx:
         kw = {"drafting": p["drafting"], "tree_estimator": p["estimator"],
               "head": heads[p["head"]][0] if p["head"] else None,
               "tree_budget": p["max_budget"] if learned else p["budget"],
-              "tree_rates": ctx["rates"][VERIFICATION[spec.method]], "adapt_rates": False}
+              "tree_rates": ctx["rates"][VERIFICATION[spec.method]], "adapt_rates": p.get("adapt", False)}
         extra["tree_calibration"] = ctx.get("calibration")
         if learned:
             extra["node_cost"] = ctx.get("node_cost") if p["node_cost"] == "auto" else float(p["node_cost"])

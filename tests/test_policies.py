@@ -14,7 +14,7 @@ from adaptive_spec.pipeline import SpecPair
 from adaptive_spec import interfaces
 from adaptive_spec.interfaces import RoundOwner, RoundState, StopPolicy, register
 from adaptive_spec.pipeline import make_policy, policy_names
-from adaptive_spec.policies import (ConfidenceThreshold, EntropyThreshold, FixedK, HeuristicSchedule,
+from adaptive_spec.policies import (ConfidenceThreshold, EntropyThreshold, FixedK, HeuristicSchedule, HindsightOracle,
                                     LearnedThreshold)
 from adaptive_spec.sampling import SamplingParams, process_logits
 from test_decoding import chi_square_pvalue, exact_pair, exact_sequence_probs, pair, sample_counts
@@ -221,6 +221,27 @@ def test_oracle_rederives_after_divergence(tiny_pair):
     ref = sp.generate(ids, policy="oracle", temperature=0, max_new_tokens=40, target_output=x).metrics
     assert ref.hindsight_s == 0 and ref.n_discarded == 0
     assert ref.n_target_forwards <= m.n_target_forwards <= ref.n_target_forwards + 1
+
+
+def test_oracle_stops_where_the_running_draft_leaves_x(tiny_pair):
+    """Y, the draft's greedy tokens, comes from one teacher-forced pass; the running draft's one-row
+    steps may round a near-tie the other way (int8 / packed kernels differ by row count). Simulated
+    by an oracle told that the draft agrees with X everywhere: each round must still stop at the
+    first drafted token that is not X's, so every disagreement costs one discarded token, never a
+    round of k_max, and the target passes stay the true oracle's."""
+    sp = SpecPair.load(target=str(tiny_pair[1]), draft=str(tiny_pair[0]), dtype="fp32", device="cpu")
+    ids = sp.encode("abcab")
+    x = sp.generate(ids, policy="ar", temperature=0, max_new_tokens=40).token_ids
+    lm = CausalLM(sp.draft.model)
+    logits, _ = lm.forward(torch.tensor(ids + x), n_logits=len(x) + 1)
+    s = {j for j in range(len(x)) if int(logits[j].argmax()) != x[j]}
+    assert s, "the tiny pair must disagree somewhere for this test to mean anything"
+    ref = sp.generate(ids, policy="oracle", temperature=0, max_new_tokens=40, target_output=x).metrics
+    g = sp.decoder.generate(ids, max_new_tokens=40, sampling=SamplingParams(0.0),
+                            policy=HindsightOracle([True] * len(x), k_max=20, x=x))
+    assert g.token_ids == x
+    assert 0 < g.metrics.n_discarded <= len(s)  # one per disagreement at most (k_max 20 each before the fix)
+    assert g.metrics.n_target_forwards == ref.n_target_forwards
 
 
 def test_oracle_refuses_sampling(tiny_pair, capsys):

@@ -58,6 +58,7 @@ def cfg_of(inp, out, **kw) -> SweepConfig:
     ("[{budget: learned, max_budget: 0}]", r"trees\[0\]\.max_budget: must be an integer >= 1"),
     ("[{budget: learned, drafting: specinfer}]", r"trees\[0\]\.budget: a learned budget grows the tree node by node"),
     ("[{budget: 4, max_budget: 8}]", r"trees\[0\]\.max_budget: only used with budget: learned"),
+    ("[{budget: 4, adapt: 1}]", r"trees\[0\]\.adapt: must be true .* or false \(frozen\), got 1"),
     ("[{budget: 2}, {policy: tree, budget: 2}]", r"trees\[1\] repeats trees\[0\] \(tree:tree:positional:b=2\)"),
     ("[3]", r"trees\[0\] must be a mapping"),
 ])
@@ -197,16 +198,21 @@ def test_learned_budget_node_cost_measured_once(inputs, tmp_path, monkeypatch):
     real_make = pipeline.make_policy
     monkeypatch.setattr(pipeline, "make_policy", lambda name, **kw: made.append(kw) or real_make(name, **kw))
     cfg = cfg_of(inputs, tmp_path / "l", heads="[]", thresholds="[0.5]", ks="[]",
-                 trees="[{budget: learned, max_budget: 4}, {budget: learned, max_budget: 4, node_cost: 0.5}]")
+                 trees="[{budget: learned, max_budget: 4}, {budget: learned, max_budget: 4, node_cost: 0.5}, "
+                       "{budget: learned, max_budget: 4, adapt: true}]")
     rows = read_rows(sweep.run(cfg))
     assert len(calls) == 1  # once per sweep, not per run
     by_key = {}
     for r in rows:
         by_key.setdefault(r["config"], []).append(r)
     auto, fixed = by_key["tree:tree:positional:b=learned<=4:c=auto"], by_key["tree:tree:positional:b=learned<=4:c=0.5"]
-    assert all(r["node_cost"] == 0.25 for r in auto) and all(r["node_cost"] == 0.5 for r in fixed)
+    adapted = by_key["tree:tree:positional:b=learned<=4:c=auto:adapt"]
+    assert all(r["node_cost"] == 0.25 for r in auto + adapted) and all(r["node_cost"] == 0.5 for r in fixed)
     assert {kw["tree_node_cost"] for kw in made if kw.get("tree_learned")} == {0.25, 0.5}
-    for r in auto + fixed:
+    # adapt: true starts every run from the calibrated rates and lets them follow its rounds; the rest are frozen
+    flags = [kw["adapt_rates"] for kw in made if kw.get("tree_learned")]
+    assert flags.count(True) == len(adapted) and flags.count(False) >= len(auto) + len(fixed)
+    for r in auto + fixed + adapted:
         check_tree_row(r)
         assert r["drafted_per_round"] <= 4
 
