@@ -10,7 +10,8 @@ writes a markdown report (default <sweep-dir>/report.md) with one Pareto plot pe
             as a curve, SpecDec++ per head (one colour/marker per head, points labelled h), the
             training-free heuristics, the oracle, transformers' assisted generation.
   Table 1   best measured tokens/s of SpecDec++ vs the best fixed K vs autoregressive, relative
-            improvement, SpecDec++ at h = 0.7; and the same under Eq. (5.1) with fitted times.
+            improvement, SpecDec++ at h = 0.7, the share of the gap to the oracle (greedy sweeps);
+            and the same under Eq. (5.1) with fitted times.
   Table 2   fitted t_draft, t_target with R^2: stand-alone, SpecDec, SpecDec++; Eq. (5.1)
             throughput vs measured, relative error per prompt.
   Eq. 3.2   per-token decomposition oracle + discard + verification: which term loses.
@@ -514,9 +515,17 @@ def _head_order(heads_info: dict, results: list[DatasetResult]) -> list[str]:
 
 def table1(results: list[DatasetResult]) -> str:
     cols = [d.label for d in results]
-    rows = {k: [] for k in ("ar", "k", "pp", "imp", "imp_p", "pp07", "mk", "mpp", "mimp")}
+    rows = {k: [] for k in ("ar", "k", "pp", "imp", "imp_p", "pp07", "gap", "gap_p", "mk", "mpp", "mimp")}
     for d in results:
-        ar, bk, bp = d.get("ar"), d.best("fixed"), d.best("learned")
+        ar, bk, bp, o = d.get("ar"), d.best("fixed"), d.best("learned"), d.get("oracle")
+        # issue 16's yardstick: how much of the room between the best fixed K and the hindsight
+        # oracle SpecDec++ takes, (S - S_K) / (S_O - S_K); pooled tokens/s and paired speed-ups
+        gap = bp and bk and o and o.tokens_per_s > bk.tokens_per_s
+        rows["gap"].append(f"{pct((bp.tokens_per_s - bk.tokens_per_s) / (o.tokens_per_s - bk.tokens_per_s))} "
+                           f"(oracle {fmt(o.tokens_per_s)} tok/s)" if gap else "—")
+        gap_p = bp and bk and o and o.speedup > bk.speedup
+        rows["gap_p"].append(f"{pct((bp.speedup - bk.speedup) / (o.speedup - bk.speedup))} "
+                             f"(oracle {fmt(o.speedup, '.3f')}×)" if gap_p else "—")
         rows["ar"].append(f"{fmt(ar.tokens_per_s)} tok/s" if ar else "—")
         rows["k"].append(f"{fmt(bk.tokens_per_s)} (K={bk.k}; {fmt(bk.speedup)}×)" if bk else "—")
         rows["pp"].append(f"{fmt(bp.tokens_per_s)} ({bp.head}, h={bp.h:g}; {fmt(bp.speedup)}×)" if bp else "—")
@@ -535,8 +544,12 @@ def table1(results: list[DatasetResult]) -> str:
     names = {"ar": "autoregressive (target alone)", "k": "SpecDec, best fixed K (speed-up)",
              "pp": "SpecDec++, best head and h (speed-up)", "imp": "relative improvement, SpecDec++ vs best K",
              "imp_p": "same, paired per prompt (geometric mean)", "pp07": f"SpecDec++ at h = {H_REF:g} (best head)",
+             "gap": "share of the oracle gap taken by SpecDec++, (S − S_K)/(S_oracle − S_K), tokens/s",
+             "gap_p": "same, on speed-ups paired per prompt",
              "mk": "Eq. 5.1 with fitted t: best fixed K", "mpp": "Eq. 5.1 with fitted t: best SpecDec++",
              "mimp": "Eq. 5.1: relative improvement"}
+    if not any(d.get("oracle") for d in results):
+        del rows["gap"], rows["gap_p"]
     return md_table(["tokens/s"] + cols, [[names[k]] + v for k, v in rows.items()])
 
 

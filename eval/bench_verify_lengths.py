@@ -5,7 +5,8 @@ The `table` time model (adaptive_spec/timemodel.py) prices each verification pas
 at its measured time. This prints that time per length n (and the draft's one-token step) after
 a --short (costs.py's PREFIX) and a --long cached context, so one can see (a) the step shape of
 t_verify(n) on this CPU and (b) how far times at load, taken after a short prefix, are from the
-contexts a sweep decodes at. Then the per-draft-step cost of a stats head's inputs on the real
+contexts a sweep decodes at. Also the draft's pass over n rows (--draft-lengths): a tree drafts a
+wave of sibling nodes in one draft pass, so this is what a tree's width costs (issue 17). Then the per-draft-step cost of a stats head's inputs on the real
 vocabulary: the full pass (process_logits + draft_stats) against the decoder's path (its own q
 reused, a top-k q read through one partial sort: features.truncated_stats).
 
@@ -47,6 +48,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--draft-quant", default="int8", help="the draft's weights: none, int8, int4")
     ap.add_argument("--lengths", default="1-12", help="target pass lengths n, e.g. 1-12")
+    ap.add_argument("--draft-lengths", default="1-8", help="draft pass widths (rows in one wave), e.g. 1-8")
     ap.add_argument("--short", type=int, default=32, help="short cached context (costs.py's PREFIX)")
     ap.add_argument("--long", type=int, default=256, help="realistic cached context (prompt + half a response)")
     ap.add_argument("--reps", type=int, default=5, help="timed passes per cell (median; 3 warm-ups first)")
@@ -57,7 +59,9 @@ def main(argv=None) -> int:
     ns = lengths(args.lengths)
     ctx = {c: (torch.arange(c) * 7 + 5) % pair.target.vocab_size for c in (args.short, args.long)}
     with torch.inference_mode():
-        draft = {c: time_forward(pair.draft, ids, 1, args.reps)[0] for c, ids in ctx.items()}
+        wide = {c: {n: time_forward(pair.draft, ids, n, args.reps)[0] for n in lengths(args.draft_lengths)}
+                for c, ids in ctx.items()}
+        draft = {c: wide[c].get(1) or time_forward(pair.draft, ids, 1, args.reps)[0] for c, ids in ctx.items()}
         target = {c: {n: time_forward(pair.target, ids, n, args.reps)[0] for n in ns} for c, ids in ctx.items()}
         logits, _ = pair.draft.forward(ctx[args.short][:8], n_logits=1)
         sp = SamplingParams(1.0, 50, 1.0)
@@ -74,6 +78,13 @@ def main(argv=None) -> int:
              md_table(head, rows), "",
              "draft step (1 token): " + ", ".join(f"{1e3 * t:.1f} ms at ctx {c}" for c, t in draft.items()),
              "c = t_draft / t_target(1): " + ", ".join(f"{draft[c] / target[c][1]:.3f} at ctx {c}" for c in ctx),
+             "", "Draft pass over n rows (a tree wave of width n): ms, / 1 row, and the extra rows' cost in "
+             "target steps, (t_draft(n) - t_draft(1)) / t_target(1).", "",
+             md_table(["rows n"] + [f"t_draft ms (ctx {c})" for c in ctx] + [f"/ 1 row (ctx {c})" for c in ctx]
+                      + [f"extra / t_target (ctx {c})" for c in ctx],
+                      [[n] + [f"{1e3 * wide[c][n]:.1f}" for c in ctx] + [f"{wide[c][n] / draft[c]:.2f}" for c in ctx]
+                       + [f"{(wide[c][n] - draft[c]) / target[c][1]:.3f}" for c in ctx]
+                       for n in lengths(args.draft_lengths)]),
              "", f"stats head inputs per draft step (V = {logits.shape[-1]}, top-k 50): full pass {old:.3f} ms, "
              f"decoder path {new:.3f} ms", ""]
     md = "\n".join(lines)
@@ -82,6 +93,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "results.json", {"cpu": flags_line(), "paths": paths, "draft_config": pair.draft_config,
                                       "draft_s": {str(c): t for c, t in draft.items()},
+                                      "draft_rows_s": {str(c): {str(n): t for n, t in v.items()} for c, v in wide.items()},
                                       "target_s": {str(c): {str(n): t for n, t in v.items()} for c, v in target.items()},
                                       "stats_ms": {"full": old, "decoder": new}, "args": vars(args)})
     (out / "table.md").write_text(md)

@@ -122,6 +122,7 @@ def test_markdown_tables_and_plots(tmp_path, capsys):
     assert (f'CPU: ISA AVX2 | flags: avx2 | kernels: {{"target": {{"dtype": "float32"}}}} ({n_avx2} runs)' in md
             and f"CPU: ISA AVX512 | flags: avx2 avx512f | kernels: " in md and f"({len(rows) - n_avx2} runs)" in md)
     t1 = md.split("## Table 1")[1].split("## Table 2")[0]
+    assert "oracle gap" not in t1  # no oracle rows here
     pp, k4, ar = tps("learned:head=d3-wrej6:h=0.7"), tps("fixed:k=4"), tps("ar")
     assert f"{ar:.2f} tok/s" in t1
     assert f"{k4:.2f} (K=4;" in t1
@@ -144,6 +145,25 @@ def test_markdown_tables_and_plots(tmp_path, capsys):
     hf = tps("hf_assisted")
     assert f"| alpaca | {ar:.2f} | {hf:.2f} | {k4:.2f} (K=4) | {pp:.2f} (d3-wrej6, h=0.7) | {k4 / hf:.3f}×" in peer
     assert f"{pp / hf:.3f}×" in peer
+
+
+def test_oracle_gap_share(tmp_path):
+    """With oracle rows (a greedy sweep), Table 1 says what share of the gap between the best fixed K
+    and the oracle SpecDec++ takes; without them (test above) the rows are absent."""
+    rows = make_rows()
+    for r in [r for r in rows if r["config"] == "ar"]:
+        n = r["n_tokens"]  # the oracle: 18 target passes per 100 tokens, no discards
+        nd, nt = 0.82 * n, 0.18 * n
+        rows.append(dict(r, config="oracle", method="oracle", n_draft_forwards=nd, n_target_forwards=nt,
+                         n_discarded=0, n_accepted=n - nt, n_drafted=nd, wall_s=TD * nd + TT * nt + PREFILL))
+    d = write_sweep(tmp_path, rows)
+    t1 = report.table1(report.analyse(report.load_sweep(d)[0]))
+    o = 150 / (1.5 * (TD * 82 + TT * 18) + 2 * PREFILL)
+    pp, k4 = tps("learned:head=d3-wrej6:h=0.7"), tps("fixed:k=4")
+    assert 0 < (pp - k4) / (o - k4) < 1
+    assert f"{100 * (pp - k4) / (o - k4):+.1f}% (oracle {o:.2f} tok/s)" in t1
+    assert "same, on speed-ups paired per prompt" in t1
+    assert "oracle gap" not in report.table1(report.analyse([r for r in rows if r["method"] != "oracle"]))
 
 
 def test_mean_aggregation_and_incomplete_prompts(tmp_path):
