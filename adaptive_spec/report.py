@@ -520,12 +520,9 @@ def table1(results: list[DatasetResult]) -> str:
         ar, bk, bp, o = d.get("ar"), d.best("fixed"), d.best("learned"), d.get("oracle")
         # issue 16's yardstick: how much of the room between the best fixed K and the hindsight
         # oracle SpecDec++ takes, (S - S_K) / (S_O - S_K); pooled tokens/s and paired speed-ups
-        gap = bp and bk and o and o.tokens_per_s > bk.tokens_per_s
-        rows["gap"].append(f"{pct((bp.tokens_per_s - bk.tokens_per_s) / (o.tokens_per_s - bk.tokens_per_s))} "
-                           f"(oracle {fmt(o.tokens_per_s)} tok/s)" if gap else "—")
-        gap_p = bp and bk and o and o.speedup > bk.speedup
-        rows["gap_p"].append(f"{pct((bp.speedup - bk.speedup) / (o.speedup - bk.speedup))} "
-                             f"(oracle {fmt(o.speedup, '.3f')}×)" if gap_p else "—")
+        for key, attr, unit in (("gap", "tokens_per_s", "{:.2f} tok/s"), ("gap_p", "speedup", "{:.3f}×")):
+            s, k, top = [getattr(a, attr) for a in (bp, bk, o)] if bp and bk and o else [math.nan] * 3
+            rows[key].append(f"{pct((s - k) / (top - k))} (oracle {unit.format(top)})" if top > k else "—")
         rows["ar"].append(f"{fmt(ar.tokens_per_s)} tok/s" if ar else "—")
         rows["k"].append(f"{fmt(bk.tokens_per_s)} (K={bk.k}; {fmt(bk.speedup)}×)" if bk else "—")
         rows["pp"].append(f"{fmt(bp.tokens_per_s)} ({bp.head}, h={bp.h:g}; {fmt(bp.speedup)}×)" if bp else "—")

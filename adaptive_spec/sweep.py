@@ -634,7 +634,7 @@ def _run_tree(pair, spec: RunSpec, ids: list[int], samp: dict, heads: dict, ctx:
         kw = {"drafting": p["drafting"], "tree_estimator": p["estimator"],
               "head": heads[p["head"]][0] if p["head"] else None,
               "tree_budget": p["max_budget"] if learned else p["budget"],
-              "tree_rates": ctx["rates"][VERIFICATION[spec.method]], "adapt_rates": p.get("adapt", False)}
+              "tree_rates": ctx["rates"][VERIFICATION[spec.method]], "adapt_rates": p["adapt"]}
         extra["tree_calibration"] = ctx.get("calibration")
         if learned:
             extra["node_cost"] = ctx.get("node_cost") if p["node_cost"] == "auto" else float(p["node_cost"])

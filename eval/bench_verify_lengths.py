@@ -6,9 +6,10 @@ at its measured time. This prints that time per length n (and the draft's one-to
 a --short (costs.py's PREFIX) and a --long cached context, so one can see (a) the step shape of
 t_verify(n) on this CPU and (b) how far times at load, taken after a short prefix, are from the
 contexts a sweep decodes at. Also the draft's pass over n rows (--draft-lengths): a tree drafts a
-wave of sibling nodes in one draft pass, so this is what a tree's width costs (issue 17). Then the per-draft-step cost of a stats head's inputs on the real
-vocabulary: the full pass (process_logits + draft_stats) against the decoder's path (its own q
-reused, a top-k q read through one partial sort: features.truncated_stats).
+wave of sibling nodes in one draft pass, so this is what a tree's width costs (issue 17). Then
+the per-draft-step cost of a stats head's inputs on the real vocabulary: the full pass
+(process_logits + draft_stats) against the decoder's path (its own q reused, a top-k q read
+through one partial sort: features.truncated_stats).
 
     python eval/bench_verify_lengths.py [--draft-quant int8] [--lengths 1-12] [--short 32 --long 256]
 """
@@ -56,10 +57,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="eval/results/bench_verify_lengths")
     args = ap.parse_args(argv)
     pair = SpecPair.load(num_threads=args.threads, draft_quant=args.draft_quant)
-    ns = lengths(args.lengths)
+    ns, widths = lengths(args.lengths), lengths(args.draft_lengths)
     ctx = {c: (torch.arange(c) * 7 + 5) % pair.target.vocab_size for c in (args.short, args.long)}
     with torch.inference_mode():
-        wide = {c: {n: time_forward(pair.draft, ids, n, args.reps)[0] for n in lengths(args.draft_lengths)}
+        wide = {c: {n: time_forward(pair.draft, ids, n, args.reps)[0] for n in widths}
                 for c, ids in ctx.items()}
         draft = {c: wide[c].get(1) or time_forward(pair.draft, ids, 1, args.reps)[0] for c, ids in ctx.items()}
         target = {c: {n: time_forward(pair.target, ids, n, args.reps)[0] for n in ns} for c, ids in ctx.items()}
@@ -84,7 +85,7 @@ def main(argv=None) -> int:
                       + [f"extra / t_target (ctx {c})" for c in ctx],
                       [[n] + [f"{1e3 * wide[c][n]:.1f}" for c in ctx] + [f"{wide[c][n] / draft[c]:.2f}" for c in ctx]
                        + [f"{(wide[c][n] - draft[c]) / target[c][1]:.3f}" for c in ctx]
-                       for n in lengths(args.draft_lengths)]),
+                       for n in widths]),
              "", f"stats head inputs per draft step (V = {logits.shape[-1]}, top-k 50): full pass {old:.3f} ms, "
              f"decoder path {new:.3f} ms", ""]
     md = "\n".join(lines)
