@@ -108,13 +108,34 @@ def config_key(config: dict) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def measure_costs(pair, reps: int = 5, cache: bool = True) -> Costs:
+def measure_costs(pair, reps: int = 5, cache: bool = True, pin: str | Path | None = None) -> Costs:
     """This machine's Costs for `pair` (a SpecPair, or anything with CausalLM-like .target and
-    .draft), from the cache when this configuration was measured before."""
+    .draft), from the cache when this configuration was measured before.
+
+    `pin` (a JSON path; the sweep's out_dir/costs.json) fixes the measurement for a long job: the
+    first call writes it, later calls (a resumed job) read it back while the machine and the models
+    are the same, and the pair remembers it, so every later measure_costs(pair) (resolve_auto, the
+    tree's node cost) returns that one measurement. Without a pin each load may land on another
+    cache entry: the CPU kernels picked at load (oneDNN padding) are in the key, and one sweep
+    resumed three times picked h = 0.25 then 0.2 and a tree node cost of 0.52, 0.39, then 0.52."""
     if getattr(pair, "draft", None) is None:
         raise UserError("forward costs need a draft model; load the pair with a draft (not --policy ar)")
+    pinned = getattr(pair, "pinned_costs", None)
+    if pinned is not None:
+        return pinned
     config = cost_config(pair)
     key = config_key(config)
+    costs = _read_pin(Path(pin), config) if pin is not None else None
+    if costs is None:
+        costs = _cached_or_measured(pair, reps, cache, config, key)
+        if pin is not None:
+            write_json(pin, {**costs.to_dict(), "config": config})
+    if pin is not None:
+        pair.pinned_costs = costs
+    return costs
+
+
+def _cached_or_measured(pair, reps: int, cache: bool, config: dict, key: str) -> Costs:
     path = costs_dir() / f"{key}.json"
     if cache:
         hit = _read_cached(path, key)
@@ -126,6 +147,33 @@ def measure_costs(pair, reps: int = 5, cache: bool = True) -> Costs:
     if cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json(path, {**costs.to_dict(), "config": config})
+    return costs
+
+
+def _same_machine(a: dict, b: dict) -> list[str]:
+    """The keys in which two cost configs differ, leaving out the kernels picked at load
+    (<role>_path: the oneDNN padding is measured each time and moves with noise)."""
+    keys = {k for k in (*a, *b) if not k.endswith("_path")}
+    return sorted(k for k in keys if a.get(k) != b.get(k))
+
+
+def _read_pin(path: Path, config: dict) -> Costs | None:
+    """The pinned Costs at `path`, or None (with a warning) where it is absent, unreadable or from
+    another machine or model configuration."""
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+        costs = costs_from_json(saved)
+        differ = _same_machine(saved.get("config") or {}, config)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+        print(f"warning: pinned forward times {path} are unreadable ({type(e).__name__}: {e}); measuring again",
+              file=sys.stderr)
+        return None
+    if differ:
+        print(f"warning: pinned forward times {path} were measured with another {', '.join(differ)}; "
+              "measuring again on this machine (rows before this carry the old auto picks)", file=sys.stderr)
+        return None
     return costs
 
 

@@ -818,7 +818,8 @@ def _tables(results: list[DatasetResult], heads_info: dict, trees: list[str]) ->
           table3(results, heads_info), "",
           "## auto: the h and K picked for this machine", "",
           "Picked once per machine from the curve `adaptive-spec autotune` saved and the t_draft, t_target, t_cand "
-          "measured at load; predicted tokens/s is decoding only (no prefill), measured tokens/s is wall-clock. "
+          "measured once per sweep (pinned in costs.json; picked lists every value where rows were picked from "
+          "different measurements); predicted tokens/s is decoding only (no prefill), measured tokens/s is wall-clock. "
           "Goal (issue 16): within 3% of the best swept value, never below the best fixed K.", "",
           auto_table(results), "",
           "## Peer: transformers assisted generation", "",

@@ -35,7 +35,7 @@ alike and per-prompt ratios compare like with like:
                   shuffled set, never evaluated ones) and frozen for every run, or with `adapt: true`
                   the start of every run, from which the rates adapt to that run's rounds (reset per
                   run, so no run depends on another); a learned budget's node_cost auto is measured
-                  once (costs.measure_costs)
+                  once (costs.measure_costs, pinned in costs.json as below)
 
 Output in out_dir (default runs/sweep/<config name>, relative to the project root):
     results.jsonl   one line per (dataset, prompt, config): all Metrics fields plus the config's
@@ -49,6 +49,9 @@ Output in out_dir (default runs/sweep/<config name>, relative to the project roo
     prompts.json    the prompts used, per dataset
     tree_calibration.json   the tree policies' acceptance rates and how they were measured (reused on
                     a rerun while its settings hold; refused, once tree rows used it, if they change)
+    costs.json      t_draft, t_target, t_cand as measured once for every auto pick (K, h, a tree's
+                    node cost); a rerun on the same machine and models reuses them, so a resumed
+                    sweep picks what it picked before (measured afresh, with a warning, elsewhere)
 Then `adaptive-spec report --sweep-dir DIR` writes the tables and Pareto plots.
 """
 from __future__ import annotations
@@ -467,7 +470,8 @@ def settings_hash(settings: dict) -> str:
 
 
 TREE_CALIBRATION = "tree_calibration.json"
-RUN_FILES = (RESULTS, "settings.json", "config.json", "heads.json", "prompts.json", TREE_CALIBRATION)
+COSTS = "costs.json"
+RUN_FILES = (RESULTS, "settings.json", "config.json", "heads.json", "prompts.json", TREE_CALIBRATION, COSTS)
 
 
 def check_out_dir(out: Path, settings: dict, overwrite: bool):
@@ -700,7 +704,8 @@ def run(cfg: SweepConfig) -> Path:
     if any(s.method == "hf_assisted" for s in specs):
         notes += _note([hf_schedule_note(pair.draft.model)])
     selected = {ds: _select_dataset(pair, ds, texts[ds], cfg, notes) for ds in cfg.datasets}
-    tree_ctx = _tree_context(pair, cfg, out, texts, selected, settings, specs, notes)
+    costs = _pinned_costs(pair, out, specs, notes)
+    tree_ctx = _tree_context(pair, cfg, out, texts, selected, settings, specs, notes, costs)
     cpu_pad_to = _cpu_pad_to(pair)
     runtime = pair.runtime_info()
     _write_run_files(out, cfg, settings, heads, selected, specs, notes, cpu_pad_to, runtime)
@@ -761,12 +766,29 @@ def _select_dataset(pair, ds: str, texts: list[str], cfg: SweepConfig, notes: li
     return chosen
 
 
+def _pinned_costs(pair, out: Path, specs, notes: list[str]):
+    """The one measurement of t_draft, t_target and t_cand that every auto pick of the sweep reads
+    (ks / thresholds auto, a learned tree budget's node_cost auto), pinned in out_dir/costs.json:
+    a resumed sweep reuses it, so its auto rows mean the same before and after an interruption.
+    None where no configuration needs it."""
+    if not any(s.method in ("fixed_auto", "learned_auto") or
+               (s.method in VERIFICATION and s.params.get("node_cost") == "auto") for s in specs):
+        return None
+    from .costs import measure_costs
+
+    costs = measure_costs(pair, pin=out / COSTS)
+    notes += _note([f"auto picks read the forward times pinned in {COSTS}: t_draft/t_target = {costs.c:.4g} "
+                    f"(measured {costs.measured})"])
+    return costs
+
+
 def _tree_context(pair, cfg: SweepConfig, out: Path, texts: dict, selected: dict, settings: dict, specs,
-                  notes: list[str]) -> dict:
+                  notes: list[str], costs=None) -> dict:
     """What every tree run shares: {"rates": {gsd|ersd: c_i}, "calibration": its hash, "node_cost"}.
     The rates are measured once (tree_calibration.measure_rates) on prompts no configuration is
     evaluated on: per dataset, tree_calibration_prompts from the END of the shuffled set, so they
-    stay the same when n_prompts grows. A learned budget's node_cost auto is measured once here."""
+    stay the same when n_prompts grows. A learned budget's node_cost auto comes from `costs` (the
+    sweep's pinned forward times, _pinned_costs)."""
     from .sampling import SamplingParams
 
     methods = sorted({VERIFICATION[s.method] for s in specs if s.method in VERIFICATION})
@@ -791,9 +813,6 @@ def _tree_context(pair, cfg: SweepConfig, out: Path, texts: dict, selected: dict
         notes += _note([f"tree acceptance rates c_i ({m}, {len(prompts)} calibration prompts): "
                         f"{[round(c, 3) for c in cal[m]['cond_rates'][:6]]}" for m in methods])
     if any(s.method in VERIFICATION and s.params.get("node_cost") == "auto" for s in specs):
-        from .costs import measure_costs
-
-        costs = measure_costs(pair)
         ctx["node_cost"] = costs.node_cost
         notes += _note([f"tree node_cost auto = (t_draft + t_cand) / t_target = {costs.node_cost:.4g} "
                         f"(t_draft/t_target = {costs.c:.4g}; {costs.measured})"])

@@ -144,3 +144,47 @@ def test_per_length_times_are_kept_and_an_older_cache_is_measured_again(pair, ca
     capsys.readouterr()
     again = C.measure_costs(pair, reps=1)
     assert "older version" in capsys.readouterr().err and len(again.t_verify) == len(C.VERIFY_LENGTHS)
+
+
+def test_a_pin_fixes_one_measurement_across_loads_of_the_same_machine(cache, tmp_path, monkeypatch, capsys):
+    """measure_costs(pair, pin=path): the first load measures and writes the pin; a second load (a
+    resumed sweep) reads it back even where the kernels picked at load differ (the oneDNN padding
+    moves with noise, and is in the cache key), and the pair then returns it to every caller. A pin
+    from another CPU or draft configuration, or an unreadable one, is measured again, with a warning."""
+    tok = make_tokenizer(32)
+
+    def load():
+        return SpecPair(make_model(32, 24, seed=2), tok, make_model(32, 16, seed=1), tok)
+
+    calls = []
+
+    def measure(p, reps, key):
+        calls.append(key)
+        return C.Costs(0.01 * len(calls), 0.1, 0.002, key, f"measure {len(calls)}", (0.1,) * len(C.VERIFY_LENGTHS))
+
+    monkeypatch.setattr(C, "_measure", measure)
+    pin = tmp_path / "sweep" / "costs.json"
+    pin.parent.mkdir()
+    first_pair = load()
+    first = C.measure_costs(first_pair, pin=pin)
+    assert calls and json.loads(pin.read_text())["t_draft"] == first.t_draft
+    assert C.measure_costs(first_pair) is first  # the pair keeps its pinned measurement
+
+    second_pair = load()  # a resumed sweep: another load, other kernels picked, another cache key
+    monkeypatch.setattr(second_pair.target.model, "cpu_path", {"linear": "onednn-packed", "pad_to": [0, 5]},
+                        raising=False)
+    assert C.config_key(C.cost_config(second_pair)) != first.key
+    n = len(calls)
+    assert C.measure_costs(second_pair, pin=pin) == first and len(calls) == n  # nothing timed
+    assert C.measure_costs(second_pair) == first
+
+    third_pair = load()  # another draft configuration: the pin does not describe it
+    monkeypatch.setattr(third_pair, "draft_config", {"draft_quant": "int8", "draft_vocab": "full"}, raising=False)
+    capsys.readouterr()
+    third = C.measure_costs(third_pair, pin=pin)
+    assert "measured with another draft_quant, draft_vocab" in capsys.readouterr().err
+    assert third != first and json.loads(pin.read_text())["t_draft"] == third.t_draft  # re-pinned
+
+    pin.write_text("{not json")
+    fourth = C.measure_costs(load(), pin=pin)
+    assert "unreadable" in capsys.readouterr().err and C.costs_from_json(json.loads(pin.read_text())) == fourth

@@ -325,6 +325,19 @@ def test_sweep_auto_picks_once_for_the_machine_and_needs_its_curve(inputs, tmp_p
     section = md.split("## auto: the h and K picked for this machine")[1].split("\n## ")[0]
     assert "| learned:head=dd:h=auto |" in section and "| fixed:k=auto |" in section
 
+    # the forward times the picks read are pinned in costs.json: a resumed (here: grown) sweep picks
+    # from the same measurement instead of timing the models again at its load
+    pin = json.loads((out / "costs.json").read_text())
+    pin.update(t_draft=pin["t_target"] * 5, measured="pinned by the test")  # a draft this slow: K = 1
+    (out / "costs.json").write_text(json.dumps(pin))
+    shutil.rmtree(tmp_path / "cache")
+    assert sweep.main(argv + ["n_prompts=3"]) == 0
+    assert not (tmp_path / "cache" / "costs").exists()  # nothing measured
+    notes = json.loads((out / "config.json").read_text())["notes"]
+    assert any("costs.json" in n and "pinned by the test" in n for n in notes)
+    new = [r for r in read_rows(out)[len(rows):] if r["method"] == "fixed_auto"]
+    assert new and all(r["auto_value"] == 1 for r in new)
+
 
 def test_peer_runs_the_same_int8_draft(inputs, tmp_path):
     """transformers' assisted generation gets the pair's draft module itself, so with draft_quant
