@@ -125,13 +125,13 @@ def measure_costs(pair, reps: int = 5, cache: bool = True, pin: str | Path | Non
         return pinned
     config = cost_config(pair)
     key = config_key(config)
-    costs = _read_pin(Path(pin), config) if pin is not None else None
+    if pin is None:
+        return _cached_or_measured(pair, reps, cache, config, key)
+    costs = _read_pin(Path(pin), config)
     if costs is None:
         costs = _cached_or_measured(pair, reps, cache, config, key)
-        if pin is not None:
-            write_json(pin, {**costs.to_dict(), "config": config})
-    if pin is not None:
-        pair.pinned_costs = costs
+        write_json(pin, {**costs.to_dict(), "config": config})
+    pair.pinned_costs = costs
     return costs
 
 
@@ -160,16 +160,11 @@ def _same_machine(a: dict, b: dict) -> list[str]:
 def _read_pin(path: Path, config: dict) -> Costs | None:
     """The pinned Costs at `path`, or None (with a warning) where it is absent, unreadable or from
     another machine or model configuration."""
-    if not path.is_file():
+    read = _read_costs_file(path, "pinned")
+    if read is None:
         return None
-    try:
-        saved = json.loads(path.read_text())
-        costs = costs_from_json(saved)
-        differ = _same_machine(saved.get("config") or {}, config)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
-        print(f"warning: pinned forward times {path} are unreadable ({type(e).__name__}: {e}); measuring again",
-              file=sys.stderr)
-        return None
+    saved, costs = read
+    differ = _same_machine(saved.get("config") or {}, config)
     if differ:
         print(f"warning: pinned forward times {path} were measured with another {', '.join(differ)}; "
               "measuring again on this machine (rows before this carry the old auto picks)", file=sys.stderr)
@@ -184,19 +179,28 @@ def costs_from_json(d: dict) -> Costs:
 
 
 def _read_cached(path: Path, key: str) -> Costs | None:
+    read = _read_costs_file(path, "cached", key)
+    return None if read is None else read[1]
+
+
+def _read_costs_file(path: Path, what: str, key: str | None = None) -> tuple[dict, Costs] | None:
+    """(the JSON, its Costs) of a cache or pin file, or None where it is absent, or (with a warning)
+    unreadable, of another `key`, or without positive per-length times: both are measured again."""
     if not path.is_file():
         return None
     try:
-        costs = costs_from_json(json.loads(path.read_text()))
-        if costs.key != key or not (costs.t_draft > 0 and costs.t_target > 0 and costs.t_cand >= 0):
+        saved = json.loads(path.read_text())
+        costs = costs_from_json(saved)
+        if (key is not None and costs.key != key) or not (costs.t_draft > 0 and costs.t_target > 0
+                                                          and costs.t_cand >= 0):
             raise ValueError(f"key {costs.key}, times {costs.t_draft}, {costs.t_target}, {costs.t_cand}")
         if len(costs.t_verify) != len(VERIFY_LENGTHS) or not all(t > 0 for t in costs.t_verify):
             raise ValueError("no per-length verification times (written by an older version)")
-    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-        print(f"warning: cached forward times {path} are unreadable ({type(e).__name__}: {e}); measuring again",
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+        print(f"warning: {what} forward times {path} are unreadable ({type(e).__name__}: {e}); measuring again",
               file=sys.stderr)
         return None
-    return costs
+    return saved, costs
 
 
 def _measure(pair, reps: int, key: str) -> Costs:

@@ -766,13 +766,17 @@ def _select_dataset(pair, ds: str, texts: list[str], cfg: SweepConfig, notes: li
     return chosen
 
 
+def _auto_node_cost(spec: RunSpec) -> bool:
+    """A tree with a learned budget whose node cost is measured on this machine (node_cost: auto)."""
+    return spec.method in VERIFICATION and spec.params.get("node_cost") == "auto"
+
+
 def _pinned_costs(pair, out: Path, specs, notes: list[str]):
     """The one measurement of t_draft, t_target and t_cand that every auto pick of the sweep reads
     (ks / thresholds auto, a learned tree budget's node_cost auto), pinned in out_dir/costs.json:
     a resumed sweep reuses it, so its auto rows mean the same before and after an interruption.
     None where no configuration needs it."""
-    if not any(s.method in ("fixed_auto", "learned_auto") or
-               (s.method in VERIFICATION and s.params.get("node_cost") == "auto") for s in specs):
+    if not any(s.method in ("fixed_auto", "learned_auto") or _auto_node_cost(s) for s in specs):
         return None
     from .costs import measure_costs
 
@@ -812,7 +816,7 @@ def _tree_context(pair, cfg: SweepConfig, out: Path, texts: dict, selected: dict
         ctx.update(rates={m: cal[m]["cond_rates"] for m in methods}, calibration=settings_hash(cal_settings))
         notes += _note([f"tree acceptance rates c_i ({m}, {len(prompts)} calibration prompts): "
                         f"{[round(c, 3) for c in cal[m]['cond_rates'][:6]]}" for m in methods])
-    if any(s.method in VERIFICATION and s.params.get("node_cost") == "auto" for s in specs):
+    if any(_auto_node_cost(s) for s in specs):
         ctx["node_cost"] = costs.node_cost
         notes += _note([f"tree node_cost auto = (t_draft + t_cand) / t_target = {costs.node_cost:.4g} "
                         f"(t_draft/t_target = {costs.c:.4g}; {costs.measured})"])
