@@ -150,7 +150,7 @@ def _cached_or_measured(pair, reps: int, cache: bool, config: dict, key: str) ->
     return costs
 
 
-def _same_machine(a: dict, b: dict) -> list[str]:
+def _config_differences(a: dict, b: dict) -> list[str]:
     """The keys in which two cost configs differ, leaving out the kernels picked at load
     (<role>_path: the oneDNN padding is measured each time and moves with noise)."""
     keys = {k for k in (*a, *b) if not k.endswith("_path")}
@@ -164,7 +164,7 @@ def _read_pin(path: Path, config: dict) -> Costs | None:
     if read is None:
         return None
     saved, costs = read
-    differ = _same_machine(saved.get("config") or {}, config)
+    differ = _config_differences(saved.get("config") or {}, config)
     if differ:
         print(f"warning: pinned forward times {path} were measured with another {', '.join(differ)}; "
               "measuring again on this machine (rows before this carry the old auto picks)", file=sys.stderr)
