@@ -315,6 +315,9 @@ def load_curve(source, need: str, head=None) -> dict:
     return curve
 
 
+AR = "ar"  # an auto pick of no drafting at all
+
+
 def pick(curve: dict, need: str, costs, model: str = DEFAULT_TIME_MODEL, k_max: int | None = None) -> dict:
     """The h (need "h") or K (need "k") of the curve with the best predicted decode throughput
     N / T under `model` with the measured `costs`; with every candidate's prediction. For h under
@@ -338,6 +341,12 @@ def pick(curve: dict, need: str, costs, model: str = DEFAULT_TIME_MODEL, k_max: 
         best = max(capped, key=lambda vt: vt[1], default=None)
         if best is not None and best[1] > tps:
             (out["value"], out["k_max"]), out["tokens_per_s"] = best
+    # the target alone competes too: where a draft step costs too much against a target pass (llama.cpp
+    # on some CPUs), no h or K pays, and auto decodes without drafting
+    out["ar_tokens_per_s"] = 1.0 / (coef["verify_s"](1) if "verify_s" in coef else coef["t_target"])
+    if out["ar_tokens_per_s"] > out["tokens_per_s"]:
+        out.update(value=AR, tokens_per_s=out["ar_tokens_per_s"])
+        out.pop("k_max", None)
     return out
 
 
@@ -376,6 +385,8 @@ def resolve_auto(pair, policy: str, kwargs: dict, model: str = DEFAULT_TIME_MODE
         warning = sampling_mismatch(curve, temperature)
         if warning:
             print(f"warning: {warning}", file=sys.stderr)
+    if memo[key]["value"] == AR:  # pipeline.generate decodes with the target alone
+        return kw, memo[key]
     kw["threshold" if need == "h" else "k"] = memo[key]["value"]
     if "k_max" in memo[key]:
         kw["k_max"] = memo[key]["k_max"]
@@ -400,6 +411,7 @@ def describe_pick(choice: dict) -> str:
     c = choice["costs"]
     name = "h" if choice["kind"] == "h" else "K"
     cap = f" with K <= {choice['k_max']}" if choice.get("k_max") is not None else ""
-    return (f"auto: {name} = {choice['value']:g}{cap}, predicted {choice['tokens_per_s']:.2f} tok/s decoding "
+    value = "none (the target alone: drafting does not pay here)" if choice["value"] == AR else f"{choice['value']:g}"
+    return (f"auto: {name} = {value}{cap}, predicted {choice['tokens_per_s']:.2f} tok/s decoding "
             f"({choice['model']} time model; t_draft {1e3 * c['t_draft']:.1f} ms, t_target {1e3 * c['t_target']:.1f} ms, "
             f"t_cand {1e3 * c['t_cand']:.1f} ms; curve {choice['curve']})")

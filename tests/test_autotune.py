@@ -114,6 +114,19 @@ def test_a_cheap_draft_picks_longer_rounds():
     assert A.pick(curve, "k", Costs(0.005, 0.1, 0.02, "key", "now"), model="paper")["value"] == picks[0.05]
 
 
+def test_auto_picks_the_target_alone_where_no_draft_length_pays():
+    """A draft step as dear as a target step, or a low acceptance: every K predicts less than one
+    target step a token, and auto decodes without drafting; a cheap draft keeps its K."""
+    T = 4000
+    curve = {"fixed_k": [{"k": k, **A.counts_row(T, A.replay(A.window_products(np.full(T, 0.5), k), np.full(T, k)))}
+                         for k in A.K_GRID], "thresholds": []}
+    dear = A.pick(curve, "k", Costs(0.09, 0.1, 0.0, "key", "now"))
+    assert dear["value"] == A.AR and dear["tokens_per_s"] == pytest.approx(1 / 0.1)
+    assert dear["tokens_per_s"] > max(dear["predicted"].values())
+    cheap = A.pick(curve, "k", Costs(0.002, 0.1, 0.0, "key", "now"))
+    assert cheap["value"] != A.AR and cheap["tokens_per_s"] > cheap["ar_tokens_per_s"]
+
+
 def test_table_model_caps_rounds_where_long_passes_cost_more():
     """With per-length verification times, a pass of 7+ tokens costing double makes the h pick
     cap K at 5 (the cap pays, as predicted); a flat table predicts what the extended model does
@@ -190,7 +203,21 @@ def test_auto_through_specpair(head_and_data, tmp_path, monkeypatch, capsys):
     saved["data"]["sampling"] = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}  # as datagen at T = 1 records
     path.write_text(json.dumps(saved))
     tok = make_tokenizer(32)
-    pair = SpecPair(make_model(32, 24, seed=2, logit_scale=4.0), tok, make_model(32, 16, seed=1, logit_scale=4.0), tok)
+    # tiny models' measured costs make every h lose to the target alone: the pick is tested on the costs
+    # of a cheap draft here, and on those of a dear one at the end
+    import adaptive_spec.costs as costs_mod
+
+    cheap, dear = Costs(0.001, 0.01, 0.0, "cheap", "now"), Costs(0.0095, 0.01, 0.0, "dear", "now")
+    monkeypatch.setattr(costs_mod, "measure_costs", lambda pair, *a, **k: cheap)
+
+    def measure_costs(pair):
+        return cheap
+
+    def new_pair():
+        return SpecPair(make_model(32, 24, seed=2, logit_scale=4.0), tok, make_model(32, 16, seed=1, logit_scale=4.0),
+                        tok)
+
+    pair = new_pair()
     g = pair.generate([5, 6, 7], policy="learned", head=str(head_dir), threshold="auto", temperature=0,
                       max_new_tokens=12)
     curve = A.load_curve(head_dir, "h")
@@ -209,6 +236,12 @@ def test_auto_through_specpair(head_and_data, tmp_path, monkeypatch, capsys):
         pair.generate([5], policy="confidence", threshold="auto")
     with pytest.raises(UserError, match="made with k_max 20"):
         pair.generate([5], policy="learned", head=str(head_dir), threshold="auto", k_max=5)
+    monkeypatch.setattr(costs_mod, "measure_costs", lambda pair, *a, **k: dear)
+    pair = new_pair()
+    g = pair.generate([5, 6, 7], policy="learned", head=str(head_dir), threshold="auto", temperature=0,
+                      max_new_tokens=12)
+    assert g.auto["value"] == A.AR and g.metrics.n_drafted == 0 and g.metrics.n_target_forwards == 12
+    assert g.token_ids == again.token_ids  # greedy: the target alone gives the same tokens
 
 
 def test_sampling_mismatch_warns_across_greedy_and_sampled():

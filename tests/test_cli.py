@@ -245,8 +245,13 @@ def test_autotune_then_generate_with_threshold_auto(tiny_pair, saved_head, tmp_p
                          "--dtype", "fp32", "--policy", "learned", "--head", str(saved_head), "--threshold", "auto",
                          "--temperature", "0", "--max-new-tokens", "8", "--json")
     assert code == 0, err
-    auto = json.loads(out)["auto"]
-    assert auto["kind"] == "h" and f"auto: h = {auto['value']:g}" in err
+    result = json.loads(out)
+    auto = result["auto"]
+    if auto["value"] == "ar":  # tiny models: a draft step costs about a target step, so no h pays
+        assert "auto: h = none (the target alone" in err and result["metrics"]["n_drafted"] == 0
+        assert auto["ar_tokens_per_s"] > max(auto["predicted"].values())
+    else:
+        assert auto["kind"] == "h" and f"auto: h = {auto['value']:g}" in err
     code, _, err = run(capsys, "autotune", "--data", str(data))
     assert code == 2 and err.count("\n") == 1 and "--out FILE" in err, err
 

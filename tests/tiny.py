@@ -97,3 +97,58 @@ class MockLM:
 
     def rollback(self, length: int):
         del self.tokens[length:]
+
+
+# qwen2's tensor names in GGUF (llama.cpp's), per layer and for the whole model
+_GGUF_LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+               "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
+               "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
+               "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
+               "self_attn.o_proj.weight": "attn_output.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+               "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+_GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+
+
+def save_gguf(model, path: Path, tokens: list[str] | None = None) -> Path:
+    """Write a tiny Qwen2 model (make_model(arch="qwen2")) as an fp32 GGUF file llama.cpp loads.
+
+    The tokenizer is llama.cpp's "none" type with `vocab_size` dummy tokens unless `tokens` names
+    them (a SentencePiece-style vocabulary, so two files can be told apart by their token strings): this project
+    tokenizes with Hugging Face's tokenizer, so llama.cpp only ever sees ids. Qwen2 uses NeoX rope
+    in both libraries, so the attention weights go over unpermuted."""
+    import gguf
+
+    cfg = model.config
+    path = Path(path)
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    w.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
+    w.add_file_type(0)  # all F32
+    if tokens is None:
+        w.add_tokenizer_model("none")
+        w.add_vocab_size(cfg.vocab_size)
+    else:
+        w.add_tokenizer_model("llama")  # SentencePiece-style: a token list with scores, no merges
+        w.add_token_list(tokens)
+        w.add_token_scores([0.0] * len(tokens))
+        w.add_token_types([1] * len(tokens))
+    for name, p in model.state_dict().items():
+        if name in _GGUF_TOP:
+            gname = _GGUF_TOP[name]
+        else:
+            _, _, i, rest = name.split(".", 3)  # model.layers.<i>.<rest>
+            gname = f"blk.{i}.{_GGUF_LAYER[rest]}"
+        w.add_tensor(gname, p.detach().float().contiguous().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
