@@ -350,7 +350,7 @@ def pick(curve: dict, need: str, costs, model: str = DEFAULT_TIME_MODEL, k_max: 
     return out
 
 
-def resolve_auto(pair, policy: str, kwargs: dict, model: str = DEFAULT_TIME_MODEL,
+def resolve_auto(pair, policy: str, kwargs: dict, model: str | None = None,
                  temperature: float | None = None) -> tuple[dict, dict | None]:
     """Policy kwargs with threshold="auto" / k="auto" replaced by the pick for this machine, and
     the pick (None when nothing was automatic); `curve` and `time_model` kwargs are consumed here.
@@ -358,7 +358,10 @@ def resolve_auto(pair, policy: str, kwargs: dict, model: str = DEFAULT_TIME_MODE
     and the curve replays sampled acceptance (or the other way round)."""
     kw = dict(kwargs)
     source = kw.pop("curve", None)
-    model = kw.pop("time_model", None) or model
+    # llama.cpp's pass time is far from linear in its length (its CPU kernels change at 4 rows: a 4-token
+    # pass can cost less than a 3-token one), so there the per-length table is the model that fits
+    default = model or ("table" if getattr(pair, "backend", "torch") == "llama.cpp" else DEFAULT_TIME_MODEL)
+    model = kw.pop("time_model", None) or default
     need = "h" if kw.get("threshold") == "auto" else "k" if kw.get("k") == "auto" else None
     if need is None:
         return kw, None
