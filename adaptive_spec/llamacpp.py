@@ -98,8 +98,9 @@ def available() -> str | None:
 
 
 def _init(ll) -> None:
-    """Once per process: the backend, and llama.cpp's log routed to Python logging (warnings and
-    errors only: its load banner would bury the one line a user needs)."""
+    """Once per process: the backend, and llama.cpp's log routed to Python logging: its errors as
+    errors, its warnings at debug level (a load warns of GGUF quirks that change nothing for us, and
+    would bury the one line a user needs), the rest dropped."""
     global _initialised, _log_cb
     with _init_lock:
         if _initialised:
@@ -110,7 +111,7 @@ def _init(ll) -> None:
             if level in (3, 4):  # GGML_LOG_LEVEL_WARN, _ERROR
                 msg = text.decode("utf-8", "replace").rstrip()
                 if msg:
-                    log.log(logging.WARNING if level == 3 else logging.ERROR, "llama.cpp: %s", msg)
+                    log.log(logging.DEBUG if level == 3 else logging.ERROR, "llama.cpp: %s", msg)
 
         _log_cb = _cb
         ll.llama_log_set(_log_cb, ctypes.c_void_p())
@@ -139,6 +140,8 @@ def gguf_tokens_digest(path: str | Path) -> tuple[int, str]:
     try:
         vocab = ll.llama_model_get_vocab(ptr)
         n = int(ll.llama_vocab_n_tokens(vocab))
+        if ll.llama_vocab_type(vocab) == ll.LLAMA_VOCAB_TYPE_NONE:  # dummy tokens: nothing to read (it aborts)
+            return n, f"no-vocab:{n}"
         h = hashlib.sha256()
         for i in range(n):
             h.update(ll.llama_vocab_get_text(vocab, i) or b"")

@@ -298,10 +298,14 @@ def warn_draft_config(head, in_use: dict) -> None:
     trained = {k: (getattr(head, "extra", {}) or {}).get(k, d) for k, d in (("draft_quant", "none"), ("draft_vocab", "full"))}
     in_use = {k: str(in_use.get(k, d)) for k, d in (("draft_quant", "none"), ("draft_vocab", "full"))}
     diff = [f"{k} {trained[k]} (trained) vs {in_use[k]} (in use)" for k in trained if str(trained[k]) != in_use[k]]
-    if diff:
-        print(f"warning: the acceptance head was trained on another draft configuration: {'; '.join(diff)}; "
-              "its predictions may be miscalibrated (the output stays exact); retrain it on this configuration",
-              file=sys.stderr)
+    msg = (f"warning: the acceptance head was trained on another draft configuration: {'; '.join(diff)}; "
+           "its predictions may be miscalibrated (the output stays exact); retrain it on this configuration")
+    if diff and msg not in _WARNED:  # once per process: a sweep or a soak builds the policy per generation
+        _WARNED.add(msg)
+        print(msg, file=sys.stderr)
+
+
+_WARNED: set[str] = set()
 
 
 @register("learned")

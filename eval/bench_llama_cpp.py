@@ -145,7 +145,9 @@ def main(argv=None) -> int:
     ap.add_argument("--temperatures", default="1,0", help="1 = T 1 top-k 50; 0 = greedy")
     ap.add_argument("--torch-temperatures", default="1", help="temperatures of the torch rows ('' = none): the "
                     "torch engine is 3-4x slower here, and the engine ratio is what they are for")
-    ap.add_argument("--out", default="eval/results/bench_llama_cpp")
+    ap.add_argument("--out", default="eval/results/bench_llama_cpp_peer")
+    ap.add_argument("--report-only", action="store_true",
+                    help="run no generation: llama-bench, then the report of the rows <out> holds")
     args = ap.parse_args(argv)
 
     import torch
@@ -160,51 +162,56 @@ def main(argv=None) -> int:
     done = {_key(r) for r in read_jsonl(results)} if results.is_file() else set()
     bins = build(args.threads)
     target_gguf, draft_gguf = default_gguf("target"), default_gguf("draft")
-    pairs = {"llama.cpp": SpecPair.load(backend="llama.cpp", num_threads=args.threads)}
+    pairs = {} if args.report_only else {"llama.cpp": SpecPair.load(backend="llama.cpp", num_threads=args.threads)}
     torch_temps = [float(t) for t in args.torch_temperatures.split(",") if t.strip()]
-    if torch_temps:
+    if torch_temps and not args.report_only:
         pairs["torch"] = SpecPair.load(draft_quant="int8", num_threads=args.threads)
-    tok = pairs["llama.cpp"].tokenizer
+    tok = pairs["llama.cpp"].tokenizer if pairs else None
     prompts = {ds: load_prompts(ds, n=args.prompts) for ds in args.datasets.split(",")}
     lengths = []
     temps = [float(t) for t in args.temperatures.split(",")]
-    for ds, texts in prompts.items():
-        for i, text in enumerate(texts):
-            ids = pairs["llama.cpp"].encode(text, chat=True)
-            lengths.append(len(ids))
-            chat_text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                add_generation_prompt=True)
-            for temp in temps:
-                # warm-up: the first generation of a process pays allocations (untimed, not recorded)
-                if i == 0:
-                    for pair in pairs.values():
-                        pair.generate(ids, policy="ar", temperature=temp, max_new_tokens=8)
-                for engine, pair in pairs.items():
-                    if engine == "torch" and temp not in torch_temps:
-                        continue
-                    for label, policy, kw in our_configs(engine):
-                        row = {"dataset": ds, "prompt_idx": i, "temperature": temp, "engine": engine, "config": label,
-                               "prompt_tokens": len(ids)}
-                        if _key(row) in done:
-                            continue
-                        row.update(our_row(pair, ids, policy, kw, temp, args.max_new_tokens))
-                        append_jsonl(results, row)
-                        done.add(_key(row))
-                        print(f"{ds} {i} T={temp:g} {engine:9} {label:20} {row['decode_tok_s']:6.2f} tok/s",
-                              file=sys.stderr, flush=True)
-                if temp != 0:
+    # prompt-major, round-robin over the datasets: a run stopped early still covers every dataset alike
+    order = [(ds, i, texts[i]) for i in range(max(map(len, prompts.values())))
+             for ds, texts in prompts.items() if i < len(texts)]
+    for ds, i, text in ([] if args.report_only else order):
+        ids = pairs["llama.cpp"].encode(text, chat=True)
+        lengths.append(len(ids))
+        chat_text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                            add_generation_prompt=True)
+        for temp in temps:
+            # warm-up: the first generation of a process pays allocations (untimed, not recorded)
+            if i == 0 and ds == order[0][0]:
+                for pair in pairs.values():
+                    pair.generate(ids, policy="ar", temperature=temp, max_new_tokens=8)
+            for engine, pair in pairs.items():
+                if engine == "torch" and temp not in torch_temps:
                     continue
-                for k in DRAFT_MAX:
-                    row = {"dataset": ds, "prompt_idx": i, "temperature": temp, "engine": "llama.cpp example",
-                           "config": f"draft-max {k}" + (" (default)" if k == 3 else ""), "prompt_tokens": len(ids)}
+                for label, policy, kw in our_configs(engine):
+                    row = {"dataset": ds, "prompt_idx": i, "temperature": temp, "engine": engine, "config": label,
+                           "prompt_tokens": len(ids)}
                     if _key(row) in done:
                         continue
-                    row.update(spec_example(bins, target_gguf, draft_gguf, chat_text, args.max_new_tokens, k,
-                                            args.threads))
+                    row.update(our_row(pair, ids, policy, kw, temp, args.max_new_tokens))
                     append_jsonl(results, row)
                     done.add(_key(row))
-                    print(f"{ds} {i} greedy llama.cpp example {row['config']:20} {row['decode_tok_s']:6.2f} tok/s",
+                    print(f"{ds} {i} T={temp:g} {engine:9} {label:20} {row['decode_tok_s']:6.2f} tok/s",
                           file=sys.stderr, flush=True)
+            if temp != 0:
+                continue
+            for k in DRAFT_MAX:
+                row = {"dataset": ds, "prompt_idx": i, "temperature": temp, "engine": "llama.cpp example",
+                       "config": f"draft-max {k}" + (" (default)" if k == 3 else ""), "prompt_tokens": len(ids)}
+                if _key(row) in done:
+                    continue
+                row.update(spec_example(bins, target_gguf, draft_gguf, chat_text, args.max_new_tokens, k,
+                                        args.threads))
+                append_jsonl(results, row)
+                done.add(_key(row))
+                print(f"{ds} {i} greedy llama.cpp example {row['config']:20} {row['decode_tok_s']:6.2f} tok/s",
+                      file=sys.stderr, flush=True)
+    # the prompts' mean length sets the context llama-bench's tg is also measured at
+    per_prompt = {(r["dataset"], r["prompt_idx"]): r["prompt_tokens"] for r in read_jsonl(results)}
+    lengths = lengths or list(per_prompt.values())
     tg = {"empty context": bench_tg(bins, target_gguf, args.max_new_tokens, 0, args.threads),
           f"{int(statistics.mean(lengths))}-token context": bench_tg(bins, target_gguf, args.max_new_tokens,
                                                                      int(statistics.mean(lengths)), args.threads)}

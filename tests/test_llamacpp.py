@@ -246,3 +246,48 @@ def test_makefile_builds_the_binding_with_the_flags_the_errors_name():
     make = (Path(__file__).parent.parent / "Makefile").read_text()
     assert f"LLAMA_CMAKE_ARGS := {llamacpp.CMAKE_ARGS}\n" in make
     assert "-march=native" not in llamacpp.CMAKE_ARGS and "-DGGML_NATIVE=OFF" in llamacpp.CMAKE_ARGS
+
+
+# ------------------------------------------------------------------------------ a sweep on llama.cpp
+
+@needs_binding
+def test_sweep_and_report_side_by_side_on_both_engines(tiny_ggufs, tmp_path, capsys):
+    """`backend: llama.cpp` in a sweep config runs the same grid on GGUF files (tokenizer from the folder
+    beside them), and the report tables it beside the torch sweep (`make run`'s path); a statistics
+    head runs there, and the torch-only keys are refused before any model loads."""
+    from adaptive_spec import report, sweep
+    from tiny import make_tokenizer
+
+    folder = tmp_path / "gguf"
+    folder.mkdir()
+    for role, name in (("target", "big_target"), ("draft", "big_draft")):
+        model, path = tiny_ggufs[name]
+        sub = folder / role
+        model.save_pretrained(sub)
+        make_tokenizer(32).save_pretrained(sub)
+        (sub / f"{role}.gguf").write_bytes(path.read_bytes())
+    head = tmp_path / "head"
+    stats_head(16).save_pretrained(head)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"text": t}) + "\n" for t in ("abc def", "ghi jkl mno", "pqr")))
+    outs = {}
+    for backend in ("torch", "llama.cpp"):
+        t, d = ((folder / "target", folder / "draft") if backend == "torch"
+                else (folder / "target" / "target.gguf", folder / "draft" / "draft.gguf"))
+        outs[backend] = tmp_path / backend
+        argv = [f"backend={backend}", f"target={t}", f"draft={d}", f"datasets=[{prompts}]", "n_prompts=2",
+                "max_new_tokens=10", "ks=[2]", f"heads=[{head}]", "thresholds=[0.5]", "confidence_taus=[0.4]",
+                "hf_assisted=false", "include_draft_ar=false", f"out_dir={outs[backend]}", "progress=false",
+                "threads=1", "dtype=" + ("fp32" if backend == "torch" else "auto")]
+        assert sweep.main(argv) == 0, capsys.readouterr().err
+    rows = [json.loads(x) for x in (outs["llama.cpp"] / "results.jsonl").read_text().splitlines()]
+    configs = {r["config"] for r in rows}
+    learned = {c for c in configs if c.startswith("learned:") and c.endswith(":h=0.5")}
+    assert len(learned) == 1 and configs - learned == {"ar", "fixed:k=2", "confidence:tau=0.4"}, configs
+    assert all(r["paths"]["target"]["engine"] == "llama.cpp" for r in rows)
+    assert report.main(["--sweep-dir", str(outs["torch"]), "--beside", str(outs["llama.cpp"])]) == 0
+    md = (outs["torch"] / "report.md").read_text()
+    section = md.split("## Engines side by side")[1].split("\n## ")[0]
+    assert "| torch | ar |" in section and "| llama.cpp | fixed:k=2 |" in section
+    assert sweep.main([*argv[:1], "hf_assisted=true", f"out_dir={tmp_path / 'x'}"]) == 2
+    assert "need the torch backend" in capsys.readouterr().err
