@@ -99,7 +99,7 @@ def main(argv=None) -> int:
         m, bins = prediction_metrics(torch.cat(logits), torch.cat(targets))
         m["mean_expected_accept"] = torch.cat(expected[name]).double().mean().item()
         metrics[name], curves[name] = m, bins
-    plot_reliability(curves, out / "reliability.png", title=f"{Path(args.head).name}: torch draft vs llama.cpp draft")
+    plot_reliability(curves, out / "reliability.png", title="torch vs llama.cpp draft statistics")
     (out / "metrics.json").write_text(json.dumps({"head": args.head, "data": args.data, "split": args.split,
                                                   "sequences": done, "sampling": vars(params),
                                                   "metrics": metrics}, indent=1, default=str) + "\n")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import sys
 import time
 from pathlib import Path
@@ -58,6 +59,40 @@ def main(argv=None) -> int:
     log = open(out / "soak.jsonl", "w")
     rows, history, failures = [], [], []
     t_start = time.perf_counter()
+    # Ctrl-C or kill: stop, and report the generations done (the report says how many of --n)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
+    try:
+        _soak(args, pair, pool, rng, log, rows, history, failures)
+    except KeyboardInterrupt:
+        print(f"stopped after {len(rows)} of {args.n} generations", file=sys.stderr)
+    if not rows:
+        return 1
+    base = rows[min(19, len(rows) - 1)]["rss_mib"]
+    peak = max(r["rss_mib"] for r in rows[20:]) if len(rows) > 20 else base
+    growth = peak / base - 1
+    if growth >= 0.05:
+        failures.append(f"resident memory grew {100 * growth:.1f}% after the first 20 generations")
+    repeats = [r for r in rows if r["repeat"]]
+    md = "\n".join([
+        f"# llama.cpp backend soak: {len(rows)} generations in one process"
+        + ("" if len(rows) == args.n else f" (stopped early: {len(rows)} of --n {args.n})"), "", flags_line(), "",
+        f"- policies: {', '.join(p for p, _ in POLICIES)}; T = 1 top-k 50 and greedy; prompts "
+        f"{min(r['prompt_tokens'] for r in rows)}..{max(r['prompt_tokens'] for r in rows)} tokens; n_ctx {args.n_ctx}; "
+        f"{sum(r['hit_context'] for r in rows)} generations capped by the context limit",
+        f"- resident memory: {rows[0]['rss_mib']:.0f} MiB after the first, {base:.0f} MiB after 20, peak {peak:.0f} MiB "
+        f"after that: growth {100 * growth:+.2f}% (goal < 5%)",
+        f"- repeats with the same seed: {sum(r['same_tokens'] for r in repeats)} of {len(repeats)} gave the same tokens",
+        f"- wall time {time.perf_counter() - t_start:.0f} s",
+        f"- failures: {'; '.join(failures) if failures else 'none'}", "",
+        f"Written {time.strftime('%Y-%m-%d %H:%M')} by `python eval/soak_llama_cpp.py --n {args.n} --max-new-tokens "
+        f"{args.max_new_tokens} --n-ctx {args.n_ctx}`."])
+    (out / "report.md").write_text(md + "\n")
+    print(md)
+    return 1 if failures else 0
+
+
+def _soak(args, pair, pool, rng, log, rows, history, failures) -> None:
+    """The generations, appended to `rows` (and `log`) as they finish."""
     for i in range(args.n):
         if i and i % args.repeat_every == 0:
             job = dict(rng.choice(history), repeat=True)
@@ -89,27 +124,6 @@ def main(argv=None) -> int:
         print(f"{i:4d} {job['policy']:10} T={job['temperature']:g} prompt {len(job['ids']):4d} -> {g.metrics.n_tokens:3d} "
               f"tok  rss {row['rss_mib']:.0f} MiB" + ("  repeat " + str(row["same_tokens"]) if job["repeat"] else ""),
               file=sys.stderr, flush=True)
-    base = rows[min(19, len(rows) - 1)]["rss_mib"]
-    peak = max(r["rss_mib"] for r in rows[20:]) if len(rows) > 20 else base
-    growth = peak / base - 1
-    if growth >= 0.05:
-        failures.append(f"resident memory grew {100 * growth:.1f}% after the first 20 generations")
-    repeats = [r for r in rows if r["repeat"]]
-    md = "\n".join([
-        f"# llama.cpp backend soak: {len(rows)} generations in one process", "", flags_line(), "",
-        f"- policies: {', '.join(p for p, _ in POLICIES)}; T = 1 top-k 50 and greedy; prompts "
-        f"{min(r['prompt_tokens'] for r in rows)}..{max(r['prompt_tokens'] for r in rows)} tokens; n_ctx {args.n_ctx}; "
-        f"{sum(r['hit_context'] for r in rows)} generations capped by the context limit",
-        f"- resident memory: {rows[0]['rss_mib']:.0f} MiB after the first, {base:.0f} MiB after 20, peak {peak:.0f} MiB "
-        f"after that: growth {100 * growth:+.2f}% (goal < 5%)",
-        f"- repeats with the same seed: {sum(r['same_tokens'] for r in repeats)} of {len(repeats)} gave the same tokens",
-        f"- wall time {time.perf_counter() - t_start:.0f} s",
-        f"- failures: {'; '.join(failures) if failures else 'none'}", "",
-        f"Written {time.strftime('%Y-%m-%d %H:%M')} by `python eval/soak_llama_cpp.py --n {args.n} --max-new-tokens "
-        f"{args.max_new_tokens} --n-ctx {args.n_ctx}`."])
-    (out / "report.md").write_text(md + "\n")
-    print(md)
-    return 1 if failures else 0
 
 
 if __name__ == "__main__":
