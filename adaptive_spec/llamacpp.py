@@ -252,8 +252,8 @@ class LlamaCppLM:
             raise UserError(f"llama.cpp could not make a context of {n_ctx} positions for {self.model.path.name} "
                             "(out of memory?); pass a smaller --n-ctx")
         self.ctx = ctx
+        # self.model keeps the weights alive as long as any context made on them
         self._finalizer = weakref.finalize(self, ll.llama_free, ctx)
-        self._model_ref = self.model  # the weights outlive every context made on them
         self.mem = ll.llama_get_memory(ctx)
         self.batch = ll.llama_batch_init(self.n_batch, 0, 1)
         self._batch_finalizer = weakref.finalize(self, ll.llama_batch_free, self.batch)
@@ -269,8 +269,7 @@ class LlamaCppLM:
         if self.vocab_size > self.n_vocab:
             raise UserError(f"vocab_size {self.vocab_size} exceeds {self.model.path.name}'s {self.n_vocab} tokens")
         self.hidden_size = self.model.hidden_size
-        self.max_length = n_ctx
-        self.n_ctx = n_ctx
+        self.max_length = n_ctx  # the context's positions (CausalLM's name for the limit)
         self.kept_ids = None
         self.device = torch.device("cpu")
         self._zero_hidden = torch.zeros(self.hidden_size)
@@ -281,7 +280,7 @@ class LlamaCppLM:
 
     def fresh(self) -> "LlamaCppLM":
         """Another context on the same weights (its own empty cache): for work beside a running decode."""
-        return LlamaCppLM(self.model, n_ctx=self.n_ctx, n_threads=self.n_threads, n_batch=self.n_batch,
+        return LlamaCppLM(self.model, n_ctx=self.max_length, n_threads=self.n_threads, n_batch=self.n_batch,
                           vocab_size=self.vocab_size)
 
     def reset(self):
@@ -295,8 +294,8 @@ class LlamaCppLM:
         n = ids.shape[0]
         if n == 0:
             raise ValueError("forward needs at least one token")
-        if self.length + n > self.n_ctx:
-            raise UserError(f"{self.length + n} positions exceed the llama.cpp context of {self.n_ctx}; "
+        if self.length + n > self.max_length:
+            raise UserError(f"{self.length + n} positions exceed the llama.cpp context of {self.max_length}; "
                             "pass a larger --n-ctx or a shorter prompt")
         n_logits = max(0, min(int(n_logits), n))
         t0 = time.perf_counter()
@@ -337,7 +336,7 @@ class LlamaCppLM:
         ll = self.ll
         return {"engine": "llama.cpp", "llama_cpp_python": getattr(import_llama_cpp(), "__version__", "?"),
                 "gguf": self.model.path.name, "desc": self.model.desc, "bytes": self.model.n_bytes,
-                "threads": self.n_threads, "n_ctx": self.n_ctx,
+                "threads": self.n_threads, "n_ctx": self.max_length,
                 "system": ll.llama_print_system_info().decode(errors="replace").strip()}
 
     def fingerprint(self) -> str:

@@ -120,7 +120,7 @@ class SpecPair:
         t = LlamaCppLM(GGUFModel(target_path), n_ctx=n_ctx, n_threads=threads)
         d = None
         if draft_path is not None:
-            d = LlamaCppLM(GGUFModel(draft_path), n_ctx=t.n_ctx, n_threads=threads)
+            d = LlamaCppLM(GGUFModel(draft_path), n_ctx=t.max_length, n_threads=threads)
             vocab = min(t.n_vocab, d.n_vocab)
             if len(tok) > vocab:
                 raise UserError(f"the tokenizer has {len(tok)} tokens but a model's output layer has only {vocab}; "
