@@ -330,15 +330,21 @@ def load_stats(paths) -> dict:
 
 
 def interp(table: dict, x: float) -> float:
-    """Piecewise-linear interpolation of {int n: ms} at x (linear extrapolation past the ends)."""
+    """Piecewise-linear interpolation of {int n: ms} at x. Past the ends it extends from the nearest
+    measured point with the least-squares slope over all points, floored at zero: a longer pass is
+    never cheaper, and one noisy neighbour must not tip the estimate below zero."""
     ks = sorted(int(k) for k in table)
-    t = {int(k): v for k, v in table.items()}
+    t = {int(k): float(v) for k, v in table.items()}
     if len(ks) == 1:
         return t[ks[0]]
-    lo = max([k for k in ks if k <= x] or [ks[0]])
-    lo = min(lo, ks[-2])
-    hi = ks[ks.index(lo) + 1]
-    return t[lo] + (t[hi] - t[lo]) * (x - lo) / (hi - lo)
+    if ks[0] <= x <= ks[-1]:
+        lo = min(max(k for k in ks if k <= x), ks[-2])
+        hi = ks[ks.index(lo) + 1]
+        return t[lo] + (t[hi] - t[lo]) * (x - lo) / (hi - lo)
+    mx, my = sum(ks) / len(ks), sum(t.values()) / len(ks)
+    slope = max(0.0, sum((k - mx) * (t[k] - my) for k in ks) / sum((k - mx) ** 2 for k in ks))
+    end = ks[-1] if x > ks[-1] else ks[0]
+    return max(0.0, t[end] + slope * (x - end))
 
 
 def estimate(stats: dict, draft_rows: list, target_rows: list, overhead: dict | None) -> list[dict]:

@@ -9,6 +9,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 # steady when other jobs share the 2 cores; tests on the real pair set their own count
 torch.set_num_threads(1)
 
+# transformers' continuous-batching module gives its logger a handler bound to whatever sys.stderr
+# is when the module is first imported; imported inside a capsys test that stream is closed
+# afterwards and every later warning prints "Logging error". Importing it here, under pytest's
+# session-wide capture, binds it to a stream that lives for the whole run.
+import transformers.generation.continuous_batching.utils  # noqa: E402,F401
+
 from tiny import save_model  # noqa: E402
 
 

@@ -257,3 +257,14 @@ def test_compiled_path_traces_fullgraph_without_recompiles(models):
             close(p, head.acceptance_prob(h).float())
     finally:
         torch._dynamo.config.error_on_recompile = old
+
+
+def test_bench_gpu_interp_never_negative():
+    # A noisy middle point (as a 1-iteration CPU smoke run measures) once tipped the linear
+    # extrapolation past the table below zero, and the estimate with it.
+    interp = _load_bench().interp
+    table = {1: 1.7, 2: 12.5, 3: 2.7}
+    assert interp(table, 2.0) == 12.5 and abs(interp(table, 1.5) - 7.1) < 1e-9
+    assert interp(table, 4.3) >= 2.7 and interp(table, 0.5) >= 0.0
+    assert abs(interp({1: 1.0, 2: 2.0}, 4.0) - 4.0) < 1e-9  # a clean line extends as a line
+    assert interp({1: 3.0, 2: 2.0}, 5.0) == 2.0  # a falling table does not extrapolate downwards
