@@ -12,7 +12,7 @@ data, not on the machine; the machine enters only through the forward times (Eq.
    per-K part only (--out).
 2. At generate time `threshold="auto"` (`k="auto"`) loads the curve, measures or loads this
    machine's forward times (costs.py) and takes the h (K) of best predicted decode throughput
-   under a time model (timemodel.py; `time_model=`, default "extended": Eq. 3.1 plus t_cand per
+   under a time model (timemodel.py; `resolve_auto(model=)`, default "extended": Eq. 3.1 plus t_cand per
    drafted token; "table" prices each verification pass at the measured time of its length,
    which on CPUs is a step function of K, not a line, and lets the h pick cap K (CAP_GRID) where
    longer passes cost a step more; `eval/fit_time_model.py SWEEP_DIR --costs FILE` says which
@@ -210,9 +210,9 @@ def weights_hash(head_dir) -> str | None:
 def make_curve(head_dir: str | None, data_dir: str, split: str = "dev", k_max: int = 20, out: str | None = None):
     """Replay and save; returns (path, curve). The curve goes beside the head unless `out` says otherwise."""
     from . import heads
-    from .policies import check_k_max
 
-    check_k_max(k_max)
+    if not isinstance(k_max, int) or k_max < 1:
+        raise UserError(f"the hard cap on candidates per round (--k-max) must be an integer >= 1, got {k_max!r}")
     if out is None and (head_dir is None or not Path(head_dir).expanduser().is_dir()):
         raise UserError("the curve goes beside the head, which needs --head to be a local folder; otherwise (a hub "
                         "head, or no head: the per-K curve only) pass --out FILE")
@@ -350,50 +350,46 @@ def pick(curve: dict, need: str, costs, model: str = DEFAULT_TIME_MODEL, k_max: 
     return out
 
 
-def resolve_auto(pair, policy: str, kwargs: dict, model: str | None = None,
-                 temperature: float | None = None) -> tuple[dict, dict | None]:
-    """Policy kwargs with threshold="auto" / k="auto" replaced by the pick for this machine, and
-    the pick (None when nothing was automatic); `curve` and `time_model` kwargs are consumed here.
-    Picks are remembered on the pair and printed once, with a warning where the decode is greedy
-    and the curve replays sampled acceptance (or the other way round)."""
-    kw = dict(kwargs)
-    source = kw.pop("curve", None)
+def resolve_auto(pair, params, model: str | None = None, temperature: float | None = None):
+    """(params, pick): a fixed or learned PolicyParams with k / threshold "auto" replaced by the
+    pick for this machine (the params unchanged and None when nothing is automatic; None for the
+    params when the pick is the target alone). Picks are remembered on the pair and printed once, with a
+    warning where the decode is greedy and the curve replays sampled acceptance (or the other way
+    round). PolicyParams checked the curve exists and that auto belongs to the policy."""
+    need = ("h" if getattr(params, "threshold", None) == "auto" and params.name == "learned"
+            else "k" if getattr(params, "k", None) == "auto" and params.name == "fixed" else None)
+    if need is None:
+        return params, None
     # llama.cpp's pass time is far from linear in its length (its CPU kernels change at 4 rows: a 4-token
     # pass can cost less than a 3-token one), so there the per-length table is the model that fits
-    default = model or ("table" if getattr(pair, "backend", "torch") == "llama.cpp" else DEFAULT_TIME_MODEL)
-    model = kw.pop("time_model", None) or default
-    need = "h" if kw.get("threshold") == "auto" else "k" if kw.get("k") == "auto" else None
-    if need is None:
-        return kw, None
-    want = "learned" if need == "h" else "fixed"
-    if policy != want:
-        flag = "--threshold auto" if need == "h" else "--k auto"
-        raise UserError(f"{flag} is for --policy {want} (got {policy}); pass a number instead")
-    head = kw.get("head")
-    source = source or (head if isinstance(head, (str, Path)) else None)
+    model = model or ("table" if getattr(pair, "backend", "torch") == "llama.cpp" else DEFAULT_TIME_MODEL)
+    head = getattr(params, "head", None)
+    source = params.curve or (head if isinstance(head, (str, Path)) else None)
     curve = load_curve(source, need, head)
-    if need == "h":
-        k_max = kw.setdefault("k_max", curve["k_max"])
-        if k_max != curve["k_max"]:
-            raise UserError(f"the curve was made with k_max {curve['k_max']}, not {k_max}; drop --k-max or rerun "
-                            f"autotune with --k-max {k_max}")
+    k_max = getattr(params, "k_max", None)
+    if need == "h" and "k_max" not in params.model_fields_set:
+        k_max = curve["k_max"]
+    if need == "h" and k_max != curve["k_max"]:
+        raise UserError(f"the curve was made with k_max {curve['k_max']}, not {k_max}; drop --k-max or rerun "
+                        f"autotune with --k-max {k_max}")
     memo = pair.__dict__.setdefault("_auto_picks", {})
-    key = (str(curve_path(source)), need, model, kw.get("k_max"))
+    key = (str(curve_path(source)), need, model, k_max)
     if key not in memo:
         from .costs import measure_costs
 
-        memo[key] = pick(curve, need, measure_costs(pair), model, kw.get("k_max"))
+        memo[key] = pick(curve, need, measure_costs(pair), model, k_max)
         memo[key]["curve"] = key[0]
         print(describe_pick(memo[key]), file=sys.stderr)
         warning = sampling_mismatch(curve, temperature)
         if warning:
             print(f"warning: {warning}", file=sys.stderr)
-    if memo[key]["value"] == AR:  # pipeline.generate decodes with the target alone
-        return kw, memo[key]
-    kw["threshold" if need == "h" else "k"] = memo[key]["value"]
-    if "k_max" in memo[key]:
-        kw["k_max"] = memo[key]["k_max"]
-    return kw, memo[key]
+    choice = memo[key]
+    if choice["value"] == AR:  # no drafting pays on this machine: None, the target alone
+        return None, choice
+    update = {"threshold" if need == "h" else "k": choice["value"], "curve": None}
+    if need == "h":
+        update["k_max"] = choice.get("k_max", k_max)
+    return params.model_copy(update=update), choice
 
 
 def sampling_mismatch(curve: dict, temperature: float | None) -> str | None:

@@ -4,15 +4,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
+import typing
 
+from . import params
 from .errors import UserError, run_main
 
-DRAFT_QUANTS = ("none", "int8", "int4")  # models.QUANTS, spelled out: --help must not import torch
-
-# used when pipeline.policy_names() cannot be imported (an older pipeline.py)
-KNOWN_POLICIES = ("ar", "fixed", "learned", "confidence", "entropy", "heuristic", "oracle", "tree", "ersd", "spectr",
-                  "batch-sd")
 # subcommands with their own argument parsers: everything after the name is theirs
 DELEGATED = {
     "fetch-models": ("adaptive_spec.fetch", "build the default model pair into the local cache"),
@@ -41,100 +37,58 @@ def version() -> str:
         return "unknown (not installed)"
 
 
-def policy_names() -> list[str]:
-    """The registered stop policies (imported lazily: pipeline pulls in torch)."""
-    try:
-        from .pipeline import policy_names as registered
-    except ImportError:
-        return list(KNOWN_POLICIES)
-    return list(registered())
-
-
-def _policy(names: list[str]):
-    def check(name: str) -> str:
-        if name not in names:
-            raise argparse.ArgumentTypeError(f"unknown policy {name!r}; choose one of {', '.join(names)}")
-        return name
-
-    return check
-
-
 def _add_generate(sub):
-    g = sub.add_parser("generate", help="generate text with a draft/target pair",
+    # allow_abbrev off: --thresh must not quietly stand for --threshold (nor a misspelling for something else)
+    g = sub.add_parser("generate", help="generate text with a draft/target pair", allow_abbrev=False,
                        description="Generate from the target, speculatively drafting with the draft model.")
-    names = policy_names()
-    _add_model_args(g)
+    names = params.policy_names()
+    _add_fields(g, params.PairParams.model_fields, lambda key: "")
     g.add_argument("--prompt", required=True, help="prompt text")
-    g.add_argument("--policy", default="fixed", type=_policy(names), choices=names, metavar="POLICY",
+    g.add_argument("--policy", default="fixed", type=_policy_name, metavar="POLICY",
                    help=f"stop policy: {', '.join(names)} (ar = target only; default fixed)")
-    _add_policy_args(g)
+    _add_fields(g, params.policy_fields(), lambda key: f" (policies: {', '.join(params.policies_with(key))})")
     _add_sampling_args(g)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
 
 
-def _add_model_args(g):
-    g.add_argument("--draft", default="default", help="draft model: hub id, local folder or 'default'")
-    g.add_argument("--target", default="default", help="target model: hub id, local folder or 'default'")
-    g.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
-                   help="weights' dtype (default auto: bf16 on GPUs and on CPUs with bf16 kernels, fp32 on "
-                        "AVX2-only CPUs, where bf16 matrix products are several times slower)")
-    g.add_argument("--draft-quant", default="none", choices=DRAFT_QUANTS,
-                   help="draft weights: none, int8 (weight-only, per-channel) or int4 (weight-only, groups of 64; "
-                        "CPU); exactness unchanged")
-    g.add_argument("--draft-vocab", default=None, metavar="N|FILE|FILE:N",
-                   help="draft output layer keeps the N most frequent tokens (shipped list for the default "
-                        "tokenizer) or those of a list from `adaptive-spec draft-vocab`; default: all")
-    g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    g.add_argument("--backend", default="torch", choices=["torch", "llama.cpp"],
-                   help="engine: torch (Hugging Face weights; the default pair dequantized to bf16) or llama.cpp "
-                        "(the GGUF files as they are, through llama-cpp-python; CPU)")
-    g.add_argument("--n-ctx", type=int, default=None, help="llama.cpp: context positions (default 4096)")
-    g.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's count)")
-    g.add_argument("--kv-cache", default="dynamic", choices=["dynamic", "static"],
-                   help="torch: KV caches dynamic (grow and crop) or static (preallocated, indexed by position)")
-    g.add_argument("--runtime", default="eager", choices=["eager", "cudagraph", "compile"],
-                   help="static KV cache on GPU: capture one CUDA graph per input length (cudagraph/compile)")
-    g.add_argument("--max-cache-len", type=int, default=None, help="static KV cache: preallocated positions")
+def _policy_name(name: str) -> str:
+    try:
+        return params.policy_class(name).name
+    except UserError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _number_or_auto(kind):
-    def parse(s: str):
-        if s == "auto":
-            return s
-        try:
-            return kind(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'} or auto, "
-                                             f"got {s!r}") from None
-
-    return parse
+def flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
 
 
-def _add_policy_args(g):
-    g.add_argument("--k", type=_number_or_auto(int), default=None,
-                   help="candidates per round for --policy fixed (default 4; auto: the K of best predicted "
-                        "throughput on this machine, from a curve), tokens per draft for spectr / batch-sd")
-    g.add_argument("--threshold", type=_number_or_auto(float), default=None,
-                   help="h in (0, 1) for learned (auto: the h of best predicted throughput on this machine, from "
-                        "the head's threshold_curve.json), tau in (0, 1) for confidence, tau > 0 nats for entropy")
-    g.add_argument("--curve", default=None,
-                   help="threshold_curve.json (or its folder) for --threshold auto / --k auto; default: the one "
-                        "beside --head (made by `adaptive-spec autotune`)")
-    g.add_argument("--head", default=None, help="acceptance head folder (or hub id) for --policy learned")
-    g.add_argument("--k-max", type=int, default=None, help="hard cap on candidates per round (learned: 20)")
-    g.add_argument("--tree-budget", type=int, default=None, help="drafted tokens per round for tree policies")
-    g.add_argument("--tree-estimator", default=None, choices=("positional", "head"),
-                   help="acceptance estimates for the tree: positional rates or a trained head (--head)")
-    g.add_argument("--drafting", default=None, choices=("tree", "sequence", "batch", "specinfer"),
-                   help="draft shape for --policy tree / ersd (tree = the optimal one)")
-    g.add_argument("--tree-rates", default=None,
-                   help="calibration.json of per-sibling acceptance rates for tree policies (bench_trees writes one)")
-    g.add_argument("--num-drafts", type=int, default=None, help="drafts per round for spectr / batch-sd")
-    g.add_argument("--tree-learned", action="store_true", default=None,
-                   help="tree / ersd: draft as many tokens per round as are worth their cost (at most --tree-budget)")
-    g.add_argument("--tree-node-cost", type=float, default=None,
-                   help="with --tree-learned: the cost of one drafted token in target steps (default: measured)")
+def _add_fields(g, fields: dict, note) -> None:
+    """One flag per typed field (params.py): its name, help and choices come from the field; the
+    value is left as typed and the params class converts and checks it, once. Unset flags stay None,
+    so the class's defaults apply and a flag that does not apply to a policy can be refused."""
+    for key, f in fields.items():
+        extra = f.json_schema_extra or {}
+        if extra.get("cli", True) is False:
+            continue
+        choices = _literal_choices(f.annotation)
+        text = (f.description or key.replace("_", " ")) + note(key)
+        if f.annotation is bool:
+            g.add_argument(flag(key), dest=key, action="store_true", default=None, help=text)
+        else:
+            g.add_argument(flag(key), dest=key, default=None, choices=choices, help=text,
+                           metavar=None if choices else key.upper())
+
+
+def _literal_choices(annotation) -> list[str] | None:
+    """The values of a Literal field (auto in `int | Literal["auto"]` is not a closed set)."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return list(typing.get_args(annotation))
+    return None
+
+
+def _set(args, fields) -> dict:
+    return {k: getattr(args, k) for k in fields if getattr(args, k, None) is not None}
 
 
 def _add_sampling_args(g):
@@ -145,129 +99,44 @@ def _add_sampling_args(g):
     g.add_argument("--seed", type=int, default=0, help="random seed of the sampling")
 
 
-POSITIVE = ("k", "k_max", "max_new_tokens", "tree_budget", "num_drafts", "max_cache_len", "n_ctx", "threads")
-
-
 def validate(args):
-    """Every check that needs no model, before gigabytes of weights load."""
+    """Every check that needs no model, before gigabytes of weights load: (PairParams,
+    PolicyParams, SamplingParams). Each setting is checked by its params class, once."""
     from .sampling import SamplingParams
 
     if not args.prompt.strip():
         raise UserError("the prompt is empty; pass some text with --prompt")
-    SamplingParams(args.temperature, args.top_k, args.top_p)
-    for name in POSITIVE:
-        v = getattr(args, name)
-        if v is not None and v != "auto" and v < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
-    if args.tree_node_cost is not None and not args.tree_node_cost > 0:
-        raise UserError(f"--tree-node-cost must be > 0 (target steps per drafted token), got {args.tree_node_cost}")
-    _validate_threshold(args.policy, args.threshold)
-    if args.policy == "learned" or args.tree_estimator == "head":
-        _validate_head(args.head, args.policy if args.policy == "learned" else "--tree-estimator head")
-    _validate_auto(args)
-    if args.policy == "oracle" and args.temperature > 0:
-        raise UserError("the hindsight oracle is defined for greedy decoding; use --temperature 0")
-    _validate_draft_vocab(args.draft_vocab)
-    if args.backend == "llama.cpp":
-        _validate_llama_cpp(args)
-    elif args.n_ctx is not None:
-        raise UserError("--n-ctx sets the llama.cpp context; the torch backend sizes its caches itself")
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
+    pair = params.pair_params(spell=flag, **_set(args, params.PairParams.model_fields))
+    if args.policy == "ar":
+        pair = pair.model_copy(update={"draft": None})
+    policy = params.policy_params(args.policy, spell=flag, **_set(args, params.policy_fields()))
+    policy.check_sampling(sampling.temperature)
+    if pair.backend == "llama.cpp":
+        from .llamacpp import check_head_inputs, check_policy, import_llama_cpp
 
-
-def _validate_llama_cpp(args):
-    """The llama.cpp backend's refusals, before any weights load: the binding, the policy, a head that
-    reads hidden states, and the torch-only settings."""
-    from .llamacpp import check_policy, import_llama_cpp
-
-    torch_only = [f"--{k.replace('_', '-')} {getattr(args, k)}" for k, default in
-                  (("dtype", "auto"), ("draft_quant", "none"), ("draft_vocab", None), ("kv_cache", "dynamic"),
-                   ("runtime", "eager"), ("max_cache_len", None)) if getattr(args, k) != default]
-    if args.device not in (None, "cpu"):
-        torch_only.append(f"--device {args.device}")
-    if torch_only:
-        raise UserError(f"{', '.join(torch_only)}: the llama.cpp backend runs the GGUF files as they are, on the CPU; "
-                        "drop these flags or use --backend torch")
-    check_policy(args.policy)
-    if args.policy == "learned" and args.head and (Path(args.head).expanduser() / "config.json").is_file():
-        inputs = json.loads((Path(args.head).expanduser() / "config.json").read_text()).get("inputs", "hidden")
-        if inputs != "stats":
-            raise UserError(f"the head at {args.head} reads the draft's hidden states (inputs={inputs}), which llama.cpp "
-                            "does not give; use a statistics head (inputs=stats, e.g. "
-                            "checkpoints/qwen-coder-0.5b-int8-stats-d3) or --backend torch")
-    import_llama_cpp()
-
-
-def _validate_draft_vocab(spec: str | None):
-    """N must be a positive count (its upper bound, the vocabulary, is checked at load); a FILE must exist."""
-    from .vocab import parse_draft_vocab
-
-    parsed = parse_draft_vocab(spec)
-    if parsed is None:
-        return
-    path, n = parsed
-    if n is not None and n < 1:
-        raise UserError(f"--draft-vocab must be a token count >= 1 or a token-list file, got {spec}")
-    if path and not Path(path).is_file():
-        raise UserError(f"--draft-vocab file {path} does not exist; build one with `adaptive-spec draft-vocab`")
-
-
-def _validate_auto(args):
-    """auto belongs to one policy each, and its curve must exist before any model loads."""
-    from .autotune import load_curve
-
-    for flag, value, policy, need in (("--threshold", args.threshold, "learned", "h"), ("--k", args.k, "fixed", "k")):
-        if value != "auto":
-            continue
-        if args.policy != policy:
-            raise UserError(f"{flag} auto is for --policy {policy} (got {args.policy}); pass a number instead")
-        load_curve(args.curve or args.head, need, args.head)
-
-
-def _validate_threshold(policy: str, h: float | str | None):
-    if policy == "learned" and h is None:
-        raise UserError("the learned policy needs --threshold h in (0, 1) (the paper's best is about 0.7), or "
-                        "--threshold auto")
-    if h is None or h == "auto":
-        return
-    if policy in ("learned", "confidence") and not 0.0 < h < 1.0:
-        raise UserError(f"--threshold for {policy} must be in (0, 1), got {h}")
-    if policy == "entropy" and not h > 0.0:
-        raise UserError(f"--threshold for entropy must be > 0 nats, got {h}")
-
-
-def _validate_head(head: str | None, who: str):
-    if not head:
-        raise UserError(f"{who} needs a trained acceptance head: pass --head PATH (e.g. "
-                        "checkpoints/qwen-coder-0.5b-d3-wrej6)")
-    p = Path(head).expanduser()
-    # owner/name could be a hub repo id; anything else that is not a folder is a typo
-    looks_like_repo = head.count("/") == 1 and not head.startswith((".", "/", "~"))
-    if not p.is_dir() and not looks_like_repo:
-        raise UserError(f"acceptance head folder {head} does not exist; pass a folder written by train.py")
+        check_policy(policy.name)
+        check_head_inputs(getattr(policy, "head", None))
+        import_llama_cpp()
+    elif pair.draft is not None:
+        pair.check_draft_vocab_size()
+    return pair, policy, sampling
 
 
 def _generate(args) -> int:
-    validate(args)
+    pair_params, policy, sampling = validate(args)
     from transformers.utils import logging as hf_logging
 
     from .pipeline import SpecPair
 
     hf_logging.disable_progress_bar()  # weight-loading bars would drown the streamed text
-    names = ("k", "threshold", "head", "k_max", "tree_budget", "tree_estimator", "drafting", "num_drafts",
-             "tree_rates", "curve", "tree_learned", "tree_node_cost")
-    policy_kwargs = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
-    if args.backend == "llama.cpp":
-        pair = SpecPair.load(target=args.target, draft=None if args.policy == "ar" else args.draft,
-                             backend="llama.cpp", n_ctx=args.n_ctx, num_threads=args.threads)
-    else:
-        pair = SpecPair.load(target=args.target, draft=None if args.policy == "ar" else args.draft,
-                             dtype=args.dtype, device=args.device, kv_cache=args.kv_cache, runtime=args.runtime,
-                             max_cache_len=args.max_cache_len, draft_quant=args.draft_quant,
-                             draft_vocab=args.draft_vocab, num_threads=args.threads)
+    pair = SpecPair.load(pair_params)
     stream = None if args.json else (lambda s: print(s, end="", flush=True))
-    g = pair.generate(args.prompt, policy=args.policy, max_new_tokens=args.max_new_tokens,
-                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                      chat=args.chat, on_text=stream, **policy_kwargs)
+    g = pair.generate(args.prompt, policy=policy, max_new_tokens=args.max_new_tokens,
+                      temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=args.seed,
+                      chat=args.chat, on_text=stream)
     _print_result(g, args, pair.runtime_info())
     return 0
 

@@ -1,5 +1,8 @@
 """Flat dataclass configs loaded from YAML, with `key=value` overrides from the command line.
 
+pydantic converts and checks each value against the field's type (as params.py does for the
+pair and the policies); this module adds the YAML file, the overrides and the one-line errors.
+
 Every long job (datagen, training, sweeps) takes its settings from one of these. Unknown keys
 are refused with the list of valid ones, because a silently ignored typo in a config costs a
 whole run.
@@ -12,40 +15,36 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
+from pydantic import TypeAdapter, ValidationError
 
 from .errors import UserError
 
 T = TypeVar("T")
 
 
-def _coerce(name: str, value: Any, tp: Any) -> Any:
-    """Coerce a YAML/CLI value to the field's declared type where that is unambiguous."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if value is None:
-        return None
-    if origin is typing.Union or (origin is not None and str(origin) == "<class 'types.UnionType'>"):
-        non_none = [a for a in args if a is not type(None)]
-        return _coerce(name, value, non_none[0]) if len(non_none) == 1 else value
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            value = [value]
-        inner = args[0] if args else Any
-        return [_coerce(name, v, inner) for v in value]
+def _validate(cls: type[T], raw: dict[str, Any]) -> T:
+    """pydantic converts each value to its field's declared type (lax: "4" -> 4, "true" -> True, one
+    value -> a one-element list) or names the key that does not fit, in one line."""
+    hints = typing.get_type_hints(cls)
+    # YAML reads `name: 7` as a number; a field of type str takes it as text
+    raw = {k: str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and hints[k] in (str, str | None)
+           else v for k, v in raw.items()}
     try:
-        if tp is bool and isinstance(value, str):
-            if value.lower() in ("true", "1", "yes"):
-                return True
-            if value.lower() in ("false", "0", "no"):
-                return False
-            raise ValueError(value)
-        if tp in (int, float, str, bool):
-            if tp is int and isinstance(value, float) and not value.is_integer():
-                raise ValueError(value)
-            return tp(value)
-    except (TypeError, ValueError):
-        raise UserError(f"config key '{name}' must be of type {tp.__name__}, got {value!r}") from None
-    return value
+        return TypeAdapter(cls).validate_python(raw)
+    except ValidationError as e:
+        errors = e.errors()
+        missing = [str(x["loc"][0]) for x in errors if x["type"] == "missing"]
+        if missing:
+            raise UserError(f"config is missing required key(s): {', '.join(missing)}") from None
+        first = errors[0]
+        key = first["loc"][0] if first["loc"] else "?"
+        hint = hints.get(key, Any)
+        raise UserError(f"config key '{key}' must be of type {getattr(hint, '__name__', str(hint))}, got "
+                        f"{first['input']!r} ({first['msg'].lower()})") from None
+
+
+def _is_list(cls: type, key: str) -> bool:
+    return typing.get_origin(typing.get_type_hints(cls)[key]) in (list, tuple)
 
 
 def config_keys(cls: type) -> list[str]:
@@ -92,15 +91,8 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
             f"unknown config key(s) {', '.join(repr(k) for k in unknown)} for {cls.__name__}; "
             f"valid keys: {', '.join(valid)}"
         )
-    hints = typing.get_type_hints(cls)
-    kwargs = {k: _coerce(k, v, hints[k]) for k, v in raw.items()}
-    missing = [
-        f.name for f in dataclasses.fields(cls)
-        if f.name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    ]
-    if missing:
-        raise UserError(f"config is missing required key(s): {', '.join(missing)}")
-    cfg = cls(**kwargs)
+    raw = {k: ([v] if _is_list(cls, k) and not isinstance(v, (list, tuple)) else v) for k, v in raw.items()}
+    cfg = _validate(cls, raw)
     validate = getattr(cfg, "validate", None)
     if callable(validate):
         validate()

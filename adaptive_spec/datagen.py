@@ -81,7 +81,7 @@ class DatagenConfig:
     # ... or a mix of named training sets, each drawn and split on its own (dev prompts per source):
     # [{name: sharegpt, n: 2400}, {name: mbpp}]; n = prompts taken from the set (-1 or absent: all),
     # field = its text field (absent: the set's own). Set `dataset` or `sources`, not both.
-    sources: list[dict] = field(default_factory=list)
+    sources: list[dict | str] = field(default_factory=list)
     dataset_config: str | None = None  # hub dataset configuration, e.g. "main" for gsm8k
     dataset_split: str = "train"  # the hub dataset's own split that prompts are read from
     prompt_field: str = ""  # "" = the named set's own field, else the first of prompt/instruction/question/text

@@ -1,6 +1,6 @@
 """The decoder's two extension points and the policy registry.
 
-A leaf module: it imports nothing else of the package but errors, so every policy module can
+A leaf module: it imports nothing else of the package but errors and params (both leaves), so every policy module can
 import it and the decoder can dispatch on it without any module importing a policy module back.
 
 * `StopPolicy`, a stop rule: the decoder drafts one chain y_1, y_2, ... and asks it, per drafted
@@ -26,8 +26,9 @@ import it and the decoder can dispatch on it without any module importing a poli
   models' counters, and book the round with `RoundState.book(K, n)`.
 
 Both hold per-generation state: the decoder calls `reset()` at the start of each generation.
-Register a factory under a name with `@register("name")`; `adaptive_spec.pipeline.make_policy`
-builds policies by name.
+A policy's settings are a `params.PolicyParams` class registered under its name (`@params.policy`);
+its factory registers under the same name with `@register("name")` and is called as
+`factory(params, context)`; `adaptive_spec.pipeline.make_policy` builds policies by name.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from . import params
 from .errors import UserError
 
 
@@ -124,12 +126,27 @@ class RoundOwner:
 
 Policy = StopPolicy | RoundOwner
 
-# name -> factory(**kwargs) returning a Policy; policy modules fill it at import time
+
+@dataclass
+class PolicyContext:
+    """What a factory may need beyond the policy's own settings: the decode it serves."""
+
+    pair: Any = None  # a SpecPair (or anything with target, draft, eos_token_ids)
+    prompt_ids: list[int] | None = None
+    sampling: Any = None  # SamplingParams
+    max_new_tokens: int = 128
+
+
+# name -> factory(params, context) returning a Policy; policy modules fill it at import time
 _REGISTRY: dict[str, Callable[..., Policy]] = {}
 
 
 def register(name: str):
+    """Register a factory; its settings class is params' class of the same name (an extension
+    without one gets an empty settings class: it takes no keywords)."""
     def deco(factory):
+        if name not in params._POLICIES:
+            params.policy(name)(params.create_model(f"Params_{name}", __base__=params.PolicyParams))
         _REGISTRY[name] = factory
         return factory
     return deco

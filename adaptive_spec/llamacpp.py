@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import logging
 import os
 import threading
@@ -73,6 +74,17 @@ def check_policy(name: str) -> str:
                         f"tree/multi-draft passes); policies that do: {', '.join(POLICIES)} (learned with a "
                         "statistics head, inputs=stats); or use --backend torch")
     return name
+
+
+def check_head_inputs(head) -> None:
+    """A head named by folder must read statistics: llama.cpp gives no hidden states."""
+    if not isinstance(head, (str, Path)) or not (Path(head).expanduser() / "config.json").is_file():
+        return  # a head object or a hub id: load_pair_head checks it when the policy is built
+    inputs = json.loads((Path(head).expanduser() / "config.json").read_text()).get("inputs", "hidden")
+    if inputs != "stats":
+        raise UserError(f"the head at {head} reads the draft's hidden states (inputs={inputs}), which llama.cpp "
+                        "does not give; use a statistics head (inputs=stats, e.g. "
+                        "checkpoints/qwen-coder-0.5b-int8-stats-d3) or --backend torch")
 
 
 def import_llama_cpp():

@@ -28,7 +28,8 @@ from __future__ import annotations
 import torch
 
 from .errors import UserError
-from .interfaces import RoundOwner, RoundState, register
+from .interfaces import PolicyContext, RoundOwner, RoundState, register
+from .params import BatchSDParams, SpecTrParams
 from .sampling import residual, sample, verify
 from .tree_draft import DraftTree
 from .tree_verify import finish_round, match_children, plain_step, read_path, target_pass, verify_greedy
@@ -221,12 +222,12 @@ def _batch_sd_path(tree, paths, P: torch.Tensor, gen) -> tuple[list[int], int]:
 
 
 @register("spectr")
-def _make_spectr(num_drafts=None, k=None, **_):
+def _make_spectr(p: SpecTrParams, ctx: PolicyContext):
     """SpecTr: num_drafts i.i.d. drafts of k tokens, K-SEQ draft selection (default 4 x 4)."""
-    return MultiDraftPolicy("spectr", num_drafts if num_drafts is not None else 4, k if k is not None else 4)
+    return MultiDraftPolicy("spectr", p.num_drafts, p.k)
 
 
 @register("batch-sd")
-def _make_batch_sd(num_drafts=None, k=None, **_):
+def _make_batch_sd(p: BatchSDParams, ctx: PolicyContext):
     """Batch speculative decoding: num_drafts i.i.d. drafts of k tokens (default 4 x 4)."""
-    return MultiDraftPolicy("batch-sd", num_drafts if num_drafts is not None else 4, k if k is not None else 4)
+    return MultiDraftPolicy("batch-sd", p.num_drafts, p.k)

@@ -3,7 +3,7 @@
     from adaptive_spec import SpecPair
     pair = SpecPair.load()                      # the default pair; dtype auto; CUDA if present
     g = pair.generate("Write quicksort in Python.", policy="fixed", k=4, temperature=0,
-                      max_new_tokens=128, chat=True)
+                      max_new_tokens=128, chat=True)  # or policy=FixedParams(k=4) (params.py)
     print(g.text, g.metrics.summary())
 """
 from __future__ import annotations
@@ -14,8 +14,9 @@ from . import multidraft, policies, tree  # noqa: F401  (importing them register
 from .autotune import AR, resolve_auto
 from .decoding import Decoder, Generation
 from .errors import UserError
-from .interfaces import Policy, lookup, registered
+from .interfaces import Policy, PolicyContext, lookup, registered
 from .models import check_quant, check_vocab, load_model, resolve_device
+from .params import ARParams, PairParams, PolicyParams, pair_params, policy_params
 from .prompts import encode_prompt, eos_token_ids
 from .sampling import SamplingParams
 
@@ -25,17 +26,22 @@ def policy_names() -> list[str]:
     return ["ar"] + registered()
 
 
-def make_policy(name: str, **kwargs) -> Policy | None:
-    """A policy by name; "ar" gives None (target-only decoding). kwargs not used by a policy
-    (the pair, the prompt, the sampling settings) are ignored by it."""
-    if name == "ar":
+def make_policy(policy: str | PolicyParams, context: PolicyContext | None = None, **settings) -> Policy | None:
+    """A policy from its settings (a PolicyParams, or a name and keywords, validated here, once);
+    "ar" gives None (target-only decoding). `context`: the pair, prompt and sampling it serves."""
+    params = policy if isinstance(policy, PolicyParams) else policy_params(policy, **settings)
+    if isinstance(policy, PolicyParams) and settings:
+        raise UserError(f"pass the settings {', '.join(settings)} inside the {params.name} params, not beside them")
+    ctx = context or PolicyContext()
+    if ctx.sampling is not None:
+        params.check_sampling(ctx.sampling.temperature)
+    if params.name == "ar":
         return None
-    pair = kwargs.get("pair")
-    if pair is not None and getattr(pair, "backend", "torch") == "llama.cpp":
+    if getattr(ctx.pair, "backend", "torch") == "llama.cpp":
         from .llamacpp import check_policy
 
-        check_policy(name)
-    return lookup(name)(**kwargs)
+        check_policy(params.name)
+    return lookup(params.name)(params, ctx)
 
 
 class SpecPair:
@@ -65,59 +71,51 @@ class SpecPair:
         self.decoder = Decoder(self.target, self.draft, eos_token_ids=self.eos_token_ids)
 
     @classmethod
-    def load(cls, target: str | None = "default", draft: str | None = "default", dtype="auto",
-             device: str | None = None, num_threads: int | None = None, draft_quant: str = "none",
-             draft_vocab=None, backend: str = "torch", n_ctx: int | None = None, **runner_kwargs) -> "SpecPair":
-        """Load a pair by hub id or local path ("default" = the default pair; draft=None: target only).
+    def load(cls, params: PairParams | None = None, **settings) -> "SpecPair":
+        """Load a pair: `SpecPair.load(PairParams(...))` or `SpecPair.load(target=..., draft=..., ...)`
+        with PairParams' keywords (params.py; "default" = the default pair; draft=None: target only).
 
         backend "torch": Hugging Face weights (the default pair: the GGUFs dequantized to bf16);
         "llama.cpp": the GGUF files as they are, through llama-cpp-python (llamacpp.py), with a
         context of n_ctx positions. dtype "auto": bf16, or fp32 on a CPU without bf16 kernels
         (cpu.py). The torch draft may be made cheaper without touching exactness: draft_quant
         "int8" / "int4" (weight-only), draft_vocab N | FILE | FILE:N (its output layer keeps the N
-        most frequent tokens; vocab.py)."""
-        from .llamacpp import check_backend
-
-        if check_backend(backend) == "llama.cpp":
-            return cls._load_llama_cpp(target, draft, dtype, device, num_threads, draft_quant, draft_vocab, n_ctx,
-                                       runner_kwargs)
-        if n_ctx is not None:
-            raise UserError("n_ctx (--n-ctx) sets the llama.cpp context; the torch backend sizes its caches itself")
-        if num_threads:
-            torch.set_num_threads(num_threads)
-        device = resolve_device(device)
-        check_quant(draft_quant, device)  # refused before any weights load
-        target_model, tok = load_model(target, "target", dtype, device)
-        draft_model, dtok = ((load_model(draft, "draft", dtype, device, quant=draft_quant, draft_vocab=draft_vocab)
-                              if draft is not None else (None, None)))
-        pair = cls(target_model, tok, draft_model, dtok, **runner_kwargs)
-        pair.draft_config = {"draft_quant": draft_quant or "none", "draft_vocab": draft_vocab or "full"}
+        most frequent tokens; vocab.py). Every setting is checked before any weights load."""
+        if params is None:
+            params = pair_params(**settings)
+        elif settings:
+            raise UserError(f"pass the settings {', '.join(settings)} inside the PairParams, not beside them")
+        if params.backend == "llama.cpp":
+            return cls._load_llama_cpp(params)
+        params.check_draft_vocab_size()
+        if params.threads:
+            torch.set_num_threads(params.threads)
+        device = resolve_device(params.device)
+        check_quant(params.draft_quant, device)  # refused before any weights load
+        target_model, tok = load_model(params.target, "target", params.dtype, device)
+        draft_model, dtok = ((load_model(params.draft, "draft", params.dtype, device, quant=params.draft_quant,
+                                         draft_vocab=params.draft_vocab)
+                              if params.draft is not None else (None, None)))
+        pair = cls(target_model, tok, draft_model, dtok, kv_cache=params.kv_cache, runtime=params.runtime,
+                   max_cache_len=params.max_cache_len)
+        pair.params = params
+        pair.draft_config = {"draft_quant": params.draft_quant, "draft_vocab": params.draft_vocab or "full"}
         return pair
 
     @classmethod
-    def _load_llama_cpp(cls, target, draft, dtype, device, num_threads, draft_quant, draft_vocab, n_ctx,
-                        runner_kwargs) -> "SpecPair":
+    def _load_llama_cpp(cls, params: PairParams) -> "SpecPair":
         """Both models as GGUF files in llama.cpp; the Hugging Face tokenizer (the same ids as the torch
-        backend, chat template included). Every check that needs no weights comes first."""
+        backend, chat template included). PairParams has refused the torch-only settings already."""
         from .llamacpp import GGUFModel, LlamaCppLM, check_gguf_pair, import_llama_cpp, resolve_gguf
 
-        unused = {"dtype": dtype if dtype not in (None, "auto") else None,
-                  "device": device if device not in (None, "cpu") else None,
-                  "draft_quant": draft_quant if draft_quant not in (None, "none") else None,
-                  "draft_vocab": draft_vocab, **{k: v for k, v in runner_kwargs.items() if v not in (None, "dynamic",
-                                                                                                 "eager")}}
-        unused = {k: v for k, v in unused.items() if v is not None}
-        if unused:
-            raise UserError(f"{', '.join(f'{k}={v!r}' for k, v in unused.items())}: the llama.cpp backend runs the GGUF "
-                            "files as they are, on the CPU; these settings apply to the torch backend only")
         import_llama_cpp()
-        target_path = resolve_gguf(target, "target")
-        draft_path = resolve_gguf(draft, "draft") if draft is not None else None
+        target_path = resolve_gguf(params.target, "target")
+        draft_path = resolve_gguf(params.draft, "draft") if params.draft is not None else None
         if draft_path is not None:
             check_gguf_pair(draft_path, target_path)
-        tok, eos = _gguf_tokenizer(target, target_path)
-        threads = num_threads or torch.get_num_threads()
-        t = LlamaCppLM(GGUFModel(target_path), n_ctx=n_ctx, n_threads=threads)
+        tok, eos = _gguf_tokenizer(params.target, target_path)
+        threads = params.threads or torch.get_num_threads()
+        t = LlamaCppLM(GGUFModel(target_path), n_ctx=params.n_ctx, n_threads=threads)
         d = None
         if draft_path is not None:
             d = LlamaCppLM(GGUFModel(draft_path), n_ctx=t.max_length, n_threads=threads)
@@ -131,6 +129,7 @@ class SpecPair:
         if eos is None:
             eos = sorted(({tok.eos_token_id} - {None}) | _eog_ids(t))
         pair._init_runners(t, d, tok, eos)
+        pair.params = params
         pair.draft_config = {"backend": "llama.cpp", "draft_quant": "gguf", "draft_vocab": "full"}
         return pair
 
@@ -151,22 +150,25 @@ class SpecPair:
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, chat)
 
-    def generate(self, prompt: str | list[int], policy: str = "fixed", max_new_tokens: int = 128,
+    def generate(self, prompt: str | list[int], policy: str | PolicyParams = "fixed", max_new_tokens: int = 128,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = 0,
-                 chat: bool = False, on_text=None, **policy_kwargs) -> Generation:
-        """Generate from a prompt (text, or token ids). policy: "ar" for target-only decoding,
-        "fixed" (k=...), or any name `make_policy` knows, with its keyword arguments.
+                 chat: bool = False, on_text=None, **settings) -> Generation:
+        """Generate from a prompt (text, or token ids). policy: a PolicyParams (params.py), or a
+        name ("ar" for target-only decoding, "fixed", "learned", ...) with its settings as keywords
+        (k=4; head=..., threshold=0.7), checked against the policy's PolicyParams.
 
         threshold="auto" (learned) / k="auto" (fixed): the h / K of best predicted throughput on
         this machine, from the head's threshold_curve.json (or curve=PATH; autotune.py); the pick
         is printed once per pair and kept as `Generation.auto`."""
-        ids = self.encode(prompt, chat) if isinstance(prompt, str) else list(prompt)
+        params = policy if isinstance(policy, PolicyParams) else policy_params(policy, **settings)
+        if isinstance(policy, PolicyParams) and settings:
+            raise UserError(f"pass the settings {', '.join(settings)} inside the {params.name} params, not beside them")
         sampling = SamplingParams(temperature, top_k, top_p)
-        policy_kwargs, auto = resolve_auto(self, policy, policy_kwargs, temperature=temperature)
-        if auto is not None and auto["value"] == AR:
-            policy = "ar"  # auto found that no drafting pays on this machine
-        pol = make_policy(policy, pair=self, prompt_ids=ids, sampling=sampling,
-                          max_new_tokens=max_new_tokens, **policy_kwargs)
+        params.check_sampling(temperature)
+        ids = self.encode(prompt, chat) if isinstance(prompt, str) else list(prompt)
+        params, auto = resolve_auto(self, params, temperature=temperature)
+        params = params or ARParams()  # auto found that no drafting pays on this machine
+        pol = make_policy(params, PolicyContext(self, ids, sampling, max_new_tokens))
         on_tokens = None
         if on_text is not None:
             on_tokens = _Streamer(self.tokenizer, on_text)

@@ -15,8 +15,10 @@ from .decoding import Decoder
 from .errors import UserError
 from .features import step_stats
 from .heads import INPUTS, join_inputs, load_head, reads_stats
-from .interfaces import DraftStep, RoundOwner, RoundState, StopPolicy, register
+from .interfaces import DraftStep, PolicyContext, RoundOwner, RoundState, StopPolicy, register
 from .models import CausalLM
+from .params import (ConfidenceParams, EntropyParams, FixedParams, HeuristicParams, LearnedParams,
+                     OracleParams)
 from .sampling import SamplingParams, entropy
 
 
@@ -34,24 +36,12 @@ class FixedK(StopPolicy):
         return {"policy": self.name, "k": self.k}
 
 
-def check_k_max(k_max: int) -> int:
-    if not isinstance(k_max, int) or k_max < 1:
-        raise UserError(f"the hard cap on candidates per round must be an integer >= 1, got {k_max!r}")
-    return k_max
-
-
 @register("fixed")
-def _make_fixed(k: int = 4, **_):
-    return FixedK(k)
+def _make_fixed(p: FixedParams, ctx: PolicyContext):
+    return FixedK(p.k)
 
 
 # ---- SpecDec++ and training-free baselines (SpecDec++ paper, Algorithm 1 and section 5) -------
-
-
-def _check_unit_interval(value, what: str) -> float:
-    if value is None or not (0.0 < float(value) < 1.0):
-        raise UserError(f"{what} must be in (0, 1), got {value!r}")
-    return float(value)
 
 
 class LearnedThreshold(StopPolicy):
@@ -76,8 +66,7 @@ class LearnedThreshold(StopPolicy):
 
     def __init__(self, head, threshold: float, k_max: int = 20):
         self.head = head
-        self.h = _check_unit_interval(threshold, "the SpecDec++ threshold h")
-        self.k_max = check_k_max(k_max)
+        self.h, self.k_max = float(threshold), k_max  # validated once, by params.LearnedParams
         self.feature = getattr(head, "feature", "token")  # duck-typed heads without one read like the paper's
         self.inputs = getattr(head, "inputs", "hidden")
         self.stats_params = ((getattr(head, "stats_params", None) or SamplingParams()) if reads_stats(self.inputs)
@@ -113,8 +102,7 @@ class ConfidenceThreshold(StopPolicy):
     name = "confidence"
 
     def __init__(self, threshold: float, k_max: int = 20):
-        self.tau = _check_unit_interval(threshold, "the confidence threshold tau")
-        self.k_max = check_k_max(k_max)
+        self.tau, self.k_max = float(threshold), k_max  # validated by params.ConfidenceParams
 
     def should_stop(self, step: DraftStep) -> bool:
         greedy = bool(step.probs.max() == 1.0)
@@ -132,10 +120,7 @@ class EntropyThreshold(StopPolicy):
     name = "entropy"
 
     def __init__(self, threshold: float, k_max: int = 20):
-        if threshold is None or threshold <= 0:
-            raise UserError(f"the entropy threshold tau must be > 0 nats, got {threshold!r}")
-        self.tau = float(threshold)
-        self.k_max = check_k_max(k_max)
+        self.tau, self.k_max = float(threshold), k_max  # validated by params.EntropyParams
 
     def should_stop(self, step: DraftStep) -> bool:
         return bool(entropy(step.logits) > self.tau)
@@ -151,8 +136,7 @@ class HeuristicSchedule(StopPolicy):
     name = "heuristic"
 
     def __init__(self, k_start: int = 5, k_max: int = 20):
-        self.k_start = FixedK(k_start).k
-        self.k_max = check_k_max(k_max)
+        self.k_start, self.k_max = k_start, k_max  # validated by params.HeuristicParams
         self.reset()
 
     def reset(self) -> None:
@@ -309,33 +293,28 @@ _WARNED: set[str] = set()
 
 
 @register("learned")
-def _make_learned(pair=None, head=None, threshold=None, k_max: int = 20, **_):
-    if threshold is None:
-        raise UserError("the learned policy needs --threshold h in (0, 1) (the paper's best is about 0.7)")
-    _check_unit_interval(threshold, "the SpecDec++ threshold h")
-    return LearnedThreshold(load_pair_head(head, pair, inputs=INPUTS), threshold, k_max)
+def _make_learned(p: LearnedParams, ctx: PolicyContext):
+    return LearnedThreshold(load_pair_head(p.head, ctx.pair, inputs=INPUTS), p.threshold, p.k_max)
 
 
 @register("confidence")
-def _make_confidence(threshold=None, k_max: int = 20, **_):
-    return ConfidenceThreshold(0.4 if threshold is None else threshold, k_max)
+def _make_confidence(p: ConfidenceParams, ctx: PolicyContext):
+    return ConfidenceThreshold(p.threshold, p.k_max)
 
 
 @register("entropy")
-def _make_entropy(threshold=None, k_max: int = 20, **_):
-    return EntropyThreshold(1.0 if threshold is None else threshold, k_max)
+def _make_entropy(p: EntropyParams, ctx: PolicyContext):
+    return EntropyThreshold(p.threshold, p.k_max)
 
 
 @register("heuristic")
-def _make_heuristic(k=None, k_max: int = 20, **_):
-    return HeuristicSchedule(5 if k is None else k, k_max)
+def _make_heuristic(p: HeuristicParams, ctx: PolicyContext):
+    return HeuristicSchedule(p.k, p.k_max)
 
 
 @register("oracle")
-def _make_oracle(pair=None, prompt_ids=None, sampling=None, max_new_tokens: int = 128, k_max: int = 10_000,
-                 target_output=None, **_):
-    if sampling is not None and not sampling.greedy:
-        raise UserError("the hindsight oracle is defined for greedy decoding; use --temperature 0")
-    if pair is None or prompt_ids is None:
+def _make_oracle(p: OracleParams, ctx: PolicyContext):
+    if ctx.pair is None or ctx.prompt_ids is None:
         raise UserError("the oracle policy needs the model pair and the prompt (use SpecPair.generate)")
-    return HindsightOracle.from_pair(pair, prompt_ids, max_new_tokens, k_max, target_output=target_output)
+    return HindsightOracle.from_pair(ctx.pair, ctx.prompt_ids, ctx.max_new_tokens, p.k_max,
+                                     target_output=p.target_output)

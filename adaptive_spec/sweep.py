@@ -63,6 +63,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .config import config_from_argv, config_to_dict
 from .errors import UserError, run_main
@@ -104,7 +105,8 @@ class SweepConfig:
     top_p: float = 1.0
     seed: int = 0  # prompt shuffle and generation seeds
     # the grid
-    ks: list[int | str] = field(default_factory=lambda: list(range(1, 15)))  # and/or auto
+    # and/or auto; a float is let through typing for validate() to refuse with its reason
+    ks: list[int | float | str] = field(default_factory=lambda: list(range(1, 15)))
     heads: list[str] = field(default_factory=list)  # head folders (or training output dirs with head/); globs ok
     thresholds: list[float | str] = field(default_factory=lambda: [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
     curve: str = ""  # threshold_curve.json for `ks: [auto]` (default: the one beside the first head)
@@ -116,7 +118,8 @@ class SweepConfig:
     include_ar: bool = True
     include_draft_ar: bool = True
     hf_assisted: bool = False
-    trees: list[dict] = field(default_factory=list)  # tree / multi-draft configurations (module doc)
+    # tree / multi-draft configurations (module doc); each entry is checked by tree_entry, which names its key
+    trees: list[Any] = field(default_factory=list)
     tree_calibration_prompts: int = 2  # per dataset: prompts the tree acceptance rates are measured on
     tree_calibration_width: int = 8  # siblings of the calibration's batch drafting
     # running
@@ -637,6 +640,7 @@ def _run_tree(pair, spec: RunSpec, ids: list[int], samp: dict, heads: dict, ctx:
     """run_one for a tree or multi-draft configuration. A fresh policy per run, starting from the
     sweep's calibrated rates, frozen unless the entry says `adapt: true` (then they adapt within the
     run only): no run depends on what ran before it."""
+    from .interfaces import PolicyContext
     from .pipeline import make_policy
     from .sampling import SamplingParams
 
@@ -654,7 +658,7 @@ def _run_tree(pair, spec: RunSpec, ids: list[int], samp: dict, heads: dict, ctx:
         if learned:
             extra["node_cost"] = ctx.get("node_cost") if p["node_cost"] == "auto" else float(p["node_cost"])
             kw.update(tree_learned=True, tree_node_cost=extra["node_cost"])
-    pol = make_policy(spec.method, pair=pair, **kw)
+    pol = make_policy(spec.method, PolicyContext(pair), **kw)
     sampling = SamplingParams(samp["temperature"], samp["top_k"], samp["top_p"])
     g = pair.decoder.generate(ids, max_new_tokens=samp["max_new_tokens"], sampling=sampling, policy=pol,
                               seed=samp["seed"])
@@ -753,7 +757,7 @@ def _load_pair(cfg: SweepConfig, heads: dict):
 
     hf_logging.disable_progress_bar()
     pair = SpecPair.load(target=cfg.target, draft=cfg.draft, dtype=cfg.dtype, device=cfg.device,
-                         num_threads=cfg.threads or None, draft_quant=cfg.draft_quant,
+                         threads=cfg.threads or None, draft_quant=cfg.draft_quant,
                          draft_vocab=cfg.draft_vocab or None, backend=cfg.backend, n_ctx=cfg.n_ctx or None)
     for label, (head, info) in heads.items():
         if head.hidden_size != pair.draft.hidden_size:

@@ -30,7 +30,8 @@ from __future__ import annotations
 import math
 
 from .errors import UserError
-from .interfaces import RoundOwner, RoundState, register
+from .interfaces import PolicyContext, RoundOwner, RoundState, register
+from .params import ErsdParams, TreeParams
 from .policies import load_pair_head
 from .tree_draft import DraftTree, grow_static, grow_with_head
 from .tree_shapes import DRAFTINGS, NESTED, PositionalRates, learned_size, node_values, shape_tree, tree_value
@@ -201,32 +202,27 @@ def _node_cost(tree_learned, tree_node_cost, pair, drafting):
 
 
 @register("tree")
-def _make_tree(tree_budget=None, tree_estimator=None, head=None, drafting=None, k=None, tree_rates=None,
-               adapt_rates=True, pair=None, tree_learned=False, tree_node_cost=None, **_):
+def _make_tree(p: TreeParams, ctx: PolicyContext):
     """GSD tree drafting: tree_budget drafted tokens per round (default: k, else 8); with
     tree_learned, as many as are worth tree_node_cost each (unset: measured on the pair), at most
     tree_budget."""
-    est = tree_estimator or "positional"
-    return TreePolicy("gsd", drafting or "tree", _budget(tree_budget, k, default=8), est,
-                      _resolve_head(est, head, pair), tree_rates, adapt_rates, name="tree",
-                      learned_budget=tree_learned,
-                      node_cost=_node_cost(tree_learned, tree_node_cost, pair, drafting or "tree"))
+    return TreePolicy("gsd", p.drafting, _budget(p.tree_budget, p.k, default=8), p.tree_estimator,
+                      _resolve_head(p.tree_estimator, p.head, ctx.pair), p.tree_rates, p.adapt_rates, name="tree",
+                      learned_budget=p.tree_learned,
+                      node_cost=_node_cost(p.tree_learned, p.tree_node_cost, ctx.pair, p.drafting))
 
 
 @register("ersd")
-def _make_ersd(drafting=None, num_drafts=None, tree_budget=None, k=None, tree_estimator=None, head=None,
-               tree_rates=None, adapt_rates=True, pair=None, tree_learned=False, tree_node_cost=None, **_):
+def _make_ersd(p: ErsdParams, ctx: PolicyContext):
     """Exponential-race SD. drafting sequence (k tokens), batch (num_drafts alternatives for the
     next token), tree (optimal tree of tree_budget tokens), specinfer (tree_budget). tree_learned
     and tree_node_cost as for `tree` (the budget is then the cap)."""
-    drafting = drafting or "tree"
-    if drafting == "sequence":
-        budget = _budget(k, tree_budget, default=4)
-    elif drafting == "batch":
-        budget = _budget(num_drafts, tree_budget, k, default=4)
+    if p.drafting == "sequence":
+        budget = _budget(p.k, p.tree_budget, default=4)
+    elif p.drafting == "batch":
+        budget = _budget(p.num_drafts, p.tree_budget, p.k, default=4)
     else:
-        budget = _budget(tree_budget, k, default=8)
-    est = tree_estimator or "positional"
-    return TreePolicy("ersd", drafting, budget, est, _resolve_head(est, head, pair), tree_rates, adapt_rates,
-                      name="ersd", learned_budget=tree_learned,
-                      node_cost=_node_cost(tree_learned, tree_node_cost, pair, drafting))
+        budget = _budget(p.tree_budget, p.k, default=8)
+    return TreePolicy("ersd", p.drafting, budget, p.tree_estimator, _resolve_head(p.tree_estimator, p.head, ctx.pair),
+                      p.tree_rates, p.adapt_rates, name="ersd", learned_budget=p.tree_learned,
+                      node_cost=_node_cost(p.tree_learned, p.tree_node_cost, ctx.pair, p.drafting))

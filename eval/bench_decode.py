@@ -80,7 +80,7 @@ def load_pairs(args) -> dict:
     from adaptive_spec.models import load_model
 
     base = SpecPair.load(target=args.target, draft=None, dtype=args.dtype, device=args.device,
-                         num_threads=args.threads)
+                         threads=args.threads)
     target_model = base.target.model
     pairs = {"ar": base}
     for dt in filter(None, args.ar_dtypes.split(",")):

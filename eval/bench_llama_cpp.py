@@ -162,10 +162,10 @@ def main(argv=None) -> int:
     done = {_key(r) for r in read_jsonl(results)} if results.is_file() else set()
     bins = build(args.threads)
     target_gguf, draft_gguf = default_gguf("target"), default_gguf("draft")
-    pairs = {} if args.report_only else {"llama.cpp": SpecPair.load(backend="llama.cpp", num_threads=args.threads)}
+    pairs = {} if args.report_only else {"llama.cpp": SpecPair.load(backend="llama.cpp", threads=args.threads)}
     torch_temps = [float(t) for t in args.torch_temperatures.split(",") if t.strip()]
     if torch_temps and not args.report_only:
-        pairs["torch"] = SpecPair.load(draft_quant="int8", num_threads=args.threads)
+        pairs["torch"] = SpecPair.load(draft_quant="int8", threads=args.threads)
     tok = pairs["llama.cpp"].tokenizer if pairs else None
     prompts = {ds: load_prompts(ds, n=args.prompts) for ds in args.datasets.split(",")}
     lengths = []

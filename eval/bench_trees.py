@@ -235,7 +235,7 @@ def main(argv=None):
     budgets, methods, strategies = check_choices(args)
 
     pair = SpecPair.load(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device,
-                         num_threads=args.threads)
+                         threads=args.threads)
     head = T.load_tree_head(args.head, pair) if "tree-head" in strategies else None
     # evaluation prompts from the front of the (fixed) shuffle, calibration prompts from its end:
     # both stay the same when --prompts changes, so results and calibration can be reused

@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="eval/results/bench_verify_lengths")
     args = ap.parse_args(argv)
-    pair = SpecPair.load(num_threads=args.threads, draft_quant=args.draft_quant)
+    pair = SpecPair.load(threads=args.threads, draft_quant=args.draft_quant)
     ns, widths = lengths(args.lengths), lengths(args.draft_lengths)
     ctx = {c: (torch.arange(c) * 7 + 5) % pair.target.vocab_size for c in (args.short, args.long)}
     with torch.inference_mode():

@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     if head.inputs != "stats":
         raise SystemExit(f"{args.head} reads inputs={head.inputs}; llama.cpp gives no hidden states")
     params = head.stats_params
-    pair = SpecPair.load(backend="llama.cpp", num_threads=args.threads)
+    pair = SpecPair.load(backend="llama.cpp", threads=args.threads)
     gen = torch.Generator().manual_seed(args.seed)
     rows = {"llama.cpp": ([], []), "torch (stored datagen rows)": ([], [])}
     expected = {"llama.cpp": [], "torch (stored datagen rows)": []}

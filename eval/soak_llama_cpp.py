@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     from adaptive_spec.prompts import load_prompts
 
     torch.set_num_threads(args.threads)
-    pair = SpecPair.load(backend="llama.cpp", num_threads=args.threads, n_ctx=args.n_ctx)
+    pair = SpecPair.load(backend="llama.cpp", threads=args.threads, n_ctx=args.n_ctx)
     pool = [pair.encode(t) for t in load_prompts("humaneval")]
     rng = random.Random(0)
     out = Path(args.out)

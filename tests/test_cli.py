@@ -52,7 +52,7 @@ def test_bad_input_gives_one_clear_line(case, tiny_pair, other_vocab_model, caps
     extra = []
     expect = {
         "vocab": "vocabularies differ", "empty": "prompt is empty", "too_long": "context",
-        "missing": "does not exist", "k0": "--k must be >= 1", "neg_temp": "temperature must be >= 0",
+        "missing": "does not exist", "k0": "--k must be an integer >= 1", "neg_temp": "temperature must be >= 0",
         "policy": "unknown policy",
     }[case]
     if case == "vocab":
@@ -96,14 +96,19 @@ def test_version(capsys):
 
 @pytest.mark.parametrize("extra, expect", [
     (["--policy", "learnd"], "unknown policy 'learnd'"),
-    (["--k", "0"], "--k must be >= 1"),
-    (["--k-max", "0"], "--k-max must be >= 1"),
+    (["--k", "0"], "--k must be an integer >= 1"),
+    (["--policy", "confidence", "--k-max", "0"], "--k-max must be an integer >= 1"),
+    (["--k-max", "8"], "--k-max: not a setting of policy fixed (its settings: --k, --curve)"),
+    (["--policy", "tree", "--num-drafts", "2"], "--num-drafts: not a setting of policy tree"),
+    (["--policy", "fixed", "--threshold", "0.5"], "--threshold: not a setting of policy fixed"),
+    (["--policy", "ersd", "--num-drafts", "2"], "--num-drafts applies to ersd only with --drafting batch"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--top-p", "1.5"], "top-p must be in (0, 1]"),
     (["--policy", "learned", "--threshold", "0.7"], "needs a trained acceptance head"),
     (["--policy", "learned", "--head", "./no/head", "--threshold", "0.7"], "does not exist"),
-    (["--policy", "learned", "--head", ".", "--threshold", "1.5"], "must be in (0, 1)"),
-    (["--policy", "entropy", "--threshold", "0"], "must be > 0 nats"),
+    (["--policy", "learned", "--head", ".", "--threshold", "1.5"], "--threshold must be h in (0, 1)"),
+    (["--policy", "learned", "--head", ".", "--threshold", "0.5"], "has no config.json or model.safetensors"),
+    (["--policy", "entropy", "--threshold", "0"], "must be tau > 0 nats"),
     (["--policy", "oracle", "--temperature", "1"], "greedy decoding"),
     (["--dtype", "fp8"], "invalid choice"),
     (["--draft-quant", "int3"], "invalid choice"),
@@ -114,7 +119,7 @@ def test_version(capsys):
     (["--k", "auto"], "--k auto needs a predicted curve"),
     (["--k", "auto", "--curve", "no/such/curve.json"], "no/such/curve.json, which does not exist"),
     (["--policy", "entropy", "--k", "auto"], "--k auto is for --policy fixed"),
-    (["--k", "two"], "expected an integer or auto"),
+    (["--k", "two"], "--k must be an integer >= 1 or auto for policy fixed, got 'two'"),
     (["--policy", "tree", "--tree-node-cost", "0"], "--tree-node-cost must be > 0"),
 ])
 def test_arguments_are_refused_before_any_model_loads(extra, expect, no_model_load, capsys):
@@ -128,7 +133,7 @@ def test_policy_choices_come_from_the_registry(capsys):
 
     assert main(["generate", "--help"]) == 0
     out = capsys.readouterr().out
-    names = cli.policy_names()
+    names = cli.params.policy_names()
     assert {"ar", "fixed", "learned"} <= set(names) and all(n in out for n in names)
 
 
@@ -266,11 +271,13 @@ def test_tree_flags_reach_the_policy_factory(monkeypatch, capsys):
             seen.append(kw)
             raise UserError("recorded")
 
-    monkeypatch.setattr(pipeline.SpecPair, "load", classmethod(lambda cls, **kw: Pair()))
+    monkeypatch.setattr(pipeline.SpecPair, "load", classmethod(lambda cls, params: Pair()))
     assert main(["generate", "--prompt", "abc", "--policy", "tree", "--tree-learned", "--tree-node-cost", "0.5"]) == 2
     assert main(["generate", "--prompt", "abc", "--policy", "tree"]) == 2
-    assert seen[0]["tree_learned"] is True and seen[0]["tree_node_cost"] == 0.5
-    assert "tree_learned" not in seen[1] and "tree_node_cost" not in seen[1]
+    first, second = (kw["policy"] for kw in seen)  # typed TreeParams, checked once
+    assert first.tree_learned is True and first.tree_node_cost == 0.5
+    assert second.tree_learned is False and second.tree_node_cost is None
+    assert {"tree_learned", "tree_node_cost"} == first.model_fields_set
 
 
 def test_sigterm_stops_like_ctrl_c(capsys):

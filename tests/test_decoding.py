@@ -10,6 +10,8 @@ from adaptive_spec import sampling
 from adaptive_spec.decoding import Decoder
 from adaptive_spec.heads import AcceptanceHead
 from adaptive_spec.models import CausalLM
+from adaptive_spec.interfaces import PolicyContext
+from adaptive_spec.params import policy_class
 from adaptive_spec.pipeline import make_policy, policy_names
 from adaptive_spec.policies import FixedK
 from adaptive_spec.sampling import SamplingParams
@@ -81,11 +83,13 @@ def test_eos_cut_books_cut_candidates_as_discarded(name):
     dec = Decoder(target, draft, eos_token_ids=[eos])
     sampling = GREEDY if name == "oracle" else SamplingParams(1.0)
     torch.manual_seed(0)
-    kw = dict(pair=SimpleNamespace(target=target, draft=draft, eos_token_ids=[eos]), prompt_ids=prompt,
-              sampling=sampling, max_new_tokens=40, head=AcceptanceHead(24, depth=1), threshold=0.5, k=3)
+    ctx = PolicyContext(SimpleNamespace(target=target, draft=draft, eos_token_ids=[eos]), prompt, sampling, 40)
+    fields = policy_class(name).model_fields
+    kw = {k: v for k, v in dict(head=AcceptanceHead(24, depth=1), threshold=0.5, k=3).items()
+          if k in fields and (k != "head" or name == "learned")}
     stops = []
     for seed in range(4):
-        g = dec.generate(prompt, max_new_tokens=40, sampling=sampling, policy=make_policy(name, **kw), seed=seed)
+        g = dec.generate(prompt, max_new_tokens=40, sampling=sampling, policy=make_policy(name, ctx, **kw), seed=seed)
         m = g.metrics
         rounds = sum(m.accepted_hist.values())
         assert m.n_tokens == len(g.token_ids)

@@ -180,10 +180,11 @@ def cli(argv, capsys):
 @pytest.mark.parametrize("extra,needle", [
     (["--policy", "tree"], "does not run on the llama.cpp backend"),
     (["--policy", "spectr", "--k", "2"], "does not run on the llama.cpp backend"),
-    (["--policy", "fixed", "--draft-quant", "int8"], "--draft-quant int8: the llama.cpp backend"),
+    (["--policy", "fixed", "--draft-quant", "int8"], "draft_quant='int8': the llama.cpp backend"),
+    (["--policy", "fixed", "--dtype", "bf16", "--kv-cache", "static"], "dtype='bf16', kv_cache='static': the llama"),
     (["--policy", "learned", "--threshold", "0.3", "--head", "checkpoints/qwen-coder-0.5b-int8-hidden-d3"],
      "reads the draft's hidden states"),
-    (["--policy", "fixed", "--n-ctx", "0"], "--n-ctx must be >= 1"),
+    (["--policy", "fixed", "--n-ctx", "0"], "--n-ctx must be an integer >= 1"),
 ])
 def test_cli_refuses_before_any_model_loads(capsys, monkeypatch, extra, needle):
     import adaptive_spec.pipeline as pipeline
@@ -201,7 +202,7 @@ def test_cli_names_the_install_command_without_the_binding(capsys, monkeypatch):
 
 def test_torch_only_n_ctx_is_refused(capsys):
     rc, err = cli(["generate", "--prompt", "hi", "--n-ctx", "512"], capsys)
-    assert rc == 2 and "--n-ctx sets the llama.cpp context" in err[0]
+    assert rc == 2 and "n_ctx (--n-ctx) sets the llama.cpp context" in err[0]
 
 
 # ------------------------------------------------------------------------------ the real pair
@@ -215,7 +216,7 @@ def test_real_pair_greedy_speculative_equals_greedy_target():
     from adaptive_spec.pipeline import SpecPair
 
     torch.set_num_threads(2)
-    pair = SpecPair.load(backend="llama.cpp", num_threads=2)
+    pair = SpecPair.load(backend="llama.cpp", threads=2)
     prompts = ["Write a Python function that checks whether a number is prime.",
                "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
                "How many clips did Natalia sell altogether in April and May?"]

@@ -4,7 +4,9 @@ import torch
 
 from adaptive_spec import multidraft as MD
 from adaptive_spec.decoding import Decoder
+from adaptive_spec.errors import UserError
 from adaptive_spec.models import CausalLM
+from adaptive_spec.pipeline import make_policy
 from adaptive_spec.sampling import SamplingParams
 from tiny import make_model
 from exact import chi_square_pvalue, exact_sequence_probs, sample_counts
@@ -76,12 +78,12 @@ def test_greedy_equals_target(method):
 
 
 def test_factories_and_errors():
-    from adaptive_spec.errors import UserError
-
-    assert MD._make_spectr(num_drafts=2, k=3).describe() == {"policy": "spectr", "num_drafts": 2, "k": 3}
-    assert MD._make_batch_sd().describe() == {"policy": "batch-sd", "num_drafts": 4, "k": 4}
-    with pytest.raises(UserError):
-        MD._make_spectr(num_drafts=0)
+    assert make_policy("spectr", num_drafts=2, k=3).describe() == {"policy": "spectr", "num_drafts": 2, "k": 3}
+    assert make_policy("batch-sd").describe() == {"policy": "batch-sd", "num_drafts": 4, "k": 4}
+    with pytest.raises(UserError, match="num_drafts must be an integer >= 1 for policy spectr, got 0"):
+        make_policy("spectr", num_drafts=0)
+    with pytest.raises(UserError, match="tree_budget: not a setting of policy spectr .*its settings: num_drafts, k"):
+        make_policy("spectr", tree_budget=3)
 
 
 # ---- exact output distribution --------------------------------------------------------------
@@ -126,7 +128,7 @@ def test_spectr_distribution_is_exact_on_transformer_models():
     ("tree", dict(tree_budget=6, tree_estimator="positional")),
     ("ersd", dict(drafting="batch", num_drafts=3)),
     ("spectr", dict(num_drafts=2, k=3)),
-    ("batch-sd", dict(num_drafts=2, k=3, threshold=None, k_max=None)),
+    ("batch-sd", dict(num_drafts=2, k=3)),
 ])
 def test_registered_policies_through_the_pipeline(tiny_pair, policy, kw):
     """The names and keyword arguments the CLI forwards, through SpecPair.generate."""
@@ -137,3 +139,5 @@ def test_registered_policies_through_the_pipeline(tiny_pair, policy, kw):
     ref = pair.generate("abc de", policy="ar", temperature=0, max_new_tokens=12)
     g = pair.generate("abc de", policy=policy, temperature=0, max_new_tokens=12, **kw)
     assert g.token_ids == ref.token_ids and g.metrics.n_target_forwards <= 12
+    with pytest.raises(UserError, match=f"threshold: not a setting of policy {policy}"):
+        pair.generate("abc de", policy=policy, temperature=0, max_new_tokens=12, threshold=0.5, **kw)

@@ -11,7 +11,7 @@ from adaptive_spec.features import draft_stats, step_stats
 from adaptive_spec.heads import AcceptanceHead
 from adaptive_spec.models import CausalLM
 from adaptive_spec.pipeline import SpecPair
-from adaptive_spec import interfaces
+from adaptive_spec import interfaces, params
 from adaptive_spec.interfaces import RoundOwner, RoundState, StopPolicy, register
 from adaptive_spec.pipeline import make_policy, policy_names
 from adaptive_spec.policies import (ConfidenceThreshold, EntropyThreshold, FixedK, HeuristicSchedule, HindsightOracle,
@@ -270,7 +270,7 @@ def test_learned_policy_cli(tiny_pair, head_dirs, capsys):
     assert json.loads(capsys.readouterr().out)["token_ids"] == out["token_ids"]
 
 
-@pytest.mark.parametrize("case,expect", [("h0", "must be in (0, 1)"), ("h1", "must be in (0, 1)"),
+@pytest.mark.parametrize("case,expect", [("h0", "must be h in (0, 1)"), ("h1", "must be h in (0, 1)"),
                                          ("other_draft", "hidden size"), ("no_head", "--head")])
 def test_learned_policy_bad_input(case, expect, tiny_pair, head_dirs, capsys):
     draft, target = map(str, tiny_pair)
@@ -307,13 +307,16 @@ def test_extension_points(monkeypatch):
     """A stop rule and a round owner registered by name reach the decoder through make_policy;
     the decoder tells them apart by interface (a round owner is not a stop rule)."""
     monkeypatch.setattr(interfaces, "_REGISTRY", dict(interfaces._REGISTRY))
-    register("two-chains")(lambda **_: TwoChains())
-    register("stop-at-2")(lambda **_: type("StopAt2", (StopPolicy,), {"should_stop": lambda self, s: s.i == 2})())
+    monkeypatch.setattr(params, "_POLICIES", dict(params._POLICIES))
+    register("two-chains")(lambda params, ctx: TwoChains())
+    register("stop-at-2")(lambda params, ctx: type("StopAt2", (StopPolicy,), {"should_stop": lambda self, s: s.i == 2})())
     assert {"ar", "fixed", "tree", "two-chains", "stop-at-2"} <= set(policy_names())
     draft, target = pair()
     dec = Decoder(target, draft)
     ref = dec.generate([5, 9, 4, 17], max_new_tokens=30, sampling=GREEDY).token_ids
-    owner = make_policy("two-chains", k=9)
+    with pytest.raises(UserError, match="k: not a setting of policy two-chains"):
+        make_policy("two-chains", k=9)  # registered without settings: it takes none
+    owner = make_policy("two-chains")
     g = dec.generate([5, 9, 4, 17], max_new_tokens=30, sampling=GREEDY, policy=owner)
     assert g.token_ids == ref and not isinstance(owner, StopPolicy)
     rounds = g.metrics.n_target_forwards

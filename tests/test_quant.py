@@ -1,4 +1,6 @@
 """The int8 draft (models.Int8Linear): a cheaper q, the target's distribution unchanged."""
+import typing
+
 import pytest
 import torch
 
@@ -69,10 +71,11 @@ def test_bad_quant_is_refused_before_loading():
     with pytest.raises(UserError, match="unknown draft quantization 'int3'; use one of none, int8, int4"):
         load_model("/nonexistent/model", "draft", quant="int3")
     assert check_quant(None) == "none" and check_quant("int8", "cpu") == "int8"
-    from adaptive_spec.cli import DRAFT_QUANTS
     from adaptive_spec.models import QUANTS
+    from adaptive_spec.params import DRAFT_QUANTS, PairParams
 
-    assert DRAFT_QUANTS == QUANTS  # the CLI spells the list out so --help need not import torch
+    assert DRAFT_QUANTS == QUANTS  # params spells the list out: it imports no torch
+    assert typing.get_args(PairParams.model_fields["draft_quant"].annotation) == QUANTS
 
 
 def test_int8_linear_dense_path_for_many_rows_matches_the_kernel():

@@ -116,7 +116,8 @@ def test_tree_sweep_rows_calibration_resume_and_report(inputs, tmp_path, monkeyp
     monkeypatch.setattr(sweep, "measure_rates",
                         lambda pair, prompts, *a, **kw: measured.append((a[2], len(prompts)))
                         or real_measure(pair, prompts, *a, **kw))
-    monkeypatch.setattr(pipeline, "make_policy", lambda name, **kw: made.append((name, kw)) or real_make(name, **kw))
+    monkeypatch.setattr(pipeline, "make_policy",
+                        lambda name, ctx=None, **kw: made.append((name, kw)) or real_make(name, ctx, **kw))
     real_append = interrupt_after(monkeypatch, 5)
     assert sweep.main(argv) == 130
     # calibrated once per verification method, on one prompt per dataset, before any run
@@ -196,7 +197,8 @@ def test_learned_budget_node_cost_measured_once(inputs, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "adaptive_spec.costs", SimpleNamespace(measure_costs=measure_costs))
     made = []
     real_make = pipeline.make_policy
-    monkeypatch.setattr(pipeline, "make_policy", lambda name, **kw: made.append(kw) or real_make(name, **kw))
+    monkeypatch.setattr(pipeline, "make_policy",
+                        lambda name, ctx=None, **kw: made.append(kw) or real_make(name, ctx, **kw))
     cfg = cfg_of(inputs, tmp_path / "l", heads="[]", thresholds="[0.5]", ks="[]",
                  trees="[{budget: learned, max_budget: 4}, {budget: learned, max_budget: 4, node_cost: 0.5}, "
                        "{budget: learned, max_budget: 4, adapt: true}]")

@@ -4,6 +4,8 @@ import heapq
 import itertools
 import random
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -13,13 +15,20 @@ from adaptive_spec import tree_shapes as S
 from adaptive_spec import tree_verify as TV
 from adaptive_spec.decoding import Decoder
 from adaptive_spec.heads import AcceptanceHead
+from adaptive_spec.interfaces import PolicyContext
 from adaptive_spec.models import CausalLM
+from adaptive_spec.pipeline import make_policy
 from adaptive_spec.sampling import SamplingParams
 from tiny import make_model
 from exact import chi_square_pvalue, exact_sequence_probs, sample_counts
 from tree_mocks import MOCK_V, ConstHead, MockHead, hf_pair, mock_pair
 
 GREEDY = SamplingParams(temperature=0)
+
+
+def tree_policy(name, pair=None, **settings):
+    """A tree policy built as generate builds it: typed settings, then the registered factory."""
+    return make_policy(name, PolicyContext(pair), **settings)
 
 
 # ---- tree attention and cache compaction on real (tiny) transformers ------------------------
@@ -148,7 +157,7 @@ def make(name, kw, head=None):
     kw = dict(kw)
     if kw.get("tree_estimator") == "head":
         kw["head"] = head
-    return T._make_tree(**kw) if name == "tree" else T._make_ersd(**kw)
+    return tree_policy(name, **kw)
 
 
 @pytest.mark.parametrize("name,kw", POLICIES, ids=[f"{n}-{kw.get('drafting', 'tree')}-{kw.get('tree_estimator', 'pos')}"
@@ -176,7 +185,7 @@ def test_greedy_equals_target(name, kw):
 
 def test_metrics_and_forward_counts():
     draft, target = hf_pair()
-    pol = T._make_tree(tree_budget=6, drafting="specinfer")  # trunk 2 + chains (2, 1, 1): depth 4
+    pol = tree_policy("tree", tree_budget=6, drafting="specinfer")  # trunk 2 + chains (2, 1, 1): depth 4
     g = Decoder(target, draft).generate([5, 9, 4], max_new_tokens=40, sampling=SamplingParams(1.0), policy=pol)
     m = g.metrics
     assert m.n_tokens == 40
@@ -224,14 +233,14 @@ V, L, N = MOCK_V, 3, 2000
 
 
 EXACT = [
-    ("gsd-tree", lambda: T._make_tree(tree_budget=5), SamplingParams(1.0)),
-    ("gsd-batch", lambda: T._make_tree(tree_budget=3, drafting="batch"), SamplingParams(1.0)),
-    ("gsd-specinfer-topk", lambda: T._make_tree(tree_budget=5, drafting="specinfer"), SamplingParams(1.0, top_k=3)),
-    ("gsd-head", lambda: T._make_tree(tree_budget=5, tree_estimator="head", head=MockHead(V)), SamplingParams(1.0)),
-    ("ersd-tree", lambda: T._make_ersd(tree_budget=5), SamplingParams(1.0)),
-    ("ersd-sequence", lambda: T._make_ersd(drafting="sequence", k=2), SamplingParams(1.0)),
-    ("ersd-batch-topp", lambda: T._make_ersd(drafting="batch", num_drafts=3), SamplingParams(0.8, top_p=0.8)),
-    ("ersd-head", lambda: T._make_ersd(tree_budget=4, tree_estimator="head", head=MockHead(V, seed=1)),
+    ("gsd-tree", lambda: tree_policy("tree", tree_budget=5), SamplingParams(1.0)),
+    ("gsd-batch", lambda: tree_policy("tree", tree_budget=3, drafting="batch"), SamplingParams(1.0)),
+    ("gsd-specinfer-topk", lambda: tree_policy("tree", tree_budget=5, drafting="specinfer"), SamplingParams(1.0, top_k=3)),
+    ("gsd-head", lambda: tree_policy("tree", tree_budget=5, tree_estimator="head", head=MockHead(V)), SamplingParams(1.0)),
+    ("ersd-tree", lambda: tree_policy("ersd", tree_budget=5), SamplingParams(1.0)),
+    ("ersd-sequence", lambda: tree_policy("ersd", drafting="sequence", k=2), SamplingParams(1.0)),
+    ("ersd-batch-topp", lambda: tree_policy("ersd", drafting="batch", num_drafts=3), SamplingParams(0.8, top_p=0.8)),
+    ("ersd-head", lambda: tree_policy("ersd", tree_budget=4, tree_estimator="head", head=MockHead(V, seed=1)),
      SamplingParams(1.0)),
 ]
 
@@ -254,7 +263,7 @@ def test_distribution_test_catches_siblings_without_residual_update(monkeypatch)
     params, prompt = SamplingParams(1.0), [1, 2]
     probs = exact_sequence_probs(target, prompt, params, V, L)
     monkeypatch.setattr(TV, "_rrs_residual", lambda p, q: p)
-    counts = sample_counts(Decoder(target, draft), prompt, params, T._make_tree(tree_budget=3, drafting="batch"), N, L)
+    counts = sample_counts(Decoder(target, draft), prompt, params, tree_policy("tree", tree_budget=3, drafting="batch"), N, L)
     assert chi_square_pvalue(counts, probs, N) < 1e-3
 
 
@@ -264,7 +273,7 @@ def test_tree_distribution_is_exact_on_transformer_models():
     draft = CausalLM(make_model(V, hidden_size=16, layers=1, seed=4, logit_scale=3.0))
     params, prompt = SamplingParams(1.0), [1, 2]
     probs = exact_sequence_probs(target, prompt, params, V, L)
-    for pol in (T._make_tree(tree_budget=4), T._make_ersd(tree_budget=4)):
+    for pol in (tree_policy("tree", tree_budget=4), tree_policy("ersd", tree_budget=4)):
         counts = sample_counts(Decoder(target, draft), prompt, params, pol, 1000, L)
         assert chi_square_pvalue(counts, probs, 1000) > 1e-3
 

@@ -6,6 +6,7 @@ import random
 import sys
 import types
 from collections import Counter
+from functools import partial
 
 import pytest
 import torch
@@ -16,13 +17,20 @@ from adaptive_spec import tree_shapes as S
 from adaptive_spec.decoding import Decoder
 from adaptive_spec.errors import UserError
 from adaptive_spec.heads import AcceptanceHead
+from adaptive_spec.interfaces import PolicyContext
 from adaptive_spec.models import CausalLM
+from adaptive_spec.pipeline import make_policy
 from adaptive_spec.sampling import SamplingParams
 from exact import chi_square_pvalue, exact_sequence_probs, sample_counts
 from tree_mocks import MOCK_V, ConstHead, MockHead, TreeMockLM, hf_pair, mock_pair
 
 GREEDY, T1 = SamplingParams(temperature=0), SamplingParams(1.0)
 PROMPT = [5, 9, 4, 17]
+
+
+def tree_policy(name, pair=None, **settings):
+    """A tree policy built as generate builds it: typed settings, then the registered factory."""
+    return make_policy(name, PolicyContext(pair), **settings)
 
 
 def throughput(R, n, c):
@@ -108,7 +116,7 @@ def make(name, kw, node_cost=None, head=None, **extra):
         kw["head"] = head
     if node_cost is not None:
         kw.update(tree_learned=True, tree_node_cost=node_cost)
-    return T._make_tree(**kw) if name == "tree" else T._make_ersd(**kw)
+    return tree_policy(name, **kw)
 
 
 def random_head():
@@ -168,7 +176,7 @@ def test_dearer_nodes_draft_fewer():
     dec = Decoder(target, draft)
     means = []
     for c in (0.005, 0.2, 5.0):
-        pol = T._make_tree(tree_budget=6, adapt_rates=False, tree_learned=True, tree_node_cost=c)
+        pol = tree_policy("tree", tree_budget=6, adapt_rates=False, tree_learned=True, tree_node_cost=c)
         m = dec.generate(PROMPT, max_new_tokens=40, sampling=T1, policy=pol, seed=1).metrics
         check_stats(pol, m)
         means.append(pol.drafted / pol.rounds)
@@ -181,7 +189,7 @@ def test_dearer_nodes_draft_fewer():
 def test_stats_reset_per_generation():
     draft, target = hf_pair()
     dec = Decoder(target, draft)
-    pol = T._make_tree(tree_budget=6, tree_learned=True, tree_node_cost=0.1)
+    pol = tree_policy("tree", tree_budget=6, tree_learned=True, tree_node_cost=0.1)
     dec.generate(PROMPT, max_new_tokens=30, sampling=T1, policy=pol, seed=0)
     first = (pol.rounds, pol.drafted, pol.depth_sum)
     g = dec.generate(PROMPT, max_new_tokens=10, sampling=T1, policy=pol, seed=0)
@@ -195,13 +203,13 @@ L, N = 3, 2000
 # node costs where the rule's choice varies with the round (its depth cap, the adapted rates and,
 # for the head, the context), so the check covers trees of several sizes
 EXACT = [
-    ("gsd-tree", lambda: T._make_tree(tree_budget=5, tree_learned=True, tree_node_cost=0.15), T1),
-    ("gsd-head", lambda: T._make_tree(tree_budget=5, tree_estimator="head", head=MockHead(MOCK_V),
+    ("gsd-tree", lambda: tree_policy("tree", tree_budget=5, tree_learned=True, tree_node_cost=0.15), T1),
+    ("gsd-head", lambda: tree_policy("tree", tree_budget=5, tree_estimator="head", head=MockHead(MOCK_V),
                                       tree_learned=True, tree_node_cost=0.15), T1),
-    ("gsd-batch-topk", lambda: T._make_tree(tree_budget=4, drafting="batch", tree_learned=True,
+    ("gsd-batch-topk", lambda: tree_policy("tree", tree_budget=4, drafting="batch", tree_learned=True,
                                             tree_node_cost=0.05), SamplingParams(1.0, top_k=3)),
-    ("ersd-tree", lambda: T._make_ersd(tree_budget=5, tree_learned=True, tree_node_cost=0.15), T1),
-    ("ersd-head", lambda: T._make_ersd(tree_budget=4, tree_estimator="head", head=MockHead(MOCK_V, seed=1),
+    ("ersd-tree", lambda: tree_policy("ersd", tree_budget=5, tree_learned=True, tree_node_cost=0.15), T1),
+    ("ersd-head", lambda: tree_policy("ersd", tree_budget=4, tree_estimator="head", head=MockHead(MOCK_V, seed=1),
                                        tree_learned=True, tree_node_cost=0.05), T1),
 ]
 
@@ -229,18 +237,19 @@ def test_learned_budget_distribution_is_exact(name, factory, params, monkeypatch
 
 @pytest.mark.parametrize("kw,match", [
     (dict(tree_learned=True), "tree_learned needs tree_node_cost"),
-    (dict(tree_learned=True, tree_node_cost=0), "tree_node_cost must be a number > 0"),
-    (dict(tree_learned=True, tree_node_cost=-0.5), "tree_node_cost must be a number > 0"),
-    (dict(tree_learned=True, tree_node_cost=float("nan")), "tree_node_cost must be a number > 0"),
-    (dict(tree_learned=True, tree_node_cost="0.3"), "tree_node_cost must be a number > 0"),
-    (dict(tree_node_cost=True), "tree_node_cost must be a number > 0"),
-    (dict(tree_learned="yes", tree_node_cost=0.3), "tree_learned must be true or false"),
+    (dict(tree_learned=True, tree_node_cost=0), r"tree_node_cost must be > 0 \(target steps"),
+    (dict(tree_learned=True, tree_node_cost=-0.5), r"tree_node_cost must be > 0 \(target steps"),
+    (dict(tree_learned=True, tree_node_cost=float("nan")), r"tree_node_cost must be > 0 \(target steps"),
+    (dict(tree_learned=True, tree_node_cost="x"), r"tree_node_cost must be > 0 \(target steps"),
+    (dict(tree_node_cost=0.3), "--tree-node-cost applies only with --tree-learned"),
+    (dict(tree_learned="maybe", tree_node_cost=0.3), "tree_learned must be "),
     (dict(tree_learned=True, tree_node_cost=0.3, drafting="specinfer"), "drafting 'specinfer' cannot"),
-    (dict(tree_budget=0), "tree_budget .* integer >= 1"),
-    (dict(tree_estimator="oracle"), "unknown tree_estimator 'oracle'; use positional or head"),
+    (dict(tree_budget=0), "tree_budget must be an integer >= 1"),
+    (dict(tree_estimator="oracle"), "tree_estimator must be positional or head for policy"),
+    (dict(num_drafts=3), "num_drafts: not a setting of policy tree|--num-drafts applies to ersd only with"),
 ])
 def test_bad_input(kw, match):
-    for factory in (T._make_tree, T._make_ersd):
+    for factory in (partial(tree_policy, "tree"), partial(tree_policy, "ersd")):
         with pytest.raises(UserError, match=match):
             factory(**kw)
 
@@ -251,7 +260,7 @@ def test_node_cost_measured_on_the_pair_when_unset(monkeypatch):
     fake.measure_costs = lambda pair: calls.append(pair) or types.SimpleNamespace(node_cost=0.25)
     monkeypatch.setitem(sys.modules, "adaptive_spec.costs", fake)
     pair = object()
-    for factory in (T._make_tree, T._make_ersd):
+    for factory in (partial(tree_policy, "tree"), partial(tree_policy, "ersd")):
         pol = factory(tree_learned=True, pair=pair)
         assert pol.node_cost == 0.25 and pol.learned_budget
         assert pol.describe()["tree_learned"] is True and pol.describe()["tree_node_cost"] == 0.25
@@ -259,5 +268,5 @@ def test_node_cost_measured_on_the_pair_when_unset(monkeypatch):
         assert factory(pair=pair).describe()["tree_learned"] is False  # not learned: not timed
     assert calls == [pair, pair]
     with pytest.raises(UserError, match="drafting 'specinfer'"):  # refused before anything is timed
-        T._make_tree(tree_learned=True, drafting="specinfer", pair=pair)
+        tree_policy("tree", tree_learned=True, drafting="specinfer", pair=pair)
     assert len(calls) == 2

@@ -1,0 +1,407 @@
+"""Typed parameters: the pair's settings and each stop policy's, validated once, on construction.
+
+Every way in builds these: the `generate` flags (cli.py makes its policy and model flags from the
+fields below), `SpecPair.load` / `SpecPair.generate` keywords, and the sweep. pydantic does the
+typing and refuses unknown keys; the checks that need more than one field are the models' own
+validators. Nothing here imports torch or loads a model, so every refusal comes before the weights.
+
+Why pydantic: it is already in the dependency tree (wandb needs it), its models are typed
+dataclasses with strict unknown-key refusal (`extra="forbid"`) and one error per bad field, and
+building flags from its field table keeps the command line's spelling (`--k`, `--threshold`) that
+users and scripts already have, which tyro or draccus would nest (`--policy.k`).
+
+    from adaptive_spec.params import policy_params
+    policy_params("learned", head="checkpoints/qwen-coder-0.5b-d3-wrej6", threshold=0.3)
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+
+from .errors import UserError
+
+AUTO = "auto"
+
+
+class Params(BaseModel):
+    """Frozen, typed, unknown keys refused. `expects` in a field's json_schema_extra words what it
+    takes, for the one-line error."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+
+
+def _expects(text: str) -> dict:
+    return {"json_schema_extra": {"expects": text}}
+
+
+def build(cls: type[Params], values: dict, where: str, spell=lambda key: key) -> Params:
+    """cls(**values), or one UserError line: `where` names the object (e.g. "policy learned"),
+    `spell` how a key is written where the user wrote it (a flag, a YAML key)."""
+    try:
+        return cls(**values)
+    except ValidationError as e:
+        raise UserError(explain(e, cls, where, spell)) from None
+
+
+def explain(err: ValidationError, cls: type[Params], where: str, spell=lambda key: key) -> str:
+    errors = err.errors()
+    auto = [str(x["loc"][0]) for x in errors if x["loc"] and x.get("input") == AUTO]
+    if auto and _auto_owners(auto[0]):  # auto given to a policy whose setting takes none
+        return (f"{spell(auto[0])} auto is for --policy {' or '.join(_auto_owners(auto[0]))}; {where} takes a "
+                "number (or drop it for the default)")
+    unknown = [str(x["loc"][0]) for x in errors if x["type"] == "extra_forbidden"]
+    if unknown:
+        valid = ", ".join(spell(k) for k in cls.model_fields) or "none"
+        return (f"{', '.join(spell(k) for k in unknown)}: not a setting of {where} (its settings: {valid})")
+    first = errors[0]
+    if not first["loc"]:  # a model validator: its message is the whole story
+        return first["msg"].removeprefix("Value error, ")
+    key = str(first["loc"][0])
+    field = cls.model_fields.get(key)
+    expects = ((field.json_schema_extra or {}).get("expects") if field is not None else None)
+    if first["type"] == "missing":
+        return f"{where} needs {spell(key)}" + (f" ({expects})" if expects else "")
+    what = expects or first["msg"].removeprefix("Value error, ").lower()
+    return f"{spell(key)} must be {what} for {where}, got {first['input']!r}"
+
+
+def _auto_owners(key: str) -> list[str]:
+    return [n for n, cls in _POLICIES.items() if key in cls.model_fields and "'auto'" in str(cls.model_fields[key].annotation)]
+
+
+# ---- stop policies ---------------------------------------------------------------------------
+
+PositiveInt = Annotated[int, Field(ge=1)]
+UnitOpen = Annotated[float, Field(gt=0, lt=1)]
+
+
+class PolicyParams(Params):
+    """A policy's settings. Subclasses register under their `--policy` name (`policy_params`)."""
+
+    name: ClassVar[str] = ""
+
+    def check_sampling(self, temperature: float) -> None:
+        """Refuse a decode mode the policy is not defined for (the oracle: greedy only)."""
+
+
+_POLICIES: dict[str, type[PolicyParams]] = {}
+
+
+def policy(name: str):
+    """Register a params class as policy `name`'s (its factory registers in interfaces.register)."""
+
+    def deco(cls):
+        cls.name = name
+        _POLICIES[name] = cls
+        return cls
+
+    return deco
+
+
+def policy_class(name: str) -> type[PolicyParams]:
+    if name not in _POLICIES:
+        raise UserError(f"unknown policy {name!r}; valid policies: {', '.join(_POLICIES)}")
+    return _POLICIES[name]
+
+
+def policy_params(name: str, spell=lambda key: key, **values) -> PolicyParams:
+    """Policy `name`'s settings from keywords; unset ones take the policy's defaults."""
+    return build(policy_class(name), values, f"policy {name}", spell)
+
+
+def policy_names() -> list[str]:
+    return list(_POLICIES)
+
+
+K_MAX = Field(20, ge=1, description="hard cap on candidates per round", **_expects("an integer >= 1"))
+CURVE = Field(None, description="threshold_curve.json (or its folder) for auto; default: the one beside the head "
+                                "(made by `adaptive-spec autotune`)")
+
+
+def _check_head_folder(head: Any, who: str) -> None:
+    """A head named by path must be a folder with weights; owner/name may be a hub repo."""
+    if head is None or head == "":
+        raise ValueError(f"{who} needs a trained acceptance head: pass --head PATH (a folder written by "
+                         "`adaptive-spec train`, e.g. checkpoints/qwen-coder-0.5b-d3-wrej6)")
+    if not isinstance(head, (str, Path)):
+        return  # a head object (Python API, sweeps): checked against the draft when built
+    text, p = str(head), Path(head).expanduser()
+    looks_like_repo = text.count("/") == 1 and not text.startswith((".", "/", "~"))
+    if p.is_dir():
+        missing = [f for f in ("config.json", "model.safetensors") if not (p / f).is_file()]
+        if missing:
+            raise ValueError(f"acceptance head folder {head} has no {' or '.join(missing)}; pass a folder written "
+                             "by `adaptive-spec train` (or retrain it: its training command is in its README.md)")
+    elif not looks_like_repo:
+        raise ValueError(f"acceptance head folder {head} does not exist; pass a folder written by `adaptive-spec "
+                         "train`")
+
+
+def _check_auto(value, curve, head, need: str) -> None:
+    """auto reads a curve: it must exist now, before any model loads; a curve without auto is a mistake."""
+    if value == AUTO:
+        from .autotune import load_curve
+
+        load_curve(curve or (head if isinstance(head, (str, Path)) else None), need,
+                   head if isinstance(head, (str, Path)) else None)
+    elif curve is not None:
+        flag = "--threshold" if need == "h" else "--k"
+        raise ValueError(f"--curve is read only by {flag} auto; drop it or pass {flag} auto")
+
+
+@policy("ar")
+class ARParams(PolicyParams):
+    """The target alone: no draft, no settings."""
+
+
+@policy("fixed")
+class FixedParams(PolicyParams):
+    """Classic speculative decoding: K candidates every round."""
+
+    k: PositiveInt | Literal["auto"] = Field(4, description="candidates per round (auto: the K of best predicted "
+                                     "throughput on this machine, from a curve)",
+                                     **_expects("an integer >= 1 or auto"))
+    curve: str | None = CURVE
+
+    @model_validator(mode="after")
+    def _auto(self):
+        _check_auto(self.k, self.curve, None, "k")
+        return self
+
+
+@policy("learned")
+class LearnedParams(PolicyParams):
+    """SpecDec++: stop when 1 - prod p_hat_i > h, or at k_max."""
+
+    head: Any = Field(None, description="acceptance head folder (or hub id)")
+    threshold: UnitOpen | Literal["auto"] | None = Field(
+        None, description="h in (0, 1) (auto: the h of best predicted throughput on this machine, from "
+        "the head's threshold_curve.json)", **_expects("h in (0, 1) or auto"))
+    k_max: int = K_MAX
+    curve: str | None = CURVE
+
+    @model_validator(mode="after")
+    def _complete(self):
+        if self.threshold is None:
+            raise ValueError("the learned policy needs --threshold h in (0, 1) (the paper's best is about 0.7), or "
+                             "--threshold auto")
+        _check_head_folder(self.head, "the learned policy")
+        _check_auto(self.threshold, self.curve, self.head, "h")
+        return self
+
+
+@policy("confidence")
+class ConfidenceParams(PolicyParams):
+    """Stop after a candidate with q(y_i) < tau (transformers' assisted-generation rule)."""
+
+    threshold: float = Field(0.4, gt=0, lt=1, description="tau in (0, 1)", **_expects("tau in (0, 1)"))
+    k_max: int = K_MAX
+
+
+@policy("entropy")
+class EntropyParams(PolicyParams):
+    """Stop after a candidate drawn from a distribution with entropy > tau nats (AdaEDL, SVIP)."""
+
+    threshold: float = Field(1.0, gt=0, description="tau > 0 nats", **_expects("tau > 0 nats"))
+    k_max: int = K_MAX
+
+
+@policy("heuristic")
+class HeuristicParams(PolicyParams):
+    """transformers' schedule: K += 2 after a fully accepted round, K -= 1 otherwise."""
+
+    k: int = Field(5, ge=1, description="the starting K", **_expects("an integer >= 1"))
+    k_max: int = K_MAX
+
+
+@policy("oracle")
+class OracleParams(PolicyParams):
+    """The hindsight oracle of Theorem 4.1 (greedy only)."""
+
+    k_max: int = Field(10_000, ge=1, **_expects("an integer >= 1"))
+    target_output: list[int] | None = Field(None, description="the target's greedy output, where known",
+                                            json_schema_extra={"cli": False})
+
+    def check_sampling(self, temperature: float) -> None:
+        if temperature > 0:
+            raise UserError("the hindsight oracle is defined for greedy decoding; use --temperature 0")
+
+
+DRAFTING = Literal["tree", "sequence", "batch", "specinfer"]
+ESTIMATOR = Literal["positional", "head"]
+
+
+class _TreeBase(PolicyParams):
+    tree_budget: int | None = Field(None, ge=1, description="drafted tokens per round (default: k, else 8)",
+                                    **_expects("an integer >= 1"))
+    tree_estimator: ESTIMATOR = Field("positional", description="acceptance estimates: positional rates or a "
+                                      "trained head (--head)", **_expects("positional or head"))
+    head: Any = Field(None, description="acceptance head folder for --tree-estimator head")
+    k: int | None = Field(None, ge=1, description="tokens per round where no budget is given",
+                          **_expects("an integer >= 1"))
+    tree_rates: Any = Field(None, description="calibration.json of per-sibling acceptance rates for tree policies "
+                            "(bench_trees writes one)")
+    adapt_rates: bool = Field(True, json_schema_extra={"cli": False})
+    tree_learned: bool = Field(False, description="draft as many tokens per round as are worth their cost (at "
+                               "most tree_budget)")
+    tree_node_cost: float | None = Field(None, gt=0, description="with tree_learned: the cost of one drafted "
+                                         "token in target steps (default: measured)",
+                                         **_expects("> 0 (target steps per drafted token)"))
+    drafting: DRAFTING = Field("tree", description="draft shape (tree = the optimal one)",
+                               **_expects("tree, sequence, batch or specinfer"))
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.tree_estimator == "head":
+            _check_head_folder(self.head, "--tree-estimator head")
+        elif self.head is not None:
+            raise ValueError("--head is read by the tree policies only with --tree-estimator head")
+        if self.tree_node_cost is not None and not self.tree_learned:
+            raise ValueError("--tree-node-cost applies only with --tree-learned")
+        return self
+
+
+@policy("tree")
+class TreeParams(_TreeBase):
+    """GSD: the optimal draft tree of tree_budget tokens per round."""
+
+
+@policy("ersd")
+class ErsdParams(_TreeBase):
+    """Exponential-race SD over a draft of the given shape."""
+
+    num_drafts: int | None = Field(None, ge=1, description="alternatives for the next token (drafting batch)",
+                                   **_expects("an integer >= 1"))
+
+    @model_validator(mode="after")
+    def _drafts(self):
+        if self.num_drafts is not None and self.drafting != "batch":
+            raise ValueError("--num-drafts applies to ersd only with --drafting batch")
+        return self
+
+
+class _MultiDraft(PolicyParams):
+    num_drafts: int = Field(4, ge=1, description="drafts per round", **_expects("an integer >= 1"))
+    k: int = Field(4, ge=1, description="tokens per draft", **_expects("an integer >= 1"))
+
+
+@policy("spectr")
+class SpecTrParams(_MultiDraft):
+    """SpecTr: num_drafts i.i.d. drafts of k tokens, K-SEQ selection."""
+
+
+@policy("batch-sd")
+class BatchSDParams(_MultiDraft):
+    """Batch speculative decoding: num_drafts i.i.d. drafts of k tokens."""
+
+
+def policy_fields() -> dict[str, Any]:
+    """Every policy setting by name (the first declaration's field): the command line's flags."""
+    out: dict[str, Any] = {}
+    for cls in _POLICIES.values():
+        for key, f in cls.model_fields.items():
+            out.setdefault(key, f)
+    return out
+
+
+def policies_with(key: str) -> list[str]:
+    return [n for n, cls in _POLICIES.items() if key in cls.model_fields]
+
+
+# ---- the model pair --------------------------------------------------------------------------
+
+DRAFT_QUANTS = ("none", "int8", "int4")
+BACKENDS = ("torch", "llama.cpp")
+# torch-only settings and their defaults: llama.cpp runs the GGUF files as they are, on the CPU
+_TORCH_ONLY = {"dtype": "auto", "draft_quant": "none", "draft_vocab": None, "kv_cache": "dynamic",
+               "runtime": "eager", "max_cache_len": None}
+
+
+class PairParams(Params):
+    """Which models, on which engine, with which numerics (SpecPair.load)."""
+
+    target: str = Field("default", description="target model: hub id, local folder or 'default' (llama.cpp: a "
+                        ".gguf, a folder of one, or owner/repo:FILE.gguf)")
+    draft: str | None = Field("default", description="draft model, as --target (Python: None for the target alone)")
+    backend: Literal["torch", "llama.cpp"] = Field(
+        "torch", description="engine: torch (Hugging Face weights; the default pair dequantized to bf16) or "
+        "llama.cpp (the GGUF files as they are, through llama-cpp-python; CPU)", **_expects("torch or llama.cpp"))
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(
+        "auto", description="weights' dtype (auto: bf16 on GPUs and on CPUs with bf16 kernels, fp32 on AVX2-only "
+        "CPUs, where bf16 matrix products are several times slower)", **_expects("auto, bf16, fp16 or fp32"))
+    draft_quant: Literal["none", "int8", "int4"] = Field(
+        "none", description="draft weights: none, int8 (weight-only, per-channel) or int4 (weight-only, groups of "
+        "64; CPU); exactness unchanged", **_expects("none, int8 or int4"))
+    draft_vocab: str | None = Field(
+        None, description="draft output layer keeps the N most frequent tokens (shipped list for the default "
+        "tokenizer) or those of a list from `adaptive-spec draft-vocab` (N | FILE | FILE:N); default: all",
+        **_expects("N >= 1, FILE or FILE:N"))
+    device: str | None = Field(None, description="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    threads: int | None = Field(None, ge=1, description="CPU threads (default: torch's count)",
+                                **_expects("an integer >= 1"))
+    n_ctx: int | None = Field(None, ge=1, description="llama.cpp: context positions (default 4096)",
+                              **_expects("an integer >= 1"))
+    kv_cache: Literal["dynamic", "static"] = Field(
+        "dynamic", description="torch: KV caches dynamic (grow and crop) or static (preallocated, indexed by "
+        "position)", **_expects("dynamic or static"))
+    runtime: Literal["eager", "cudagraph", "compile"] = Field(
+        "eager", description="static KV cache on GPU: capture one CUDA graph per input length (cudagraph/compile)",
+        **_expects("eager, cudagraph or compile"))
+    max_cache_len: int | None = Field(None, ge=1, description="static KV cache: preallocated positions",
+                                      **_expects("an integer >= 1"))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vocab_as_text(cls, values):
+        if isinstance(values, dict) and isinstance(values.get("draft_vocab"), int):
+            values = {**values, "draft_vocab": str(values["draft_vocab"])}
+        return values
+
+    @model_validator(mode="after")
+    def _engine(self):
+        if self.backend == "llama.cpp":
+            unused = [f"{k}={getattr(self, k)!r}" for k, default in _TORCH_ONLY.items() if getattr(self, k) != default]
+            if self.device not in (None, "cpu"):
+                unused.append(f"device={self.device!r}")
+            if unused:
+                raise ValueError(f"{', '.join(unused)}: the llama.cpp backend runs the GGUF files as they are, on the "
+                                 "CPU; drop these settings or use the torch backend")
+        elif self.n_ctx is not None:
+            raise ValueError("n_ctx (--n-ctx) sets the llama.cpp context; the torch backend sizes its caches itself")
+        if self.draft_vocab is not None:
+            _check_draft_vocab(self.draft_vocab)
+        return self
+
+    def check_draft_vocab_size(self) -> None:
+        """N of draft_vocab N against the draft's vocabulary, read from its config.json (no weights):
+        the upper bound, refused before anything loads."""
+        from .vocab import parse_draft_vocab
+
+        parsed = parse_draft_vocab(self.draft_vocab) if self.draft is not None else None
+        if parsed is None or parsed[1] is None:
+            return
+        from .models import resolve_model_path
+
+        config = Path(resolve_model_path(self.draft, "draft")) / "config.json"
+        if config.is_file():
+            size = json.loads(config.read_text()).get("vocab_size")
+            if size is not None and parsed[1] > size:
+                raise UserError(f"--draft-vocab must be in 1..{size} (the draft's vocabulary size), got {parsed[1]}")
+
+
+def _check_draft_vocab(spec: str) -> None:
+    """N must be a positive count; a FILE must exist."""
+    from .vocab import parse_draft_vocab
+
+    path, n = parse_draft_vocab(spec)
+    if n is not None and n < 1:
+        raise ValueError(f"--draft-vocab must be a token count >= 1 or a token-list file, got {spec}")
+    if path and not Path(path).is_file():
+        raise ValueError(f"--draft-vocab file {path} does not exist; build one with `adaptive-spec draft-vocab`")
+
+
+def pair_params(spell=lambda key: key, **values) -> PairParams:
+    return build(PairParams, values, "the model pair", spell)

@@ -1,0 +1,140 @@
+"""Typed settings (adaptive_spec.params): every policy's and the pair's settings are checked once, by
+their class, before any model loads; unknown keys are refused with the valid ones listed."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from adaptive_spec import params
+from adaptive_spec.cli import main
+from adaptive_spec.errors import UserError
+from adaptive_spec.params import PairParams, pair_params, policy_params
+
+
+@pytest.mark.parametrize("name", [n for n in params.policy_names() if n != "ar"])
+def test_every_policy_refuses_a_misspelled_key_and_lists_its_own(name):
+    fields = list(params.policy_class(name).model_fields)
+    with pytest.raises(UserError, match=rf"treshold: not a setting of policy {name} \(its settings: "
+                                        rf"{', '.join(fields)}\)"):
+        policy_params(name, treshold=0.5)
+
+
+def test_defaults_and_coercion():
+    assert policy_params("fixed").k == 4 and policy_params("fixed", k="6").k == 6
+    assert policy_params("heuristic").k == 5 and policy_params("confidence").threshold == 0.4
+    assert policy_params("entropy", threshold="1.5").threshold == 1.5
+    p = policy_params("spectr", num_drafts=2)
+    assert (p.num_drafts, p.k) == (2, 4) and p.model_fields_set == {"num_drafts"}
+    with pytest.raises(Exception):  # frozen: a checked value cannot be changed unchecked afterwards
+        p.k = 0
+
+
+@pytest.mark.parametrize("values,needle", [
+    ({"threshold": 0.0}, "threshold must be h in (0, 1) or auto for policy learned, got 0.0"),
+    ({"threshold": 1.0}, "threshold must be h in (0, 1) or auto"),
+    ({"threshold": "high"}, "threshold must be h in (0, 1) or auto"),
+    ({"head": "checkpoints/qwen-coder-0.5b-d3-wrej6"}, "needs --threshold h in (0, 1)"),
+    ({"threshold": 0.5}, "needs a trained acceptance head"),
+    ({"threshold": 0.5, "head": "no/such/dir/here"}, "does not exist"),
+    ({"threshold": 0.5, "head": "checkpoints/qwen-coder-0.5b-d3-wrej6", "k_max": 0}, "k_max must be an integer >= 1"),
+    ({"threshold": 0.5, "head": "checkpoints/qwen-coder-0.5b-d3-wrej6", "curve": "x.json"}, "--curve is read only"),
+])
+def test_learned_settings(values, needle):
+    with pytest.raises(UserError) as e:
+        policy_params("learned", **values)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_head_folder_without_weights_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(UserError, match="has no model.safetensors"):
+        policy_params("learned", head=str(tmp_path), threshold=0.5)
+    with pytest.raises(UserError, match="has no model.safetensors"):
+        policy_params("tree", tree_estimator="head", head=str(tmp_path))
+    assert policy_params("learned", head="owner/a-hub-head", threshold=0.5).head == "owner/a-hub-head"
+
+
+def test_settings_that_do_not_apply_are_refused():
+    with pytest.raises(UserError, match="--curve is read only by --k auto"):
+        policy_params("fixed", k=3, curve="c.json")
+    with pytest.raises(UserError, match="--head is read by the tree policies only with --tree-estimator head"):
+        policy_params("tree", head="checkpoints/qwen-coder-0.5b-d3-wrej6")
+    with pytest.raises(UserError, match="--tree-node-cost applies only with --tree-learned"):
+        policy_params("ersd", tree_node_cost=0.2)
+    with pytest.raises(UserError, match="threshold auto is for --policy learned"):
+        policy_params("confidence", threshold="auto")
+    with pytest.raises(UserError, match="k auto is for --policy fixed"):
+        policy_params("heuristic", k="auto")
+
+
+def test_oracle_refuses_sampling_before_anything_runs():
+    with pytest.raises(UserError, match="greedy decoding"):
+        policy_params("oracle").check_sampling(1.0)
+    policy_params("oracle").check_sampling(0.0)
+
+
+@pytest.mark.parametrize("values,needle", [
+    ({"backend": "llama.cpp", "dtype": "fp32"}, "dtype='fp32': the llama.cpp backend"),
+    ({"backend": "llama.cpp", "device": "cuda"}, "device='cuda': the llama.cpp backend"),
+    ({"n_ctx": 512}, "n_ctx (--n-ctx) sets the llama.cpp context"),
+    ({"backend": "vllm"}, "backend must be torch or llama.cpp for the model pair, got 'vllm'"),
+    ({"draft_quant": "int3"}, "draft_quant must be none, int8 or int4"),
+    ({"draft_vocab": 0}, "--draft-vocab must be a token count >= 1"),
+    ({"threads": 0}, "threads must be an integer >= 1"),
+    ({"dtpye": "fp32"}, "dtpye: not a setting of the model pair (its settings: target, draft, backend, dtype"),
+])
+def test_pair_settings(values, needle):
+    with pytest.raises(UserError) as e:
+        pair_params(**values)
+    assert needle in str(e.value)
+
+
+def test_specpair_load_refuses_before_loading(monkeypatch):
+    from adaptive_spec import pipeline
+
+    monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(UserError, match="dtype='bf16': the llama.cpp backend"):
+        pipeline.SpecPair.load(backend="llama.cpp", dtype="bf16")
+    with pytest.raises(UserError, match="pass the settings dtype inside the PairParams"):  # one way in, not two
+        pipeline.SpecPair.load(PairParams(), dtype="fp32")
+
+
+def test_draft_vocab_above_the_vocabulary_is_refused_before_loading(tiny_pair, monkeypatch, capsys):
+    from adaptive_spec import pipeline
+
+    monkeypatch.setattr(pipeline.SpecPair, "load", classmethod(lambda *a, **k: pytest.fail("a model was loaded")))
+    draft, target = map(str, tiny_pair)
+    code = main(["generate", "--prompt", "hi", "--draft", draft, "--target", target, "--draft-vocab", "10000000"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "--draft-vocab must be in 1..32" in err, err
+
+
+def test_abbreviated_flags_are_refused(capsys, monkeypatch):
+    from adaptive_spec import pipeline
+
+    monkeypatch.setattr(pipeline.SpecPair, "load", classmethod(lambda *a, **k: pytest.fail("a model was loaded")))
+    code = main(["generate", "--prompt", "hi", "--policy", "confidence", "--thresh", "0.5"])
+    err = capsys.readouterr().err
+    assert code == 2 and "unrecognized arguments: --thresh" in err and err.count("\n") == 1, err
+
+
+def test_the_generation_path_loads_no_training_or_evaluation_module(tiny_pair):
+    """`import adaptive_spec` and a generation on tiny models: nothing of datagen, training or
+    evaluation, nor their libraries, is imported (a fresh interpreter, so other tests cannot hide it)."""
+    draft, target = map(str, tiny_pair)
+    code = f"""
+import json, sys
+import adaptive_spec
+from adaptive_spec import SpecPair
+pair = SpecPair.load(target={target!r}, draft={draft!r}, dtype="fp32", device="cpu")
+pair.generate("abc", policy="fixed", k=3, max_new_tokens=6)
+print(json.dumps(sorted(sys.modules)))
+"""
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, check=True)
+    loaded = set(json.loads(out.stdout.strip().splitlines()[-1]))
+    banned = {f"adaptive_spec.{m}" for m in ("datagen", "datagen_features", "training", "sweep", "report", "fetch")}
+    banned |= {"wandb", "datasets", "matplotlib", "sklearn"}
+    assert "adaptive_spec.pipeline" in loaded and not loaded & banned, sorted(loaded & banned)
