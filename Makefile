@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q torch==2.13.0
 	# every other dependency at the versions the suite last passed with (constraints.txt)
 	@echo "installing the package; the first time, pip compiles llama.cpp for llama-cpp-python (about 5 min on 2 cores)"
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install -q -c constraints.txt -e ".[llama]"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install -q -c constraints.txt -e ".[llama,train,eval,dev]"
 	touch $@
 
 setup: $(STAMP)

@@ -38,14 +38,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from .errors import UserError
+from .errors import UserError, get_logger
 from .runs import read_json, read_manifest, write_json
+
+log = get_logger(__name__)
 
 FORMAT = "adaptive_spec.threshold_curve.v1"
 CURVE_NAME = "threshold_curve.json"
@@ -246,8 +247,8 @@ def _warn_other_draft(head, manifest: dict):
     trained = getattr(head, "draft_fingerprint", None)
     data = (manifest.get("models", {}).get("draft") or {}).get("fingerprint")
     if trained and data and trained != data:
-        print(f"warning: the head was trained on draft {trained} and the data comes from draft {data}; the curve "
-              "predicts rounds of the data's draft", file=sys.stderr)
+        log.warning(f"the head was trained on draft {trained} and the data comes from draft {data}; the curve "
+                    "predicts rounds of the data's draft")
 
 
 def autotune_command(head, data, split: str = "dev", k_max: int = 20, out=None) -> str:
@@ -379,10 +380,10 @@ def resolve_auto(pair, params, model: str | None = None, temperature: float | No
 
         memo[key] = pick(curve, need, measure_costs(pair), model, k_max)
         memo[key]["curve"] = key[0]
-        print(describe_pick(memo[key]), file=sys.stderr)
+        log.info(describe_pick(memo[key]))
         warning = sampling_mismatch(curve, temperature)
         if warning:
-            print(f"warning: {warning}", file=sys.stderr)
+            log.warning(warning)
     choice = memo[key]
     if choice["value"] == AR:  # no drafting pays on this machine: None, the target alone
         return None, choice

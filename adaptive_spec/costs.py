@@ -23,14 +23,15 @@ from __future__ import annotations
 import hashlib
 import json
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .errors import UserError
+from .errors import UserError, get_logger
 from .runs import write_json
 from .timing import timed
+
+log = get_logger(__name__)
 
 VERIFY_LENGTHS = tuple(range(1, 10))  # K + 1 for K = 0..8
 # The cached context the passes are timed after: that of a typical decode (a prompt and half a
@@ -145,8 +146,7 @@ def _cached_or_measured(pair, reps: int, cache: bool, config: dict, key: str) ->
         hit = _read_cached(path, key)
         if hit is not None:
             return hit
-        print(f"measuring forward times on this machine (once per configuration; cached in {path})",
-              file=sys.stderr)
+        log.info(f"measuring forward times on this machine (once per configuration; cached in {path})")
     costs = _measure(pair, reps, key)
     if cache:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -170,8 +170,8 @@ def _read_pin(path: Path, config: dict) -> Costs | None:
     saved, costs = read
     differ = _config_differences(saved.get("config") or {}, config)
     if differ:
-        print(f"warning: pinned forward times {path} were measured with another {', '.join(differ)}; "
-              "measuring again on this machine (rows before this carry the old auto picks)", file=sys.stderr)
+        log.warning(f"pinned forward times {path} were measured with another {', '.join(differ)}; "
+                    "measuring again on this machine (rows before this carry the old auto picks)")
         return None
     return costs
 
@@ -201,8 +201,7 @@ def _read_costs_file(path: Path, what: str, key: str | None = None) -> tuple[dic
         if len(costs.t_verify) != len(VERIFY_LENGTHS) or not all(t > 0 for t in costs.t_verify):
             raise ValueError("no per-length verification times (written by an older version)")
     except (OSError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
-        print(f"warning: {what} forward times {path} are unreadable ({type(e).__name__}: {e}); measuring again",
-              file=sys.stderr)
+        log.warning(f"{what} forward times {path} are unreadable ({type(e).__name__}: {e}); measuring again")
         return None
     return saved, costs
 

@@ -55,11 +55,13 @@ from typing import Iterator
 import torch
 
 from .config import config_from_argv, config_to_dict
-from .errors import UserError, run_main
+from .errors import UserError, get_logger, run_main
 from .features import draft_stats
 from .models import model_kv, spread_kept_logits
 from .prompts import EVAL_SETS, TRAINING_SETS, encode_prompt, eos_token_ids, prompt_texts
 from .runs import atomic_write, project_path, read_manifest, settings_problem, write_json
+
+log = get_logger(__name__)
 
 FORMAT = "adaptive_spec.datagen.v1"
 SPLITS = ("train", "dev", "test")
@@ -248,8 +250,8 @@ def plan_splits(cfg: DatagenConfig, tok) -> dict[str, list[tuple[int, list[int]]
                 taken.add(t)
                 n += 1
         if 0 < src["n"] != n:
-            print(f"datagen: source {src['name']} gave {n} prompts, not n = {src['n']} (it has no more that fit "
-                  "max_prompt_tokens and the caps)", file=sys.stderr, flush=True)
+            log.warning(f"datagen: source {src['name']} gave {n} prompts, not n = {src['n']} (it has no more that fit "
+                        "max_prompt_tokens and the caps)")
         for s in SPLITS:
             plan[s] += by_split[s]
     if cfg.sources:
@@ -796,13 +798,13 @@ class _Progress:
         self.n_todo = sum(len(plan[s][k * cfg.shard_size:(k + 1) * cfg.shard_size]) for s, k in todo)
         done_before = sum(planned[s]["n_prompts"] for s in SPLITS) - self.n_todo if state.world == 1 else 0
         if state.is_main:
-            print(f"datagen: {out_dir}: " + ", ".join(f"{s} {planned[s]['n_prompts']} prompts" for s in SPLITS)
-                  + f"; {len(todo)} shard(s) to do on this process"
-                  + (f", {done_before} prompts already done" if done_before else ""), file=sys.stderr, flush=True)
+            log.info(f"datagen: {out_dir}: " + ", ".join(f"{s} {planned[s]['n_prompts']} prompts" for s in SPLITS)
+                     + f"; {len(todo)} shard(s) to do on this process"
+                     + (f", {done_before} prompts already done" if done_before else ""))
             if cfg.sources:
-                print("datagen: prompts per source (train/dev/test): " + ", ".join(
+                log.info("datagen: prompts per source (train/dev/test): " + ", ".join(
                     f"{src['name']} " + "/".join(str(planned[s]["by_source"][i]) for s in SPLITS)
-                    for i, src in enumerate(cfg.sources)), file=sys.stderr, flush=True)
+                    for i, src in enumerate(cfg.sources)))
         self.bar = tqdm(total=self.n_todo, unit="prompt", disable=not cfg.progress, dynamic_ncols=True,
                         mininterval=1.0, desc=f"datagen[{state.index}]" if state.world > 1 else "datagen")
         self.t0, self.n_tok, self.n_prompts = time.perf_counter(), 0, 0
@@ -818,9 +820,9 @@ class _Progress:
             return
         el = time.perf_counter() - self.t0
         eta = el / self.n_prompts * (self.n_todo - self.n_prompts)
-        print(f"\ndatagen: wrote {name} ({meta['n_seqs']} seqs, {meta['n_tokens']} tokens); "
-              f"{self.n_tok} tokens in {el:.0f}s = {self.n_tok / el:.2f} tok/s; {self.n_prompts}/{self.n_todo} "
-              f"prompts, ETA {eta / 3600:.1f} h", file=sys.stderr, flush=True)
+        log.info(f"\ndatagen: wrote {name} ({meta['n_seqs']} seqs, {meta['n_tokens']} tokens); "
+                 f"{self.n_tok} tokens in {el:.0f}s = {self.n_tok / el:.2f} tok/s; {self.n_prompts}/{self.n_todo} "
+                 f"prompts, ETA {eta / 3600:.1f} h")
 
     def close(self):
         self.bar.close()
@@ -830,9 +832,8 @@ def _finish(out_dir: Path, cfg: DatagenConfig, models: dict, planned: dict, stat
     man = build_manifest(out_dir, cfg, models, planned)
     if state.is_main:
         write_manifest(out_dir, man)
-        print(f"datagen: done: {out_dir} complete={man['complete']}; " + ", ".join(
-            f"{s} {man['splits'][s]['n_prompts']} prompts / {man['splits'][s]['n_tokens']} tokens" for s in SPLITS),
-            file=sys.stderr, flush=True)
+        log.info(f"datagen: done: {out_dir} complete={man['complete']}; " + ", ".join(
+            f"{s} {man['splits'][s]['n_prompts']} prompts / {man['splits'][s]['n_tokens']} tokens" for s in SPLITS))
     return man
 
 

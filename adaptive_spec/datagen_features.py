@@ -28,14 +28,15 @@ longer datagen run has added since.
 """
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from .errors import UserError
+from .errors import UserError, get_logger
 from .runs import project_path, read_manifest
+
+log = get_logger(__name__)
 
 
 def load_draft(manifest: dict, dtype: str, device):
@@ -169,15 +170,14 @@ def run(data: str, out: str, dtype: str = "auto", device: str = "auto", threads:
     if not todo:
         man = _out_manifest(src_man, src, dst, extra)
         write_manifest(dst, man)
-        print(f"datagen-features: {dst} is up to date ({sum(len(v['shards']) for v in man['splits'].values())} shards)",
-              file=sys.stderr)
+        log.info(f"datagen-features: {dst} is up to date ({sum(len(v['shards']) for v in man['splits'].values())} shards)")
         return man
     draft = load_draft(src_man, dtype, resolve_device(device))
     extra["cpu_path"] = getattr(draft, "cpu_path", {})
     dst.mkdir(parents=True, exist_ok=True)
     write_manifest(dst, _out_manifest(src_man, src, dst, extra))  # first: the folder is recognisable from now on
     n_tok = sum(sh["n_tokens"] for sh in todo)
-    print(f"datagen-features: {src} -> {dst}: {len(todo)} shard(s), {n_tok} response tokens to do", file=sys.stderr)
+    log.info(f"datagen-features: {src} -> {dst}: {len(todo)} shard(s), {n_tok} response tokens to do")
     t0, done = time.perf_counter(), 0
     with tqdm(total=n_tok, unit="tok", disable=not progress, dynamic_ncols=True, mininterval=1.0,
               desc="datagen-features") as bar:
@@ -195,5 +195,5 @@ def run(data: str, out: str, dtype: str = "auto", device: str = "auto", threads:
             bar.set_postfix_str(f"{done / (time.perf_counter() - t0):.0f} tok/s")
     man = _out_manifest(src_man, src, dst, extra)
     write_manifest(dst, man)
-    print(f"datagen-features: done: {dst} ({done} tokens in {time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    log.info(f"datagen-features: done: {dst} ({done} tokens in {time.perf_counter() - t0:.0f} s)")
     return man

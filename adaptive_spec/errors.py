@@ -1,9 +1,40 @@
-"""User-facing errors.
+"""User-facing errors and notices.
 
 Every problem a user can cause (bad input, a wrong model pair, a broken checkpoint) raises
 `UserError` with one sentence naming the problem and the fix. The CLI prints that sentence on
 one line and exits non-zero; anything else escaping is a bug and keeps its traceback.
+
+Library code reports everything else through `logging` (`get_logger(__name__)`): notices at
+INFO, warnings at WARNING, under the "adaptive_spec" logger. Like transformers, the package gives
+that logger one handler of its own, so a script sees them on stderr with no set-up; it writes to
+whatever sys.stderr is at the time, not the one there was at import. Quieter:
+`logging.getLogger("adaptive_spec").setLevel(logging.WARNING)`.
 """
+import logging
+import sys
+
+
+class _Stderr(logging.Handler):
+    """INFO as the message alone, WARNING and up as `warning: message`: the CLI's own style."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            prefix = "" if record.levelno < logging.WARNING else f"{record.levelname.lower()}: "
+            print(prefix + record.getMessage(), file=sys.stderr, flush=True)
+        except Exception:  # noqa: BLE001 - logging's own contract: never raise from emit
+            self.handleError(record)
+
+
+_ROOT = logging.getLogger("adaptive_spec")
+if not any(isinstance(h, _Stderr) for h in _ROOT.handlers):
+    _ROOT.addHandler(_Stderr())
+    _ROOT.setLevel(logging.INFO)
+    _ROOT.propagate = False
+
+
+def get_logger(name: str) -> logging.Logger:
+    """The logger of a module of the package (name: its __name__)."""
+    return logging.getLogger(name)
 
 
 class UserError(Exception):
@@ -21,7 +52,6 @@ def run_main(fn, argv=None, interrupted: str = "nothing half-done was kept") -> 
     Otherwise the body's return value (None = 0).
     """
     import signal
-    import sys
     import threading
 
     def on_term(signum, frame):

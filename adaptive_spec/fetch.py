@@ -48,7 +48,9 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import UserError, first_line, run_main
+from .errors import UserError, first_line, get_logger, run_main
+
+log = get_logger(__name__)
 
 ROLES = ("draft", "target")
 MARKER = ".complete"  # written last into a model folder; holds the source GGUF's sha256
@@ -139,7 +141,7 @@ def is_fetched(role: str) -> bool:
 def _log(msg: str, quiet: bool) -> None:
     # progress goes to stderr so stdout stays clean for the final paths
     if not quiet:
-        print(f"[fetch-models] {msg}", file=sys.stderr, flush=True)
+        log.info(f"[fetch-models] {msg}")
 
 
 def _fmt_size(n: float) -> str:

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import torch
+from transformers import TextStreamer
 
 from . import multidraft, policies, tree  # noqa: F401  (importing them registers their policies)
 from .autotune import AR, resolve_auto
@@ -174,6 +175,8 @@ class SpecPair:
             on_tokens = _Streamer(self.tokenizer, on_text)
         g = self.decoder.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, policy=pol,
                                   seed=seed, on_tokens=on_tokens)
+        if on_tokens is not None:
+            on_tokens.end()
         g.text = self.tokenizer.decode(g.token_ids, skip_special_tokens=True)
         g.auto = auto
         return g
@@ -206,16 +209,17 @@ def _eog_ids(lm) -> set[int]:
     return {i for i in range(lm.vocab_size) if ll.llama_vocab_is_eog(vocab, i)}
 
 
-class _Streamer:
-    """Decodes the growing output and emits only the new text (so multi-token characters work)."""
+class _Streamer(TextStreamer):
+    """transformers' streamer (it holds text back until a word or a UTF-8 sequence is complete),
+    fed the decoder's new token ids per round and emitting to a callback instead of stdout."""
 
     def __init__(self, tokenizer, emit):
-        self.tokenizer, self.emit, self.ids, self.printed = tokenizer, emit, [], 0
+        super().__init__(tokenizer, skip_special_tokens=True)
+        self.emit = emit
 
     def __call__(self, new_ids):
-        self.ids.extend(new_ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next tokens
-            return
-        self.emit(text[self.printed:])
-        self.printed = len(text)
+        self.put(torch.tensor(new_ids))
+
+    def on_finalized_text(self, text: str, stream_end: bool = False):
+        if text:
+            self.emit(text)

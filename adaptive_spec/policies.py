@@ -12,7 +12,7 @@ import time
 import torch
 
 from .decoding import Decoder
-from .errors import UserError
+from .errors import UserError, get_logger
 from .features import step_stats
 from .heads import INPUTS, join_inputs, load_head, reads_stats
 from .interfaces import DraftStep, PolicyContext, RoundOwner, RoundState, StopPolicy, register
@@ -20,6 +20,8 @@ from .models import CausalLM
 from .params import (ConfidenceParams, EntropyParams, FixedParams, HeuristicParams, LearnedParams,
                      OracleParams)
 from .sampling import SamplingParams, entropy
+
+log = get_logger(__name__)
 
 
 class FixedK(StopPolicy):
@@ -276,17 +278,15 @@ def load_pair_head(head, pair, feature: str | None = None, why: str = "the learn
 
 def warn_draft_config(head, in_use: dict) -> None:
     """A head reads the draft's hidden states: under another quantization or vocabulary they shift,
-    so its predictions may be off (never the output's correctness). Say so, once, on stderr."""
-    import sys
-
+    so its predictions may be off (never the output's correctness). Say so, once."""
     trained = {k: (getattr(head, "extra", {}) or {}).get(k, d) for k, d in (("draft_quant", "none"), ("draft_vocab", "full"))}
     in_use = {k: str(in_use.get(k, d)) for k, d in (("draft_quant", "none"), ("draft_vocab", "full"))}
     diff = [f"{k} {trained[k]} (trained) vs {in_use[k]} (in use)" for k in trained if str(trained[k]) != in_use[k]]
-    msg = (f"warning: the acceptance head was trained on another draft configuration: {'; '.join(diff)}; "
+    msg = (f"the acceptance head was trained on another draft configuration: {'; '.join(diff)}; "
            "its predictions may be miscalibrated (the output stays exact); retrain it on this configuration")
     if diff and msg not in _WARNED:  # once per process: a sweep or a soak builds the policy per generation
         _WARNED.add(msg)
-        print(msg, file=sys.stderr)
+        log.warning(msg)
 
 
 _WARNED: set[str] = set()

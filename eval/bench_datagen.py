@@ -3,7 +3,7 @@
 Every cell runs datagen's own shard path (datagen.generate_shard: length-sorted batches, lockstep
 target + draft steps, draft_stats, the features pass) over the same prompts, the first --prompts
 of the config's train split, and counts response tokens (cut at EOS) per wall second: the number
-datagen's progress line shows (19.7 tok/s before issue 16). The draft configuration, sampling
+datagen's progress line shows (19.7 tok/s before the batched datagen). The draft configuration, sampling
 settings and max_new_tokens come from the datagen config. Each dtype loads the pair once; "auto"
 is resolved first and shares its row with the dtype it names. Rows go to <out>/results.jsonl (a
 rerun skips the cells done), the table, fastest first, to <out>/table.md.
@@ -27,7 +27,7 @@ from adaptive_spec.models import resolve_dtype
 from adaptive_spec.runs import append_jsonl, project_path, read_jsonl
 from adaptive_spec.tables import md_table
 
-BEFORE_TOK_S = 19.7  # datagen before issue 16, on an AVX-512 CPU in bf16 (GSM8K, 64 new tokens, batch 32, 2 threads)
+BEFORE_TOK_S = 19.7  # datagen before batching, on an AVX-512 CPU in bf16 (GSM8K, 64 new tokens, batch 32, 2 threads)
 
 
 def dtype_names(names: list[str]) -> dict[str, str]:

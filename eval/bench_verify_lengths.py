@@ -1,12 +1,12 @@
 """Benchmark: what a target pass costs per number of tokens, at a short and a realistic context,
-and what a stats head's per-step statistics cost (issue 16's time model).
+and what a stats head's per-step statistics cost (the extended time model).
 
 The `table` time model (adaptive_spec/timemodel.py) prices each verification pass of K + 1 tokens
 at its measured time. This prints that time per length n (and the draft's one-token step) after
 a --short (costs.py's PREFIX) and a --long cached context, so one can see (a) the step shape of
 t_verify(n) on this CPU and (b) how far times at load, taken after a short prefix, are from the
 contexts a sweep decodes at. Also the draft's pass over n rows (--draft-lengths): a tree drafts a
-wave of sibling nodes in one draft pass, so this is what a tree's width costs (issue 17). Then
+wave of sibling nodes in one draft pass, so this is what a tree's width costs. Then
 the per-draft-step cost of a stats head's inputs on the real vocabulary: the full pass
 (process_logits + draft_stats) against the decoder's path (its own q reused, a top-k q read
 through one partial sort: features.truncated_stats).

@@ -297,7 +297,7 @@ def test_shipped_configs_load(name):
     assert "dataset: ../" not in path.read_text()  # named sets: ADAPTIVE_SPEC_DATA reaches datagen too
     cfg = load_config(DatagenConfig, path)
     assert cfg.draft == cfg.target == "default" and cfg.mix_ratio == 0.15 and cfg.top_k == 50
-    if name == "mix":  # the real run of issue 16
+    if name == "mix":  # the real mixed-set run
         assert [s["name"] for s in cfg.sources] == ["sharegpt", "gsm8k-train", "sharegpt-code", "mbpp"]
         assert cfg.max_new_tokens >= 128 and cfg.dev_frac > 0
         # the token data is committed (data/datagen/mix) and features are derived from it: datagen_features

@@ -71,7 +71,7 @@ def test_metrics_are_consistent():
 
 @pytest.mark.parametrize("name", [n for n in policy_names() if n != "ar"])
 def test_eos_cut_books_cut_candidates_as_discarded(name):
-    """Issue #17: when EOS ends the output inside a round, the candidates after it were never
+    """When EOS ends the output inside a round, the candidates after it were never
     emitted and count as discarded, for every policy. With a draft equal to the target most
     candidates are accepted, so the EOS usually falls among them. Metrics' invariants:
     n_drafted = n_accepted + n_discarded and n_tokens = n_accepted + rounds - n_final_cut."""

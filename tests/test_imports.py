@@ -94,3 +94,22 @@ def test_interfaces_is_a_leaf():
     assert graph["adaptive_spec.interfaces"] <= {"adaptive_spec.errors", "adaptive_spec.params"}
     assert graph["adaptive_spec.params"] <= {"adaptive_spec.errors", "adaptive_spec.autotune", "adaptive_spec.vocab",
                                               "adaptive_spec.models"}
+
+
+# the command-line ends of the package: they print; errors.py is the one handler every main()
+# ends in and the log handler; fetch.py's main prints machine-readable paths on stdout
+PRINTING = {"cli.py", "sweep.py", "report.py", "errors.py", "fetch.py", "training.py"}
+
+
+def test_library_code_reports_through_logging():
+    """Notices and warnings go through logging (errors.get_logger), so a script can quiet or route them;
+    print() is left to the command-line modules, and there to their main() paths."""
+    root = Path(__file__).resolve().parents[1] / "adaptive_spec"
+    found = []
+    for f in sorted(root.glob("*.py")):
+        if f.name in PRINTING:
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print":
+                found.append(f"{f.name}:{node.lineno}")
+    assert not found, found

@@ -343,7 +343,7 @@ def test_sweep_auto_picks_once_for_the_machine_and_needs_its_curve(inputs, tmp_p
 
 def test_peer_runs_the_same_int8_draft(inputs, tmp_path):
     """transformers' assisted generation gets the pair's draft module itself, so with draft_quant
-    int8 the peer drafts with the same int8 layers as ours (issue 15: "the same quantized draft")."""
+    int8 the peer drafts with the same int8 layers as ours ("the same quantized draft")."""
     from adaptive_spec.models import Int8Linear, int8_kernel
 
     if int8_kernel("cpu") is not None:

@@ -205,7 +205,7 @@ REUSED = [("tree", dict(tree_budget=6)), ("tree", dict(tree_budget=6, tree_estim
 
 @pytest.mark.parametrize("name,kw", REUSED, ids=["tree", "tree-head", "ersd"])
 def test_reused_policy_object_repeats_its_output(name, kw):
-    """Issue #17: the per-sibling rates a generation adapts must not leak into the next one.
+    """The per-sibling rates a generation adapts must not leak into the next one.
     reset() restores the calibrated rates, so the same object, seed and prompt give the same
     output every time; carry_rates=True is the opt-in that lets them carry over."""
     draft, target = hf_pair()

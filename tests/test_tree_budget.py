@@ -1,4 +1,4 @@
-"""The learned tree budget (issue #17, item 3): grow the tree while the next node is worth its
+"""The learned tree budget: grow the tree while the next node is worth its
 cost (tree_shapes.worth_growing). The rule's arithmetic, its optimality over Algorithm 3's
 nested trees, the head-estimated variant, and that it never touches exactness: only what is
 drafted changes, never what is kept."""
