@@ -87,7 +87,7 @@ def cost_config(pair) -> dict:
     import torch
 
     from .cpu import describe
-    from .datagen import model_fingerprint
+    from .models import model_fingerprint
 
     machine = describe()
     device = pair.target.device

@@ -57,7 +57,7 @@ import torch
 from .config import config_from_argv, config_to_dict
 from .errors import UserError, get_logger, run_main
 from .features import draft_stats
-from .models import model_kv, spread_kept_logits
+from .models import model_fingerprint, model_kv, spread_kept_logits
 from .prompts import EVAL_SETS, TRAINING_SETS, encode_prompt, eos_token_ids, prompt_texts
 from .runs import atomic_write, project_path, read_manifest, settings_problem, write_json
 
@@ -269,23 +269,6 @@ def _by_source(prompts: list[tuple[int, list[int]]], n_sources: int) -> list[int
 
 
 # ------------------------------------------------------------------------------------ models
-
-
-def model_fingerprint(model) -> str:
-    """Short hash of the config and a strided sample of every weight.
-
-    Weights are rounded to bf16 and the config's dtype ignored, so one checkpoint loaded in
-    bf16 or fp32 gets the same fingerprint; touching ~16 values per tensor keeps it instant.
-    """
-    conf = {k: v for k, v in model.config.to_dict().items()
-            if not k.startswith("_") and k not in ("transformers_version", "name_or_path", "dtype", "torch_dtype")}
-    h = hashlib.sha256(json.dumps(conf, sort_keys=True, default=str).encode())
-    for name, w in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-        flat = w.detach().reshape(-1)
-        sample = flat[:: max(1, flat.numel() // 16)][:16]
-        h.update(name.encode())
-        h.update(sample.to(torch.bfloat16).float().cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def load_models(cfg: DatagenConfig, device):

@@ -41,7 +41,7 @@ log = get_logger(__name__)
 
 def load_draft(manifest: dict, dtype: str, device):
     """The draft in the configuration the data was made with, checked against its fingerprint."""
-    from .datagen import model_fingerprint
+    from .models import model_fingerprint
     from .models import densify_quantized, load_model
 
     cfg, want = manifest["config"], manifest["models"]["draft"]

@@ -7,7 +7,9 @@ the PyPI GGUF packages by `adaptive-spec fetch-models` (see fetch.py).
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
+import json
 import time
 import warnings
 from pathlib import Path
@@ -696,3 +698,20 @@ class CausalLM:
         if length < self.length:
             self.cache.crop(length - self.length)  # negative: drop that many trailing positions
             self.length = length
+
+
+def model_fingerprint(model) -> str:
+    """Short hash of the config and a strided sample of every weight.
+
+    Weights are rounded to bf16 and the config's dtype ignored, so one checkpoint loaded in
+    bf16 or fp32 gets the same fingerprint; touching ~16 values per tensor keeps it instant.
+    """
+    conf = {k: v for k, v in model.config.to_dict().items()
+            if not k.startswith("_") and k not in ("transformers_version", "name_or_path", "dtype", "torch_dtype")}
+    h = hashlib.sha256(json.dumps(conf, sort_keys=True, default=str).encode())
+    for name, w in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        flat = w.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 16)][:16]
+        h.update(name.encode())
+        h.update(sample.to(torch.bfloat16).float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]

@@ -143,7 +143,7 @@ def _check_head_folder(head: Any, who: str) -> None:
 def _check_auto(value, curve, head, need: str) -> None:
     """auto reads a curve: it must exist now, before any model loads; a curve without auto is a mistake."""
     if value == AUTO:
-        from .autotune import load_curve
+        from .auto import load_curve
 
         load_curve(curve or (head if isinstance(head, (str, Path)) else None), need,
                    head if isinstance(head, (str, Path)) else None)

@@ -12,7 +12,7 @@ import torch
 from transformers import TextStreamer
 
 from . import multidraft, policies, tree  # noqa: F401  (importing them registers their policies)
-from .autotune import AR, resolve_auto
+from .auto import AR, resolve_auto
 from .decoding import Decoder, Generation
 from .errors import UserError
 from .interfaces import Policy, PolicyContext, lookup, registered

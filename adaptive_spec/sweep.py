@@ -619,7 +619,7 @@ def auto_curve(cfg: SweepConfig, heads: dict) -> str:
 def check_auto_curves(cfg: SweepConfig, heads: dict, specs: list[RunSpec]):
     """Every curve an auto configuration needs exists and fits, checked before the models load;
     the error names the config key and the command that makes the curve."""
-    from .autotune import load_curve
+    from .auto import load_curve
 
     for spec in specs:
         key, need, source = (("thresholds", "h", heads[spec.params["head"]][1]["path"])

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from adaptive_spec import autotune as A
+from adaptive_spec import auto as AU
 from adaptive_spec.costs import Costs, measure_costs
 from adaptive_spec.errors import UserError
 from adaptive_spec.heads import AcceptanceHead
@@ -103,15 +104,15 @@ def test_a_cheap_draft_picks_longer_rounds():
     picks = {}
     for c in (0.05, 0.6):
         costs = Costs(c * 0.1, 0.1, 0.0, "key", "now")
-        choice = A.pick(curve, "k", costs)
+        choice = AU.pick(curve, "k", costs)
         assert choice["value"] == max(choice["predicted"], key=choice["predicted"].get)
         assert choice["tokens_per_s"] == max(choice["predicted"].values())
         picks[c] = choice["value"]
     assert picks[0.05] > picks[0.6] >= 1
     # a per-candidate verification cost (t_cand) shortens the rounds the extended model picks
-    slow_verify = A.pick(curve, "k", Costs(0.005, 0.1, 0.02, "key", "now"))
+    slow_verify = AU.pick(curve, "k", Costs(0.005, 0.1, 0.02, "key", "now"))
     assert slow_verify["value"] < picks[0.05]
-    assert A.pick(curve, "k", Costs(0.005, 0.1, 0.02, "key", "now"), model="paper")["value"] == picks[0.05]
+    assert AU.pick(curve, "k", Costs(0.005, 0.1, 0.02, "key", "now"), model="paper")["value"] == picks[0.05]
 
 
 def test_auto_picks_the_target_alone_where_no_draft_length_pays():
@@ -120,11 +121,11 @@ def test_auto_picks_the_target_alone_where_no_draft_length_pays():
     T = 4000
     curve = {"fixed_k": [{"k": k, **A.counts_row(T, A.replay(A.window_products(np.full(T, 0.5), k), np.full(T, k)))}
                          for k in A.K_GRID], "thresholds": []}
-    dear = A.pick(curve, "k", Costs(0.09, 0.1, 0.0, "key", "now"))
-    assert dear["value"] == A.AR and dear["tokens_per_s"] == pytest.approx(1 / 0.1)
+    dear = AU.pick(curve, "k", Costs(0.09, 0.1, 0.0, "key", "now"))
+    assert dear["value"] == AU.AR and dear["tokens_per_s"] == pytest.approx(1 / 0.1)
     assert dear["tokens_per_s"] > max(dear["predicted"].values())
-    cheap = A.pick(curve, "k", Costs(0.002, 0.1, 0.0, "key", "now"))
-    assert cheap["value"] != A.AR and cheap["tokens_per_s"] > cheap["ar_tokens_per_s"]
+    cheap = AU.pick(curve, "k", Costs(0.002, 0.1, 0.0, "key", "now"))
+    assert cheap["value"] != AU.AR and cheap["tokens_per_s"] > cheap["ar_tokens_per_s"]
 
 
 def test_table_model_caps_rounds_where_long_passes_cost_more():
@@ -150,14 +151,14 @@ def test_table_model_caps_rounds_where_long_passes_cost_more():
                                                   for n, c in point["target_pass_hist"].items())
     from adaptive_spec.timemodel import coef_of, predict_time
     assert predict_time(point, coef_of(step, "table")) == pytest.approx(want)
-    s = A.pick(curve, "h", step, model="table")
-    assert "k_max" not in A.pick(curve, "h", step)  # the default (extended) model picks h alone
+    s = AU.pick(curve, "h", step, model="table")
+    assert "k_max" not in AU.pick(curve, "h", step)  # the default (extended) model picks h alone
     assert s["model"] == "table" and s["k_max"] <= 5 and s["tokens_per_s"] > max(s["predicted"].values())
-    assert A.pick(curve, "h", step, model="table", k_max=4)["k_max"] <= 4
+    assert AU.pick(curve, "h", step, model="table", k_max=4)["k_max"] <= 4
     flat = Costs(0.03, 0.1, 0.0, "k", "now", (0.1,) * 9)
-    assert A.pick(curve, "h", flat, model="table")["predicted"] == pytest.approx(
-        A.pick(curve, "h", flat, model="extended")["predicted"])
-    old = A.pick(curve, "h", Costs(0.03, 0.1, 0.0, "k", "now"), model="table")
+    assert AU.pick(curve, "h", flat, model="table")["predicted"] == pytest.approx(
+        AU.pick(curve, "h", flat, model="extended")["predicted"])
+    old = AU.pick(curve, "h", Costs(0.03, 0.1, 0.0, "k", "now"), model="table")
     assert old["model"] == "extended" and "k_max" not in old
 
 
@@ -173,32 +174,32 @@ def head_and_data(tmp_path):
 def test_curve_is_saved_beside_the_head_and_checked(head_and_data):
     head_dir, data = head_and_data
     path, curve = A.make_curve(str(head_dir), str(data))
-    assert path == head_dir / A.CURVE_NAME and json.loads(path.read_text()) == json.loads(json.dumps(curve))
+    assert path == head_dir / AU.CURVE_NAME and json.loads(path.read_text()) == json.loads(json.dumps(curve))
     man = json.loads((data / "manifest.json").read_text())
     assert curve["n_tokens"] == man["splits"]["dev"]["n_tokens"] and curve["n_responses"] == 12
     assert [p["h"] for p in curve["thresholds"]] == list(A.H_GRID)
     assert [p["k"] for p in curve["fixed_k"]] == list(A.K_GRID)
     for p in curve["thresholds"] + curve["fixed_k"]:
         assert p["n_accepted"] + p["n_target_forwards"] == pytest.approx(curve["n_tokens"])
-    assert curve["head"]["weights"] == A.weights_hash(head_dir) and curve["data"]["split"] == "dev"
-    assert A.load_curve(head_dir, "h", str(head_dir))["k_max"] == 20
+    assert curve["head"]["weights"] == AU.weights_hash(head_dir) and curve["data"]["split"] == "dev"
+    assert AU.load_curve(head_dir, "h", str(head_dir))["k_max"] == 20
     AcceptanceHead(16, depth=0).save_pretrained(head_dir)  # retrained: the curve is stale
     with pytest.raises(UserError, match="other weights"):
-        A.load_curve(head_dir, "h", str(head_dir))
+        AU.load_curve(head_dir, "h", str(head_dir))
 
 
 def test_missing_curve_names_the_command(head_and_data):
     head_dir, _ = head_and_data
     with pytest.raises(UserError) as e:
-        A.load_curve(head_dir, "h", str(head_dir))
-    assert A.CURVE_NAME in str(e.value) and f"adaptive-spec autotune --head {head_dir} --data" in str(e.value)
+        AU.load_curve(head_dir, "h", str(head_dir))
+    assert AU.CURVE_NAME in str(e.value) and f"adaptive-spec autotune --head {head_dir} --data" in str(e.value)
 
 
 def test_auto_through_specpair(head_and_data, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("ADAPTIVE_SPEC_CACHE", str(tmp_path / "cache"))
     head_dir, data = head_and_data
     A.make_curve(str(head_dir), str(data))
-    path = head_dir / A.CURVE_NAME
+    path = head_dir / AU.CURVE_NAME
     saved = json.loads(path.read_text())
     saved["data"]["sampling"] = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}  # as datagen at T = 1 records
     path.write_text(json.dumps(saved))
@@ -220,17 +221,17 @@ def test_auto_through_specpair(head_and_data, tmp_path, monkeypatch, capsys):
     pair = new_pair()
     g = pair.generate([5, 6, 7], policy="learned", head=str(head_dir), threshold="auto", temperature=0,
                       max_new_tokens=12)
-    curve = A.load_curve(head_dir, "h")
-    best = A.pick(curve, "h", measure_costs(pair))
+    curve = AU.load_curve(head_dir, "h")
+    best = AU.pick(curve, "h", measure_costs(pair))
     err = capsys.readouterr().err
     assert g.auto["kind"] == "h" and g.auto["value"] == best["value"] and "auto: h = " in err
     assert "but this decode is greedy (temperature 0)" in err  # the curve replays T = 1 acceptance
     again = pair.generate([5, 6, 7], policy="learned", head=str(head_dir), threshold=best["value"], temperature=0,
                           max_new_tokens=12)
     assert again.token_ids == g.token_ids
-    g = pair.generate([5, 6, 7], policy="fixed", k="auto", curve=str(head_dir / A.CURVE_NAME), temperature=0,
+    g = pair.generate([5, 6, 7], policy="fixed", k="auto", curve=str(head_dir / AU.CURVE_NAME), temperature=0,
                       max_new_tokens=12)
-    k = A.pick(curve, "k", measure_costs(pair))["value"]
+    k = AU.pick(curve, "k", measure_costs(pair))["value"]
     assert g.auto["value"] == k and max(map(int, g.metrics.accepted_hist)) <= k
     with pytest.raises(UserError, match="is for --policy learned"):
         pair.generate([5], policy="confidence", threshold="auto")
@@ -240,7 +241,7 @@ def test_auto_through_specpair(head_and_data, tmp_path, monkeypatch, capsys):
     pair = new_pair()
     g = pair.generate([5, 6, 7], policy="learned", head=str(head_dir), threshold="auto", temperature=0,
                       max_new_tokens=12)
-    assert g.auto["value"] == A.AR and g.metrics.n_drafted == 0 and g.metrics.n_target_forwards == 12
+    assert g.auto["value"] == AU.AR and g.metrics.n_drafted == 0 and g.metrics.n_target_forwards == 12
     assert g.token_ids == again.token_ids  # greedy: the target alone gives the same tokens
 
 
@@ -248,11 +249,11 @@ def test_sampling_mismatch_warns_across_greedy_and_sampled():
     def curve(t):
         return {"data": {"sampling": {"temperature": t, "top_k": 50, "top_p": 1.0}}}
 
-    assert "decode is greedy" in A.sampling_mismatch(curve(1.0), 0.0)
-    assert "decode is sampled (temperature 0.7)" in A.sampling_mismatch(curve(0.0), 0.7)
-    assert A.sampling_mismatch(curve(1.0), 0.7) is None and A.sampling_mismatch(curve(0.0), 0.0) is None
-    assert A.sampling_mismatch(curve(None), 0.0) is None and A.sampling_mismatch({}, 0.0) is None
-    assert A.sampling_mismatch(curve(1.0), None) is None
+    assert "decode is greedy" in AU.sampling_mismatch(curve(1.0), 0.0)
+    assert "decode is sampled (temperature 0.7)" in AU.sampling_mismatch(curve(0.0), 0.7)
+    assert AU.sampling_mismatch(curve(1.0), 0.7) is None and AU.sampling_mismatch(curve(0.0), 0.0) is None
+    assert AU.sampling_mismatch(curve(None), 0.0) is None and AU.sampling_mismatch({}, 0.0) is None
+    assert AU.sampling_mismatch(curve(1.0), None) is None
 
 
 def test_per_k_curve_without_a_head(head_and_data, tmp_path):
@@ -260,11 +261,11 @@ def test_per_k_curve_without_a_head(head_and_data, tmp_path):
     with pytest.raises(UserError, match="--out"):
         A.make_curve(None, str(data))
     path, curve = A.make_curve(None, str(data), out=str(tmp_path / "k.json"))
-    assert curve["thresholds"] == [] and A.load_curve(path, "k")["fixed_k"]
+    assert curve["thresholds"] == [] and AU.load_curve(path, "k")["fixed_k"]
     with pytest.raises(UserError, match="without a head"):
-        A.load_curve(path, "h")
+        AU.load_curve(path, "h")
     costs = SimpleNamespace(t_draft=0.01, t_target=0.1, t_cand=0.0, to_dict=dict)
-    assert A.pick(curve, "k", costs)["value"] in A.K_GRID
+    assert AU.pick(curve, "k", costs)["value"] in A.K_GRID
 
 
 def test_per_source_curves_add_up_to_the_pooled_one(head_and_data):
@@ -287,4 +288,4 @@ def test_per_source_curves_add_up_to_the_pooled_one(head_and_data):
         for i, pooled in enumerate(curve[part]):
             for key in ("n_target_forwards", "n_drafted", "n_accepted"):
                 assert pooled[key] == pytest.approx(sum(p[part][i][key] for p in parts.values()))
-    assert A.pick(parts["code"], "h", Costs(0.01, 0.1, 0.0, "k", "now"))["value"] in A.H_GRID
+    assert AU.pick(parts["code"], "h", Costs(0.01, 0.1, 0.0, "k", "now"))["value"] in A.H_GRID

@@ -92,7 +92,7 @@ def test_interfaces_is_a_leaf():
     but errors and the typed settings (params), which import nothing that imports them back."""
     graph = import_graph()
     assert graph["adaptive_spec.interfaces"] <= {"adaptive_spec.errors", "adaptive_spec.params"}
-    assert graph["adaptive_spec.params"] <= {"adaptive_spec.errors", "adaptive_spec.autotune", "adaptive_spec.vocab",
+    assert graph["adaptive_spec.params"] <= {"adaptive_spec.errors", "adaptive_spec.auto", "adaptive_spec.vocab",
                                               "adaptive_spec.models"}
 
 

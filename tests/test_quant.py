@@ -98,7 +98,7 @@ def test_densified_int8_model_computes_with_the_int8_weights_and_keeps_its_ident
     """datagen's draft: densify_quantized keeps a dense copy of each dequantized weight and computes
     every input with it. Outputs equal a float model holding the dequantized weights; the
     checkpoint (state_dict) and the manifest fingerprint stay those of the int8 draft."""
-    from adaptive_spec.datagen import model_fingerprint
+    from adaptive_spec.models import model_fingerprint
     from adaptive_spec.models import densify_quantized
 
     draft, _ = tiny_pair

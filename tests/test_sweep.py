@@ -287,6 +287,7 @@ def test_sweep_auto_picks_once_for_the_machine_and_needs_its_curve(inputs, tmp_p
     machine, and the report compares it with the swept values."""
     import shutil
 
+    from adaptive_spec import auto as AU
     from adaptive_spec import autotune as A
     from train_fixtures import make_dataset
 
@@ -312,10 +313,10 @@ def test_sweep_auto_picks_once_for_the_machine_and_needs_its_curve(inputs, tmp_p
     for method, grid in (("fixed_auto", A.K_GRID), ("learned_auto", A.H_GRID)):
         picks = {r["auto_value"] for r in auto if r["method"] == method}
         # one pick per machine, from the curve's grid, or no drafting (tiny models: a draft step costs a target step)
-        assert len(picks) == 1 and picks.pop() in (*grid, A.AR)
+        assert len(picks) == 1 and picks.pop() in (*grid, AU.AR)
     assert all(r["auto_predicted_tokens_per_s"] > 0 and r["auto_time_model"] for r in auto)
     k = next(r["auto_value"] for r in auto if r["method"] == "fixed_auto")
-    k = 0 if k == A.AR else k
+    k = 0 if k == AU.AR else k
     assert all(max(map(int, r["accepted_hist"]), default=0) <= k for r in auto if r["method"] == "fixed_auto")
     # the default (extended) time model picks h alone; rounds keep to the sweep's k_max (a pass = K + 1 tokens)
     for r in (r for r in auto if r["method"] == "learned_auto"):
@@ -338,7 +339,7 @@ def test_sweep_auto_picks_once_for_the_machine_and_needs_its_curve(inputs, tmp_p
     notes = json.loads((out / "config.json").read_text())["notes"]
     assert any("costs.json" in n and "pinned by the test" in n for n in notes)
     new = [r for r in read_rows(out)[len(rows):] if r["method"] == "fixed_auto"]
-    assert new and all(r["auto_value"] == A.AR and r["n_drafted"] == 0 for r in new)
+    assert new and all(r["auto_value"] == AU.AR and r["n_drafted"] == 0 for r in new)
 
 
 def test_peer_runs_the_same_int8_draft(inputs, tmp_path):
