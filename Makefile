@@ -5,7 +5,7 @@ export PYTHONUNBUFFERED := 1
 # llama-cpp-python (the llama.cpp backend) is source-only on PyPI: pip compiles llama.cpp once and keeps
 # the wheel in its cache. Portable x86-64 flags (AVX2 set, -march=native off): a native build on an AMX
 # Xeon dies with SIGILL on batches >= 2, and a wheel cached on one machine must run on the next.
-# adaptive_spec/llamacpp.py holds the same string (a test keeps them equal).
+# adaptive_spec/backends/llamacpp.py holds the same string (a test keeps them equal).
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
 
 .PHONY: setup models run test test-fast bench clean

@@ -1,4 +1,4 @@
-"""Train SpecDec++ acceptance heads; the logic lives in adaptive_spec/training.py.
+"""Train SpecDec++ acceptance heads; the logic lives in adaptive_spec/training/train.py.
 
     accelerate launch train.py --config configs/train/default.yaml [key=value ...] [--resume]
     accelerate launch --num_processes 2 --mixed_precision bf16 train.py --config ...   # the launcher decides precision
@@ -6,7 +6,7 @@
 """
 import sys
 
-from adaptive_spec.training import main
+from adaptive_spec.training.train import main
 
 if __name__ == "__main__":
     sys.exit(main())

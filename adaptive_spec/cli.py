@@ -11,11 +11,11 @@ from .errors import UserError, run_main
 
 # subcommands with their own argument parsers: everything after the name is theirs
 DELEGATED = {
-    "fetch-models": ("adaptive_spec.fetch", "build the default model pair into the local cache"),
-    "datagen": ("adaptive_spec.datagen", "generate token-mixed acceptance data for training heads"),
-    "train": ("adaptive_spec.training", "train acceptance heads on datagen output (also: train.py)"),
-    "sweep": ("adaptive_spec.sweep", "threshold / K sweeps over prompt sets"),
-    "report": ("adaptive_spec.report", "tables and Pareto plots from sweep results"),
+    "fetch-models": ("adaptive_spec.backends.fetch", "build the default model pair into the local cache"),
+    "datagen": ("adaptive_spec.datagen.generate", "generate token-mixed acceptance data for training heads"),
+    "train": ("adaptive_spec.training.train", "train acceptance heads on datagen output (also: train.py)"),
+    "sweep": ("adaptive_spec.evaluation.sweep", "threshold / K sweeps over prompt sets"),
+    "report": ("adaptive_spec.evaluation.report", "tables and Pareto plots from sweep results"),
 }
 
 
@@ -102,7 +102,7 @@ def _add_sampling_args(g):
 def validate(args):
     """Every check that needs no model, before gigabytes of weights load: (PairParams,
     PolicyParams, SamplingParams). Each setting is checked by its params class, once."""
-    from .sampling import SamplingParams
+    from .decoding.sampling import SamplingParams
 
     if not args.prompt.strip():
         raise UserError("the prompt is empty; pass some text with --prompt")
@@ -115,7 +115,7 @@ def validate(args):
     policy = params.policy_params(args.policy, spell=flag, **_set(args, params.policy_fields()))
     policy.check_sampling(sampling.temperature)
     if pair.backend == "llama.cpp":
-        from .llamacpp import check_head_inputs, check_policy, import_llama_cpp
+        from .backends.llamacpp import check_head_inputs, check_policy, import_llama_cpp
 
         check_policy(policy.name)
         check_head_inputs(getattr(policy, "head", None))
@@ -129,7 +129,7 @@ def _generate(args) -> int:
     pair_params, policy, sampling = validate(args)
     from transformers.utils import logging as hf_logging
 
-    from .pipeline import SpecPair
+    from .decoding.pipeline import SpecPair
 
     hf_logging.disable_progress_bar()  # weight-loading bars would drown the streamed text
     pair = SpecPair.load(pair_params)
@@ -189,8 +189,8 @@ def _draft_vocab(argv: list[str]) -> int:
     --draft-vocab (vocab.py)."""
     from transformers import AutoTokenizer
 
-    from .models import resolve_model_path
-    from .vocab import build_token_list
+    from .backends.models import resolve_model_path
+    from .backends.vocab import build_token_list
 
     ap = _Parser(prog="adaptive-spec draft-vocab", description=_draft_vocab.__doc__)
     ap.add_argument("--tokenizer", default="default", help="model whose tokenizer counts (hub id, folder or 'default')")
@@ -207,8 +207,8 @@ def _draft_vocab(argv: list[str]) -> int:
 def _datagen_features(argv: list[str]) -> int:
     """adaptive-spec datagen-features: complete a datagen run stored without features (e.g. the
     committed data/datagen/mix) with the draft's hidden states, into a folder that training,
-    autotune and eval/ablate_heads.py read (datagen_features.py)."""
-    from .datagen_features import run
+    autotune and eval/ablate_heads.py read (datagen/features.py)."""
+    from .datagen.features import run
 
     ap = _Parser(prog="adaptive-spec datagen-features", description=_datagen_features.__doc__)
     ap.add_argument("--data", required=True, help="datagen folder whose shards have no features (e.g. data/datagen/mix)")
@@ -231,7 +231,7 @@ def _autotune(argv: list[str]) -> int:
     """adaptive-spec autotune: replay an acceptance head on the dev responses of a datagen run and
     save the expected counts per threshold h and per fixed K beside the head (threshold_curve.json:
     machine-independent), which --threshold auto and --k auto turn into a pick for the running machine."""
-    from .autotune import curve_table, make_curve
+    from .training.autotune import curve_table, make_curve
 
     ap = _Parser(prog="adaptive-spec autotune", description=_autotune.__doc__)
     ap.add_argument("--head", default=None, help="acceptance head folder (omit for the per-K curve only, with --out)")

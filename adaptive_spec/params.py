@@ -143,7 +143,7 @@ def _check_head_folder(head: Any, who: str) -> None:
 def _check_auto(value, curve, head, need: str) -> None:
     """auto reads a curve: it must exist now, before any model loads; a curve without auto is a mistake."""
     if value == AUTO:
-        from .auto import load_curve
+        from .decoding.auto import load_curve
 
         load_curve(curve or (head if isinstance(head, (str, Path)) else None), need,
                    head if isinstance(head, (str, Path)) else None)
@@ -378,12 +378,12 @@ class PairParams(Params):
     def check_draft_vocab_size(self) -> None:
         """N of draft_vocab N against the draft's vocabulary, read from its config.json (no weights):
         the upper bound, refused before anything loads."""
-        from .vocab import parse_draft_vocab
+        from .backends.vocab import parse_draft_vocab
 
         parsed = parse_draft_vocab(self.draft_vocab) if self.draft is not None else None
         if parsed is None or parsed[1] is None:
             return
-        from .models import resolve_model_path
+        from .backends.models import resolve_model_path
 
         config = Path(resolve_model_path(self.draft, "draft")) / "config.json"
         if config.is_file():
@@ -394,7 +394,7 @@ class PairParams(Params):
 
 def _check_draft_vocab(spec: str) -> None:
     """N must be a positive count; a FILE must exist."""
-    from .vocab import parse_draft_vocab
+    from .backends.vocab import parse_draft_vocab
 
     path, n = parse_draft_vocab(spec)
     if n is not None and n < 1:

@@ -26,7 +26,6 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-
 # ----------------------------------------------------------------------------- measuring forwards
 
 def sync(device) -> None:

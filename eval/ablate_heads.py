@@ -6,7 +6,7 @@ and tabulate dev KL, AUC and ECE, overall and per prompt source.
         [--eval-data runs/datagen/mix-target]
         [--config configs/train/default.yaml] [key=value ...]      # rerun the same command to resume
 
-Input sets (a head's `feature` and `inputs`, adaptive_spec/heads.py):
+Input sets (a head's `feature` and `inputs`, adaptive_spec/heads/head.py):
   hidden         feature=token, inputs=hidden: the paper's head on the draft's last hidden state
   hidden+stats   feature=token, inputs=hidden+stats: also log q(y), H(q), top-1 - top-2 (features.py)
   context        feature=context, inputs=hidden: the no-lag head on the state that produced q_i
@@ -14,7 +14,7 @@ Input sets (a head's `feature` and `inputs`, adaptive_spec/heads.py):
   stats          feature=context, inputs=stats: the draft's statistics alone, no hidden state (not in
                  the default grid): what a hidden-state head must beat to be worth its inputs
 
-Each head is one `adaptive_spec.training.train` run in <out>/<set>-d<D>-wrej<w>/ (resumed after an
+Each head is one `adaptive_spec.training.train.train` run in <out>/<set>-d<D>-wrej<w>/ (resumed after an
 interruption, skipped once finished); key=value overrides apply to every run (e.g. epochs=2).
 All heads share the config's target (default accept_prob = min(1, p/q)), so their metrics
 compare. Overall dev metrics are those of the exported head (lowest dev loss); per-source ones
@@ -41,10 +41,10 @@ import torch
 
 from adaptive_spec.config import load_config
 from adaptive_spec.errors import UserError, run_main
-from adaptive_spec.heads import AcceptanceHead, shard_inputs, shard_positions
+from adaptive_spec.heads.head import AcceptanceHead, shard_inputs, shard_positions
 from adaptive_spec.runs import atomic_write, write_json
 from adaptive_spec.tables import fmt, md_table
-from adaptive_spec.training import TrainConfig, dataset_sources, prediction_metrics, read_manifest, train
+from adaptive_spec.training.train import TrainConfig, dataset_sources, prediction_metrics, read_manifest, train
 
 VARIANTS = {"hidden": ("token", "hidden"), "hidden+stats": ("token", "hidden+stats"),
             "context": ("context", "hidden"), "context+stats": ("context", "hidden+stats"),
@@ -136,8 +136,8 @@ def reference_auc(data: Path, manifest: dict) -> dict:
     split at the positions a token head is scored on."""
     from safetensors.torch import load_file
 
-    from adaptive_spec.features import CONTEXT_KEY, position_map
-    from adaptive_spec.training import auc
+    from adaptive_spec.heads.features import CONTEXT_KEY, position_map
+    from adaptive_spec.training.train import auc
 
     names = dataset_sources(manifest)
     lq, ps, srcs = [], [], []

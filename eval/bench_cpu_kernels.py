@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from adaptive_spec.cpu import describe, fbgemm_fp16, flags_line, onednn_packed
-from adaptive_spec.models import CausalLM, PackedLinear, QuantLinear, load_model, resolve_dtype
+from adaptive_spec.backends.cpu import describe, fbgemm_fp16, flags_line, onednn_packed
+from adaptive_spec.backends.models import CausalLM, PackedLinear, QuantLinear, load_model, resolve_dtype
 
 # path name -> (dtype, packed, fp16 copies for short inputs)
 PATHS = {"bf16 stock": ("bf16", False, False), "fp32 stock": ("fp32", False, False),

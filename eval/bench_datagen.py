@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from adaptive_spec import datagen
+from adaptive_spec.datagen import generate as datagen
 from adaptive_spec.config import load_config
-from adaptive_spec.cpu import flags_line
-from adaptive_spec.models import resolve_dtype
+from adaptive_spec.backends.cpu import flags_line
+from adaptive_spec.backends.models import resolve_dtype
 from adaptive_spec.runs import append_jsonl, project_path, read_jsonl
 from adaptive_spec.tables import md_table
 

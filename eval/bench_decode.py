@@ -77,7 +77,7 @@ def parse_draft(spec: str) -> tuple[str, str | None]:
 def load_pairs(args) -> dict:
     """One target, shared; one SpecPair per draft configuration (each with its own caches), so
     every configuration runs in this process on the same prompts, back to back."""
-    from adaptive_spec.models import load_model
+    from adaptive_spec.backends.models import load_model
 
     base = SpecPair.load(target=args.target, draft=None, dtype=args.dtype, device=args.device,
                          threads=args.threads)
@@ -239,7 +239,7 @@ def label_configs(rows: list[dict]) -> None:
 
 
 def write_report(rows, pairs, args, n_prompts, out: Path):
-    from adaptive_spec.cpu import flags_line
+    from adaptive_spec.backends.cpu import flags_line
 
     label_configs(rows)
     from bench_cpu_kernels import read_bandwidth_gbps

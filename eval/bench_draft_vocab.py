@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from adaptive_spec.cpu import flags_line
-from adaptive_spec.models import CausalLM, load_model
+from adaptive_spec.backends.cpu import flags_line
+from adaptive_spec.backends.models import CausalLM, load_model
 from adaptive_spec.runs import read_jsonl
-from adaptive_spec.sampling import SamplingParams, process_logits
+from adaptive_spec.decoding.sampling import SamplingParams, process_logits
 from adaptive_spec.tables import md_table
 from bench_cpu_kernels import linear_bytes, time_forward
 from bench_decode import draft_label, parse_draft

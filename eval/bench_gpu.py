@@ -48,10 +48,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from adaptive_spec.decoding import Decoder  # noqa: E402
-from adaptive_spec.policies import FixedK  # noqa: E402
-from adaptive_spec.sampling import SamplingParams, process_logits, sample, verify  # noqa: E402
-from adaptive_spec.static_runner import DRAFT_SHAPES, StaticCausalLM, verify_shapes  # noqa: E402
+from adaptive_spec.decoding.decoder import Decoder  # noqa: E402
+from adaptive_spec.decoding.policies import FixedK  # noqa: E402
+from adaptive_spec.decoding.sampling import SamplingParams, process_logits, sample, verify  # noqa: E402
+from adaptive_spec.backends.static_runner import DRAFT_SHAPES, StaticCausalLM, verify_shapes  # noqa: E402
 
 # Qwen2.5 architectures (config.json of Qwen/Qwen2.5-{0.5B,1.5B,7B}; the Coder variants are
 # identical). The default pair built by `adaptive-spec fetch-models` unties the embeddings;
@@ -556,7 +556,7 @@ def build_runner(name: str, args, is_draft: bool, max_cache: int, entry: dict):
     model = build_model(name, args.dtype, args.device, args.seed)
     head = None
     if is_draft and args.head_depth >= 0:
-        from adaptive_spec.heads import AcceptanceHead
+        from adaptive_spec.heads.head import AcceptanceHead
 
         head = AcceptanceHead(model.config.hidden_size, depth=args.head_depth).to(args.device).eval()
     lm = StaticCausalLM(model, max_cache_len=max_cache, head=head, compile=args.runtime == "compile",

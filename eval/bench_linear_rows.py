@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from adaptive_spec.cpu import describe, fbgemm_fp16, flags_line, onednn_packed
-from adaptive_spec.models import resolve_model_path
+from adaptive_spec.backends.cpu import describe, fbgemm_fp16, flags_line, onednn_packed
+from adaptive_spec.backends.models import resolve_model_path
 from adaptive_spec.tables import md_table
 
 STREAM_BYTES = 256 << 20  # copies of a small layer up to this size, so weights come from memory, not cache

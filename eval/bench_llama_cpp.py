@@ -34,9 +34,9 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from adaptive_spec.cpu import flags_line
-from adaptive_spec.fetch import cache_dir, default_gguf
-from adaptive_spec.llamacpp import VERSION
+from adaptive_spec.backends.cpu import flags_line
+from adaptive_spec.backends.fetch import cache_dir, default_gguf
+from adaptive_spec.backends.llamacpp import VERSION
 from adaptive_spec.runs import append_jsonl, read_jsonl
 from adaptive_spec.tables import md_table
 
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from adaptive_spec.pipeline import SpecPair
+    from adaptive_spec.decoding.pipeline import SpecPair
     from adaptive_spec.prompts import load_prompts
 
     torch.set_num_threads(args.threads)

@@ -33,12 +33,12 @@ from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
 from adaptive_spec import SpecPair
-from adaptive_spec import tree as T
+from adaptive_spec.decoding.trees import policy as T
 from adaptive_spec.errors import UserError
 from adaptive_spec.prompts import load_prompts
 from adaptive_spec.runs import append_jsonl, read_jsonl
-from adaptive_spec.sampling import SamplingParams
-from adaptive_spec.tree_calibration import load_or_calibrate, measure_rates, tunstall_accepted, zeroth_order_accepted
+from adaptive_spec.decoding.sampling import SamplingParams
+from adaptive_spec.evaluation.tree_calibration import load_or_calibrate, measure_rates, tunstall_accepted, zeroth_order_accepted
 
 STRATEGIES = ("sequence", "batch", "specinfer", "tree", "tree-head")
 STYLE = {"sequence": ("tab:blue", "o"), "batch": ("tab:orange", "s"), "specinfer": ("tab:green", "^"),
@@ -57,7 +57,7 @@ def make_tiny_pair(folder: Path) -> tuple[str, str]:
         save_model(t, vocab_size=32, hidden_size=24, seed=2, logit_scale=4.0, max_positions=512)
     h = folder / "head"
     if not (h / "config.json").is_file():  # a random head, so that the tree-head code path runs too
-        from adaptive_spec.heads import AcceptanceHead
+        from adaptive_spec.heads.head import AcceptanceHead
 
         torch.manual_seed(0)
         AcceptanceHead(16, depth=1, draft_model=str(d)).save_pretrained(h)

@@ -1,7 +1,7 @@
 """Benchmark: what a target pass costs per number of tokens, at a short and a realistic context,
 and what a stats head's per-step statistics cost (the extended time model).
 
-The `table` time model (adaptive_spec/timemodel.py) prices each verification pass of K + 1 tokens
+The `table` time model (adaptive_spec/decoding/timemodel.py) prices each verification pass of K + 1 tokens
 at its measured time. This prints that time per length n (and the draft's one-token step) after
 a --short (costs.py's PREFIX) and a --long cached context, so one can see (a) the step shape of
 t_verify(n) on this CPU and (b) how far times at load, taken after a short prefix, are from the
@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-from adaptive_spec.cpu import flags_line
-from adaptive_spec.features import draft_stats, step_stats
-from adaptive_spec.pipeline import SpecPair
+from adaptive_spec.backends.cpu import flags_line
+from adaptive_spec.heads.features import draft_stats, step_stats
+from adaptive_spec.decoding.pipeline import SpecPair
 from adaptive_spec.runs import write_json
-from adaptive_spec.sampling import SamplingParams, process_logits, sample
+from adaptive_spec.decoding.sampling import SamplingParams, process_logits, sample
 from adaptive_spec.tables import md_table
 from bench_cpu_kernels import time_forward
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from adaptive_spec.cpu import flags_line
+from adaptive_spec.backends.cpu import flags_line
 
 HEAD = "checkpoints/qwen-coder-0.5b-int8-stats-d3"
 
@@ -43,12 +43,12 @@ def main(argv=None) -> int:
 
     from tqdm.auto import tqdm
 
-    from adaptive_spec.datagen import iter_shards
-    from adaptive_spec.features import truncated_stats
-    from adaptive_spec.heads import AcceptanceHead, join_inputs
-    from adaptive_spec.pipeline import SpecPair
-    from adaptive_spec.sampling import process_logits, sample
-    from adaptive_spec.training import plot_reliability, prediction_metrics
+    from adaptive_spec.datagen.generate import iter_shards
+    from adaptive_spec.heads.features import truncated_stats
+    from adaptive_spec.heads.head import AcceptanceHead, join_inputs
+    from adaptive_spec.decoding.pipeline import SpecPair
+    from adaptive_spec.decoding.sampling import process_logits, sample
+    from adaptive_spec.training.train import plot_reliability, prediction_metrics
 
     torch.set_num_threads(args.threads)
     head = AcceptanceHead.from_pretrained(args.head).eval()

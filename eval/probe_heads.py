@@ -30,11 +30,11 @@ from pathlib import Path
 
 import torch
 
-from adaptive_spec.features import CONTEXT_KEY, response_starts
-from adaptive_spec.heads import AcceptanceHead, join_inputs, reads_stats
-from adaptive_spec.models import load_model
-from adaptive_spec.sampling import SamplingParams, process_logits
-from adaptive_spec.training import ACCEPTED, auc, binary_kl, mmap_tensor, read_small
+from adaptive_spec.heads.features import CONTEXT_KEY, response_starts
+from adaptive_spec.heads.head import AcceptanceHead, join_inputs, reads_stats
+from adaptive_spec.backends.models import load_model
+from adaptive_spec.decoding.sampling import SamplingParams, process_logits
+from adaptive_spec.training.train import ACCEPTED, auc, binary_kl, mmap_tensor, read_small
 
 
 def load_split(root: Path, manifest: dict, split: str, lm_head: torch.Tensor, params: SamplingParams,

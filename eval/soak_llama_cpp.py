@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from adaptive_spec.cpu import flags_line
+from adaptive_spec.backends.cpu import flags_line
 
 HEAD = "checkpoints/qwen-coder-0.5b-int8-stats-d3"
 POLICIES = [("ar", {}), ("fixed", {"k": 3}), ("learned", {"head": HEAD, "threshold": 0.3}),
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from adaptive_spec.pipeline import SpecPair
+    from adaptive_spec.decoding.pipeline import SpecPair
     from adaptive_spec.prompts import load_prompts
 
     torch.set_num_threads(args.threads)

@@ -8,7 +8,7 @@ import itertools
 
 import torch
 
-from adaptive_spec.sampling import process_logits
+from adaptive_spec.decoding.sampling import process_logits
 
 
 def exact_sequence_probs(target, prompt, params, V, L):

@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from adaptive_spec import autotune as A
-from adaptive_spec import auto as AU
-from adaptive_spec.costs import Costs, measure_costs
+from adaptive_spec.training import autotune as A
+from adaptive_spec.decoding import auto as AU
+from adaptive_spec.decoding.costs import Costs, measure_costs
 from adaptive_spec.errors import UserError
-from adaptive_spec.heads import AcceptanceHead
-from adaptive_spec.interfaces import DraftStep
-from adaptive_spec.pipeline import SpecPair
-from adaptive_spec.policies import LearnedThreshold
+from adaptive_spec.heads.head import AcceptanceHead
+from adaptive_spec.decoding.interfaces import DraftStep
+from adaptive_spec.decoding.pipeline import SpecPair
+from adaptive_spec.decoding.policies import LearnedThreshold
 from tiny import make_model, make_tokenizer
 from train_fixtures import make_dataset
 
@@ -149,7 +149,7 @@ def test_table_model_caps_rounds_where_long_passes_cost_more():
     step = Costs(0.03, 0.1, 0.0, "k", "now", (0.1,) * 6 + (0.2,) * 3)
     want = 0.03 * point["n_draft_forwards"] + sum((0.1 if int(n) <= 6 else 0.2) * c
                                                   for n, c in point["target_pass_hist"].items())
-    from adaptive_spec.timemodel import coef_of, predict_time
+    from adaptive_spec.decoding.timemodel import coef_of, predict_time
     assert predict_time(point, coef_of(step, "table")) == pytest.approx(want)
     s = AU.pick(curve, "h", step, model="table")
     assert "k_max" not in AU.pick(curve, "h", step)  # the default (extended) model picks h alone
@@ -206,7 +206,7 @@ def test_auto_through_specpair(head_and_data, tmp_path, monkeypatch, capsys):
     tok = make_tokenizer(32)
     # tiny models' measured costs make every h lose to the target alone: the pick is tested on the costs
     # of a cheap draft here, and on those of a dear one at the end
-    import adaptive_spec.costs as costs_mod
+    import adaptive_spec.decoding.costs as costs_mod
 
     cheap, dear = Costs(0.001, 0.01, 0.0, "cheap", "now"), Costs(0.0095, 0.01, 0.0, "dear", "now")
     monkeypatch.setattr(costs_mod, "measure_costs", lambda pair, *a, **k: cheap)

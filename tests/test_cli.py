@@ -79,7 +79,7 @@ def test_bad_input_gives_one_clear_line(case, tiny_pair, other_vocab_model, caps
 @pytest.fixture
 def no_model_load(monkeypatch):
     """Fails the test if any model would load: argument checks must come first."""
-    from adaptive_spec import pipeline
+    from adaptive_spec.decoding import pipeline
 
     def refuse(*a, **k):
         raise AssertionError("a model was loaded before the arguments were checked")
@@ -166,7 +166,7 @@ def test_train_help_lists_config_keys(capsys):
 
 
 def test_train_subcommand_delegates(monkeypatch):
-    from adaptive_spec import training
+    from adaptive_spec.training import train as training
 
     seen = []
     monkeypatch.setattr(training, "main", lambda argv: seen.append(argv))
@@ -174,10 +174,10 @@ def test_train_subcommand_delegates(monkeypatch):
     assert seen == [["--config", "configs/train/default.yaml", "epochs=1"]]
 
 
-@pytest.mark.parametrize("cmd, module, says", [("datagen", "datagen", "finished shards are kept"),
-                                               ("sweep", "sweep", "finished runs are kept"),
-                                               ("report", "report", "no report was written"),
-                                               ("fetch-models", "fetch", "rerun the same command")])
+@pytest.mark.parametrize("cmd, module, says", [("datagen", "datagen.generate", "finished shards are kept"),
+                                               ("sweep", "evaluation.sweep", "finished runs are kept"),
+                                               ("report", "evaluation.report", "no report was written"),
+                                               ("fetch-models", "backends.fetch", "rerun the same command")])
 def test_ctrl_c_prints_one_line(cmd, module, says, monkeypatch, capsys):
     import importlib
 
@@ -200,7 +200,7 @@ def test_draft_configuration_errors_and_runtime_record(tiny_pair, tmp_path, caps
     one line; a good configuration is recorded in --json's runtime with the CPU's flags."""
     from collections import Counter
 
-    from adaptive_spec.vocab import save_token_list
+    from adaptive_spec.backends.vocab import save_token_list
     from tiny import make_tokenizer
 
     draft, target = tiny_pair
@@ -224,7 +224,7 @@ def test_draft_configuration_errors_and_runtime_record(tiny_pair, tmp_path, caps
 def saved_head(tmp_path):
     import torch
 
-    from adaptive_spec.heads import AcceptanceHead
+    from adaptive_spec.heads.head import AcceptanceHead
 
     torch.manual_seed(0)
     AcceptanceHead(16, depth=0).save_pretrained(tmp_path / "head")
@@ -262,7 +262,7 @@ def test_autotune_then_generate_with_threshold_auto(tiny_pair, saved_head, tmp_p
 
 
 def test_tree_flags_reach_the_policy_factory(monkeypatch, capsys):
-    from adaptive_spec import pipeline
+    from adaptive_spec.decoding import pipeline
 
     seen = []
 

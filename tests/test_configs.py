@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 
 from adaptive_spec.config import load_config
-from adaptive_spec.datagen import DatagenConfig
-from adaptive_spec.sweep import SweepConfig
-from adaptive_spec.training import TrainConfig
+from adaptive_spec.datagen.generate import DatagenConfig
+from adaptive_spec.evaluation.sweep import SweepConfig
+from adaptive_spec.training.train import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1] / "configs"
 KINDS = {"sweep": SweepConfig, "datagen": DatagenConfig, "train": TrainConfig}

@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from adaptive_spec import costs as C
+from adaptive_spec.decoding import costs as C
 from adaptive_spec.errors import UserError
-from adaptive_spec.pipeline import SpecPair
+from adaptive_spec.decoding.pipeline import SpecPair
 from tiny import make_model, make_tokenizer
 
 

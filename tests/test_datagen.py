@@ -14,14 +14,18 @@ import shutil
 import pytest
 import torch
 
-from adaptive_spec import cli, datagen, prompts, training
+from adaptive_spec import cli, prompts
+
+from adaptive_spec.datagen import generate as datagen
+
+from adaptive_spec.training import train as training
 from adaptive_spec.config import load_config
-from adaptive_spec.datagen import DatagenConfig
+from adaptive_spec.datagen.generate import DatagenConfig
 from adaptive_spec.prompts import encode_prompt
 from adaptive_spec.runs import PROJECT_ROOT
-from adaptive_spec.sampling import SamplingParams, process_logits
+from adaptive_spec.decoding.sampling import SamplingParams, process_logits
 from adaptive_spec.tables import fmt
-from adaptive_spec.training import auc
+from adaptive_spec.training.train import auc
 
 TOP_K, TOP_P = 20, 0.95  # non-trivial processing (vocab 32), so p and q must be the processed ones
 
@@ -217,7 +221,7 @@ def test_two_processes_write_the_same_dataset(ref_run, tiny_pair, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
     r = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
                         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                        "-m", "adaptive_spec.datagen", "--config", str(cfg)],
+                        "-m", "adaptive_spec.datagen.generate", "--config", str(cfg)],
                        capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     ref_files = sorted(p.relative_to(ref) for p in ref.rglob("*.safetensors"))
@@ -432,7 +436,7 @@ def test_features_derived_later_equal_stored_ones(ref_run, tiny_pair, tmp_path, 
     """A run stored without features, completed by datagen-features, equals the same run stored
     with them: token data bit for bit, features up to bf16 rounding (the uncached pass over
     (prompt, Z) against datagen's pass over Z on the prompt's cache), for the int8 draft too."""
-    from adaptive_spec import datagen_features
+    from adaptive_spec.datagen import features as datagen_features
 
     prompts, ref, _ = ref_run
     kw = dict(draft_quant=quant, max_train_prompts=4)
@@ -470,7 +474,7 @@ def test_target_prefix_states_are_the_decoders_inputs(ref_run, tiny_pair, tmp_pa
     context_features[i] the state after (x, X_<i), each equal to a plain forward over that prefix,
     and the context state is the one datagen's q_i came from (its q gives datagen's log q(Y_i));
     training then uses every position. A folder of the other prefix is refused."""
-    from adaptive_spec import datagen_features
+    from adaptive_spec.datagen import features as datagen_features
 
     prompts, _, _ = ref_run
     bare, out = tmp_path / "bare", tmp_path / "target"
@@ -508,7 +512,7 @@ def test_target_prefix_states_are_the_decoders_inputs(ref_run, tiny_pair, tmp_pa
 
 
 def test_features_resume_after_a_lost_shard_and_refuse_another_draft(ref_run, tiny_pair, tmp_path, capsys):
-    from adaptive_spec import datagen_features
+    from adaptive_spec.datagen import features as datagen_features
 
     prompts, _, _ = ref_run
     bare, out = tmp_path / "bare", tmp_path / "derived"
@@ -555,3 +559,16 @@ def test_datagen_stats_adds_up_to_the_manifest(ref_run, tmp_path, capsys):
     text = (tmp_path / "new" / "s.md").read_text()
     have, every = man["splits"]["train"]["n_loss_tokens"], man["splits"]["train"]["n_tokens"]
     assert f"{have} of the goal 1000" in text and f"; {every} ({every / 1000:.1%}) with states on the target prefix" in text
+
+
+def test_the_committed_token_data_still_reads():
+    """data/datagen/mix was written by an earlier version: its manifest format and its shards'
+    metadata key are a file format, kept when modules move."""
+    from adaptive_spec.datagen.generate import load_shard
+    from adaptive_spec.training.train import read_manifest
+
+    root = PROJECT_ROOT / "data" / "datagen" / "mix"
+    man = read_manifest(root, partial=True)
+    first = root / man["splits"]["dev"]["shards"][0]["file"]
+    shard = load_shard(first)
+    assert man["format"] == "adaptive_spec.datagen.v1" and len(shard["input_ids"]) > 0

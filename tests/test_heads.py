@@ -10,9 +10,9 @@ from huggingface_hub import hub_mixin
 from safetensors.torch import load_file
 
 from adaptive_spec.errors import UserError
-from adaptive_spec.features import MIN_LOG_Q, STATS, draft_stats
-from adaptive_spec.heads import INPUTS, AcceptanceHead, load_head, shard_inputs, shard_positions
-from adaptive_spec.sampling import SamplingParams
+from adaptive_spec.heads.features import MIN_LOG_Q, STATS, draft_stats
+from adaptive_spec.heads.head import INPUTS, AcceptanceHead, load_head, shard_inputs, shard_positions
+from adaptive_spec.decoding.sampling import SamplingParams
 
 
 def test_residual_blocks_do_not_share_parameters():
@@ -240,8 +240,8 @@ def test_truncated_stats_equal_the_full_pass():
     """The decoder's shortcut (top-2k partial sort) gives datagen's rows: with top-k, with bf16
     logits that tie at the k-th value (more than k nonzeros), where ties overflow 2k (the full
     pass), without top-k, and when it reuses the decoder's own q (same parameters) or not."""
-    from adaptive_spec.features import step_stats, truncated_stats
-    from adaptive_spec.sampling import process_logits
+    from adaptive_spec.heads.features import step_stats, truncated_stats
+    from adaptive_spec.decoding.sampling import process_logits
 
     g = torch.Generator().manual_seed(3)
     V, k = 5000, 8

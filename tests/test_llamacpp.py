@@ -13,13 +13,15 @@ import sys
 import pytest
 import torch
 
-from adaptive_spec import llamacpp, sampling
-from adaptive_spec.decoding import Decoder
+from adaptive_spec.backends import llamacpp
+
+from adaptive_spec.decoding import sampling
+from adaptive_spec.decoding.decoder import Decoder
 from adaptive_spec.errors import UserError
-from adaptive_spec.heads import AcceptanceHead
-from adaptive_spec.models import CausalLM
-from adaptive_spec.policies import FixedK, LearnedThreshold
-from adaptive_spec.sampling import SamplingParams
+from adaptive_spec.heads.head import AcceptanceHead
+from adaptive_spec.backends.models import CausalLM
+from adaptive_spec.decoding.policies import FixedK, LearnedThreshold
+from adaptive_spec.decoding.sampling import SamplingParams
 import exact
 from exact import chi_square_pvalue
 from tiny import make_model, save_gguf
@@ -187,7 +189,7 @@ def cli(argv, capsys):
     (["--policy", "fixed", "--n-ctx", "0"], "--n-ctx must be an integer >= 1"),
 ])
 def test_cli_refuses_before_any_model_loads(capsys, monkeypatch, extra, needle):
-    import adaptive_spec.pipeline as pipeline
+    import adaptive_spec.decoding.pipeline as pipeline
 
     monkeypatch.setattr(pipeline.SpecPair, "load", classmethod(lambda *a, **k: pytest.fail("a model was loaded")))
     rc, err = cli(["generate", "--prompt", "hi", "--backend", "llama.cpp", *extra], capsys)
@@ -213,7 +215,7 @@ def test_real_pair_greedy_speculative_equals_greedy_target():
     """On the default pair's GGUFs: greedy speculative output is the greedy target output, or
     differs first where the target's top two logits nearly tie (a K + 1-row pass and a one-row
     step round differently); every such mismatch is counted and must be rare."""
-    from adaptive_spec.pipeline import SpecPair
+    from adaptive_spec.decoding.pipeline import SpecPair
 
     torch.set_num_threads(2)
     pair = SpecPair.load(backend="llama.cpp", threads=2)
@@ -256,7 +258,8 @@ def test_sweep_and_report_side_by_side_on_both_engines(tiny_ggufs, tmp_path, cap
     """`backend: llama.cpp` in a sweep config runs the same grid on GGUF files (tokenizer from the folder
     beside them), and the report tables it beside the torch sweep (`make run`'s path); a statistics
     head runs there, and the torch-only keys are refused before any model loads."""
-    from adaptive_spec import report, sweep
+    from adaptive_spec.evaluation import report
+    from adaptive_spec.evaluation import sweep
     from tiny import make_tokenizer
 
     folder = tmp_path / "gguf"

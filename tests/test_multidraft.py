@@ -1,13 +1,13 @@
-"""Multi-draft baselines (adaptive_spec.multidraft): SpecTr K-SEQ and batch SD."""
+"""Multi-draft baselines (adaptive_spec.decoding.multidraft): SpecTr K-SEQ and batch SD."""
 import pytest
 import torch
 
-from adaptive_spec import multidraft as MD
-from adaptive_spec.decoding import Decoder
+from adaptive_spec.decoding import multidraft as MD
+from adaptive_spec.decoding.decoder import Decoder
 from adaptive_spec.errors import UserError
-from adaptive_spec.models import CausalLM
-from adaptive_spec.pipeline import make_policy
-from adaptive_spec.sampling import SamplingParams
+from adaptive_spec.backends.models import CausalLM
+from adaptive_spec.decoding.pipeline import make_policy
+from adaptive_spec.decoding.sampling import SamplingParams
 from tiny import make_model
 from exact import chi_square_pvalue, exact_sequence_probs, sample_counts
 from tree_mocks import TreeMockLM

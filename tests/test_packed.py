@@ -6,12 +6,12 @@ skips where oneDNN has no packed bf16 kernel, naming the missing CPU feature.
 import pytest
 import torch
 
-from adaptive_spec.cpu import auto_dtype, describe, fbgemm_fp16, onednn_packed
-from adaptive_spec.decoding import Decoder
+from adaptive_spec.backends.cpu import auto_dtype, describe, fbgemm_fp16, onednn_packed
+from adaptive_spec.decoding.decoder import Decoder
 from adaptive_spec.errors import UserError
-from adaptive_spec.models import CausalLM, PackedLinear, choose_padding, load_model, pack_cpu_linears
-from adaptive_spec.policies import FixedK
-from adaptive_spec.sampling import SamplingParams
+from adaptive_spec.backends.models import CausalLM, PackedLinear, choose_padding, load_model, pack_cpu_linears
+from adaptive_spec.decoding.policies import FixedK
+from adaptive_spec.decoding.sampling import SamplingParams
 from exact import chi_square_pvalue, exact_sequence_probs, sample_counts
 from tiny import make_model
 

@@ -5,18 +5,19 @@ import pytest
 import torch
 
 from adaptive_spec.cli import main
-from adaptive_spec.decoding import Decoder
+from adaptive_spec.decoding.decoder import Decoder
 from adaptive_spec.errors import UserError
-from adaptive_spec.features import draft_stats, step_stats
-from adaptive_spec.heads import AcceptanceHead
-from adaptive_spec.models import CausalLM
-from adaptive_spec.pipeline import SpecPair
-from adaptive_spec import interfaces, params
-from adaptive_spec.interfaces import RoundOwner, RoundState, StopPolicy, register
-from adaptive_spec.pipeline import make_policy, policy_names
-from adaptive_spec.policies import (ConfidenceThreshold, EntropyThreshold, FixedK, HeuristicSchedule, HindsightOracle,
+from adaptive_spec.heads.features import draft_stats, step_stats
+from adaptive_spec.heads.head import AcceptanceHead
+from adaptive_spec.backends.models import CausalLM
+from adaptive_spec.decoding.pipeline import SpecPair
+from adaptive_spec import params
+from adaptive_spec.decoding import interfaces
+from adaptive_spec.decoding.interfaces import RoundOwner, RoundState, StopPolicy, register
+from adaptive_spec.decoding.pipeline import make_policy, policy_names
+from adaptive_spec.decoding.policies import (ConfidenceThreshold, EntropyThreshold, FixedK, HeuristicSchedule, HindsightOracle,
                                     LearnedThreshold)
-from adaptive_spec.sampling import SamplingParams, process_logits
+from adaptive_spec.decoding.sampling import SamplingParams, process_logits
 from test_decoding import chi_square_pvalue, exact_pair, exact_sequence_probs, pair, sample_counts
 
 GREEDY = SamplingParams(0.0)
@@ -328,8 +329,8 @@ def test_extension_points(monkeypatch):
 
 
 def test_head_trained_on_another_draft_configuration_warns(capsys):
-    from adaptive_spec.heads import AcceptanceHead
-    from adaptive_spec.policies import warn_draft_config
+    from adaptive_spec.heads.head import AcceptanceHead
+    from adaptive_spec.decoding.policies import warn_draft_config
 
     head = AcceptanceHead(8, depth=0)
     head.extra = {"draft_quant": "none", "draft_vocab": "full"}
@@ -397,7 +398,7 @@ def test_policy_stats_equal_the_stats_datagen_stored(tiny_pair, tmp_path):
     the draft_stats datagen stored (up to fp32 noise: datagen runs batched and left padded)."""
     from transformers import AutoModelForCausalLM
 
-    from adaptive_spec import datagen
+    from adaptive_spec.datagen import generate as datagen
     from test_datagen import TOP_K, TOP_P, _overrides, _run, _write_prompts
 
     _run(_overrides(tiny_pair, _write_prompts(tmp_path / "prompts.jsonl"), tmp_path / "dg"))
@@ -432,7 +433,7 @@ def test_stats_only_head_keeps_the_output_exact_and_stops_on_the_stats():
 
 
 def test_tree_estimator_refuses_a_stats_head():
-    from adaptive_spec.tree import load_tree_head
+    from adaptive_spec.decoding.trees.policy import load_tree_head
 
     with pytest.raises(UserError, match="tree_estimator 'head' can supply inputs hidden but this head was trained "
                                         "with inputs=hidden\\+stats"):

@@ -5,7 +5,7 @@ import pytest
 
 from adaptive_spec import prompts
 from adaptive_spec.errors import UserError
-from adaptive_spec.sweep import SweepConfig
+from adaptive_spec.evaluation.sweep import SweepConfig
 from adaptive_spec.config import load_config
 from adaptive_spec.runs import PROJECT_ROOT
 

@@ -4,12 +4,12 @@ import typing
 import pytest
 import torch
 
-from adaptive_spec.decoding import Decoder
+from adaptive_spec.decoding.decoder import Decoder
 from adaptive_spec.errors import UserError
-from adaptive_spec.models import (CausalLM, Int4Linear, Int8Linear, check_quant, int4_kernel, int8_kernel, load_model,
+from adaptive_spec.backends.models import (CausalLM, Int4Linear, Int8Linear, check_quant, int4_kernel, int8_kernel, load_model,
                                   quantize_linears)
-from adaptive_spec.policies import FixedK
-from adaptive_spec.sampling import SamplingParams
+from adaptive_spec.decoding.policies import FixedK
+from adaptive_spec.decoding.sampling import SamplingParams
 from exact import chi_square_pvalue, exact_sequence_probs, sample_counts
 from tiny import make_model
 
@@ -71,7 +71,7 @@ def test_bad_quant_is_refused_before_loading():
     with pytest.raises(UserError, match="unknown draft quantization 'int3'; use one of none, int8, int4"):
         load_model("/nonexistent/model", "draft", quant="int3")
     assert check_quant(None) == "none" and check_quant("int8", "cpu") == "int8"
-    from adaptive_spec.models import QUANTS
+    from adaptive_spec.backends.models import QUANTS
     from adaptive_spec.params import DRAFT_QUANTS, PairParams
 
     assert DRAFT_QUANTS == QUANTS  # params spells the list out: it imports no torch
@@ -98,8 +98,8 @@ def test_densified_int8_model_computes_with_the_int8_weights_and_keeps_its_ident
     """datagen's draft: densify_quantized keeps a dense copy of each dequantized weight and computes
     every input with it. Outputs equal a float model holding the dequantized weights; the
     checkpoint (state_dict) and the manifest fingerprint stay those of the int8 draft."""
-    from adaptive_spec.models import model_fingerprint
-    from adaptive_spec.models import densify_quantized
+    from adaptive_spec.backends.models import model_fingerprint
+    from adaptive_spec.backends.models import densify_quantized
 
     draft, _ = tiny_pair
     m, _ = load_model(str(draft), "draft", "fp32", "cpu", quant="int8")

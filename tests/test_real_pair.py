@@ -5,7 +5,7 @@ Marked slow: they need the pair in the cache (`adaptive-spec fetch-models`, run 
 import pytest
 import torch
 
-from adaptive_spec.fetch import is_fetched
+from adaptive_spec.backends.fetch import is_fetched
 
 pytestmark = pytest.mark.slow
 

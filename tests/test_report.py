@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from adaptive_spec import report
+from adaptive_spec.evaluation import report
 from adaptive_spec.cli import main as cli_main
 from adaptive_spec.errors import UserError
 
@@ -231,7 +231,7 @@ def paired(a, b):
 
 
 def test_tree_rows_family_table_plots_and_fig3(tmp_path):
-    from adaptive_spec.tree_calibration import tunstall_accepted, zeroth_order_accepted
+    from adaptive_spec.evaluation.tree_calibration import tunstall_accepted, zeroth_order_accepted
 
     d = write_sweep(tmp_path, make_rows() + make_tree_rows())
     (d / "tree_calibration.json").write_text(json.dumps(CALIBRATION))

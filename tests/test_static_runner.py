@@ -1,4 +1,4 @@
-"""The static-cache runner (adaptive_spec.static_runner) on tiny random models, CPU, eager.
+"""The static-cache runner (adaptive_spec.backends.static_runner) on tiny random models, CPU, eager.
 
 Same numbers as the dynamic-cache CausalLM, stale slots masked after a rollback that copies
 nothing, exact speculative decoding through it, no host read inside a forward, and the GPU
@@ -14,13 +14,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from adaptive_spec.decoding import Decoder
+from adaptive_spec.decoding.decoder import Decoder
 from adaptive_spec.errors import UserError
-from adaptive_spec.heads import AcceptanceHead
-from adaptive_spec.models import CausalLM
-from adaptive_spec.policies import FixedK
-from adaptive_spec.sampling import SamplingParams
-from adaptive_spec.static_runner import DRAFT_SHAPES, StaticCausalLM, make_runner, verify_shapes
+from adaptive_spec.heads.head import AcceptanceHead
+from adaptive_spec.backends.models import CausalLM
+from adaptive_spec.decoding.policies import FixedK
+from adaptive_spec.decoding.sampling import SamplingParams
+from adaptive_spec.backends.static_runner import DRAFT_SHAPES, StaticCausalLM, make_runner, verify_shapes
 from test_decoding import L, V, chi_square_pvalue, exact_sequence_probs, sample_counts
 from tiny import make_model
 

@@ -6,14 +6,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from adaptive_spec import report, sweep
+from adaptive_spec.evaluation import report
+
+from adaptive_spec.evaluation import sweep
 from adaptive_spec.config import load_config
-from adaptive_spec.decoding import Metrics
+from adaptive_spec.decoding.decoder import Metrics
 from adaptive_spec.errors import UserError
-from adaptive_spec.heads import AcceptanceHead
+from adaptive_spec.heads.head import AcceptanceHead
 from adaptive_spec.prompts import load_prompts, shared_data_dir
 from adaptive_spec.runs import lock_dir
-from adaptive_spec.sweep import SweepConfig
+from adaptive_spec.evaluation.sweep import SweepConfig
 
 A_TEXTS = ["abc def", "hello world", "the cat sat", "xyz 123", "one two"]
 B_TEXTS = ["what is 2 and 3", "a b c", "how many eggs"]
@@ -135,7 +137,7 @@ def test_bad_input_refused_before_models_load(inputs, tmp_path, monkeypatch, cha
     def no_load(*a, **k):
         raise AssertionError("models were loaded before the input was checked")
 
-    monkeypatch.setattr("adaptive_spec.pipeline.SpecPair.load", no_load)
+    monkeypatch.setattr("adaptive_spec.decoding.pipeline.SpecPair.load", no_load)
     change = {k: v.replace("A", inputs["a"]).replace("WRONG", inputs["wrong"]) for k, v in change.items()}
     with pytest.raises(UserError, match=match):
         sweep.run(load_config(SweepConfig, None, overrides(inputs, tmp_path / "out", **change)))
@@ -243,7 +245,7 @@ def test_sweep_resume_and_report(inputs, tmp_path, monkeypatch, capsys):
 
 
 def test_greedy_oracle(inputs, tmp_path, monkeypatch):
-    from adaptive_spec.policies import HindsightOracle
+    from adaptive_spec.decoding.policies import HindsightOracle
 
     handed = []
     real = HindsightOracle.from_pair.__func__
@@ -287,8 +289,8 @@ def test_sweep_auto_picks_once_for_the_machine_and_needs_its_curve(inputs, tmp_p
     machine, and the report compares it with the swept values."""
     import shutil
 
-    from adaptive_spec import auto as AU
-    from adaptive_spec import autotune as A
+    from adaptive_spec.decoding import auto as AU
+    from adaptive_spec.training import autotune as A
     from train_fixtures import make_dataset
 
     monkeypatch.setenv("ADAPTIVE_SPEC_CACHE", str(tmp_path / "cache"))  # costs measured afresh
@@ -345,7 +347,7 @@ def test_sweep_auto_picks_once_for_the_machine_and_needs_its_curve(inputs, tmp_p
 def test_peer_runs_the_same_int8_draft(inputs, tmp_path):
     """transformers' assisted generation gets the pair's draft module itself, so with draft_quant
     int8 the peer drafts with the same int8 layers as ours ("the same quantized draft")."""
-    from adaptive_spec.models import Int8Linear, int8_kernel
+    from adaptive_spec.backends.models import Int8Linear, int8_kernel
 
     if int8_kernel("cpu") is not None:
         pytest.skip(f"no int8 kernel: {int8_kernel('cpu')}")

@@ -8,12 +8,14 @@ from types import SimpleNamespace
 
 import pytest
 
-import adaptive_spec.pipeline as pipeline
-from adaptive_spec import report, sweep, tree_calibration
+import adaptive_spec.decoding.pipeline as pipeline
+from adaptive_spec.evaluation import report
+from adaptive_spec.evaluation import sweep
+from adaptive_spec.evaluation import tree_calibration
 from adaptive_spec.config import load_config
 from adaptive_spec.errors import UserError
-from adaptive_spec.heads import AcceptanceHead
-from adaptive_spec.sweep import SweepConfig
+from adaptive_spec.heads.head import AcceptanceHead
+from adaptive_spec.evaluation.sweep import SweepConfig
 import test_sweep
 from test_sweep import interrupt_after, overrides, read_rows
 
@@ -72,7 +74,7 @@ def test_bad_input_errors_are_one_line_before_models_load(inputs, tmp_path, monk
     def no_load(*a, **k):
         raise AssertionError("models were loaded before the input was checked")
 
-    monkeypatch.setattr("adaptive_spec.pipeline.SpecPair.load", no_load)
+    monkeypatch.setattr("adaptive_spec.decoding.pipeline.SpecPair.load", no_load)
     assert sweep.main(tree_args(inputs, tmp_path / "o", trees="[{budget: 0}]")) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: trees[0].budget: ") and err.count("\n") == 1
@@ -194,7 +196,7 @@ def test_learned_budget_node_cost_measured_once(inputs, tmp_path, monkeypatch):
         calls.append(pair)
         return SimpleNamespace(node_cost=0.25, c=0.2, measured="test")
 
-    monkeypatch.setitem(sys.modules, "adaptive_spec.costs", SimpleNamespace(measure_costs=measure_costs))
+    monkeypatch.setitem(sys.modules, "adaptive_spec.decoding.costs", SimpleNamespace(measure_costs=measure_costs))
     made = []
     real_make = pipeline.make_policy
     monkeypatch.setattr(pipeline, "make_policy",
@@ -235,7 +237,7 @@ def all_trees(k: int):
 
 @pytest.mark.parametrize("cond", [[0.6, 0.3, 0.2], [0.9, 0.05], [0.3, 0.3, 0.3, 0.3]])
 def test_zeroth_order_predictions_and_tunstall_bound(cond):
-    from adaptive_spec.tree_shapes import acceptance_distribution, tree_value
+    from adaptive_spec.decoding.trees.shapes import acceptance_distribution, tree_value
 
     V = 32
     for k in range(1, 7):

@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from adaptive_spec import training
+from adaptive_spec.training import train as training
 from adaptive_spec.cli import main as cli_main
 from adaptive_spec.config import config_keys, load_config
 from adaptive_spec.errors import UserError
-from adaptive_spec.heads import AcceptanceHead, shard_inputs, shard_positions
+from adaptive_spec.heads.head import AcceptanceHead, shard_inputs, shard_positions
 from train_fixtures import make_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -225,8 +225,8 @@ def test_features_from_the_draft_when_the_dataset_has_none(tmp_path, tiny_pair, 
     # the features come from the draft that made the data, checked by its weights' fingerprint
     with pytest.raises(UserError, match="fingerprint"):
         training.load_split(cfg, m, "train", acc)
-    from adaptive_spec.models import model_fingerprint
-    from adaptive_spec.models import load_model
+    from adaptive_spec.backends.models import model_fingerprint
+    from adaptive_spec.backends.models import load_model
 
     model, _ = load_model(str(draft_dir), "draft", dtype="fp32")
     m["models"]["draft"]["fingerprint"] = model_fingerprint(model)
@@ -244,7 +244,7 @@ def test_features_from_the_draft_when_the_dataset_has_none(tmp_path, tiny_pair, 
     torch.testing.assert_close(x.float(), torch.cat(want), atol=2e-2, rtol=1e-2)  # cached in bf16
     assert (tmp_path / "run" / "features" / "train.safetensors").is_file()
     # Cached: a second load does not run the draft again.
-    monkeypatch.setattr("adaptive_spec.models.load_model", lambda *a, **k: pytest.fail("draft rerun"))
+    monkeypatch.setattr("adaptive_spec.backends.models.load_model", lambda *a, **k: pytest.fail("draft rerun"))
     again = training.load_split(cfg, m, "train", acc)
     assert torch.equal(again.feats[0], got.feats[0])
 

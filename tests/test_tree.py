@@ -1,4 +1,4 @@
-"""Tree drafting and verification (adaptive_spec.tree): tree attention and cache compaction on
+"""Tree drafting and verification (adaptive_spec.decoding.trees.policy): tree attention and cache compaction on
 tiny Qwen2 models, Algorithm 3 optimality, and exactness of GSD / ERSD trees."""
 import heapq
 import itertools
@@ -9,16 +9,16 @@ from functools import partial
 import pytest
 import torch
 
-from adaptive_spec import tree as T
-from adaptive_spec import tree_draft as D
-from adaptive_spec import tree_shapes as S
-from adaptive_spec import tree_verify as TV
-from adaptive_spec.decoding import Decoder
-from adaptive_spec.heads import AcceptanceHead
-from adaptive_spec.interfaces import PolicyContext
-from adaptive_spec.models import CausalLM
-from adaptive_spec.pipeline import make_policy
-from adaptive_spec.sampling import SamplingParams
+from adaptive_spec.decoding.trees import policy as T
+from adaptive_spec.decoding.trees import draft as D
+from adaptive_spec.decoding.trees import shapes as S
+from adaptive_spec.decoding.trees import verify as TV
+from adaptive_spec.decoding.decoder import Decoder
+from adaptive_spec.heads.head import AcceptanceHead
+from adaptive_spec.decoding.interfaces import PolicyContext
+from adaptive_spec.backends.models import CausalLM
+from adaptive_spec.decoding.pipeline import make_policy
+from adaptive_spec.decoding.sampling import SamplingParams
 from tiny import make_model
 from exact import chi_square_pvalue, exact_sequence_probs, sample_counts
 from tree_mocks import MOCK_V, ConstHead, MockHead, hf_pair, mock_pair
@@ -307,8 +307,8 @@ def test_bench_trees_smoke(tmp_path):
 
 def test_tree_head_estimator_refuses_a_context_head():
     from adaptive_spec.errors import UserError
-    from adaptive_spec.heads import AcceptanceHead
-    from adaptive_spec.tree import load_tree_head
+    from adaptive_spec.heads.head import AcceptanceHead
+    from adaptive_spec.decoding.trees.policy import load_tree_head
 
     assert load_tree_head(AcceptanceHead(8, depth=0), None).feature == "token"
     with pytest.raises(UserError, match="feature=token"):

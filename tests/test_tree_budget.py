@@ -11,16 +11,16 @@ from functools import partial
 import pytest
 import torch
 
-from adaptive_spec import tree as T
-from adaptive_spec import tree_draft as D
-from adaptive_spec import tree_shapes as S
-from adaptive_spec.decoding import Decoder
+from adaptive_spec.decoding.trees import policy as T
+from adaptive_spec.decoding.trees import draft as D
+from adaptive_spec.decoding.trees import shapes as S
+from adaptive_spec.decoding.decoder import Decoder
 from adaptive_spec.errors import UserError
-from adaptive_spec.heads import AcceptanceHead
-from adaptive_spec.interfaces import PolicyContext
-from adaptive_spec.models import CausalLM
-from adaptive_spec.pipeline import make_policy
-from adaptive_spec.sampling import SamplingParams
+from adaptive_spec.heads.head import AcceptanceHead
+from adaptive_spec.decoding.interfaces import PolicyContext
+from adaptive_spec.backends.models import CausalLM
+from adaptive_spec.decoding.pipeline import make_policy
+from adaptive_spec.decoding.sampling import SamplingParams
 from exact import chi_square_pvalue, exact_sequence_probs, sample_counts
 from tree_mocks import MOCK_V, ConstHead, MockHead, TreeMockLM, hf_pair, mock_pair
 
@@ -256,9 +256,9 @@ def test_bad_input(kw, match):
 
 def test_node_cost_measured_on_the_pair_when_unset(monkeypatch):
     calls = []
-    fake = types.ModuleType("adaptive_spec.costs")
+    fake = types.ModuleType("adaptive_spec.decoding.costs")
     fake.measure_costs = lambda pair: calls.append(pair) or types.SimpleNamespace(node_cost=0.25)
-    monkeypatch.setitem(sys.modules, "adaptive_spec.costs", fake)
+    monkeypatch.setitem(sys.modules, "adaptive_spec.decoding.costs", fake)
     pair = object()
     for factory in (partial(tree_policy, "tree"), partial(tree_policy, "ersd")):
         pol = factory(tree_learned=True, pair=pair)

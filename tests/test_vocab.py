@@ -5,12 +5,12 @@ from collections import Counter
 import pytest
 import torch
 
-from adaptive_spec.decoding import Decoder
+from adaptive_spec.decoding.decoder import Decoder
 from adaptive_spec.errors import UserError
-from adaptive_spec.models import CausalLM, check_vocab, load_model
-from adaptive_spec.policies import FixedK
-from adaptive_spec.sampling import SamplingParams, entropy
-from adaptive_spec.vocab import SHIPPED, reduce_output_layer, resolve_draft_vocab, save_token_list
+from adaptive_spec.backends.models import CausalLM, check_vocab, load_model
+from adaptive_spec.decoding.policies import FixedK
+from adaptive_spec.decoding.sampling import SamplingParams, entropy
+from adaptive_spec.backends.vocab import SHIPPED, reduce_output_layer, resolve_draft_vocab, save_token_list
 from exact import chi_square_pvalue, exact_sequence_probs, sample_counts
 from tiny import make_model, make_tokenizer
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from adaptive_spec.features import draft_stats
+from adaptive_spec.heads.features import draft_stats
 
 
 def make_dataset(root: Path, hidden_size: int = 16, seqs: dict[str, int] | None = None, features: bool = True,

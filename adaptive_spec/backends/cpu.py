@@ -1,0 +1,123 @@
+"""What this CPU can do, and which numeric path each model runs on it.
+
+CPUs differ between machines, and the difference decides whether speculative decoding pays:
+- With AVX-512 (or AVX-NE-CONVERT / AMX) oneDNN runs bf16 matrix products natively, and bf16
+  weights halve the bytes a bandwidth-bound decode step streams.
+- With AVX2 only, oneDNN's packed bf16 path refuses to run, and PyTorch's stock bf16 GEMM falls
+  back to a scalar-ish path: measured here (2 threads, four 8960x1536 layers) 1227 ms for a
+  235-row prefill against 162 ms in fp32 with oneDNN-packed weights (7.6x), and 27 ms against
+  9 ms for a 5-row verification. A verification pass of K + 1 tokens must cost about one decode
+  step for speculation to win, so on such a CPU the models run in fp32 with packed weights,
+  and, since fp32 doubles the bytes a one-row step streams, each layer also keeps an fp16 copy
+  of its weight (exact for weights from bf16 checkpoints) that FBGEMM reads for short inputs,
+  the decode steps and short verifications where that is measured faster (fbgemm_fp16,
+  models.pack_cpu_linears). Prefill and batched work stay on oneDNN fp32.
+
+`resolve_dtype("auto")` (the default everywhere) applies that rule; an explicit dtype is
+always honoured. `describe()` is what benchmarks, sweep rows and `--json` metrics record, so a
+number is never read without knowing the machine it came from.
+"""
+from __future__ import annotations
+
+import functools
+import platform
+from pathlib import Path
+
+import torch
+
+from ..errors import first_line
+
+# the flags that decide a kernel; the rest of /proc/cpuinfo says nothing about our paths
+KEY_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
+             "avx512_bf16", "avx_vnni", "avx_ne_convert", "amx_tile", "amx_bf16", "amx_int8")
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_flags() -> frozenset:
+    """The CPU's feature flags from /proc/cpuinfo (Linux); empty where that file does not exist."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@functools.lru_cache(maxsize=None)
+def onednn_packed(dtype: torch.dtype) -> str | None:
+    """None when oneDNN's pre-packed linear runs in `dtype` on this CPU, else why not.
+
+    Probed, not inferred from flags: the kernel's own check is the authority (for bf16 it wants
+    AVX-512 BW/VL/DQ or AVX-NE-CONVERT), and a torch build may lack oneDNN altogether."""
+    if not torch.backends.mkldnn.is_available():
+        return "torch was built without oneDNN"
+    try:
+        w = torch.zeros(8, 8, dtype=dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(2, 8, dtype=dtype), packed, None, "none", [], "")
+    except RuntimeError as e:
+        return first_line(e)
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def fbgemm_fp16() -> str | None:
+    """None when FBGEMM's fp16-weight, fp32-activation linear runs on this CPU, else why not.
+
+    Why it matters: on a CPU without bf16 kernels (AVX2) the models compute in fp32, and a
+    one-row decode step streams 4 bytes a weight through oneDNN; this kernel streams 2 (fp16,
+    widened in registers, fp32 arithmetic), measured 1.8x faster for the default target's layers
+    at one row and still faster up to about 5 (eval/bench_linear_rows.py). torch marks the op
+    deprecated; where a build drops it, this says so and oneDNN alone runs."""
+    import warnings
+
+    if not hasattr(torch, "fbgemm_linear_fp16_weight_fp32_activation"):
+        return "this torch build has no torch.fbgemm_linear_fp16_weight_fp32_activation"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            w = torch.fbgemm_pack_gemm_matrix_fp16(torch.ones(8, 8))
+            torch.fbgemm_linear_fp16_weight_fp32_activation(torch.ones(2, 8), w, torch.zeros(8))
+    except RuntimeError as e:
+        return first_line(e)
+    return None
+
+
+def native_bf16() -> bool:
+    """bf16 matrix products run at full speed: oneDNN's packed bf16 path is available."""
+    return onednn_packed(torch.bfloat16) is None
+
+
+def auto_dtype(device: torch.device | str = "cpu") -> torch.dtype:
+    """bf16 on accelerators and on CPUs with native bf16 kernels; fp32 on the others (AVX2)."""
+    if torch.device(device).type != "cpu" or native_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+def describe() -> dict:
+    """The machine facts every benchmark table and result row carries."""
+    flags = cpu_flags()
+    return {"cpu": cpu_name(), "isa": torch.backends.cpu.get_cpu_capability(),
+            "cpu_flags": " ".join(f for f in KEY_FLAGS if f in flags),
+            "bf16_kernels": "native" if native_bf16() else "none (" + (onednn_packed(torch.bfloat16) or "") + ")",
+            "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def flags_line() -> str:
+    """One line for the top of a benchmark table."""
+    d = describe()
+    return (f"CPU: {d['cpu']} | ISA {d['isa']} | flags: {d['cpu_flags'] or '-'} | bf16 kernels: "
+            f"{d['bf16_kernels']} | {d['threads']} threads | torch {d['torch']}")

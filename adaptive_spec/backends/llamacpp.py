@@ -1,0 +1,355 @@
+"""The llama.cpp engine: a GGUF model behind the same runner interface as `models.CausalLM`.
+
+The decoder, the sampler, the stop rules and the metrics never see which engine runs: a runner
+feeds tokens after its cached prefix and returns logits (`forward`), crops its cache
+(`rollback`), and starts over (`reset`). Rejection sampling stays ours on both engines, so the
+output is exactly the target's distribution whatever llama.cpp computes inside a pass.
+
+Through llama-cpp-python's low-level API (ctypes over libllama):
+  forward   one `llama_decode` per chunk of at most n_batch tokens, with the per-token logits
+            flag set only on the rows a caller reads (the last n_logits): a K + 1-token
+            verification asks for K + 1 rows, a draft step for one, prefill for none;
+  rollback  `llama_memory_seq_rm(mem, 0, n, -1)`: positions >= n leave the KV cache;
+  reset     `llama_memory_clear`.
+Logits come back as one float32 copy of the rows asked for (the next decode reuses llama.cpp's
+buffer); softmax, top-k/top-p and sampling run vectorized in torch over the whole vocabulary.
+
+What llama.cpp does not give: the draft's hidden state (a head that reads it, the tree and
+multi-draft policies are refused on this engine; `provides_hidden` says so). A statistics head
+reads only the draft's own distribution, so it runs here; `hidden` is a constant zero vector of
+the model's width, which such a head ignores.
+
+The binding is an optional dependency (`make setup` builds it once; see the Makefile for the
+flags): `import_llama_cpp` names the install command when it is missing.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+import weakref
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import UserError
+
+log = logging.getLogger(__name__)
+
+VERSION = "0.3.36"  # llama-cpp-python, pinned: the Makefile builds this one
+# Flags every CPU here runs: ggml's portable x86-64 set (SSE4.2, AVX, AVX2, FMA, F16C, BMI2) with
+# -march=native off. A native build on an AMX Xeon dies with SIGILL on batches >= 2 (an AMX tile
+# instruction in a worker thread), and a wheel built on one machine must run on the next.
+CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "
+              "-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF")
+INSTALL_HINT = (f'CMAKE_ARGS="{CMAKE_ARGS}" pip install llama-cpp-python=={VERSION} '
+                "(or `make setup`, which does this; it compiles llama.cpp once, about 5 minutes on 2 cores)")
+BACKENDS = ("torch", "llama.cpp")
+DEFAULT_N_CTX = 4096
+
+_init_lock = threading.Lock()
+_initialised = False
+_log_cb = None  # the ctypes callback must outlive every call into llama.cpp
+
+
+def check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise UserError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
+    return backend
+
+
+# Policies whose inputs are the draft's own distribution; the others read hidden states or batch
+# several drafts / a token tree in one pass, which this engine's runner does not offer.
+POLICIES = ("ar", "fixed", "learned", "confidence", "entropy", "heuristic", "oracle")
+
+
+def check_policy(name: str) -> str:
+    if name not in POLICIES:
+        raise UserError(f"policy {name!r} does not run on the llama.cpp backend (it needs hidden states or batched "
+                        f"tree/multi-draft passes); policies that do: {', '.join(POLICIES)} (learned with a "
+                        "statistics head, inputs=stats); or use --backend torch")
+    return name
+
+
+def check_head_inputs(head) -> None:
+    """A head named by folder must read statistics: llama.cpp gives no hidden states."""
+    if not isinstance(head, (str, Path)) or not (Path(head).expanduser() / "config.json").is_file():
+        return  # a head object or a hub id: load_pair_head checks it when the policy is built
+    inputs = json.loads((Path(head).expanduser() / "config.json").read_text()).get("inputs", "hidden")
+    if inputs != "stats":
+        raise UserError(f"the head at {head} reads the draft's hidden states (inputs={inputs}), which llama.cpp "
+                        "does not give; use a statistics head (inputs=stats, e.g. "
+                        "checkpoints/qwen-coder-0.5b-int8-stats-d3) or --backend torch")
+
+
+def import_llama_cpp():
+    """The binding's low-level module, or a UserError naming the install command."""
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise UserError(f"the llama.cpp backend needs llama-cpp-python, which is not installed here ({e}); "
+                        f"install it with: {INSTALL_HINT}") from None
+    except OSError as e:  # the shared library is there but does not load
+        raise UserError(f"llama-cpp-python is installed but its library does not load ({e}); reinstall it with: "
+                        f"{INSTALL_HINT}") from None
+    return llama_cpp
+
+
+def available() -> str | None:
+    """None when the binding imports, else why not (for tests that skip with the reason)."""
+    try:
+        import_llama_cpp()
+    except UserError as e:
+        return str(e)
+    return None
+
+
+def _init(ll) -> None:
+    """Once per process: the backend, and llama.cpp's log routed to Python logging: its errors as
+    errors, its warnings at debug level (a load warns of GGUF quirks that change nothing for us, and
+    would bury the one line a user needs), the rest dropped."""
+    global _initialised, _log_cb
+    with _init_lock:
+        if _initialised:
+            return
+
+        @ll.llama_log_callback
+        def _cb(level, text, _user):
+            if level in (3, 4):  # GGML_LOG_LEVEL_WARN, _ERROR
+                msg = text.decode("utf-8", "replace").rstrip()
+                if msg:
+                    log.log(logging.DEBUG if level == 3 else logging.ERROR, "llama.cpp: %s", msg)
+
+        _log_cb = _cb
+        ll.llama_log_set(_log_cb, ctypes.c_void_p())
+        ll.llama_backend_init()
+        _initialised = True
+
+
+# ---------------------------------------------------------------------------------------- files
+
+def gguf_tokens_digest(path: str | Path) -> tuple[int, str]:
+    """(number of tokens, sha256 of the token strings) of a GGUF file's tokenizer, from llama.cpp's
+    vocabulary-only load (metadata, no weights: a fraction of a second, where gguf's Python reader
+    takes seconds over 151,936 strings). Two models can only share a speculative decode if their
+    token ids mean the same strings."""
+    ll = import_llama_cpp()
+    _init(ll)
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"GGUF file {path} does not exist")
+    params = ll.llama_model_default_params()
+    params.vocab_only = True
+    ptr = ll.llama_model_load_from_file(str(path).encode(), params)
+    if not ptr:
+        raise UserError(f"{path} is not a readable GGUF file (llama.cpp could not read its metadata); fetch it "
+                        "again (`adaptive-spec fetch-models --force` for the default pair)")
+    try:
+        vocab = ll.llama_model_get_vocab(ptr)
+        n = int(ll.llama_vocab_n_tokens(vocab))
+        if ll.llama_vocab_type(vocab) == ll.LLAMA_VOCAB_TYPE_NONE:  # dummy tokens: nothing to read (it aborts)
+            return n, f"no-vocab:{n}"
+        h = hashlib.sha256()
+        for i in range(n):
+            h.update(ll.llama_vocab_get_text(vocab, i) or b"")
+            h.update(b"\0")
+    finally:
+        ll.llama_model_free(ptr)
+    return n, h.hexdigest()[:16]
+
+
+def check_gguf_pair(draft: str | Path, target: str | Path) -> None:
+    """Refuse, before either model loads, a draft GGUF whose tokenizer is not the target's."""
+    (nd, hd), (nt, ht) = gguf_tokens_digest(draft), gguf_tokens_digest(target)
+    if hd != ht:
+        raise UserError(f"the draft GGUF's tokenizer ({nd} tokens, {Path(draft).name}) differs from the target's "
+                        f"({nt} tokens, {Path(target).name}); speculative decoding needs a draft that shares the "
+                        "target's tokenizer")
+
+
+def resolve_gguf(name: str | None, role: str) -> Path:
+    """A GGUF file for `role`: "default" (the default pair's, kept by fetch-models), a local .gguf
+    path, or a hub file as "owner/repo:FILE.gguf" (downloaded into the Hugging Face cache)."""
+    if name in (None, "default"):
+        from .fetch import default_gguf
+
+        return default_gguf(role)
+    p = Path(name).expanduser()
+    if p.is_file():
+        return p
+    if p.is_dir():
+        found = sorted(p.glob("*.gguf"))
+        if len(found) == 1:
+            return found[0]
+        raise UserError(f"{p} holds {len(found)} .gguf files; name the one to load ({role})")
+    if ":" in name and name.endswith(".gguf"):
+        repo, filename = name.split(":", 1)
+        from huggingface_hub import hf_hub_download
+
+        try:
+            return Path(hf_hub_download(repo, filename))
+        except Exception as e:  # noqa: BLE001  (offline, missing repo or file: say which)
+            raise UserError(f"could not get {filename} from the hub repo {repo} ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''}); pass a local .gguf path") from None
+    raise UserError(f"the llama.cpp backend loads GGUF files: {name!r} ({role}) is neither a .gguf file, a folder "
+                    "with one, nor a hub file written owner/repo:FILE.gguf")
+
+
+# ---------------------------------------------------------------------------------------- model
+
+class GGUFModel:
+    """One loaded GGUF model (weights only); contexts (`LlamaCppLM`) are made on it."""
+
+    def __init__(self, path: str | Path):
+        self.ll = ll = import_llama_cpp()
+        _init(ll)
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise UserError(f"GGUF file {self.path} does not exist")
+        params = ll.llama_model_default_params()
+        params.n_gpu_layers = 0
+        ptr = ll.llama_model_load_from_file(str(self.path).encode(), params)
+        if not ptr:
+            raise UserError(f"llama.cpp could not load {self.path} (corrupt, truncated, or an architecture this "
+                            f"llama.cpp does not know); fetch the file again")
+        self.ptr = ptr
+        self._finalizer = weakref.finalize(self, ll.llama_model_free, ptr)
+        vocab = ll.llama_model_get_vocab(ptr)
+        self.vocab_size = int(ll.llama_vocab_n_tokens(vocab))
+        self.hidden_size = int(ll.llama_model_n_embd(ptr))
+        self.n_ctx_train = int(ll.llama_model_n_ctx_train(ptr))
+        self.n_params = int(ll.llama_model_n_params(ptr))
+        self.n_bytes = int(ll.llama_model_size(ptr))
+        buf = ctypes.create_string_buffer(256)
+        ll.llama_model_desc(ptr, buf, 256)
+        self.desc = buf.value.decode(errors="replace")
+        self.name_or_path = str(self.path)
+
+    def fingerprint(self) -> str:
+        """Name, size and the first MiB of the file: instant, and enough to tell two GGUFs apart."""
+        h = hashlib.sha256(f"{self.path.name}:{self.path.stat().st_size}".encode())
+        with open(self.path, "rb") as f:
+            h.update(f.read(1 << 20))
+        return h.hexdigest()[:16]
+
+
+class LlamaCppLM:
+    """A llama.cpp context with the `CausalLM` runner interface (see models.CausalLM).
+
+    Invariant kept by the decoders, as for CausalLM: the cache covers seq[:length] and the next
+    forward feeds seq[length:].
+    """
+
+    provides_hidden = False  # a head that reads hidden states cannot run on this engine
+    engine = "llama.cpp"
+
+    def __init__(self, model: GGUFModel | str | Path, n_ctx: int | None = None, n_threads: int | None = None,
+                 n_batch: int = 512, vocab_size: int | None = None):
+        self.model = model if isinstance(model, GGUFModel) else GGUFModel(model)
+        ll = self.ll = self.model.ll
+        self.n_threads = int(n_threads or torch.get_num_threads() or os.cpu_count() or 1)
+        n_ctx = int(n_ctx or min(DEFAULT_N_CTX, self.model.n_ctx_train or DEFAULT_N_CTX))
+        self.n_batch = int(min(n_batch, n_ctx))
+        cp = ll.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = n_ctx, self.n_batch, self.n_batch, 1
+        cp.n_threads = cp.n_threads_batch = self.n_threads
+        cp.no_perf = True
+        ctx = ll.llama_init_from_model(self.model.ptr, cp)
+        if not ctx:
+            raise UserError(f"llama.cpp could not make a context of {n_ctx} positions for {self.model.path.name} "
+                            "(out of memory?); pass a smaller --n-ctx")
+        self.ctx = ctx
+        # self.model keeps the weights alive as long as any context made on them
+        self._finalizer = weakref.finalize(self, ll.llama_free, ctx)
+        self.mem = ll.llama_get_memory(ctx)
+        self.batch = ll.llama_batch_init(self.n_batch, 0, 1)
+        self._batch_finalizer = weakref.finalize(self, ll.llama_batch_free, self.batch)
+        # numpy views of the batch's arrays: filling a chunk is three vectorized writes, no per-token ctypes
+        self._tok = np.ctypeslib.as_array(self.batch.token, shape=(self.n_batch,))
+        self._pos = np.ctypeslib.as_array(self.batch.pos, shape=(self.n_batch,))
+        self._out = np.ctypeslib.as_array(self.batch.logits, shape=(self.n_batch,))
+        np.ctypeslib.as_array(self.batch.n_seq_id, shape=(self.n_batch,))[:] = 1
+        for j in range(self.n_batch):
+            self.batch.seq_id[j][0] = 0
+        self.n_vocab = self.model.vocab_size
+        self.vocab_size = int(vocab_size or self.n_vocab)
+        if self.vocab_size > self.n_vocab:
+            raise UserError(f"vocab_size {self.vocab_size} exceeds {self.model.path.name}'s {self.n_vocab} tokens")
+        self.hidden_size = self.model.hidden_size
+        self.max_length = n_ctx  # the context's positions (CausalLM's name for the limit)
+        self.kept_ids = None
+        self.device = torch.device("cpu")
+        self._zero_hidden = torch.zeros(self.hidden_size)
+        self.fwd_time = 0.0
+        self.n_forwards = 0
+        self.prefill_s = 0.0
+        self.length = 0
+
+    def fresh(self) -> "LlamaCppLM":
+        """Another context on the same weights (its own empty cache): for work beside a running decode."""
+        return LlamaCppLM(self.model, n_ctx=self.max_length, n_threads=self.n_threads, n_batch=self.n_batch,
+                          vocab_size=self.vocab_size)
+
+    def reset(self):
+        self.ll.llama_memory_clear(self.mem, True)
+        self.length = 0
+
+    def forward(self, ids, n_logits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed `ids` [n] after the cached prefix. Returns (logits of the last n_logits positions
+        [n_logits, V] float32, a zero "hidden state" [H]: llama.cpp gives none)."""
+        ids = np.asarray(ids.tolist() if isinstance(ids, torch.Tensor) else ids, dtype=np.int32).reshape(-1)
+        n = ids.shape[0]
+        if n == 0:
+            raise ValueError("forward needs at least one token")
+        if self.length + n > self.max_length:
+            raise UserError(f"{self.length + n} positions exceed the llama.cpp context of {self.max_length}; "
+                            "pass a larger --n-ctx or a shorter prompt")
+        n_logits = max(0, min(int(n_logits), n))
+        t0 = time.perf_counter()
+        rows = []
+        first_out = n - n_logits
+        for start in range(0, n, self.n_batch):
+            m = min(self.n_batch, n - start)
+            self._tok[:m] = ids[start:start + m]
+            self._pos[:m] = np.arange(self.length + start, self.length + start + m, dtype=np.int32)
+            want = np.arange(start, start + m) >= first_out
+            self._out[:m] = want
+            self.batch.n_tokens = m
+            rc = self.ll.llama_decode(self.ctx, self.batch)
+            if rc != 0:
+                # the cache may hold part of this batch: crop it back to the last good length
+                self.ll.llama_memory_seq_rm(self.mem, 0, self.length, -1)
+                raise RuntimeError(f"llama_decode failed ({rc}) on {m} tokens at position {self.length + start}")
+            k = int(want.sum())
+            if k:
+                ptr = self.ll.llama_get_logits(self.ctx)
+                rows.append(np.ctypeslib.as_array(ptr, shape=(k, self.n_vocab))[:, :self.vocab_size].copy())
+        self.length += n
+        logits = (torch.from_numpy(np.concatenate(rows) if len(rows) > 1 else rows[0]) if rows
+                  else torch.empty(0, self.vocab_size))
+        self.fwd_time += time.perf_counter() - t0
+        self.n_forwards += 1
+        return logits, self._zero_hidden
+
+    def rollback(self, length: int):
+        """Forget cached positions >= length."""
+        if length < self.length:
+            if not self.ll.llama_memory_seq_rm(self.mem, 0, length, -1):
+                raise RuntimeError(f"llama.cpp could not crop its cache to {length} positions")
+            self.length = length
+
+    def numeric_path(self) -> dict:
+        """What a measurement on this runner depends on (recorded with every row, hashed into cost keys)."""
+        ll = self.ll
+        return {"engine": "llama.cpp", "llama_cpp_python": getattr(import_llama_cpp(), "__version__", "?"),
+                "gguf": self.model.path.name, "desc": self.model.desc, "bytes": self.model.n_bytes,
+                "threads": self.n_threads, "n_ctx": self.max_length,
+                "system": ll.llama_print_system_info().decode(errors="replace").strip()}
+
+    def fingerprint(self) -> str:
+        return self.model.fingerprint()

@@ -1,0 +1,391 @@
+"""A GPU-oriented runner: static KV cache indexed by position, one compiled graph per input shape.
+
+`StaticCausalLM` has the interface of `models.CausalLM` (reset / forward / rollback / length /
+fwd_time / n_forwards / ...), so `Decoder(StaticCausalLM(target), StaticCausalLM(draft))` works
+unchanged. What differs, in the style of gpt-fast:
+
+* The KV cache is preallocated once, [1, kv_heads, max_cache_len, head_dim] per layer, and
+  written at absolute positions read from one device scalar, `self._pos` (= `self.length`).
+  The attention mask is causal in absolute positions over all `max_cache_len` slots (key slot j
+  is visible to a query at position i iff j <= i), so slots past the current position, stale
+  entries of rejected candidates included, are never attended. Rollback is therefore
+  `self.length = n` plus a one-element fill of `self._pos`: no copy, no allocation, no sync.
+* Every tensor shape in a forward depends only on (input length n, logits rows n_logits), never
+  on the position, and the forward reads nothing back to the host, so one graph per shape can
+  be captured, which `warmup(shapes)` does up front: (1, 1) and (2, 1) for draft steps, (n, n)
+  for a verify of n = K + 1 tokens, K = 0..K_max. Two ways: `compile=True` is
+  `torch.compile(mode="reduce-overhead", fullgraph=True, dynamic=False)` (inductor kernels +
+  CUDA graphs on GPU; slow: tens of seconds of compile per shape), and
+  `cuda_graphs=True` captures the eager step with `torch.cuda.CUDAGraph` (no kernel fusion,
+  but a capture takes one forward). Shapes that were not warmed up (prefill, odd lengths) run
+  eagerly, so nothing compiles or captures in the middle of a timed run.
+* The LM head runs on the last n_logits rows only (static per shape), and optionally the
+  acceptance head of SpecDec++ runs in the same graph (`forward_with_head`).
+* No host synchronisation inside forward: on CUDA, `fwd_time` is measured with CUDA events
+  that are read (one sync) only when `fwd_time` is read.
+
+The CPU path is the same code without compile (compile=False, the default); it is exact, and it
+is what tests/test_static_runner.py checks against CausalLM.
+
+Known costs of the design: attention reads all `max_cache_len` slots (masked), so keep
+`max_cache_len` near the longest context you need (default: 2048, capped by the model's
+max_position_embeddings); sliding-window models are not supported (use CausalLM).
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterable
+
+import torch
+
+from ..errors import UserError
+from .models import CausalLM, kv, model_kv
+
+DEFAULT_MAX_CACHE_LEN = 2048
+
+
+def _static_layer_cls():
+    from transformers.cache_utils import StaticLayer
+
+    class PositionedStaticLayer(StaticLayer):
+        """A StaticLayer written at the runner's position `pos` (a shared 0-d device tensor)
+        instead of its own running counter: rolling back is then a write to `pos` only."""
+
+        def __init__(self, max_cache_len: int, pos: torch.Tensor):
+            super().__init__(max_cache_len=max_cache_len)
+            self.pos = pos
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            idx = self.pos + torch.arange(key_states.shape[-2], device=self.pos.device)
+            self.keys.index_copy_(2, idx, key_states)
+            self.values.index_copy_(2, idx, value_states)
+            return self.keys, self.values
+
+        def get_seq_length(self):
+            return self.pos
+
+        def reset(self) -> None:  # stale slots are masked; nothing to clear
+            pass
+
+    return PositionedStaticLayer
+
+
+def _raise_recompile_limit(n: int = 64):
+    """One graph per shape: K_max + 3 specialisations of one function, more than dynamo's
+    default recompile limit (8) allows."""
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name) and getattr(cfg, name) < n:
+            setattr(cfg, name, n)
+
+
+def verify_shapes(k_max: int) -> list[tuple[int, int]]:
+    """Target shapes of a speculative round: the pending token plus K candidates, all scored."""
+    return [(n, n) for n in range(1, k_max + 2)]
+
+
+DRAFT_SHAPES = [(1, 1), (2, 1)]  # one pending token, or two after a fully accepted round
+
+BACKENDS = ("dynamic", "static")
+RUNTIMES = ("eager", "cudagraph", "compile")
+
+
+def make_runner(model, vocab_size: int | None = None, backend: str = "dynamic", runtime: str = "eager",
+                max_cache_len: int | None = None, warmup_shapes=(), head=None):
+    """The runner for `backend`: "dynamic" = CausalLM (growing DynamicCache), "static" =
+    StaticCausalLM with `runtime` eager | cudagraph | compile, warmed up on `warmup_shapes`
+    (e.g. verify_shapes(k_max) for a target, DRAFT_SHAPES for a draft)."""
+    if backend not in BACKENDS:
+        raise UserError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    if runtime not in RUNTIMES:
+        raise UserError(f"unknown runtime {runtime!r}; use one of {', '.join(RUNTIMES)}")
+    if backend == "dynamic":
+        if runtime != "eager":
+            raise UserError("graph runtimes need the static backend (--backend static)")
+        return CausalLM(model, vocab_size)
+    lm = StaticCausalLM(model, vocab_size, max_cache_len=max_cache_len, compile=runtime == "compile",
+                        cuda_graphs=runtime == "cudagraph", head=head)
+    if warmup_shapes:
+        lm.warmup(warmup_shapes)
+    return lm
+
+
+class StaticCausalLM(CausalLM):
+    """`CausalLM` with a static KV cache indexed by position and optional graph capture.
+
+    model: a Hugging Face causal LM (full attention layers); vocab_size: shared vocabulary;
+    max_cache_len: slots preallocated (prompt + new tokens + K_max + 1 must fit; attention
+    reads all of them, masked, so keep it near what you need);
+    compile: torch.compile each warmed-up shape (compile_mode defaults to "reduce-overhead",
+    i.e. CUDA graphs, on CUDA; compile_backend="eager" only traces, for tests);
+    cuda_graphs: capture each warmed-up shape with torch.cuda.CUDAGraph instead (CUDA only);
+    head: an AcceptanceHead evaluated in the same graph by `forward_with_head`.
+    """
+
+    def __init__(self, model, vocab_size: int | None = None, max_cache_len: int | None = None,
+                 compile: bool = False, compile_mode: str | None = None, compile_backend: str = "inductor",
+                 cuda_graphs: bool = False, head=None):
+        cfg = model.config
+        types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+        if types != {"full_attention"} or getattr(cfg, "use_sliding_window", False):
+            raise UserError(f"the static runner supports full-attention models only (this one has {sorted(types)}); "
+                            "use the dynamic-cache runner (CausalLM)")
+        max_pos = getattr(cfg, "max_position_embeddings", None)
+        self.max_cache_len = int(max_cache_len or min(DEFAULT_MAX_CACHE_LEN, max_pos or DEFAULT_MAX_CACHE_LEN))
+        if self.max_cache_len < 1 or (max_pos and self.max_cache_len > max_pos):
+            raise UserError(f"max_cache_len must be in 1..{max_pos} (the model's context), got {self.max_cache_len}")
+        if compile and cuda_graphs:
+            raise UserError("pick one of compile=True (torch.compile, CUDA graphs included) and cuda_graphs=True")
+        self.head = head
+        self.compile = bool(compile)
+        self._events: list = []
+        self._fwd_s = 0.0
+        self._cache_ready = False
+        super().__init__(model, vocab_size)  # sets model/base/lm_head/device/... and calls reset()
+        self.max_length = self.max_cache_len
+        if cuda_graphs and self.device.type != "cuda":
+            raise UserError("cuda_graphs=True needs a CUDA device; on CPU the runner runs eagerly")
+        self._warm: set = set()  # (n, n_logits, with_head) shapes run through a graph
+        self._ids_buf: dict = {}  # n -> static [1, n] input buffer of the captured step
+        self._graphs: dict | None = {} if cuda_graphs else None  # key -> (CUDAGraph, static outputs)
+        self._compiled = None
+        self._cudagraphs = False  # torch.compile's own CUDA graphs (outputs must be copied out)
+        if self.compile:
+            _raise_recompile_limit()
+            mode = compile_mode or ("reduce-overhead" if self.device.type == "cuda" else "default")
+            self._cudagraphs = self.device.type == "cuda" and mode in ("reduce-overhead", "max-autotune")
+            kw = {"mode": mode} if compile_backend == "inductor" else {}
+            self._compiled = torch.compile(self._step, backend=compile_backend, fullgraph=True, dynamic=False, **kw)
+
+    @property
+    def runtime(self) -> str:
+        return "compile" if self.compile else ("cudagraph" if self._graphs is not None else "eager")
+
+    # ---- cache ---------------------------------------------------------------------------
+
+    def _build_cache(self):
+        from transformers import StaticCache
+
+        cfg = self.config.get_text_config(decoder=True) if hasattr(self.config, "get_text_config") else self.config
+        self._pos = torch.zeros((), dtype=torch.long, device=self.device)
+        cache = StaticCache(config=self.config, max_cache_len=self.max_cache_len)
+        layer_cls = _static_layer_cls()
+        cache.layers = [layer_cls(self.max_cache_len, self._pos) for _ in cache.layers]
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        dtype = next(self.model.parameters()).dtype
+        cache.early_initialization(batch_size=1, num_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                                   device=self.device)
+        torch._dynamo.mark_static_address(self._pos)
+        self.cache = cache
+        # bytes of K and V per cached position, all layers (what attention reads per slot)
+        self.kv_bytes_per_slot = sum(2 * l.keys.shape[1] * l.keys.shape[3] * l.keys.element_size()
+                                     for l in cache.layers)
+        self._cache_ready = True
+
+    def reset(self):
+        if not self._cache_ready:
+            self._build_cache()
+        self.length = 0
+        self._pos.zero_()
+
+    def rollback(self, length: int):
+        """Forget positions >= length: later writes overwrite them, the mask hides them."""
+        if length < self.length:
+            self.length = length
+            self._pos.fill_(length)
+
+    # ---- timing without syncs ---------------------------------------------------------------
+
+    @property
+    def fwd_time(self) -> float:
+        """Seconds inside forward(). On CUDA, summed from CUDA events (reading it syncs once)."""
+        if self._events:
+            self._events[-1][1].synchronize()
+            self._fwd_s += sum(a.elapsed_time(b) for a, b in self._events) / 1000.0
+            self._events.clear()
+        return self._fwd_s
+
+    @fwd_time.setter
+    def fwd_time(self, value: float):
+        self._events.clear()
+        self._fwd_s = float(value)
+
+    def _tic(self):
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def _toc(self, t0):
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._events.append((t0, ev))
+        else:
+            self._fwd_s += time.perf_counter() - t0
+        self.n_forwards += 1
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def _step(self, ids: torch.Tensor, n_logits: int, with_head: bool):
+        """ids [1, n] fed at positions pos..pos+n-1; every shape depends on (n, n_logits) only,
+        and nothing is read back to the host (so the step can be captured as a graph)."""
+        from transformers.masking_utils import create_causal_mask
+
+        n = ids.shape[-1]
+        position_ids = (self._pos + torch.arange(n, device=ids.device)).view(1, n)
+        embeds = self.base.embed_tokens(ids)
+        # kv length = max_cache_len and queries at absolute positions pos..pos+n-1: slot j is
+        # visible iff j <= the query's position, so stale slots past it are masked.
+        # allow_is_causal_skip=False: always a real mask, no shortcut that reads pos on the host
+        mask = create_causal_mask(config=self.config, inputs_embeds=embeds, attention_mask=None,
+                                  **kv(create_causal_mask, self.cache), position_ids=position_ids,
+                                  allow_is_causal_skip=False)
+        out = self.base(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids,
+                        **model_kv(self.base, self.cache), use_cache=True)
+        h = out.last_hidden_state[0]
+        logits = self.logits(h[n - n_logits:]) if n_logits else h.new_zeros(0, self.vocab_size, dtype=torch.float32)
+        self._pos.add_(n)
+        last = h[-1]
+        if with_head:
+            return logits, last, self.head.acceptance_prob(last).float()
+        return logits, last
+
+    def _buf(self, n: int) -> torch.Tensor:
+        buf = self._ids_buf.get(n)
+        if buf is None:
+            buf = self._ids_buf[n] = torch.zeros(1, n, dtype=torch.long, device=self.device)
+            torch._dynamo.mark_static_address(buf)
+        return buf
+
+    def _capture(self, key):
+        """Record the eager step of shape `key` into a CUDA graph (after two warm-up runs on a
+        side stream, as torch.cuda.graphs asks)."""
+        n, n_logits, wh = key
+        buf = self._buf(n)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._pos.zero_()
+                self._step(buf, n_logits, wh)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self._pos.zero_()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self._step(buf, n_logits, wh)
+        self._graphs[key] = (graph, out)
+
+    def _run(self, ids: torch.Tensor, n_logits: int, with_head: bool):
+        n = ids.shape[-1]
+        if not 0 <= n_logits <= n:
+            raise ValueError(f"n_logits must be in 0..{n}, got {n_logits}")
+        if self.length + n > self.max_cache_len:
+            raise UserError(f"the static KV cache holds {self.max_cache_len} positions but {self.length + n} are "
+                            "needed; build the runner with a larger max_cache_len")
+        t0 = self._tic()
+        key = (n, n_logits, with_head)
+        if key in self._warm:
+            # a fixed input buffer per length: one address for the graph, and one tensor kind
+            # whatever the caller passes (dynamo's guards would otherwise recompile)
+            buf = self._buf(n)
+            buf.copy_(ids.reshape(1, n))
+            if self._graphs is not None:
+                graph, static_out = self._graphs[key]
+                graph.replay()
+                out = tuple(t.clone() for t in static_out)  # the next replay overwrites them
+            else:
+                if self._cudagraphs:
+                    torch.compiler.cudagraph_mark_step_begin()
+                out = self._compiled(buf, n_logits, with_head)
+                if self._cudagraphs:
+                    out = tuple(t.clone() for t in out)
+        else:
+            out = self._step(ids.reshape(1, n).to(self.device), n_logits, with_head)
+        self.length += n
+        self._toc(t0)
+        return out
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, n_logits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed `ids` [n] after the cached prefix. Returns (logits of the last n_logits
+        positions [n_logits, V] float32, final hidden state of the last position [H])."""
+        return self._run(ids, n_logits, False)
+
+    @torch.inference_mode()
+    def forward_with_head(self, ids: torch.Tensor, n_logits: int = 1):
+        """`forward` plus the acceptance head on the last hidden state, in the same graph:
+        (logits [n_logits, V], hidden [H], acceptance probability [] float32)."""
+        if self.head is None:
+            raise UserError("forward_with_head needs an acceptance head: pass head=... to StaticCausalLM")
+        return self._run(ids, n_logits, True)
+
+    @torch.inference_mode()
+    def warmup(self, shapes: Iterable = (), with_head: bool | None = None, iters: int = 3) -> float:
+        """Compile / capture every (n, n_logits) shape up front (an int n means (n, n)) so that
+        no compile or capture happens in timed code; without a graph runtime it only warms the
+        kernels. with_head (default: whether a head is set) also does the forward_with_head
+        variant. Leaves the runner reset with zeroed counters. Returns the seconds spent."""
+        t0 = time.perf_counter()
+        heads = [False] + ([True] if (self.head is not None if with_head is None else with_head) else [])
+        for s in shapes:
+            n, n_logits = (s, s) if isinstance(s, int) else (int(s[0]), int(s[1]))
+            if n > self.max_cache_len or not 0 <= n_logits <= n:
+                raise UserError(f"bad warm-up shape ({n}, {n_logits}) for max_cache_len {self.max_cache_len}")
+            for wh in heads:
+                key = (n, n_logits, wh)
+                if self._graphs is not None and key not in self._graphs:
+                    self._capture(key)
+                if self._graphs is not None or self._compiled is not None:
+                    self._warm.add(key)
+                for _ in range(iters):
+                    self.reset()
+                    self._run(torch.zeros(n, dtype=torch.long, device=self.device), n_logits, wh)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.reset()
+        self.fwd_time, self.n_forwards = 0.0, 0
+        return time.perf_counter() - t0
+
+    # ---- tree-policy hooks (adaptive_spec.decoding.trees.cache looks for these) ---------------------------
+
+    @torch.inference_mode()
+    def tree_forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor, logit_from: int = 0):
+        """Feed `ids` [n] into slots length..length+n-1 with the visibility pattern attend
+        [n, length + n] and position ids `positions` [n] (eager; contract of tree_cache.tree_forward)."""
+        n = ids.shape[0]
+        kv = self.length + n
+        if tuple(attend.shape) != (n, kv):
+            raise ValueError(f"attend must be [{n}, {kv}], got {tuple(attend.shape)}")
+        if kv > self.max_cache_len:
+            raise UserError(f"the static KV cache holds {self.max_cache_len} positions but {kv} are needed")
+        t0 = self._tic()
+        dtype = next(self.model.parameters()).dtype
+        mask = torch.full((1, 1, n, self.max_cache_len), torch.finfo(dtype).min, dtype=dtype, device=self.device)
+        mask[0, 0, :, :kv].masked_fill_(attend.to(self.device), 0.0)
+        out = self.base(input_ids=ids.view(1, n).to(self.device), attention_mask=mask,
+                        position_ids=positions.view(1, n).to(self.device), **model_kv(self.base, self.cache),
+                        use_cache=True)
+        h = out.last_hidden_state[0]
+        logits = self.logits(h[logit_from:])
+        self.length += n
+        self._pos.fill_(self.length)
+        self._toc(t0)
+        return logits, h
+
+    @torch.inference_mode()
+    def compact(self, base: int, extra: list[int]):
+        """Keep slots [0, base) then the slots `extra` in order (the accepted tree path)."""
+        n = len(extra)
+        if extra != list(range(base, base + n)):
+            idx = torch.tensor(extra, dtype=torch.long, device=self.device)
+            dst = torch.arange(base, base + n, device=self.device)
+            for layer in self.cache.layers:
+                for t in (layer.keys, layer.values):
+                    t.index_copy_(2, dst, t.index_select(2, idx))
+        self.length = base + n
+        self._pos.fill_(self.length)

@@ -1,0 +1,198 @@
+"""Draft features for a datagen run that stored none: `adaptive-spec datagen-features`.
+
+A datagen run's token data (X, Y, Z, P, draft statistics) is ~5 KB a response; the draft's
+final hidden states at every response position are ~230 KB (896 bf16 values a token for the
+default draft). The token data is what costs hours (a target pass per token) and what is worth
+keeping across machines, so a run can store only it (`store_features: false`, as
+configs/datagen/mix.yaml does, committed under data/datagen/). This command derives the
+features from it, with one pass of the frozen draft per response, into a complete datagen
+folder (manifest + shards with `features`) that training, `autotune` and eval/ablate_heads.py
+read as they read any datagen run:
+
+    adaptive-spec datagen-features --data data/datagen/mix --out runs/datagen/mix
+    adaptive-spec datagen-features --data data/datagen/mix --out runs/datagen/mix-target --prefix target
+
+The draft is loaded in the configuration the data was made with (manifest: draft, draft_quant,
+draft_vocab; its fingerprint must match), because heads are trained on the hidden states of the
+draft they serve. The pass runs over (prompt, Z) uncached, where datagen's own pass reused the
+prompt's KV cache: the same states up to rounding (tested).
+
+`--prefix target` computes the states on the target's own response instead of the token-mixed
+one (features.PREFIXES): for every Y_i, e(x, X_<i, Y_i) (`features`) and e(x, X_<i)
+(`context_features`, the state that produced q_i), in one pass over (x, X, Y) whose attention
+mask shows Y_i only the prompt and X_<i, at X_i's position. That costs N more tokens a response
+(the pass is compute-bound: about 1.5x on these prompts) and gives the inputs the decoder gives a
+head, at every position. Each output shard is written
+atomically and is the unit of resume: a rerun skips finished shards and picks up the shards a
+longer datagen run has added since.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from ..errors import UserError, get_logger
+from ..runs import project_path, read_manifest
+
+log = get_logger(__name__)
+
+
+def load_draft(manifest: dict, dtype: str, device):
+    """The draft in the configuration the data was made with, checked against its fingerprint."""
+    from ..backends.models import densify_quantized, load_model, model_fingerprint
+
+    cfg, want = manifest["config"], manifest["models"]["draft"]
+    draft, _ = load_model(cfg.get("draft", "default"), "draft", dtype, device, quant=cfg.get("draft_quant", "none"),
+                          draft_vocab=cfg.get("draft_vocab") or None, fp16=False)
+    densify_quantized(draft)  # every pass here is a many-row prefill: dense GEMM beats the int8 kernel
+    if draft.config.hidden_size != want["hidden_size"]:
+        raise UserError(f"draft {cfg.get('draft')!r} has hidden size {draft.config.hidden_size} but the data was made "
+                        f"with hidden size {want['hidden_size']}; the data belongs to another draft model")
+    fp = model_fingerprint(draft)
+    if want.get("fingerprint") and fp != want["fingerprint"]:
+        raise UserError(f"draft {cfg.get('draft')!r} (draft_quant={cfg.get('draft_quant')}) has weights fingerprint "
+                        f"{fp}, the data was made with {want['fingerprint']}; features must come from the draft "
+                        "that generated the data (rebuild it with `adaptive-spec fetch-models --force`, or "
+                        "regenerate the data)")
+    return draft
+
+
+@torch.inference_mode()
+def response_features(draft, shard: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[T, H] bf16: the draft's final hidden state at every response position of a shard, i.e.
+    at the position whose input token is Z_i, over the sequence (prompt, Z) -- what datagen's
+    `features` tensor holds."""
+    io, ro = shard["input_offsets"].tolist(), shard["resp_offsets"].tolist()
+    pl = shard["prompt_lens"].tolist()
+    dev = draft.get_input_embeddings().weight.device
+    out = []
+    for s in range(len(pl)):
+        n = ro[s + 1] - ro[s]
+        if io[s + 1] - io[s] != pl[s] + n:
+            raise UserError(f"sequence {s} has {io[s + 1] - io[s]} input tokens but prompt {pl[s]} + response "
+                            f"{n}; the shard is corrupt: regenerate it (delete it and rerun datagen)")
+        if n == 0:
+            continue
+        ids = shard["input_ids"][io[s]: io[s + 1]].long().to(dev)[None]
+        h = draft.base_model(input_ids=ids).last_hidden_state[0, pl[s]:]
+        out.append(h.to(torch.bfloat16).cpu())
+    H = draft.config.hidden_size
+    return torch.cat(out) if out else torch.empty(0, H, dtype=torch.bfloat16)
+
+
+@torch.inference_mode()
+def target_prefix_features(draft, shard: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """([T, H], [T, H]) bf16: e(x, X_<i, Y_i) and e(x, X_<i) at every response position i of a
+    shard (features.PREFIXES "target"). One pass per response over (x, X_1..X_n, Y_1..Y_n): the
+    prompt and X attend causally; Y_i sits at X_i's position and attends the prompt, X_<i and
+    itself, so it sees exactly the prefix p_i and q_i were computed on."""
+    io, ro, pl = shard["input_offsets"].tolist(), shard["resp_offsets"].tolist(), shard["prompt_lens"].tolist()
+    dev = draft.get_input_embeddings().weight.device
+    dtype = draft.dtype
+    tok, ctx = [], []
+    for s in range(len(pl)):
+        L, a, b = pl[s], ro[s], ro[s + 1]
+        n = b - a
+        if io[s + 1] - io[s] != L + n:
+            raise UserError(f"sequence {s} has {io[s + 1] - io[s]} input tokens but prompt {L} + response {n}; "
+                            "the shard is corrupt: regenerate it (delete it and rerun datagen)")
+        if n == 0:
+            continue
+        prompt = shard["input_ids"][io[s]: io[s] + L].long()
+        ids = torch.cat([prompt, shard["x_ids"][a:b].long(), shard["y_ids"][a:b].long()])
+        m = L + n
+        attend = torch.zeros(m + n, m + n, dtype=torch.bool)
+        attend[:m, :m] = torch.ones(m, m, dtype=torch.bool).tril()
+        i = torch.arange(n)
+        attend[m:, :L] = True
+        attend[m:, L:m] = i[None, :] < i[:, None]  # Y_i sees X_j for j < i
+        attend[m + i, m + i] = True
+        mask = torch.zeros(1, 1, m + n, m + n, dtype=dtype).masked_fill_(~attend, torch.finfo(dtype).min)
+        pos = torch.cat([torch.arange(m), L + i])
+        h = draft.base_model(input_ids=ids.to(dev)[None], attention_mask=mask.to(dev),
+                             position_ids=pos.to(dev)[None]).last_hidden_state[0]
+        tok.append(h[m:].to(torch.bfloat16).cpu())
+        ctx.append(h[L - 1: m - 1].to(torch.bfloat16).cpu())  # after x, X_<i: what produced q_i
+    H = draft.config.hidden_size
+    empty = torch.empty(0, H, dtype=torch.bfloat16)
+    return (torch.cat(tok) if tok else empty), (torch.cat(ctx) if ctx else empty)
+
+
+def _out_manifest(src_man: dict, src: Path, dst: Path, extra: dict) -> dict:
+    """The source's manifest restricted to the shards present in dst, counts rebuilt from them."""
+    import dataclasses
+
+    from .generate import DatagenConfig, build_manifest
+
+    names = {f.name for f in dataclasses.fields(DatagenConfig)}
+    cfg = DatagenConfig(**{k: v for k, v in src_man["config"].items() if k in names})
+    man = build_manifest(dst, cfg, src_man["models"], src_man["planned"])
+    man["complete"] = man["complete"] and bool(src_man.get("complete"))
+    man["features"] = {"from": str(src), **extra}
+    return man
+
+
+def run(data: str, out: str, dtype: str = "auto", device: str = "auto", threads: int = 0, progress: bool = True,
+        prefix: str = "mixed") -> dict:
+    from tqdm.auto import tqdm
+
+    from ..backends.models import resolve_device
+    from ..heads.features import CONTEXT_KEY, PREFIXES
+    from .generate import FORMAT, WORK_ORDER, _write_shard, load_shard, shard_meta, write_manifest
+
+    if prefix not in PREFIXES:
+        raise UserError(f"--prefix must be one of {', '.join(PREFIXES)}, got {prefix!r}")
+
+    src, dst = project_path(data), project_path(out)
+    if src.resolve() == dst.resolve():
+        raise UserError(f"--out {out} is the --data folder; write the features to another folder")
+    src_man = read_manifest(src, hint="point --data at a folder written by `adaptive-spec datagen`")
+    if src_man.get("format") != FORMAT:
+        raise UserError(f"{src} holds no datagen run (format {src_man.get('format')!r})")
+    old = read_manifest(dst, required=False) if dst.exists() else None
+    if old is None and dst.exists() and any(dst.iterdir()):
+        raise UserError(f"--out {dst} is not empty and holds no datagen run; choose another folder")
+    if old is not None and old.get("config_hash") != src_man["config_hash"]:
+        raise UserError(f"--out {dst} holds features of another datagen run (config_hash {old.get('config_hash')}, "
+                        f"--data has {src_man['config_hash']}); choose another folder or delete it")
+    old_prefix = ((old or {}).get("features") or {}).get("prefix", "mixed")
+    if old is not None and old_prefix != prefix:
+        raise UserError(f"--out {dst} holds states on the {old_prefix} prefix, and --prefix is {prefix}; choose "
+                        f"another folder (e.g. {dst}-{prefix}) or rerun with --prefix {old_prefix}")
+    todo = [sh for s in WORK_ORDER if s in src_man["splits"] for sh in src_man["splits"][s]["shards"]
+            if not (dst / sh["file"]).is_file()]
+    if threads > 0:
+        torch.set_num_threads(threads)
+    extra = {"dtype": dtype, "prefix": prefix}
+    if not todo:
+        man = _out_manifest(src_man, src, dst, extra)
+        write_manifest(dst, man)
+        log.info(f"datagen-features: {dst} is up to date ({sum(len(v['shards']) for v in man['splits'].values())} shards)")
+        return man
+    draft = load_draft(src_man, dtype, resolve_device(device))
+    extra["cpu_path"] = getattr(draft, "cpu_path", {})
+    dst.mkdir(parents=True, exist_ok=True)
+    write_manifest(dst, _out_manifest(src_man, src, dst, extra))  # first: the folder is recognisable from now on
+    n_tok = sum(sh["n_tokens"] for sh in todo)
+    log.info(f"datagen-features: {src} -> {dst}: {len(todo)} shard(s), {n_tok} response tokens to do")
+    t0, done = time.perf_counter(), 0
+    with tqdm(total=n_tok, unit="tok", disable=not progress, dynamic_ncols=True, mininterval=1.0,
+              desc="datagen-features") as bar:
+        for sh in todo:
+            tensors = load_shard(src / sh["file"])
+            if prefix == "target":
+                tensors["features"], tensors[CONTEXT_KEY] = target_prefix_features(draft, tensors)
+            else:
+                tensors["features"] = response_features(draft, tensors)
+            (dst / sh["file"]).parent.mkdir(parents=True, exist_ok=True)
+            _write_shard(dst / sh["file"], tensors, shard_meta(src / sh["file"]))  # the source shard's metadata
+            write_manifest(dst, _out_manifest(src_man, src, dst, extra))
+            done += sh["n_tokens"]
+            bar.update(sh["n_tokens"])
+            bar.set_postfix_str(f"{done / (time.perf_counter() - t0):.0f} tok/s")
+    man = _out_manifest(src_man, src, dst, extra)
+    write_manifest(dst, man)
+    log.info(f"datagen-features: done: {dst} ({done} tokens in {time.perf_counter() - t0:.0f} s)")
+    return man

@@ -1,0 +1,280 @@
+"""What a forward pass costs on the running machine: the hardware side of Eq. 5.1.
+
+    t_draft   one draft step (one token in, its logits out)
+    t_target  a target pass over one token
+    t_cand    the extra target time per candidate in a verification pass of K + 1 tokens
+
+A verification pass of K + 1 tokens is timed for K + 1 = 1..9, kept (made non-decreasing, see
+`monotone`) as t_verify, the `table` time model's costs, and fitted by least squares as
+t_target + t_cand * K. On GPUs and AVX-512 CPUs t_cand is near zero (the pass reads the weights
+once whatever K is), but on an AVX2-only CPU it is about 10 ms per candidate, which Eq. 3.1,
+T = t_draft N_draft + t_target N_target, has no term for (timemodel.py has the one with it).
+
+`measure_costs(pair)` runs a few forwards through the pair's own runners (a warm-up round, then the
+median of `reps` rounds, each timing the draft step and every length once), after a PREFIX-token
+context (256: a typical decode's, see PREFIX). The result is cached as JSON in
+<cache>/costs/<key>.json ($ADAPTIVE_SPEC_CACHE or ~/.cache/adaptive_spec), the key hashing
+everything that moves these times: the CPU and its flags, torch threads and version, the device,
+both models' fingerprints, dtypes and CPU kernels (cpu_path), the draft's quantization and
+vocabulary, the runner class. A cache file that does not parse is measured again, with a warning.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..errors import UserError, get_logger
+from ..runs import write_json
+from ..timing import timed
+
+log = get_logger(__name__)
+
+VERIFY_LENGTHS = tuple(range(1, 10))  # K + 1 for K = 0..8
+# The cached context the passes are timed after: that of a typical decode (a prompt and half a
+# response), not a short one. Time grows with context, the draft's faster than the target's: on
+# the AVX-512 box c = t_draft / t_target was 0.29 after 32 tokens and 0.41 after 256
+# (eval/results/bench_verify_lengths_avx512), and a sweep there decoded at c = 0.37; timed after
+# 32 tokens, `auto` took the draft for cheaper than it is and drafted too much.
+PREFIX = 256
+# How the times are taken, in the cache key: times taken another way are measured again. v2: the
+# draft step and every length timed round-robin over 5 rounds, t_verify made monotone.
+METHOD = "interleaved-monotone-v2"
+
+
+@dataclass
+class Costs:
+    t_draft: float
+    t_target: float
+    t_cand: float
+    key: str
+    measured: str  # when (UTC) and where the times were taken
+    t_verify: tuple = ()  # seconds of a target pass of n = 1, 2, ... tokens (VERIFY_LENGTHS), as measured
+
+    def verify_s(self, n: int) -> float:
+        """A target pass of n tokens: the measured time, past the measured lengths the last one
+        plus t_cand per extra token, without a table the line t_target + t_cand (n - 1)."""
+        if not self.t_verify:
+            return self.t_target + self.t_cand * (n - 1)
+        m = len(self.t_verify)
+        return self.t_verify[n - 1] if n <= m else self.t_verify[-1] + self.t_cand * (n - m)
+
+    @property
+    def c(self) -> float:
+        """t_draft / t_target, the paper's cost ratio."""
+        return self.t_draft / self.t_target
+
+    @property
+    def node_cost(self) -> float:
+        """One more drafted token (its draft step and its share of the verification), in target steps."""
+        return (self.t_draft + self.t_cand) / self.t_target
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def costs_dir() -> Path:
+    from ..backends.fetch import cache_dir
+
+    return cache_dir() / "costs"
+
+
+def cost_config(pair) -> dict:
+    """What the forward times depend on (hashed into the cache key)."""
+    import torch
+
+    from ..backends.cpu import describe
+    from ..backends.models import model_fingerprint
+
+    machine = describe()
+    device = pair.target.device
+    config = {"cpu": machine["cpu"], "cpu_flags": machine["cpu_flags"], "isa": machine["isa"], "context": PREFIX,
+              "method": METHOD,
+              "threads": torch.get_num_threads(), "torch": torch.__version__, "device": str(device),
+              "backend": type(pair.target).__name__, **getattr(pair, "draft_config", {})}
+    if device.type == "cuda":
+        config["gpu"] = torch.cuda.get_device_name(device)
+    for role, lm in (("target", pair.target), ("draft", pair.draft)):
+        if hasattr(lm, "numeric_path"):  # llama.cpp: the GGUF, the library and its threads
+            config[f"{role}_fingerprint"] = lm.fingerprint()
+            config[f"{role}_path"] = lm.numeric_path()
+            continue
+        config[f"{role}_fingerprint"] = model_fingerprint(lm.model)
+        config[f"{role}_dtype"] = str(next(lm.model.parameters()).dtype)
+        # the CPU kernels chosen at load (oneDNN padding, fp16 rows, int8): another choice, another time
+        config[f"{role}_path"] = getattr(lm.model, "cpu_path", None)
+    return config
+
+
+def config_key(config: dict) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def measure_costs(pair, reps: int = 5, cache: bool = True, pin: str | Path | None = None) -> Costs:
+    """This machine's Costs for `pair` (a SpecPair, or anything with CausalLM-like .target and
+    .draft), from the cache when this configuration was measured before.
+
+    `pin` (a JSON path; the sweep's out_dir/costs.json) fixes the measurement for a long job: the
+    first call writes it, later calls (a resumed job) read it back while the machine and the models
+    are the same, and the pair remembers it, so every later measure_costs(pair) (resolve_auto, the
+    tree's node cost) returns that one measurement. Without a pin each load may land on another
+    cache entry: the CPU kernels picked at load (oneDNN padding) are in the key, and one sweep
+    resumed three times picked h = 0.25 then 0.2 and a tree node cost of 0.52, 0.39, then 0.52."""
+    if getattr(pair, "draft", None) is None:
+        raise UserError("forward costs need a draft model; load the pair with a draft (not --policy ar)")
+    pinned = getattr(pair, "pinned_costs", None)
+    if pinned is not None:
+        return pinned
+    config = cost_config(pair)
+    key = config_key(config)
+    if pin is None:
+        return _cached_or_measured(pair, reps, cache, config, key)
+    costs = _read_pin(Path(pin), config)
+    if costs is None:
+        costs = _cached_or_measured(pair, reps, cache, config, key)
+        write_json(pin, {**costs.to_dict(), "config": config})
+    pair.pinned_costs = costs
+    return costs
+
+
+def _cached_or_measured(pair, reps: int, cache: bool, config: dict, key: str) -> Costs:
+    path = costs_dir() / f"{key}.json"
+    if cache:
+        hit = _read_cached(path, key)
+        if hit is not None:
+            return hit
+        log.info(f"measuring forward times on this machine (once per configuration; cached in {path})")
+    costs = _measure(pair, reps, key)
+    if cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, {**costs.to_dict(), "config": config})
+    return costs
+
+
+def _config_differences(a: dict, b: dict) -> list[str]:
+    """The keys in which two cost configs differ, leaving out the kernels picked at load
+    (<role>_path: the oneDNN padding is measured each time and moves with noise)."""
+    keys = {k for k in (*a, *b) if not k.endswith("_path")}
+    return sorted(k for k in keys if a.get(k) != b.get(k))
+
+
+def _read_pin(path: Path, config: dict) -> Costs | None:
+    """The pinned Costs at `path`, or None (with a warning) where it is absent, unreadable or from
+    another machine or model configuration."""
+    read = _read_costs_file(path, "pinned")
+    if read is None:
+        return None
+    saved, costs = read
+    differ = _config_differences(saved.get("config") or {}, config)
+    if differ:
+        log.warning(f"pinned forward times {path} were measured with another {', '.join(differ)}; "
+                    "measuring again on this machine (rows before this carry the old auto picks)")
+        return None
+    return costs
+
+
+def costs_from_json(d: dict) -> Costs:
+    """Costs from a cache file's JSON (KeyError / TypeError / ValueError where it is not one)."""
+    return Costs(float(d["t_draft"]), float(d["t_target"]), float(d["t_cand"]), str(d["key"]), str(d["measured"]),
+                 tuple(float(t) for t in d.get("t_verify") or ()))
+
+
+def _read_cached(path: Path, key: str) -> Costs | None:
+    read = _read_costs_file(path, "cached", key)
+    return None if read is None else read[1]
+
+
+def _read_costs_file(path: Path, what: str, key: str | None = None) -> tuple[dict, Costs] | None:
+    """(the JSON, its Costs) of a cache or pin file, or None where it is absent, or (with a warning)
+    unreadable, of another `key`, or without positive per-length times: both are measured again."""
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+        costs = costs_from_json(saved)
+        if (key is not None and costs.key != key) or not (costs.t_draft > 0 and costs.t_target > 0
+                                                          and costs.t_cand >= 0):
+            raise ValueError(f"key {costs.key}, times {costs.t_draft}, {costs.t_target}, {costs.t_cand}")
+        if len(costs.t_verify) != len(VERIFY_LENGTHS) or not all(t > 0 for t in costs.t_verify):
+            raise ValueError("no per-length verification times (written by an older version)")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+        log.warning(f"{what} forward times {path} are unreadable ({type(e).__name__}: {e}); measuring again")
+        return None
+    return saved, costs
+
+
+def _measure(pair, reps: int, key: str) -> Costs:
+    import numpy as np
+
+    if reps < 1:
+        raise UserError(f"reps must be >= 1, got {reps}")
+    cells = [(pair.draft, 1, False)] + [(pair.target, n, True) for n in VERIFY_LENGTHS]
+    times = _interleaved_times(cells, reps)
+    t_draft = times[0]
+    measured = times[1:]
+    k = np.asarray(VERIFY_LENGTHS, dtype=float) - 1
+    slope, intercept = np.polyfit(k, measured, 1)
+    if slope < 0:  # timing noise on a pass that does not grow with K: no per-candidate cost
+        slope, intercept = 0.0, statistics.mean(measured)
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return Costs(float(t_draft), float(intercept), float(slope), key, stamp,
+                 tuple(float(t) for t in monotone(measured)))
+
+
+def monotone(values) -> list[float]:
+    """The non-decreasing sequence closest to `values` in least squares (pool adjacent violators).
+
+    A pass of more tokens never costs less once the runner has picked its kernels: where oneDNN
+    runs M rows slower than M' > M, models.choose_padding already pads M up to M'. So a
+    measured dip (e.g. 150 ms for 3 tokens, 130 ms for 4, both run as 6 padded rows) is timing
+    noise, and pooling the two gives each a time from twice the samples."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, c1), (m2, c2) = blocks[-2], blocks.pop()
+            blocks[-1] = [(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2]
+    return [m for m, c in blocks for _ in range(int(c))]
+
+
+def context_length(lm, longest: int) -> int:
+    """PREFIX, or less where the model's context cannot hold PREFIX + the longest pass."""
+    limit = getattr(lm, "max_length", None)
+    return PREFIX if not limit else max(1, min(PREFIX, limit - longest))
+
+
+def _interleaved_times(cells, reps: int) -> list[float]:
+    """Median seconds per cell (lm, n tokens, all_logits) of feeding n tokens after a PREFIX-token
+    context. Each round times every cell once, so a slow spell of the machine (these boxes vary
+    1.5x between runs) slows every cell alike instead of whichever length was timed during it;
+    round 0 is a warm-up (allocation, kernel selection). Each runner is left reset and its counters
+    as they were, so measuring never shows up in a generation's metrics."""
+    import torch
+
+    # per runner: its context length and the token ids (context, then the longest pass it feeds)
+    ctx = {}
+    for lm, _, _ in cells:
+        if id(lm) not in ctx:
+            longest = max(n for m, n, _ in cells if m is lm)
+            prefix = context_length(lm, longest)
+            ctx[id(lm)] = (lm, prefix, (torch.arange(prefix + longest, device=lm.device) * 7 + 5) % lm.vocab_size,
+                           (lm.fwd_time, lm.n_forwards))
+    for lm, prefix, ids, _ in ctx.values():
+        lm.reset()
+        lm.forward(ids[:prefix], n_logits=0)
+    samples: list[list[float]] = [[] for _ in cells]
+    for r in range(reps + 1):
+        for i, (lm, n, all_logits) in enumerate(cells):
+            _, prefix, ids, _ = ctx[id(lm)]
+            lm.rollback(prefix)
+            with timed(lm.device) as t:
+                lm.forward(ids[prefix:prefix + n], n_logits=n if all_logits else 1)
+            if r:
+                samples[i].append(t.s)
+    for lm, _, _, (fwd_time, n_forwards) in ctx.values():
+        lm.reset()
+        lm.fwd_time, lm.n_forwards = fwd_time, n_forwards
+    return [statistics.median(s) for s in samples]

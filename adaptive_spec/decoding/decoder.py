@@ -1,0 +1,297 @@
+"""Autoregressive and speculative decoding over a KV-cached draft/target pair.
+
+One speculation round (Algorithm 2 of SpecDec++; Leviathan et al. 2023; Chen et al. 2023):
+  1. the draft proposes y_1..y_K, y_i ~ q_i, K chosen by a StopPolicy;
+  2. the target scores all K in one forward pass, giving p_1..p_{K+1};
+  3. `sampling.verify` accepts a prefix of n tokens and draws one more token (the residual
+     after a rejection, the bonus token when all K are accepted);
+  4. both KV caches are cropped to the accepted prefix: nothing accepted is recomputed.
+A RoundOwner policy (trees, several drafts: adaptive_spec/decoding/interfaces.py) replaces this round
+with its own; the decoder keeps the caches, the cut at EOS and the metrics common to all.
+
+Cache invariant for both models: the cache covers seq[:m.length] and seq[m.length:] (at least
+one token) is fed by the next forward. The target therefore always feeds the last accepted
+token plus the K candidates, and the draft feeds whatever the last round left pending (one
+token, or two when all candidates were accepted: y_K, never fed to the draft, and the bonus).
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from ..backends.models import CausalLM
+from ..errors import UserError
+from .interfaces import DraftStep, Policy, RoundOwner, RoundState, StopPolicy
+from .sampling import SamplingParams, process_logits, sample, verify
+
+
+@dataclass
+class Metrics:
+    """Counts and times of one generation (names follow the SpecDec++ paper).
+
+    Every speculative round emits its accepted candidates, then one token the target drew (the
+    residual draw after a rejection, or the bonus), and a cut at EOS or at the length limit
+    books the candidates it removes as discarded. So, for any policy:
+        n_drafted == n_accepted + n_discarded
+        n_tokens == n_accepted + rounds - n_final_cut,  rounds = sum(accepted_hist.values())
+    n_final_cut counts the rounds whose target-drawn token was cut: 1 when the output ends on an
+    EOS among a round's accepted candidates, else 0 (rounds never draft past the length limit).
+    """
+
+    n_tokens: int = 0  # N: new tokens
+    n_draft_forwards: int = 0  # N_draft
+    n_target_forwards: int = 0  # N_target
+    n_drafted: int = 0  # candidate tokens sent to verification
+    n_accepted: int = 0  # candidates accepted and emitted
+    n_discarded: int = 0  # N_discarded: drafted and not emitted (rejected, after a rejection, or cut)
+    n_final_cut: int = 0  # rounds whose target-drawn token was cut (see above)
+    accepted_hist: dict = field(default_factory=dict)  # n accepted in a round -> rounds
+    # tokens in a decode-time target pass -> passes (chain rounds and plain steps; the table time
+    # model prices each length as measured). Policies that run their own rounds leave it empty.
+    target_pass_hist: dict = field(default_factory=dict)
+    wall_s: float = 0.0
+    draft_s: float = 0.0  # inside draft forward passes
+    target_s: float = 0.0  # inside target forward passes
+    policy_s: float = 0.0  # inside the stop policy (e.g. the acceptance head)
+    prefill_s: float = 0.0  # prompt forward passes (both models), part of draft_s/target_s
+    hindsight_s: float = 0.0  # the oracle's untimed hindsight work (re-deriving X), kept out of wall_s
+
+    @property
+    def other_s(self) -> float:
+        return max(0.0, self.wall_s - self.draft_s - self.target_s)
+
+    @property
+    def discard_rate(self) -> float:
+        return self.n_discarded / max(self.n_tokens, 1)
+
+    @property
+    def verification_rate(self) -> float:
+        return self.n_target_forwards / max(self.n_tokens, 1)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.n_accepted / self.n_drafted if self.n_drafted else float("nan")
+
+    @property
+    def tokens_per_target_forward(self) -> float:
+        return self.n_tokens / max(self.n_target_forwards, 1)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.n_tokens / self.wall_s if self.wall_s else float("nan")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["accepted_hist"] = {str(k): v for k, v in sorted(self.accepted_hist.items())}
+        d["target_pass_hist"] = {str(k): v for k, v in sorted(self.target_pass_hist.items())}
+        for k in ("discard_rate", "verification_rate", "acceptance_rate", "tokens_per_target_forward",
+                  "tokens_per_s", "other_s"):
+            d[k] = getattr(self, k)
+        return d
+
+    def summary(self) -> str:
+        s = (f"N={self.n_tokens} tok  {self.tokens_per_s:.2f} tok/s  wall {self.wall_s:.2f}s "
+             f"(draft {self.draft_s:.2f}s, target {self.target_s:.2f}s, other {self.other_s:.2f}s)  "
+             f"N_target/N={self.verification_rate:.3f}")
+        if self.n_drafted:
+            s += (f"  N_discarded/N={self.discard_rate:.3f}  accept={self.acceptance_rate:.3f}  "
+                  f"tok/target-pass={self.tokens_per_target_forward:.2f}")
+        return s
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    metrics: Metrics
+    text: str | None = None
+    stopped_by: str = "length"  # "eos" or "length"
+
+
+class Decoder:
+    """Generates from `target`, optionally drafting with `draft` under a policy.
+
+    `generate(prompt_ids, policy=None)` is plain autoregressive decoding of the target; with a
+    StopPolicy it is chain speculative decoding, with a RoundOwner whatever round that policy
+    runs. Either way the output distribution is exactly the target's (for the same SamplingParams).
+    """
+
+    def __init__(self, target: CausalLM, draft: CausalLM | None = None, eos_token_ids=()):
+        self.target = target
+        self.draft = draft
+        self.eos = set(int(e) for e in eos_token_ids)
+        self.device = target.device
+        if draft is not None and draft.vocab_size != target.vocab_size:
+            raise UserError(f"draft and target must score the same vocabulary ({draft.vocab_size} vs "
+                            f"{target.vocab_size}); load them with SpecPair, which checks the vocabularies")
+
+    def _check_prompt(self, prompt_ids: list[int], max_new_tokens: int):
+        if len(prompt_ids) == 0:
+            raise UserError("the prompt is empty; pass at least one token of prompt text")
+        if max_new_tokens < 1:
+            raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        for m, role in ((self.target, "target"), (self.draft, "draft")):
+            if m is not None and m.max_length and len(prompt_ids) >= m.max_length:
+                raise UserError(f"the prompt has {len(prompt_ids)} tokens but the {role} model's context is "
+                                f"{m.max_length}; shorten the prompt")
+        limits = [m.max_length for m in (self.target, self.draft) if m is not None and m.max_length]
+        if limits:
+            # rounds never draft past max_new_tokens, so this keeps every position in context
+            max_new_tokens = min(max_new_tokens, min(limits) - len(prompt_ids))
+        return max_new_tokens
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int = 128,
+        sampling: SamplingParams = SamplingParams(),
+        policy: Policy | None = None,
+        seed: int | None = 0,
+        on_tokens: Callable[[list[int]], None] | None = None,
+    ) -> Generation:
+        if policy is not None and self.draft is None:
+            raise UserError("speculative decoding needs a draft model; pass one or use the 'ar' policy")
+        max_new_tokens = self._check_prompt(prompt_ids, max_new_tokens)
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(seed if seed is not None else torch.seed())
+        models = [self.target] + ([self.draft] if policy is not None else [])
+        for m in models:
+            m.reset()
+        if policy is not None:
+            policy.reset()
+        t_start = time.perf_counter()
+        seq = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
+        met = Metrics(prefill_s=self._prefill(models, seq))
+        out: list[int] = []
+        stopped_by = "length"
+        hist: Counter = Counter()
+        while len(out) < max_new_tokens and stopped_by != "eos":
+            state = RoundState(self, seq, len(out), max_new_tokens - len(out), sampling, gen, met, hist)
+            new, eos = self._cut(self._round(state, policy), state)
+            stopped_by = "eos" if eos else stopped_by
+            out.extend(new)
+            seq = torch.cat([seq, torch.tensor(new, dtype=torch.long, device=self.device)])
+            if on_tokens is not None:
+                on_tokens(new)
+        met.wall_s = time.perf_counter() - t_start - met.hindsight_s
+        self._count(met, out, hist, policy is not None)
+        return Generation(token_ids=out, metrics=met, stopped_by=stopped_by)
+
+    def _prefill(self, models, seq: torch.Tensor) -> float:
+        """Feed everything but the last prompt token (the first round feeds it); returns the time
+        it took. Counters then restart, so they count decoding forwards."""
+        for m in models:
+            m.fwd_time, m.n_forwards = 0.0, 0
+            if seq.shape[0] > 1:
+                m.forward(seq[:-1], n_logits=0)
+        prefill_s = sum(m.fwd_time for m in models)
+        for m in models:  # prefill time stays in the forward time (and is kept per model)
+            m.n_forwards, m.prefill_s = 0, m.fwd_time
+        return prefill_s
+
+    def _round(self, state: RoundState, policy: Policy | None) -> list[int]:
+        if policy is None:
+            return self.target_step(state)
+        if isinstance(policy, RoundOwner):
+            return policy.run_round(state)
+        return self.chain_round(state, policy)
+
+    def _cut(self, new: list[int], state: RoundState) -> tuple[list[int], bool]:
+        """`new` cut after its first EOS and at the length limit, and whether an EOS ended it.
+
+        The caches may hold tokens past the cut, which is harmless because generation stops
+        here. Candidates cut away were never emitted: they move from accepted to discarded."""
+        eos_at = next((j for j, t in enumerate(new) if t in self.eos), None)
+        keep = min(len(new) if eos_at is None else eos_at + 1, state.remaining)
+        if keep < len(new):
+            self._rebook_cut(len(new) - 1, keep, state.met, state.hist)
+        return new[:keep], eos_at is not None and eos_at < keep
+
+    @staticmethod
+    def _rebook_cut(n: int, keep: int, met: Metrics, hist: Counter) -> None:
+        """A round booked n accepted candidates and returned them + its own token; only `keep`
+        tokens of those are emitted."""
+        kept = min(keep, n)
+        met.n_accepted -= n - kept
+        met.n_discarded += n - kept
+        met.n_final_cut += 1  # keep <= n: the round's own token is always among those cut
+        hist[n] -= 1
+        if not hist[n]:
+            del hist[n]
+        hist[kept] += 1
+
+    def _count(self, met: Metrics, out: list[int], hist: Counter, speculative: bool) -> None:
+        met.n_tokens = len(out)
+        met.target_s = self.target.fwd_time
+        met.n_target_forwards = self.target.n_forwards
+        if speculative:
+            met.draft_s = self.draft.fwd_time
+            met.n_draft_forwards = self.draft.n_forwards
+        met.accepted_hist = dict(hist)
+
+    def target_step(self, state: RoundState) -> list[int]:
+        """One plain target step: the next token, no drafting."""
+        ids = state.seq[self.target.length:]
+        logits, _ = self.target.forward(ids, n_logits=1)
+        _count_pass(state.met, ids.shape[0])
+        return [int(sample(process_logits(logits[0], state.sampling), state.gen))]
+
+    def chain_round(self, state: RoundState, rule: StopPolicy) -> list[int]:
+        """One speculation round of a chain drafted under the stop rule; returns the new tokens
+        (accepted candidates + one). Leaves both caches covering exactly the accepted prefix."""
+        # the round adds at most K + 1 tokens: never draft past the length limit
+        k_cap = max(0, min(rule.begin_round(state.pos), state.remaining - 1))
+        y, q = self._draft_chain(state, rule, k_cap)
+        n, new = self._verify_chain(state, y, q)
+        K = y.shape[0]
+        state.book(K, n)
+        rule.end_round(K, n)
+        return new
+
+    def _draft_chain(self, state: RoundState, rule: StopPolicy, k_cap: int):
+        """y_1..y_K drafted from the draft's cache on, asking `rule` after each; (y [K], q [K, V])."""
+        draft, seq = self.draft, state.seq
+        ys, qs = [], []
+        inp = seq[draft.length:]
+        for i in range(1, k_cap + 1):
+            logits, hidden = draft.forward(inp, n_logits=1)
+            q_i = process_logits(logits[0], state.sampling)
+            y_i = sample(q_i, state.gen)
+            ys.append(y_i)
+            qs.append(q_i)
+            t0 = time.perf_counter()
+            stop = rule.should_stop(DraftStep(i, y_i, q_i, logits[0], hidden, state.pos + i - 1, state.sampling))
+            state.met.policy_s += time.perf_counter() - t0
+            if stop:
+                break
+            inp = y_i.view(1)
+        if not ys:
+            return seq.new_empty(0), None
+        return torch.stack(ys), torch.stack(qs)
+
+    def _verify_chain(self, state: RoundState, y: torch.Tensor, q: torch.Tensor | None) -> tuple[int, list[int]]:
+        """The target scores the pending token(s) and all K candidates in one pass; returns
+        (n accepted, the new tokens) and crops both caches to the accepted prefix."""
+        target, draft, L, K = self.target, self.draft, state.seq.shape[0], y.shape[0]
+        ids = torch.cat([state.seq[target.length:], y])
+        logits_p, _ = target.forward(ids, n_logits=K + 1)
+        _count_pass(state.met, ids.shape[0])
+        p = process_logits(logits_p, state.sampling)
+        if q is None:
+            q = p.new_empty(0, p.shape[-1])
+        n_t, tok_t = verify(y, q, p, state.gen)
+        # the round's one host sync: read n, the new token and the candidates together
+        vals = torch.cat([n_t.view(1), tok_t.view(1), y]).tolist()
+        n, tok = vals[0], vals[1]
+        # keep the accepted prefix in both caches; the new token is fed next round
+        target.rollback(L + n)
+        draft.rollback(min(draft.length, L + n))
+        return n, vals[2:2 + n] + [tok]
+
+
+def _count_pass(met: Metrics, n: int) -> None:
+    met.target_pass_hist[n] = met.target_pass_hist.get(n, 0) + 1

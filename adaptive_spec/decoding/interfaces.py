@@ -1,0 +1,163 @@
+"""The decoder's two extension points and the policy registry.
+
+A leaf module: it imports nothing else of the package but errors and params (both leaves), so every policy module can
+import it and the decoder can dispatch on it without any module importing a policy module back.
+
+* `StopPolicy`, a stop rule: the decoder drafts one chain y_1, y_2, ... and asks it, per drafted
+  token, whether to stop. It sees a `DraftStep` per token:
+
+    i         1-based index of y_i in this round
+    token     y_i (device tensor)
+    probs     q_i, the processed draft distribution y_i was drawn from [V]
+    logits    the draft's raw logits at this step [V] (temperature-free confidence, entropy)
+    hidden    the draft's final hidden state at the last INPUT position of this step, i.e.
+              e_{i-1}, the state of y_{i-1} (for i = 1: of the round's first input token)
+    pos       index of y_i among the generated tokens (0 = first new token)
+    sampling  the SamplingParams that made `probs` (so a policy can reuse q instead of recomputing it)
+
+  Before drafting, `begin_round(pos)` returns the most tokens the rule allows this round (0 =
+  skip drafting: the round is one plain target step). After verification `end_round(K, n)`
+  reports how many of the K candidates were accepted, for rules that adapt.
+
+* `RoundOwner`, a policy that runs the whole round itself (a token tree, several drafts, or a
+  chain round wrapped in extra work): `run_round(state)` gets one `RoundState` and returns the
+  round's new tokens, its accepted candidates followed by one token the target drew. Contract:
+  leave both caches covering exactly seq + the new tokens but the last, count forwards in the
+  models' counters, and book the round with `RoundState.book(K, n)`.
+
+Both hold per-generation state: the decoder calls `reset()` at the start of each generation.
+A policy's settings are a `params.PolicyParams` class registered under its name (`@params.policy`);
+its factory registers under the same name with `@register("name")` and is called as
+`factory(params, context)`; `adaptive_spec.decoding.pipeline.make_policy` builds policies by name.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .. import params
+from ..errors import UserError
+
+
+@dataclass
+class DraftStep:
+    i: int
+    token: Any  # torch.Tensor, like the fields below (kept untyped: this module imports no torch)
+    probs: Any
+    logits: Any
+    hidden: Any
+    pos: int
+    sampling: Any = None  # the SamplingParams `probs` was processed with (None: unknown)
+
+
+class StopPolicy:
+    """A stop rule for chain drafting. Subclasses override `should_stop` (and optionally the other hooks)."""
+
+    name = "base"
+    k_max: int = 20
+
+    def reset(self) -> None:
+        pass
+
+    def begin_round(self, pos: int) -> int:
+        return self.k_max
+
+    def should_stop(self, step: DraftStep) -> bool:
+        return False
+
+    def end_round(self, n_drafted: int, n_accepted: int) -> None:
+        pass
+
+    def describe(self) -> dict:
+        return {"policy": self.name}
+
+
+@dataclass
+class RoundState:
+    """Everything one round may read or update.
+
+    decoder    the Decoder: .target, .draft (CausalLM runners), .eos, .chain_round(state, rule)
+    seq        prompt + tokens generated so far [L] (device tensor)
+    pos        tokens generated so far (index of the round's first new token)
+    remaining  tokens the generation may still add (the round must add at most this many)
+    sampling   SamplingParams, gen the torch.Generator, met the Metrics, hist accepted -> rounds
+    """
+
+    decoder: Any
+    seq: Any
+    pos: int
+    remaining: int
+    sampling: Any
+    gen: Any
+    met: Any
+    hist: Counter
+
+    @property
+    def target(self):
+        return self.decoder.target
+
+    @property
+    def draft(self):
+        return self.decoder.draft
+
+    def book(self, n_drafted: int, n_accepted: int) -> None:
+        """Count one verified round of K = n_drafted candidates, n of them accepted."""
+        self.met.n_drafted += n_drafted
+        self.met.n_accepted += n_accepted
+        self.met.n_discarded += n_drafted - n_accepted
+        self.hist[n_accepted] += 1
+
+
+class RoundOwner:
+    """A policy that runs its own rounds (see the module docstring for the contract)."""
+
+    name = "round-owner"
+
+    def reset(self) -> None:
+        pass
+
+    def run_round(self, state: RoundState) -> list[int]:
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        return {"policy": self.name}
+
+
+Policy = StopPolicy | RoundOwner
+
+
+@dataclass
+class PolicyContext:
+    """What a factory may need beyond the policy's own settings: the decode it serves."""
+
+    pair: Any = None  # a SpecPair (or anything with target, draft, eos_token_ids)
+    prompt_ids: list[int] | None = None
+    sampling: Any = None  # SamplingParams
+    max_new_tokens: int = 128
+
+
+# name -> factory(params, context) returning a Policy; policy modules fill it at import time
+_REGISTRY: dict[str, Callable[..., Policy]] = {}
+
+
+def register(name: str):
+    """Register a factory; its settings class is params' class of the same name (an extension
+    without one gets an empty settings class: it takes no keywords)."""
+    def deco(factory):
+        if name not in params._POLICIES:
+            params.policy(name)(params.create_model(f"Params_{name}", __base__=params.PolicyParams))
+        _REGISTRY[name] = factory
+        return factory
+    return deco
+
+
+def registered() -> list[str]:
+    """The registered names, sorted (only those of the policy modules imported so far)."""
+    return sorted(_REGISTRY)
+
+
+def lookup(name: str) -> Callable[..., Policy]:
+    if name not in _REGISTRY:
+        raise UserError(f"unknown policy {name!r}; valid policies: ar, {', '.join(registered())}")
+    return _REGISTRY[name]

@@ -1,0 +1,319 @@
+"""Stop rules: who decides the candidate length K of each chain speculation round.
+
+The decoder drafts y_1, y_2, ... and after each one asks the rule whether to stop (the
+`StopPolicy` interface and its `DraftStep` are described in adaptive_spec/decoding/interfaces.py); the
+verification code never looks at the rule. Each rule registers a factory under its `--policy`
+name; `adaptive_spec.decoding.pipeline.make_policy` builds them by name.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..backends.models import CausalLM
+from ..errors import UserError, get_logger
+from ..heads.features import step_stats
+from ..heads.head import INPUTS, join_inputs, load_head, reads_stats
+from ..params import ConfidenceParams, EntropyParams, FixedParams, HeuristicParams, LearnedParams, OracleParams
+from .decoder import Decoder
+from .interfaces import DraftStep, PolicyContext, RoundOwner, RoundState, StopPolicy, register
+from .sampling import SamplingParams, entropy
+
+log = get_logger(__name__)
+
+
+class FixedK(StopPolicy):
+    """Classic speculative decoding: always K candidates (fewer only at max length)."""
+
+    name = "fixed"
+
+    def __init__(self, k: int):
+        if not isinstance(k, int) or k < 1:
+            raise UserError(f"K must be an integer >= 1, got {k!r}")
+        self.k = self.k_max = k
+
+    def describe(self) -> dict:
+        return {"policy": self.name, "k": self.k}
+
+
+@register("fixed")
+def _make_fixed(p: FixedParams, ctx: PolicyContext):
+    return FixedK(p.k)
+
+
+# ---- SpecDec++ and training-free baselines (SpecDec++ paper, Algorithm 1 and section 5) -------
+
+
+class LearnedThreshold(StopPolicy):
+    """SpecDec++: stop when the predicted probability that some candidate is rejected,
+    1 - prod_i sigmoid(f(e_i)), exceeds h; or at the hard cap k_max (20 in the paper).
+
+    The one-step lag: the head scores y_j from e_j, the draft's hidden state at y_j's own
+    position, which exists only after y_j has been fed to the draft, i.e. during the forward
+    that drafts y_{j+1}. So the decision taken after drafting y_i has seen predictions for
+    y_1..y_{i-1} only, and y_i goes to verification unscored (Algorithm 1 breaks after
+    sampling y_i). At i = 1 the hidden state is that of the round's first input token, which
+    the target already produced, so there is nothing to score yet, and K >= 2.
+    A `context` head (heads/head.py) reads the state that produced q_i and so scores y_i itself at
+    step i: no lag, and K = 1 is reachable. Either way the head costs one small MLP on a vector
+    the draft computed anyway: no extra draft pass, no all-layer outputs.
+    A head with inputs=hidden+stats (or stats alone) also reads draft_stats of the token it scores, from the
+    step's raw logits processed as its datagen run processed q (features.py says why); a token
+    head's stats of y_{i-1} are computed at step i - 1 and kept for step i.
+    """
+
+    name = "learned"
+
+    def __init__(self, head, threshold: float, k_max: int = 20):
+        self.head = head
+        self.h, self.k_max = float(threshold), k_max  # validated once, by params.LearnedParams
+        self.feature = getattr(head, "feature", "token")  # duck-typed heads without one read like the paper's
+        self.inputs = getattr(head, "inputs", "hidden")
+        self.stats_params = ((getattr(head, "stats_params", None) or SamplingParams()) if reads_stats(self.inputs)
+                             else None)
+        self.p_all = self.prev_stats = None
+
+    def begin_round(self, pos: int) -> int:
+        self.p_all = None  # prod of predicted acceptance probabilities of y_1..y_{i-1}
+        self.prev_stats = None
+        return self.k_max
+
+    def should_stop(self, step: DraftStep) -> bool:
+        stats = None if self.stats_params is None else step_stats(step.logits, step.token, self.stats_params,
+                                                                 step.probs, step.sampling)
+        if self.feature == "token":  # this step's state is y_{i-1}'s: score it with y_{i-1}'s stats
+            stats, self.prev_stats = self.prev_stats, stats
+            if step.i == 1:
+                return False
+        p_hat = self.head.acceptance_prob(step.hidden if stats is None else join_inputs(step.hidden, stats))
+        self.p_all = p_hat if self.p_all is None else self.p_all * p_hat
+        return bool(1.0 - self.p_all > self.h)
+
+    def describe(self) -> dict:
+        return {"policy": self.name, "h": self.h, "k_max": self.k_max, "depth": self.head.depth,
+                "feature": self.feature, "inputs": self.inputs}
+
+
+class ConfidenceThreshold(StopPolicy):
+    """Stop after a candidate the draft itself is unsure of: q(y_i) < tau (the draft
+    confidence rule of transformers' assisted generation). In greedy mode q is a point mass,
+    so the confidence is read from the softmax of the raw logits."""
+
+    name = "confidence"
+
+    def __init__(self, threshold: float, k_max: int = 20):
+        self.tau, self.k_max = float(threshold), k_max  # validated by params.ConfidenceParams
+
+    def should_stop(self, step: DraftStep) -> bool:
+        greedy = bool(step.probs.max() == 1.0)
+        conf = (step.logits.float().softmax(-1) if greedy else step.probs)[step.token]
+        return bool(conf < self.tau)
+
+    def describe(self) -> dict:
+        return {"policy": self.name, "tau": self.tau, "k_max": self.k_max}
+
+
+class EntropyThreshold(StopPolicy):
+    """Stop after a candidate drawn from a high-entropy draft distribution (AdaEDL, SVIP):
+    H(q_i) > tau nats, H from the draft's temperature-1 distribution."""
+
+    name = "entropy"
+
+    def __init__(self, threshold: float, k_max: int = 20):
+        self.tau, self.k_max = float(threshold), k_max  # validated by params.EntropyParams
+
+    def should_stop(self, step: DraftStep) -> bool:
+        return bool(entropy(step.logits) > self.tau)
+
+    def describe(self) -> dict:
+        return {"policy": self.name, "tau": self.tau, "k_max": self.k_max}
+
+
+class HeuristicSchedule(StopPolicy):
+    """transformers' "heuristic" schedule: K += 2 after a round whose candidates were all
+    accepted, K -= 1 (not below 1) otherwise; starts at K = 5 like transformers."""
+
+    name = "heuristic"
+
+    def __init__(self, k_start: int = 5, k_max: int = 20):
+        self.k_start, self.k_max = k_start, k_max  # validated by params.HeuristicParams
+        self.reset()
+
+    def reset(self) -> None:
+        self.k = self.k_start
+
+    def begin_round(self, pos: int) -> int:
+        return min(self.k, self.k_max)
+
+    def end_round(self, n_drafted: int, n_accepted: int) -> None:
+        if n_drafted == 0:
+            return
+        self.k = self.k + 2 if n_accepted == n_drafted else max(1, self.k - 1)
+
+    def describe(self) -> dict:
+        return {"policy": self.name, "k_start": self.k_start}
+
+
+class HindsightOracle(StopPolicy, RoundOwner):
+    """The greedy hindsight oracle of Theorem 4.1: knowing the target's greedy output X, stop
+    exactly before the first position where the draft's greedy token Y_i differs from X_i.
+    It reaches N_target = |S| + 1 with N_discarded = 0, the best verification rate possible.
+
+    X and Y are computed before generation (not timed): X by greedy target decoding, Y by
+    one teacher-forced draft pass over prompt + X.
+
+    Why it re-derives: in bf16 a one-row target step (how X is made) and a (K+1)-row verify
+    round round differently, so at a near-tie (one bf16 ulp) the speculative output can leave X.
+    From there the precomputed agreement list describes another sequence and the oracle would
+    over-draft. So each round checks its new tokens against X; after a divergence, X and Y are
+    derived again from the tokens actually produced (with separate caches, so the running
+    decode is untouched). That hindsight work is not timed: it goes to `Metrics.hindsight_s`,
+    which the decoder keeps out of wall_s.
+    """
+
+    name = "oracle"
+
+    def __init__(self, agree: list[bool], k_max: int = 10_000, x: list[int] | None = None):
+        self.agree0 = list(agree)  # agree[j]: the draft's greedy token at new position j equals X_j
+        self.x0 = None if x is None else list(x)  # X; None: no divergence check
+        self.k_max = k_max
+        self.reset()
+
+    def reset(self) -> None:
+        self.agree = list(self.agree0)
+        self.x = None if self.x0 is None else list(self.x0)
+        self.stale = False
+
+    @staticmethod
+    def agreement(target, draft, prefix: list[int], max_new_tokens: int, eos_token_ids=(),
+                  x: list[int] | None = None) -> tuple[list[int], list[bool]]:
+        """(X, agree) after `prefix`: X the target's greedy continuation (unless given), agree[j]
+        whether the draft's teacher-forced greedy token at X's position j equals X_j. Runs on
+        fresh wrappers of the models' weights, never on `target`'s or `draft`'s own caches."""
+        if x is None:
+            dec = Decoder(_fresh(target), None, eos_token_ids=eos_token_ids)
+            x = dec.generate(prefix, max_new_tokens=max_new_tokens, sampling=SamplingParams(0.0)).token_ids
+        lm = _fresh(draft)
+        logits, _ = lm.forward(torch.tensor(list(prefix) + x, device=lm.device), n_logits=len(x) + 1)
+        y = logits.argmax(-1).tolist()  # y[j] = draft's greedy token for new position j
+        return x, [y[j] == x[j] for j in range(len(x))]
+
+    @classmethod
+    def from_pair(cls, pair, prompt_ids: list[int], max_new_tokens: int, k_max: int = 10_000,
+                  target_output: list[int] | None = None):
+        """`target_output`: X when the caller already has it (the target's greedy output for this
+        prompt and max_new_tokens, e.g. from a target-alone run), which saves a target decode."""
+        if target_output is not None:
+            target_output = list(target_output)
+            if not target_output or len(target_output) > max_new_tokens:
+                raise UserError(f"target_output has {len(target_output)} tokens; the oracle needs the target's "
+                                f"greedy output of 1..max_new_tokens={max_new_tokens} tokens for this prompt")
+        x, agree = cls.agreement(pair.target, pair.draft, prompt_ids, max_new_tokens, pair.eos_token_ids,
+                                 x=target_output)
+        return cls(agree, k_max, x=x)
+
+    def begin_round(self, pos: int) -> int:
+        k = 0
+        while pos + k < len(self.agree) and self.agree[pos + k] and k < self.k_max:
+            k += 1
+        return k
+
+    def should_stop(self, step) -> bool:
+        """Stop after a drafted token that is not X's: greedy verification rejects it. Y comes from
+        one teacher-forced draft pass, and the running draft's one-row steps can round a near-tie
+        the other way (the int8 and packed kernels differ by row count: 120 of 242 drafted tokens
+        discarded on one GSM8K prompt before this check). So a wrong Y costs one discarded token,
+        not the rest of a round of up to k_max."""
+        return self.x is not None and step.pos < len(self.x) and int(step.token) != self.x[step.pos]
+
+    def run_round(self, state: RoundState) -> list[int]:
+        if self.stale:
+            self._rederive(state)
+        new = state.decoder.chain_round(state, self)
+        # compared before the decoder's EOS cut: X stops at EOS too, so a longer `new` only
+        # marks stale a generation that is ending anyway
+        if self.x is not None and new != self.x[state.pos:state.pos + len(new)]:
+            self.stale = True
+        return new
+
+    def _rederive(self, state: RoundState) -> None:
+        """X and Y rebuilt after seq = prompt + the tokens produced so far (untimed)."""
+        t0 = time.perf_counter()
+        dec, pos = state.decoder, state.pos
+        x, agree = self.agreement(dec.target, dec.draft, state.seq.tolist(), state.remaining, dec.eos)
+        self.x, self.agree = self.x[:pos] + x, self.agree[:pos] + agree
+        self.stale = False
+        state.met.hindsight_s += time.perf_counter() - t0
+
+    def describe(self) -> dict:
+        return {"policy": self.name}
+
+
+def _fresh(lm):
+    """A runner on `lm`'s weights with its own empty cache (the oracle's hindsight work must not touch
+    the running decode's caches)."""
+    return lm.fresh() if hasattr(lm, "fresh") else CausalLM(lm.model, lm.vocab_size)
+
+
+def load_pair_head(head, pair, feature: str | None = None, why: str = "the learned policy",
+                   inputs: tuple[str, ...] = ("hidden",)):
+    """`head` (an AcceptanceHead, or a folder to load) checked against the pair's draft; `inputs`:
+    the input sets the caller builds rows for (heads.INPUTS)."""
+    draft = getattr(pair, "draft", None)
+    if draft is None:
+        return load_head(head, feature=feature, inputs=inputs, why=why)
+    if not getattr(draft, "provides_hidden", True):  # llama.cpp: the draft's own statistics only
+        inputs = tuple(i for i in inputs if i == "stats")
+        why = f"{why} on the {getattr(draft, 'engine', 'this')} backend (no hidden states)"
+        if not inputs:
+            raise UserError(f"{why} cannot run: it reads the draft's hidden states; use a statistics head "
+                            "(inputs=stats) or --backend torch")
+    head = load_head(head, hidden_size=draft.hidden_size, draft_model=getattr(draft.model, "name_or_path", None),
+                     device=draft.device, dtype=torch.float32, feature=feature, inputs=inputs, why=why)
+    warn_draft_config(head, getattr(pair, "draft_config", {}))
+    return head
+
+
+def warn_draft_config(head, in_use: dict) -> None:
+    """A head reads the draft's hidden states: under another quantization or vocabulary they shift,
+    so its predictions may be off (never the output's correctness). Say so, once."""
+    trained = {k: (getattr(head, "extra", {}) or {}).get(k, d) for k, d in (("draft_quant", "none"), ("draft_vocab", "full"))}
+    in_use = {k: str(in_use.get(k, d)) for k, d in (("draft_quant", "none"), ("draft_vocab", "full"))}
+    diff = [f"{k} {trained[k]} (trained) vs {in_use[k]} (in use)" for k in trained if str(trained[k]) != in_use[k]]
+    msg = (f"the acceptance head was trained on another draft configuration: {'; '.join(diff)}; "
+           "its predictions may be miscalibrated (the output stays exact); retrain it on this configuration")
+    if diff and msg not in _WARNED:  # once per process: a sweep or a soak builds the policy per generation
+        _WARNED.add(msg)
+        log.warning(msg)
+
+
+_WARNED: set[str] = set()
+
+
+@register("learned")
+def _make_learned(p: LearnedParams, ctx: PolicyContext):
+    return LearnedThreshold(load_pair_head(p.head, ctx.pair, inputs=INPUTS), p.threshold, p.k_max)
+
+
+@register("confidence")
+def _make_confidence(p: ConfidenceParams, ctx: PolicyContext):
+    return ConfidenceThreshold(p.threshold, p.k_max)
+
+
+@register("entropy")
+def _make_entropy(p: EntropyParams, ctx: PolicyContext):
+    return EntropyThreshold(p.threshold, p.k_max)
+
+
+@register("heuristic")
+def _make_heuristic(p: HeuristicParams, ctx: PolicyContext):
+    return HeuristicSchedule(p.k, p.k_max)
+
+
+@register("oracle")
+def _make_oracle(p: OracleParams, ctx: PolicyContext):
+    if ctx.pair is None or ctx.prompt_ids is None:
+        raise UserError("the oracle policy needs the model pair and the prompt (use SpecPair.generate)")
+    return HindsightOracle.from_pair(ctx.pair, ctx.prompt_ids, ctx.max_new_tokens, p.k_max,
+                                     target_output=p.target_output)

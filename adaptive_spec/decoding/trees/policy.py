@@ -1,0 +1,228 @@
+"""Tree drafting policies: GSD (recursive rejection) and ERSD (exponential races) over token trees.
+
+A round drafts a token tree with the draft model and verifies ALL of it in ONE target forward
+pass; the longest accepted root-to-node path is kept and both KV caches are compacted to it.
+The pieces, one idea per module:
+  tree_cache    a forward with a tree attention mask; cache compaction to the accepted path
+  tree_shapes   sequence / batch / SpecInfer / optimal (Algorithm 3) shapes, the 0-th order
+                acceptance model and its running estimate `PositionalRates`
+  tree_draft    the drafted tree (`DraftTree`) and how it grows
+  tree_verify   the target pass and exact verification (GSD Algorithm 4, ERSD Algorithm 5)
+This module holds the policy that ties them together, `TreePolicy`, a RoundOwner.
+
+R, the probability that a vertex is accepted, comes from (a) measured positional acceptance
+rates, the 0-th order model of the paper (R of a vertex is the product of the acceptance
+distribution r_i over the sibling indices on its path), or (b) a trained acceptance head
+(`adaptive_spec.heads.head.AcceptanceHead`) on the draft's hidden state of each drafted token, which
+refines R of the first-child chain per context, SpecDec++ style: R(v) = R(parent) * a(h_v). The
+head only ever steers the drafting of LATER tokens (children of v, later siblings), never
+whether v itself is kept, so verification stays exact.
+
+Budget: a fixed number of drafted tokens per round (Sequoia, ERSD), or, with `learned_budget`,
+as many as are worth their cost (tree_shapes.worth_growing, the stop rule and its derivation),
+at most the budget. With positional R every candidate's R is known before drafting, so the
+round's size is picked before the draft runs; with the head the tree stops growing between
+waves. Either way the rule only decides what is drafted, from information available before each
+token is drawn, so the output stays exact.
+"""
+from __future__ import annotations
+
+import math
+
+from ...errors import UserError
+from ...params import ErsdParams, TreeParams
+from ..interfaces import PolicyContext, RoundOwner, RoundState, register
+from ..policies import load_pair_head
+from .draft import DraftTree, grow_static, grow_with_head
+from .shapes import DRAFTINGS, NESTED, PositionalRates, learned_size, node_values, shape_tree, tree_value
+from .verify import finish_round, plain_step, read_path, target_pass, verify_greedy, verify_gsd, verify_race
+
+
+def load_tree_head(head, pair=None):
+    """The acceptance head of tree_estimator 'head' (an AcceptanceHead, or a folder to load).
+    grow_with_head scores a node from its own state, so it needs a `token` head: a context head
+    scores the parent's next draw in expectation and cannot tell siblings apart."""
+    return load_pair_head(head, pair, feature="token", why="tree_estimator 'head'")
+
+
+def _budget_int(v):
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise UserError(f"tree_budget (for drafting sequence: k; batch: num_drafts) must be an integer >= 1, "
+                        f"the most tokens a round drafts, got {v!r}; e.g. tree_budget: 8")
+    return v
+
+
+def _check_choices(method: str, drafting: str, estimator: str, head) -> None:
+    if method not in ("gsd", "ersd"):
+        raise UserError(f"unknown tree verification {method!r}; use gsd or ersd")
+    if drafting not in DRAFTINGS:
+        raise UserError(f"unknown drafting {drafting!r}; use one of {', '.join(DRAFTINGS)}")
+    if estimator not in ("positional", "head"):
+        raise UserError(f"unknown tree_estimator {estimator!r}; use positional or head")
+    if estimator == "head" and drafting != "tree":
+        raise UserError("tree_estimator 'head' builds the optimal tree; use it with drafting 'tree'")
+    if estimator == "head" and not hasattr(head, "acceptance_prob"):
+        raise UserError("tree_estimator 'head' needs an acceptance head: set head (--head DIR) to a trained head, "
+                        "or use tree_estimator positional")
+
+
+def _check_learned(learned_budget, node_cost, drafting: str):
+    """(learned_budget, node_cost) checked: node_cost a number > 0, required by a learned budget."""
+    if learned_budget not in (True, False, None):
+        raise UserError(f"tree_learned must be true or false, got {learned_budget!r}")
+    learned_budget = bool(learned_budget)
+    if learned_budget and drafting not in NESTED:
+        raise UserError(f"tree_learned grows the tree node by node, which drafting {drafting!r} cannot; "
+                        f"use drafting {', '.join(NESTED)}, or tree_learned false")
+    if node_cost is None:
+        if learned_budget:
+            raise UserError("tree_learned needs tree_node_cost, the cost of one drafted token in target steps, "
+                            "(t_draft + t_cand) / t_target, e.g. 0.3; pass it, or build the policy with a pair "
+                            "to measure it")
+        return learned_budget, None
+    if isinstance(node_cost, bool) or not isinstance(node_cost, (int, float)) or not math.isfinite(node_cost) \
+            or node_cost <= 0:
+        raise UserError(f"tree_node_cost must be a number > 0 (the cost of one drafted token in target steps, "
+                        f"(t_draft + t_cand) / t_target, e.g. 0.3), got {node_cost!r}")
+    return learned_budget, float(node_cost)
+
+
+class TreePolicy(RoundOwner):
+    """Tree drafting with exact verification: method "gsd" (recursive rejection sampling) or
+    "ersd" (exponential races); drafting "tree" (optimal, Algorithm 3), "sequence", "batch" or
+    "specinfer"; R from "positional" rates or an acceptance "head".
+
+    Acceptance rates: `rates` (c_i, a calibration file, or a PositionalRates) are the calibrated
+    start; with `adapt_rates` they adapt to the rounds of a generation. `reset()` (the decoder
+    calls it at the start of each generation) puts them back where they stood when the policy was
+    built, so one policy object gives the same output for the same seed every time. With
+    `carry_rates=True` the rates adapted in one generation carry over to the next instead (the
+    output then depends on what the object generated before).
+
+    Budget: `budget` tokens per round, or with `learned_budget` as many as are worth their cost
+    `node_cost` ((t_draft + t_cand) / t_target, > 0; see tree_shapes.worth_growing), at most
+    `budget`. A learned budget needs a nested drafting: tree, sequence or batch.
+
+    Per-generation statistics (reset by `reset()`): rounds, predicted accepted tokens (sum of R
+    over the drafted nodes), drafted nodes and depth_sum (the drafted trees' depths), each summed
+    over rounds; drafted equals the generation's Metrics.n_drafted."""
+
+    def __init__(self, method: str = "gsd", drafting: str = "tree", budget: int = 8, estimator: str = "positional",
+                 head=None, rates=None, adapt_rates: bool = True, name: str | None = None,
+                 carry_rates: bool = False, learned_budget: bool = False, node_cost: float | None = None):
+        _check_choices(method, drafting, estimator, head)
+        self.method, self.drafting, self.estimator = method, drafting, estimator
+        self.budget = _budget_int(budget)
+        self.learned_budget, self.node_cost = _check_learned(learned_budget, node_cost, drafting)
+        self.head = head
+        self.rates = rates if isinstance(rates, PositionalRates) else PositionalRates(rates, adapt=adapt_rates,
+                                                                                      method=method)
+        self.calibrated = self.rates.state()
+        self.carry_rates = carry_rates
+        self.name = name or ("tree" if method == "gsd" else "ersd")
+        self.k_max = self.budget
+        self.reset()
+
+    def reset(self):
+        if not self.carry_rates:
+            self.rates.load_state(self.calibrated)
+        self.rounds = 0
+        self.predicted = 0.0
+        self.drafted = 0
+        self.depth_sum = 0
+
+    def describe(self) -> dict:
+        return {"policy": self.name, "method": self.method, "drafting": self.drafting, "tree_budget": self.budget,
+                "tree_estimator": self.estimator, "tree_learned": self.learned_budget,
+                "tree_node_cost": self.node_cost, "cond_rates": [round(c, 4) for c in self.rates.cond()[:8]]}
+
+    def run_round(self, state: RoundState) -> list[int]:
+        cap = min(self.budget, state.remaining - 1)  # depth cap: never draft past the length limit
+        self.rounds += 1
+        if cap <= 0:
+            return plain_step(state)
+        tree = self._draft(state, cap)
+        self.drafted += tree.n
+        self.depth_sum += max(tree.depth)
+        P = target_pass(state.target, state.seq, tree, state.sampling)
+        child, tok = self._verify(tree, P, state)
+        path, path_tok, nxt, outcomes = read_path(tree, child, tok)
+        finish_round(state, tree, path)
+        for m, idx in outcomes:
+            self.rates.update(m, idx)
+        return path_tok + [nxt]
+
+    def _draft(self, state: RoundState, cap: int) -> DraftTree:
+        """The round's tree, of depth <= cap; adds its predicted accepted tokens to `predicted`."""
+        V = state.draft.vocab_size
+        r = self.rates.dist(min(self.budget, V))
+        args = (state.draft, state.seq, state.sampling, state.gen)
+        node_cost = self.node_cost if self.learned_budget else None
+        if self.estimator == "head":
+            tree = DraftTree(*args, self.budget, max_children=self.budget)
+            R = grow_with_head(tree, self.budget, r, self.head, depth_cap=cap, met=state.met, node_cost=node_cost)
+            self.predicted += sum(R[1:])
+            return tree
+        parents, sibs = shape_tree(self.drafting, self.budget, r, depth_cap=cap, max_children=V)
+        if node_cost is not None:  # a nested shape: its first n nodes are the shape of budget n
+            keep = 1 + learned_size(node_values(parents, sibs, r)[1:], node_cost)
+            parents, sibs = parents[:keep], sibs[:keep]
+        self.predicted += tree_value(parents, sibs, r)
+        tree = DraftTree(*args, len(parents) - 1, max_children=max(sibs) + 1 if len(sibs) > 1 else 0)
+        grow_static(tree, parents, sibs)
+        return tree
+
+    def _verify(self, tree: DraftTree, P, state: RoundState):
+        if state.sampling.greedy:
+            return verify_greedy(tree, P)
+        if self.method == "gsd":
+            return verify_gsd(tree, P, state.gen)
+        return verify_race(tree, P, state.gen)
+
+
+def _budget(*vals, default):
+    for v in vals:
+        if v is not None:
+            return v
+    return default
+
+
+def _resolve_head(estimator, head, pair):
+    return load_tree_head(head, pair) if estimator == "head" else None
+
+
+def _node_cost(tree_learned, tree_node_cost, pair, drafting):
+    """tree_node_cost, measured on the pair (costs.measure_costs) when a learned budget leaves it
+    unset (TreePolicy refuses the rest, before anything is timed)."""
+    if tree_learned is True and tree_node_cost is None and pair is not None and drafting in NESTED:
+        from ..costs import measure_costs
+
+        return measure_costs(pair).node_cost
+    return tree_node_cost
+
+
+@register("tree")
+def _make_tree(p: TreeParams, ctx: PolicyContext):
+    """GSD tree drafting: tree_budget drafted tokens per round (default: k, else 8); with
+    tree_learned, as many as are worth tree_node_cost each (unset: measured on the pair), at most
+    tree_budget."""
+    return TreePolicy("gsd", p.drafting, _budget(p.tree_budget, p.k, default=8), p.tree_estimator,
+                      _resolve_head(p.tree_estimator, p.head, ctx.pair), p.tree_rates, p.adapt_rates, name="tree",
+                      learned_budget=p.tree_learned,
+                      node_cost=_node_cost(p.tree_learned, p.tree_node_cost, ctx.pair, p.drafting))
+
+
+@register("ersd")
+def _make_ersd(p: ErsdParams, ctx: PolicyContext):
+    """Exponential-race SD. drafting sequence (k tokens), batch (num_drafts alternatives for the
+    next token), tree (optimal tree of tree_budget tokens), specinfer (tree_budget). tree_learned
+    and tree_node_cost as for `tree` (the budget is then the cap)."""
+    if p.drafting == "sequence":
+        budget = _budget(p.k, p.tree_budget, default=4)
+    elif p.drafting == "batch":
+        budget = _budget(p.num_drafts, p.tree_budget, p.k, default=4)
+    else:
+        budget = _budget(p.tree_budget, p.k, default=8)
+    return TreePolicy("ersd", p.drafting, budget, p.tree_estimator, _resolve_head(p.tree_estimator, p.head, ctx.pair),
+                      p.tree_rates, p.adapt_rates, name="ersd", learned_budget=p.tree_learned,
+                      node_cost=_node_cost(p.tree_learned, p.tree_node_cost, ctx.pair, p.drafting))

@@ -1,0 +1,2 @@
+"""Evaluation: threshold and K sweeps, tree calibration, and the report (tables, Pareto plots).
+"""

@@ -1,0 +1,240 @@
+"""`adaptive-spec autotune`: the offline half of `--threshold auto` / `--k auto` (auto.py has the
+pick made at generation time).
+
+`adaptive-spec autotune --head DIR --data DATAGEN_DIR` replays the head offline on the dev
+   responses of a datagen run and saves the expected counts for every h of H_GRID and every
+   fixed K of K_GRID as DIR/threshold_curve.json (machine-independent; it records the head's
+   weights hash and the data it came from; for a mix of prompt sources also per source, under
+   "by_source", which `pick` takes as it takes the pooled curve). Without --head it saves the
+   per-K part only (--out).
+The replay. A dev response X_1..X_T stores at each position P_i = min(1, p_i(Y_i)/q_i(Y_i)), the
+acceptance probability of a draft token Y_i ~ q_i, and the head's input there (heads.shard_inputs,
+else the stored draft features), giving p̂_i. A round that starts at position s drafts K(s)
+candidates: the first i at which the policy stops (1 - prod p̂ > h, seen with the token head's
+one-step lag, so K >= 2; a context head sees p̂_i at step i), capped at k_max and, as in the
+decoder, at T - s - 1. It accepts at least j of them with probability prod_{i<j} P_{s+i}: the
+response X stands in for the accepted prefix, as the output is distributed as the target's and X
+is a sample of it; products of single-sample P_i are unbiased for the acceptance along X. After
+a accepted candidates the next round starts at s + a + 1. The replay carries the probability
+w[s] that a round starts at s, so every count is an exact expectation (no sampling), and the
+rounds of each response add up to exactly T tokens. Approximations: at positions where datagen
+kept X_i (loss_mask 0, r = 15%) the head input is X_i's state, not Y_i's; and the data's
+sampling settings (recorded in the curve) stand for the ones decoding uses.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..decoding.auto import FORMAT, autotune_command, curve_path, weights_hash
+from ..errors import UserError, get_logger
+from ..runs import read_manifest, write_json
+
+log = get_logger(__name__)
+
+H_GRID = tuple(round(0.05 * i, 2) for i in range(1, 20))
+K_GRID = tuple(range(1, 17))
+# Caps on K replayed with every h. Under a constant verification cost SpecDec++'s threshold alone is
+# the optimal rule (Theorem 4.3) and a cap only loses; on a CPU a pass of more tokens can cost a
+# step more (the kernels' row blocking), and there the best rule is a threshold inside the cheap
+# lengths. Only the `table` time model, which sees that, picks one.
+CAP_GRID = (3, 4, 5, 6, 7, 8, 10, 12)
+
+
+# ----------------------------------------------------------------------------- the replay
+
+
+def window_products(x: np.ndarray, width: int) -> np.ndarray:
+    """[T, width + 1]: entry (s, j) = prod x[s:s+j] (1 past the end: those rounds are capped anyway)."""
+    T = len(x)
+    padded = np.concatenate([np.asarray(x, dtype=np.float64), np.ones(width)])
+    out = np.ones((T, width + 1))
+    for j in range(1, width + 1):
+        out[:, j] = out[:, j - 1] * padded[j - 1:j - 1 + T]
+    return out
+
+
+def stop_lengths(phat_windows: np.ndarray, h: float, k_max: int, lag: int) -> np.ndarray:
+    """K(s) of SpecDec++ at threshold h: with m the first j such that 1 - prod p̂[s:s+j] > h
+    (k_max if none), K = min(m + lag, k_max); lag 1 for a token head (it scores y_j one step late)."""
+    stop = (1.0 - phat_windows[:, 1:k_max + 1]) > h
+    m = np.where(stop.any(axis=1), stop.argmax(axis=1) + 1, k_max)
+    return np.minimum(m + lag, k_max)
+
+
+def replay(accept_windows: np.ndarray, K: np.ndarray) -> np.ndarray:
+    """Expected (rounds, drafted, accepted, rounds of 0 candidates, of 1, ..., of k_hi) over one
+    response of T = len(K) tokens, a round from position s drafting K[s] candidates;
+    accept_windows from window_products(P, >= max K). The per-K rounds say how many
+    verification passes of each length (K + 1 tokens) the policy runs, for the `table` time model."""
+    T = len(K)
+    w = np.zeros(T + 1)
+    w[0] = 1.0
+    rounds = drafted = accepted = 0.0
+    by_k = np.zeros(accept_windows.shape[1])
+    for s in range(T):
+        ws = w[s]
+        if ws == 0.0:
+            continue
+        k = int(min(K[s], T - s - 1))
+        c = accept_windows[s, :k + 1]  # c[j] = P(at least j accepted)
+        pmf = c.copy()
+        pmf[:-1] -= c[1:]
+        w[s + 1:s + k + 2] += ws * pmf
+        rounds += ws
+        drafted += ws * k
+        accepted += ws * float(c[1:].sum())
+        by_k[k] += ws
+    return np.concatenate([[rounds, drafted, accepted], by_k])
+
+
+def counts_row(T: int, totals: np.ndarray) -> dict:
+    """Curve counts, named as sweep rows name them (timemodel.predict_time reads either):
+    target_pass_hist maps a verification pass's length (K + 1 tokens) to its expected count."""
+    rounds, drafted, accepted = map(float, totals[:3])
+    passes = {str(k + 1): float(v) for k, v in enumerate(totals[3:]) if v > 0}
+    return {"n_tokens": T, "n_target_forwards": rounds, "n_draft_forwards": drafted, "n_drafted": drafted,
+            "n_accepted": accepted, "n_discarded": drafted - accepted, "verification_rate": rounds / max(T, 1),
+            "discard_rate": (drafted - accepted) / max(T, 1), "tokens_per_round": T / rounds if rounds else float("nan"),
+            "target_pass_hist": passes}
+
+
+# ----------------------------------------------------------------------------- data and head
+
+
+def head_inputs(head, shard: dict):
+    """The head's input row at every response position of a datagen shard, as training builds
+    them (heads.shard_inputs); the stored features where that does not exist (a token head's rows)."""
+    from ..heads import head as heads
+
+    if hasattr(heads, "shard_inputs"):
+        return heads.shard_inputs(head, shard)
+    if "features" not in shard:
+        raise UserError("the datagen run has no stored draft features; regenerate it with store_features=true")
+    return shard["features"]
+
+
+def _predictions(head, shard: dict) -> np.ndarray:
+    import torch
+
+    x = head_inputs(head, shard)
+    with torch.inference_mode():
+        p = torch.cat([head.acceptance_prob(c.to(device=getattr(head, "device", "cpu"),
+                                                 dtype=getattr(head, "dtype", torch.float32))).float().cpu()
+                       for c in torch.split(x, 8192)]) if len(x) else torch.zeros(0)
+    return p.double().numpy()
+
+
+def responses(data_dir: Path, split: str, head=None):
+    """(source name or None, P, p̂ or None) per response of a datagen split."""
+    from ..datagen.generate import iter_shards
+    from .train import dataset_sources
+
+    names = dataset_sources(read_manifest(data_dir))
+    for shard in iter_shards(data_dir, split):
+        P = shard["accept_prob"].double().numpy()
+        phat = _predictions(head, shard) if head is not None else None
+        offs = shard["resp_offsets"].long().tolist()
+        ids = shard["source_ids"].tolist() if names and "source_ids" in shard else [None] * (len(offs) - 1)
+        for src, a, b in zip(ids, offs[:-1], offs[1:]):
+            if b > a:
+                yield (None if src is None else names[src]), P[a:b], (None if phat is None else phat[a:b])
+
+
+def caps_below(k_max: int) -> list[int]:
+    return [c for c in CAP_GRID if c < k_max]
+
+
+def build_curve(head, data_dir, split: str = "dev", k_max: int = 20, h_grid=H_GRID, k_grid=K_GRID) -> dict:
+    """The expected counts per h (head given) and per fixed K over a datagen split (module
+    docstring), pooled and, for a mix of prompt sources, per source (`by_source`); and per
+    (h, cap) for the caps of CAP_GRID below k_max (`capped`)."""
+    lag = 0 if getattr(head, "feature", "token") == "context" else 1
+    width = max(k_max, max(k_grid))
+    caps = caps_below(k_max)
+    tallies = {}
+    for source, P, phat in responses(Path(data_dir), split, head):
+        T = len(P)
+        AP = window_products(P, width)
+        by_k = [replay(AP, np.full(T, k)) for k in k_grid]
+        by_h, by_cap = [], []
+        if phat is not None:
+            PH = window_products(phat, k_max)
+            by_h = [replay(AP, stop_lengths(PH, h, k_max, lag)) for h in h_grid]
+            by_cap = [replay(AP, stop_lengths(PH, h, cap, lag)) for cap in caps for h in h_grid]
+        for name in {None, source}:
+            t = tallies.setdefault(name, {"n_responses": 0, "n_tokens": 0, "h": 0.0, "k": 0.0, "cap": 0.0})
+            t["n_responses"] += 1
+            t["n_tokens"] += T
+            t["h"], t["k"], t["cap"] = t["h"] + np.array(by_h), t["k"] + np.array(by_k), t["cap"] + np.array(by_cap)
+    if not tallies:
+        raise UserError(f"split {split!r} of {data_dir} holds no responses; pass a datagen run with a {split} split "
+                        "(dev_frac > 0) or another --split")
+
+    def section(t: dict) -> dict:
+        T = t["n_tokens"]
+        grid = [(cap, h) for cap in caps for h in h_grid]
+        return {"n_responses": t["n_responses"], "n_tokens": T,
+                "thresholds": [{"h": h, **counts_row(T, c)} for h, c in zip(h_grid, t["h"])] if head is not None else [],
+                "capped": [{"h": h, "k_max": cap, **counts_row(T, c)} for (cap, h), c in zip(grid, t["cap"])]
+                if head is not None else [],
+                "fixed_k": [{"k": k, **counts_row(T, c)} for k, c in zip(k_grid, t["k"])]}
+
+    pooled = section(tallies.pop(None))
+    return {"format": FORMAT, "k_max": k_max, **pooled, "by_source": {n: section(t) for n, t in tallies.items()}}
+
+def make_curve(head_dir: str | None, data_dir: str, split: str = "dev", k_max: int = 20, out: str | None = None):
+    """Replay and save; returns (path, curve). The curve goes beside the head unless `out` says otherwise."""
+    from ..heads import head as heads
+
+    if not isinstance(k_max, int) or k_max < 1:
+        raise UserError(f"the hard cap on candidates per round (--k-max) must be an integer >= 1, got {k_max!r}")
+    if out is None and (head_dir is None or not Path(head_dir).expanduser().is_dir()):
+        raise UserError("the curve goes beside the head, which needs --head to be a local folder; otherwise (a hub "
+                        "head, or no head: the per-K curve only) pass --out FILE")
+    data = Path(data_dir).expanduser()
+    man = read_manifest(data, hint="pass --data a folder written by `adaptive-spec datagen`")
+    head = None
+    if head_dir is not None:
+        every_input = {"inputs": heads.INPUTS} if hasattr(heads, "INPUTS") else {}  # the replay builds any rows
+        head = heads.load_head(head_dir, hidden_size=(man.get("models", {}).get("draft") or {}).get("hidden_size"),
+                               why="autotune", **every_input)
+        _warn_other_draft(head, man)
+    curve = build_curve(head, data, split, k_max)
+    cfg = man.get("config", {})
+    curve.update(
+        head=None if head is None else {"path": str(head_dir), "feature": getattr(head, "feature", "token"),
+                                        "inputs": getattr(head, "inputs", "hidden"), "depth": getattr(head, "depth", None),
+                                        "weights": weights_hash(head_dir)},
+        data={"dir": str(data_dir), "split": split, "config_hash": man.get("config_hash"),
+              "draft": (man.get("models", {}).get("draft") or {}).get("fingerprint"),
+              "sampling": {k: cfg.get(k) for k in ("temperature", "top_k", "top_p")}},
+        command=autotune_command(head_dir, data_dir, split, k_max, out),
+        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    path = Path(out).expanduser() if out else curve_path(head_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, curve)
+    return path, curve
+
+
+def _warn_other_draft(head, manifest: dict):
+    """Replaying a head on data from another draft predicts that draft's rounds, not the head's own."""
+    trained = getattr(head, "draft_fingerprint", None)
+    data = (manifest.get("models", {}).get("draft") or {}).get("fingerprint")
+    if trained and data and trained != data:
+        log.warning(f"the head was trained on draft {trained} and the data comes from draft {data}; the curve "
+                    "predicts rounds of the data's draft")
+
+def curve_table(curve: dict) -> str:
+    """Markdown: the machine-independent counts per h and per K."""
+    from ..tables import md_table
+
+    rows = [[f"h={p['h']:g}", p["verification_rate"], p["discard_rate"], p["tokens_per_round"]]
+            for p in curve["thresholds"]]
+    rows += [[f"K={p['k']}", p["verification_rate"], p["discard_rate"], p["tokens_per_round"]] for p in curve["fixed_k"]]
+    return md_table(["policy", "N_target/N", "N_discarded/N", "tokens/round"], rows)
+
+
+# ----------------------------------------------------------------------------- picking at generate time
