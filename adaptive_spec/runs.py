@@ -13,6 +13,7 @@ One contract for each job they share, so a resume behaves the same everywhere:
 """
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from pathlib import Path
@@ -48,17 +49,24 @@ def append_jsonl(path: str | Path, row: dict):
 def read_jsonl(path: str | Path, repair: bool = False) -> list[dict]:
     """The rows of a JSONL file ([] when it does not exist). A torn last line (no newline: a kill
     mid-write) is dropped, and with `repair` cut from the file so appends start on a fresh line;
-    other undecodable lines are skipped."""
+    other undecodable lines are skipped. A `<path>.gz` beside it (a finished log committed once,
+    compressed) is read first: its rows, then the plain file's, which later appends grow."""
     path = Path(path)
+    gz = path.with_name(path.name + ".gz")
+    rows = _rows(gzip.decompress(gz.read_bytes())) if gz.is_file() else []
     if not path.is_file():
-        return []
+        return rows
     data = path.read_bytes()
     cut = data.rfind(b"\n") + 1
     if repair and cut < len(data):
         with open(path, "r+b") as f:
             f.truncate(cut)
+    return rows + _rows(data[:cut])
+
+
+def _rows(data: bytes) -> list[dict]:
     rows = []
-    for line in data[:cut].decode("utf-8").splitlines():
+    for line in data[:data.rfind(b"\n") + 1].decode("utf-8").splitlines():
         if line.strip():
             try:
                 rows.append(json.loads(line))

@@ -100,3 +100,15 @@ def test_run_main_one_line_per_outcome(capsys):
     assert run_main(interrupted, [], "finished shards are kept; rerun to resume") == 130
     assert capsys.readouterr().err.strip().splitlines() == ["interrupted: finished shards are kept; rerun to resume"]
     assert run_main(lambda argv: None, []) == 0 and run_main(lambda argv: 3, []) == 3
+
+
+def test_jsonl_committed_compressed_then_appended(tmp_path):
+    """A finished log committed as results.jsonl.gz reads as before; appends go to the plain file
+    beside it and read after the compressed rows (a resumed sweep on a committed folder)."""
+    import gzip
+
+    p = tmp_path / "results.jsonl"
+    (tmp_path / "results.jsonl.gz").write_bytes(gzip.compress(b'{"a": 1}\n{"a": 2}\n{"a": 3'))  # torn tail dropped
+    assert runs.read_jsonl(p) == [{"a": 1}, {"a": 2}]
+    runs.append_jsonl(p, {"a": 5})
+    assert runs.read_jsonl(p) == [{"a": 1}, {"a": 2}, {"a": 5}]

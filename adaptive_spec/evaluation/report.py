@@ -67,7 +67,7 @@ def load_sweep(sweep_dir: Path) -> tuple[list[dict], dict, dict]:
 
     sweep_dir = Path(sweep_dir)
     rpath = sweep_dir / RESULTS
-    if not rpath.is_file():
+    if not rpath.is_file() and not rpath.with_name(RESULTS + ".gz").is_file():
         raise UserError(f"{sweep_dir} has no {RESULTS}; run `adaptive-spec sweep --config ...` first or pass the "
                         "sweep's out_dir to --sweep-dir")
     rows = read_jsonl(rpath)

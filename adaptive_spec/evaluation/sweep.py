@@ -854,7 +854,7 @@ def _check_calibration(out: Path, cal_settings: dict) -> None:
 
 def _cpu_pad_to(pair) -> dict:
     # the CPU padding is measured at each load, so a resumed sweep may run with another one:
-    # config.json has this session's, and every row carries the one it ran with
+    # config.json has this run's, and every row carries the one it ran with
     return {role: list(getattr(m.model, "cpu_pad_to", ())) for role, m in
             (("target", pair.target), ("draft", pair.draft)) if m is not None}
 
