@@ -578,7 +578,6 @@ def run_one(pair, spec: RunSpec, ids: list[int], cfg: SweepConfig, seed: int, he
 
     mnt = max_new_tokens or cfg.max_new_tokens
     samp = dict(max_new_tokens=mnt, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed)
-    p = spec.params
     if spec.method in TREE_POLICIES:
         return _run_tree(pair, spec, ids, samp, heads, tree_ctx or {})
     if spec.method == "hf_assisted":
@@ -590,26 +589,35 @@ def run_one(pair, spec: RunSpec, ids: list[int], cfg: SweepConfig, seed: int, he
         m.n_draft_forwards, m.draft_s = m.n_target_forwards, m.target_s
         m.n_target_forwards, m.target_s = 0, 0.0
         return m, g.stopped_by, g.token_ids, {}
-    if spec.method in ("ar", "heuristic", "oracle"):
-        kw = {"k_max": cfg.k_max} if spec.method == "heuristic" else {}
-        if spec.method == "oracle":
-            kw["target_output"] = target_output
-        g = pair.generate(ids, policy=spec.method, **samp, **kw)
-    elif spec.method in ("fixed", "fixed_auto"):
-        auto = {"curve": auto_curve(cfg, heads)} if spec.method == "fixed_auto" else {}
-        g = pair.generate(ids, policy="fixed", k=p["k"], **auto, **samp)
-    elif spec.method in ("learned", "learned_auto"):
-        auto = {"curve": heads[p["head"]][1]["path"]} if spec.method == "learned_auto" else {}
-        g = pair.generate(ids, policy="learned", head=heads[p["head"]][0], threshold=p["h"], k_max=cfg.k_max,
-                          **auto, **samp)
-    elif spec.method in ("confidence", "entropy"):
-        g = pair.generate(ids, policy=spec.method, threshold=p["tau"], k_max=cfg.k_max, **samp)
-    else:  # pragma: no cover - build_grid makes only the methods above
-        raise ValueError(spec.method)
+    g = pair.generate(ids, policy=chain_params(spec, cfg, heads, target_output), **samp)
     pick = getattr(g, "auto", None)
     extra = {"auto_value": pick["value"], "auto_predicted_tokens_per_s": pick["tokens_per_s"],
              "auto_time_model": pick["model"], "auto_k_max": pick.get("k_max")} if pick else {}
     return g.metrics, g.stopped_by, g.token_ids, extra
+
+
+# a chain configuration's sweep keys -> its policy's settings (params.py); `_auto` reads a curve
+_SETTINGS = {
+    "ar": lambda p, cfg, heads, x: {},
+    "heuristic": lambda p, cfg, heads, x: {"k_max": cfg.k_max},
+    "oracle": lambda p, cfg, heads, x: {"target_output": x},
+    "fixed": lambda p, cfg, heads, x: {"k": p["k"]},
+    "fixed_auto": lambda p, cfg, heads, x: {"k": p["k"], "curve": auto_curve(cfg, heads)},
+    "learned": lambda p, cfg, heads, x: {"head": heads[p["head"]][0], "threshold": p["h"], "k_max": cfg.k_max},
+    "learned_auto": lambda p, cfg, heads, x: {"head": heads[p["head"]][0], "threshold": p["h"], "k_max": cfg.k_max,
+                                              "curve": heads[p["head"]][1]["path"]},
+    "confidence": lambda p, cfg, heads, x: {"threshold": p["tau"], "k_max": cfg.k_max},
+    "entropy": lambda p, cfg, heads, x: {"threshold": p["tau"], "k_max": cfg.k_max},
+}
+
+
+def chain_params(spec: RunSpec, cfg: SweepConfig, heads: dict, target_output: list[int] | None = None):
+    """The typed settings of a chain configuration, built and checked by its policy's registered
+    params class: the sweep reaches policies by the names and settings generate uses."""
+    from ..params import policy_params
+
+    return policy_params(spec.method.removesuffix("_auto"), **_SETTINGS[spec.method](spec.params, cfg, heads,
+                                                                                       target_output))
 
 
 def auto_curve(cfg: SweepConfig, heads: dict) -> str:
