@@ -144,7 +144,7 @@ def resolve_auto(pair, params, model: str | None = None, temperature: float | No
     if need == "h" and k_max != curve["k_max"]:
         raise UserError(f"the curve was made with k_max {curve['k_max']}, not {k_max}; drop --k-max or rerun "
                         f"autotune with --k-max {k_max}")
-    memo = pair.__dict__.setdefault("_auto_picks", {})
+    memo = pair.auto_picks
     key = (str(curve_path(source)), need, model, k_max)
     if key not in memo:
         from .costs import measure_costs

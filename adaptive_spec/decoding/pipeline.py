@@ -50,9 +50,11 @@ class SpecPair:
     backend = "torch"
 
     def __init__(self, target_model, tokenizer, draft_model=None, draft_tokenizer=None, kv_cache: str = "dynamic",
-                 runtime: str = "eager", max_cache_len: int | None = None, k_max: int = 20):
+                 runtime: str = "eager", max_cache_len: int | None = None, k_max: int = 20,
+                 params: PairParams | None = None):
         """kv_cache "dynamic": growing KV caches (any model, any device); "static": preallocated
-        caches indexed by position, with runtime eager | cudagraph | compile (GPU)."""
+        caches indexed by position, with runtime eager | cudagraph | compile (GPU). `params`: the
+        settings `load` was given (recorded, not re-applied)."""
         from ..backends.static_runner import DRAFT_SHAPES, make_runner, verify_shapes
 
         vocab = None
@@ -64,13 +66,21 @@ class SpecPair:
         draft = (make_runner(draft_model, vocab, kv_cache, runtime, max_cache_len,
                              warmup_shapes=DRAFT_SHAPES if graphs else ())
                  if draft_model is not None else None)
-        self._init_runners(target, draft, tokenizer, eos_token_ids(tokenizer, target_model))
+        self._init_runners(target, draft, tokenizer, eos_token_ids(tokenizer, target_model), params)
 
-    def _init_runners(self, target, draft, tokenizer, eos: list[int]) -> None:
+    def _init_runners(self, target, draft, tokenizer, eos: list[int], params: PairParams | None = None) -> None:
         self.tokenizer = tokenizer
         self.target, self.draft = target, draft
         self.eos_token_ids = eos
         self.decoder = Decoder(self.target, self.draft, eos_token_ids=self.eos_token_ids)
+        self.params = params  # the settings it was loaded with (None: built from models directly)
+        # the draft configuration a head's warning and the cost cache compare against
+        self.draft_config = ({} if params is None else
+                             {"backend": "llama.cpp", "draft_quant": "gguf", "draft_vocab": "full"}
+                             if params.backend == "llama.cpp" else
+                             {"draft_quant": params.draft_quant, "draft_vocab": params.draft_vocab or "full"})
+        self.auto_picks: dict = {}  # auto.resolve_auto's picks, made once per (curve, need, model, k_max)
+        self.pinned_costs = None  # costs.measure_costs(pin=...)'s measurement, kept for the pair's life
 
     @classmethod
     def load(cls, params: PairParams | None = None, **settings) -> "SpecPair":
@@ -98,11 +108,8 @@ class SpecPair:
         draft_model, dtok = ((load_model(params.draft, "draft", params.dtype, device, quant=params.draft_quant,
                                          draft_vocab=params.draft_vocab)
                               if params.draft is not None else (None, None)))
-        pair = cls(target_model, tok, draft_model, dtok, kv_cache=params.kv_cache, runtime=params.runtime,
-                   max_cache_len=params.max_cache_len)
-        pair.params = params
-        pair.draft_config = {"draft_quant": params.draft_quant, "draft_vocab": params.draft_vocab or "full"}
-        return pair
+        return cls(target_model, tok, draft_model, dtok, kv_cache=params.kv_cache, runtime=params.runtime,
+                   max_cache_len=params.max_cache_len, params=params)
 
     @classmethod
     def _load_llama_cpp(cls, params: PairParams) -> "SpecPair":
@@ -130,16 +137,14 @@ class SpecPair:
         pair.backend = "llama.cpp"
         if eos is None:
             eos = sorted(({tok.eos_token_id} - {None}) | _eog_ids(t))
-        pair._init_runners(t, d, tok, eos)
-        pair.params = params
-        pair.draft_config = {"backend": "llama.cpp", "draft_quant": "gguf", "draft_vocab": "full"}
+        pair._init_runners(t, d, tok, eos, params)
         return pair
 
     def runtime_info(self) -> dict:
         """The machine and each model's numeric path: recorded with every measurement."""
         from ..backends.cpu import describe
 
-        info = {"machine": describe(), "backend": self.backend, **getattr(self, "draft_config", {})}
+        info = {"machine": describe(), "backend": self.backend, **self.draft_config}
         for role, lm in (("target", self.target), ("draft", self.draft)):
             if lm is None:
                 continue
