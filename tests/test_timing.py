@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from adaptive_spec import timing
+from adaptive_spec.decoding import timemodel
 
 T_DRAFT, T_TARGET = 0.0234, 0.112  # the paper's speculative-setting times (section 5.2)
 
@@ -22,7 +22,7 @@ def synthetic_rows(n=40, seed=0, noise=0.0):
 
 
 def test_fit_recovers_exact_times_and_r2_one():
-    f = timing.fit_forward_times(synthetic_rows())
+    f = timemodel.fit_forward_times(synthetic_rows())
     assert f.t_draft == pytest.approx(T_DRAFT, rel=1e-9)
     assert f.t_target == pytest.approx(T_TARGET, rel=1e-9)
     assert f.r2 == pytest.approx(1.0, abs=1e-12)
@@ -30,7 +30,7 @@ def test_fit_recovers_exact_times_and_r2_one():
 
 
 def test_fit_noisy_rows_is_close():
-    f = timing.fit_forward_times(synthetic_rows(n=300, seed=1, noise=0.02))
+    f = timemodel.fit_forward_times(synthetic_rows(n=300, seed=1, noise=0.02))
     assert f.t_draft == pytest.approx(T_DRAFT, rel=0.05)
     assert f.t_target == pytest.approx(T_TARGET, rel=0.05)
     assert 0.97 < f.r2 < 1.0
@@ -39,57 +39,57 @@ def test_fit_noisy_rows_is_close():
 def test_fit_has_no_intercept():
     # T = 0.5 + 0.1 N_target: a model through the origin cannot hit it exactly
     rows = [(0, n, 0.5 + 0.1 * n) for n in (10, 20, 40, 80)]
-    f = timing.fit_forward_times(rows)
+    f = timemodel.fit_forward_times(rows)
     assert f.t_draft is None  # the draft never ran: left out of the fit
     assert f.t_target != pytest.approx(0.1, rel=1e-3)
     assert f.r2 < 1.0
 
 
 def test_standalone_fits():
-    t, r2, n = timing.fit_standalone([10, 20, 30], [1.08, 2.16, 3.24])
+    t, r2, n = timemodel.fit_standalone([10, 20, 30], [1.08, 2.16, 3.24])
     assert t == pytest.approx(0.108) and r2 == pytest.approx(1.0) and n == 3
     # draft-only rows through the generic fit give t_draft and no t_target
-    f = timing.fit_forward_times([(10, 0, 0.207), (30, 0, 0.621)])
+    f = timemodel.fit_forward_times([(10, 0, 0.207), (30, 0, 0.621)])
     assert f.t_draft == pytest.approx(0.0207) and f.t_target is None
 
 
 def test_collinear_rows_are_flagged():
     # a single fixed K: N_draft = K * N_target in every row, the two times are not identified
     rows = [(4 * n, n, T_DRAFT * 4 * n + T_TARGET * n) for n in (10, 20, 30)]
-    assert not timing.fit_forward_times(rows).rank_ok
+    assert not timemodel.fit_forward_times(rows).rank_ok
 
 
 def test_eq_5_1_throughput_and_latency():
     # paper: stand-alone target t = 0.108 s -> 9.26 tokens/s
-    assert timing.theoretical_tokens_per_s(100, 0, 100, 0.0207, 0.108) == pytest.approx(9.259, abs=1e-3)
+    assert timemodel.theoretical_tokens_per_s(100, 0, 100, 0.0207, 0.108) == pytest.approx(9.259, abs=1e-3)
     # N = 100, N_target = 20, N_discarded = 10 -> N_draft = N + N_disc - N_target = 90
-    tps = timing.theoretical_tokens_per_s(100, 90, 20, T_DRAFT, T_TARGET)
+    tps = timemodel.theoretical_tokens_per_s(100, 90, 20, T_DRAFT, T_TARGET)
     assert tps == pytest.approx(100 / (0.0234 * 90 + 0.112 * 20))
-    lat = timing.latency_per_token(10 / 100, 20 / 100, T_DRAFT, T_TARGET)
+    lat = timemodel.latency_per_token(10 / 100, 20 / 100, T_DRAFT, T_TARGET)
     assert lat == pytest.approx(1 / tps)  # Eq. 5.1 = Eq. 3.1 / N under the counting identity
 
 
 def test_eq_3_2_decomposition_and_compare():
-    d = timing.decompose(100, 10, 20, T_DRAFT, T_TARGET)
+    d = timemodel.decompose(100, 10, 20, T_DRAFT, T_TARGET)
     assert d.oracle == pytest.approx(T_DRAFT * 100)
     assert d.discard == pytest.approx(T_DRAFT * 10)
     assert d.verification == pytest.approx((T_TARGET - T_DRAFT) * 20)
-    assert d.total == pytest.approx(timing.model_time(90, 20, T_DRAFT, T_TARGET))  # Lemma 3.1
+    assert d.total == pytest.approx(timemodel.model_time(90, 20, T_DRAFT, T_TARGET))  # Lemma 3.1
     pt = d.per_token()
-    assert pt["total"] == pytest.approx(timing.latency_per_token(0.1, 0.2, T_DRAFT, T_TARGET))
+    assert pt["total"] == pytest.approx(timemodel.latency_per_token(0.1, 0.2, T_DRAFT, T_TARGET))
     # fewer verifications but more discards than the baseline: loses on the discard term
-    ours = timing.decompose(100, 30, 15, T_DRAFT, T_TARGET)
-    c = timing.compare(ours, d)
+    ours = timemodel.decompose(100, 30, 15, T_DRAFT, T_TARGET)
+    c = timemodel.compare_decompositions(ours, d)
     assert c["loses"] == "discard"
     assert c["discard"] == pytest.approx(T_DRAFT * 20 / 100)
     assert c["verification"] == pytest.approx(-(T_TARGET - T_DRAFT) * 5 / 100)
-    assert timing.compare(d, d)["loses"] is None
+    assert timemodel.compare_decompositions(d, d)["loses"] is None
 
 
 def test_relative_error_and_mean_std():
-    assert timing.relative_error(106.2, 100) == pytest.approx(0.062)
-    assert math.isnan(timing.relative_error(1.0, 0.0))
-    m, s = timing.mean_std([0.0206, 0.0207, 0.0206])
+    assert timemodel.relative_error(106.2, 100) == pytest.approx(0.062)
+    assert math.isnan(timemodel.relative_error(1.0, 0.0))
+    m, s = timemodel.mean_std([0.0206, 0.0207, 0.0206])
     assert m == pytest.approx(0.020633, abs=1e-6) and s == pytest.approx(5.77e-5, rel=1e-2)
 
 

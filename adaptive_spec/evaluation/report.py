@@ -47,7 +47,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import timing
+from ..decoding import timemodel
 from ..decoding.timemodel import comparison_table
 from ..errors import UserError, run_main
 from ..runs import read_json, read_jsonl
@@ -221,14 +221,14 @@ def fit_settings(rows: list[dict]) -> dict:
     m = lambda *ms: [r for r in rows if r["method"] in ms]  # noqa: E731
     tri = lambda rs: [(_f(r, "n_draft_forwards"), _f(r, "n_target_forwards"), _decode_s(r)) for r in rs]  # noqa: E731
     ar, dar = m("ar"), m("draft_ar")
-    t_t, r2_t, n_t = timing.fit_standalone([_f(r, "n_target_forwards") for r in ar], [_decode_s(r) for r in ar])
-    t_d, r2_d, n_d = timing.fit_standalone([_f(r, "n_draft_forwards") for r in dar], [_decode_s(r) for r in dar])
+    t_t, r2_t, n_t = timemodel.fit_standalone([_f(r, "n_target_forwards") for r in ar], [_decode_s(r) for r in ar])
+    t_d, r2_d, n_d = timemodel.fit_standalone([_f(r, "n_draft_forwards") for r in dar], [_decode_s(r) for r in dar])
     return {
         "standalone": {"t_draft": t_d, "t_target": t_t, "r2_draft": r2_d, "r2_target": r2_t, "n_draft": n_d,
                        "n_target": n_t},
-        "specdec": timing.fit_forward_times(tri(m("fixed"))),
-        "specdecpp": timing.fit_forward_times(tri(m("learned"))),
-        "speculative": timing.fit_forward_times(tri(m(*SPEC_METHODS))),
+        "specdec": timemodel.fit_forward_times(tri(m("fixed"))),
+        "specdecpp": timemodel.fit_forward_times(tri(m("learned"))),
+        "speculative": timemodel.fit_forward_times(tri(m(*SPEC_METHODS))),
     }
 
 
@@ -239,16 +239,16 @@ def _usable(fit) -> bool:
 def modelled_tps(a: Agg, fit) -> float:
     if not _usable(fit):
         return float("nan")
-    return timing.theoretical_tokens_per_s(a.n_tokens, a.n_draft, a.n_target, fit.t_draft, fit.t_target)
+    return timemodel.theoretical_tokens_per_s(a.n_tokens, a.n_draft, a.n_target, fit.t_draft, fit.t_target)
 
 
 def rel_errors(rows: list[dict], t_draft: float, t_target: float) -> list[float]:
     """Per-prompt |Eq. 5.1 throughput - measured decode throughput| / measured."""
     out = []
     for r in rows:
-        th = timing.theoretical_tokens_per_s(_f(r, "n_tokens"), _f(r, "n_draft_forwards"),
+        th = timemodel.theoretical_tokens_per_s(_f(r, "n_tokens"), _f(r, "n_draft_forwards"),
                                              _f(r, "n_target_forwards"), t_draft, t_target)
-        out.append(timing.relative_error(th, _f(r, "n_tokens") / _decode_s(r)))
+        out.append(timemodel.relative_error(th, _f(r, "n_tokens") / _decode_s(r)))
     return [e for e in out if not math.isnan(e)]
 
 
@@ -572,8 +572,8 @@ def table2(results: list[DatasetResult]) -> tuple[str, str]:
             body.append(row)
         vals = per_setting.get(setting)
         if vals and len(results) > 1:
-            md, sd = timing.mean_std(v[0] for v in vals)
-            mt, st = timing.mean_std(v[1] for v in vals)
+            md, sd = timemodel.mean_std(v[0] for v in vals)
+            mt, st = timemodel.mean_std(v[1] for v in vals)
             body.append([title, "**average**", f"{fmt_t(md)} ± {fmt_t(sd)}", f"{fmt_t(mt)} ± {fmt_t(st)}", "", ""])
     t2 = md_table(["setting", "dataset", "t_draft (s)", "t_target (s)", "R²", "runs"], body)
 
@@ -615,7 +615,7 @@ def decomposition(results: list[DatasetResult]) -> str:
         for title, a in cands:
             if a is None:
                 continue
-            dec = timing.decompose(a.n_tokens, a.n_discarded, a.n_target, fit.t_draft, fit.t_target)
+            dec = timemodel.decompose(a.n_tokens, a.n_discarded, a.n_target, fit.t_draft, fit.t_target)
             decs[title] = dec
             pt = dec.per_token()
             rows.append([f"{title} ({a.label()})", f"{1e3 * pt['oracle']:.3f}", f"{1e3 * pt['discard']:.3f}",
@@ -627,7 +627,7 @@ def decomposition(results: list[DatasetResult]) -> str:
                md_table(["configuration", "T0/N = t_draft", "t_draft·N_disc/N", "(t_target−t_draft)·N_target/N",
                          "Eq. 5.1 total", "measured decode"], rows)]
         if "best fixed K" in decs and "best SpecDec++" in decs:
-            c = timing.compare(decs["best SpecDec++"], decs["best fixed K"])
+            c = timemodel.compare_decompositions(decs["best SpecDec++"], decs["best fixed K"])
             verdict = (f"SpecDec++ loses most on the **{c['loses']}** term" if c["loses"]
                        else "SpecDec++ is no worse on either term")
             txt.append(f"\nSpecDec++ vs best fixed K (ms/token): discard {1e3 * c['discard']:+.3f}, verification "
