@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import typing
@@ -172,8 +173,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _delegate(name: str, argv: list[str]) -> int:
-    import importlib
-
     try:
         mod = importlib.import_module(DELEGATED[name][0])
     except ModuleNotFoundError as e:

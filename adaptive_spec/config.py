@@ -9,6 +9,7 @@ whole run.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import typing
 from pathlib import Path
@@ -108,8 +109,6 @@ def config_from_argv(cls: type[T], argv, prog: str, description: str, default_na
 
     The shared command line of the long jobs (datagen, sweep): one YAML file, overrides last.
     """
-    import argparse
-
     parser = argparse.ArgumentParser(prog=prog, description=description, epilog=config_help(cls),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help=f"YAML file of {cls.__name__} keys (listed below)")

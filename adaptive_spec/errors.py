@@ -11,7 +11,9 @@ whatever sys.stderr is at the time, not the one there was at import. Quieter:
 `logging.getLogger("adaptive_spec").setLevel(logging.WARNING)`.
 """
 import logging
+import signal
 import sys
+import threading
 
 
 class _Stderr(logging.Handler):
@@ -51,9 +53,6 @@ def run_main(fn, argv=None, interrupted: str = "nothing half-done was kept") -> 
     background by a script has SIGINT ignored, and must still stop cleanly.
     Otherwise the body's return value (None = 0).
     """
-    import signal
-    import threading
-
     def on_term(signum, frame):
         raise _Terminated
 

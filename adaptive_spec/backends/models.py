@@ -10,6 +10,7 @@ import functools
 import hashlib
 import inspect
 import json
+import os
 import time
 import warnings
 from pathlib import Path
@@ -178,8 +179,6 @@ class PackedLinear(torch.nn.Module):
 
 def _rows_env(name: str) -> int | None:
     """A row-count override from the environment: None for "auto" (unset), else the count."""
-    import os
-
     env = os.environ.get(name, "auto")
     if env == "auto":
         return None
@@ -286,8 +285,6 @@ def pack_cpu_linears(model, release: bool = False, fp16: bool = True) -> int:
     on it (choose_fp16_rows; one-row decode steps and short verifications on AVX2). It costs
     half the fp32 bytes again in memory, so batched work (datagen) passes False.
     """
-    import os
-
     from .cpu import onednn_packed
 
     p = next(model.parameters(), None)

@@ -20,6 +20,7 @@ reproduces an uninterrupted run exactly.
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
 import json
 import math
@@ -950,8 +951,6 @@ def sweep(cfg: TrainConfig) -> list[dict]:
 
 
 def write_table(rows: list[dict], root: Path):
-    import csv
-
     root.mkdir(parents=True, exist_ok=True)
     with open(root / "sweep.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=SWEEP_COLUMNS)
