@@ -16,7 +16,7 @@ from ..errors import UserError
 from ..params import ARParams, PairParams, PolicyParams, pair_params, policy_params
 from ..prompts import encode_prompt, eos_token_ids
 from . import multidraft, policies  # noqa: F401  (importing them registers their policies)
-from .auto import AR, resolve_auto
+from .auto import resolve_auto
 from .decoder import Decoder, Generation
 from .interfaces import Policy, PolicyContext, lookup, registered
 from .sampling import SamplingParams
@@ -28,12 +28,20 @@ def policy_names() -> list[str]:
     return ["ar"] + registered()
 
 
+def as_policy_params(policy: str | PolicyParams, settings: dict) -> PolicyParams:
+    """A policy's settings from either way in: a PolicyParams as it is, or a name and keywords
+    (checked by the policy's class). Settings beside a PolicyParams are refused, not merged."""
+    if not isinstance(policy, PolicyParams):
+        return policy_params(policy, **settings)
+    if settings:
+        raise UserError(f"pass the settings {', '.join(settings)} inside the {policy.name} params, not beside them")
+    return policy
+
+
 def make_policy(policy: str | PolicyParams, context: PolicyContext | None = None, **settings) -> Policy | None:
     """A policy from its settings (a PolicyParams, or a name and keywords, validated here, once);
     "ar" gives None (target-only decoding). `context`: the pair, prompt and sampling it serves."""
-    params = policy if isinstance(policy, PolicyParams) else policy_params(policy, **settings)
-    if isinstance(policy, PolicyParams) and settings:
-        raise UserError(f"pass the settings {', '.join(settings)} inside the {params.name} params, not beside them")
+    params = as_policy_params(policy, settings)
     ctx = context or PolicyContext()
     if ctx.sampling is not None:
         params.check_sampling(ctx.sampling.temperature)
@@ -167,11 +175,8 @@ class SpecPair:
         threshold="auto" (learned) / k="auto" (fixed): the h / K of best predicted throughput on
         this machine, from the head's threshold_curve.json (or curve=PATH; auto.py); the pick
         is printed once per pair and kept as `Generation.auto`."""
-        params = policy if isinstance(policy, PolicyParams) else policy_params(policy, **settings)
-        if isinstance(policy, PolicyParams) and settings:
-            raise UserError(f"pass the settings {', '.join(settings)} inside the {params.name} params, not beside them")
+        params = as_policy_params(policy, settings)
         sampling = SamplingParams(temperature, top_k, top_p)
-        params.check_sampling(temperature)
         ids = self.encode(prompt, chat) if isinstance(prompt, str) else list(prompt)
         params, auto = resolve_auto(self, params, temperature=temperature)
         params = params or ARParams()  # auto found that no drafting pays on this machine
