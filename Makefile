@@ -2,11 +2,12 @@
 PY      := .venv/bin/python
 STAMP   := .venv/.installed-stamp
 export PYTHONUNBUFFERED := 1
-# llama-cpp-python (the llama.cpp backend) is source-only on PyPI: pip compiles llama.cpp once and keeps
-# the wheel in its cache. Portable x86-64 flags (AVX2 set, -march=native off): a native build on an AMX
-# Xeon dies with SIGILL on batches >= 2, and a wheel cached on one machine must run on the next.
-# adaptive_spec/backends/llamacpp.py holds the same string (a test keeps them equal).
-LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
+# llama-cpp-python (the llama.cpp backend) is source-only on PyPI: llama.cpp is compiled once per
+# kind of CPU, with the instruction sets named from /proc/cpuinfo and AMX off (a -march=native build
+# dies with SIGILL on an AMX Xeon), and the wheel is kept under a name listing them
+# (adaptive_spec/backends/llama_build.py says why; `python3 adaptive_spec/backends/llama_build.py`
+# prints this CPU's flags).
+LLAMA_TIER := $(shell python3 adaptive_spec/backends/llama_build.py tier 2>/dev/null)
 
 .PHONY: setup models run test test-fast bench clean
 
@@ -16,11 +17,16 @@ $(STAMP): pyproject.toml constraints.txt
 	# torch pinned: an unpinned torch pulls GBs of CUDA wheels on a CPU machine
 	$(PY) -m pip install -q torch==2.13.0
 	# every other dependency at the versions the suite last passed with (constraints.txt)
-	@echo "installing the package; the first time, pip compiles llama.cpp for llama-cpp-python (about 5 min on 2 cores)"
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install -q -c constraints.txt -e ".[llama,train,eval,dev]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[train,eval,dev]"
 	touch $@
 
-setup: $(STAMP)
+# the binding, built for this CPU's instruction sets (once per kind of CPU; a rerun on the same kind
+# installs nothing): a .venv or a cache carried to another CPU gets a build that runs there
+LLAMA_STAMP := .venv/.llama-cpp-python-0.3.36-$(LLAMA_TIER)
+$(LLAMA_STAMP): $(STAMP)
+	$(PY) adaptive_spec/backends/llama_build.py install -c constraints.txt
+
+setup: $(STAMP) $(LLAMA_STAMP)
 
 # the default pair (Qwen2.5-Coder 0.5B draft / 1.5B target) as bf16 safetensors in the cache
 models: setup

@@ -313,11 +313,12 @@ def policies_with(key: str) -> list[str]:
 
 # ---- the model pair --------------------------------------------------------------------------
 
-DRAFT_QUANTS = ("none", "int8", "int4")
+# each engine's draft quantizations: torch quantizes its layers at load, llama.cpp re-quantizes the
+# draft's GGUF file once (llamacpp.requantized_gguf); "none" is the draft as it is on both
+DRAFT_QUANTS = {"torch": ("none", "int8", "int4"), "llama.cpp": ("none", "q4_0", "q8_0")}
 BACKENDS = ("torch", "llama.cpp")
-# torch-only settings and their defaults: llama.cpp runs the GGUF files as they are, on the CPU
-_TORCH_ONLY = {"dtype": "auto", "draft_quant": "none", "draft_vocab": None, "kv_cache": "dynamic",
-               "runtime": "eager", "max_cache_len": None}
+# torch-only settings and their defaults: llama.cpp runs the GGUF files on the CPU
+_TORCH_ONLY = {"dtype": "auto", "draft_vocab": None, "kv_cache": "dynamic", "runtime": "eager", "max_cache_len": None}
 
 
 class PairParams(Params):
@@ -332,9 +333,11 @@ class PairParams(Params):
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(
         "auto", description="weights' dtype (auto: bf16 on GPUs and on CPUs with bf16 kernels, fp32 on AVX2-only "
         "CPUs, where bf16 matrix products are several times slower)", **_expects("auto, bf16, fp16 or fp32"))
-    draft_quant: Literal["none", "int8", "int4"] = Field(
-        "none", description="draft weights: none, int8 (weight-only, per-channel) or int4 (weight-only, groups of "
-        "64; CPU); exactness unchanged", **_expects("none, int8 or int4"))
+    draft_quant: Literal["none", "int8", "int4", "q4_0", "q8_0"] = Field(
+        "none", description="draft weights, exactness unchanged: torch: none, int8 (weight-only, per-channel) or "
+        "int4 (weight-only, groups of 64; CPU); llama.cpp: none (the GGUF as it is), q4_0 or q8_0 (the draft "
+        "GGUF re-quantized once by llama.cpp and cached)", **_expects("none, int8, int4 (torch), q4_0 or q8_0 "
+                                                                     "(llama.cpp)"))
     draft_vocab: str | None = Field(
         None, description="draft output layer keeps the N most frequent tokens (shipped list for the default "
         "tokenizer) or those of a list from `adaptive-spec draft-vocab` (N | FILE | FILE:N); default: all",
@@ -362,13 +365,17 @@ class PairParams(Params):
 
     @model_validator(mode="after")
     def _engine(self):
+        valid = DRAFT_QUANTS[self.backend]
+        if self.draft_quant not in valid:
+            raise ValueError(f"draft_quant={self.draft_quant!r} does not run on the {self.backend} backend; it takes "
+                             f"{', '.join(valid)}")
         if self.backend == "llama.cpp":
             unused = [f"{k}={getattr(self, k)!r}" for k, default in _TORCH_ONLY.items() if getattr(self, k) != default]
             if self.device not in (None, "cpu"):
                 unused.append(f"device={self.device!r}")
             if unused:
-                raise ValueError(f"{', '.join(unused)}: the llama.cpp backend runs the GGUF files as they are, on the "
-                                 "CPU; drop these settings or use the torch backend")
+                raise ValueError(f"{', '.join(unused)}: the llama.cpp backend runs the GGUF files on the CPU; drop "
+                                 "these settings or use the torch backend")
         elif self.n_ctx is not None:
             raise ValueError("n_ctx (--n-ctx) sets the llama.cpp context; the torch backend sizes its caches itself")
         if self.draft_vocab is not None:

@@ -5,21 +5,25 @@ back to back, so a slow spell of the machine hits them alike).
 Rows, per prompt and temperature (T = 1 top-k 50, and greedy):
 - ours on llama.cpp (`--backend llama.cpp`, the GGUF files as fetch-models keeps them): the target
   alone (ar), fixed K, SpecDec++ with the statistics head over an h grid and h = auto, confidence;
+  and with the draft re-quantized to Q4_0 (`--draft-quant q4_0`): fixed K, SpecDec++ h and auto;
 - ours on torch (the served configuration: bf16 target, int8 draft): ar and SpecDec++ h = auto;
 - llama.cpp's own speculative example (`llama-speculative-simple`, greedy only: its acceptance
-  rule is greedy matching) at its default draft-max and over a grid;
+  rule is greedy matching) at its default draft-max and over a grid, and with the Q4_0 draft;
 and once per run `llama-bench` tg of the target (at an empty context and at the prompts' mean
 length), so the binding's overhead shows against llama.cpp's own loop.
 
 Speeds are decode tokens/s (wall time minus prompt prefill: llama-bench tg and the example's
 "decoded ... t/s" leave prefill out too); wall tokens/s (prefill included) is in every row.
 llama.cpp's tools are built from the same source as the binding (the llama-cpp-python sdist,
-fetched with pip by name and version) with the same portable flags (llamacpp.CMAKE_ARGS).
+fetched with pip by name and version) with the same flags (llama_build.cmake_args(): this CPU's
+instruction sets, AMX off).
 
     python eval/bench_llama_cpp.py --datasets humaneval,gsm8k,alpaca --prompts 10 --max-new-tokens 128
 
 Resumable: rows go to <out>/results.jsonl as they finish, and a rerun skips the rows it has.
-<out>/report.md holds the tables, the goals as ratios, and the CPU and build flags.
+<out>/report.md holds the tables, the goals as ratios, the CPU and build flags, and each llama.cpp
+pair's forward costs (pinned in <out>/costs-*.json, so a resumed run picks auto the same way) with
+the acceptance a fixed K needs to beat the target alone under them (Eq. 3.2's terms).
 """
 from __future__ import annotations
 
@@ -36,18 +40,22 @@ from pathlib import Path
 
 from adaptive_spec.backends.cpu import flags_line
 from adaptive_spec.backends.fetch import cache_dir, default_gguf
-from adaptive_spec.backends.llamacpp import VERSION
+from adaptive_spec.backends.llama_build import VERSION, cmake_args, tier
+from adaptive_spec.backends.llamacpp import requantized_gguf
+from adaptive_spec.decoding.costs import measure_costs
 from adaptive_spec.runs import append_jsonl, read_jsonl
 from adaptive_spec.tables import md_table
 
 TOOLS = ("llama-bench", "llama-speculative-simple")
-# the binding's flags (llamacpp.CMAKE_ARGS) minus what only the Python package knows, plus the tools
-TOOL_FLAGS = ["-DGGML_NATIVE=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
-              "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DCMAKE_BUILD_TYPE=Release"]
+# the binding's flags (llama_build.cmake_args()) minus what only the Python package knows, plus the tools
+TOOL_FLAGS = [a for a in cmake_args().split() if "LLAVA" not in a and "EXAMPLES" not in a and "TOOLS" not in a] + [
+    "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DCMAKE_BUILD_TYPE=Release"]
 HEAD = "checkpoints/qwen-coder-0.5b-int8-stats-d3"
 H_GRID = (0.2, 0.3)
 K_GRID = (3,)
 DRAFT_MAX = (2, 3, 4)  # llama.cpp's default draft-max is 3 in this version
+QUANT = "q4_0"  # the re-quantized draft's rows (llamacpp.requantized_gguf says why)
+QUANT_K, QUANT_H = (2, 3), (0.3,)
 TEMPERATURES = (1.0, 0.0)
 
 
@@ -63,7 +71,7 @@ def run(cmd: list[str], timeout: float = 3600) -> str:
 def build(threads: int) -> Path:
     """llama.cpp's tools, built once into the cache from the llama-cpp-python sdist (pip download)."""
     root = cache_dir() / "llama.cpp" / f"llama-cpp-python-{VERSION}"
-    bins = root / "build" / "bin"
+    bins = root / f"build-{tier()}" / "bin"
     if all((bins / t).is_file() for t in TOOLS):
         return bins
     src = root / "src"
@@ -76,8 +84,8 @@ def build(threads: int) -> Path:
             tf.extractall(root / "unpacked", filter="data")
         (root / "unpacked" / sdist.name[:-len(".tar.gz")] / "vendor" / "llama.cpp").rename(src)
     print(f"building {', '.join(TOOLS)} from llama-cpp-python {VERSION}'s llama.cpp (once)", file=sys.stderr)
-    run(["cmake", "-S", str(src), "-B", str(root / "build"), *TOOL_FLAGS])
-    run(["cmake", "--build", str(root / "build"), f"-j{threads}", "--target", *TOOLS])
+    run(["cmake", "-S", str(src), "-B", str(bins.parent), *TOOL_FLAGS])
+    run(["cmake", "--build", str(bins.parent), f"-j{threads}", "--target", *TOOLS])
     return bins
 
 
@@ -85,8 +93,10 @@ def build_flags(bins: Path) -> str:
     cache = (bins.parent / "CMakeCache.txt").read_text()
     on = [m[1] for m in re.finditer(r"^(GGML_[A-Z0-9_]+):BOOL=ON$", cache, re.M)
           if m[1] in ("GGML_NATIVE", "GGML_AVX", "GGML_AVX2", "GGML_AVX512", "GGML_FMA", "GGML_F16C", "GGML_BMI2",
-                      "GGML_SSE42", "GGML_AVX_VNNI", "GGML_AVX512_VNNI", "GGML_AMX_INT8", "GGML_OPENMP")]
-    return "ggml build flags on: " + (", ".join(on) or "none") + " (GGML_NATIVE off: the portable x86-64 set)"
+                      "GGML_SSE42", "GGML_AVX_VNNI", "GGML_AVX512_VBMI", "GGML_AVX512_VNNI", "GGML_AVX512_BF16",
+                      "GGML_AMX_INT8", "GGML_OPENMP")]
+    return ("ggml build flags on: " + (", ".join(on) or "none")
+            + f" (GGML_NATIVE and AMX off; tier {tier()}: this CPU's instruction sets, the binding's too)")
 
 
 def bench_tg(bins: Path, gguf: Path, n: int, depth: int, threads: int) -> float:
@@ -111,10 +121,15 @@ def spec_example(bins: Path, target: Path, draft: Path, text: str, n: int, k: in
 
 # ----------------------------------------------------------------------------- ours
 
-def our_configs(engine: str) -> list[tuple[str, str, dict]]:
-    """(config label, policy, kwargs) per engine."""
-    if engine == "torch":
+def our_configs(pair_name: str) -> list[tuple[str, str, dict]]:
+    """(config label, policy, kwargs) per loaded pair ("torch", "llama.cpp", "llama.cpp q4_0")."""
+    if pair_name == "torch":
         return [("ar", "ar", {}), ("specdec++ h=auto", "learned", {"head": HEAD, "threshold": "auto"})]
+    if pair_name != "llama.cpp":  # the re-quantized draft: its own rows, labelled with its file type
+        tag = f" (draft {QUANT})"
+        return ([(f"fixed K={k}{tag}", "fixed", {"k": k}) for k in QUANT_K]
+                + [(f"specdec++ h={h:g}{tag}", "learned", {"head": HEAD, "threshold": h}) for h in QUANT_H]
+                + [(f"specdec++ h=auto{tag}", "learned", {"head": HEAD, "threshold": "auto"})])
     return ([("ar", "ar", {})] + [(f"fixed K={k}", "fixed", {"k": k}) for k in K_GRID]
             + [(f"specdec++ h={h:g}", "learned", {"head": HEAD, "threshold": h}) for h in H_GRID]
             + [("specdec++ h=auto", "learned", {"head": HEAD, "threshold": "auto"}),
@@ -162,7 +177,13 @@ def main(argv=None) -> int:
     done = {_key(r) for r in read_jsonl(results)} if results.is_file() else set()
     bins = build(args.threads)
     target_gguf, draft_gguf = default_gguf("target"), default_gguf("draft")
-    pairs = {} if args.report_only else {"llama.cpp": SpecPair.load(backend="llama.cpp", threads=args.threads)}
+    quant_gguf = requantized_gguf(draft_gguf, QUANT, args.threads)
+    pairs = {}
+    if not args.report_only:
+        pairs["llama.cpp"] = SpecPair.load(backend="llama.cpp", threads=args.threads)
+        pairs[f"llama.cpp {QUANT}"] = SpecPair.load(backend="llama.cpp", draft_quant=QUANT, threads=args.threads)
+        for name, pair in pairs.items():  # pinned: a resumed run prices (and so picks auto) the same way
+            measure_costs(pair, pin=out / f"costs-{name.replace(' ', '-')}.json")
     torch_temps = [float(t) for t in args.torch_temperatures.split(",") if t.strip()]
     if torch_temps and not args.report_only:
         pairs["torch"] = SpecPair.load(draft_quant="int8", threads=args.threads)
@@ -183,10 +204,11 @@ def main(argv=None) -> int:
             if i == 0 and ds == order[0][0]:
                 for pair in pairs.values():
                     pair.generate(ids, policy="ar", temperature=temp, max_new_tokens=8)
-            for engine, pair in pairs.items():
+            for name, pair in pairs.items():
+                engine = name.split()[0]
                 if engine == "torch" and temp not in torch_temps:
                     continue
-                for label, policy, kw in our_configs(engine):
+                for label, policy, kw in our_configs(name):
                     row = {"dataset": ds, "prompt_idx": i, "temperature": temp, "engine": engine, "config": label,
                            "prompt_tokens": len(ids)}
                     if _key(row) in done:
@@ -198,12 +220,14 @@ def main(argv=None) -> int:
                           file=sys.stderr, flush=True)
             if temp != 0:
                 continue
-            for k in DRAFT_MAX:
+            examples = [(f"draft-max {k}" + (" (default)" if k == 3 else ""), draft_gguf, k) for k in DRAFT_MAX]
+            examples.append((f"draft-max 3 (draft {QUANT})", quant_gguf, 3))
+            for label, draft_file, k in examples:
                 row = {"dataset": ds, "prompt_idx": i, "temperature": temp, "engine": "llama.cpp example",
-                       "config": f"draft-max {k}" + (" (default)" if k == 3 else ""), "prompt_tokens": len(ids)}
+                       "config": label, "prompt_tokens": len(ids)}
                 if _key(row) in done:
                     continue
-                row.update(spec_example(bins, target_gguf, draft_gguf, chat_text, args.max_new_tokens, k,
+                row.update(spec_example(bins, target_gguf, draft_file, chat_text, args.max_new_tokens, k,
                                         args.threads))
                 append_jsonl(results, row)
                 done.add(_key(row))
@@ -216,7 +240,8 @@ def main(argv=None) -> int:
           f"{int(statistics.mean(lengths))}-token context": bench_tg(bins, target_gguf, args.max_new_tokens,
                                                                      int(statistics.mean(lengths)), args.threads)}
     (out / "llama_bench.json").write_text(json.dumps(tg, indent=1) + "\n")
-    md = report(list(read_jsonl(results)), tg, build_flags(bins), args)
+    costs = {p.stem[len("costs-"):]: json.loads(p.read_text()) for p in sorted(out.glob("costs-*.json"))}
+    md = report(list(read_jsonl(results)), tg, build_flags(bins), args, costs)
     (out / "report.md").write_text(md)
     print(md)
     return 0
@@ -234,7 +259,45 @@ def _speed(rows: list[dict], field: str = "decode_tok_s") -> float:
     return sum(r["n_tokens"] for r in rows) / sum(r[time_field] for r in rows)
 
 
-def report(rows: list[dict], tg: dict, flags: str, args) -> str:
+def break_even(costs: dict, k: int) -> tuple[float, float, float | None]:
+    """(drafting K c, verification's excess v(K + 1) - 1, the per-candidate acceptance alpha a fixed K
+    needs to beat the target alone), in target steps: a round of fixed K yields (1 - alpha^(K+1)) /
+    (1 - alpha) tokens on average (independent acceptances) for K c + v(K + 1) steps (Eq. 3.2 with the
+    measured per-length verification). None where even alpha = 1 (K + 1 tokens a round) falls short."""
+    t = costs["t_target"]
+    draft, verify = k * costs["t_draft"] / t, costs["t_verify"][k] / t if len(costs["t_verify"]) > k else None
+    if verify is None:
+        verify = (costs["t_target"] + costs["t_cand"] * k) / t
+    cost = draft + verify
+    if cost >= k + 1:
+        return draft, verify - 1, None
+    lo, hi = 0.0, 1.0
+    for _ in range(60):  # tokens per round grows with alpha: bisect
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(mid ** j for j in range(k + 1)) < cost else (lo, mid)
+    return draft, verify - 1, hi
+
+
+def cost_section(costs: dict) -> list[str]:
+    lines = ["## Forward costs and what speculation needs (Eq. 3.2)", "",
+             "Measured through the binding after a 256-token context (costs.py), pinned for the run. A round of "
+             "fixed K costs K c target steps of drafting plus one verification pass of K + 1 tokens, v(K + 1) "
+             "steps; it pays only if the tokens it yields exceed that. `alpha needed` is the per-candidate "
+             "acceptance at which fixed K breaks even with the target alone (none: not even at alpha = 1).", ""]
+    table = []
+    for name, c in costs.items():
+        t = c["t_target"]
+        verify = " / ".join(f"{v / t:.2f}" for v in c.get("t_verify", [])[:6])
+        for k in (1, 2, 3, 4):
+            draft, excess, alpha = break_even(c, k)
+            table.append([name, f"{1e3 * t:.1f}", f"{c['t_draft'] / t:.2f}", verify if k == 1 else "", str(k),
+                          f"{draft:.2f}", f"{excess:.2f}", "none" if alpha is None else f"{alpha:.2f}"])
+    lines += [md_table(["pair", "t_target ms", "c = t_draft / t_target", "v(1..6) in steps", "K", "drafting K c",
+                        "verification excess v(K+1) - 1", "alpha needed"], table), ""]
+    return lines
+
+
+def report(rows: list[dict], tg: dict, flags: str, args, costs: dict | None = None) -> str:
     by = defaultdict(list)
     for r in rows:
         by[(r["dataset"], r["temperature"], r["engine"], r["config"])].append(r)
@@ -270,8 +333,9 @@ def report(rows: list[dict], tg: dict, flags: str, args) -> str:
             table.append(cells)
         lines += [f"## {mode}", "", md_table(["engine", "configuration", *datasets], table), ""]
         goals += _goals(by, datasets, temp, tg)
-    lines += ["## Goals (ratios from the rows above)", "", md_table(["goal", "dataset", "ratio", "met"], goals), "",
-              f"Written {time.strftime('%Y-%m-%d %H:%M')} by `python eval/bench_llama_cpp.py`."]
+    lines += ["## Goals (ratios from the rows above)", "", md_table(["goal", "dataset", "ratio", "met"], goals), ""]
+    lines += cost_section(costs) if costs else []
+    lines += [f"Written {time.strftime('%Y-%m-%d %H:%M')} by `python eval/bench_llama_cpp.py`."]
     return "\n".join(lines) + "\n"
 
 
@@ -305,9 +369,9 @@ def _goals(by, datasets, temp, tg) -> list[list[str]]:
                     _speed(spec) / _speed(ex), 1.25)
             if ds in ("humaneval", "gsm8k"):
                 add(f"greedy: SpecDec++ ({label}) / llama.cpp alone (>= 1.15)", ds, _speed(spec) / _speed(ar), 1.15)
-        auto = by[(ds, temp, "llama.cpp", "specdec++ h=auto")]
-        if auto:
-            add(f"{mode}: SpecDec++ h=auto on llama.cpp / llama.cpp alone (>= 0.97)", ds, _speed(auto) / _speed(ar), 0.97)
+        for label in sorted({k[3] for k in by if k[:3] == (ds, temp, "llama.cpp") and k[3].startswith("specdec++ h=auto")}):
+            add(f"{mode}: SpecDec++ {label[len('specdec++ '):]} on llama.cpp / llama.cpp alone (>= 0.97)", ds,
+                _speed(by[(ds, temp, "llama.cpp", label)]) / _speed(ar), 0.97)
     return out
 
 

@@ -206,10 +206,8 @@ def test_auto_through_specpair(head_and_data, tmp_path, monkeypatch, capsys):
     tok = make_tokenizer(32)
     # tiny models' measured costs make every h lose to the target alone: the pick is tested on the costs
     # of a cheap draft here, and on those of a dear one at the end
-    import adaptive_spec.decoding.costs as costs_mod
-
     cheap, dear = Costs(0.001, 0.01, 0.0, "cheap", "now"), Costs(0.0095, 0.01, 0.0, "dear", "now")
-    monkeypatch.setattr(costs_mod, "measure_costs", lambda pair, *a, **k: cheap)
+    monkeypatch.setattr(AU, "measure_costs", lambda pair, *a, **k: cheap)
 
     def measure_costs(pair):
         return cheap
@@ -237,7 +235,7 @@ def test_auto_through_specpair(head_and_data, tmp_path, monkeypatch, capsys):
         pair.generate([5], policy="confidence", threshold="auto")
     with pytest.raises(UserError, match="made with k_max 20"):
         pair.generate([5], policy="learned", head=str(head_dir), threshold="auto", k_max=5)
-    monkeypatch.setattr(costs_mod, "measure_costs", lambda pair, *a, **k: dear)
+    monkeypatch.setattr(AU, "measure_costs", lambda pair, *a, **k: dear)
     pair = new_pair()
     g = pair.generate([5, 6, 7], policy="learned", head=str(head_dir), threshold="auto", temperature=0,
                       max_new_tokens=12)

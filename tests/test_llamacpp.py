@@ -9,12 +9,12 @@ loads run everywhere.
 """
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from adaptive_spec.backends import llamacpp
-
+from adaptive_spec.backends import llama_build, llamacpp
 from adaptive_spec.decoding import sampling
 from adaptive_spec.decoding.decoder import Decoder
 from adaptive_spec.errors import UserError
@@ -116,6 +116,34 @@ def test_distribution_is_exact_on_llama_cpp(tiny_ggufs, params, policy):
 
 
 @needs_binding
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+def test_a_requantized_draft_keeps_the_output_exact(tmp_path, monkeypatch, qtype):
+    """--draft-quant q4_0 / q8_0 on llama.cpp: the draft's GGUF re-quantized once (cached, a rerun
+    reuses the file) changes only the proposals; the output is still exactly the target's."""
+    monkeypatch.setenv("ADAPTIVE_SPEC_CACHE", str(tmp_path / "cache"))
+    # 32 wide: the rows fit Q4_0's and Q8_0's 32-value blocks, so the types really change
+    src = save_gguf(make_model(V, hidden_size=32, layers=1, seed=4, logit_scale=3.0), tmp_path / "draft.gguf")
+    path = llamacpp.requantized_gguf(src, qtype, threads=1)
+    assert path.is_file() and qtype in path.name and path.stat().st_size < src.stat().st_size
+    mtime = path.stat().st_mtime_ns
+    assert llamacpp.requantized_gguf(src, qtype) == path and path.stat().st_mtime_ns == mtime
+    target, draft = lm(tiny_ggufs_target(tmp_path)), lm(path)
+    params, prompt = SamplingParams(1.0), [1, 2]
+    probs = exact.exact_sequence_probs(target, prompt, params, V, L)
+    counts = exact.sample_counts(Decoder(target, draft), prompt, params, FixedK(2), N, L)
+    assert chi_square_pvalue(counts, probs, N) > 1e-3
+
+
+def tiny_ggufs_target(root):
+    return save_gguf(make_model(V, hidden_size=16, layers=1, seed=3, logit_scale=3.0), root / "target.gguf")
+
+
+def test_an_unknown_gguf_quantization_is_refused():
+    with pytest.raises(UserError, match="unknown GGUF quantization 'int8'; use one of q4_0, q8_0"):
+        llamacpp.requantized_gguf("any.gguf", "int8")
+
+
+@needs_binding
 def test_the_check_fails_on_a_wrong_residual_through_llama_cpp(tiny_ggufs, monkeypatch):
     target, draft = lm(tiny_ggufs["target"][1]), lm(tiny_ggufs["draft"][1])
     params, prompt = SamplingParams(1.0), [1, 2]
@@ -182,7 +210,8 @@ def cli(argv, capsys):
 @pytest.mark.parametrize("extra,needle", [
     (["--policy", "tree"], "does not run on the llama.cpp backend"),
     (["--policy", "spectr", "--k", "2"], "does not run on the llama.cpp backend"),
-    (["--policy", "fixed", "--draft-quant", "int8"], "draft_quant='int8': the llama.cpp backend"),
+    (["--policy", "fixed", "--draft-quant", "int8"], "draft_quant='int8' does not run on the llama.cpp backend; it "
+     "takes none, q4_0, q8_0"),
     (["--policy", "fixed", "--dtype", "bf16", "--kv-cache", "static"], "dtype='bf16', kv_cache='static': the llama"),
     (["--policy", "learned", "--threshold", "0.3", "--head", "checkpoints/qwen-coder-0.5b-int8-hidden-d3"],
      "reads the draft's hidden states"),
@@ -199,7 +228,7 @@ def test_cli_refuses_before_any_model_loads(capsys, monkeypatch, extra, needle):
 def test_cli_names_the_install_command_without_the_binding(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp now raises ImportError
     rc, err = cli(["generate", "--prompt", "hi", "--backend", "llama.cpp", "--policy", "fixed"], capsys)
-    assert rc == 2 and len(err) == 1 and "pip install llama-cpp-python==" in err[0] and "make setup" in err[0]
+    assert rc == 2 and len(err) == 1 and "llama_build install" in err[0] and "make setup" in err[0]
 
 
 def test_torch_only_n_ctx_is_refused(capsys):
@@ -242,13 +271,54 @@ def test_real_pair_greedy_speculative_equals_greedy_target():
     assert len(mismatches) <= runs // 2
 
 
-def test_makefile_builds_the_binding_with_the_flags_the_errors_name():
-    """`make setup` and the install hint in every error compile llama.cpp with the same portable flags."""
-    from pathlib import Path
+AVX2_ONLY = frozenset("sse4_2 avx f16c fma avx2 bmi2".split())
+AVX512_XEON = AVX2_ONLY | frozenset("avx512f avx512cd avx512vl avx512dq avx512bw avx512_vnni".split())
+AMX_XEON = AVX512_XEON | frozenset("avx512vbmi avx512_bf16 amx_tile amx_int8 amx_bf16".split())
 
+
+def test_build_flags_follow_the_cpu_and_never_turn_amx_on():
+    """The three kinds of CPU here get three builds; none is -march=native or uses AMX, and an
+    AVX-512 extension is never on without AVX-512 itself."""
+    if not llama_build.x86():
+        pytest.skip("x86 instruction sets: this machine is not x86-64")
+    builds = {name: llama_build.cmake_args(f) for name, f in
+              (("avx2", AVX2_ONLY), ("avx512", AVX512_XEON), ("amx", AMX_XEON))}
+    for args in builds.values():
+        assert "-DGGML_NATIVE=OFF" in args and "-march=native" not in args
+        assert all(f"-DGGML_{a}=OFF" in args for a in ("AMX_TILE", "AMX_INT8", "AMX_BF16"))
+    assert "-DGGML_AVX2=ON" in builds["avx2"] and "-DGGML_AVX512=OFF" in builds["avx2"]
+    assert "-DGGML_AVX512=ON" in builds["avx512"] and "-DGGML_AVX512_VNNI=ON" in builds["avx512"]
+    assert "-DGGML_AVX512_BF16=OFF" in builds["avx512"] and "-DGGML_AVX512_BF16=ON" in builds["amx"]
+    # VNNI without the AVX-512 foundation (a CPU that reports only some of its subsets) stays off
+    assert "-DGGML_AVX512_VNNI=OFF" in llama_build.cmake_args(AVX2_ONLY | {"avx512_vnni"})
+    tiers = {llama_build.tier(f) for f in (AVX2_ONLY, AVX512_XEON, AMX_XEON)}
+    assert tiers == {"avx2", "avx2-avx512-vnni", "avx2-avx512-vbmi-vnni-bf16"}
+
+
+def test_a_build_for_missing_instructions_is_named():
+    """llama.cpp's system info lists what its library was compiled for; a CPU lacking one is told
+    which, so a .venv carried to an AVX2 machine is refused instead of dying with SIGILL."""
+    if not llama_build.x86():
+        pytest.skip("x86 instruction sets: this machine is not x86-64")
+    info = "CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | AVX512 = 1 | " \
+           "AVX512_VNNI = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 |"
+    assert llama_build.missing_instructions(info, AVX512_XEON | {"pni", "ssse3"}) == []
+    assert llama_build.missing_instructions(info, AVX2_ONLY | {"pni", "ssse3"}) == ["AVX512", "AVX512_VNNI"]
+
+
+def test_makefile_installs_through_the_build_module():
+    """`make setup` and the install hint in every error go through the same module."""
     make = (Path(__file__).parent.parent / "Makefile").read_text()
-    assert f"LLAMA_CMAKE_ARGS := {llamacpp.CMAKE_ARGS}\n" in make
-    assert "-march=native" not in llamacpp.CMAKE_ARGS and "-DGGML_NATIVE=OFF" in llamacpp.CMAKE_ARGS
+    assert "llama_build.py install" in make and f"llama-cpp-python-{llama_build.VERSION}-" in make
+    assert "llama_build" in llamacpp.INSTALL_HINT and "CMAKE_ARGS" not in make.split("LLAMA_TIER")[0]
+
+
+@needs_binding
+def test_the_installed_binding_runs_on_this_cpu():
+    """The library imported here was built for instructions this CPU has (what _init checks)."""
+    ll = llamacpp.import_llama_cpp()
+    llamacpp._init(ll)
+    assert llama_build.missing_instructions(ll.llama_print_system_info().decode()) == []
 
 
 # ------------------------------------------------------------------------------ a sweep on llama.cpp

@@ -74,8 +74,13 @@ def test_bad_quant_is_refused_before_loading():
     from adaptive_spec.backends.models import QUANTS
     from adaptive_spec.params import DRAFT_QUANTS, PairParams
 
-    assert DRAFT_QUANTS == QUANTS  # params spells the list out: it imports no torch
-    assert typing.get_args(PairParams.model_fields["draft_quant"].annotation) == QUANTS
+    assert DRAFT_QUANTS["torch"] == QUANTS  # params spells the list out: it imports no torch
+    assert typing.get_args(PairParams.model_fields["draft_quant"].annotation) == tuple(
+        dict.fromkeys(DRAFT_QUANTS["torch"] + DRAFT_QUANTS["llama.cpp"]))
+    with pytest.raises(ValueError, match="does not run on the torch backend; it takes none, int8, int4"):
+        PairParams(draft_quant="q4_0")
+    with pytest.raises(ValueError, match="does not run on the llama.cpp backend; it takes none, q4_0, q8_0"):
+        PairParams(backend="llama.cpp", draft_quant="int8")
 
 
 def test_int8_linear_dense_path_for_many_rows_matches_the_kernel():

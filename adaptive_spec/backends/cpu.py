@@ -26,22 +26,11 @@ from pathlib import Path
 import torch
 
 from ..errors import first_line
+from .llama_build import cpu_flags  # /proc/cpuinfo read once, in the stdlib-only set-up module
 
 # the flags that decide a kernel; the rest of /proc/cpuinfo says nothing about our paths
 KEY_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
              "avx512_bf16", "avx_vnni", "avx_ne_convert", "amx_tile", "amx_bf16", "amx_int8")
-
-
-@functools.lru_cache(maxsize=None)
-def cpu_flags() -> frozenset:
-    """The CPU's feature flags from /proc/cpuinfo (Linux); empty where that file does not exist."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 @functools.lru_cache(maxsize=None)

@@ -19,8 +19,9 @@ multi-draft policies are refused on this engine; `provides_hidden` says so). A s
 reads only the draft's own distribution, so it runs here; `hidden` is a constant zero vector of
 the model's width, which such a head ignores.
 
-The binding is an optional dependency (`make setup` builds it once; see the Makefile for the
-flags): `import_llama_cpp` names the install command when it is missing.
+The binding is an optional dependency, compiled once per kind of CPU (llama_build.py: which
+instruction sets, and why not -march=native): `import_llama_cpp` names the install command when
+it is missing, and `_init` refuses a build this CPU cannot run.
 """
 from __future__ import annotations
 
@@ -38,17 +39,12 @@ import numpy as np
 import torch
 
 from ..errors import UserError
+from .fetch import cache_dir, default_gguf
+from .llama_build import VERSION, install_command, missing_instructions
 
 log = logging.getLogger(__name__)
 
-VERSION = "0.3.36"  # llama-cpp-python, pinned: the Makefile builds this one
-# Flags every CPU here runs: ggml's portable x86-64 set (SSE4.2, AVX, AVX2, FMA, F16C, BMI2) with
-# -march=native off. A native build on an AMX Xeon dies with SIGILL on batches >= 2 (an AMX tile
-# instruction in a worker thread), and a wheel built on one machine must run on the next.
-CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "
-              "-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF")
-INSTALL_HINT = (f'CMAKE_ARGS="{CMAKE_ARGS}" pip install llama-cpp-python=={VERSION} '
-                "(or `make setup`, which does this; it compiles llama.cpp once, about 5 minutes on 2 cores)")
+INSTALL_HINT = install_command() + "; it compiles llama.cpp once for this CPU, about 5 minutes on 2 cores"
 BACKENDS = ("torch", "llama.cpp")
 DEFAULT_N_CTX = 4096
 
@@ -90,7 +86,7 @@ def check_head_inputs(head) -> None:
 def import_llama_cpp():
     """The binding's low-level module, or a UserError naming the install command."""
     try:
-        import llama_cpp
+        import llama_cpp  # optional: the [llama] extra, compiled per CPU
     except ImportError as e:
         raise UserError(f"the llama.cpp backend needs llama-cpp-python, which is not installed here ({e}); "
                         f"install it with: {INSTALL_HINT}") from None
@@ -128,6 +124,11 @@ def _init(ll) -> None:
         _log_cb = _cb
         ll.llama_log_set(_log_cb, ctypes.c_void_p())
         ll.llama_backend_init()
+        # a library built for instructions this CPU lacks dies on the first one it meets: refuse it now
+        missing = missing_instructions(ll.llama_print_system_info().decode(errors="replace"))
+        if missing:
+            raise UserError(f"this llama-cpp-python was compiled for {', '.join(missing)}, which this CPU lacks "
+                            f"(a .venv made on another machine?); rebuild it for this CPU: {INSTALL_HINT}")
         _initialised = True
 
 
@@ -176,8 +177,6 @@ def resolve_gguf(name: str | None, role: str) -> Path:
     """A GGUF file for `role`: "default" (the default pair's, kept by fetch-models), a local .gguf
     path, or a hub file as "owner/repo:FILE.gguf" (downloaded into the Hugging Face cache)."""
     if name in (None, "default"):
-        from .fetch import default_gguf
-
         return default_gguf(role)
     p = Path(name).expanduser()
     if p.is_file():
@@ -189,7 +188,7 @@ def resolve_gguf(name: str | None, role: str) -> Path:
         raise UserError(f"{p} holds {len(found)} .gguf files; name the one to load ({role})")
     if ":" in name and name.endswith(".gguf"):
         repo, filename = name.split(":", 1)
-        from huggingface_hub import hf_hub_download
+        from huggingface_hub import hf_hub_download  # only for hub files: keeps the load path light
 
         try:
             return Path(hf_hub_download(repo, filename))
@@ -198,6 +197,52 @@ def resolve_gguf(name: str | None, role: str) -> Path:
                             f"{str(e).splitlines()[0] if str(e) else ''}); pass a local .gguf path") from None
     raise UserError(f"the llama.cpp backend loads GGUF files: {name!r} ({role}) is neither a .gguf file, a folder "
                     "with one, nor a hub file written owner/repo:FILE.gguf")
+
+
+def file_fingerprint(path: str | Path) -> str:
+    """Name, size and the first MiB of a file: instant, and enough to tell two GGUFs apart."""
+    path = Path(path)
+    h = hashlib.sha256(f"{path.name}:{path.stat().st_size}".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+# llama.cpp file types a draft can be re-quantized to (PairParams.draft_quant on this engine)
+GGUF_QUANTS = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}
+
+
+def requantized_gguf(path: str | Path, qtype: str, threads: int | None = None) -> Path:
+    """`path` re-quantized to `qtype` by llama.cpp, made once (seconds for a 0.5B draft) and kept in
+    <cache>/gguf/ under a name holding the source's fingerprint.
+
+    Why a draft may want it: which kernels run is set by the file's tensor types, not its size. A
+    "Q4_K_M" file of a model whose rows are not a multiple of 256 wide (Qwen2.5-0.5B: 896) holds
+    mostly Q5_0 tensors, which ggml's CPU backend has no repacked kernel for, so its step can cost as
+    much as the target's; Q4_0 and Q8_0 run ggml's fastest CPU paths. Only the draft's proposals
+    change: rejection sampling against the target keeps the output exactly the target's."""
+    if qtype not in GGUF_QUANTS:
+        raise UserError(f"unknown GGUF quantization {qtype!r}; use one of {', '.join(GGUF_QUANTS)}")
+    path = Path(path)
+    out = cache_dir() / "gguf" / f"{path.stem}.{qtype}.{file_fingerprint(path)}.gguf"
+    if out.is_file():
+        return out
+    ll = import_llama_cpp()
+    _init(ll)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".partial")
+    params = ll.llama_model_quantize_default_params()
+    params.ftype = getattr(ll, GGUF_QUANTS[qtype])
+    params.allow_requantize = True  # the source is quantized already
+    params.nthread = int(threads or os.cpu_count() or 1)
+    log.info("re-quantizing %s to %s (once; kept as %s)", path.name, qtype, out)
+    rc = ll.llama_model_quantize(str(path).encode(), str(tmp).encode(), ctypes.byref(params))
+    if rc != 0 or not tmp.is_file():
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"llama.cpp could not re-quantize {path.name} to {qtype} (code {rc}): its tensors may not "
+                        "fit the type's block size; use --draft-quant none")
+    os.replace(tmp, out)  # a run stopped half way leaves only the .partial file
+    return out
 
 
 # ---------------------------------------------------------------------------------------- model
@@ -231,11 +276,7 @@ class GGUFModel:
         self.name_or_path = str(self.path)
 
     def fingerprint(self) -> str:
-        """Name, size and the first MiB of the file: instant, and enough to tell two GGUFs apart."""
-        h = hashlib.sha256(f"{self.path.name}:{self.path.stat().st_size}".encode())
-        with open(self.path, "rb") as f:
-            h.update(f.read(1 << 20))
-        return h.hexdigest()[:16]
+        return file_fingerprint(self.path)
 
 
 class LlamaCppLM:

@@ -23,6 +23,8 @@ from pathlib import Path
 
 from ..errors import UserError, get_logger
 from ..runs import read_json
+from .costs import measure_costs
+from .timemodel import coef_of, effective_model, predict_time
 
 log = get_logger(__name__)
 
@@ -95,8 +97,6 @@ def pick(curve: dict, need: str, costs, model: str = DEFAULT_TIME_MODEL, k_max: 
     N / T under `model` with the measured `costs`; with every candidate's prediction. For h under
     the table model (with per-length verification times measured), the curve's capped rounds
     (`capped`, K <= cap < k_max) compete too, and the pick says its cap as "k_max"."""
-    from .timemodel import coef_of, effective_model, predict_time
-
     coef = coef_of(costs, model)
     model = effective_model(costs, model)
     points = curve["thresholds"] if need == "h" else curve["fixed_k"]
@@ -147,8 +147,6 @@ def resolve_auto(pair, params, model: str | None = None, temperature: float | No
     memo = pair.auto_picks
     key = (str(curve_path(source)), need, model, k_max)
     if key not in memo:
-        from .costs import measure_costs
-
         memo[key] = pick(curve, need, measure_costs(pair), model, k_max)
         memo[key]["curve"] = key[0]
         log.info(describe_pick(memo[key]))

@@ -27,6 +27,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+import torch
+
+from ..backends.cpu import describe
+from ..backends.models import model_fingerprint
 from ..errors import UserError, get_logger
 from ..runs import write_json
 from ..timing import timed
@@ -77,18 +82,13 @@ class Costs:
 
 
 def costs_dir() -> Path:
-    from ..backends.fetch import cache_dir
+    from ..backends.fetch import cache_dir  # the downloader: a generation that measures nothing never loads it
 
     return cache_dir() / "costs"
 
 
 def cost_config(pair) -> dict:
     """What the forward times depend on (hashed into the cache key)."""
-    import torch
-
-    from ..backends.cpu import describe
-    from ..backends.models import model_fingerprint
-
     machine = describe()
     device = pair.target.device
     config = {"cpu": machine["cpu"], "cpu_flags": machine["cpu_flags"], "isa": machine["isa"], "context": PREFIX,
@@ -207,8 +207,6 @@ def _read_costs_file(path: Path, what: str, key: str | None = None) -> tuple[dic
 
 
 def _measure(pair, reps: int, key: str) -> Costs:
-    import numpy as np
-
     if reps < 1:
         raise UserError(f"reps must be >= 1, got {reps}")
     cells = [(pair.draft, 1, False)] + [(pair.target, n, True) for n in VERIFY_LENGTHS]
@@ -252,8 +250,6 @@ def _interleaved_times(cells, reps: int) -> list[float]:
     1.5x between runs) slows every cell alike instead of whichever length was timed during it;
     round 0 is a warm-up (allocation, kernel selection). Each runner is left reset and its counters
     as they were, so measuring never shows up in a generation's metrics."""
-    import torch
-
     # per runner: its context length and the token ids (context, then the longest pass it feeds)
     ctx = {}
     for lm, _, _ in cells:

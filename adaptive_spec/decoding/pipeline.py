@@ -84,7 +84,8 @@ class SpecPair:
         self.params = params  # the settings it was loaded with (None: built from models directly)
         # the draft configuration a head's warning and the cost cache compare against
         self.draft_config = ({} if params is None else
-                             {"backend": "llama.cpp", "draft_quant": "gguf", "draft_vocab": "full"}
+                             {"backend": "llama.cpp", "draft_quant": "gguf" if params.draft_quant == "none"
+                              else f"gguf-{params.draft_quant}", "draft_vocab": "full"}
                              if params.backend == "llama.cpp" else
                              {"draft_quant": params.draft_quant, "draft_vocab": params.draft_vocab or "full"})
         self.auto_picks: dict = {}  # auto.resolve_auto's picks, made once per (curve, need, model, k_max)
@@ -123,13 +124,16 @@ class SpecPair:
     def _load_llama_cpp(cls, params: PairParams) -> "SpecPair":
         """Both models as GGUF files in llama.cpp; the Hugging Face tokenizer (the same ids as the torch
         backend, chat template included). PairParams has refused the torch-only settings already."""
-        from ..backends.llamacpp import GGUFModel, LlamaCppLM, check_gguf_pair, import_llama_cpp, resolve_gguf
+        from ..backends.llamacpp import (GGUFModel, LlamaCppLM, check_gguf_pair, import_llama_cpp, requantized_gguf,
+                                         resolve_gguf)
 
         import_llama_cpp()
         target_path = resolve_gguf(params.target, "target")
         draft_path = resolve_gguf(params.draft, "draft") if params.draft is not None else None
         if draft_path is not None:
             check_gguf_pair(draft_path, target_path)
+            if params.draft_quant != "none":
+                draft_path = requantized_gguf(draft_path, params.draft_quant, params.threads)
         tok, eos = _gguf_tokenizer(params.target, target_path)
         threads = params.threads or torch.get_num_threads()
         t = LlamaCppLM(GGUFModel(target_path), n_ctx=params.n_ctx, n_threads=threads)

@@ -60,6 +60,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from ..errors import UserError
 from ..tables import fmt, md_table
 
 COLUMNS = {"t_draft": "n_draft_forwards", "t_target": "n_target_forwards", "t_cand": "n_drafted"}
@@ -103,8 +104,6 @@ def effective_model(costs, model: str) -> str:
 
 def _check_model(model: str) -> str:
     if model not in MODELS and model not in MEASURED_ONLY:
-        from ..errors import UserError
-
         raise UserError(f"unknown time model {model!r}; use one of {', '.join((*MODELS, *MEASURED_ONLY))}")
     return model
 
