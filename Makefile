@@ -25,6 +25,7 @@ $(STAMP): pyproject.toml constraints.txt
 LLAMA_STAMP := .venv/.llama-cpp-python-0.3.36-$(LLAMA_TIER)
 $(LLAMA_STAMP): $(STAMP)
 	$(PY) adaptive_spec/backends/llama_build.py install -c constraints.txt
+	touch $@
 
 setup: $(STAMP) $(LLAMA_STAMP)
 
