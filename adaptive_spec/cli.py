@@ -6,8 +6,17 @@ import importlib
 import json
 import sys
 import typing
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as dist_version
+
+from transformers.utils import logging as hf_logging
 
 from . import params
+from .backends.llamacpp import check_head_inputs, check_policy, import_llama_cpp
+from .backends.models import resolve_model_path
+from .backends.vocab import build_token_list
+from .decoding.pipeline import SpecPair
+from .decoding.sampling import SamplingParams
 from .errors import UserError, run_main
 
 # subcommands with their own argument parsers: everything after the name is theirs
@@ -29,9 +38,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as dist_version
-
     try:
         return dist_version("adaptive_spec")
     except PackageNotFoundError:  # run from a checkout that was never installed
@@ -103,8 +109,6 @@ def _add_sampling_args(g):
 def validate(args):
     """Every check that needs no model, before gigabytes of weights load: (PairParams,
     PolicyParams, SamplingParams). Each setting is checked by its params class, once."""
-    from .decoding.sampling import SamplingParams
-
     if not args.prompt.strip():
         raise UserError("the prompt is empty; pass some text with --prompt")
     if args.max_new_tokens < 1:
@@ -116,8 +120,6 @@ def validate(args):
     policy = params.policy_params(args.policy, spell=flag, **_set(args, params.policy_fields()))
     policy.check_sampling(sampling.temperature)
     if pair.backend == "llama.cpp":
-        from .backends.llamacpp import check_head_inputs, check_policy, import_llama_cpp
-
         check_policy(policy.name)
         check_head_inputs(getattr(policy, "head", None))
         import_llama_cpp()
@@ -128,10 +130,6 @@ def validate(args):
 
 def _generate(args) -> int:
     pair_params, policy, sampling = validate(args)
-    from transformers.utils import logging as hf_logging
-
-    from .decoding.pipeline import SpecPair
-
     hf_logging.disable_progress_bar()  # weight-loading bars would drown the streamed text
     pair = SpecPair.load(pair_params)
     stream = None if args.json else (lambda s: print(s, end="", flush=True))
@@ -186,10 +184,7 @@ def _delegate(name: str, argv: list[str]) -> int:
 def _draft_vocab(argv: list[str]) -> int:
     """adaptive-spec draft-vocab: count token frequencies over texts and write a token list for
     --draft-vocab (vocab.py)."""
-    from transformers import AutoTokenizer
-
-    from .backends.models import resolve_model_path
-    from .backends.vocab import build_token_list
+    from transformers import AutoTokenizer  # heavy: the tokenizer registry, for this subcommand only
 
     ap = _Parser(prog="adaptive-spec draft-vocab", description=_draft_vocab.__doc__)
     ap.add_argument("--tokenizer", default="default", help="model whose tokenizer counts (hub id, folder or 'default')")
@@ -207,7 +202,7 @@ def _datagen_features(argv: list[str]) -> int:
     """adaptive-spec datagen-features: complete a datagen run stored without features (e.g. the
     committed data/datagen/mix) with the draft's hidden states, into a folder that training,
     autotune and eval/ablate_heads.py read (datagen/features.py)."""
-    from .datagen.features import run
+    from .datagen.features import run  # a subcommand's module: loaded when it runs, as DELEGATED's are
 
     ap = _Parser(prog="adaptive-spec datagen-features", description=_datagen_features.__doc__)
     ap.add_argument("--data", required=True, help="datagen folder whose shards have no features (e.g. data/datagen/mix)")
@@ -230,7 +225,7 @@ def _autotune(argv: list[str]) -> int:
     """adaptive-spec autotune: replay an acceptance head on the dev responses of a datagen run and
     save the expected counts per threshold h and per fixed K beside the head (threshold_curve.json:
     machine-independent), which --threshold auto and --k auto turn into a pick for the running machine."""
-    from .training.autotune import curve_table, make_curve
+    from .training.autotune import curve_table, make_curve  # a subcommand's module, as above
 
     ap = _Parser(prog="adaptive-spec autotune", description=_autotune.__doc__)
     ap.add_argument("--head", default=None, help="acceptance head folder (omit for the per-K curve only, with --out)")

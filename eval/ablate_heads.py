@@ -14,7 +14,7 @@ Input sets (a head's `feature` and `inputs`, adaptive_spec/heads/head.py):
   stats          feature=context, inputs=stats: the draft's statistics alone, no hidden state (not in
                  the default grid): what a hidden-state head must beat to be worth its inputs
 
-Each head is one `adaptive_spec.training.train.train` run in <out>/<set>-d<D>-wrej<w>/ (resumed after an
+Each head is one `adaptive_spec.training.loop.train` run in <out>/<set>-d<D>-wrej<w>/ (resumed after an
 interruption, skipped once finished); key=value overrides apply to every run (e.g. epochs=2).
 All heads share the config's target (default accept_prob = min(1, p/q)), so their metrics
 compare. Overall dev metrics are those of the exported head (lowest dev loss); per-source ones
@@ -44,7 +44,10 @@ from adaptive_spec.errors import UserError, run_main
 from adaptive_spec.heads.head import AcceptanceHead, shard_inputs, shard_positions
 from adaptive_spec.runs import atomic_write, write_json
 from adaptive_spec.tables import fmt, md_table
-from adaptive_spec.training.train import TrainConfig, dataset_sources, prediction_metrics, read_manifest, train
+from adaptive_spec.training.data import dataset_sources, read_manifest
+from adaptive_spec.training.loop import train
+from adaptive_spec.training.metrics import prediction_metrics
+from adaptive_spec.training.settings import TrainConfig
 
 VARIANTS = {"hidden": ("token", "hidden"), "hidden+stats": ("token", "hidden+stats"),
             "context": ("context", "hidden"), "context+stats": ("context", "hidden+stats"),
@@ -137,7 +140,7 @@ def reference_auc(data: Path, manifest: dict) -> dict:
     from safetensors.torch import load_file
 
     from adaptive_spec.heads.features import CONTEXT_KEY, position_map
-    from adaptive_spec.training.train import auc
+    from adaptive_spec.training.metrics import auc
 
     names = dataset_sources(manifest)
     lq, ps, srcs = [], [], []

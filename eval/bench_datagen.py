@@ -92,7 +92,8 @@ def main(argv=None) -> int:
         grid += [(concrete, b, t) for b in batch_sizes for t in threads]
         if not todo:
             continue
-        pair = datagen.load_models(dataclasses.replace(cfg, dtype=concrete), torch.device("cpu"))
+        as_dtype = dataclasses.replace(cfg, pair=cfg.pair.model_copy(update={"dtype": concrete}))
+        pair = datagen.load_models(as_dtype, torch.device("cpu"))
         train = [e for _, e in datagen.plan_splits(cfg, pair[2])["train"]]
         for b, t in todo:
             prompts = train[:max(args.prompts, b)]
@@ -105,7 +106,7 @@ def main(argv=None) -> int:
     rows = [r for r in read_jsonl(results) if (r["dtype"], r["batch_size"], r["threads"]) in grid
             and all(r.get(k) == v for k, v in setting.items())]
     md = (f"# Datagen throughput\n\n{flags_line()}\n\n"
-          f"Config {args.config} (draft_quant {cfg.draft_quant}, draft_vocab {cfg.draft_vocab or 'full'}, "
+          f"Config {args.config} (draft_quant {cfg.pair.draft_quant}, draft_vocab {cfg.pair.draft_vocab or 'full'}, "
           f"max_new_tokens {cfg.max_new_tokens}, features {cfg.store_features}); {args.prompts} train prompts per "
           f"cell (at least one batch). Written {time.strftime('%Y-%m-%d %H:%M')}.\n\n" + table(rows))
     (out / "table.md").write_text(md + "\n")

@@ -47,9 +47,12 @@ from adaptive_spec.runs import append_jsonl, read_jsonl
 from adaptive_spec.tables import md_table
 
 TOOLS = ("llama-bench", "llama-speculative-simple")
-# the binding's flags (llama_build.cmake_args()) minus what only the Python package knows, plus the tools
-TOOL_FLAGS = [a for a in cmake_args().split() if "LLAVA" not in a and "EXAMPLES" not in a and "TOOLS" not in a] + [
-    "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DCMAKE_BUILD_TYPE=Release"]
+
+
+def tool_flags(cpu_flags=None) -> list[str]:
+    """The binding's flags (llama_build.cmake_args()) minus what only the Python package knows, plus the tools."""
+    return [a for a in cmake_args(cpu_flags).split() if "LLAVA" not in a and "EXAMPLES" not in a and "TOOLS" not in a] + [
+        "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DCMAKE_BUILD_TYPE=Release"]
 HEAD = "checkpoints/qwen-coder-0.5b-int8-stats-d3"
 H_GRID = (0.2, 0.3)
 K_GRID = (3,)
@@ -68,11 +71,12 @@ def run(cmd: list[str], timeout: float = 3600) -> str:
     return p.stdout + p.stderr
 
 
-def build(threads: int) -> Path:
-    """llama.cpp's tools, built once into the cache from the llama-cpp-python sdist (pip download)."""
+def build(threads: int, cpu_flags=None, tools=TOOLS) -> Path:
+    """llama.cpp's tools, built once into the cache from the llama-cpp-python sdist (pip download),
+    for this CPU's instruction sets or for those `cpu_flags` (a subset of them) give."""
     root = cache_dir() / "llama.cpp" / f"llama-cpp-python-{VERSION}"
-    bins = root / f"build-{tier()}" / "bin"
-    if all((bins / t).is_file() for t in TOOLS):
+    bins = root / f"build-{tier(cpu_flags)}" / "bin"
+    if all((bins / t).is_file() for t in tools):
         return bins
     src = root / "src"
     if not (src / "CMakeLists.txt").is_file():
@@ -83,9 +87,10 @@ def build(threads: int) -> Path:
         with tarfile.open(sdist) as tf:
             tf.extractall(root / "unpacked", filter="data")
         (root / "unpacked" / sdist.name[:-len(".tar.gz")] / "vendor" / "llama.cpp").rename(src)
-    print(f"building {', '.join(TOOLS)} from llama-cpp-python {VERSION}'s llama.cpp (once)", file=sys.stderr)
-    run(["cmake", "-S", str(src), "-B", str(bins.parent), *TOOL_FLAGS])
-    run(["cmake", "--build", str(bins.parent), f"-j{threads}", "--target", *TOOLS])
+    print(f"building {', '.join(tools)} from llama-cpp-python {VERSION}'s llama.cpp for {tier(cpu_flags)} (once)",
+          file=sys.stderr)
+    run(["cmake", "-S", str(src), "-B", str(bins.parent), *tool_flags(cpu_flags)])
+    run(["cmake", "--build", str(bins.parent), f"-j{threads}", "--target", *tools])
     return bins
 
 

@@ -25,7 +25,7 @@ from adaptive_spec.datagen.generate import SPLITS, load_shard
 from adaptive_spec.errors import run_main
 from adaptive_spec.runs import atomic_write, project_path, read_manifest
 from adaptive_spec.tables import fmt, md_table
-from adaptive_spec.training.train import auc
+from adaptive_spec.training.metrics import auc
 
 HEADER = ["split", "source", "responses", "tokens", "loss positions", "mean length", "cut at cap", "mean P",
           "P = 1", "mean 1 - TV", "mean log q(Y)", "AUC log q(Y)", "AUC 1 - TV (knows p)"]

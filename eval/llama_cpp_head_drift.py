@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     from adaptive_spec.heads.head import AcceptanceHead, join_inputs
     from adaptive_spec.decoding.pipeline import SpecPair
     from adaptive_spec.decoding.sampling import process_logits, sample
-    from adaptive_spec.training.train import plot_reliability, prediction_metrics
+    from adaptive_spec.training.metrics import plot_reliability, prediction_metrics
 
     torch.set_num_threads(args.threads)
     head = AcceptanceHead.from_pretrained(args.head).eval()

@@ -34,7 +34,8 @@ from adaptive_spec.heads.features import CONTEXT_KEY, response_starts
 from adaptive_spec.heads.head import AcceptanceHead, join_inputs, reads_stats
 from adaptive_spec.backends.models import load_model
 from adaptive_spec.decoding.sampling import SamplingParams, process_logits
-from adaptive_spec.training.train import ACCEPTED, auc, binary_kl, mmap_tensor, read_small
+from adaptive_spec.training.data import mmap_tensor, read_small
+from adaptive_spec.training.metrics import ACCEPTED, auc, binary_kl
 
 
 def load_split(root: Path, manifest: dict, split: str, lm_head: torch.Tensor, params: SamplingParams,

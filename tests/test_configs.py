@@ -4,10 +4,11 @@ from pathlib import Path
 
 import pytest
 
-from adaptive_spec.config import load_config
+from adaptive_spec.config import config_help, config_to_dict, load_config
 from adaptive_spec.datagen.generate import DatagenConfig
+from adaptive_spec.errors import UserError
 from adaptive_spec.evaluation.sweep import SweepConfig
-from adaptive_spec.training.train import TrainConfig
+from adaptive_spec.training.settings import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1] / "configs"
 KINDS = {"sweep": SweepConfig, "datagen": DatagenConfig, "train": TrainConfig}
@@ -32,3 +33,22 @@ def test_trees_sweep_extends_the_final_sweep():
     assert trees.trees and not final.trees
     differ = {k for k in vars(final) if k != "trees" and getattr(final, k) != getattr(trees, k)}
     assert not differ, f"trees.yaml and final.yaml differ in {sorted(differ)}"
+
+
+@pytest.mark.parametrize("cls, base", [(SweepConfig, []), (DatagenConfig, ["dataset=gsm8k-train"])])
+def test_pair_settings_live_under_pair(cls, base):
+    """The model pair is one mapping checked by PairParams, as `generate` checks its flags; a flat
+    pair key (a config written before they moved) is refused naming the move."""
+    with pytest.raises(UserError, match=r"^draft_quant: a pair setting; write it under pair: "):
+        load_config(cls, None, [*base, "draft_quant=int8"])
+    with pytest.raises(UserError, match=r"^draft, dtype: pair settings; write them under pair: "):
+        load_config(cls, None, [*base, "draft=x", "dtype=fp32"])
+    with pytest.raises(UserError, match=r"pair\.draft_qant: not a setting of 'pair' \(its settings: pair\.target, "
+                                        r"pair\.draft, "):
+        load_config(cls, None, [*base, "pair={draft_qant: int8}"])
+    with pytest.raises(UserError, match=r"pair\.draft_quant must be none, int8 or int4"):
+        load_config(cls, None, [*base, "pair.draft_quant=int3"])
+    cfg = load_config(cls, None, [*base, "pair={draft_quant: int8, threads: 2}", "pair.dtype=fp32"])
+    assert (cfg.pair.draft_quant, cfg.pair.threads, cfg.pair.dtype, cfg.pair.draft) == ("int8", 2, "fp32", "default")
+    assert config_to_dict(cfg)["pair"]["draft_quant"] == "int8"
+    assert "  pair.draft_quant ['none']" in config_help(cls)

@@ -18,14 +18,16 @@ from adaptive_spec import cli, prompts
 
 from adaptive_spec.datagen import generate as datagen
 
-from adaptive_spec.training import train as training
+from adaptive_spec.training.data import load_split, read_manifest
+from adaptive_spec.training.settings import TrainConfig
 from adaptive_spec.config import load_config
 from adaptive_spec.datagen.generate import DatagenConfig
+from adaptive_spec.params import PairParams
 from adaptive_spec.prompts import encode_prompt
 from adaptive_spec.runs import PROJECT_ROOT
 from adaptive_spec.decoding.sampling import SamplingParams, process_logits
 from adaptive_spec.tables import fmt
-from adaptive_spec.training.train import auc
+from adaptive_spec.training.metrics import auc
 
 TOP_K, TOP_P = 20, 0.95  # non-trivial processing (vocab 32), so p and q must be the processed ones
 
@@ -55,7 +57,7 @@ def _overrides(tiny_pair, prompts, out_dir, **extra):
               train_frac=0.6, dev_frac=0.2, test_frac=0.2, seed=7, out_dir=str(out_dir), progress=False, name="t",
               threads=1)  # tiny models: one thread avoids oversubscription stalls on a busy machine
     kw.update(extra)
-    return [f"{k}={v}" for k, v in kw.items()]
+    return [f"pair.{k}={v}" if k in PairParams.model_fields else f"{k}={v}" for k, v in kw.items()]
 
 
 def _run(overrides) -> dict:
@@ -300,13 +302,13 @@ def test_shipped_configs_load(name):
     path = PROJECT_ROOT / "configs" / "datagen" / f"{name}.yaml"
     assert "dataset: ../" not in path.read_text()  # named sets: ADAPTIVE_SPEC_DATA reaches datagen too
     cfg = load_config(DatagenConfig, path)
-    assert cfg.draft == cfg.target == "default" and cfg.mix_ratio == 0.15 and cfg.top_k == 50
+    assert cfg.pair.draft == cfg.pair.target == "default" and cfg.mix_ratio == 0.15 and cfg.top_k == 50
     if name == "mix":  # the real mixed-set run
         assert [s["name"] for s in cfg.sources] == ["sharegpt", "gsm8k-train", "sharegpt-code", "mbpp"]
         assert cfg.max_new_tokens >= 128 and cfg.dev_frac > 0
         # the token data is committed (data/datagen/mix) and features are derived from it: datagen_features
         assert not cfg.store_features and cfg.out_dir == "data/datagen/mix"
-        assert (cfg.draft_quant, cfg.draft_vocab) == ("int8", "")  # the draft configuration the project serves
+        assert (cfg.pair.draft_quant, cfg.pair.draft_vocab) == ("int8", None)  # the draft the project serves
         n_train = sum(s["n"] if s["n"] > 0 else 397 for s in cfg.sources) * cfg.train_frac
         # 300k loss positions within reach at a mean response of 82 tokens (the config's arithmetic)
         assert n_train * 82 * (1 - cfg.mix_ratio) >= 300_000
@@ -501,8 +503,8 @@ def test_target_prefix_states_are_the_decoders_inputs(ref_run, tiny_pair, tmp_pa
                     torch.testing.assert_close(log_q, sh["draft_stats"][a + i, 0], atol=1e-4, rtol=1e-4)
                     n += 1
     assert n > 20
-    cfg = training.TrainConfig(data=str(out), feature="context")
-    assert len(training.load_split(cfg, training.read_manifest(out), "train", None)) == man["splits"]["train"]["n_tokens"]
+    cfg = TrainConfig(data=str(out), feature="context")
+    assert len(load_split(cfg, read_manifest(out), "train", None)) == man["splits"]["train"]["n_tokens"]
     assert cli.main(["datagen-features", "--data", str(bare), "--out", str(out), "--dtype", "fp32"]) == 2
     assert "holds states on the target prefix, and --prefix is mixed" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
@@ -565,10 +567,16 @@ def test_the_committed_token_data_still_reads():
     """data/datagen/mix was written by an earlier version: its manifest format and its shards'
     metadata key are a file format, kept when modules move."""
     from adaptive_spec.datagen.generate import load_shard
-    from adaptive_spec.training.train import read_manifest
 
     root = PROJECT_ROOT / "data" / "datagen" / "mix"
     man = read_manifest(root, partial=True)
     first = root / man["splits"]["dev"]["shards"][0]["file"]
     shard = load_shard(first)
     assert man["format"] == "adaptive_spec.datagen.v1" and len(shard["input_ids"]) > 0
+    # its flat config reads into the pair and back unchanged, and so does the YAML that made it: a
+    # rerun resumes it, and features and heads keyed by its hash still match
+    cfg = DatagenConfig.from_stored(man["config"])
+    assert cfg.stored() == man["config"] and datagen.config_hash(cfg) == man["config_hash"]
+    assert cfg.pair.draft_quant == "int8" and cfg.pair.draft_vocab is None and cfg.pair.threads == 2
+    shipped = load_config(DatagenConfig, PROJECT_ROOT / "configs" / "datagen" / "mix.yaml")
+    assert datagen.config_hash(shipped) == man["config_hash"]

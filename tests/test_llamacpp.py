@@ -349,10 +349,10 @@ def test_sweep_and_report_side_by_side_on_both_engines(tiny_ggufs, tmp_path, cap
         t, d = ((folder / "target", folder / "draft") if backend == "torch"
                 else (folder / "target" / "target.gguf", folder / "draft" / "draft.gguf"))
         outs[backend] = tmp_path / backend
-        argv = [f"backend={backend}", f"target={t}", f"draft={d}", f"datasets=[{prompts}]", "n_prompts=2",
-                "max_new_tokens=10", "ks=[2]", f"heads=[{head}]", "thresholds=[0.5]", "confidence_taus=[0.4]",
+        argv = [f"pair.backend={backend}", f"pair.target={t}", f"pair.draft={d}", f"datasets=[{prompts}]",
+                "n_prompts=2", "max_new_tokens=10", "ks=[2]", f"heads=[{head}]", "thresholds=[0.5]", "confidence_taus=[0.4]",
                 "hf_assisted=false", "include_draft_ar=false", f"out_dir={outs[backend]}", "progress=false",
-                "threads=1", "dtype=" + ("fp32" if backend == "torch" else "auto")]
+                "pair.threads=1", "pair.dtype=" + ("fp32" if backend == "torch" else "auto")]
         assert sweep.main(argv) == 0, capsys.readouterr().err
     rows = [json.loads(x) for x in (outs["llama.cpp"] / "results.jsonl").read_text().splitlines()]
     configs = {r["config"] for r in rows}

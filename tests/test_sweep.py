@@ -9,7 +9,7 @@ import torch
 from adaptive_spec.evaluation import report
 
 from adaptive_spec.evaluation import sweep
-from adaptive_spec.config import load_config
+from adaptive_spec.config import config_to_dict, load_config
 from adaptive_spec.decoding.decoder import Metrics
 from adaptive_spec.errors import UserError
 from adaptive_spec.heads.head import AcceptanceHead
@@ -64,11 +64,12 @@ def interrupt_after(monkeypatch, n: int):
 
 
 def overrides(inp, out, **kw):
-    base = {"draft": inp["draft"], "target": inp["target"], "dtype": "fp32", "datasets": f"[{inp['a']}, {inp['b']}]",
+    base = {"pair.draft": inp["draft"], "pair.target": inp["target"], "pair.dtype": "fp32",
+            "datasets": f"[{inp['a']}, {inp['b']}]",
             "fields": f"{{{inp['a']}: text}}", "n_prompts": 2, "max_new_tokens": 12, "ks": "[1, 3]",
             "heads": f"[{inp['head']}]", "thresholds": "[0.3, 0.7]", "confidence_taus": "[0.4]",
             "heuristic": "true", "hf_assisted": "true", "out_dir": str(out), "progress": "false",
-            "threads": 1}  # one thread: tiny models on a busy machine run many times faster
+            "pair.threads": 1}  # one thread: tiny models on a busy machine run many times faster
     base.update(kw)
     return [f"{k}={v}" for k, v in base.items()]
 
@@ -244,6 +245,23 @@ def test_sweep_resume_and_report(inputs, tmp_path, monkeypatch, capsys):
         assert title in md
 
 
+def test_settings_keep_their_flat_layout():
+    """settings.json spells the pair's settings as sweeps wrote them before they moved under `pair:`
+    (flat; unset ones "" / 0), so a sweep started then is resumed, not refused; a config.json
+    of either layout gives the report its pair."""
+    cfg = load_config(SweepConfig, None, ["pair={draft_quant: int8}", "temperature=0"])
+    before = {"backend": "torch", "n_ctx": 0, "draft": "default", "target": "default", "dtype": "auto",
+              "draft_quant": "int8", "draft_vocab": "", "device": "cpu", "threads": 0, "max_new_tokens": 128,
+              "temperature": 0.0, "top_k": 50, "top_p": 1.0, "chat": True, "seed": 0, "k_max": 20,
+              "max_prompt_tokens": 1024}
+    assert sweep._settings(cfg, "cpu") == before
+    static = load_config(SweepConfig, None, ["pair={draft_quant: int8, kv_cache: static}", "temperature=0"])
+    assert sweep._settings(static, "cpu") == {**before, "kv_cache": "static"}  # a new setting: only when set
+    flat = {k: v for k, v in before.items() if k != "device"}
+    assert sweep.stored_pair(flat)["draft_quant"] == "int8"
+    assert sweep.stored_pair(config_to_dict(cfg)) == cfg.pair.model_dump()
+
+
 def test_greedy_oracle(inputs, tmp_path, monkeypatch):
     from adaptive_spec.decoding.policies import HindsightOracle
 
@@ -352,8 +370,8 @@ def test_peer_runs_the_same_int8_draft(inputs, tmp_path):
     if int8_kernel("cpu") is not None:
         pytest.skip(f"no int8 kernel: {int8_kernel('cpu')}")
     out = tmp_path / "out"
-    argv = overrides(inputs, out, draft_quant="int8", ks="[2]", heads="[]", thresholds="[]", confidence_taus="[]",
-                     heuristic="false", include_draft_ar="false", n_prompts=1)
+    argv = overrides(inputs, out, **{"pair.draft_quant": "int8"}, ks="[2]", heads="[]", thresholds="[]",
+                     confidence_taus="[]", heuristic="false", include_draft_ar="false", n_prompts=1)
     int8_calls, per_peer_run = [], []
     real_forward, real_hf = Int8Linear.forward, sweep._hf_assisted
 

@@ -3,12 +3,10 @@ config errors name the key, rows carry the tree fields and obey the count identi
 acceptance rates are calibrated once on other prompts and frozen, runs resume, the report shows
 every family."""
 import json
-import sys
 from types import SimpleNamespace
 
 import pytest
 
-import adaptive_spec.decoding.pipeline as pipeline
 from adaptive_spec.evaluation import report
 from adaptive_spec.evaluation import sweep
 from adaptive_spec.evaluation import tree_calibration
@@ -114,11 +112,11 @@ def test_tree_sweep_rows_calibration_resume_and_report(inputs, tmp_path, monkeyp
     out = tmp_path / "out"
     argv = tree_args(inputs, out)
     measured, made = [], []
-    real_measure, real_make = sweep.measure_rates, pipeline.make_policy
+    real_measure, real_make = sweep.measure_rates, sweep.make_policy
     monkeypatch.setattr(sweep, "measure_rates",
                         lambda pair, prompts, *a, **kw: measured.append((a[2], len(prompts)))
                         or real_measure(pair, prompts, *a, **kw))
-    monkeypatch.setattr(pipeline, "make_policy",
+    monkeypatch.setattr(sweep, "make_policy",
                         lambda name, ctx=None, **kw: made.append((name, kw)) or real_make(name, ctx, **kw))
     real_append = interrupt_after(monkeypatch, 5)
     assert sweep.main(argv) == 130
@@ -196,10 +194,10 @@ def test_learned_budget_node_cost_measured_once(inputs, tmp_path, monkeypatch):
         calls.append(pair)
         return SimpleNamespace(node_cost=0.25, c=0.2, measured="test")
 
-    monkeypatch.setitem(sys.modules, "adaptive_spec.decoding.costs", SimpleNamespace(measure_costs=measure_costs))
+    monkeypatch.setattr(sweep, "measure_costs", measure_costs)
     made = []
-    real_make = pipeline.make_policy
-    monkeypatch.setattr(pipeline, "make_policy",
+    real_make = sweep.make_policy
+    monkeypatch.setattr(sweep, "make_policy",
                         lambda name, ctx=None, **kw: made.append(kw) or real_make(name, ctx, **kw))
     cfg = cfg_of(inputs, tmp_path / "l", heads="[]", thresholds="[0.5]", ks="[]",
                  trees="[{budget: learned, max_budget: 4}, {budget: learned, max_budget: 4, node_cost: 0.5}, "

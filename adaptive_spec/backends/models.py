@@ -11,14 +11,18 @@ import hashlib
 import inspect
 import json
 import os
+import statistics
 import time
 import warnings
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
 
 from ..errors import UserError, first_line
 from ..timing import timed
+from .cpu import auto_dtype, fbgemm_fp16, onednn_packed
+from .vocab import reduce_output_layer, resolve_draft_vocab
 
 # torch marks the FBGEMM fp16 ops deprecated; cpu.fbgemm_fp16 checks they still run before any is used
 warnings.filterwarnings("ignore", message=r"fbgemm_\w+ is deprecated")
@@ -59,8 +63,6 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device | str | 
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
-        from .cpu import auto_dtype
-
         return auto_dtype(resolve_device(device))
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_CHOICES)}")
@@ -74,7 +76,7 @@ def resolve_model_path(name: str | None, role: str, auto_fetch: bool = True) -> 
     an existing folder -> itself (it must hold a config.json); anything else -> a hub id.
     """
     if name in (None, "", "default"):
-        from . import fetch
+        from . import fetch  # only to build the default pair: keeps the download code off the generation path
 
         paths = fetch.default_pair_paths()
         if not fetch.is_fetched(role):
@@ -201,8 +203,6 @@ def _timed_layers(linears: list, budget_bytes: int) -> list:
 
 def _median_s(fn, reps: int = 4) -> float:
     """Median seconds of fn() over reps calls after the first (which pays for warm-up)."""
-    import statistics
-
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -285,8 +285,6 @@ def pack_cpu_linears(model, release: bool = False, fp16: bool = True) -> int:
     on it (choose_fp16_rows; one-row decode steps and short verifications on AVX2). It costs
     half the fp32 bytes again in memory, so batched work (datagen) passes False.
     """
-    from .cpu import onednn_packed
-
     p = next(model.parameters(), None)
     if p is None or p.device.type != "cpu":
         return 0
@@ -310,8 +308,6 @@ def pack_cpu_linears(model, release: bool = False, fp16: bool = True) -> int:
     elif _rows_env("ADAPTIVE_SPEC_CPU_FP16") == 0:
         why_no_fp16 = "ADAPTIVE_SPEC_CPU_FP16=0"
     else:
-        from .cpu import fbgemm_fp16
-
         why_no_fp16 = fbgemm_fp16() or (None if fp16_exact(getattr(m, c).weight for m, c in slots)
                                         else "a weight is not exactly representable in fp16")
     packed = []
@@ -383,8 +379,6 @@ class QuantLinear(torch.nn.Module):
         rounding-level difference in q. Costs 4 (fp32) or 2 (bf16) bytes a weight; state_dict and
         named_parameters are unchanged (the copy is neither a parameter nor a buffer), so
         fingerprints and checkpoints do not see it."""
-        from .cpu import onednn_packed
-
         device = next(self.buffers()).device
         lin = torch.nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device=device,
                               dtype=dtype)
@@ -566,7 +560,7 @@ def load_model(name: str | None, role: str = "target", dtype=None, device=None, 
     the linear layers are pre-packed for oneDNN where it has a kernel for the dtype (see
     PackedLinear) unless pack=False, with fp16 copies for short inputs where that is faster
     (pack_cpu_linears; fp16=False for batched work); `model.cpu_path` records what was chosen."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: the model registry; when weights load
 
     device = resolve_device(device)
     quant = check_quant(quant, device)  # before gigabytes of weights are read
@@ -575,9 +569,7 @@ def load_model(name: str | None, role: str = "target", dtype=None, device=None, 
         tok = AutoTokenizer.from_pretrained(path)
         keep_ids = None
         if draft_vocab is not None:  # refused (0, too large, wrong tokenizer) before the weights load
-            from transformers import AutoConfig
-
-            from .vocab import resolve_draft_vocab
+            from transformers import AutoConfig  # heavy: as AutoModelForCausalLM above
 
             keep_ids = resolve_draft_vocab(draft_vocab, tok, AutoConfig.from_pretrained(path).vocab_size)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device))
@@ -586,8 +578,6 @@ def load_model(name: str | None, role: str = "target", dtype=None, device=None, 
                         "that is cached or reachable") from None
     model.to(device).eval()
     if keep_ids is not None:
-        from .vocab import reduce_output_layer
-
         reduce_output_layer(model, keep_ids)
     if quant in QUANT_LAYERS:
         quantize_linears(model, quant)
@@ -641,8 +631,6 @@ class CausalLM:
     """
 
     def __init__(self, model, vocab_size: int | None = None):
-        from transformers import DynamicCache
-
         self._cache_cls = DynamicCache
         self.model = model.eval()
         self.config = model.config

@@ -37,6 +37,8 @@ import time
 from typing import Iterable
 
 import torch
+from transformers import StaticCache
+from transformers.cache_utils import StaticLayer
 
 from ..errors import UserError
 from .models import CausalLM, kv, model_kv
@@ -45,8 +47,6 @@ DEFAULT_MAX_CACHE_LEN = 2048
 
 
 def _static_layer_cls():
-    from transformers.cache_utils import StaticLayer
-
     class PositionedStaticLayer(StaticLayer):
         """A StaticLayer written at the runner's position `pos` (a shared 0-d device tensor)
         instead of its own running counter: rolling back is then a write to `pos` only."""
@@ -166,8 +166,6 @@ class StaticCausalLM(CausalLM):
     # ---- cache ---------------------------------------------------------------------------
 
     def _build_cache(self):
-        from transformers import StaticCache
-
         cfg = self.config.get_text_config(decoder=True) if hasattr(self.config, "get_text_config") else self.config
         self._pos = torch.zeros((), dtype=torch.long, device=self.device)
         cache = StaticCache(config=self.config, max_cache_len=self.max_cache_len)
@@ -234,7 +232,7 @@ class StaticCausalLM(CausalLM):
     def _step(self, ids: torch.Tensor, n_logits: int, with_head: bool):
         """ids [1, n] fed at positions pos..pos+n-1; every shape depends on (n, n_logits) only,
         and nothing is read back to the host (so the step can be captured as a graph)."""
-        from transformers.masking_utils import create_causal_mask
+        from transformers.masking_utils import create_causal_mask  # heavy: slow to import, and only this step needs it
 
         n = ids.shape[-1]
         position_ids = (self._pos + torch.arange(n, device=ids.device)).view(1, n)

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from ..errors import UserError
 
@@ -40,8 +42,6 @@ def count_tokens(tok, texts: Iterable[str], counts: Counter | None = None) -> Co
 def save_token_list(path: str | Path, tok, counts: Counter, source: str, always: Iterable[int] = ()) -> Path:
     """Write ids by descending count (ties by id); `always` (EOS and the chat markers) go first,
     so a reduced draft can still end a turn."""
-    from safetensors.torch import save_file
-
     first = list(dict.fromkeys(int(i) for i in always))
     rest = sorted((i for i in counts if i not in set(first)), key=lambda i: (-counts[i], i))
     ids = first + rest
@@ -56,8 +56,6 @@ def save_token_list(path: str | Path, tok, counts: Counter, source: str, always:
 
 
 def load_token_list(path: str | Path, tok) -> torch.Tensor:
-    from safetensors import SafetensorError, safe_open
-
     path = Path(path)
     if not path.is_file():
         raise UserError(f"draft token list {path} does not exist; build one with `adaptive-spec draft-vocab`")

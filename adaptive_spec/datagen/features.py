@@ -32,17 +32,20 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
+from ..backends.models import densify_quantized, load_model, model_fingerprint, resolve_device
 from ..errors import UserError, get_logger
+from ..heads.features import CONTEXT_KEY, PREFIXES
 from ..runs import project_path, read_manifest
+from .generate import (FORMAT, WORK_ORDER, DatagenConfig, _write_shard, build_manifest, load_shard, shard_meta,
+                       write_manifest)
 
 log = get_logger(__name__)
 
 
 def load_draft(manifest: dict, dtype: str, device):
     """The draft in the configuration the data was made with, checked against its fingerprint."""
-    from ..backends.models import densify_quantized, load_model, model_fingerprint
-
     cfg, want = manifest["config"], manifest["models"]["draft"]
     draft, _ = load_model(cfg.get("draft", "default"), "draft", dtype, device, quant=cfg.get("draft_quant", "none"),
                           draft_vocab=cfg.get("draft_vocab") or None, fp16=False)
@@ -122,13 +125,7 @@ def target_prefix_features(draft, shard: dict[str, torch.Tensor]) -> tuple[torch
 
 def _out_manifest(src_man: dict, src: Path, dst: Path, extra: dict) -> dict:
     """The source's manifest restricted to the shards present in dst, counts rebuilt from them."""
-    import dataclasses
-
-    from .generate import DatagenConfig, build_manifest
-
-    names = {f.name for f in dataclasses.fields(DatagenConfig)}
-    cfg = DatagenConfig(**{k: v for k, v in src_man["config"].items() if k in names})
-    man = build_manifest(dst, cfg, src_man["models"], src_man["planned"])
+    man = build_manifest(dst, DatagenConfig.from_stored(src_man["config"]), src_man["models"], src_man["planned"])
     man["complete"] = man["complete"] and bool(src_man.get("complete"))
     man["features"] = {"from": str(src), **extra}
     return man
@@ -136,12 +133,6 @@ def _out_manifest(src_man: dict, src: Path, dst: Path, extra: dict) -> dict:
 
 def run(data: str, out: str, dtype: str = "auto", device: str = "auto", threads: int = 0, progress: bool = True,
         prefix: str = "mixed") -> dict:
-    from tqdm.auto import tqdm
-
-    from ..backends.models import resolve_device
-    from ..heads.features import CONTEXT_KEY, PREFIXES
-    from .generate import FORMAT, WORK_ORDER, _write_shard, load_shard, shard_meta, write_manifest
-
     if prefix not in PREFIXES:
         raise UserError(f"--prefix must be one of {', '.join(PREFIXES)}, got {prefix!r}")
 

@@ -42,6 +42,7 @@ adaptive_spec.datagen.generate ...` (shard k goes to process k % world_size).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -53,11 +54,18 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save
+from tqdm.auto import tqdm
+from transformers import DynamicCache
 
-from ..backends.models import model_fingerprint, model_kv, spread_kept_logits
+from ..backends.models import (check_vocab, densify_quantized, load_model, model_fingerprint, model_kv, resolve_device,
+                               resolve_dtype, resolve_model_path, spread_kept_logits)
 from ..config import config_from_argv, config_to_dict
+from ..decoding.sampling import SamplingParams, process_logits, sample
 from ..errors import UserError, get_logger, run_main
 from ..heads.features import draft_stats
+from ..params import PairParams
 from ..prompts import EVAL_SETS, TRAINING_SETS, encode_prompt, eos_token_ids, prompt_texts
 from ..runs import atomic_write, project_path, read_manifest, settings_problem, write_json
 
@@ -70,6 +78,12 @@ WORK_ORDER = ("dev", "test", "train")  # the small evaluation splits first: a pa
 UNHASHED_KEYS = ("name", "out_dir", "overwrite", "threads", "progress")
 # What a head is trained for: a run of one draft configuration is never resumed with another.
 DRAFT_KEYS = ("draft", "draft_quant", "draft_vocab")
+# The pair's settings as the manifest's config (format v1) stores them: flat, and unset ones spelled as
+# they always were, so that a run's config hash, which names its shards and cached features, holds.
+STORED_PAIR = ("draft", "target", "dtype", "draft_quant", "draft_vocab", "device", "threads")
+STORED_UNSET = {"draft_vocab": "", "device": "auto", "threads": 0}
+# settings of the pair that datagen does not read (it runs the torch engine with dynamic caches)
+UNREAD_PAIR = ("backend", "n_ctx", "kv_cache", "runtime", "max_cache_len")
 SOURCE_KEYS = ("name", "n", "field")
 _META_KEY = "adaptive_spec.datagen"  # the single safetensors metadata key (see _write_shard)
 
@@ -97,13 +111,9 @@ class DatagenConfig:
     max_test_prompts: int = -1
     max_prompt_tokens: int = 1024  # longer prompts are dropped (before the caps)
     chat_template: bool = True  # wrap prompts in the tokenizer's chat template when it has one
-    # models
-    draft: str = "default"
-    target: str = "default"
-    dtype: str = "auto"  # bf16, or fp32 on CPUs without bf16 kernels (AVX2: several times faster there)
-    draft_quant: str = "none"  # none | int8: heads should be trained on the draft configuration they serve
-    draft_vocab: str = ""  # "" = all; N | FILE | FILE:N: reduced draft vocabulary (vocab.py)
-    device: str = "auto"
+    # the models, as `generate` takes them (params.PairParams): pair: {draft_quant: int8, dtype: auto, threads: 2};
+    # heads should be trained on the draft configuration they serve
+    pair: PairParams = field(default_factory=PairParams)
     target_device_map: str = ""  # e.g. "auto": spread the target over the visible GPUs
     # sampling: p and q are both processed with these (as in decoding)
     temperature: float = 1.0
@@ -119,16 +129,17 @@ class DatagenConfig:
     # output and running
     out_dir: str = ""  # default runs/datagen/<name>, relative to the project root
     overwrite: bool = False  # start over in an out_dir that holds a run with another config
-    threads: int = 0  # torch CPU threads; 0 = torch's default
     progress: bool = True
 
     def validate(self):
-        from ..decoding.sampling import SamplingParams
-
         if not self.dataset and not self.sources:
             raise UserError("config keys 'dataset' and 'sources' are both empty; set 'dataset' to a named prompt set "
                             "(gsm8k-train, alpaca, humaneval, sharegpt, ...), a .json/.jsonl file or a hub dataset "
                             f"name, or 'sources' to a mix of {', '.join(TRAINING_SETS)}")
+        unread = [f"pair.{k}" for k in UNREAD_PAIR if getattr(self.pair, k) != PairParams.model_fields[k].default]
+        if unread or self.pair.draft is None:
+            raise UserError(f"{', '.join(unread) or 'pair.draft'}: datagen runs a draft and the target on the torch "
+                            "engine with dynamic caches; name the draft, and drop the engine settings")
         if self.dataset and self.sources:
             raise UserError("config keys 'dataset' and 'sources' are both set; keep one (dataset: one prompt set, "
                             "sources: a mix of sets)")
@@ -154,12 +165,23 @@ class DatagenConfig:
         SamplingParams(self.temperature, self.top_k, self.top_p)
 
     def sampling(self):
-        from ..decoding.sampling import SamplingParams
-
         return SamplingParams(self.temperature, self.top_k, self.top_p)
 
     def resolved_out_dir(self) -> Path:
         return project_path(self.out_dir or f"runs/datagen/{self.name or 'datagen'}")
+
+    def stored(self) -> dict:
+        """The config as the manifest stores it (STORED_PAIR: the pair's settings flat)."""
+        d = config_to_dict(self)
+        pair = d.pop("pair")
+        return {**d, **{k: STORED_UNSET.get(k) if pair[k] is None else pair[k] for k in STORED_PAIR}}
+
+    @classmethod
+    def from_stored(cls, stored: dict) -> "DatagenConfig":
+        """The config of a manifest (stored()); keys this version does not have are left out."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        pair = {k: stored[k] for k in STORED_PAIR if stored.get(k) not in (None, STORED_UNSET.get(k))}
+        return cls(**{k: v for k, v in stored.items() if k in names}, pair=PairParams(**pair))
 
     def source_list(self) -> list[dict]:
         """The prompt sources as `sources` entries: `dataset` alone is a one-source mix taking all."""
@@ -195,7 +217,7 @@ def _source_entry(s) -> dict:
 
 
 def config_hash(cfg: DatagenConfig) -> str:
-    d = {k: v for k, v in config_to_dict(cfg).items() if k not in UNHASHED_KEYS}
+    d = {k: v for k, v in cfg.stored().items() if k not in UNHASHED_KEYS}
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -273,23 +295,22 @@ def _by_source(prompts: list[tuple[int, list[int]]], n_sources: int) -> list[int
 
 def load_models(cfg: DatagenConfig, device):
     """(draft, target, tokenizer, shared vocabulary size) as datagen runs them."""
-    from ..backends.models import check_vocab, densify_quantized, load_model, resolve_dtype, resolve_model_path
-
     # every datagen pass is batched (prefill, a batch of rows per step, the features pass): no
     # fp16 copies for short inputs (pack_cpu_linears), whose memory a batch would rather have
-    draft, dtok = load_model(cfg.draft, "draft", cfg.dtype, device, quant=cfg.draft_quant,
-                             draft_vocab=cfg.draft_vocab or None, fp16=False)
+    p = cfg.pair
+    draft, dtok = load_model(p.draft, "draft", p.dtype, device, quant=p.draft_quant, draft_vocab=p.draft_vocab,
+                             fp16=False)
     # the int8 kernel's per-row cost loses to a dense GEMM over the same int8-valued weights
     densify_quantized(draft)
     if cfg.target_device_map:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: for a target spread over GPUs only
 
-        path = resolve_model_path(cfg.target, "target")
+        path = resolve_model_path(p.target, "target")
         ttok = AutoTokenizer.from_pretrained(path)
-        target = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(cfg.dtype),
+        target = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(p.dtype),
                                                       device_map=cfg.target_device_map).eval()
     else:
-        target, ttok = load_model(cfg.target, "target", cfg.dtype, device, fp16=False)
+        target, ttok = load_model(p.target, "target", p.dtype, device, fp16=False)
     vocab = check_vocab(dtok, ttok, draft, target)
     return draft, target, ttok, vocab
 
@@ -349,8 +370,6 @@ def _prefill(model, prompts: list[list[int]], vocab: int, dev):
     prompts together, with a little padding, measured no faster: a forward's fixed cost, the
     weights read once, about equals the pad rows it adds.) The pad slots of the cache stay zero;
     the attention mask hides them, as it hid the pad rows' KV before."""
-    from transformers import DynamicCache
-
     caches, logits = [], []
     for s in prompts:
         c = DynamicCache(config=model.config)
@@ -374,8 +393,6 @@ def _prefill(model, prompts: list[list[int]], vocab: int, dev):
 def _cache(model, kv: list[tuple[torch.Tensor, torch.Tensor]]):
     """A DynamicCache holding copies of per-layer (keys, values): decoding appends to and
     compacts its own tensors, never these."""
-    from transformers import DynamicCache
-
     cache = DynamicCache(config=model.config)
     for i, (k, v) in enumerate(kv):
         cache.update(k, v, i)  # an empty layer's update concatenates: a copy
@@ -452,8 +469,6 @@ def _sample_position(t_logits, d_logits, params, gen: torch.Generator):
     decoder's q, the one its stop rules and heads see when drafting. Its statistics are taken at
     Y_i, not Z_i: Z_i = Y_i wherever the loss is taken, and X_i may lie outside q's support
     (log q = -inf) where it is not."""
-    from ..decoding.sampling import process_logits, sample
-
     p = process_logits(t_logits, params)
     q = process_logits(d_logits, params)
     x = sample(p, gen)  # X_i ~ p_i: the target's response
@@ -525,22 +540,16 @@ def pack_shard(seqs: list[dict[str, torch.Tensor]], store_features: bool) -> dic
 def _write_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict):
     """Atomic write. All metadata goes into ONE key as sorted JSON: safetensors stores the
     metadata map in hash order, which would break byte-identical reruns with several keys."""
-    from safetensors.torch import save
-
     atomic_write(path, save(tensors, metadata={_META_KEY: json.dumps(meta, sort_keys=True)}))
 
 
 def shard_meta(path: Path) -> dict:
-    from safetensors import safe_open
-
     with safe_open(str(path), framework="pt") as f:
         return json.loads((f.metadata() or {}).get(_META_KEY, "{}"))
 
 
 def load_shard(path: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of one shard file (see the module docstring for their meaning)."""
-    from safetensors.torch import load_file
-
     return load_file(str(path))
 
 
@@ -586,7 +595,7 @@ def build_manifest(out_dir: Path, cfg: DatagenConfig, models: dict, planned: dic
                 for a, c in zip(COUNTS, counts):
                     src["splits"][s][a] += c
         splits[s] = entry
-    return {"format": FORMAT, "config": config_to_dict(cfg), "config_hash": config_hash(cfg), "seed": cfg.seed,
+    return {"format": FORMAT, "config": cfg.stored(), "config_hash": config_hash(cfg), "seed": cfg.seed,
             "models": models, "splits": splits, "sources": srcs, "planned": planned, "complete": complete}
 
 
@@ -619,9 +628,9 @@ def check_draft_config(out_dir: Path, cfg: DatagenConfig):
     Heads are trained for the draft they serve (its q, its hidden states): shards of two draft
     configurations in one dataset would silently mix two training sets."""
     man = None if cfg.overwrite else _existing_run(out_dir)
-    old = (man or {}).get("config") or {}
-    diff = [f"{k}: {old.get(k)!r} there, {getattr(cfg, k)!r} now" for k in DRAFT_KEYS
-            if man is not None and old.get(k) != getattr(cfg, k)]
+    old, new = (man or {}).get("config") or {}, cfg.stored()
+    diff = [f"{k}: {old.get(k)!r} there, {new[k]!r} now" for k in DRAFT_KEYS
+            if man is not None and old.get(k) != new[k]]
     if diff:
         raise UserError(f"out_dir {out_dir} holds a datagen run made with another draft configuration "
                         f"({'; '.join(diff)}); one dataset serves one draft configuration: choose another out_dir "
@@ -636,7 +645,7 @@ def _check_out_dir(out_dir: Path, cfg: DatagenConfig, models: dict, planned: dic
     if cfg.overwrite:
         return True
     old = _identity(man.get("config", {}), man.get("models", {}), man.get("planned", {}))
-    problem = settings_problem(out_dir, old, _identity(config_to_dict(cfg), models, planned), "datagen run")
+    problem = settings_problem(out_dir, old, _identity(cfg.stored(), models, planned), "datagen run")
     if problem:
         raise UserError(f"{problem}; pass the same config to resume it, choose another out_dir, or pass "
                         "overwrite=true to start over")
@@ -650,7 +659,7 @@ class _State:
     def __init__(self):
         self._acc = None
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            from accelerate import PartialState
+            from accelerate import PartialState  # optional: the [train] extra, under accelerate launch only
 
             self._acc = PartialState()
         self.index = self._acc.process_index if self._acc else 0
@@ -658,8 +667,6 @@ class _State:
         self.is_main = self.index == 0
 
     def device(self, requested: str):
-        from ..backends.models import resolve_device
-
         if self._acc is not None and requested in ("", "auto"):
             return self._acc.device
         return resolve_device(requested)
@@ -672,8 +679,8 @@ class _State:
 def run(cfg: DatagenConfig) -> dict:
     """Generate (or resume) the dataset; returns the final manifest."""
     threads = torch.get_num_threads()
-    if cfg.threads > 0:
-        torch.set_num_threads(cfg.threads)
+    if cfg.pair.threads:
+        torch.set_num_threads(cfg.pair.threads)
     try:
         return _run(cfg)
     finally:
@@ -682,11 +689,11 @@ def run(cfg: DatagenConfig) -> dict:
 
 def _run(cfg: DatagenConfig) -> dict:
     state = _State()
-    device = state.device(cfg.device)
+    device = state.device(cfg.pair.device or "auto")
     out_dir = cfg.resolved_out_dir()
     check_draft_config(out_dir, cfg)  # before the minutes that loading the models takes
     draft, target, tok, vocab = load_models(cfg, device)
-    models = {role: {"name": getattr(cfg, role), "hidden_size": m.config.hidden_size, "vocab_size": vocab,
+    models = {role: {"name": getattr(cfg.pair, role), "hidden_size": m.config.hidden_size, "vocab_size": vocab,
                      "fingerprint": model_fingerprint(m)} for role, m in (("draft", draft), ("target", target))}
     plan = plan_splits(cfg, tok)
     n_src = len(cfg.source_list())
@@ -776,8 +783,6 @@ class _Progress:
     tqdm's carriage-return updates do not show."""
 
     def __init__(self, cfg, state, out_dir, plan, planned, todo):
-        from tqdm.auto import tqdm
-
         self.n_todo = sum(len(plan[s][k * cfg.shard_size:(k + 1) * cfg.shard_size]) for s, k in todo)
         done_before = sum(planned[s]["n_prompts"] for s in SPLITS) - self.n_todo if state.world == 1 else 0
         if state.is_main:

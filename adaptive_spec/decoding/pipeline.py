@@ -9,9 +9,13 @@
 from __future__ import annotations
 
 import torch
-from transformers import TextStreamer
+from transformers import GenerationConfig, TextStreamer
 
-from ..backends.models import check_quant, check_vocab, load_model, resolve_device
+from ..backends.cpu import describe
+from ..backends.llamacpp import (GGUFModel, LlamaCppLM, check_gguf_pair, check_policy, import_llama_cpp, requantized_gguf,
+                                 resolve_gguf)
+from ..backends.models import check_quant, check_vocab, load_model, resolve_device, resolve_model_path
+from ..backends.static_runner import DRAFT_SHAPES, make_runner, verify_shapes
 from ..errors import UserError
 from ..params import ARParams, PairParams, PolicyParams, pair_params, policy_params
 from ..prompts import encode_prompt, eos_token_ids
@@ -48,8 +52,6 @@ def make_policy(policy: str | PolicyParams, context: PolicyContext | None = None
     if params.name == "ar":
         return None
     if getattr(ctx.pair, "backend", "torch") == "llama.cpp":
-        from ..backends.llamacpp import check_policy
-
         check_policy(params.name)
     return lookup(params.name)(params, ctx)
 
@@ -63,8 +65,6 @@ class SpecPair:
         """kv_cache "dynamic": growing KV caches (any model, any device); "static": preallocated
         caches indexed by position, with runtime eager | cudagraph | compile (GPU). `params`: the
         settings `load` was given (recorded, not re-applied)."""
-        from ..backends.static_runner import DRAFT_SHAPES, make_runner, verify_shapes
-
         vocab = None
         if draft_model is not None:
             vocab = check_vocab(draft_tokenizer or tokenizer, tokenizer, draft_model, target_model)
@@ -124,9 +124,6 @@ class SpecPair:
     def _load_llama_cpp(cls, params: PairParams) -> "SpecPair":
         """Both models as GGUF files in llama.cpp; the Hugging Face tokenizer (the same ids as the torch
         backend, chat template included). PairParams has refused the torch-only settings already."""
-        from ..backends.llamacpp import (GGUFModel, LlamaCppLM, check_gguf_pair, import_llama_cpp, requantized_gguf,
-                                         resolve_gguf)
-
         import_llama_cpp()
         target_path = resolve_gguf(params.target, "target")
         draft_path = resolve_gguf(params.draft, "draft") if params.draft is not None else None
@@ -154,8 +151,6 @@ class SpecPair:
 
     def runtime_info(self) -> dict:
         """The machine and each model's numeric path: recorded with every measurement."""
-        from ..backends.cpu import describe
-
         info = {"machine": describe(), "backend": self.backend, **self.draft_config}
         for role, lm in (("target", self.target), ("draft", self.draft)):
             if lm is None:
@@ -201,9 +196,7 @@ def _gguf_tokenizer(name, gguf_path):
     """(Hugging Face tokenizer, its EOS ids or None) for a llama.cpp pair: the default pair's converted folder
     (fetched once), a folder beside the GGUF with a tokenizer, or the tokenizer transformers builds
     from the GGUF itself. Prompts are encoded by it, so both backends feed the same ids."""
-    from transformers import AutoTokenizer, GenerationConfig
-
-    from ..backends.models import resolve_model_path
+    from transformers import AutoTokenizer  # heavy: the tokenizer registry, only for a llama.cpp pair
 
     folder = (resolve_model_path("default", "target") if name in (None, "default")
               else str(gguf_path.parent) if (gguf_path.parent / "tokenizer_config.json").is_file() else None)

@@ -52,6 +52,7 @@ from ..decoding.timemodel import comparison_table
 from ..errors import UserError, run_main
 from ..runs import read_json, read_jsonl
 from ..tables import fmt, md_table
+from .sweep import RESULTS, stored_pair
 from .tree_calibration import TREE_POLICIES, VERIFICATION, tunstall_accepted, zeroth_order_accepted
 
 SPEC_METHODS = ("fixed", "learned")  # the settings of Table 2's speculative fit (the paper's SpecDec, SpecDec++)
@@ -63,8 +64,6 @@ H_REF = 0.7  # the paper's recommended threshold
 
 def load_sweep(sweep_dir: Path) -> tuple[list[dict], dict, dict]:
     """(rows, heads info, config info) of a sweep folder."""
-    from .sweep import RESULTS
-
     sweep_dir = Path(sweep_dir)
     rpath = sweep_dir / RESULTS
     if not rpath.is_file() and not rpath.with_name(RESULTS + ".gz").is_file():
@@ -310,10 +309,10 @@ def fmt_t(x) -> str:
 # ----------------------------------------------------------------------------- plots
 
 def _pyplot():
-    import matplotlib
+    import matplotlib  # heavy, and the [eval] extra: only the plots need it
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # as above; after use("Agg"), so no display is needed
 
     return plt
 
@@ -788,10 +787,10 @@ def build_report(sweep_dir: Path, out: Path | None = None, how: str = "pooled", 
     results = analyse(rows, how)
     md = _intro(sweep_dir.name, cfg_info, how, results, cpu_lines(rows))
     if beside:
-        sweeps = [((cfg_info.get("config") or {}).get("backend", "torch"), results)]
+        sweeps = [(_backend(cfg_info), results)]
         for other in beside:
             o_rows, _, o_cfg = load_sweep(Path(other))
-            sweeps.append(((o_cfg.get("config") or {}).get("backend", "torch"), analyse(o_rows, how)))
+            sweeps.append((_backend(o_cfg), analyse(o_rows, how)))
         md += engines_section(sweeps)
     md += _figure3(results, out.parent, _head_order(heads_info, results), how)
     trees = []
@@ -803,13 +802,18 @@ def build_report(sweep_dir: Path, out: Path | None = None, how: str = "pooled", 
     return out
 
 
+def _backend(cfg_info: dict) -> str:
+    return stored_pair(cfg_info.get("config") or {}).get("backend", "torch")
+
+
 def _intro(name: str, cfg_info: dict, how: str, results: list[DatasetResult], cpu: list[str]) -> list[str]:
     """Title, the CPU (cpu_lines), the sweep's settings, how prompts are aggregated, notes, and
     what each dataset holds."""
     cfg = cfg_info.get("config", {})
+    pair = stored_pair(cfg)
     md = [f"# SpecDec++ sweep report: {name}", "", *cpu]
     if cfg:
-        md.append(f"Target `{cfg.get('target')}`, draft `{cfg.get('draft')}`, {cfg.get('dtype')}, device "
+        md.append(f"Target `{pair.get('target')}`, draft `{pair.get('draft')}`, {pair.get('dtype')}, device "
                   f"{cfg_info.get('device', '?')} ({cfg_info.get('threads', '?')} threads); temperature "
                   f"{cfg.get('temperature')}, top-k {cfg.get('top_k')}, top-p {cfg.get('top_p')}, "
                   f"{cfg.get('max_new_tokens')} new tokens, chat template {'on' if cfg.get('chat') else 'off'}, "

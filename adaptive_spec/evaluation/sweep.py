@@ -65,32 +65,46 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+import transformers
+from tqdm import tqdm
+from transformers.utils import is_sklearn_available
+from transformers.utils import logging as hf_logging
+
+from ..backends.llamacpp import check_backend
+from ..backends.models import resolve_device, resolve_model_path
 from ..config import config_from_argv, config_to_dict
+from ..decoding.auto import load_curve
+from ..decoding.costs import measure_costs
+from ..decoding.decoder import Decoder, Metrics
+from ..decoding.interfaces import PolicyContext
+from ..decoding.pipeline import SpecPair, make_policy
+from ..decoding.sampling import SamplingParams
+from ..decoding.trees.shapes import DRAFTINGS, NESTED
 from ..errors import UserError, run_main
+from ..heads.head import AcceptanceHead
+from ..params import PairParams, policy_params
 from ..prompts import load_prompts
 from ..runs import (PROJECT_ROOT, append_jsonl, lock_dir, project_path, read_json, read_jsonl, settings_problem,
                     write_json)
+from ..timing import timed
 from .tree_calibration import TREE_POLICIES, VERIFICATION, load_or_calibrate, measure_rates
 
 RESULTS = "results.jsonl"
-# config keys that change the numbers in results.jsonl; a resume must keep them
-RESULT_KEYS = ("backend", "n_ctx", "draft", "target", "dtype", "draft_quant", "draft_vocab", "device", "threads", "max_new_tokens",
-               "temperature", "top_k", "top_p", "chat", "seed", "k_max", "max_prompt_tokens")
+# config keys that change the numbers in results.jsonl; a resume must keep them (with the pair's, _settings)
+RESULT_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "chat", "seed", "k_max", "max_prompt_tokens")
+# the pair's settings in settings.json, which keeps them flat and spells unset ones as it always has
+PAIR_RESULT_KEYS = ("backend", "n_ctx", "draft", "target", "dtype", "draft_quant", "draft_vocab", "threads")
+UNSET = {"n_ctx": 0, "draft_vocab": "", "threads": 0}
+# torch settings a sweep may set: recorded only when set, so an existing sweep's settings hash holds
+PAIR_IF_SET = ("kv_cache", "runtime", "max_cache_len")
 
 
 @dataclass
 class SweepConfig:
     name: str = ""  # names the default out_dir runs/sweep/<name>; defaults to the config file's stem
-    # models
-    backend: str = "torch"  # torch | llama.cpp (the GGUF files as they are; llamacpp.py)
-    n_ctx: int = 0  # llama.cpp context positions; 0 = its default
-    draft: str = "default"
-    target: str = "default"
-    dtype: str = "auto"  # auto: bf16, or fp32 on CPUs without bf16 kernels (AVX2); rows record what ran
-    draft_quant: str = "none"  # none | int8: weight-only int8 draft (exactness unchanged)
-    draft_vocab: str = ""  # "" = all; N | FILE | FILE:N: the draft's output layer keeps those tokens
-    device: str | None = None  # None / auto: cuda if available
-    threads: int = 0  # torch CPU threads; 0 = torch's default
+    # the models, as `generate` takes them (params.PairParams): pair: {draft_quant: int8, backend: llama.cpp, ...}
+    pair: PairParams = field(default_factory=PairParams)
     # prompts
     datasets: list[str] = field(default_factory=lambda: ["alpaca"])
     fields: dict = field(default_factory=dict)  # dataset -> text field (default: the set's own)
@@ -130,8 +144,6 @@ class SweepConfig:
     progress: bool = True
 
     def validate(self):
-        from ..decoding.sampling import SamplingParams
-
         if not self.datasets or not all(isinstance(d, str) and d.strip() for d in self.datasets):
             raise UserError("config key 'datasets' must be a non-empty list of dataset names or paths")
         if len(set(self.datasets)) != len(self.datasets):
@@ -148,17 +160,13 @@ class SweepConfig:
                     "tree_calibration_width"):
             if getattr(self, key) < 1:
                 raise UserError(f"{key} must be >= 1, got {getattr(self, key)}")
-        from ..backends.llamacpp import check_backend
-
-        check_backend(self.backend)
-        if self.backend == "llama.cpp" and (self.hf_assisted or self.trees):
+        if self.pair.draft is None:
+            raise UserError("pair.draft is empty; a sweep compares drafting policies: name a draft model (default: the "
+                            "default pair's)")
+        check_backend(self.pair.backend)
+        if self.pair.backend == "llama.cpp" and (self.hf_assisted or self.trees):
             raise UserError("hf_assisted and trees need the torch backend (transformers' generate, batched tree "
-                            "passes); set them off for backend: llama.cpp, or use backend: torch")
-        if self.n_ctx < 0 or (self.n_ctx and self.backend != "llama.cpp"):
-            raise UserError(f"n_ctx sets the llama.cpp context (0 = its default; backend: llama.cpp), got {self.n_ctx} "
-                            f"with backend {self.backend}")
-        if self.threads < 0:
-            raise UserError(f"threads must be >= 0 (0 = torch's default), got {self.threads}")
+                            "passes); set them off for pair.backend llama.cpp, or use backend torch")
         SamplingParams(self.temperature, self.top_k, self.top_p)
         self.ks = [_auto_or(k, int, "ks") for k in self.ks]
         for k in self.ks:
@@ -267,8 +275,6 @@ def _one_of(values) -> str:
 def _tree_entry(cfg: SweepConfig, e, at: str, labels) -> dict:
     """One `trees` entry checked, its defaults filled in; a problem names the entry's key (at.key).
     `labels()`: the labels of `heads`, looked up only when an entry names a head."""
-    from ..decoding.trees.shapes import DRAFTINGS, NESTED
-
     if not isinstance(e, dict):
         raise UserError(f"{at} must be a mapping such as {{policy: tree, budget: 8}}, got {e!r}")
     policy = e.get("policy", "tree")
@@ -413,13 +419,9 @@ def resolve_heads(patterns: list[str]) -> list[tuple[str, Path]]:
 def load_heads(cfg: SweepConfig, hidden_size: int | None, patterns: list[str] | None = None) -> dict:
     """{label: (AcceptanceHead on CPU, info)} of `patterns` (default: `heads`); a head trained for
     another draft is refused here."""
-    import torch
-
-    from ..heads.head import AcceptanceHead
-
     heads = {}
     for label, folder in resolve_heads(cfg.heads if patterns is None else patterns):
-        head = AcceptanceHead.from_pretrained(folder, hidden_size=hidden_size, draft_model=cfg.draft,
+        head = AcceptanceHead.from_pretrained(folder, hidden_size=hidden_size, draft_model=cfg.pair.draft,
                                               dtype=torch.float32)
         extra = dict(head.extra)
         metrics = extra.pop("metrics", None)
@@ -456,8 +458,6 @@ def load_tree_heads(cfg: SweepConfig, heads: dict, specs, hidden_size: int | Non
 
 def _draft_hidden_size(draft: str) -> int | None:
     """The draft's hidden size from its config.json when it is a local folder (no weights loaded)."""
-    from ..backends.models import resolve_model_path
-
     try:
         path = Path(resolve_model_path(draft, "draft", auto_fetch=False))
     except UserError:
@@ -475,9 +475,18 @@ def _draft_hidden_size(draft: str) -> int | None:
 # ----------------------------------------------------------------------------- results file
 
 def _settings(cfg: SweepConfig, device: str) -> dict:
-    d = {k: getattr(cfg, k) for k in RESULT_KEYS}
+    p = cfg.pair
+    d = {k: UNSET[k] if k in UNSET and getattr(p, k) is None else getattr(p, k) for k in PAIR_RESULT_KEYS}
+    d.update(p.model_dump(include=set(PAIR_IF_SET), exclude_defaults=True))
+    d.update({k: getattr(cfg, k) for k in RESULT_KEYS})
     d["device"] = device
     return d
+
+
+def stored_pair(config: dict) -> dict:
+    """The pair's settings of a config.json's config: its `pair`, or, where a sweep wrote them before
+    they moved there, its top-level keys of the same names."""
+    return config.get("pair") or {k: config[k] for k in PairParams.model_fields if k in config}
 
 
 def settings_hash(settings: dict) -> str:
@@ -517,12 +526,6 @@ def prompt_sha(text: str) -> str:
 
 def _hf_assisted(pair, ids: list[int], cfg: SweepConfig, seed: int, max_new_tokens: int):
     """transformers' assisted generation (its default candidate schedule), timed like ours."""
-    import torch
-    from transformers.utils import logging as hf_logging
-
-    from ..decoding.decoder import Metrics
-    from ..timing import timed
-
     tm, dm = pair.target.model, pair.draft.model
     counts = {"target": 0, "draft": 0}
     hooks = [tm.register_forward_pre_hook(lambda m, a: counts.__setitem__("target", counts["target"] + 1)),
@@ -558,8 +561,6 @@ def _hf_assisted(pair, ids: list[int], cfg: SweepConfig, seed: int, max_new_toke
 def hf_schedule_note(draft_model) -> str:
     """What transformers' assisted generation will do with this draft (its defaults unless the draft's
     generation_config sets them)."""
-    from transformers.utils import is_sklearn_available
-
     gc = draft_model.generation_config
     defaults = gc._get_default_generation_params() if hasattr(gc, "_get_default_generation_params") else {}
     get = lambda k: getattr(gc, k, None) if getattr(gc, k, None) is not None else defaults.get(k)  # noqa: E731
@@ -574,8 +575,6 @@ def run_one(pair, spec: RunSpec, ids: list[int], cfg: SweepConfig, seed: int, he
     """(Metrics, stopped_by, new token ids, extra row fields) of one configuration on one prompt.
     `target_output`: the target's greedy output on this prompt, when known, for the oracle (saves a
     decode); `tree_ctx`: the calibrated rates and node cost of the tree policies (_tree_context)."""
-    from ..decoding.sampling import SamplingParams
-
     mnt = max_new_tokens or cfg.max_new_tokens
     samp = dict(max_new_tokens=mnt, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed)
     if spec.method in TREE_POLICIES:
@@ -614,8 +613,6 @@ _SETTINGS = {
 def chain_params(spec: RunSpec, cfg: SweepConfig, heads: dict, target_output: list[int] | None = None):
     """The typed settings of a chain configuration, built and checked by its policy's registered
     params class: the sweep reaches policies by the names and settings generate uses."""
-    from ..params import policy_params
-
     return policy_params(spec.method.removesuffix("_auto"), **_SETTINGS[spec.method](spec.params, cfg, heads,
                                                                                        target_output))
 
@@ -628,8 +625,6 @@ def auto_curve(cfg: SweepConfig, heads: dict) -> str:
 def check_auto_curves(cfg: SweepConfig, heads: dict, specs: list[RunSpec]):
     """Every curve an auto configuration needs exists and fits, checked before the models load;
     the error names the config key and the command that makes the curve."""
-    from ..decoding.auto import load_curve
-
     for spec in specs:
         key, need, source = (("thresholds", "h", heads[spec.params["head"]][1]["path"])
                              if spec.method == "learned_auto" else ("ks", "k", auto_curve(cfg, heads))
@@ -649,10 +644,6 @@ def _run_tree(pair, spec: RunSpec, ids: list[int], samp: dict, heads: dict, ctx:
     """run_one for a tree or multi-draft configuration. A fresh policy per run, starting from the
     sweep's calibrated rates, frozen unless the entry says `adapt: true` (then they adapt within the
     run only): no run depends on what ran before it."""
-    from ..decoding.interfaces import PolicyContext
-    from ..decoding.pipeline import make_policy
-    from ..decoding.sampling import SamplingParams
-
     p = spec.params
     extra = {}
     if spec.method in MULTI_DRAFT:
@@ -712,13 +703,13 @@ def run(cfg: SweepConfig) -> Path:
     # everything that can be checked without the models, first
     texts = {ds: load_prompts(ds, cfg.fields.get(ds), None, cfg.seed, cfg.hf_configs.get(ds), cfg.hf_splits.get(ds))
              for ds in cfg.datasets}
-    hidden = _draft_hidden_size(cfg.draft)
+    hidden = _draft_hidden_size(cfg.pair.draft)
     heads = load_heads(cfg, hidden)
     specs, notes = build_grid(cfg, list(heads))
     check_auto_curves(cfg, heads, specs)
     all_heads = load_tree_heads(cfg, heads, specs, hidden)
     _note(notes)
-    settings = _settings(cfg, _device_name(cfg.device))
+    settings = _settings(cfg, _device_name(cfg.pair.device))
     out = cfg.resolved_out_dir()
     out.mkdir(parents=True, exist_ok=True)
     lock = lock_dir(out, "sweep")  # noqa: F841 (held until this process exits)
@@ -751,23 +742,14 @@ def _note(notes: list[str]) -> list[str]:
 
 
 def _device_name(device: str | None) -> str:
-    from ..backends.models import resolve_device
-
     return str(resolve_device(device))
 
 
 def _load_pair(cfg: SweepConfig, heads: dict):
     """The pair, with every head checked against its draft and moved to its device, and a
     decoder that runs the draft alone (the draft_ar baseline)."""
-    from transformers.utils import logging as hf_logging
-
-    from ..decoding.decoder import Decoder
-    from ..decoding.pipeline import SpecPair
-
     hf_logging.disable_progress_bar()
-    pair = SpecPair.load(target=cfg.target, draft=cfg.draft, dtype=cfg.dtype, device=cfg.device,
-                         threads=cfg.threads or None, draft_quant=cfg.draft_quant,
-                         draft_vocab=cfg.draft_vocab or None, backend=cfg.backend, n_ctx=cfg.n_ctx or None)
+    pair = SpecPair.load(cfg.pair)
     for label, (head, info) in heads.items():
         if head.hidden_size != pair.draft.hidden_size:
             raise UserError(f"head {label} at {info['path']} was trained for a draft of hidden size "
@@ -802,7 +784,6 @@ def _pinned_costs(pair, out: Path, specs, notes: list[str]):
     None where no configuration needs it."""
     if not any(s.method in ("fixed_auto", "learned_auto") or _auto_node_cost(s) for s in specs):
         return None
-    from ..decoding.costs import measure_costs
 
     costs = measure_costs(pair, pin=out / COSTS)
     notes += _note([f"auto picks read the forward times pinned in {COSTS}: t_draft/t_target = {costs.c:.4g} "
@@ -817,8 +798,6 @@ def _tree_context(pair, cfg: SweepConfig, out: Path, texts: dict, selected: dict
     evaluated on: per dataset, tree_calibration_prompts from the END of the shuffled set, so they
     stay the same when n_prompts grows. A learned budget's node_cost auto comes from `costs` (the
     sweep's pinned forward times, _pinned_costs)."""
-    from ..decoding.sampling import SamplingParams
-
     methods = sorted({VERIFICATION[s.method] for s in specs if s.method in VERIFICATION})
     ctx = {"rates": {}, "calibration": None, "node_cost": None}
     if methods:
@@ -870,9 +849,6 @@ def _cpu_pad_to(pair) -> dict:
 def _write_run_files(out: Path, cfg: SweepConfig, settings: dict, heads: dict, selected: dict, specs, notes,
                      cpu_pad_to: dict, pair_runtime: dict):
     """settings.json, heads.json, prompts.json and config.json (see the module doc)."""
-    import torch
-    import transformers
-
     write_json(out / "settings.json", {"settings": settings, "hash": settings_hash(settings)})
     write_json(out / "heads.json", {k: v[1] for k, v in heads.items()}, default=str)
     write_json(out / "prompts.json", {ds: [{"prompt_idx": i, "prompt_sha": prompt_sha(t), "n_prompt_tokens": len(ids),
@@ -899,8 +875,6 @@ def _todo(rpath: Path, cfg: SweepConfig, selected: dict, specs) -> tuple[list[tu
 def _run_jobs(pair, todo: list[tuple], n_jobs: int, cfg: SweepConfig, heads: dict, draft_decoder, rpath: Path,
               context: dict, tree_ctx: dict | None = None):
     """Run each job and append its row to results.jsonl as soon as it is done."""
-    from tqdm import tqdm
-
     bar = tqdm(total=n_jobs, initial=n_jobs - len(todo), desc="sweep", unit="run", dynamic_ncols=True,
                disable=not cfg.progress, file=sys.stderr)
     greedy_x = {}  # (dataset, prompt) -> the target-alone greedy output, the oracle's X (Theorem 4.1)

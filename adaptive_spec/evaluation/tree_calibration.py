@@ -18,7 +18,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..decoding.trees.shapes import acceptance_distribution, shape_tree, tree_value, tunstall_bound
+from tqdm import tqdm
+
+from ..decoding.trees.policy import TreePolicy
+from ..decoding.trees.shapes import (PositionalRates, acceptance_distribution, shape_tree, tree_value,
+                                     tunstall_bound)
 from ..runs import read_json, write_json
 
 # the tree and multi-draft policies of sweeps and reports, and the verification whose rates each
@@ -33,11 +37,6 @@ def measure_rates(pair, prompts: list[list[int]], sampling, max_new_tokens: int,
                   width: int = 8, seed: int = CALIBRATION_SEED, progress: bool = False) -> dict:
     """{"cond_rates", "trials", "hits"} of verification `method` (gsd | ersd) over the token-id
     prompts: every run adapts one shared estimate (weight 1 prior, i.e. the data dominates)."""
-    from tqdm import tqdm
-
-    from ..decoding.trees.policy import TreePolicy
-    from ..decoding.trees.shapes import PositionalRates
-
     est = PositionalRates(weight=1.0, adapt=True, method=method)
     runs = [(i, d, k or width) for i in range(len(prompts)) for d, k in CALIBRATION_RUNS]
     bar = tqdm(runs, desc=f"calibrate {method}", unit="run", dynamic_ncols=True, disable=not progress,

@@ -39,9 +39,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from huggingface_hub import PyTorchModelHubMixin
+from huggingface_hub import PyTorchModelHubMixin, hf_hub_download
+from huggingface_hub.errors import EntryNotFoundError
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ..backends.models import resolve_dtype
 from ..errors import UserError, first_line
 from .features import CONTEXT_KEY, N_STATS, STATS, position_map, sampling_from, state_key
 
@@ -160,8 +165,6 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="adaptive-spe
 
     def _save_pretrained(self, save_directory: Path) -> None:
         # Each file is replaced whole (tmp + rename), so a kill never leaves a half-written one.
-        from safetensors.torch import save_file
-
         state = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
         tmp = save_directory / (WEIGHTS_NAME + ".tmp")
         save_file(state, str(tmp), metadata={"format": "pt"})
@@ -208,7 +211,7 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="adaptive-spe
         head = cls._from_config(config, where, draft_hidden_size, draft_in_use)
         head._load_weights(_weights_file(model_id, hub), where)
         head.extra = {k: v for k, v in config.items() if k not in head.config_dict()}
-        head.to(device=device, dtype=dtype if dtype is None or isinstance(dtype, torch.dtype) else _dtype(dtype))
+        head.to(device=device, dtype=dtype if dtype is None or isinstance(dtype, torch.dtype) else resolve_dtype(dtype))
         return head.eval()
 
     @classmethod
@@ -237,9 +240,6 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="adaptive-spe
                    inputs=inputs, stats_sampling=cfg.get("stats_sampling"))
 
     def _load_weights(self, weights_file: str, where: str):
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
         try:
             self.load_state_dict(load_file(weights_file), strict=True)
         except (SafetensorError, OSError, RuntimeError, ValueError) as e:
@@ -251,8 +251,6 @@ _FIX = "train one with `python train.py --config configs/train/default.yaml` or 
 
 
 def _is_repo_id(name: str) -> bool:
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
     try:
         validate_repo_id(name)
     except HFValidationError:
@@ -272,9 +270,6 @@ def _weights_file(model_id: str, hub: dict) -> str:
             raise UserError(f"acceptance head folder {model_id} has no {WEIGHTS_NAME}; it is not a saved head "
                             f"(or its export was interrupted); {_FIX}")
         return path
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
-
     try:
         return hf_hub_download(model_id, WEIGHTS_NAME, **{k: hub.get(k) for k in _HUB_ARGS})
     except EntryNotFoundError:
@@ -354,12 +349,6 @@ def _training_card(extra: dict) -> list[str]:
         "Reliability plot: `reliability.png`.",
         "",
     ]
-
-
-def _dtype(name: str) -> torch.dtype:
-    from ..backends.models import resolve_dtype
-
-    return resolve_dtype(name)
 
 
 def load_head(head, hidden_size: int | None = None, draft_model: str | None = None, device=None,

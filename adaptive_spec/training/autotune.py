@@ -27,10 +27,15 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
+from ..datagen.generate import iter_shards
 from ..decoding.auto import FORMAT, autotune_command, curve_path, weights_hash
 from ..errors import UserError, get_logger
+from ..heads import head as heads
 from ..runs import read_manifest, write_json
+from ..tables import md_table
+from .data import dataset_sources
 
 log = get_logger(__name__)
 
@@ -107,8 +112,6 @@ def counts_row(T: int, totals: np.ndarray) -> dict:
 def head_inputs(head, shard: dict):
     """The head's input row at every response position of a datagen shard, as training builds
     them (heads.shard_inputs); the stored features where that does not exist (a token head's rows)."""
-    from ..heads import head as heads
-
     if hasattr(heads, "shard_inputs"):
         return heads.shard_inputs(head, shard)
     if "features" not in shard:
@@ -117,8 +120,6 @@ def head_inputs(head, shard: dict):
 
 
 def _predictions(head, shard: dict) -> np.ndarray:
-    import torch
-
     x = head_inputs(head, shard)
     with torch.inference_mode():
         p = torch.cat([head.acceptance_prob(c.to(device=getattr(head, "device", "cpu"),
@@ -129,9 +130,6 @@ def _predictions(head, shard: dict) -> np.ndarray:
 
 def responses(data_dir: Path, split: str, head=None):
     """(source name or None, P, p̂ or None) per response of a datagen split."""
-    from ..datagen.generate import iter_shards
-    from .train import dataset_sources
-
     names = dataset_sources(read_manifest(data_dir))
     for shard in iter_shards(data_dir, split):
         P = shard["accept_prob"].double().numpy()
@@ -187,8 +185,6 @@ def build_curve(head, data_dir, split: str = "dev", k_max: int = 20, h_grid=H_GR
 
 def make_curve(head_dir: str | None, data_dir: str, split: str = "dev", k_max: int = 20, out: str | None = None):
     """Replay and save; returns (path, curve). The curve goes beside the head unless `out` says otherwise."""
-    from ..heads import head as heads
-
     if not isinstance(k_max, int) or k_max < 1:
         raise UserError(f"the hard cap on candidates per round (--k-max) must be an integer >= 1, got {k_max!r}")
     if out is None and (head_dir is None or not Path(head_dir).expanduser().is_dir()):
@@ -229,8 +225,6 @@ def _warn_other_draft(head, manifest: dict):
 
 def curve_table(curve: dict) -> str:
     """Markdown: the machine-independent counts per h and per K."""
-    from ..tables import md_table
-
     rows = [[f"h={p['h']:g}", p["verification_rate"], p["discard_rate"], p["tokens_per_round"]]
             for p in curve["thresholds"]]
     rows += [[f"K={p['k']}", p["verification_rate"], p["discard_rate"], p["tokens_per_round"]] for p in curve["fixed_k"]]

@@ -31,6 +31,7 @@ import math
 
 from ...errors import UserError
 from ...params import ErsdParams, TreeParams
+from ..costs import measure_costs
 from ..interfaces import PolicyContext, RoundOwner, RoundState, register
 from ..policies import load_pair_head
 from .draft import DraftTree, grow_static, grow_with_head
@@ -195,8 +196,6 @@ def _node_cost(tree_learned, tree_node_cost, pair, drafting):
     """tree_node_cost, measured on the pair (costs.measure_costs) when a learned budget leaves it
     unset (TreePolicy refuses the rest, before anything is timed)."""
     if tree_learned is True and tree_node_cost is None and pair is not None and drafting in NESTED:
-        from ..costs import measure_costs
-
         return measure_costs(pair).node_cost
     return tree_node_cost
 
