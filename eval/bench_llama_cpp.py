@@ -205,14 +205,13 @@ def main(argv=None) -> int:
         chat_text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                             add_generation_prompt=True)
         for temp in temps:
-            # warm-up: the first generation of a process pays allocations (untimed, not recorded)
-            if i == 0 and ds == order[0][0]:
-                for pair in pairs.values():
-                    pair.generate(ids, policy="ar", temperature=temp, max_new_tokens=8)
             for name, pair in pairs.items():
                 engine = name.split()[0]
                 if engine == "torch" and temp not in torch_temps:
                     continue
+                # warm-up before each pair's rows (untimed, not recorded): the first generation after another
+                # engine or llama.cpp's example had run was slower than the same decode repeated right after
+                pair.generate(ids, policy="ar", temperature=temp, max_new_tokens=16)
                 for label, policy, kw in our_configs(name):
                     row = {"dataset": ds, "prompt_idx": i, "temperature": temp, "engine": engine, "config": label,
                            "prompt_tokens": len(ids)}
@@ -266,13 +265,12 @@ def _speed(rows: list[dict], field: str = "decode_tok_s") -> float:
 
 def break_even(costs: dict, k: int) -> tuple[float, float, float | None]:
     """(drafting K c, verification's excess v(K + 1) - 1, the per-candidate acceptance alpha a fixed K
-    needs to beat the target alone), in target steps: a round of fixed K yields (1 - alpha^(K+1)) /
-    (1 - alpha) tokens on average (independent acceptances) for K c + v(K + 1) steps (Eq. 3.2 with the
-    measured per-length verification). None where even alpha = 1 (K + 1 tokens a round) falls short."""
-    t = costs["t_target"]
-    draft, verify = k * costs["t_draft"] / t, costs["t_verify"][k] / t if len(costs["t_verify"]) > k else None
-    if verify is None:
-        verify = (costs["t_target"] + costs["t_cand"] * k) / t
+    needs to beat the target alone), in one-token target passes (the measured v(1), not the fitted
+    line's intercept): a round of fixed K yields (1 - alpha^(K+1)) / (1 - alpha) tokens on average
+    (independent acceptances) for K c + v(K + 1) steps (Eq. 3.2 with the measured per-length
+    verification). None where even alpha = 1 (K + 1 tokens a round) falls short."""
+    step = costs["t_verify"][0]
+    draft, verify = k * costs["t_draft"] / step, costs["t_verify"][k] / step
     cost = draft + verify
     if cost >= k + 1:
         return draft, verify - 1, None
@@ -285,19 +283,20 @@ def break_even(costs: dict, k: int) -> tuple[float, float, float | None]:
 
 def cost_section(costs: dict) -> list[str]:
     lines = ["## Forward costs and what speculation needs (Eq. 3.2)", "",
-             "Measured through the binding after a 256-token context (costs.py), pinned for the run. A round of "
-             "fixed K costs K c target steps of drafting plus one verification pass of K + 1 tokens, v(K + 1) "
+             "Measured through the binding after a 256-token context (costs.py), pinned for the run; a pass of N "
+             "tokens returns the logits of all N (a verification needs them), which llama-bench's pp N does not. "
+             "A round of fixed K costs K c target steps of drafting plus one verification pass of K + 1 tokens, v(K + 1) "
              "steps; it pays only if the tokens it yields exceed that. `alpha needed` is the per-candidate "
              "acceptance at which fixed K breaks even with the target alone (none: not even at alpha = 1).", ""]
     table = []
     for name, c in costs.items():
-        t = c["t_target"]
-        verify = " / ".join(f"{v / t:.2f}" for v in c.get("t_verify", [])[:6])
+        step = c["t_verify"][0]
+        verify = " / ".join(f"{v / step:.2f}" for v in c["t_verify"][:6])
         for k in (1, 2, 3, 4):
             draft, excess, alpha = break_even(c, k)
-            table.append([name, f"{1e3 * t:.1f}", f"{c['t_draft'] / t:.2f}", verify if k == 1 else "", str(k),
+            table.append([name, f"{1e3 * step:.1f}", f"{c['t_draft'] / step:.2f}", verify if k == 1 else "", str(k),
                           f"{draft:.2f}", f"{excess:.2f}", "none" if alpha is None else f"{alpha:.2f}"])
-    lines += [md_table(["pair", "t_target ms", "c = t_draft / t_target", "v(1..6) in steps", "K", "drafting K c",
+    lines += [md_table(["pair", "target step ms", "c = t_draft / step", "v(1..6) in steps", "K", "drafting K c",
                         "verification excess v(K+1) - 1", "alpha needed"], table), ""]
     return lines
 
