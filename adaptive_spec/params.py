@@ -3,7 +3,7 @@
 Every way in builds these: the `generate` flags (cli.py makes its policy and model flags from the
 fields below), `SpecPair.load` / `SpecPair.generate` keywords, and the sweep. pydantic does the
 typing and refuses unknown keys; the checks that need more than one field are the models' own
-validators. Nothing here loads a model, so every refusal comes before the weights.
+validators. Nothing here imports torch or loads a model, so every refusal comes before the weights.
 
 Why pydantic: it is already in the dependency tree (wandb needs it), its models are typed
 dataclasses with strict unknown-key refusal (`extra="forbid"`) and one error per bad field, and
@@ -19,12 +19,8 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
-# create_model: interfaces.register reaches it here, to give a policy registered without settings its class
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator  # noqa: F401
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .backends.models import resolve_model_path
-from .backends.vocab import parse_draft_vocab
-from .decoding.auto import load_curve
 from .errors import UserError
 
 AUTO = "auto"
@@ -147,6 +143,8 @@ def _check_head_folder(head: Any, who: str) -> None:
 def _check_auto(value, curve, head, need: str) -> None:
     """auto reads a curve: it must exist now, before any model loads; a curve without auto is a mistake."""
     if value == AUTO:
+        from .decoding.auto import load_curve  # params stays a leaf: interfaces and every policy import it
+
         load_curve(curve or (head if isinstance(head, (str, Path)) else None), need,
                    head if isinstance(head, (str, Path)) else None)
     elif curve is not None:
@@ -387,9 +385,13 @@ class PairParams(Params):
     def check_draft_vocab_size(self) -> None:
         """N of draft_vocab N against the draft's vocabulary, read from its config.json (no weights):
         the upper bound, refused before anything loads."""
+        from .backends.vocab import parse_draft_vocab  # params stays a leaf (no torch): see _check_auto
+
         parsed = parse_draft_vocab(self.draft_vocab) if self.draft is not None else None
         if parsed is None or parsed[1] is None:
             return
+        from .backends.models import resolve_model_path  # params stays a leaf (no torch): see _check_auto
+
         config = Path(resolve_model_path(self.draft, "draft")) / "config.json"
         if config.is_file():
             size = json.loads(config.read_text()).get("vocab_size")
@@ -399,6 +401,8 @@ class PairParams(Params):
 
 def _check_draft_vocab(spec: str) -> None:
     """N must be a positive count; a FILE must exist."""
+    from .backends.vocab import parse_draft_vocab  # params stays a leaf (no torch): see _check_auto
+
     path, n = parse_draft_vocab(spec)
     if n is not None and n < 1:
         raise ValueError(f"--draft-vocab must be a token count >= 1 or a token-list file, got {spec}")

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from adaptive_spec.backends.cpu import flags_line
 from adaptive_spec.backends.fetch import cache_dir, default_gguf
-from adaptive_spec.backends.llama_build import VERSION, cmake_args, tier
+from adaptive_spec.backends.llama_build import VERSION, X86_SETS, cmake_args, tier
 from adaptive_spec.backends.llamacpp import requantized_gguf
 from adaptive_spec.decoding.costs import measure_costs
 from adaptive_spec.runs import append_jsonl, read_jsonl
@@ -97,9 +97,7 @@ def build(threads: int, cpu_flags=None, tools=TOOLS) -> Path:
 def build_flags(bins: Path) -> str:
     cache = (bins.parent / "CMakeCache.txt").read_text()
     on = [m[1] for m in re.finditer(r"^(GGML_[A-Z0-9_]+):BOOL=ON$", cache, re.M)
-          if m[1] in ("GGML_NATIVE", "GGML_AVX", "GGML_AVX2", "GGML_AVX512", "GGML_FMA", "GGML_F16C", "GGML_BMI2",
-                      "GGML_SSE42", "GGML_AVX_VNNI", "GGML_AVX512_VBMI", "GGML_AVX512_VNNI", "GGML_AVX512_BF16",
-                      "GGML_AMX_INT8", "GGML_OPENMP")]
+          if m[1] in {name for name, _ in X86_SETS} | {"GGML_NATIVE", "GGML_AMX_INT8", "GGML_OPENMP"}]
     return ("ggml build flags on: " + (", ".join(on) or "none")
             + f" (GGML_NATIVE and AMX off; tier {tier()}: this CPU's instruction sets, the binding's too)")
 

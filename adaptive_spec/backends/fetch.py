@@ -53,6 +53,7 @@ from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
 from ..errors import UserError, first_line, get_logger, run_main
+from .llama_build import cache_dir  # noqa: F401  (the one definition; callers import it from here)
 
 try:
     import fcntl
@@ -106,12 +107,6 @@ DEFAULT_PAIR: dict[str, ModelSpec] = {
 
 # ----------------------------------------------------------------------------------------------
 # paths
-
-
-def cache_dir() -> Path:
-    """Root of everything this project caches: `$ADAPTIVE_SPEC_CACHE`, else ~/.cache/adaptive_spec."""
-    env = os.environ.get("ADAPTIVE_SPEC_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "adaptive_spec"
 
 
 def default_pair_paths() -> dict[str, Path]:

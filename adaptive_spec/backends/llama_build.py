@@ -14,8 +14,9 @@ flags decide both speed and safety:
 So the instruction sets are named explicitly from this CPU's own flags, AMX always off, and the
 wheel is kept under a name that lists them (`<cache>/wheels/llama-cpp-python-<version>-<tier>`):
 a second machine of another kind builds its own instead of reusing one that would not run there,
-and `check_runs_here` refuses, with the rebuild command, a library built for instructions this
-CPU lacks (a virtual environment copied between machines) before it can die on one.
+and `missing_instructions` (checked when llamacpp.py first loads the library) names the sets a
+library was built for that this CPU lacks (a virtual environment copied between machines), so it
+is refused with the rebuild command before it can die on one.
 
     python adaptive_spec/backends/llama_build.py            # this CPU's tier, cmake flags and wheel folder
     python adaptive_spec/backends/llama_build.py install    # build (once) and install into this Python
@@ -51,14 +52,12 @@ X86_SETS = (
     ("GGML_AVX512_VNNI", ("avx512_vnni",)),
     ("GGML_AVX512_BF16", ("avx512_bf16",)),
 )
-# never on: the AMX crash above, and what ggml's AVX512 sub-switches need underneath them
+# never on: the AMX crash above
 AMX_OFF = ("-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF")
-# names in llama_print_system_info()'s "CPU : X = 1 | ..." -> the CPU flags that feature needs
-SYSTEM_INFO_NEEDS = {"SSE3": ("pni",), "SSSE3": ("ssse3",), "AVX": ("avx",), "AVX2": ("avx2",), "F16C": ("f16c",),
-                     "FMA": ("fma",), "BMI2": ("bmi2",), "AVX_VNNI": ("avx_vnni",),
-                     "AVX512": ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"),
-                     "AVX512_VBMI": ("avx512vbmi",), "AVX512_VNNI": ("avx512_vnni",),
-                     "AVX512_BF16": ("avx512_bf16",), "AMX_INT8": ("amx_int8",)}
+# names in llama_print_system_info()'s "CPU : X = 1 | ..." (ggml's switch without GGML_) -> the CPU
+# flags that feature needs
+SYSTEM_INFO_NEEDS = {name[len("GGML_"):]: need for name, need in X86_SETS} | {
+    "SSE3": ("pni",), "SSSE3": ("ssse3",), "AMX_INT8": ("amx_int8",)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,11 +123,15 @@ def missing_instructions(system_info: str, flags: frozenset | set | None = None)
             and not all(f in flags for f in SYSTEM_INFO_NEEDS[name])]
 
 
-def wheel_dir(cache: Path | None = None) -> Path:
-    if cache is None:
-        env = os.environ.get("ADAPTIVE_SPEC_CACHE")
-        cache = Path(env).expanduser() if env else Path.home() / ".cache" / "adaptive_spec"
-    return cache / "wheels" / f"llama-cpp-python-{VERSION}-{tier()}"
+def cache_dir() -> Path:
+    """Root of everything this project caches: `$ADAPTIVE_SPEC_CACHE`, else ~/.cache/adaptive_spec
+    (here, stdlib only, for set-up's wheels; fetch.py and every other cache user read the same)."""
+    env = os.environ.get("ADAPTIVE_SPEC_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "adaptive_spec"
+
+
+def wheel_dir() -> Path:
+    return cache_dir() / "wheels" / f"llama-cpp-python-{VERSION}-{tier()}"
 
 
 def _pip(*args: str, env: dict | None = None) -> None:

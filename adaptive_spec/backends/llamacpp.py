@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from ..errors import UserError
-from .llama_build import VERSION, install_command, missing_instructions
+from .llama_build import VERSION, cache_dir, install_command, missing_instructions
 
 log = logging.getLogger(__name__)
 
@@ -224,8 +224,6 @@ def requantized_gguf(path: str | Path, qtype: str, threads: int | None = None) -
     change: rejection sampling against the target keeps the output exactly the target's."""
     if qtype not in GGUF_QUANTS:
         raise UserError(f"unknown GGUF quantization {qtype!r}; use one of {', '.join(GGUF_QUANTS)}")
-    from .fetch import cache_dir  # the downloader's module: kept off the generation path (see resolve_gguf)
-
     path = Path(path)
     out = cache_dir() / "gguf" / f"{path.stem}.{qtype}.{file_fingerprint(path)}.gguf"
     if out.is_file():

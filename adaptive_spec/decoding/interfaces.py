@@ -36,6 +36,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from pydantic import create_model
+
 from .. import params
 from ..errors import UserError
 
@@ -146,7 +148,7 @@ def register(name: str):
     without one gets an empty settings class: it takes no keywords)."""
     def deco(factory):
         if name not in params._POLICIES:
-            params.policy(name)(params.create_model(f"Params_{name}", __base__=params.PolicyParams))
+            params.policy(name)(create_model(f"Params_{name}", __base__=params.PolicyParams))
         _REGISTRY[name] = factory
         return factory
     return deco
