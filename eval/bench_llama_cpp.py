@@ -102,10 +102,10 @@ def build_flags(bins: Path) -> str:
             + f" (GGML_NATIVE and AMX off; tier {tier()}: this CPU's instruction sets, the binding's too)")
 
 
-def bench_tg(bins: Path, gguf: Path, n: int, depth: int, threads: int) -> float:
-    """llama-bench tg: tokens/s generating n tokens after `depth` tokens of context (its mean over 5 reps)."""
+def bench_tg(bins: Path, gguf: Path, n: int, depth: int, threads: int, reps: int = 5) -> float:
+    """llama-bench tg: tokens/s generating n tokens after `depth` tokens of context (its mean over reps)."""
     out = run([str(bins / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(n), "-d", str(depth),
-               "-t", str(threads), "-o", "json"])
+               "-t", str(threads), "-r", str(reps), "-o", "json"])
     return float(json.loads(out[out.index("["): out.rindex("]") + 1])[0]["avg_ts"])
 
 
@@ -285,7 +285,10 @@ def cost_section(costs: dict) -> list[str]:
              "tokens returns the logits of all N (a verification needs them), which llama-bench's pp N does not. "
              "A round of fixed K costs K c target steps of drafting plus one verification pass of K + 1 tokens, v(K + 1) "
              "steps; it pays only if the tokens it yields exceed that. `alpha needed` is the per-candidate "
-             "acceptance at which fixed K breaks even with the target alone (none: not even at alpha = 1).", ""]
+             "acceptance at which fixed K breaks even with the target alone (none: not even at alpha = 1). "
+             "`ceiling` is the speed-up over the target alone if every candidate were accepted, (K + 1) / "
+             "(K c + v(K + 1)): no stop rule, learned or not, can beat the largest of them with this pair on "
+             "this CPU.", ""]
     table = []
     for name, c in costs.items():
         step = c["t_verify"][0]
@@ -293,10 +296,21 @@ def cost_section(costs: dict) -> list[str]:
         for k in (1, 2, 3, 4):
             draft, excess, alpha = break_even(c, k)
             table.append([name, f"{1e3 * step:.1f}", f"{c['t_draft'] / step:.2f}", verify if k == 1 else "", str(k),
-                          f"{draft:.2f}", f"{excess:.2f}", "none" if alpha is None else f"{alpha:.2f}"])
+                          f"{draft:.2f}", f"{excess:.2f}", "none" if alpha is None else f"{alpha:.2f}",
+                          f"{ceiling(c, k):.2f}x"])
     lines += [md_table(["pair", "target step ms", "c = t_draft / step", "v(1..6) in steps", "K", "drafting K c",
-                        "verification excess v(K+1) - 1", "alpha needed"], table), ""]
+                        "verification excess v(K+1) - 1", "alpha needed", "ceiling (alpha = 1)"], table), ""]
+    best = {name: max((ceiling(c, k), k) for k in range(1, len(c["t_verify"]))) for name, c in costs.items()}
+    lines += ["Best ceiling over every K the costs price: " + "; ".join(
+        f"{name} {x:.2f}x at K = {k}" for name, (x, k) in best.items()) + ".", ""]
     return lines
+
+
+def ceiling(costs: dict, k: int) -> float:
+    """Speed-up over the target alone of fixed K with a draft that is always accepted: K + 1 tokens a
+    round for K c + v(K + 1) target steps (Eq. 3.2 at alpha = 1), the bound on any stop rule's gain."""
+    step = costs["t_verify"][0]
+    return (k + 1) / ((k * costs["t_draft"] + costs["t_verify"][k]) / step)
 
 
 def report(rows: list[dict], tg: dict, flags: str, args, costs: dict | None = None) -> str:
@@ -364,6 +378,10 @@ def _goals(by, datasets, temp, tg) -> list[list[str]]:
         if spec and torch_spec:
             add(f"{mode}: SpecDec++ on llama.cpp ({label}) / on torch (auto), wall tok/s (>= 2)", ds,
                 _speed(spec, "tok_s") / _speed(torch_spec, "tok_s"), 2.0)
+        auto = by[(ds, temp, "llama.cpp", "specdec++ h=auto")]
+        if auto and torch_spec:  # what a user running `--threshold auto` on each engine gets
+            add(f"{mode}: SpecDec++ h=auto on llama.cpp / on torch, wall tok/s (>= 2)", ds,
+                _speed(auto, "tok_s") / _speed(torch_spec, "tok_s"), 2.0)
         if temp == 0 and spec:
             ex_label, ex = best(ds, "llama.cpp example", "draft-max")
             if ex:

@@ -323,13 +323,9 @@ def test_the_installed_binding_runs_on_this_cpu():
 
 # ------------------------------------------------------------------------------ a sweep on llama.cpp
 
-@needs_binding
-def test_sweep_and_report_side_by_side_on_both_engines(tiny_ggufs, tmp_path, capsys):
-    """`backend: llama.cpp` in a sweep config runs the same grid on GGUF files (tokenizer from the folder
-    beside them), and the report tables it beside the torch sweep (`make run`'s path); a statistics
-    head runs there, and the torch-only keys are refused before any model loads."""
-    from adaptive_spec.evaluation import report
-    from adaptive_spec.evaluation import sweep
+def gguf_folder(tiny_ggufs, tmp_path) -> Path:
+    """<tmp>/gguf/{target,draft}/: the 32-token models as Hugging Face folders with a tokenizer, and
+    their GGUF file beside (llama.cpp pairs read the tokenizer from there)."""
     from tiny import make_tokenizer
 
     folder = tmp_path / "gguf"
@@ -340,6 +336,46 @@ def test_sweep_and_report_side_by_side_on_both_engines(tiny_ggufs, tmp_path, cap
         model.save_pretrained(sub)
         make_tokenizer(32).save_pretrained(sub)
         (sub / f"{role}.gguf").write_bytes(path.read_bytes())
+    return folder
+
+
+@needs_binding
+def test_torch_runs_on_one_thread_while_llama_cpp_decodes(tiny_ggufs, tmp_path):
+    """torch only samples on a llama.cpp pair; its thread pool is kept off llama.cpp's cores during a
+    generation (pipeline.LLAMA_CPP_TORCH_THREADS) and given back after, even when the generation fails."""
+    from adaptive_spec.decoding import pipeline
+
+    folder = gguf_folder(tiny_ggufs, tmp_path)
+    pair = pipeline.SpecPair.load(backend="llama.cpp", target=str(folder / "target" / "target.gguf"),
+                                  draft=str(folder / "draft" / "draft.gguf"), threads=2)
+    seen, forward = [], pair.target.forward
+
+    def watched(*a, **k):
+        seen.append(torch.get_num_threads())
+        return forward(*a, **k)
+
+    pair.target.forward = watched
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        pair.generate([1, 2, 3], policy="fixed", k=2, max_new_tokens=6)
+        assert seen and set(seen) == {pipeline.LLAMA_CPP_TORCH_THREADS} == {1} and torch.get_num_threads() == 2
+        with pytest.raises(UserError):
+            pair.generate([], policy="ar", max_new_tokens=4)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_binding
+def test_sweep_and_report_side_by_side_on_both_engines(tiny_ggufs, tmp_path, capsys):
+    """`backend: llama.cpp` in a sweep config runs the same grid on GGUF files (tokenizer from the folder
+    beside them), and the report tables it beside the torch sweep (`make run`'s path); a statistics
+    head runs there, and the torch-only keys are refused before any model loads."""
+    from adaptive_spec.evaluation import report
+    from adaptive_spec.evaluation import sweep
+
+    folder = gguf_folder(tiny_ggufs, tmp_path)
     head = tmp_path / "head"
     stats_head(16).save_pretrained(head)
     prompts = tmp_path / "p.jsonl"

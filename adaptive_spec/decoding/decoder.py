@@ -238,6 +238,8 @@ class Decoder:
         ids = state.seq[self.target.length:]
         logits, _ = self.target.forward(ids, n_logits=1)
         _count_pass(state.met, ids.shape[0])
+        if state.sampling.greedy:  # the token sampling the one-hot would draw, without two passes over the vocabulary
+            return [int(logits[0].argmax())]
         return [int(sample(process_logits(logits[0], state.sampling), state.gen))]
 
     def chain_round(self, state: RoundState, rule: StopPolicy) -> list[int]:

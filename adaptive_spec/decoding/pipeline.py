@@ -8,6 +8,8 @@
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import GenerationConfig, TextStreamer
 
@@ -183,13 +185,35 @@ class SpecPair:
         on_tokens = None
         if on_text is not None:
             on_tokens = _Streamer(self.tokenizer, on_text)
-        g = self.decoder.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, policy=pol,
-                                  seed=seed, on_tokens=on_tokens)
+        with _torch_threads(LLAMA_CPP_TORCH_THREADS if self.backend == "llama.cpp" else None):
+            g = self.decoder.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, policy=pol,
+                                      seed=seed, on_tokens=on_tokens)
         if on_tokens is not None:
             on_tokens.end()
         g.text = self.tokenizer.decode(g.token_ids, skip_special_tokens=True)
         g.auto = auto
         return g
+
+
+# torch's threads while a llama.cpp pair decodes (None: leave them). torch only samples and runs the
+# heads there (rows of 151,936 logits at most), and its OpenMP pool would spin on the cores llama.cpp's
+# own pool computes on: with one torch thread llama.cpp's forward was 0-3% faster in three paired runs
+# on a 2-core EPYC, never slower beyond noise (eval/bench_llama_cpp_overhead.py).
+LLAMA_CPP_TORCH_THREADS: int | None = 1
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int | None):
+    """torch on n threads inside the block (None: as it is)."""
+    if n is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _gguf_tokenizer(name, gguf_path):
