@@ -267,8 +267,7 @@ def break_even(costs: dict, k: int) -> tuple[float, float, float | None]:
     line's intercept): a round of fixed K yields (1 - alpha^(K+1)) / (1 - alpha) tokens on average
     (independent acceptances) for K c + v(K + 1) steps (Eq. 3.2 with the measured per-length
     verification). None where even alpha = 1 (K + 1 tokens a round) falls short."""
-    step = costs["t_verify"][0]
-    draft, verify = k * costs["t_draft"] / step, costs["t_verify"][k] / step
+    draft, verify = round_cost(costs, k)
     cost = draft + verify
     if cost >= k + 1:
         return draft, verify - 1, None
@@ -277,6 +276,12 @@ def break_even(costs: dict, k: int) -> tuple[float, float, float | None]:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if sum(mid ** j for j in range(k + 1)) < cost else (lo, mid)
     return draft, verify - 1, hi
+
+
+def round_cost(costs: dict, k: int) -> tuple[float, float]:
+    """(drafting K c, verification v(K + 1)) of a fixed-K round, in one-token target passes."""
+    step = costs["t_verify"][0]
+    return k * costs["t_draft"] / step, costs["t_verify"][k] / step
 
 
 def cost_section(costs: dict) -> list[str]:
@@ -309,8 +314,7 @@ def cost_section(costs: dict) -> list[str]:
 def ceiling(costs: dict, k: int) -> float:
     """Speed-up over the target alone of fixed K with a draft that is always accepted: K + 1 tokens a
     round for K c + v(K + 1) target steps (Eq. 3.2 at alpha = 1), the bound on any stop rule's gain."""
-    step = costs["t_verify"][0]
-    return (k + 1) / ((k * costs["t_draft"] + costs["t_verify"][k]) / step)
+    return (k + 1) / sum(round_cost(costs, k))
 
 
 def report(rows: list[dict], tg: dict, flags: str, args, costs: dict | None = None) -> str:
@@ -378,7 +382,7 @@ def _goals(by, datasets, temp, tg) -> list[list[str]]:
         if spec and torch_spec:
             add(f"{mode}: SpecDec++ on llama.cpp ({label}) / on torch (auto), wall tok/s (>= 2)", ds,
                 _speed(spec, "tok_s") / _speed(torch_spec, "tok_s"), 2.0)
-        auto = by[(ds, temp, "llama.cpp", "specdec++ h=auto")]
+        auto = by.get((ds, temp, "llama.cpp", "specdec++ h=auto"))  # get: an empty entry would become a goal row below
         if auto and torch_spec:  # what a user running `--threshold auto` on each engine gets
             add(f"{mode}: SpecDec++ h=auto on llama.cpp / on torch, wall tok/s (>= 2)", ds,
                 _speed(auto, "tok_s") / _speed(torch_spec, "tok_s"), 2.0)

@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     done = {_key(r) for r in read_jsonl(results)} if results.is_file() else set()
     bins = build(args.threads)
     pair = pipeline.SpecPair.load(backend="llama.cpp", draft=None, threads=args.threads)
-    variants = (1, args.threads)
+    variants = tuple(dict.fromkeys((1, args.threads)))  # one variant when --threads 1
     n = 0
     for ds in args.datasets.split(","):
         for i, text in enumerate(load_prompts(ds, n=args.prompts)):

@@ -63,6 +63,10 @@ def test_goals_compare_auto_with_auto_and_the_best_h(bench):
     best_h = lines["| T=1: SpecDec++ on llama.cpp (specdec++ h=0.3) / on torch (auto), wall tok/s (>= 2)"]
     assert f"{wall['h'] / wall['torch']:.2f}x | **no**" in best_h
     assert "| T=1: SpecDec++ h=auto on llama.cpp / llama.cpp alone (>= 0.97) | gsm8k | 1.00x | yes |" in md
+    # a run without auto rows (stopped early, or another grid) gets no auto goals, and no crash
+    partial = [r for r in rows if r["config"] != "specdec++ h=auto"]
+    md = bench.report(partial, {"empty context": 26.0, "100-token context": 26.0}, "flags", args)
+    assert "h=auto" not in md and "specdec++ h=0.3) / on torch" not in md
 
 
 def test_overhead_report_pairs_each_prompt_with_its_llama_bench_run(monkeypatch):

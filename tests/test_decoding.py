@@ -193,3 +193,20 @@ def test_sampler_draws_each_row_from_its_distribution():
         assert not counts[p == 0].any(), f"row {row} drew a token of probability 0"
         cells = {t: p[t].item() for t in range(6)}
         assert chi_square_pvalue({t: int(counts[t]) for t in range(6)}, cells, n) > 1e-3
+
+
+def test_draw_takes_the_token_sample_would_and_only_skips_the_draw_when_greedy():
+    """sampling.draw: under greedy the one-hot's token (sample's own pick, ties to the first maximum)
+    without touching the generator; otherwise exactly sample, the same generator state consumed."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3))
+    logits[0, 7] = logits[0, 9] = logits[0].max() + 1  # a tie: both take the first
+    one_hot = sampling.process_logits(logits, GREEDY)
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    assert torch.equal(sampling.draw(one_hot, GREEDY, g1), sampling.sample(one_hot, g2))
+    assert sampling.draw(one_hot, GREEDY, g1)[0] == 7
+    assert torch.equal(g1.get_state(), torch.Generator().manual_seed(5).get_state())  # greedy drew nothing
+    t1 = SamplingParams(1.0, top_k=10)
+    probs = sampling.process_logits(logits, t1)
+    g1, g2 = torch.Generator().manual_seed(6), torch.Generator().manual_seed(6)
+    for _ in range(20):
+        assert torch.equal(sampling.draw(probs, t1, g1), sampling.sample(probs, g2))

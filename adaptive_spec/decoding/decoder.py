@@ -26,7 +26,7 @@ import torch
 from ..backends.models import CausalLM
 from ..errors import UserError
 from .interfaces import DraftStep, Policy, RoundOwner, RoundState, StopPolicy
-from .sampling import SamplingParams, process_logits, sample, verify
+from .sampling import SamplingParams, draw, process_logits, verify
 
 
 @dataclass
@@ -238,9 +238,7 @@ class Decoder:
         ids = state.seq[self.target.length:]
         logits, _ = self.target.forward(ids, n_logits=1)
         _count_pass(state.met, ids.shape[0])
-        if state.sampling.greedy:  # the token sampling the one-hot would draw, without two passes over the vocabulary
-            return [int(logits[0].argmax())]
-        return [int(sample(process_logits(logits[0], state.sampling), state.gen))]
+        return [int(draw(process_logits(logits[0], state.sampling), state.sampling, state.gen))]
 
     def chain_round(self, state: RoundState, rule: StopPolicy) -> list[int]:
         """One speculation round of a chain drafted under the stop rule; returns the new tokens
@@ -262,7 +260,7 @@ class Decoder:
         for i in range(1, k_cap + 1):
             logits, hidden = draft.forward(inp, n_logits=1)
             q_i = process_logits(logits[0], state.sampling)
-            y_i = sample(q_i, state.gen)
+            y_i = draw(q_i, state.sampling, state.gen)
             ys.append(y_i)
             qs.append(q_i)
             t0 = time.perf_counter()

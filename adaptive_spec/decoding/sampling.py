@@ -73,6 +73,13 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     return torch.searchsorted(cdf, u * cdf[..., -1:], right=True).squeeze(-1).clamp_max(probs.shape[-1] - 1)
 
 
+def draw(probs: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of `probs` = process_logits(logits, params). Greedy: the one-hot's token,
+    the one `sample` would draw, taken by argmax without sample's float64 cumulative sum over the
+    vocabulary (1.2 ms of a token's 1.5 ms of sampling at 151,936 tokens on one CPU thread)."""
+    return probs.argmax(-1) if params.greedy else sample(probs, generator)
+
+
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """norm(max(p - q, 0)) row-wise; where p == q (the residual is never used then) it is p."""
     r = (p - q).clamp_min(0.0)
