@@ -115,9 +115,12 @@ def validate(args):
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     pair = params.pair_params(spell=flag, **_set(args, params.PairParams.model_fields))
-    if args.policy == "ar":
-        pair = pair.model_copy(update={"draft": None})
     policy = params.policy_params(args.policy, spell=flag, **_set(args, params.policy_fields()))
+    if not policy.uses_draft:  # no draft model to load (ar; ngram without a fallback)
+        pair = pair.model_copy(update={"draft": None})
+    elif pair.draft is None:
+        raise UserError(f"--policy {policy.name} drafts with a draft model, but --draft is none; name a draft (default: "
+                        "the default pair's), or use --policy ngram (copies from the context, no draft model)")
     policy.check_sampling(sampling.temperature)
     if pair.backend == "llama.cpp":
         check_policy(policy.name)

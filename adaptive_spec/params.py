@@ -83,6 +83,11 @@ class PolicyParams(Params):
 
     name: ClassVar[str] = ""
 
+    @property
+    def uses_draft(self) -> bool:
+        """Whether the policy drafts with a draft model (the pair then loads one)."""
+        return True
+
     def check_sampling(self, temperature: float) -> None:
         """Refuse a decode mode the policy is not defined for (the oracle: greedy only)."""
 
@@ -156,6 +161,10 @@ def _check_auto(value, curve, head, need: str) -> None:
 class ARParams(PolicyParams):
     """The target alone: no draft, no settings."""
 
+    @property
+    def uses_draft(self) -> bool:
+        return False
+
 
 @policy("fixed")
 class FixedParams(PolicyParams):
@@ -228,6 +237,48 @@ class OracleParams(PolicyParams):
     def check_sampling(self, temperature: float) -> None:
         if temperature > 0:
             raise UserError("the hindsight oracle is defined for greedy decoding; use --temperature 0")
+
+
+@policy("ngram")
+class NgramParams(PolicyParams):
+    """Prompt lookup: candidates copied from the prompt and the text so far (no draft model needed),
+    as many as pay for their rows (k auto) or k after every match; with fallback learned, the draft
+    model drafts under SpecDec++ in the rounds nothing is copied."""
+
+    k: PositiveInt | Literal["auto"] = Field(
+        "auto", description="ngram: copied tokens per round (auto: as many as pay for their verification "
+        "rows on this machine)", **_expects("an integer >= 1 or auto"))
+    ngram_max: int = Field(4, ge=1, description="ngram: longest context suffix looked up", **_expects("an integer >= 1"))
+    ngram_min: int = Field(2, ge=1, description="ngram: shortest context suffix looked up",
+                           **_expects("an integer >= 1"))
+    k_max: int = Field(16, ge=1, description="hard cap on candidates per round", **_expects("an integer >= 1"))
+    fallback: Literal["none", "learned"] = Field(
+        "none", description="ngram: rounds without a copy: none (a plain target step) or learned (the draft "
+        "model under SpecDec++, --head and --threshold)", **_expects("none or learned"))
+    head: Any = Field(None, description="acceptance head folder (or hub id)")
+    threshold: UnitOpen | Literal["auto"] | None = Field(None, **_expects("h in (0, 1) or auto"))
+    curve: str | None = CURVE
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"--ngram-min ({self.ngram_min}) must not exceed --ngram-max ({self.ngram_max})")
+        if self.fallback == "learned":
+            self.fallback_params()
+        elif self.head is not None or self.threshold is not None or self.curve is not None:
+            raise ValueError("--head, --threshold and --curve are read by the ngram policy only with --fallback learned")
+        return self
+
+    @property
+    def uses_draft(self) -> bool:
+        return self.fallback != "none"
+
+    def fallback_params(self) -> "LearnedParams":
+        """The draft model's stop rule in the rounds nothing is copied (checked on construction)."""
+        try:
+            return LearnedParams(head=self.head, threshold=self.threshold, curve=self.curve)
+        except ValidationError as e:
+            raise ValueError("--fallback learned: " + explain(e, LearnedParams, "--fallback learned")) from None
 
 
 DRAFTING = Literal["tree", "sequence", "batch", "specinfer"]
@@ -313,9 +364,14 @@ def policies_with(key: str) -> list[str]:
 
 # ---- the model pair --------------------------------------------------------------------------
 
+# llama.cpp's re-quantizations of a GGUF file (llamacpp.GGUF_QUANTS: what each one is, and why)
+GGUF_QUANTS = ("q4_0", "q8_0", "q4_0-pure", "q4_k-pure", "iq4_nl-pure")
 # each engine's draft quantizations: torch quantizes its layers at load, llama.cpp re-quantizes the
 # draft's GGUF file once (llamacpp.requantized_gguf); "none" is the draft as it is on both
-DRAFT_QUANTS = {"torch": ("none", "int8", "int4"), "llama.cpp": ("none", "q4_0", "q8_0")}
+DRAFT_QUANTS = {"torch": ("none", "int8", "int4"), "llama.cpp": ("none", *GGUF_QUANTS)}
+# the target's: none on torch (its weights are the model); llama.cpp re-quantizes the target's GGUF
+# once too, which makes it another model: the output then follows that file's distribution exactly
+TARGET_QUANTS = {"torch": ("none",), "llama.cpp": ("none", *GGUF_QUANTS)}
 BACKENDS = ("torch", "llama.cpp")
 # torch-only settings and their defaults: llama.cpp runs the GGUF files on the CPU
 _TORCH_ONLY = {"dtype": "auto", "draft_vocab": None, "kv_cache": "dynamic", "runtime": "eager", "max_cache_len": None}
@@ -326,18 +382,23 @@ class PairParams(Params):
 
     target: str = Field("default", description="target model: hub id, local folder or 'default' (llama.cpp: a "
                         ".gguf, a folder of one, or owner/repo:FILE.gguf)")
-    draft: str | None = Field("default", description="draft model, as --target (Python: None for the target alone)")
+    draft: str | None = Field("default", description="draft model, as --target; none: no draft model (the target "
+                             "alone, or --policy ngram)")
     backend: Literal["torch", "llama.cpp"] = Field(
         "torch", description="engine: torch (Hugging Face weights; the default pair dequantized to bf16) or "
         "llama.cpp (the GGUF files as they are, through llama-cpp-python; CPU)", **_expects("torch or llama.cpp"))
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(
         "auto", description="weights' dtype (auto: bf16 on GPUs and on CPUs with bf16 kernels, fp32 on AVX2-only "
         "CPUs, where bf16 matrix products are several times slower)", **_expects("auto, bf16, fp16 or fp32"))
-    draft_quant: Literal["none", "int8", "int4", "q4_0", "q8_0"] = Field(
+    draft_quant: Literal["none", "int8", "int4", *GGUF_QUANTS] = Field(
         "none", description="draft weights, exactness unchanged: torch: none, int8 (weight-only, per-channel) or "
-        "int4 (weight-only, groups of 64; CPU); llama.cpp: none (the GGUF as it is), q4_0 or q8_0 (the draft "
-        "GGUF re-quantized once by llama.cpp and cached)", **_expects("none, int8, int4 (torch), q4_0 or q8_0 "
-                                                                     "(llama.cpp)"))
+        "int4 (weight-only, groups of 64; CPU); llama.cpp: none (the GGUF as it is) or " + ", ".join(GGUF_QUANTS)
+        + " (the draft GGUF re-quantized once by llama.cpp and cached; -pure: every matrix, output included, "
+        "in that type)", **_expects("none, int8, int4 (torch), or " + ", ".join(GGUF_QUANTS) + " (llama.cpp)"))
+    target_quant: Literal["none", *GGUF_QUANTS] = Field(
+        "none", description="llama.cpp: the target GGUF re-quantized once (cached), e.g. q4_0-pure, whose matrices "
+        "all have multi-row CPU kernels (cheaper verification); the output then follows that file exactly",
+        **_expects("none or " + ", ".join(GGUF_QUANTS) + " (llama.cpp)"))
     draft_vocab: str | None = Field(
         None, description="draft output layer keeps the N most frequent tokens (shipped list for the default "
         "tokenizer) or those of a list from `adaptive-spec draft-vocab` (N | FILE | FILE:N); default: all",
@@ -361,14 +422,17 @@ class PairParams(Params):
     def _vocab_as_text(cls, values):
         if isinstance(values, dict) and isinstance(values.get("draft_vocab"), int):
             values = {**values, "draft_vocab": str(values["draft_vocab"])}
+        if isinstance(values, dict) and isinstance(values.get("draft"), str) and values["draft"].lower() == "none":
+            values = {**values, "draft": None}  # --draft none: the target alone (or a policy with no draft model)
         return values
 
     @model_validator(mode="after")
     def _engine(self):
-        valid = DRAFT_QUANTS[self.backend]
-        if self.draft_quant not in valid:
-            raise ValueError(f"draft_quant={self.draft_quant!r} does not run on the {self.backend} backend; it takes "
-                             f"{', '.join(valid)}")
+        for key, table in (("draft_quant", DRAFT_QUANTS), ("target_quant", TARGET_QUANTS)):
+            valid = table[self.backend]
+            if getattr(self, key) not in valid:
+                raise ValueError(f"{key}={getattr(self, key)!r} does not run on the {self.backend} backend; it takes "
+                                 f"{', '.join(valid)}")
         if self.backend == "llama.cpp":
             unused = [f"{k}={getattr(self, k)!r}" for k, default in _TORCH_ONLY.items() if getattr(self, k) != default]
             if self.device not in (None, "cpu"):

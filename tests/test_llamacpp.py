@@ -116,7 +116,7 @@ def test_distribution_is_exact_on_llama_cpp(tiny_ggufs, params, policy):
 
 
 @needs_binding
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_0-pure", "iq4_nl-pure"])
 def test_a_requantized_draft_keeps_the_output_exact(tmp_path, monkeypatch, qtype):
     """--draft-quant q4_0 / q8_0 on llama.cpp: the draft's GGUF re-quantized once (cached, a rerun
     reuses the file) changes only the proposals; the output is still exactly the target's."""
@@ -138,9 +138,32 @@ def tiny_ggufs_target(root):
     return save_gguf(make_model(V, hidden_size=16, layers=1, seed=3, logit_scale=3.0), root / "target.gguf")
 
 
+@needs_binding
+@pytest.mark.parametrize("qtype", ["q4_0-pure", "iq4_nl-pure"])
+def test_a_requantized_target_is_the_model_the_output_follows(tmp_path, monkeypatch, qtype):
+    """--target-quant on llama.cpp: the target re-quantized (every matrix, output included, in one
+    type) is another model; speculative output follows that file's distribution exactly, by enumeration."""
+    monkeypatch.setenv("ADAPTIVE_SPEC_CACHE", str(tmp_path / "cache"))
+    src = save_gguf(make_model(V, hidden_size=32, layers=1, seed=3, logit_scale=3.0), tmp_path / "target.gguf")
+    path = llamacpp.requantized_gguf(src, qtype, threads=1)
+    target = lm(path)
+    draft = lm(save_gguf(make_model(V, hidden_size=16, layers=1, seed=4, logit_scale=3.0), tmp_path / "d.gguf"))
+    params, prompt = SamplingParams(1.0, top_k=4), [1, 2]
+    probs = exact.exact_sequence_probs(target, prompt, params, V, L)
+    fetched = exact.exact_sequence_probs(lm(src), prompt, params, V, L)
+    assert max(abs(probs[c] - fetched[c]) for c in probs) > 1e-4  # the re-quantized target is another model
+    counts = exact.sample_counts(Decoder(target, draft), prompt, params, FixedK(2), N, L)
+    assert chi_square_pvalue(counts, probs, N) > 1e-3
+
+
 def test_an_unknown_gguf_quantization_is_refused():
-    with pytest.raises(UserError, match="unknown GGUF quantization 'int8'; use one of q4_0, q8_0"):
+    with pytest.raises(UserError, match="unknown GGUF quantization 'int8'; use one of q4_0, q8_0, q4_0-pure"):
         llamacpp.requantized_gguf("any.gguf", "int8")
+
+
+def test_gguf_quantizations_are_the_settings_names():
+    from adaptive_spec import params
+    assert tuple(llamacpp.GGUF_QUANTS) == params.GGUF_QUANTS
 
 
 @needs_binding
@@ -216,6 +239,10 @@ def cli(argv, capsys):
     (["--policy", "learned", "--threshold", "0.3", "--head", "checkpoints/qwen-coder-0.5b-int8-hidden-d3"],
      "reads the draft's hidden states"),
     (["--policy", "fixed", "--n-ctx", "0"], "--n-ctx must be an integer >= 1"),
+    (["--policy", "fixed", "--draft", "none"], "--policy fixed drafts with a draft model, but --draft is none"),
+    (["--policy", "ngram", "--target-quant", "int8"], "invalid choice: 'int8' (choose from 'none', 'q4_0'"),
+    (["--policy", "ngram", "--ngram-min", "5"], "--ngram-min (5) must not exceed --ngram-max (4)"),
+    (["--policy", "ngram", "--threshold", "0.3"], "read by the ngram policy only with --fallback learned"),
 ])
 def test_cli_refuses_before_any_model_loads(capsys, monkeypatch, extra, needle):
     import adaptive_spec.decoding.pipeline as pipeline
@@ -229,6 +256,11 @@ def test_cli_names_the_install_command_without_the_binding(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp now raises ImportError
     rc, err = cli(["generate", "--prompt", "hi", "--backend", "llama.cpp", "--policy", "fixed"], capsys)
     assert rc == 2 and len(err) == 1 and "llama_build install" in err[0] and "make setup" in err[0]
+
+
+def test_target_quant_is_refused_on_torch(capsys):
+    rc, err = cli(["generate", "--prompt", "hi", "--target-quant", "q4_0-pure"], capsys)
+    assert rc == 2 and "target_quant='q4_0-pure' does not run on the torch backend; it takes none" in err[0]
 
 
 def test_torch_only_n_ctx_is_refused(capsys):

@@ -80,7 +80,7 @@ def test_oracle_refuses_sampling_before_anything_runs():
     ({"backend": "llama.cpp", "device": "cuda"}, "device='cuda': the llama.cpp backend"),
     ({"n_ctx": 512}, "n_ctx (--n-ctx) sets the llama.cpp context"),
     ({"backend": "vllm"}, "backend must be torch or llama.cpp for the model pair, got 'vllm'"),
-    ({"draft_quant": "int3"}, "draft_quant must be none, int8, int4 (torch), q4_0 or q8_0 (llama.cpp)"),
+    ({"draft_quant": "int3"}, "draft_quant must be none, int8, int4 (torch), or q4_0, q8_0, q4_0-pure, q4_k-pure, iq4_nl-pure (llama.cpp)"),
     ({"draft_vocab": 0}, "--draft-vocab must be a token count >= 1"),
     ({"threads": 0}, "threads must be an integer >= 1"),
     ({"dtpye": "fp32"}, "dtpye: not a setting of the model pair (its settings: target, draft, backend, dtype"),

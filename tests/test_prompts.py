@@ -137,3 +137,25 @@ def test_real_code_sets_from_pypi(tmp_path, monkeypatch):
     assert len(mbpp) == 397 and all(t.lstrip().startswith(("def ", "from typing")) for t in mbpp)
     code, every = prompts.prompt_texts("sharegpt-code"), prompts.prompt_texts("sharegpt")
     assert 1800 <= len(code) <= 0.3 * len(every)  # 2,109 of 17,382: a filter, not everything
+
+
+def test_the_edit_set_ships_with_the_package_and_asks_for_the_code_back():
+    from adaptive_spec.prompts import EDIT_INSTRUCTIONS, load_prompts, prompt_texts
+    texts = prompt_texts("edit")
+    assert len(texts) == 164  # one per HumanEval problem, no data folder needed
+    for i, t in enumerate(texts[:8]):
+        assert t.startswith(EDIT_INSTRUCTIONS[i % len(EDIT_INSTRUCTIONS)]) and "```python\n" in t and "def " in t
+    assert load_prompts("edit", n=5, seed=1) == load_prompts("edit", n=5, seed=1)
+
+
+def test_a_second_turn_is_encoded_through_the_chat_template():
+    from adaptive_spec.prompts import FOLLOWUPS, encode_prompt, followup_messages
+    from tiny import make_tokenizer
+    tok = make_tokenizer(32)
+    msgs = followup_messages("first question", "first answer", 4)
+    assert [m["role"] for m in msgs] == ["user", "assistant", "user"] and msgs[2]["content"] == FOLLOWUPS[1]
+    if getattr(tok, "chat_template", None):
+        assert len(encode_prompt(tok, msgs)) > len(encode_prompt(tok, "first question", chat=True))
+    else:
+        with pytest.raises(UserError, match="needs a tokenizer with a chat template"):
+            encode_prompt(tok, msgs)

@@ -394,3 +394,35 @@ def test_peer_runs_the_same_int8_draft(inputs, tmp_path):
     assert len(hf) == 2 and all(r["n_draft_forwards"] >= 1 for r in hf)
     assert all("int8" in json.dumps(r["paths"]["draft"]) for r in rows)
     assert per_peer_run and all(n > 0 for n in per_peer_run)  # every peer run drafted through int8 layers
+
+
+def test_a_sweep_of_typed_policies_runs_without_a_draft_model(inputs, tmp_path):
+    """`policies` entries are the settings generate takes: n-gram drafting alone needs no draft model,
+    and every row carries where its time went."""
+    out = tmp_path / "ngram"
+    argv = overrides(inputs, out, **{"pair.draft": "none", "ks": "[]", "heads": "[]", "thresholds": "[]",
+                                     "confidence_taus": "[]", "heuristic": "false", "hf_assisted": "false",
+                                     "include_draft_ar": "false",
+                                     "policies": "[{policy: ngram, k: 2, ngram_min: 1}, {policy: ngram, label: cost}]"})
+    assert sweep.main(argv) == 0
+    rows = read_rows(out)
+    assert {r["config"] for r in rows} == {"ar", "ngram:k=2:ngram_min=1", "cost"}
+    for r in rows:
+        assert r["n_draft_forwards"] == 0 and set(r["breakdown"]) >= {"target_forward", "verify_other", "rest"}
+        assert sum(r["breakdown"].values()) == pytest.approx(r["wall_s"], rel=1e-6)
+    assert report.main(["--sweep-dir", str(out)]) == 0
+
+
+@pytest.mark.parametrize("entry,match", [
+    ("[{policy: ngram, k: 0}]", r"policies\[0\]: k must be an integer >= 1 or auto for policy ngram, got 0"),
+    ("[{policy: ngramm}]", r"policies\[0\]: unknown policy 'ngramm'; valid policies: "),
+    ("[{k: 3}]", r"policies\[0\] must be a mapping with a policy name"),
+    ("[{policy: fixed, k: 3}]", r"pair.draft is none, but the grid drafts with a draft model"),
+])
+def test_typed_policy_entries_are_checked_before_models_load(inputs, tmp_path, capsys, entry, match):
+    argv = overrides(inputs, tmp_path / "x", **{"pair.draft": "none", "ks": "[]", "heads": "[]", "thresholds": "[]",
+                                                "confidence_taus": "[]", "heuristic": "false", "hf_assisted": "false",
+                                                "include_draft_ar": "false", "policies": entry})
+    assert sweep.main(argv) == 2
+    import re
+    assert re.search(match, capsys.readouterr().err)

@@ -60,7 +60,7 @@ def check_backend(backend: str) -> str:
 
 # Policies whose inputs are the draft's own distribution; the others read hidden states or batch
 # several drafts / a token tree in one pass, which this engine's runner does not offer.
-POLICIES = ("ar", "fixed", "learned", "confidence", "entropy", "heuristic", "oracle")
+POLICIES = ("ar", "fixed", "learned", "confidence", "entropy", "heuristic", "oracle", "ngram")
 
 
 def check_policy(name: str) -> str:
@@ -209,19 +209,33 @@ def file_fingerprint(path: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
-# llama.cpp file types a draft can be re-quantized to (PairParams.draft_quant on this engine)
-GGUF_QUANTS = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}
+# GGUF re-quantizations (PairParams.draft_quant / target_quant on this engine): name -> (llama.cpp file
+# type, the one tensor type of every matrix or None). Without a type llama.cpp mixes types as its file
+# type says (the output matrix stays Q6_K); a "-pure" one puts every matrix, the output and the
+# embedding included, in that one type (`pure` plus output_tensor_type / token_embedding_type).
+GGUF_QUANTS = {
+    "q4_0": ("LLAMA_FTYPE_MOSTLY_Q4_0", None),
+    "q8_0": ("LLAMA_FTYPE_MOSTLY_Q8_0", None),
+    "q4_0-pure": ("LLAMA_FTYPE_MOSTLY_Q4_0", "GGML_TYPE_Q4_0"),
+    "q4_k-pure": ("LLAMA_FTYPE_MOSTLY_Q4_K_S", "GGML_TYPE_Q4_K"),
+    "iq4_nl-pure": ("LLAMA_FTYPE_MOSTLY_IQ4_NL", "GGML_TYPE_IQ4_NL"),
+}
 
 
 def requantized_gguf(path: str | Path, qtype: str, threads: int | None = None) -> Path:
-    """`path` re-quantized to `qtype` by llama.cpp, made once (seconds for a 0.5B draft) and kept in
-    <cache>/gguf/ under a name holding the source's fingerprint.
+    """`path` re-quantized to `qtype` (GGUF_QUANTS) by llama.cpp, made once (seconds for a 0.5B draft,
+    a minute for a 1.5B target) and kept in <cache>/gguf/ under a name holding the source's fingerprint.
 
-    Why a draft may want it: which kernels run is set by the file's tensor types, not its size. A
-    "Q4_K_M" file of a model whose rows are not a multiple of 256 wide (Qwen2.5-0.5B: 896) holds
-    mostly Q5_0 tensors, which ggml's CPU backend has no repacked kernel for, so its step can cost as
-    much as the target's; Q4_0 and Q8_0 run ggml's fastest CPU paths. Only the draft's proposals
-    change: rejection sampling against the target keeps the output exactly the target's."""
+    Why: which CPU kernels run is set by the file's tensor types, not its size. A "Q4_K_M" file of a
+    model whose rows are not a multiple of 256 wide (Qwen2.5-0.5B: 896) holds mostly Q5_0 tensors,
+    which ggml's CPU backend has no repacked kernel for, so the draft's step can cost as much as the
+    target's; and a Q4_K_M target keeps its output matrix (and half its attn_v / ffn_down) in Q6_K,
+    which has no x86 kernel that decodes a block once for several rows below 8 (ggml-cpu/repack.cpp
+    repacks Q4_0, Q4_K and IQ4_NL only; tiled/tiled.cpp starts at 8 rows), so every row of a
+    verification pass pays for the whole of it again. A "-pure" file has one type everywhere.
+    Exactness: a re-quantized draft changes only the proposals; a re-quantized target is another
+    model, whose distribution the output then follows exactly (eval/bench_llama_cpp.py reports the
+    divergence from the fetched one)."""
     if qtype not in GGUF_QUANTS:
         raise UserError(f"unknown GGUF quantization {qtype!r}; use one of {', '.join(GGUF_QUANTS)}")
     path = Path(path)
@@ -232,16 +246,20 @@ def requantized_gguf(path: str | Path, qtype: str, threads: int | None = None) -
     _init(ll)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".partial")
+    ftype, tensor_type = GGUF_QUANTS[qtype]
     params = ll.llama_model_quantize_default_params()
-    params.ftype = getattr(ll, GGUF_QUANTS[qtype])
+    params.ftype = getattr(ll, ftype)
     params.allow_requantize = True  # the source is quantized already
     params.nthread = int(threads or os.cpu_count() or 1)
+    if tensor_type is not None:
+        params.pure = True
+        params.output_tensor_type = params.token_embedding_type = getattr(ll, tensor_type)
     log.info("re-quantizing %s to %s (once; kept as %s)", path.name, qtype, out)
     rc = ll.llama_model_quantize(str(path).encode(), str(tmp).encode(), ctypes.byref(params))
     if rc != 0 or not tmp.is_file():
         tmp.unlink(missing_ok=True)
         raise UserError(f"llama.cpp could not re-quantize {path.name} to {qtype} (code {rc}): its tensors may not "
-                        "fit the type's block size; use --draft-quant none")
+                        "fit the type's block size; use another type or none")
     os.replace(tmp, out)  # a run stopped half way leaves only the .partial file
     return out
 

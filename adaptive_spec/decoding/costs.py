@@ -98,6 +98,9 @@ def cost_config(pair) -> dict:
     if device.type == "cuda":
         config["gpu"] = torch.cuda.get_device_name(device)
     for role, lm in (("target", pair.target), ("draft", pair.draft)):
+        if lm is None:  # the target alone (n-gram drafting): its passes only, t_draft 0
+            config[f"{role}_fingerprint"] = None
+            continue
         if hasattr(lm, "numeric_path"):  # llama.cpp: the GGUF, the library and its threads
             config[f"{role}_fingerprint"] = lm.fingerprint()
             config[f"{role}_path"] = lm.numeric_path()
@@ -123,8 +126,6 @@ def measure_costs(pair, reps: int = 5, cache: bool = True, pin: str | Path | Non
     tree's node cost) returns that one measurement. Without a pin each load may land on another
     cache entry: the CPU kernels picked at load (oneDNN padding) are in the key, and one sweep
     resumed three times picked h = 0.25 then 0.2 and a tree node cost of 0.52, 0.39, then 0.52."""
-    if getattr(pair, "draft", None) is None:
-        raise UserError("forward costs need a draft model; load the pair with a draft (not --policy ar)")
     pinned = getattr(pair, "pinned_costs", None)
     if pinned is not None:
         return pinned
@@ -195,7 +196,7 @@ def _read_costs_file(path: Path, what: str, key: str | None = None) -> tuple[dic
     try:
         saved = json.loads(path.read_text())
         costs = costs_from_json(saved)
-        if (key is not None and costs.key != key) or not (costs.t_draft > 0 and costs.t_target > 0
+        if (key is not None and costs.key != key) or not (costs.t_draft >= 0 and costs.t_target > 0
                                                           and costs.t_cand >= 0):
             raise ValueError(f"key {costs.key}, times {costs.t_draft}, {costs.t_target}, {costs.t_cand}")
         if len(costs.t_verify) != len(VERIFY_LENGTHS) or not all(t > 0 for t in costs.t_verify):
@@ -209,10 +210,11 @@ def _read_costs_file(path: Path, what: str, key: str | None = None) -> tuple[dic
 def _measure(pair, reps: int, key: str) -> Costs:
     if reps < 1:
         raise UserError(f"reps must be >= 1, got {reps}")
-    cells = [(pair.draft, 1, False)] + [(pair.target, n, True) for n in VERIFY_LENGTHS]
+    cells = ([(pair.draft, 1, False)] if pair.draft is not None else []) + [(pair.target, n, True)
+                                                                            for n in VERIFY_LENGTHS]
     times = _interleaved_times(cells, reps)
-    t_draft = times[0]
-    measured = times[1:]
+    t_draft = times[0] if pair.draft is not None else 0.0
+    measured = times[-len(VERIFY_LENGTHS):]
     k = np.asarray(VERIFY_LENGTHS, dtype=float) - 1
     slope, intercept = np.polyfit(k, measured, 1)
     if slope < 0:  # timing noise on a pass that does not grow with K: no per-candidate cost

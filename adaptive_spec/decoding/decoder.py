@@ -25,8 +25,8 @@ import torch
 
 from ..backends.models import CausalLM
 from ..errors import UserError
-from .interfaces import DraftStep, Policy, RoundOwner, RoundState, StopPolicy
-from .sampling import SamplingParams, draw, process_logits, verify
+from .interfaces import DraftSource, DraftStep, Policy, RoundOwner, RoundState, StopPolicy
+from .sampling import SamplingParams, draw, process_logits, verify, verify_greedy
 
 
 @dataclass
@@ -56,12 +56,39 @@ class Metrics:
     wall_s: float = 0.0
     draft_s: float = 0.0  # inside draft forward passes
     target_s: float = 0.0  # inside target forward passes
-    policy_s: float = 0.0  # inside the stop policy (e.g. the acceptance head)
+    policy_s: float = 0.0  # inside the stop policy (e.g. the acceptance head), part of draft_other_s
     prefill_s: float = 0.0  # prompt forward passes (both models), part of draft_s/target_s
     hindsight_s: float = 0.0  # the oracle's untimed hindsight work (re-deriving X), kept out of wall_s
+    draft_prefill_s: float = 0.0  # the parts of prefill_s per model
+    target_prefill_s: float = 0.0
+    # where a round's time goes outside the two models' forwards (see `breakdown`)
+    draft_other_s: float = 0.0  # drafting outside draft forwards: sampling q, the stop rule, copying
+    verify_other_s: float = 0.0  # verification outside the target pass: processing p, rejection sampling, the read
+    rollback_s: float = 0.0  # cropping both caches to the accepted prefix
+    # drafted candidates by source ("model": the draft model, "ngram": copied from the context)
+    n_drafted_by: dict = field(default_factory=dict)
+    n_accepted_by: dict = field(default_factory=dict)
+    # rounds by what drafted them ("model", "ngram", "none": a plain target step)
+    rounds_by: dict = field(default_factory=dict)
 
     @property
     def other_s(self) -> float:
+        return max(0.0, self.wall_s - self.draft_s - self.target_s)
+
+    def breakdown(self) -> dict:
+        """Seconds of the generation by where they went: prefill (both models), the draft's and the
+        target's decode forwards, drafting outside the draft forward (sampling q, the stop rule,
+        copying), verification outside the target pass, cache rollback, and the rest (the round loop,
+        streaming, Python). Adds up to wall_s."""
+        parts = {"prefill": self.prefill_s, "draft_forward": max(0.0, self.draft_s - self.draft_prefill_s),
+                 "target_forward": max(0.0, self.target_s - self.target_prefill_s),
+                 "draft_other": self.draft_other_s, "verify_other": self.verify_other_s, "rollback": self.rollback_s}
+        parts["rest"] = max(0.0, self.wall_s - sum(parts.values()))
+        return parts
+
+    @property
+    def outside_forwards_s(self) -> float:
+        """Decode time outside both models' forwards (the loop's own cost)."""
         return max(0.0, self.wall_s - self.draft_s - self.target_s)
 
     @property
@@ -89,8 +116,9 @@ class Metrics:
         d["accepted_hist"] = {str(k): v for k, v in sorted(self.accepted_hist.items())}
         d["target_pass_hist"] = {str(k): v for k, v in sorted(self.target_pass_hist.items())}
         for k in ("discard_rate", "verification_rate", "acceptance_rate", "tokens_per_target_forward",
-                  "tokens_per_s", "other_s"):
+                  "tokens_per_s", "other_s", "outside_forwards_s"):
             d[k] = getattr(self, k)
+        d["breakdown"] = self.breakdown()
         return d
 
     def summary(self) -> str:
@@ -153,27 +181,34 @@ class Decoder:
         seed: int | None = 0,
         on_tokens: Callable[[list[int]], None] | None = None,
     ) -> Generation:
-        if policy is not None and self.draft is None:
-            raise UserError("speculative decoding needs a draft model; pass one or use the 'ar' policy")
+        uses_draft = policy is not None and getattr(policy, "needs_draft", True)
+        if uses_draft and self.draft is None:
+            raise UserError(f"the {getattr(policy, 'name', 'speculative')} policy drafts with a draft model; load one, "
+                            "or use a policy that needs none (ngram, ar)")
         max_new_tokens = self._check_prompt(prompt_ids, max_new_tokens)
         gen = torch.Generator(device=self.device)
         gen.manual_seed(seed if seed is not None else torch.seed())
-        models = [self.target] + ([self.draft] if policy is not None else [])
+        models = [self.target] + ([self.draft] if self.draft is not None and policy is not None else [])
         for m in models:
             m.reset()
         if policy is not None:
             policy.reset()
         t_start = time.perf_counter()
         seq = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
-        met = Metrics(prefill_s=self._prefill(models, seq))
+        # a policy may draft with the model in some rounds only (ngram with a model fallback): its draft
+        # catches up on the prompt in its first model round, so a generation that never needs it never pays
+        eager = [self.target] + ([self.draft] if uses_draft and getattr(policy, "prefill_draft", True) else [])
+        met = self._prefill(eager, seq)
         out: list[int] = []
+        tokens = list(prompt_ids)  # seq as a host list, for sources that read the context (n-gram lookup)
         stopped_by = "length"
         hist: Counter = Counter()
         while len(out) < max_new_tokens and stopped_by != "eos":
-            state = RoundState(self, seq, len(out), max_new_tokens - len(out), sampling, gen, met, hist)
+            state = RoundState(self, seq, len(out), max_new_tokens - len(out), sampling, gen, met, hist, tokens)
             new, eos = self._cut(self._round(state, policy), state)
             stopped_by = "eos" if eos else stopped_by
             out.extend(new)
+            tokens.extend(new)
             seq = torch.cat([seq, torch.tensor(new, dtype=torch.long, device=self.device)])
             if on_tokens is not None:
                 on_tokens(new)
@@ -181,17 +216,20 @@ class Decoder:
         self._count(met, out, hist, policy is not None)
         return Generation(token_ids=out, metrics=met, stopped_by=stopped_by)
 
-    def _prefill(self, models, seq: torch.Tensor) -> float:
-        """Feed everything but the last prompt token (the first round feeds it); returns the time
-        it took. Counters then restart, so they count decoding forwards."""
+    def _prefill(self, models, seq: torch.Tensor) -> Metrics:
+        """Feed everything but the last prompt token (the first round feeds it); the Metrics with the
+        time it took, per model. Counters then restart, so they count decoding forwards."""
+        for m in (self.target, self.draft):
+            if m is not None:
+                m.fwd_time, m.n_forwards, m.prefill_s = 0.0, 0, 0.0
         for m in models:
-            m.fwd_time, m.n_forwards = 0.0, 0
             if seq.shape[0] > 1:
                 m.forward(seq[:-1], n_logits=0)
-        prefill_s = sum(m.fwd_time for m in models)
         for m in models:  # prefill time stays in the forward time (and is kept per model)
             m.n_forwards, m.prefill_s = 0, m.fwd_time
-        return prefill_s
+        draft_prefill = self.draft.prefill_s if self.draft is not None and self.draft in models else 0.0
+        return Metrics(prefill_s=self.target.prefill_s + draft_prefill, target_prefill_s=self.target.prefill_s,
+                       draft_prefill_s=draft_prefill)
 
     def _round(self, state: RoundState, policy: Policy | None) -> list[int]:
         if policy is None:
@@ -228,7 +266,7 @@ class Decoder:
         met.n_tokens = len(out)
         met.target_s = self.target.fwd_time
         met.n_target_forwards = self.target.n_forwards
-        if speculative:
+        if speculative and self.draft is not None:
             met.draft_s = self.draft.fwd_time
             met.n_draft_forwards = self.draft.n_forwards
         met.accepted_hist = dict(hist)
@@ -238,39 +276,47 @@ class Decoder:
         ids = state.seq[self.target.length:]
         logits, _ = self.target.forward(ids, n_logits=1)
         _count_pass(state.met, ids.shape[0])
-        return [int(draw(process_logits(logits[0], state.sampling), state.sampling, state.gen))]
+        t0 = time.perf_counter()
+        sp = state.sampling
+        # greedy: the argmax, without building the one-hot `process_logits` would give
+        tok = [int(logits[0].argmax() if sp.greedy else draw(process_logits(logits[0], sp), sp, state.gen))]
+        state.met.verify_other_s += time.perf_counter() - t0
+        return tok
 
-    def chain_round(self, state: RoundState, rule: StopPolicy) -> list[int]:
-        """One speculation round of a chain drafted under the stop rule; returns the new tokens
-        (accepted candidates + one). Leaves both caches covering exactly the accepted prefix."""
+    def chain_round(self, state: RoundState, rule: StopPolicy, source: DraftSource | None = None) -> list[int]:
+        """One speculation round of a chain drafted by `source` (default: the draft model) under the
+        stop rule; returns the new tokens (accepted candidates + one). Leaves both caches covering
+        exactly the accepted prefix."""
+        source = source or ModelSource(self.draft)
         # the round adds at most K + 1 tokens: never draft past the length limit
         k_cap = max(0, min(rule.begin_round(state.pos), state.remaining - 1))
-        y, q = self._draft_chain(state, rule, k_cap)
+        y, q = self._draft_chain(state, rule, k_cap, source)
         n, new = self._verify_chain(state, y, q)
         K = y.shape[0]
-        state.book(K, n)
+        state.book(K, n, source.name)
         rule.end_round(K, n)
         return new
 
-    def _draft_chain(self, state: RoundState, rule: StopPolicy, k_cap: int):
-        """y_1..y_K drafted from the draft's cache on, asking `rule` after each; (y [K], q [K, V])."""
-        draft, seq = self.draft, state.seq
+    def _draft_chain(self, state: RoundState, rule: StopPolicy, k_cap: int, source: DraftSource):
+        """y_1..y_K drafted by `source` from the round's context on, asking `rule` after each; (y [K], q [K, V])."""
         ys, qs = [], []
-        inp = seq[draft.length:]
+        t_round = time.perf_counter()
+        fwd_before = self.draft.fwd_time if self.draft is not None else 0.0
         for i in range(1, k_cap + 1):
-            logits, hidden = draft.forward(inp, n_logits=1)
-            q_i = process_logits(logits[0], state.sampling)
-            y_i = draw(q_i, state.sampling, state.gen)
-            ys.append(y_i)
-            qs.append(q_i)
+            step = source.step(state, i, ys)
+            if step is None:  # the source has nothing more to propose this round
+                break
+            ys.append(step.token)
+            qs.append(step.probs)
             t0 = time.perf_counter()
-            stop = rule.should_stop(DraftStep(i, y_i, q_i, logits[0], hidden, state.pos + i - 1, state.sampling))
+            stop = rule.should_stop(step)
             state.met.policy_s += time.perf_counter() - t0
             if stop:
                 break
-            inp = y_i.view(1)
+        fwd = (self.draft.fwd_time if self.draft is not None else 0.0) - fwd_before
+        state.met.draft_other_s += time.perf_counter() - t_round - fwd
         if not ys:
-            return seq.new_empty(0), None
+            return state.seq.new_empty(0), None
         return torch.stack(ys), torch.stack(qs)
 
     def _verify_chain(self, state: RoundState, y: torch.Tensor, q: torch.Tensor | None) -> tuple[int, list[int]]:
@@ -280,17 +326,56 @@ class Decoder:
         ids = torch.cat([state.seq[target.length:], y])
         logits_p, _ = target.forward(ids, n_logits=K + 1)
         _count_pass(state.met, ids.shape[0])
-        p = process_logits(logits_p, state.sampling)
-        if q is None:
-            q = p.new_empty(0, p.shape[-1])
-        n_t, tok_t = verify(y, q, p, state.gen)
+        t0 = time.perf_counter()
+        if state.sampling.greedy:
+            n_t, tok_t, state.p_y = verify_greedy(y, logits_p)
+        else:
+            p = process_logits(logits_p, state.sampling)
+            if q is None:
+                q = p.new_empty(0, p.shape[-1])
+            n_t, tok_t = verify(y, q, p, state.gen)
+            state.p_y = p[torch.arange(K, device=p.device), y]
         # the round's one host sync: read n, the new token and the candidates together
         vals = torch.cat([n_t.view(1), tok_t.view(1), y]).tolist()
         n, tok = vals[0], vals[1]
+        t1 = time.perf_counter()
         # keep the accepted prefix in both caches; the new token is fed next round
         target.rollback(L + n)
-        draft.rollback(min(draft.length, L + n))
+        if draft is not None:
+            draft.rollback(min(draft.length, L + n))
+        t2 = time.perf_counter()
+        state.met.verify_other_s += t1 - t0
+        state.met.rollback_s += t2 - t1
         return n, vals[2:2 + n] + [tok]
+
+
+class ModelSource(DraftSource):
+    """The draft model as a draft source: y_i ~ q_i, its processed next-token distribution.
+
+    Its cache covers (seq + y_1..y_{i-1})[:draft.length], and each step feeds what is pending after it:
+    the round's first step the token(s) the last round left (or, when the draft has not seen the prompt
+    yet, all of it: a policy that drafts with the model only in some rounds prefills it lazily), later
+    steps the previous candidate."""
+
+    name = "model"
+
+    def __init__(self, draft):
+        self.draft = draft
+
+    def step(self, state: RoundState, i: int, ys: list) -> DraftStep:
+        draft, L = self.draft, state.seq.shape[0]
+        if draft.length == L + len(ys) - 1 and ys:
+            inp = ys[-1].view(1)
+        elif draft.length < L:
+            inp = state.seq[draft.length:]
+            if ys:
+                inp = torch.cat([inp, torch.stack(ys)])
+        else:
+            inp = torch.stack(ys[draft.length - L:])
+        logits, hidden = draft.forward(inp, n_logits=1)
+        q_i = process_logits(logits[0], state.sampling)
+        y_i = draw(q_i, state.sampling, state.gen)
+        return DraftStep(i, y_i, q_i, logits[0], hidden, state.pos + i - 1, state.sampling)
 
 
 def _count_pass(met: Metrics, n: int) -> None:

@@ -14,10 +14,19 @@ import it and the decoder can dispatch on it without any module importing a poli
               e_{i-1}, the state of y_{i-1} (for i = 1: of the round's first input token)
     pos       index of y_i among the generated tokens (0 = first new token)
     sampling  the SamplingParams that made `probs` (so a policy can reuse q instead of recomputing it)
+    source    what proposed y_i: "model" (the draft model), "ngram" (copied from the context: `probs`
+              is the one-hot of y_i, `logits` and `hidden` are None)
 
   Before drafting, `begin_round(pos)` returns the most tokens the rule allows this round (0 =
   skip drafting: the round is one plain target step). After verification `end_round(K, n)`
   reports how many of the K candidates were accepted, for rules that adapt.
+
+* `DraftSource`, who proposes the candidates of a chain round: `step(state, i, ys)` gives y_i as a
+  DraftStep (its proposal distribution q_i in `probs`), or None when it has nothing more this round.
+  The draft model is one (decoder.ModelSource); a copied span is another (ngram.SpanSource), its q
+  the one-hot of the copied token. Verification is the same rejection sampler for every source, so a
+  one-hot q is a special case of it, not a second code path: accepted with probability
+  min(1, p(y)), and after a rejection the residual is p without y, renormalised.
 
 * `RoundOwner`, a policy that runs the whole round itself (a token tree, several drafts, or a
   chain round wrapped in extra work): `run_round(state)` gets one `RoundState` and returns the
@@ -51,6 +60,16 @@ class DraftStep:
     hidden: Any
     pos: int
     sampling: Any = None  # the SamplingParams `probs` was processed with (None: unknown)
+    source: str = "model"  # what proposed the token (see the module docstring)
+
+
+class DraftSource:
+    """Who proposes a chain round's candidates (see the module docstring)."""
+
+    name = "base"
+
+    def step(self, state: "RoundState", i: int, ys: list) -> DraftStep | None:
+        raise NotImplementedError
 
 
 class StopPolicy:
@@ -84,6 +103,9 @@ class RoundState:
     pos        tokens generated so far (index of the round's first new token)
     remaining  tokens the generation may still add (the round must add at most this many)
     sampling   SamplingParams, gen the torch.Generator, met the Metrics, hist accepted -> rounds
+    tokens     seq as a host list (read it, never change it)
+    p_y        after a chain round's verification: the target's probability of each of its K candidates
+               [K] (the processed p; 0 or 1 when greedy), for sources that learn from them
     """
 
     decoder: Any
@@ -94,6 +116,8 @@ class RoundState:
     gen: Any
     met: Any
     hist: Counter
+    tokens: list = None
+    p_y: Any = None
 
     @property
     def target(self):
@@ -103,12 +127,17 @@ class RoundState:
     def draft(self):
         return self.decoder.draft
 
-    def book(self, n_drafted: int, n_accepted: int) -> None:
-        """Count one verified round of K = n_drafted candidates, n of them accepted."""
-        self.met.n_drafted += n_drafted
-        self.met.n_accepted += n_accepted
-        self.met.n_discarded += n_drafted - n_accepted
+    def book(self, n_drafted: int, n_accepted: int, source: str = "model") -> None:
+        """Count one verified round of K = n_drafted candidates, n of them accepted, drafted by `source`."""
+        met = self.met
+        met.n_drafted += n_drafted
+        met.n_accepted += n_accepted
+        met.n_discarded += n_drafted - n_accepted
         self.hist[n_accepted] += 1
+        source = source if n_drafted else "none"
+        met.rounds_by[source] = met.rounds_by.get(source, 0) + 1
+        met.n_drafted_by[source] = met.n_drafted_by.get(source, 0) + n_drafted
+        met.n_accepted_by[source] = met.n_accepted_by.get(source, 0) + n_accepted
 
 
 class RoundOwner:

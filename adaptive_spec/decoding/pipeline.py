@@ -21,7 +21,7 @@ from ..backends.static_runner import DRAFT_SHAPES, make_runner, verify_shapes
 from ..errors import UserError
 from ..params import ARParams, PairParams, PolicyParams, pair_params, policy_params
 from ..prompts import encode_prompt, eos_token_ids
-from . import multidraft, policies  # noqa: F401  (importing them registers their policies)
+from . import multidraft, ngram, policies  # noqa: F401  (importing them registers their policies)
 from .auto import resolve_auto
 from .decoder import Decoder, Generation
 from .interfaces import Policy, PolicyContext, lookup, registered
@@ -87,7 +87,8 @@ class SpecPair:
         # the draft configuration a head's warning and the cost cache compare against
         self.draft_config = ({} if params is None else
                              {"backend": "llama.cpp", "draft_quant": "gguf" if params.draft_quant == "none"
-                              else f"gguf-{params.draft_quant}", "draft_vocab": "full"}
+                              else f"gguf-{params.draft_quant}", "draft_vocab": "full",
+                              **({} if params.target_quant == "none" else {"target_quant": params.target_quant})}
                              if params.backend == "llama.cpp" else
                              {"draft_quant": params.draft_quant, "draft_vocab": params.draft_vocab or "full"})
         self.auto_picks: dict = {}  # auto.resolve_auto's picks, made once per (curve, need, model, k_max)
@@ -133,7 +134,9 @@ class SpecPair:
             check_gguf_pair(draft_path, target_path)
             if params.draft_quant != "none":
                 draft_path = requantized_gguf(draft_path, params.draft_quant, params.threads)
-        tok, eos = _gguf_tokenizer(params.target, target_path)
+        tok, eos = _gguf_tokenizer(params.target, target_path)  # the fetched file's, beside it
+        if params.target_quant != "none":
+            target_path = requantized_gguf(target_path, params.target_quant, params.threads)
         threads = params.threads or torch.get_num_threads()
         t = LlamaCppLM(GGUFModel(target_path), n_ctx=params.n_ctx, n_threads=threads)
         d = None

@@ -741,6 +741,27 @@ def all_configs_table(d: DatasetResult) -> str:
                      "Eq. 5.1 tok/s"], rows)
 
 
+BREAKDOWN = ("prefill", "draft_forward", "target_forward", "draft_other", "verify_other", "rollback", "rest")
+
+
+def breakdown_table(d: DatasetResult) -> str | None:
+    """Where each configuration's time went, ms per generated token pooled over its rows (Metrics.breakdown),
+    and the decode time outside both models' forwards as a share of decode time (prefill left out);
+    None where the rows predate the breakdown."""
+    by = by_config([r for r in d.rows if isinstance(r.get("breakdown"), dict)])
+    if not by:
+        return None
+    out = []
+    for config, rows in by.items():
+        n = sum(r["n_tokens"] for r in rows) or 1
+        parts = {k: sum(r["breakdown"].get(k, 0.0) for r in rows) for k in BREAKDOWN}
+        decode = sum(parts.values()) - parts["prefill"]
+        outside = parts["draft_other"] + parts["verify_other"] + parts["rollback"] + parts["rest"]
+        out.append([config] + [fmt(1e3 * parts[k] / n, ".2f") for k in BREAKDOWN]
+                   + [fmt(100 * outside / decode if decode else float("nan"), ".1f")])
+    return md_table(["config", *(f"{k} ms/tok" for k in BREAKDOWN), "outside forwards % of decode"], out)
+
+
 def cpu_lines(rows: list[dict]) -> list[str]:
     """The CPU each run measured on (ISA, flags, the kernels each model ran): timings from one CPU
     say little about another, so the report names it; one line per distinct machine."""
@@ -874,6 +895,17 @@ def _tables(results: list[DatasetResult], heads_info: dict, trees: list[str]) ->
           "## All configurations", ""]
     for d in results:
         md += [f"### {d.label}", "", all_configs_table(d), ""]
+    tables = [(d.label, breakdown_table(d)) for d in results]
+    if any(t for _, t in tables):
+        md += ["## Where the time goes", "",
+               "Per generated token: prefill (both models), the draft's and the target's decode forwards, drafting "
+               "outside the draft forward (sampling q, the stop rule, an n-gram lookup), verification outside the "
+               "target pass (processing p, rejection sampling, the round's one host read), cache rollback, and the "
+               "rest (the round loop, Python); the last column is the time outside both models' forwards as a share "
+               "of decode time.", ""]
+        for label, t in tables:
+            if t:
+                md += [f"### {label}", "", t, ""]
     return md
 
 

@@ -97,7 +97,7 @@ RESULT_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "chat", "seed"
 PAIR_RESULT_KEYS = ("backend", "n_ctx", "draft", "target", "dtype", "draft_quant", "draft_vocab", "threads")
 UNSET = {"n_ctx": 0, "draft_vocab": "", "threads": 0}
 # torch settings a sweep may set: recorded only when set, so an existing sweep's settings hash holds
-PAIR_IF_SET = ("kv_cache", "runtime", "max_cache_len")
+PAIR_IF_SET = ("kv_cache", "runtime", "max_cache_len", "target_quant")
 
 
 @dataclass
@@ -135,6 +135,10 @@ class SweepConfig:
     hf_assisted: bool = False
     # tree / multi-draft configurations (module doc); each entry is checked by tree_entry, which names its key
     trees: list[Any] = field(default_factory=list)
+    # any policy by the settings `generate` takes (params.py), one configuration each, checked by the
+    # policy's own params class: [{policy: ngram}, {policy: ngram, k: 3}, {policy: ngram, fallback: learned,
+    # head: DIR, threshold: auto}]; `label` names the configuration in the report (default: its settings)
+    policies: list[Any] = field(default_factory=list)
     tree_calibration_prompts: int = 2  # per dataset: prompts the tree acceptance rates are measured on
     tree_calibration_width: int = 8  # siblings of the calibration's batch drafting
     # running
@@ -160,9 +164,11 @@ class SweepConfig:
                     "tree_calibration_width"):
             if getattr(self, key) < 1:
                 raise UserError(f"{key} must be >= 1, got {getattr(self, key)}")
-        if self.pair.draft is None:
-            raise UserError("pair.draft is empty; a sweep compares drafting policies: name a draft model (default: the "
-                            "default pair's)")
+        typed = policy_specs(self)
+        if self.pair.draft is None and self.needs_draft(typed):
+            raise UserError("pair.draft is none, but the grid drafts with a draft model (ks, heads, taus, heuristic, "
+                            "oracle, trees, include_draft_ar or a policy that uses one): name a draft model (default: "
+                            "the default pair's), or keep only ar and policies without one (ngram)")
         check_backend(self.pair.backend)
         if self.pair.backend == "llama.cpp" and (self.hf_assisted or self.trees):
             raise UserError("hf_assisted and trees need the torch backend (transformers' generate, batched tree "
@@ -188,6 +194,12 @@ class SweepConfig:
         if self.heads and not self.thresholds:
             raise UserError("heads are given but thresholds is empty; list the h values to sweep")
         tree_specs(self)
+
+    def needs_draft(self, typed: list | None = None) -> bool:
+        return bool(self.include_draft_ar or self.ks or self.heads or self.confidence_taus or self.entropy_taus
+                    or self.heuristic or self.oracle or self.hf_assisted or self.trees
+                    or any(s.params["settings_obj"].uses_draft for s in (typed if typed is not None
+                                                                         else policy_specs(self))))
 
     def resolved_out_dir(self) -> Path:
         return project_path(self.out_dir or f"runs/sweep/{self.name or 'sweep'}")
@@ -225,6 +237,8 @@ class RunSpec:
     def row_fields(self) -> dict:
         row = {"config": self.key, "method": self.method, "k": self.params.get("k"),
                "head": self.params.get("head"), "h": self.params.get("h"), "tau": self.params.get("tau")}
+        if "settings" in self.params:  # a `policies` entry: its settings as given
+            row["settings"] = self.params["settings"]
         if self.method in TREE_POLICIES:  # node_cost: the value used goes in the row (auto is measured)
             row.update({k: v for k, v in self.params.items() if k not in ("policy", "node_cost")})
         return row
@@ -254,6 +268,7 @@ def build_grid(cfg: SweepConfig, head_labels: list[str]) -> tuple[list[RunSpec],
     if cfg.hf_assisted:
         specs.append(RunSpec("hf_assisted", "hf_assisted"))
     specs += tree_specs(cfg)
+    specs += policy_specs(cfg)
     if not specs:
         raise UserError("the sweep grid is empty; enable include_ar, list ks, heads, ... in the config")
     return specs, notes
@@ -351,6 +366,31 @@ def _tree_key(d: dict) -> str:
         c = d["node_cost"]
         b = f"learned<={d['max_budget']}:c={c if c == 'auto' else format(c, 'g')}"
     return f"{d['policy']}:{d['drafting']}:{est}:b={b}" + (":adapt" if d["adapt"] else "")
+
+
+def policy_specs(cfg: SweepConfig) -> list[RunSpec]:
+    """One RunSpec per `policies` entry, its settings checked by the policy's params class (a problem
+    names the entry: policies[i])."""
+    if not isinstance(cfg.policies, list):
+        raise UserError(f"config key 'policies' must be a list of mappings such as {{policy: ngram, k: 3}}, "
+                        f"got {cfg.policies!r}")
+    specs, seen = [], {}
+    for i, e in enumerate(cfg.policies):
+        if not isinstance(e, dict) or not isinstance(e.get("policy"), str):
+            raise UserError(f"policies[{i}] must be a mapping with a policy name, e.g. {{policy: ngram, k: 3}}, "
+                            f"got {e!r}")
+        settings = {k: v for k, v in e.items() if k not in ("policy", "label")}
+        try:
+            obj = policy_params(e["policy"], **settings)
+        except UserError as err:
+            raise UserError(f"policies[{i}]: {err}") from None
+        key = str(e.get("label") or ":".join([obj.name] + [f"{k}={v}" for k, v in sorted(settings.items())]))
+        if key in seen:
+            raise UserError(f"policies[{i}] repeats policies[{seen[key]}] ({key}); drop one or give it a label")
+        seen[key] = i
+        specs.append(RunSpec(key, obj.name, {"settings": settings, "settings_obj": obj, **{
+            k: settings.get(k) for k in ("k", "head")}, "h": settings.get("threshold")}))
+    return specs
 
 
 def tree_specs(cfg: SweepConfig) -> list[RunSpec]:
@@ -577,6 +617,11 @@ def run_one(pair, spec: RunSpec, ids: list[int], cfg: SweepConfig, seed: int, he
     decode); `tree_ctx`: the calibrated rates and node cost of the tree policies (_tree_context)."""
     mnt = max_new_tokens or cfg.max_new_tokens
     samp = dict(max_new_tokens=mnt, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed)
+    if "settings_obj" in spec.params:  # a `policies` entry: the settings generate takes
+        g = pair.generate(ids, policy=spec.params["settings_obj"], **samp)
+        pick = getattr(g, "auto", None)
+        extra = {"auto_value": pick["value"], "auto_predicted_tokens_per_s": pick["tokens_per_s"]} if pick else {}
+        return g.metrics, g.stopped_by, g.token_ids, extra
     if spec.method in TREE_POLICIES:
         return _run_tree(pair, spec, ids, samp, heads, tree_ctx or {})
     if spec.method == "hf_assisted":
@@ -756,7 +801,7 @@ def _load_pair(cfg: SweepConfig, heads: dict):
                             f"{head.hidden_size} but the draft in use has hidden size {pair.draft.hidden_size}; "
                             "pass the draft it was trained for or train a head for this draft")
         head.to(pair.draft.device)
-    return pair, Decoder(pair.draft, None, eos_token_ids=pair.eos_token_ids)
+    return pair, (Decoder(pair.draft, None, eos_token_ids=pair.eos_token_ids) if pair.draft is not None else None)
 
 
 def _select_dataset(pair, ds: str, texts: list[str], cfg: SweepConfig, notes: list[str]) -> list:
@@ -774,7 +819,7 @@ def _select_dataset(pair, ds: str, texts: list[str], cfg: SweepConfig, notes: li
 
 def _auto_node_cost(spec: RunSpec) -> bool:
     """A tree with a learned budget whose node cost is measured on this machine (node_cost: auto)."""
-    return spec.method in VERIFICATION and spec.params.get("node_cost") == "auto"
+    return spec.method in VERIFICATION and "settings" not in spec.params and spec.params.get("node_cost") == "auto"
 
 
 def _pinned_costs(pair, out: Path, specs, notes: list[str]):
@@ -782,12 +827,14 @@ def _pinned_costs(pair, out: Path, specs, notes: list[str]):
     (ks / thresholds auto, a learned tree budget's node_cost auto), pinned in out_dir/costs.json:
     a resumed sweep reuses it, so its auto rows mean the same before and after an interruption.
     None where no configuration needs it."""
-    if not any(s.method in ("fixed_auto", "learned_auto") or _auto_node_cost(s) for s in specs):
+    if not any(s.method in ("fixed_auto", "learned_auto") or _auto_node_cost(s) or "settings" in s.params
+               for s in specs):
         return None
 
     costs = measure_costs(pair, pin=out / COSTS)
-    notes += _note([f"auto picks read the forward times pinned in {COSTS}: t_draft/t_target = {costs.c:.4g} "
-                    f"(measured {costs.measured})"])
+    notes += _note([f"auto picks read the forward times pinned in {COSTS}: t_draft/t_target = {costs.c:.4g}, "
+                    f"v(1..{len(costs.t_verify)}) = {' '.join(f'{t / costs.t_verify[0]:.2f}' for t in costs.t_verify)} "
+                    f"target steps (measured {costs.measured})"])
     return costs
 
 
@@ -798,7 +845,7 @@ def _tree_context(pair, cfg: SweepConfig, out: Path, texts: dict, selected: dict
     evaluated on: per dataset, tree_calibration_prompts from the END of the shuffled set, so they
     stay the same when n_prompts grows. A learned budget's node_cost auto comes from `costs` (the
     sweep's pinned forward times, _pinned_costs)."""
-    methods = sorted({VERIFICATION[s.method] for s in specs if s.method in VERIFICATION})
+    methods = sorted({VERIFICATION[s.method] for s in specs if s.method in VERIFICATION and "settings" not in s.params})
     ctx = {"rates": {}, "calibration": None, "node_cost": None}
     if methods:
         prompts = []
