@@ -12,7 +12,6 @@ from importlib.metadata import version as dist_version
 from transformers.utils import logging as hf_logging
 
 from . import params
-from .backends.llamacpp import check_head_inputs, check_policy, import_llama_cpp
 from .backends.models import resolve_model_path
 from .backends.vocab import build_token_list
 from .decoding.pipeline import SpecPair
@@ -122,11 +121,9 @@ def validate(args):
         raise UserError(f"--policy {policy.name} drafts with a draft model, but --draft is none; name a draft (default: "
                         "the default pair's), or use --policy ngram (copies from the context, no draft model)")
     policy.check_sampling(sampling.temperature)
-    if pair.backend == "llama.cpp":
-        check_policy(policy.name)
-        check_head_inputs(getattr(policy, "head", None))
-        import_llama_cpp()
-    elif pair.draft is not None:
+    params.check_runs_on(policy, pair.engine)
+    pair.engine.check_available()
+    if pair.draft is not None and pair.engine.torch_settings:
         pair.check_draft_vocab_size()
     return pair, policy, sampling
 

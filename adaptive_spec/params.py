@@ -21,6 +21,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .backends import engines
 from .errors import UserError
 
 AUTO = "auto"
@@ -82,6 +83,13 @@ class PolicyParams(Params):
     """A policy's settings. Subclasses register under their `--policy` name (`policy_params`)."""
 
     name: ClassVar[str] = ""
+    # what the policy needs of an engine whatever its settings (backends/engines.py CAPABILITIES)
+    static_needs: ClassVar[frozenset] = frozenset()
+
+    @property
+    def needs(self) -> frozenset:
+        """What it needs of an engine with these settings (engines.check_policy reads it)."""
+        return self.static_needs
 
     @property
     def uses_draft(self) -> bool:
@@ -121,6 +129,22 @@ def policy_names() -> list[str]:
     return list(_POLICIES)
 
 
+def check_runs_on(policy: PolicyParams, engine: "engines.Engine | str") -> None:
+    """Refuse `policy` on an engine that lacks what it needs (engines.CAPABILITIES), naming the policies
+    that do run there and the engines it runs on: one line, before any model loads."""
+    engine = engines.get(engine) if isinstance(engine, str) else engine
+    missing = sorted(set(policy.needs) - set(engine.capabilities))
+    if not missing:
+        return
+    fits = [n for n, cls in _POLICIES.items() if set(cls.static_needs) <= set(engine.capabilities)]
+    why = "; ".join(engines.CAPABILITIES.get(m, m) for m in missing)
+    others = [n for n in engines.names() if set(policy.needs) <= set(engines.get(n).capabilities)]
+    raise UserError(f"policy {policy.name!r} does not run on the {engine.name} backend: it needs {why}, which "
+                    f"{engine.name} does not give; policies that do run there: {', '.join(fits)}"
+                    + (" (learned with a statistics head, inputs=stats)" if "learned" in fits else "")
+                    + (f"; or use --backend {' or '.join(others)}" if others else ""))
+
+
 K_MAX = Field(20, ge=1, description="hard cap on candidates per round", **_expects("an integer >= 1"))
 CURVE = Field(None, description="threshold_curve.json (or its folder) for auto; default: the one beside the head "
                                 "(made by `adaptive-spec autotune`)")
@@ -143,6 +167,17 @@ def _check_head_folder(head: Any, who: str) -> None:
     elif not looks_like_repo:
         raise ValueError(f"acceptance head folder {head} does not exist; pass a folder written by `adaptive-spec "
                          "train`")
+
+
+def head_needs(head: Any) -> frozenset:
+    """{"hidden"} where `head` reads the draft's hidden states: a head folder by its config.json (no weights
+    read), a head object by its `inputs`; a hub id is checked when it loads."""
+    if head is None:
+        return frozenset()
+    inputs = getattr(head, "inputs", None)
+    if inputs is None and isinstance(head, (str, Path)) and (Path(head).expanduser() / "config.json").is_file():
+        inputs = json.loads((Path(head).expanduser() / "config.json").read_text()).get("inputs", "hidden")
+    return frozenset() if inputs is None or inputs == "stats" else frozenset({"hidden"})
 
 
 def _check_auto(value, curve, head, need: str) -> None:
@@ -191,6 +226,10 @@ class LearnedParams(PolicyParams):
         "the head's threshold_curve.json)", **_expects("h in (0, 1) or auto"))
     k_max: int = K_MAX
     curve: str | None = CURVE
+
+    @property
+    def needs(self) -> frozenset:
+        return head_needs(self.head)
 
     @model_validator(mode="after")
     def _complete(self):
@@ -251,7 +290,7 @@ class NgramParams(PolicyParams):
     ngram_max: int = Field(4, ge=1, description="ngram: longest context suffix looked up", **_expects("an integer >= 1"))
     ngram_min: int = Field(2, ge=1, description="ngram: shortest context suffix looked up",
                            **_expects("an integer >= 1"))
-    k_max: int = Field(16, ge=1, description="hard cap on candidates per round", **_expects("an integer >= 1"))
+    k_max: int = Field(48, ge=1, description="hard cap on candidates per round", **_expects("an integer >= 1"))
     fallback: Literal["none", "learned"] = Field(
         "none", description="ngram: rounds without a copy: none (a plain target step) or learned (the draft "
         "model under SpecDec++, --head and --threshold)", **_expects("none or learned"))
@@ -273,6 +312,10 @@ class NgramParams(PolicyParams):
     def uses_draft(self) -> bool:
         return self.fallback != "none"
 
+    @property
+    def needs(self) -> frozenset:
+        return head_needs(self.head) if self.fallback == "learned" else frozenset()
+
     def fallback_params(self) -> "LearnedParams":
         """The draft model's stop rule in the rounds nothing is copied (checked on construction)."""
         try:
@@ -286,6 +329,7 @@ ESTIMATOR = Literal["positional", "head"]
 
 
 class _TreeBase(PolicyParams):
+    static_needs: ClassVar[frozenset] = frozenset({"tree"})
     tree_budget: int | None = Field(None, ge=1, description="drafted tokens per round (default: k, else 8)",
                                     **_expects("an integer >= 1"))
     tree_estimator: ESTIMATOR = Field("positional", description="acceptance estimates: positional rates or a "
@@ -303,6 +347,10 @@ class _TreeBase(PolicyParams):
                                          **_expects("> 0 (target steps per drafted token)"))
     drafting: DRAFTING = Field("tree", description="draft shape (tree = the optimal one)",
                                **_expects("tree, sequence, batch or specinfer"))
+
+    @property
+    def needs(self) -> frozenset:
+        return self.static_needs | (frozenset({"hidden"}) if self.tree_estimator == "head" else frozenset())
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -335,6 +383,7 @@ class ErsdParams(_TreeBase):
 
 
 class _MultiDraft(PolicyParams):
+    static_needs: ClassVar[frozenset] = frozenset({"multi_draft"})
     num_drafts: int = Field(4, ge=1, description="drafts per round", **_expects("an integer >= 1"))
     k: int = Field(4, ge=1, description="tokens per draft", **_expects("an integer >= 1"))
 
@@ -364,16 +413,11 @@ def policies_with(key: str) -> list[str]:
 
 # ---- the model pair --------------------------------------------------------------------------
 
-# llama.cpp's re-quantizations of a GGUF file (llamacpp.GGUF_QUANTS: what each one is, and why)
-GGUF_QUANTS = ("q4_0", "q8_0", "q4_0-pure", "q4_k-pure", "iq4_nl-pure")
-# each engine's draft quantizations: torch quantizes its layers at load, llama.cpp re-quantizes the
-# draft's GGUF file once (llamacpp.requantized_gguf); "none" is the draft as it is on both
-DRAFT_QUANTS = {"torch": ("none", "int8", "int4"), "llama.cpp": ("none", *GGUF_QUANTS)}
-# the target's: none on torch (its weights are the model); llama.cpp re-quantizes the target's GGUF
-# once too, which makes it another model: the output then follows that file's distribution exactly
-TARGET_QUANTS = {"torch": ("none",), "llama.cpp": ("none", *GGUF_QUANTS)}
-BACKENDS = ("torch", "llama.cpp")
-# torch-only settings and their defaults: llama.cpp runs the GGUF files on the CPU
+# each engine's quantizations are its record's (backends/engines.py): torch quantizes the draft's layers at
+# load; llama.cpp re-quantizes a GGUF file once (llamacpp.requantized_gguf), the target's too, which makes it
+# another model whose distribution the output then follows exactly
+GGUF_QUANTS = engines.GGUF_QUANTS
+# settings of the torch-like engines and their defaults (refused, when set, on an engine without them)
 _TORCH_ONLY = {"dtype": "auto", "draft_vocab": None, "kv_cache": "dynamic", "runtime": "eager", "max_cache_len": None}
 
 
@@ -384,18 +428,19 @@ class PairParams(Params):
                         ".gguf, a folder of one, or owner/repo:FILE.gguf)")
     draft: str | None = Field("default", description="draft model, as --target; none: no draft model (the target "
                              "alone, or --policy ngram)")
-    backend: Literal["torch", "llama.cpp"] = Field(
+    backend: str = Field(
         "torch", description="engine: torch (Hugging Face weights; the default pair dequantized to bf16) or "
-        "llama.cpp (the GGUF files as they are, through llama-cpp-python; CPU)", **_expects("torch or llama.cpp"))
+        "llama.cpp (the GGUF files as they are, through llama-cpp-python; CPU)",
+        **_expects("a registered engine (backends/engines.py): torch or llama.cpp"))
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(
         "auto", description="weights' dtype (auto: bf16 on GPUs and on CPUs with bf16 kernels, fp32 on AVX2-only "
         "CPUs, where bf16 matrix products are several times slower)", **_expects("auto, bf16, fp16 or fp32"))
-    draft_quant: Literal["none", "int8", "int4", *GGUF_QUANTS] = Field(
+    draft_quant: Literal["none", "int8", "int4", *engines.GGUF_QUANTS] = Field(
         "none", description="draft weights, exactness unchanged: torch: none, int8 (weight-only, per-channel) or "
         "int4 (weight-only, groups of 64; CPU); llama.cpp: none (the GGUF as it is) or " + ", ".join(GGUF_QUANTS)
         + " (the draft GGUF re-quantized once by llama.cpp and cached; -pure: every matrix, output included, "
         "in that type)", **_expects("none, int8, int4 (torch), or " + ", ".join(GGUF_QUANTS) + " (llama.cpp)"))
-    target_quant: Literal["none", *GGUF_QUANTS] = Field(
+    target_quant: Literal["none", *engines.GGUF_QUANTS] = Field(
         "none", description="llama.cpp: the target GGUF re-quantized once (cached), e.g. q4_0-pure, whose matrices "
         "all have multi-row CPU kernels (cheaper verification); the output then follows that file exactly",
         **_expects("none or " + ", ".join(GGUF_QUANTS) + " (llama.cpp)"))
@@ -428,23 +473,30 @@ class PairParams(Params):
 
     @model_validator(mode="after")
     def _engine(self):
-        for key, table in (("draft_quant", DRAFT_QUANTS), ("target_quant", TARGET_QUANTS)):
-            valid = table[self.backend]
+        if self.backend not in engines.names():
+            raise ValueError(f"unknown backend {self.backend!r}; valid backends: {', '.join(engines.names())}")
+        engine = engines.get(self.backend)
+        for key, valid in (("draft_quant", engine.draft_quants), ("target_quant", engine.target_quants)):
             if getattr(self, key) not in valid:
                 raise ValueError(f"{key}={getattr(self, key)!r} does not run on the {self.backend} backend; it takes "
                                  f"{', '.join(valid)}")
-        if self.backend == "llama.cpp":
+        if not engine.torch_settings:
             unused = [f"{k}={getattr(self, k)!r}" for k, default in _TORCH_ONLY.items() if getattr(self, k) != default]
             if self.device not in (None, "cpu"):
                 unused.append(f"device={self.device!r}")
             if unused:
-                raise ValueError(f"{', '.join(unused)}: the llama.cpp backend runs the GGUF files on the CPU; drop "
+                raise ValueError(f"{', '.join(unused)}: the {self.backend} backend runs {engine.description}; drop "
                                  "these settings or use the torch backend")
-        elif self.n_ctx is not None:
-            raise ValueError("n_ctx (--n-ctx) sets the llama.cpp context; the torch backend sizes its caches itself")
+        if self.n_ctx is not None and not engine.context_setting:
+            raise ValueError(f"n_ctx (--n-ctx) sets the llama.cpp context; the {self.backend} backend sizes its "
+                             "caches itself")
         if self.draft_vocab is not None:
             _check_draft_vocab(self.draft_vocab)
         return self
+
+    @property
+    def engine(self) -> engines.Engine:
+        return engines.get(self.backend)
 
     def check_draft_vocab_size(self) -> None:
         """N of draft_vocab N against the draft's vocabulary, read from its config.json (no weights):

@@ -96,7 +96,7 @@ FOLLOWUPS = (
 )
 TRAINING_SETS = tuple(n for n in BUILTIN if n not in EVAL_SETS)
 # tried in order when a local file is given without a field
-COMMON_FIELDS = ("prompt", "instruction", "question", "text", "input")
+COMMON_FIELDS = ("prompt", "instruction", "question", "text", "input", "messages")
 
 
 def known_names() -> str:
@@ -214,11 +214,12 @@ def prompt_texts(dataset: str, field: str | None = None, hf_config: str | None =
     rows, default_field, source = _records(dataset.strip(), hf_config, hf_split)
     field = _text_field(rows, field or default_field, dataset, source)
     texts = [v for v in (r.get(field) for r in rows) if v is not None]
-    bad = next((v for v in texts if not isinstance(v, str)), None)
+    bad = next((v for v in texts if not (isinstance(v, str) or is_conversation(v))), None)
     if bad is not None:
-        raise UserError(f"field {field!r} of dataset {dataset!r} holds {type(bad).__name__} values, not text; "
-                        f"choose a text field (its fields are: {', '.join(_fields_of(rows))})")
-    texts = [v for v in texts if v.strip()]
+        raise UserError(f"field {field!r} of dataset {dataset!r} holds {type(bad).__name__} values, not text (or "
+                        "conversations: lists of {role, content} messages); choose a text field (its fields are: "
+                        f"{', '.join(_fields_of(rows))})")
+    texts = [v for v in texts if not isinstance(v, str) or v.strip()]
     if not texts:
         raise UserError(f"dataset {dataset!r} ({source}) has no non-empty {field!r} texts")
     return texts
@@ -421,6 +422,13 @@ def encode_prompt(tok, text: str | list[dict], chat: bool = False, template_opti
     return list(tok(text)["input_ids"])
 
 
+def is_conversation(v) -> bool:
+    """A multi-turn prompt: a list of {"role", "content"} messages ending on a user turn (followup_messages)."""
+    return (isinstance(v, list) and bool(v) and all(isinstance(m, dict) and isinstance(m.get("content"), str)
+                                                    and m.get("role") in ("system", "user", "assistant") for m in v)
+            and v[-1]["role"] == "user")
+
+
 def edit_prompt(code: str, i: int) -> str:
     """The edit set's request i: instruction i mod 4, then the code in a fence."""
     return f"{EDIT_INSTRUCTIONS[i % len(EDIT_INSTRUCTIONS)]}\n\n```python\n{code.strip()}\n```"
@@ -433,13 +441,14 @@ def followup_messages(prompt: str, answer: str, i: int) -> list[dict]:
             {"role": "user", "content": FOLLOWUPS[i % len(FOLLOWUPS)]}]
 
 
-def eos_token_ids(tok, model) -> list[int]:
-    """Every id that ends a response: the model's generation config and config, and the tokenizer's.
+def eos_token_ids(tok, model=None, generation_config=None) -> list[int]:
+    """Every id that ends a response: the model's generation config and config (or a generation
+    config alone, where no model is loaded in transformers), and the tokenizer's.
 
     Chat models often end a turn with a token (e.g. <|im_end|>) that only the generation config
     names, while config.json names the pretraining <|endoftext|>; stopping at either is right."""
     ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-    for cfg in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+    for cfg in (generation_config or getattr(model, "generation_config", None), getattr(model, "config", None)):
         e = getattr(cfg, "eos_token_id", None) if cfg is not None else None
         ids.update(e if isinstance(e, (list, tuple)) else [e] if e is not None else [])
     return sorted(ids)

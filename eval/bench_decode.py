@@ -89,7 +89,7 @@ def load_pairs(args) -> dict:
     for spec in args.drafts.split(","):
         quant, vocab = parse_draft(spec)
         drafts[spec] = load_model(args.draft, "draft", args.dtype, args.device, quant=quant, draft_vocab=vocab)
-        pair = SpecPair(target_model, base.tokenizer, *drafts[spec])
+        pair = SpecPair.from_models(target_model, base.tokenizer, *drafts[spec])
         pair.draft_config = {"draft_quant": quant, "draft_vocab": vocab or "full"}
         pairs[spec] = pair
     if args.compare_no_fp16:
@@ -102,7 +102,7 @@ def load_pairs(args) -> dict:
             os.environ.pop("ADAPTIVE_SPEC_CPU_FP16")
         pairs[f"ar{NO_FP16}"] = old
         for spec, (draft_model, dtok) in drafts.items():
-            pairs[spec + NO_FP16] = SpecPair(old.target.model, old.tokenizer, draft_model, dtok)
+            pairs[spec + NO_FP16] = SpecPair.from_models(old.target.model, old.tokenizer, draft_model, dtok)
     return pairs
 
 

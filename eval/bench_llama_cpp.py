@@ -29,30 +29,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
-import subprocess
-import sys
-import tarfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
 from adaptive_spec.backends.cpu import flags_line
-from adaptive_spec.backends.fetch import cache_dir, default_gguf
-from adaptive_spec.backends.llama_build import VERSION, X86_SETS, cmake_args, tier
+from adaptive_spec.backends.fetch import default_gguf
+from adaptive_spec.backends.llama_build import VERSION
 from adaptive_spec.backends.llamacpp import requantized_gguf
 from adaptive_spec.decoding.costs import measure_costs
-from adaptive_spec.runs import append_jsonl, read_jsonl
+from adaptive_spec.evaluation.llama_tools import bench_tg, build, build_flags, spec_example
+from adaptive_spec.evaluation.paired import done_keys, record
+from adaptive_spec.runs import read_jsonl
 from adaptive_spec.tables import md_table
 
-TOOLS = ("llama-bench", "llama-speculative-simple")
 
-
-def tool_flags(cpu_flags=None) -> list[str]:
-    """The binding's flags (llama_build.cmake_args()) minus what only the Python package knows, plus the tools."""
-    return [a for a in cmake_args(cpu_flags).split() if "LLAVA" not in a and "EXAMPLES" not in a and "TOOLS" not in a] + [
-        "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DCMAKE_BUILD_TYPE=Release"]
 HEAD = "checkpoints/qwen-coder-0.5b-int8-stats-d3"
 H_GRID = (0.2, 0.3)
 K_GRID = (3,)
@@ -60,66 +52,6 @@ DRAFT_MAX = (2, 3, 4)  # llama.cpp's default draft-max is 3 in this version
 QUANT = "q4_0"  # the re-quantized draft's rows (llamacpp.requantized_gguf says why)
 QUANT_K, QUANT_H = (2, 3), (0.3,)
 TEMPERATURES = (1.0, 0.0)
-
-
-# ----------------------------------------------------------------------------- llama.cpp's own tools
-
-def run(cmd: list[str], timeout: float = 3600) -> str:
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    if p.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd[:3])} ... failed ({p.returncode}):\n{p.stderr[-2000:]}")
-    return p.stdout + p.stderr
-
-
-def build(threads: int, cpu_flags=None, tools=TOOLS) -> Path:
-    """llama.cpp's tools, built once into the cache from the llama-cpp-python sdist (pip download),
-    for this CPU's instruction sets or for those `cpu_flags` (a subset of them) give."""
-    root = cache_dir() / "llama.cpp" / f"llama-cpp-python-{VERSION}"
-    bins = root / f"build-{tier(cpu_flags)}" / "bin"
-    if all((bins / t).is_file() for t in tools):
-        return bins
-    src = root / "src"
-    if not (src / "CMakeLists.txt").is_file():
-        sdist_dir = root / "sdist"
-        run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q", "-d", str(sdist_dir),
-             f"llama-cpp-python=={VERSION}"])
-        sdist = next(sdist_dir.glob("llama_cpp_python-*.tar.gz"))
-        with tarfile.open(sdist) as tf:
-            tf.extractall(root / "unpacked", filter="data")
-        (root / "unpacked" / sdist.name[:-len(".tar.gz")] / "vendor" / "llama.cpp").rename(src)
-    print(f"building {', '.join(tools)} from llama-cpp-python {VERSION}'s llama.cpp for {tier(cpu_flags)} (once)",
-          file=sys.stderr)
-    run(["cmake", "-S", str(src), "-B", str(bins.parent), *tool_flags(cpu_flags)])
-    run(["cmake", "--build", str(bins.parent), f"-j{threads}", "--target", *tools])
-    return bins
-
-
-def build_flags(bins: Path) -> str:
-    cache = (bins.parent / "CMakeCache.txt").read_text()
-    on = [m[1] for m in re.finditer(r"^(GGML_[A-Z0-9_]+):BOOL=ON$", cache, re.M)
-          if m[1] in {name for name, _ in X86_SETS} | {"GGML_NATIVE", "GGML_AMX_INT8", "GGML_OPENMP"}]
-    return ("ggml build flags on: " + (", ".join(on) or "none")
-            + f" (GGML_NATIVE and AMX off; tier {tier()}: this CPU's instruction sets, the binding's too)")
-
-
-def bench_tg(bins: Path, gguf: Path, n: int, depth: int, threads: int, reps: int = 5) -> float:
-    """llama-bench tg: tokens/s generating n tokens after `depth` tokens of context (its mean over reps)."""
-    out = run([str(bins / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(n), "-d", str(depth),
-               "-t", str(threads), "-r", str(reps), "-o", "json"])
-    return float(json.loads(out[out.index("["): out.rindex("]") + 1])[0]["avg_ts"])
-
-
-def spec_example(bins: Path, target: Path, draft: Path, text: str, n: int, k: int, threads: int) -> dict:
-    out = run([str(bins / "llama-speculative-simple"), "-m", str(target), "-md", str(draft), "-p", text,
-               "-n", str(n), "--temp", "0", "--top-k", "1", "--seed", "0", "-t", str(threads), "-td", str(threads),
-               "--spec-type", "draft-simple", "--spec-draft-n-max", str(k), "-c", "4096"])
-    dec = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", out)
-    drafted, accepted = re.search(r"n_drafted = (\d+)", out), re.search(r"n_accept\s+= (\d+)", out)
-    if not dec:
-        raise SystemExit(f"could not read llama-speculative-simple's timing:\n{out[-2000:]}")
-    n_tok, s = int(dec[1]), float(dec[2])
-    return {"n_tokens": n_tok, "decode_s": s, "decode_tok_s": n_tok / s,
-            "acceptance": int(accepted[1]) / max(int(drafted[1]), 1) if drafted and accepted else None}
 
 
 # ----------------------------------------------------------------------------- ours
@@ -177,7 +109,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = out / "results.jsonl"
-    done = {_key(r) for r in read_jsonl(results)} if results.is_file() else set()
+    done = done_keys(results)
     bins = build(args.threads)
     target_gguf, draft_gguf = default_gguf("target"), default_gguf("draft")
     quant_gguf = requantized_gguf(draft_gguf, QUANT, args.threads)
@@ -211,30 +143,18 @@ def main(argv=None) -> int:
                 # engine or llama.cpp's example had run was slower than the same decode repeated right after
                 pair.generate(ids, policy="ar", temperature=temp, max_new_tokens=16)
                 for label, policy, kw in our_configs(name):
-                    row = {"dataset": ds, "prompt_idx": i, "temperature": temp, "engine": engine, "config": label,
-                           "prompt_tokens": len(ids)}
-                    if _key(row) in done:
-                        continue
-                    row.update(our_row(pair, ids, policy, kw, temp, args.max_new_tokens))
-                    append_jsonl(results, row)
-                    done.add(_key(row))
-                    print(f"{ds} {i} T={temp:g} {engine:9} {label:20} {row['decode_tok_s']:6.2f} tok/s",
-                          file=sys.stderr, flush=True)
+                    record(results, done, {"dataset": ds, "prompt_idx": i, "temperature": temp, "engine": engine,
+                                           "config": label, "prompt_tokens": len(ids)},
+                           lambda: our_row(pair, ids, policy, kw, temp, args.max_new_tokens))
             if temp != 0:
                 continue
             examples = [(f"draft-max {k}" + (" (default)" if k == 3 else ""), draft_gguf, k) for k in DRAFT_MAX]
             examples.append((f"draft-max 3 (draft {QUANT})", quant_gguf, 3))
             for label, draft_file, k in examples:
-                row = {"dataset": ds, "prompt_idx": i, "temperature": temp, "engine": "llama.cpp example",
-                       "config": label, "prompt_tokens": len(ids)}
-                if _key(row) in done:
-                    continue
-                row.update(spec_example(bins, target_gguf, draft_file, chat_text, args.max_new_tokens, k,
-                                        args.threads))
-                append_jsonl(results, row)
-                done.add(_key(row))
-                print(f"{ds} {i} greedy llama.cpp example {row['config']:20} {row['decode_tok_s']:6.2f} tok/s",
-                      file=sys.stderr, flush=True)
+                record(results, done, {"dataset": ds, "prompt_idx": i, "temperature": temp,
+                                       "engine": "llama.cpp example", "config": label, "prompt_tokens": len(ids)},
+                       lambda: spec_example(bins, target_gguf, draft_file, chat_text, args.max_new_tokens, k,
+                                            args.threads))
     # the prompts' mean length sets the context llama-bench's tg is also measured at
     per_prompt = {(r["dataset"], r["prompt_idx"]): r["prompt_tokens"] for r in read_jsonl(results)}
     lengths = lengths or list(per_prompt.values())
@@ -247,10 +167,6 @@ def main(argv=None) -> int:
     (out / "report.md").write_text(md)
     print(md)
     return 0
-
-
-def _key(row: dict) -> tuple:
-    return row["dataset"], row["prompt_idx"], row["temperature"], row["engine"], row["config"]
 
 
 # ----------------------------------------------------------------------------- the report

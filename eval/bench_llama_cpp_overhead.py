@@ -1,7 +1,7 @@
 """What our decode loop costs on top of llama.cpp's own: the target alone (ar) through the binding
 against `llama-bench` tg at the same context, split into llama.cpp's forward time and everything
 else (sampling, the loop), with torch on one thread while llama.cpp decodes (as shipped:
-pipeline.LLAMA_CPP_TORCH_THREADS) and with torch on the process's threads, paired per prompt.
+the llama.cpp engine's decode_torch_threads) and with torch on the process's threads, paired per prompt.
 
     python eval/bench_llama_cpp_overhead.py --prompts 3 --max-new-tokens 96
 
@@ -13,12 +13,13 @@ rows go to <out>/results.jsonl as they finish; <out>/report.md holds the table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
-from bench_llama_cpp import bench_tg, build, build_flags
+from adaptive_spec.evaluation.llama_tools import bench_tg, build, build_flags
 
 from adaptive_spec.backends.cpu import flags_line
 from adaptive_spec.backends.fetch import default_gguf
@@ -63,7 +64,7 @@ def main(argv=None) -> int:
                 for threads in order:
                     if (ds, i, temp, threads) in done:
                         continue
-                    pipeline.LLAMA_CPP_TORCH_THREADS = threads
+                    pair.engine = dataclasses.replace(pair.engine, decode_torch_threads=threads)
                     kw = dict(policy="ar", temperature=temp, top_k=50 if temp else 0)
                     pair.generate(ids, max_new_tokens=8, **kw)  # warm-up, untimed
                     g = pair.generate(ids, max_new_tokens=args.max_new_tokens, seed=0, **kw)

@@ -213,7 +213,7 @@ def test_auto_through_specpair(head_and_data, tmp_path, monkeypatch, capsys):
         return cheap
 
     def new_pair():
-        return SpecPair(make_model(32, 24, seed=2, logit_scale=4.0), tok, make_model(32, 16, seed=1, logit_scale=4.0),
+        return SpecPair.from_models(make_model(32, 24, seed=2, logit_scale=4.0), tok, make_model(32, 16, seed=1, logit_scale=4.0),
                         tok)
 
     pair = new_pair()

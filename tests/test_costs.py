@@ -21,7 +21,7 @@ def cache(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def pair():
     tok = make_tokenizer(32)
-    return SpecPair(make_model(32, 24, seed=2, logit_scale=4.0), tok, make_model(32, 16, seed=1, logit_scale=4.0), tok)
+    return SpecPair.from_models(make_model(32, 24, seed=2, logit_scale=4.0), tok, make_model(32, 16, seed=1, logit_scale=4.0), tok)
 
 
 def test_measured_times_and_the_runners_are_left_as_they_were(pair, cache):
@@ -45,16 +45,19 @@ def test_verification_fit(monkeypatch):
     """t_target and t_cand come from the fit of a K + 1-token pass over K; a pass that does not grow
     with K (a negative slope is timing noise) has t_cand = 0 and t_target its mean time."""
     def fake(verify):
-        return lambda cells, reps: [0.03] + [verify[n] for _, n, _ in cells[1:]]
+        return lambda cells, reps, prefill=None: [verify[n] if all_rows else 0.03 for _, n, all_rows in cells]
 
-    runners = SimpleNamespace(draft=object(), target=None)
-    monkeypatch.setattr(C, "_interleaved_times", fake({n: 0.1 + 0.01 * (n - 1) for n in C.VERIFY_LENGTHS}))
+    runners = SimpleNamespace(draft=object(), target=SimpleNamespace(vocab_size=50, device=torch.device("cpu")))
+    lengths = C.VERIFY_LENGTHS + C.LONG_LENGTHS
+    monkeypatch.setattr(C, "_interleaved_times", fake({n: 0.1 + 0.01 * (n - 1) for n in lengths}))
     c = C._measure(runners, 3, "k")
     assert (c.t_draft, c.t_target, c.t_cand) == pytest.approx((0.03, 0.1, 0.01))
-    monkeypatch.setattr(C, "_interleaved_times", fake({n: 0.2 - 0.001 * n for n in C.VERIFY_LENGTHS}))
+    assert c.verify_s(16) == pytest.approx(0.25) and c.verify_s(20) == pytest.approx(0.29)  # measured, interpolated
+    monkeypatch.setattr(C, "_interleaved_times", fake({n: 0.2 - 0.001 * n for n in lengths}))
     c = C._measure(runners, 3, "k")
     assert c.t_cand == 0.0 and c.t_target == pytest.approx(0.2 - 0.005)
-    assert c.t_verify == pytest.approx([0.2 - 0.005] * len(C.VERIFY_LENGTHS))  # a falling table pools flat
+    flat = sum(0.2 - 0.001 * n for n in lengths) / len(lengths)  # a falling table, long passes included, pools flat
+    assert c.t_verify == pytest.approx([flat] * len(C.VERIFY_LENGTHS)) and c.verify_s(48) == pytest.approx(flat)
 
 
 def test_monotone_pools_dips_and_keeps_steps():
@@ -126,7 +129,7 @@ def test_no_cache_writes_nothing_and_the_target_alone_is_priced_without_a_draft(
     C.measure_costs(pair, reps=1, cache=False)
     assert not cache.exists()
     tok = make_tokenizer(32)
-    alone = C.measure_costs(SpecPair(make_model(32, 24, seed=2), tok), reps=1, cache=False)
+    alone = C.measure_costs(SpecPair.from_models(make_model(32, 24, seed=2), tok), reps=1, cache=False)
     # n-gram drafting needs only the target's passes: no draft step (t_draft 0), every length timed
     assert alone.t_draft == 0 and alone.t_target > 0 and len(alone.t_verify) == len(C.VERIFY_LENGTHS)
 
@@ -135,7 +138,8 @@ def test_per_length_times_are_kept_and_an_older_cache_is_measured_again(pair, ca
     first = C.measure_costs(pair, reps=1)
     assert len(first.t_verify) == len(C.VERIFY_LENGTHS) and all(t > 0 for t in first.t_verify)
     assert first.verify_s(3) == first.t_verify[2]
-    assert first.verify_s(12) == pytest.approx(first.t_verify[-1] + 3 * first.t_cand)
+    assert first.verify_s(12) == pytest.approx(first.t_verify_long[12])  # a long pass: measured too
+    assert first.t_verify[-1] <= first.verify_s(10) <= first.verify_s(12) <= first.verify_s(16)
     assert C.Costs(0.01, 0.1, 0.002, "k", "now").verify_s(4) == pytest.approx(0.106)  # no table: the line
     path = cache / f"{first.key}.json"
     d = json.loads(path.read_text())
@@ -155,7 +159,7 @@ def test_a_pin_fixes_one_measurement_across_loads_of_the_same_machine(cache, tmp
     tok = make_tokenizer(32)
 
     def load():
-        return SpecPair(make_model(32, 24, seed=2), tok, make_model(32, 16, seed=1), tok)
+        return SpecPair.from_models(make_model(32, 24, seed=2), tok, make_model(32, 16, seed=1), tok)
 
     calls = []
 
@@ -189,3 +193,17 @@ def test_a_pin_fixes_one_measurement_across_loads_of_the_same_machine(cache, tmp
     pin.write_text("{not json")
     fourth = C.measure_costs(load(), pin=pin)
     assert "unreadable" in capsys.readouterr().err and C.costs_from_json(json.loads(pin.read_text())) == fourth
+
+
+def test_the_loop_time_and_prefill_rate_are_measured_and_enter_the_prediction(pair, cache):
+    c = C.measure_costs(pair, reps=1)
+    assert c.t_prefill > 0 and c.t_prefill_draft > 0
+    assert set(c.loop) == set(C.LOOP_SAMPLING) and all(c.loop_s(m, "row") > 0 for m in C.LOOP_SAMPLING)
+    again = C.costs_from_json(json.loads((cache / f"{c.key}.json").read_text()))
+    assert again.loop == c.loop and again.t_prefill == c.t_prefill
+    from adaptive_spec.decoding.timemodel import coef_of, predict_time
+    row = {"n_draft_forwards": 6, "n_target_forwards": 3, "n_drafted": 6, "target_pass_hist": {3: 3}}
+    bare, looped = predict_time(row, coef_of(c, "table")), predict_time(row, coef_of(c, "table", "sample"))
+    # 6 draft rows + 9 verification rows processed, and 3 verifications' fixed part
+    want = 15 * c.loop_s("sample", "row") + 3 * c.loop_s("sample", "round")
+    assert looped - bare == pytest.approx(want)

@@ -237,7 +237,7 @@ def cli(argv, capsys):
      "takes none, q4_0, q8_0"),
     (["--policy", "fixed", "--dtype", "bf16", "--kv-cache", "static"], "dtype='bf16', kv_cache='static': the llama"),
     (["--policy", "learned", "--threshold", "0.3", "--head", "checkpoints/qwen-coder-0.5b-int8-hidden-d3"],
-     "reads the draft's hidden states"),
+     "it needs the draft's hidden states"),
     (["--policy", "fixed", "--n-ctx", "0"], "--n-ctx must be an integer >= 1"),
     (["--policy", "fixed", "--draft", "none"], "--policy fixed drafts with a draft model, but --draft is none"),
     (["--policy", "ngram", "--target-quant", "int8"], "invalid choice: 'int8' (choose from 'none', 'q4_0'"),
@@ -282,13 +282,16 @@ def test_real_pair_greedy_speculative_equals_greedy_target():
     pair = SpecPair.load(backend="llama.cpp", threads=2)
     prompts = ["Write a Python function that checks whether a number is prime.",
                "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-               "How many clips did Natalia sell altogether in April and May?"]
+               "How many clips did Natalia sell altogether in April and May?",
+               "Add type hints to this function and reply with the whole function:\n\ndef mean(numbers):\n"
+               "    total = 0\n    for x in numbers:\n        total += x\n    return total / len(numbers)\n"]
     head = "checkpoints/qwen-coder-0.5b-int8-stats-d3"
     mismatches, runs = [], 0
     for text in prompts:
         ids = pair.encode(text, chat=True)
         ref = pair.generate(ids, policy="ar", temperature=0, max_new_tokens=48).token_ids
-        for policy, kw in (("fixed", {"k": 3}), ("learned", {"head": head, "threshold": 0.3})):
+        for policy, kw in (("fixed", {"k": 3}), ("learned", {"head": head, "threshold": 0.3}), ("ngram", {"k": 3}),
+                           ("ngram", {"fallback": "learned", "head": head, "threshold": 0.3})):
             out = pair.generate(ids, policy=policy, temperature=0, max_new_tokens=48, **kw).token_ids
             runs += 1
             if out == ref:
@@ -374,7 +377,7 @@ def gguf_folder(tiny_ggufs, tmp_path) -> Path:
 @needs_binding
 def test_torch_runs_on_one_thread_while_llama_cpp_decodes(tiny_ggufs, tmp_path):
     """torch only samples on a llama.cpp pair; its thread pool is kept off llama.cpp's cores during a
-    generation (pipeline.LLAMA_CPP_TORCH_THREADS) and given back after, even when the generation fails."""
+    generation (the engine record's decode_torch_threads) and given back after, even when the generation fails."""
     from adaptive_spec.decoding import pipeline
 
     folder = gguf_folder(tiny_ggufs, tmp_path)
@@ -391,7 +394,7 @@ def test_torch_runs_on_one_thread_while_llama_cpp_decodes(tiny_ggufs, tmp_path):
     torch.set_num_threads(2)
     try:
         pair.generate([1, 2, 3], policy="fixed", k=2, max_new_tokens=6)
-        assert seen and set(seen) == {pipeline.LLAMA_CPP_TORCH_THREADS} == {1} and torch.get_num_threads() == 2
+        assert seen and set(seen) == {pair.engine.decode_torch_threads} == {1} and torch.get_num_threads() == 2
         with pytest.raises(UserError):
             pair.generate([], policy="ar", max_new_tokens=4)
         assert torch.get_num_threads() == 2
@@ -432,4 +435,4 @@ def test_sweep_and_report_side_by_side_on_both_engines(tiny_ggufs, tmp_path, cap
     section = md.split("## Engines side by side")[1].split("\n## ")[0]
     assert "| torch | ar |" in section and "| llama.cpp | fixed:k=2 |" in section
     assert sweep.main([*argv[:1], "hf_assisted=true", f"out_dir={tmp_path / 'x'}"]) == 2
-    assert "need the torch backend" in capsys.readouterr().err
+    assert "which the llama.cpp backend does not give; set it off for pair.backend llama.cpp" in capsys.readouterr().err

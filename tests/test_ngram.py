@@ -35,7 +35,7 @@ def test_lookup_takes_the_longest_suffix_at_its_latest_occurrence():
     assert (span, n) == ([4, 8, 1], 2)  # "1 2" last seen before the end at 5..6, followed by 4 8 1
     tokens.append(4)
     idx.update(tokens)
-    assert idx.lookup(tokens, 2) == ([8, 1], 3)  # now "1 2 4" matches, 3 tokens long
+    assert idx.lookup(tokens, 2) == ([8, 1], 3)  # now "1 2 4" matches, 3 tokens long (5 before it differs)
 
 
 def test_lookup_without_a_match_and_a_copy_that_repeats_itself():
@@ -69,21 +69,25 @@ def test_best_k_pays_only_for_rows_worth_their_cost():
     assert best_k([0.6] * 6, FLAT, 1.0)[0] > best_k([0.6] * 6, FLAT, 3.0)[0]
 
 
-def test_copy_acceptance_learns_from_the_targets_probabilities_and_explores_again():
-    acc = CopyAcceptance(n_max=4)
-    prior = acc.predict(2, 3)
-    assert acc.predict(4, 1)[0] > prior[0]  # a longer match is trusted more before any evidence
-    for _ in range(30):
-        acc.observe(2, [1.0, 1.0, 1.0])
-    learned = acc.predict(2, 3)
-    assert learned[0] >= 0.95 > prior[0] and learned[2] >= 0.95
-    for _ in range(30):
-        acc.observe(3, [0.0])
-    failed = acc.predict(3, 1)[0]
-    assert failed < 0.2 < acc.predict(2, 1)[0]
-    for _ in range(60):  # rounds pass without copies of that kind: its evidence fades, it is tried again
-        acc.tick()
-    assert acc.predict(3, 1)[0] > failed + 0.3
+def test_copy_acceptance_trusts_long_matches_and_learns_from_the_targets_probabilities():
+    acc = CopyAcceptance()
+    short, long_ = acc.predict(1, 3), acc.predict(20, 3)
+    assert long_[0] > 0.9 > 0.5 > short[0]  # a long match is trusted, a one-token one is not
+    assert short[1] > short[0]  # copy j is priced like a match j - 1 tokens longer
+    for _ in range(40):
+        acc.observe(2, [0.0])  # this generation's two-token matches fail
+    assert acc.predict(2, 1)[0] < 0.1 < acc.predict(4, 1)[0]
+    for _ in range(40):
+        acc.observe(1, [1.0, 1.0, 1.0])  # its one-token matches succeed
+    assert acc.predict(1, 1)[0] > 0.9
+
+
+def test_lookup_measures_how_far_the_match_goes_back():
+    idx = NgramIndex(2, 3)
+    tokens = [9, 8, 7, 6, 5, 4, 1, 2, 9, 8, 7, 6, 5]
+    idx.update(tokens)
+    span, match = idx.lookup(tokens, 2)
+    assert span == [4, 1] and match == 5  # "9 8 7 6 5" repeats: 5 tokens, though ngram_max is 3
 
 
 def mock_pair(seed_t=0, seed_d=1):

@@ -79,7 +79,7 @@ def test_oracle_refuses_sampling_before_anything_runs():
     ({"backend": "llama.cpp", "dtype": "fp32"}, "dtype='fp32': the llama.cpp backend"),
     ({"backend": "llama.cpp", "device": "cuda"}, "device='cuda': the llama.cpp backend"),
     ({"n_ctx": 512}, "n_ctx (--n-ctx) sets the llama.cpp context"),
-    ({"backend": "vllm"}, "backend must be torch or llama.cpp for the model pair, got 'vllm'"),
+    ({"backend": "vllm"}, "unknown backend 'vllm'; valid backends: torch, llama.cpp"),
     ({"draft_quant": "int3"}, "draft_quant must be none, int8, int4 (torch), or q4_0, q8_0, q4_0-pure, q4_k-pure, iq4_nl-pure (llama.cpp)"),
     ({"draft_vocab": 0}, "--draft-vocab must be a token count >= 1"),
     ({"threads": 0}, "threads must be an integer >= 1"),
@@ -92,9 +92,10 @@ def test_pair_settings(values, needle):
 
 
 def test_specpair_load_refuses_before_loading(monkeypatch):
+    from adaptive_spec.backends import torch_engine
     from adaptive_spec.decoding import pipeline
 
-    monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(torch_engine, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     with pytest.raises(UserError, match="dtype='bf16': the llama.cpp backend"):
         pipeline.SpecPair.load(backend="llama.cpp", dtype="bf16")
     with pytest.raises(UserError, match="pass the settings dtype inside the PairParams"):  # one way in, not two

@@ -71,12 +71,13 @@ def test_bad_quant_is_refused_before_loading():
     with pytest.raises(UserError, match="unknown draft quantization 'int3'; use one of none, int8, int4"):
         load_model("/nonexistent/model", "draft", quant="int3")
     assert check_quant(None) == "none" and check_quant("int8", "cpu") == "int8"
+    from adaptive_spec.backends import engines
     from adaptive_spec.backends.models import QUANTS
-    from adaptive_spec.params import DRAFT_QUANTS, PairParams
+    from adaptive_spec.params import PairParams
 
-    assert DRAFT_QUANTS["torch"] == QUANTS  # params spells the list out: it imports no torch
+    assert engines.get("torch").draft_quants == QUANTS  # the engine record spells the list out: it imports no torch
     assert typing.get_args(PairParams.model_fields["draft_quant"].annotation) == tuple(
-        dict.fromkeys(DRAFT_QUANTS["torch"] + DRAFT_QUANTS["llama.cpp"]))
+        dict.fromkeys(engines.get("torch").draft_quants + engines.get("llama.cpp").draft_quants))
     with pytest.raises(ValueError, match="does not run on the torch backend; it takes none, int8, int4"):
         PairParams(draft_quant="q4_0")
     with pytest.raises(ValueError, match="does not run on the llama.cpp backend; it takes none, q4_0, q8_0"):

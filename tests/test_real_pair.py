@@ -38,3 +38,17 @@ def test_greedy_speculative_equals_greedy_target(pair, prompt):
     assert spec.token_ids == ref.token_ids, (ref.text, spec.text)
     # a coder pair agrees on most tokens: far fewer target passes than tokens
     assert spec.metrics.verification_rate < 0.6
+
+
+EDIT = ("Add type hints to this function and reply with the whole function:\n\n"
+        "def mean(numbers):\n    total = 0\n    for x in numbers:\n        total += x\n    return total / len(numbers)\n")
+
+
+@pytest.mark.parametrize("k", ["auto", 3])
+def test_greedy_prompt_lookup_equals_greedy_target(pair, k):
+    """Copied drafts on the real pair (torch, fp32): the same greedy output as the target alone, with copies
+    drafted and accepted on an edit request."""
+    ref = pair.generate(EDIT, policy="ar", temperature=0, max_new_tokens=64, chat=True)
+    spec = pair.generate(EDIT, policy="ngram", k=k, temperature=0, max_new_tokens=64, chat=True)
+    assert spec.token_ids == ref.token_ids, (ref.text, spec.text)
+    assert spec.metrics.n_accepted_by.get("ngram", 0) > 0

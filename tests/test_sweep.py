@@ -373,7 +373,7 @@ def test_peer_runs_the_same_int8_draft(inputs, tmp_path):
     argv = overrides(inputs, out, **{"pair.draft_quant": "int8"}, ks="[2]", heads="[]", thresholds="[]",
                      confidence_taus="[]", heuristic="false", include_draft_ar="false", n_prompts=1)
     int8_calls, per_peer_run = [], []
-    real_forward, real_hf = Int8Linear.forward, sweep._hf_assisted
+    real_forward, real_hf = Int8Linear.forward, sweep.hf_generate
 
     def counting(self, x):
         int8_calls.append(1)
@@ -387,7 +387,7 @@ def test_peer_runs_the_same_int8_draft(inputs, tmp_path):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Int8Linear, "forward", counting)
-        mp.setattr(sweep, "_hf_assisted", peer)
+        mp.setattr(sweep, "hf_generate", peer)
         assert sweep.main(argv) == 0
     rows = read_rows(out)
     hf = [r for r in rows if r["method"] == "hf_assisted"]

@@ -69,6 +69,7 @@ class MockLM:
     def __init__(self, vocab_size: int, seed: int, scale: float = 3.0, max_length: int | None = None):
         g = torch.Generator().manual_seed(seed)
         self.table = torch.randn(vocab_size + 1, vocab_size + 1, vocab_size, generator=g) * scale
+        self._args = (vocab_size, seed, scale, max_length)
         self.vocab_size = vocab_size
         self.hidden_size = 2
         self.max_length = max_length
@@ -97,6 +98,9 @@ class MockLM:
 
     def rollback(self, length: int):
         del self.tokens[length:]
+
+    def fresh(self):
+        return type(self)(*self._args)
 
 
 # qwen2's tensor names in GGUF (llama.cpp's), per layer and for the whole model

@@ -15,7 +15,7 @@ Logits come back as one float32 copy of the rows asked for (the next decode reus
 buffer); softmax, top-k/top-p and sampling run vectorized in torch over the whole vocabulary.
 
 What llama.cpp does not give: the draft's hidden state (a head that reads it, the tree and
-multi-draft policies are refused on this engine; `provides_hidden` says so). A statistics head
+multi-draft policies are refused on this engine: its record in engines.py lists no capability). A statistics head
 reads only the draft's own distribution, so it runs here; `hidden` is a constant zero vector of
 the model's width, which such a head ignores.
 
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import json
 import logging
 import os
 import threading
@@ -39,47 +38,16 @@ import numpy as np
 import torch
 
 from ..errors import UserError
-from .llama_build import VERSION, cache_dir, install_command, missing_instructions
+from .llama_build import cache_dir, install_command, missing_instructions
 
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = install_command() + "; it compiles llama.cpp once for this CPU, about 5 minutes on 2 cores"
-BACKENDS = ("torch", "llama.cpp")
 DEFAULT_N_CTX = 4096
 
 _init_lock = threading.Lock()
 _initialised = False
 _log_cb = None  # the ctypes callback must outlive every call into llama.cpp
-
-
-def check_backend(backend: str) -> str:
-    if backend not in BACKENDS:
-        raise UserError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
-    return backend
-
-
-# Policies whose inputs are the draft's own distribution; the others read hidden states or batch
-# several drafts / a token tree in one pass, which this engine's runner does not offer.
-POLICIES = ("ar", "fixed", "learned", "confidence", "entropy", "heuristic", "oracle", "ngram")
-
-
-def check_policy(name: str) -> str:
-    if name not in POLICIES:
-        raise UserError(f"policy {name!r} does not run on the llama.cpp backend (it needs hidden states or batched "
-                        f"tree/multi-draft passes); policies that do: {', '.join(POLICIES)} (learned with a "
-                        "statistics head, inputs=stats); or use --backend torch")
-    return name
-
-
-def check_head_inputs(head) -> None:
-    """A head named by folder must read statistics: llama.cpp gives no hidden states."""
-    if not isinstance(head, (str, Path)) or not (Path(head).expanduser() / "config.json").is_file():
-        return  # a head object or a hub id: load_pair_head checks it when the policy is built
-    inputs = json.loads((Path(head).expanduser() / "config.json").read_text()).get("inputs", "hidden")
-    if inputs != "stats":
-        raise UserError(f"the head at {head} reads the draft's hidden states (inputs={inputs}), which llama.cpp "
-                        "does not give; use a statistics head (inputs=stats, e.g. "
-                        "checkpoints/qwen-coder-0.5b-int8-stats-d3) or --backend torch")
 
 
 def import_llama_cpp():
@@ -96,12 +64,15 @@ def import_llama_cpp():
 
 
 def available() -> str | None:
-    """None when the binding imports, else why not (for tests that skip with the reason)."""
+    """None when the binding imports, else why not (the engine record's check; tests skip with it)."""
     try:
         import_llama_cpp()
     except UserError as e:
         return str(e)
     return None
+
+
+unavailable = available  # engines.Engine.available: None where the engine runs here
 
 
 def _init(ll) -> None:
@@ -305,9 +276,6 @@ class LlamaCppLM:
     forward feeds seq[length:].
     """
 
-    provides_hidden = False  # a head that reads hidden states cannot run on this engine
-    engine = "llama.cpp"
-
     def __init__(self, model: GGUFModel | str | Path, n_ctx: int | None = None, n_threads: int | None = None,
                  n_batch: int = 512, vocab_size: int | None = None):
         self.model = model if isinstance(model, GGUFModel) else GGUFModel(model)
@@ -413,3 +381,67 @@ class LlamaCppLM:
 
     def fingerprint(self) -> str:
         return self.model.fingerprint()
+
+
+# ---------------------------------------------------------------------------------------- the pair
+
+def load_pair(params):
+    """engines.Engine's loader: both models as GGUF files in llama.cpp and the Hugging Face tokenizer
+    (the same ids as the torch engine, chat template included). PairParams refused the torch-only
+    settings already; the files are re-quantized first where draft_quant / target_quant ask it."""
+    from .engines import Loaded  # noqa: PLC0415 (engines names this function as a string)
+
+    import_llama_cpp()
+    target_path = resolve_gguf(params.target, "target")
+    draft_path = resolve_gguf(params.draft, "draft") if params.draft is not None else None
+    if draft_path is not None:
+        check_gguf_pair(draft_path, target_path)
+        if params.draft_quant != "none":
+            draft_path = requantized_gguf(draft_path, params.draft_quant, params.threads)
+    tok, eos = _gguf_tokenizer(params.target, target_path)  # the fetched file's, beside it
+    if params.target_quant != "none":
+        target_path = requantized_gguf(target_path, params.target_quant, params.threads)
+    threads = params.threads or torch.get_num_threads()
+    t = LlamaCppLM(GGUFModel(target_path), n_ctx=params.n_ctx, n_threads=threads)
+    d = None
+    if draft_path is not None:
+        d = LlamaCppLM(GGUFModel(draft_path), n_ctx=t.max_length, n_threads=threads)
+        vocab = min(t.n_vocab, d.n_vocab)
+        if len(tok) > vocab:
+            raise UserError(f"the tokenizer has {len(tok)} tokens but a model's output layer has only {vocab}; "
+                            "the draft and target do not fit together")
+        t.vocab_size = d.vocab_size = vocab
+    if eos is None:
+        eos = sorted(({tok.eos_token_id} - {None}) | _eog_ids(t))
+    config = {"backend": "llama.cpp", "draft_quant": "gguf" if params.draft_quant == "none"
+              else f"gguf-{params.draft_quant}", "draft_vocab": "full",
+              **({} if params.target_quant == "none" else {"target_quant": params.target_quant})}
+    return Loaded(t, d, tok, eos, config)
+
+
+def _gguf_tokenizer(name, gguf_path):
+    """(Hugging Face tokenizer, its EOS ids or None) for a llama.cpp pair: the default pair's converted folder
+    (fetched once), a folder beside the GGUF with a tokenizer, or the tokenizer transformers builds
+    from the GGUF itself. Prompts are encoded by it, so both engines feed the same ids."""
+    from transformers import AutoTokenizer, GenerationConfig  # heavy: the tokenizer registry, for this engine only
+
+    from ..prompts import eos_token_ids  # noqa: PLC0415 (a pair's, once)
+    from .models import resolve_model_path  # noqa: PLC0415 (the downloader: kept off other pairs' paths)
+
+    folder = (resolve_model_path("default", "target") if name in (None, "default")
+              else str(gguf_path.parent) if (gguf_path.parent / "tokenizer_config.json").is_file() else None)
+    if folder is None:
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        return tok, None  # no generation config: llama.cpp's end-of-generation ids stand in
+    tok = AutoTokenizer.from_pretrained(folder)
+    try:
+        gen = GenerationConfig.from_pretrained(folder)
+    except OSError:
+        gen = None
+    return tok, eos_token_ids(tok, generation_config=gen)
+
+
+def _eog_ids(lm) -> set[int]:
+    """The ids llama.cpp's vocabulary marks end-of-generation (EOS, EOT, <|im_end|> and the like)."""
+    ll, vocab = lm.ll, lm.ll.llama_model_get_vocab(lm.model.ptr)
+    return {i for i in range(lm.vocab_size) if ll.llama_vocab_is_eog(vocab, i)}

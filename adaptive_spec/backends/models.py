@@ -684,6 +684,17 @@ class CausalLM:
             self.cache.crop(length - self.length)  # negative: drop that many trailing positions
             self.length = length
 
+    def fresh(self) -> "CausalLM":
+        """Another runner on the same weights with its own empty cache (for work beside a running decode)."""
+        return CausalLM(self.model, self.vocab_size)
+
+    def fingerprint(self) -> str:
+        return model_fingerprint(self.model)
+
+    def numeric_path(self) -> dict:
+        """What a measurement on this runner depends on: its dtype and the CPU kernels chosen at load."""
+        return getattr(self.model, "cpu_path", None) or {"dtype": str(next(self.model.parameters()).dtype)}
+
 
 def model_fingerprint(model) -> str:
     """Short hash of the config and a strided sample of every weight.

@@ -92,12 +92,14 @@ def load_curve(source, need: str, head=None) -> dict:
 AR = "ar"  # an auto pick of no drafting at all
 
 
-def pick(curve: dict, need: str, costs, model: str = DEFAULT_TIME_MODEL, k_max: int | None = None) -> dict:
+def pick(curve: dict, need: str, costs, model: str = DEFAULT_TIME_MODEL, k_max: int | None = None,
+         loop: str | None = None) -> dict:
     """The h (need "h") or K (need "k") of the curve with the best predicted decode throughput
     N / T under `model` with the measured `costs`; with every candidate's prediction. For h under
     the table model (with per-length verification times measured), the curve's capped rounds
-    (`capped`, K <= cap < k_max) compete too, and the pick says its cap as "k_max"."""
-    coef = coef_of(costs, model)
+    (`capped`, K <= cap < k_max) compete too, and the pick says its cap as "k_max". `loop`: the
+    sampling mode whose measured loop time is added (costs.LOOP_SAMPLING; None: forwards only)."""
+    coef = coef_of(costs, model, loop)
     model = effective_model(costs, model)
     points = curve["thresholds"] if need == "h" else curve["fixed_k"]
     table = [(p[need], p["n_tokens"] / predict_time(p, coef)) for p in points]
@@ -115,7 +117,8 @@ def pick(curve: dict, need: str, costs, model: str = DEFAULT_TIME_MODEL, k_max: 
             (out["value"], out["k_max"]), out["tokens_per_s"] = best
     # the target alone competes too: where a draft step costs too much against a target pass (llama.cpp
     # on some CPUs), no h or K pays, and auto decodes without drafting
-    out["ar_tokens_per_s"] = 1.0 / (coef["verify_s"](1) if "verify_s" in coef else coef["t_target"])
+    out["ar_tokens_per_s"] = 1.0 / ((coef["verify_s"](1) if "verify_s" in coef else coef["t_target"])
+                                    + coef.get("loop_row", 0.0))
     if out["ar_tokens_per_s"] > out["tokens_per_s"]:
         out.update(value=AR, tokens_per_s=out["ar_tokens_per_s"])
         out.pop("k_max", None)
@@ -132,9 +135,8 @@ def resolve_auto(pair, params, model: str | None = None, temperature: float | No
             else "k" if getattr(params, "k", None) == "auto" and params.name == "fixed" else None)
     if need is None:
         return params, None
-    # llama.cpp's pass time is far from linear in its length (its CPU kernels change at 4 rows: a 4-token
-    # pass can cost less than a 3-token one), so there the per-length table is the model that fits
-    model = model or ("table" if getattr(pair, "backend", "torch") == "llama.cpp" else DEFAULT_TIME_MODEL)
+    # the engine's own time model (on llama.cpp the per-length table: its pass time is a step function of K)
+    model = model or getattr(getattr(pair, "engine", None), "time_model", DEFAULT_TIME_MODEL)
     head = getattr(params, "head", None)
     source = params.curve or (head if isinstance(head, (str, Path)) else None)
     curve = load_curve(source, need, head)
@@ -145,9 +147,10 @@ def resolve_auto(pair, params, model: str | None = None, temperature: float | No
         raise UserError(f"the curve was made with k_max {curve['k_max']}, not {k_max}; drop --k-max or rerun "
                         f"autotune with --k-max {k_max}")
     memo = pair.auto_picks
-    key = (str(curve_path(source)), need, model, k_max)
+    loop = None if temperature is None else "greedy" if temperature == 0 else "sample"
+    key = (str(curve_path(source)), need, model, k_max, loop)
     if key not in memo:
-        memo[key] = pick(curve, need, measure_costs(pair), model, k_max)
+        memo[key] = pick(curve, need, measure_costs(pair), model, k_max, loop)
         memo[key]["curve"] = key[0]
         log.info(describe_pick(memo[key]))
         warning = sampling_mismatch(curve, temperature)

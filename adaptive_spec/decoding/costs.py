@@ -31,14 +31,19 @@ import numpy as np
 import torch
 
 from ..backends.cpu import describe
-from ..backends.models import model_fingerprint
 from ..errors import UserError, get_logger
 from ..runs import write_json
 from ..timing import timed
+from .sampling import SamplingParams, draw, process_logits, verify, verify_greedy
 
 log = get_logger(__name__)
 
 VERIFY_LENGTHS = tuple(range(1, 10))  # K + 1 for K = 0..8
+# longer passes, timed too (fewer rounds: they take long) for drafts that copy long spans (ngram.py):
+# their cost per row is not the short passes' (llama.cpp's CPU matrix kernels change at 8 rows per
+# thread: on a 2-core EPYC a 16-row pass cost 8 one-row steps, a 9-row one 7), so neither the line
+# through 1..9 nor its last step prices them
+LONG_LENGTHS = (12, 16, 24, 32, 48)
 # The cached context the passes are timed after: that of a typical decode (a prompt and half a
 # response), not a short one. Time grows with context, the draft's faster than the target's: on
 # the AVX-512 box c = t_draft / t_target was 0.29 after 32 tokens and 0.41 after 256
@@ -46,8 +51,12 @@ VERIFY_LENGTHS = tuple(range(1, 10))  # K + 1 for K = 0..8
 # 32 tokens, `auto` took the draft for cheaper than it is and drafted too much.
 PREFIX = 256
 # How the times are taken, in the cache key: times taken another way are measured again. v2: the
-# draft step and every length timed round-robin over 5 rounds, t_verify made monotone.
-METHOD = "interleaved-monotone-v2"
+# draft step and every length timed round-robin over 5 rounds, t_verify made monotone; v3: with the
+# prefill rate of both models and the decode loop's own time per row and per round (`loop`); v4: and
+# the LONG_LENGTHS passes.
+METHOD = "interleaved-monotone-v4"
+# the sampling modes the loop's own time is measured for (by name: "greedy" at temperature 0, "sample" else)
+LOOP_SAMPLING = {"greedy": dict(temperature=0.0), "sample": dict(temperature=1.0, top_k=50)}
 
 
 @dataclass
@@ -58,6 +67,16 @@ class Costs:
     key: str
     measured: str  # when (UTC) and where the times were taken
     t_verify: tuple = ()  # seconds of a target pass of n = 1, 2, ... tokens (VERIFY_LENGTHS), as measured
+    t_prefill: float = 0.0  # seconds per prompt token of the target's prefill (a PREFIX-token prompt)
+    t_prefill_draft: float = 0.0  # the same for the draft (0: no draft)
+    # the decode loop's own time, per sampling mode (LOOP_SAMPLING): "row", processing one row of logits
+    # and drawing from it (a draft step, a target step); "round", a verification's fixed part (rejection
+    # sampling, the host read, the rollback) beyond its rows
+    loop: dict = None
+    t_verify_long: dict = None  # {n: seconds} of the LONG_LENGTHS passes (monotone with t_verify)
+
+    def loop_s(self, mode: str, part: str) -> float:
+        return float(((self.loop or {}).get(mode) or {}).get(part, 0.0))
 
     def verify_s(self, n: int) -> float:
         """A target pass of n tokens: the measured time, past the measured lengths the last one
@@ -65,7 +84,15 @@ class Costs:
         if not self.t_verify:
             return self.t_target + self.t_cand * (n - 1)
         m = len(self.t_verify)
-        return self.t_verify[n - 1] if n <= m else self.t_verify[-1] + self.t_cand * (n - m)
+        if n <= m:
+            return self.t_verify[n - 1]
+        points = [(m, self.t_verify[-1])] + sorted((int(k), float(v)) for k, v in (self.t_verify_long or {}).items())
+        for (a, ta), (b, tb) in zip(points, points[1:]):  # between measured lengths: the line through them
+            if n <= b:
+                return ta + (tb - ta) * (n - a) / (b - a)
+        last, t_last = points[-1]
+        slope = (t_last - points[-2][1]) / (last - points[-2][0]) if len(points) > 1 else self.t_cand
+        return t_last + slope * (n - last)
 
     @property
     def c(self) -> float:
@@ -101,14 +128,10 @@ def cost_config(pair) -> dict:
         if lm is None:  # the target alone (n-gram drafting): its passes only, t_draft 0
             config[f"{role}_fingerprint"] = None
             continue
-        if hasattr(lm, "numeric_path"):  # llama.cpp: the GGUF, the library and its threads
-            config[f"{role}_fingerprint"] = lm.fingerprint()
-            config[f"{role}_path"] = lm.numeric_path()
-            continue
-        config[f"{role}_fingerprint"] = model_fingerprint(lm.model)
-        config[f"{role}_dtype"] = str(next(lm.model.parameters()).dtype)
-        # the CPU kernels chosen at load (oneDNN padding, fp16 rows, int8): another choice, another time
-        config[f"{role}_path"] = getattr(lm.model, "cpu_path", None)
+        config[f"{role}_fingerprint"] = lm.fingerprint()
+        # the runner's numeric path: torch's dtype and the CPU kernels chosen at load (oneDNN padding, fp16
+        # rows, int8), llama.cpp's GGUF, library and threads: another path, another time
+        config[f"{role}_path"] = lm.numeric_path()
     return config
 
 
@@ -180,7 +203,9 @@ def _read_pin(path: Path, config: dict) -> Costs | None:
 def costs_from_json(d: dict) -> Costs:
     """Costs from a cache file's JSON (KeyError / TypeError / ValueError where it is not one)."""
     return Costs(float(d["t_draft"]), float(d["t_target"]), float(d["t_cand"]), str(d["key"]), str(d["measured"]),
-                 tuple(float(t) for t in d.get("t_verify") or ()))
+                 tuple(float(t) for t in d.get("t_verify") or ()), float(d.get("t_prefill", 0.0)),
+                 float(d.get("t_prefill_draft", 0.0)), d.get("loop"),
+                 {int(k): float(v) for k, v in (d.get("t_verify_long") or {}).items()} or None)
 
 
 def _read_cached(path: Path, key: str) -> Costs | None:
@@ -212,16 +237,66 @@ def _measure(pair, reps: int, key: str) -> Costs:
         raise UserError(f"reps must be >= 1, got {reps}")
     cells = ([(pair.draft, 1, False)] if pair.draft is not None else []) + [(pair.target, n, True)
                                                                             for n in VERIFY_LENGTHS]
-    times = _interleaved_times(cells, reps)
+    prefill: dict = {}
+    times = _interleaved_times(cells, reps, prefill)
     t_draft = times[0] if pair.draft is not None else 0.0
     measured = times[-len(VERIFY_LENGTHS):]
+    limit = getattr(pair.target, "max_length", None)
+    longs = [n for n in LONG_LENGTHS if not limit or n <= limit // 2]  # after a context of at least as many
+    long_times = _interleaved_times([(pair.target, n, True) for n in longs], max(1, (reps + 1) // 2)) if longs else []
     k = np.asarray(VERIFY_LENGTHS, dtype=float) - 1
     slope, intercept = np.polyfit(k, measured, 1)
     if slope < 0:  # timing noise on a pass that does not grow with K: no per-candidate cost
         slope, intercept = 0.0, statistics.mean(measured)
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    table = monotone(list(measured) + list(long_times))
     return Costs(float(t_draft), float(intercept), float(slope), key, stamp,
-                 tuple(float(t) for t in monotone(measured)))
+                 tuple(float(t) for t in table[:len(VERIFY_LENGTHS)]), prefill.get(id(pair.target), 0.0),
+                 prefill.get(id(pair.draft), 0.0) if pair.draft is not None else 0.0,
+                 loop_times(pair.target.vocab_size, pair.target.device),
+                 {n: float(t) for n, t in zip(longs, table[len(VERIFY_LENGTHS):])} or None)
+
+
+def loop_times(vocab_size: int, device, reps: int = 20) -> dict:
+    """The decode loop's own seconds per sampling mode (Costs.loop): "row", processing a row of logits
+    and drawing a token from it; "round", a verification's part beyond its rows (rejection sampling
+    over 3 candidates, the round's host read). Timed on random logits of the vocabulary's size, on the
+    torch threads the decode will have (one, on the llama.cpp engine)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(4, vocab_size, generator=g, device=device) * 3
+    y = torch.randint(0, vocab_size, (3,), generator=g, device=device)
+    out = {}
+    for mode, kw in LOOP_SAMPLING.items():
+        sp = SamplingParams(**kw)
+
+        def row():
+            p = process_logits(logits[0], sp)
+            return draw(p, sp, g)
+
+        def round_():
+            if sp.greedy:
+                n, tok, _ = verify_greedy(y, logits)
+            else:
+                p = process_logits(logits, sp)
+                n, tok = verify(y, p[:3], p, g)
+            return torch.cat([n.view(1), tok.view(1), y]).tolist()
+
+        t_row = _median_time(row, reps, device)
+        t_rows4 = _median_time(lambda: process_logits(logits, sp), reps, device)
+        t_round = _median_time(round_, reps, device)
+        # a round's time beyond processing its 4 rows
+        out[mode] = {"row": t_row, "round": max(0.0, t_round - t_rows4)}
+    return out
+
+
+def _median_time(fn, reps: int, device) -> float:
+    fn()
+    samples = []
+    for _ in range(reps):
+        with timed(device) as t:
+            fn()
+        samples.append(t.s)
+    return statistics.median(samples)
 
 
 def monotone(values) -> list[float]:
@@ -246,7 +321,7 @@ def context_length(lm, longest: int) -> int:
     return PREFIX if not limit else max(1, min(PREFIX, limit - longest))
 
 
-def _interleaved_times(cells, reps: int) -> list[float]:
+def _interleaved_times(cells, reps: int, prefill: dict | None = None) -> list[float]:
     """Median seconds per cell (lm, n tokens, all_logits) of feeding n tokens after a PREFIX-token
     context. Each round times every cell once, so a slow spell of the machine (these boxes vary
     1.5x between runs) slows every cell alike instead of whichever length was timed during it;
@@ -261,8 +336,12 @@ def _interleaved_times(cells, reps: int) -> list[float]:
             ctx[id(lm)] = (lm, prefix, (torch.arange(prefix + longest, device=lm.device) * 7 + 5) % lm.vocab_size,
                            (lm.fwd_time, lm.n_forwards))
     for lm, prefix, ids, _ in ctx.values():
-        lm.reset()
-        lm.forward(ids[:prefix], n_logits=0)
+        for rep in range(2):  # the second time is the prefill rate's (the first pays for allocation)
+            lm.reset()
+            with timed(lm.device) as t:
+                lm.forward(ids[:prefix], n_logits=0)
+        if prefill is not None:
+            prefill[id(lm)] = t.s / prefix
     samples: list[list[float]] = [[] for _ in cells]
     for r in range(reps + 1):
         for i, (lm, n, all_logits) in enumerate(cells):

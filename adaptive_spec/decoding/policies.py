@@ -11,7 +11,6 @@ import time
 
 import torch
 
-from ..backends.models import CausalLM
 from ..errors import UserError, get_logger
 from ..heads.features import step_stats
 from ..heads.head import INPUTS, join_inputs, load_head, reads_stats
@@ -253,7 +252,7 @@ class HindsightOracle(StopPolicy, RoundOwner):
 def _fresh(lm):
     """A runner on `lm`'s weights with its own empty cache (the oracle's hindsight work must not touch
     the running decode's caches)."""
-    return lm.fresh() if hasattr(lm, "fresh") else CausalLM(lm.model, lm.vocab_size)
+    return lm.fresh()
 
 
 def load_pair_head(head, pair, feature: str | None = None, why: str = "the learned policy",
@@ -263,13 +262,14 @@ def load_pair_head(head, pair, feature: str | None = None, why: str = "the learn
     draft = getattr(pair, "draft", None)
     if draft is None:
         return load_head(head, feature=feature, inputs=inputs, why=why)
-    if not getattr(draft, "provides_hidden", True):  # llama.cpp: the draft's own statistics only
+    engine = getattr(pair, "engine", None)
+    if engine is not None and "hidden" not in engine.capabilities:  # e.g. llama.cpp: the draft's statistics only
         inputs = tuple(i for i in inputs if i == "stats")
-        why = f"{why} on the {getattr(draft, 'engine', 'this')} backend (no hidden states)"
+        why = f"{why} on the {engine.name} backend (no hidden states)"
         if not inputs:
             raise UserError(f"{why} cannot run: it reads the draft's hidden states; use a statistics head "
                             "(inputs=stats) or --backend torch")
-    head = load_head(head, hidden_size=draft.hidden_size, draft_model=getattr(draft.model, "name_or_path", None),
+    head = load_head(head, hidden_size=draft.hidden_size, draft_model=getattr(getattr(draft, "model", None), "name_or_path", None),
                      device=draft.device, dtype=torch.float32, feature=feature, inputs=inputs, why=why)
     warn_draft_config(head, getattr(pair, "draft_config", {}))
     return head

@@ -80,20 +80,36 @@ def decode_s(row: dict) -> float:
 
 def predict_time(row: dict, coef: dict) -> float:
     """Seconds the model gives a row's (or a curve point's) counts; missing coefficients count 0.
-    With `verify_s` (the table model) the target term is the sum of its passes' measured times."""
+    With `verify_s` (the table model) the target term is the sum of its passes' measured times. With
+    `loop_row` / `loop_round` (measured: Costs.loop) the decode loop's own time is added: a row of
+    logits processed and drawn from per draft step and per row of every target pass, and a
+    verification's fixed part per pass of more than one row."""
     hist = row.get("target_pass_hist")
     if "verify_s" in coef and hist and abs(sum(hist.values()) - _f(row, "n_target_forwards")) < 1e-6:
-        return coef["t_draft"] * _f(row, "n_draft_forwards") + sum(coef["verify_s"](int(n)) * float(c)
-                                                                    for n, c in hist.items())
-    return sum(coef.get(name, 0.0) * _f(row, col) for name, col in COLUMNS.items())
+        t = coef["t_draft"] * _f(row, "n_draft_forwards") + sum(coef["verify_s"](int(n)) * float(c)
+                                                                for n, c in hist.items())
+    else:
+        t = sum(coef.get(name, 0.0) * _f(row, col) for name, col in COLUMNS.items())
+    if "loop_row" in coef:
+        if hist:
+            rows = sum(int(n) * float(c) for n, c in hist.items())
+            verifications = sum(float(c) for n, c in hist.items() if int(n) > 1)
+        else:
+            rows = _f(row, "n_target_forwards") + _f(row, "n_drafted")
+            verifications = _f(row, "n_target_forwards") if _f(row, "n_drafted") else 0.0
+        t += coef["loop_row"] * (rows + _f(row, "n_draft_forwards")) + coef.get("loop_round", 0.0) * verifications
+    return t
 
 
-def coef_of(costs, model: str = "extended") -> dict:
+def coef_of(costs, model: str = "extended", loop: str | None = None) -> dict:
     """Measured Costs as a model's coefficients (the paper's model has no t_cand). The table
     model's are the extended model's plus `verify_s` (Costs.verify_s); without measured
-    per-length times it is the extended model (effective_model)."""
+    per-length times it is the extended model (effective_model). `loop`: the sampling mode
+    ("greedy", "sample") whose measured loop time (Costs.loop) the prediction adds."""
     model = effective_model(costs, _check_model(model))
     coef = {name: getattr(costs, name) for name in MODELS["extended" if model == "table" else model]}
+    if loop is not None and getattr(costs, "loop", None):
+        coef.update(loop_row=costs.loop_s(loop, "row"), loop_round=costs.loop_s(loop, "round"))
     return {**coef, "verify_s": costs.verify_s} if model == "table" else coef
 
 

@@ -20,6 +20,8 @@ alike and per-prompt ratios compare like with like:
     hf_assisted   the peer: transformers' own `target.generate(..., assistant_model=draft)` with its
                   default schedule (when `hf_assisted`); counts from forward hooks, N_discarded
                   derived as N_draft + N_target - N
+    hf_prompt_lookup  the n-gram peer: transformers' `target.generate(..., prompt_lookup_num_tokens=10)`
+                  (its documented setting; max_matching_ngram_size at its default), no draft model
     trees         tree and multi-draft baselines, one configuration per entry of `trees`:
                     {policy: tree | ersd, drafting: tree | sequence | batch | specinfer,
                      estimator: positional | head, head: LABEL-or-DIR (estimator head),
@@ -71,7 +73,7 @@ from tqdm import tqdm
 from transformers.utils import is_sklearn_available
 from transformers.utils import logging as hf_logging
 
-from ..backends.llamacpp import check_backend
+from ..backends import engines
 from ..backends.models import resolve_device, resolve_model_path
 from ..config import config_from_argv, config_to_dict
 from ..decoding.auto import load_curve
@@ -83,7 +85,7 @@ from ..decoding.sampling import SamplingParams
 from ..decoding.trees.shapes import DRAFTINGS, NESTED
 from ..errors import UserError, run_main
 from ..heads.head import AcceptanceHead
-from ..params import PairParams, policy_params
+from ..params import PairParams, check_runs_on, policy_params
 from ..prompts import load_prompts
 from ..runs import (PROJECT_ROOT, append_jsonl, lock_dir, project_path, read_json, read_jsonl, settings_problem,
                     write_json)
@@ -133,6 +135,7 @@ class SweepConfig:
     include_ar: bool = True
     include_draft_ar: bool = True
     hf_assisted: bool = False
+    hf_prompt_lookup: bool = False
     # tree / multi-draft configurations (module doc); each entry is checked by tree_entry, which names its key
     trees: list[Any] = field(default_factory=list)
     # any policy by the settings `generate` takes (params.py), one configuration each, checked by the
@@ -169,10 +172,16 @@ class SweepConfig:
             raise UserError("pair.draft is none, but the grid drafts with a draft model (ks, heads, taus, heuristic, "
                             "oracle, trees, include_draft_ar or a policy that uses one): name a draft model (default: "
                             "the default pair's), or keep only ar and policies without one (ngram)")
-        check_backend(self.pair.backend)
-        if self.pair.backend == "llama.cpp" and (self.hf_assisted or self.trees):
-            raise UserError("hf_assisted and trees need the torch backend (transformers' generate, batched tree "
-                            "passes); set them off for pair.backend llama.cpp, or use backend torch")
+        engine = self.pair.engine
+        for key, need in (("hf_assisted", "hf_generate"), ("hf_prompt_lookup", "hf_generate"), ("trees", "tree")):
+            if getattr(self, key) and need not in engine.capabilities:
+                raise UserError(f"{key} needs {engines.CAPABILITIES[need]}, which the {engine.name} backend does not "
+                                f"give; set it off for pair.backend {engine.name}, or use backend torch")
+        for spec in typed:
+            try:
+                check_runs_on(spec.params["settings_obj"], engine)
+            except UserError as e:
+                raise UserError(f"policies: {e}") from None
         SamplingParams(self.temperature, self.top_k, self.top_p)
         self.ks = [_auto_or(k, int, "ks") for k in self.ks]
         for k in self.ks:
@@ -267,6 +276,8 @@ def build_grid(cfg: SweepConfig, head_labels: list[str]) -> tuple[list[RunSpec],
             specs.append(RunSpec("oracle", "oracle"))
     if cfg.hf_assisted:
         specs.append(RunSpec("hf_assisted", "hf_assisted"))
+    if cfg.hf_prompt_lookup:
+        specs.append(RunSpec("hf_prompt_lookup", "hf_prompt_lookup"))
     specs += tree_specs(cfg)
     specs += policy_specs(cfg)
     if not specs:
@@ -558,18 +569,27 @@ def check_out_dir(out: Path, settings: dict, overwrite: bool):
         (out / name).unlink(missing_ok=True)
 
 
-def prompt_sha(text: str) -> str:
+def prompt_sha(text) -> str:
+    """A prompt's id: its text's hash (a conversation's: its messages' JSON)."""
+    text = text if isinstance(text, str) else json.dumps(text, sort_keys=True)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
 # ----------------------------------------------------------------------------- running one configuration
 
-def _hf_assisted(pair, ids: list[int], cfg: SweepConfig, seed: int, max_new_tokens: int):
-    """transformers' assisted generation (its default candidate schedule), timed like ours."""
-    tm, dm = pair.target.model, pair.draft.model
+HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented prompt-lookup setting (it has no default)
+
+
+def hf_generate(pair, ids: list[int], cfg, seed: int, max_new_tokens: int, lookup: bool = False):
+    """transformers' assisted generation (its default candidate schedule), or with `lookup` its prompt
+    lookup (n-gram candidates, no draft model), timed like ours: (Metrics, stopped_by, new ids).
+    `cfg`: anything with temperature, top_k, top_p (a SweepConfig)."""
+    tm = pair.target.model
     counts = {"target": 0, "draft": 0}
-    hooks = [tm.register_forward_pre_hook(lambda m, a: counts.__setitem__("target", counts["target"] + 1)),
-             dm.register_forward_pre_hook(lambda m, a: counts.__setitem__("draft", counts["draft"] + 1))]
+    hooks = [tm.register_forward_pre_hook(lambda m, a: counts.__setitem__("target", counts["target"] + 1))]
+    if not lookup:
+        hooks.append(pair.draft.model.register_forward_pre_hook(
+            lambda m, a: counts.__setitem__("draft", counts["draft"] + 1)))
     x = torch.tensor([ids], dtype=torch.long, device=pair.target.device)
     kw = dict(max_new_tokens=max_new_tokens, do_sample=cfg.temperature > 0, repetition_penalty=1.0,
               eos_token_id=list(pair.eos_token_ids),
@@ -581,8 +601,10 @@ def _hf_assisted(pair, ids: list[int], cfg: SweepConfig, seed: int, max_new_toke
     hf_logging.set_verbosity_error()
     try:
         torch.manual_seed(seed)
+        peer = ({"prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS} if lookup
+                else {"assistant_model": pair.draft.model})
         with torch.inference_mode(), timed(x.device) as t:
-            out = tm.generate(x, attention_mask=torch.ones_like(x), assistant_model=dm, **kw)
+            out = tm.generate(x, attention_mask=torch.ones_like(x), **peer, **kw)
     finally:
         hf_logging.set_verbosity(verbosity)
         for h in hooks:
@@ -590,8 +612,9 @@ def _hf_assisted(pair, ids: list[int], cfg: SweepConfig, seed: int, max_new_toke
     new = out[0, len(ids):].tolist()
     n = len(new)
     m = Metrics(n_tokens=n, n_draft_forwards=counts["draft"], n_target_forwards=counts["target"], wall_s=t.s)
-    # one target pass per round, one draft pass per candidate: N_draft + N_target = N + N_discarded
-    m.n_discarded = max(0, m.n_draft_forwards + m.n_target_forwards - n)
+    # one target pass per round, one draft pass per candidate: N_draft + N_target = N + N_discarded (prompt
+    # lookup drafts without forwards: its discarded candidates are not counted, only those accepted)
+    m.n_discarded = 0 if lookup else max(0, m.n_draft_forwards + m.n_target_forwards - n)
     m.n_accepted = max(0, n - m.n_target_forwards)
     m.n_drafted = m.n_accepted + m.n_discarded
     stopped = "eos" if new and new[-1] in set(pair.eos_token_ids) else "length"
@@ -624,8 +647,8 @@ def run_one(pair, spec: RunSpec, ids: list[int], cfg: SweepConfig, seed: int, he
         return g.metrics, g.stopped_by, g.token_ids, extra
     if spec.method in TREE_POLICIES:
         return _run_tree(pair, spec, ids, samp, heads, tree_ctx or {})
-    if spec.method == "hf_assisted":
-        return (*_hf_assisted(pair, ids, cfg, seed, mnt), {})
+    if spec.method in ("hf_assisted", "hf_prompt_lookup"):
+        return (*hf_generate(pair, ids, cfg, seed, mnt, lookup=spec.method == "hf_prompt_lookup"), {})
     if spec.method == "draft_ar":
         g = draft_decoder.generate(ids, max_new_tokens=mnt, seed=seed,
                                    sampling=SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p))
@@ -636,6 +659,7 @@ def run_one(pair, spec: RunSpec, ids: list[int], cfg: SweepConfig, seed: int, he
     g = pair.generate(ids, policy=chain_params(spec, cfg, heads, target_output), **samp)
     pick = getattr(g, "auto", None)
     extra = {"auto_value": pick["value"], "auto_predicted_tokens_per_s": pick["tokens_per_s"],
+             "auto_predicted_wall_tokens_per_s": pick.get("wall_tokens_per_s"),
              "auto_time_model": pick["model"], "auto_k_max": pick.get("k_max")} if pick else {}
     return g.metrics, g.stopped_by, g.token_ids, extra
 
@@ -832,9 +856,10 @@ def _pinned_costs(pair, out: Path, specs, notes: list[str]):
         return None
 
     costs = measure_costs(pair, pin=out / COSTS)
-    notes += _note([f"auto picks read the forward times pinned in {COSTS}: t_draft/t_target = {costs.c:.4g}, "
-                    f"v(1..{len(costs.t_verify)}) = {' '.join(f'{t / costs.t_verify[0]:.2f}' for t in costs.t_verify)} "
-                    f"target steps (measured {costs.measured})"])
+    table = getattr(costs, "t_verify", ())
+    v = f", v(1..{len(table)}) = {' '.join(f'{t / table[0]:.2f}' for t in table)} target steps" if table else ""
+    notes += _note([f"auto picks read the forward times pinned in {COSTS}: t_draft/t_target = {costs.c:.4g}{v} "
+                    f"(measured {costs.measured})"])
     return costs
 
 
@@ -937,7 +962,8 @@ def _run_jobs(pair, todo: list[tuple], n_jobs: int, cfg: SweepConfig, heads: dic
             append_jsonl(rpath, {"dataset": ds, "prompt_idx": i, "prompt_sha": prompt_sha(text),
                                  "n_prompt_tokens": len(ids), **spec.row_fields(), "seed": seed, "stopped_by": stopped,
                                  "output_sha": prompt_sha(json.dumps(new)), **m.to_dict(), **extra,
-                                 "counts_derived": spec.method == "hf_assisted", **context, "time": time.time()})
+                                 "counts_derived": spec.method in ("hf_assisted", "hf_prompt_lookup"), **context,
+                                 "time": time.time()})
             bar.update(1)
             bar.set_postfix_str(f"{Path(ds).stem} #{i} {spec.key} {m.tokens_per_s:.1f} tok/s", refresh=False)
     finally:

@@ -1,0 +1,33 @@
+"""Paired benchmark rows: every configuration of a prompt run back to back, each row appended (fsynced)
+to results.jsonl as soon as it is measured, and skipped on a rerun that finds it there (resumable).
+The engine benchmarks (eval/bench_llama_cpp.py, eval/bench_ngram.py) share it."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from ..errors import get_logger
+from ..runs import append_jsonl, read_jsonl
+
+log = get_logger(__name__)
+
+
+def row_key(row: dict) -> tuple:
+    return row["dataset"], row["prompt_idx"], row["temperature"], row["engine"], row["config"]
+
+
+def done_keys(results: Path) -> set:
+    return {row_key(r) for r in read_jsonl(results)} if results.is_file() else set()
+
+
+def record(results: Path, done: set, row: dict, measure: Callable[[], dict]) -> dict | None:
+    """`row` (its key fields) completed by `measure()` and appended, unless `done` has it already."""
+    if row_key(row) in done:
+        return None
+    row.update(measure())
+    append_jsonl(results, row)
+    done.add(row_key(row))
+    speed = row.get("decode_tok_s")
+    log.info(f"{Path(str(row['dataset'])).stem} {row['prompt_idx']} T={row['temperature']:g} {row['engine']:20} "
+             f"{row['config']:24} " + (f"{speed:6.2f} tok/s" if speed is not None else ""))
+    return row

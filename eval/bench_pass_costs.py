@@ -1,0 +1,177 @@
+"""What a verification pass costs on llama.cpp, per weight type: v(N) for N = 1..9 with the logits of
+every row, for the fetched target and its re-quantizations (--target-quant), the draft's step for
+each draft file, and what each re-quantized target costs in quality.
+
+A pass of N rows is timed after a PREFIX-token context (costs.py's), all configurations interleaved
+round by round (a slow spell of the machine hits them alike), medians over --reps rounds:
+- `all rows`: logits for every row (what verification asks for);
+- `last row`: logits for the last row only (what `llama-bench -p N` asks for): the difference is the
+  output matrix's extra rows (151,936 x 1,536 for the target: its largest matrix, Q6_K in Q4_K_M).
+Quality (--quality): the fetched target's greedy continuations of held prompts, teacher-forced through
+each re-quantized target: mean KL(fetched || re-quantized) of the next-token distributions per token,
+and how often their argmaxes agree.
+
+    python eval/bench_pass_costs.py --out eval/results/bench_pass_costs_avx512_epyc [--quality]
+
+Why each type costs what it does (ggml-cpu as vendored in llama-cpp-python 0.3.36): Q4_0, Q4_K and
+IQ4_NL matrices are repacked and their GEMM decodes a block once per group of 4 rows (repack.cpp,
+`nrows > 3`); Q6_K (in Q4_K_M: the output matrix, half of attn_v / ffn_down) and Q5_0 have no x86
+multi-row path below 8 rows (tiled/tiled.cpp starts at 8), so each row of a pass decodes them again.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from adaptive_spec.backends.cpu import flags_line
+from adaptive_spec.backends.fetch import default_gguf
+from adaptive_spec.backends.llama_build import VERSION, X86_SETS, cmake_args
+from adaptive_spec.backends.llamacpp import GGUFModel, LlamaCppLM, requantized_gguf
+from adaptive_spec.decoding.costs import PREFIX
+from adaptive_spec.decoding.pipeline import SpecPair
+from adaptive_spec.prompts import load_prompts
+from adaptive_spec.runs import write_json
+from adaptive_spec.tables import md_table
+
+TARGET_QUANTS = ("none", "q4_0-pure", "q4_k-pure", "iq4_nl-pure")
+DRAFT_QUANTS = ("none", "q4_0", "q4_0-pure")
+LENGTHS = tuple(range(1, 10))
+
+
+def _file(role: str, quant: str) -> Path:
+    src = default_gguf(role)
+    return src if quant == "none" else requantized_gguf(src, quant)
+
+
+def pass_times(runners: dict, reps: int) -> dict:
+    """{(name, n, all_rows): median seconds} of a pass of n rows after PREFIX tokens, interleaved."""
+    ids = (np.arange(PREFIX + max(LENGTHS)) * 7 + 5) % 150_000
+    for lm in runners.values():
+        lm.reset()
+        lm.forward(ids[:PREFIX], n_logits=0)
+    cells = [(name, n, all_rows) for name in runners for n in LENGTHS for all_rows in (True, False)
+             if all_rows or n > 1]
+    samples = {c: [] for c in cells}
+    for r in range(reps + 1):  # round 0: warm-up
+        for name, n, all_rows in cells:
+            lm = runners[name]
+            lm.rollback(PREFIX)
+            t0 = time.perf_counter()
+            lm.forward(ids[PREFIX:PREFIX + n], n_logits=n if all_rows else 1)
+            if r:
+                samples[(name, n, all_rows)].append(time.perf_counter() - t0)
+    return {c: statistics.median(v) for c, v in samples.items()}
+
+
+def quality(quants: list[str], n_prompts: int, n_tokens: int) -> dict:
+    """{quant: (mean KL nats, top-1 agreement, tokens)} against the fetched target, teacher-forced on
+    its own greedy continuations of held prompts (HumanEval and, where present, GSM8K / AlpacaEval)."""
+    base = SpecPair.load(backend="llama.cpp", draft=None)
+    prompts = []
+    for ds in ("humaneval", "gsm8k", "alpaca"):
+        try:
+            prompts += load_prompts(ds, n=n_prompts, seed=5)
+        except Exception:  # noqa: BLE001  (the shared sets may be absent on a clone)
+            continue
+    seqs = []
+    for p in prompts:
+        ids = base.encode(p, chat=True)
+        g = base.generate(ids, policy="ar", temperature=0, max_new_tokens=n_tokens)
+        seqs.append((ids, g.token_ids))
+
+    def logprobs(lm, ids, new):
+        lm.reset()
+        logits, _ = lm.forward(torch.tensor(ids + new[:-1]), n_logits=len(new))
+        return logits.float().log_softmax(-1)
+
+    ref = [logprobs(base.target, ids, new) for ids, new in seqs]
+    out = {}
+    for q in quants:
+        lm = LlamaCppLM(GGUFModel(_file("target", q)), n_ctx=base.target.max_length, n_threads=base.target.n_threads)
+        kl, agree, n = 0.0, 0, 0
+        for (ids, new), lp_ref in zip(seqs, ref):
+            lp = logprobs(lm, ids, new)
+            kl += float((lp_ref.exp() * (lp_ref - lp)).sum())
+            agree += int((lp.argmax(-1) == lp_ref.argmax(-1)).sum())
+            n += len(new)
+        out[q] = (kl / n, agree / n, n)
+        del lm
+    return out
+
+
+def _main(argv) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--targets", default=",".join(TARGET_QUANTS), help="target re-quantizations (none: fetched)")
+    ap.add_argument("--drafts", default=",".join(DRAFT_QUANTS), help="draft re-quantizations (none: fetched)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--quality", action="store_true", help="also the re-quantized targets' KL from the fetched one")
+    ap.add_argument("--quality-prompts", type=int, default=4, help="per prompt set")
+    ap.add_argument("--quality-tokens", type=int, default=64)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    threads = args.threads or torch.get_num_threads()
+    cpu = flags_line()
+    torch.set_num_threads(1)  # torch only copies logits here; llama.cpp computes on `threads`
+    targets, drafts = args.targets.split(","), args.drafts.split(",")
+    runners = {f"target {q}": LlamaCppLM(GGUFModel(_file("target", q)), n_ctx=1024, n_threads=threads) for q in targets}
+    runners.update({f"draft {q}": LlamaCppLM(GGUFModel(_file("draft", q)), n_ctx=1024, n_threads=threads)
+                    for q in drafts})
+    t = pass_times(runners, args.reps)
+    sizes = {name: lm.model.n_bytes / 2**20 for name, lm in runners.items()}
+    result = {"threads": threads, "prefix": PREFIX, "reps": args.reps, "cpu": cpu,
+              "times": {f"{name}|{n}|{'all' if a else 'last'}": v for (name, n, a), v in t.items()},
+              "sizes_mib": sizes}
+    rows = []
+    for q in targets:
+        name = f"target {q}"
+        step = t[(name, 1, True)]
+        v_all = [t[(name, n, True)] / step for n in LENGTHS]
+        v_last = [t[(name, n, False)] / step if n > 1 else 1.0 for n in LENGTHS]
+        rows.append([q, f"{sizes[name]:.0f}", f"{1e3 * step:.1f}", " ".join(f"{v:.2f}" for v in v_all),
+                     " ".join(f"{v:.2f}" for v in v_last), f"{v_all[3]:.2f}", f"{1e3 * t[(name, 4, True)]:.1f}"])
+    drows = [[q, f"{sizes[f'draft {q}']:.0f}", f"{1e3 * t[(f'draft {q}', 1, True)]:.1f}",
+              " / ".join(f"{t[(f'draft {q}', 1, True)] / t[(f'target {tq}', 1, True)]:.2f}" for tq in targets)]
+             for q in drafts]
+    md = [f"# Verification pass costs on llama.cpp ({threads} threads)", "", cpu, "",
+          f"ggml build flags on: {', '.join(n for n, _ in X86_SETS if f'-D{n}=ON' in cmake_args())} "
+          f"(GGML_NATIVE and AMX off); llama-cpp-python {VERSION}", "",
+          f"A pass of N rows after a {PREFIX}-token context, median of {args.reps} interleaved rounds, in one-row "
+          "steps of the same file. `all rows`: logits of every row (verification); `last row`: of the last only "
+          "(llama-bench -p N); their gap is the output matrix's extra rows.", "",
+          "## Targets", "",
+          md_table(["target quant", "MiB", "one-row step ms", "v(1..9), all rows", "v(1..9), last row", "v(4)",
+                    "4-row pass ms"], rows), "",
+          "## Drafts", "", f"c = draft step / target step, for each target ({', '.join(targets)}).", "",
+          md_table(["draft quant", "MiB", "step ms", "c"], drows), ""]
+    if args.quality:
+        qual = quality([q for q in targets if q != "none"], args.quality_prompts, args.quality_tokens)
+        result["quality"] = qual
+        md += ["## Quality of the re-quantized targets", "",
+               "Teacher-forced on the fetched target's greedy continuations of held prompts: mean per-token "
+               "KL(fetched || re-quantized) of the next-token distributions, and argmax agreement.", "",
+               md_table(["target quant", "mean KL (nats)", "top-1 agreement", "tokens"],
+                        [[q, f"{kl:.4f}", f"{ag:.3f}", str(n)] for q, (kl, ag, n) in qual.items()]), ""]
+    md += [f"Written {time.strftime('%Y-%m-%d %H:%M')} by `python eval/bench_pass_costs.py {' '.join(argv)}`."]
+    write_json(out / "pass_costs.json", result)
+    (out / "report.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    return 0
+
+
+def main(argv=None) -> int:
+    from adaptive_spec.errors import run_main
+
+    return run_main(_main, sys.argv[1:] if argv is None else argv, "rerun the same command")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
