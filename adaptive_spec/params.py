@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from .backends import engines
 from .errors import UserError
+from .heads.curve import load_curve
 
 AUTO = "auto"
 
@@ -183,8 +184,6 @@ def head_needs(head: Any) -> frozenset:
 def _check_auto(value, curve, head, need: str) -> None:
     """auto reads a curve: it must exist now, before any model loads; a curve without auto is a mistake."""
     if value == AUTO:
-        from .decoding.auto import load_curve  # params stays a leaf: interfaces and every policy import it
-
         load_curve(curve or (head if isinstance(head, (str, Path)) else None), need,
                    head if isinstance(head, (str, Path)) else None)
     elif curve is not None:
@@ -453,6 +452,9 @@ class PairParams(Params):
                                 **_expects("an integer >= 1"))
     n_ctx: int | None = Field(None, ge=1, description="llama.cpp: context positions (default 4096)",
                               **_expects("an integer >= 1"))
+    draft_context: int | None = Field(None, ge=1, description="the draft sees only the last N prompt tokens (a "
+                                      "shorter prefill before the first token; costs acceptance, never exactness)",
+                                      **_expects("an integer >= 1"))
     kv_cache: Literal["dynamic", "static"] = Field(
         "dynamic", description="torch: KV caches dynamic (grow and crop) or static (preallocated, indexed by "
         "position)", **_expects("dynamic or static"))
@@ -487,6 +489,8 @@ class PairParams(Params):
             if unused:
                 raise ValueError(f"{', '.join(unused)}: the {self.backend} backend runs {engine.description}; drop "
                                  "these settings or use the torch backend")
+        if self.draft_context is not None and self.draft is None:
+            raise ValueError("draft_context (--draft-context) sets the draft's window; there is no draft (--draft none)")
         if self.n_ctx is not None and not engine.context_setting:
             raise ValueError(f"n_ctx (--n-ctx) sets the llama.cpp context; the {self.backend} backend sizes its "
                              "caches itself")

@@ -32,15 +32,14 @@ import json
 import statistics
 import time
 from collections import defaultdict
-from pathlib import Path
 
 from adaptive_spec.backends.cpu import flags_line
 from adaptive_spec.backends.fetch import default_gguf
 from adaptive_spec.backends.llama_build import VERSION
 from adaptive_spec.backends.llamacpp import requantized_gguf
 from adaptive_spec.decoding.costs import measure_costs
-from adaptive_spec.evaluation.llama_tools import bench_tg, build, build_flags, spec_example
-from adaptive_spec.evaluation.paired import done_keys, record
+from adaptive_spec.backends.llama_tools import bench_tg, build, build_flags, spec_example
+from adaptive_spec.evaluation.paired import record, start
 from adaptive_spec.runs import read_jsonl
 from adaptive_spec.tables import md_table
 
@@ -100,16 +99,10 @@ def main(argv=None) -> int:
                     help="run no generation: llama-bench, then the report of the rows <out> holds")
     args = ap.parse_args(argv)
 
-    import torch
-
     from adaptive_spec.decoding.pipeline import SpecPair
     from adaptive_spec.prompts import load_prompts
 
-    torch.set_num_threads(args.threads)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    results = out / "results.jsonl"
-    done = done_keys(results)
+    out, results, done = start(args.out, args.threads)
     bins = build(args.threads)
     target_gguf, draft_gguf = default_gguf("target"), default_gguf("draft")
     quant_gguf = requantized_gguf(draft_gguf, QUANT, args.threads)

@@ -19,7 +19,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from adaptive_spec.evaluation.llama_tools import bench_tg, build, build_flags
+from adaptive_spec.backends.llama_tools import bench_tg, build, build_flags
 
 from adaptive_spec.backends.cpu import flags_line
 from adaptive_spec.backends.fetch import default_gguf

@@ -39,8 +39,8 @@ from adaptive_spec.decoding.costs import measure_costs
 from adaptive_spec.decoding.ngram import NgramIndex
 from adaptive_spec.decoding.pipeline import SpecPair
 from adaptive_spec.errors import UserError, run_main
-from adaptive_spec.evaluation.llama_tools import build, build_flags, spec_example
-from adaptive_spec.evaluation.paired import done_keys, record
+from adaptive_spec.backends.llama_tools import build, build_flags, spec_example
+from adaptive_spec.evaluation.paired import record, start
 from adaptive_spec.evaluation.sweep import hf_generate
 from adaptive_spec.prompts import load_prompts
 from adaptive_spec.runs import project_path, read_jsonl
@@ -111,11 +111,7 @@ def _main(argv) -> int:
     ap.add_argument("--out", default="eval/results/bench_ngram")
     ap.add_argument("--report-only", action="store_true")
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    results = out / "results.jsonl"
-    done = done_keys(results)
+    out, results, done = start(args.out, args.threads)
     datasets = args.datasets.split(",")
     torch_sets = [d for d in args.torch_datasets.split(",") if d]
     if FOLLOWUPS in datasets and not project_path(FOLLOWUPS).is_file():

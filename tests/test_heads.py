@@ -389,3 +389,18 @@ def test_shard_inputs_errors(shard):
         shard_inputs(stats_head, {k: v for k, v in shard.items() if k != "features"})
     with pytest.raises(UserError, match="draft_stats has shape"):
         shard_inputs(stats_head, {**shard, "draft_stats": shard["draft_stats"][:, :2]})
+
+
+def test_the_public_api_loads_a_saved_head_into_a_decoder_in_five_lines(tiny_pair, tmp_path):
+    """The README's example, on the tiny pair: the package names the head class, and a head saved
+    by training loads and drives the learned policy with no module path to know."""
+    import adaptive_spec
+    from adaptive_spec import AcceptanceHead, SpecPair
+
+    assert {"AcceptanceHead", "load_head", "LearnedThreshold", "NgramPolicy"} <= set(adaptive_spec.__all__)
+    draft, target = tiny_pair
+    AcceptanceHead(16, depth=1, feature="context", inputs="stats").save_pretrained(tmp_path / "head")
+    pair = SpecPair.load(draft=str(draft), target=str(target), dtype="fp32")
+    head = AcceptanceHead.from_pretrained(tmp_path / "head")
+    g = pair.generate([1, 2, 3], policy="learned", head=head, threshold=0.3, max_new_tokens=8)
+    assert len(g.token_ids) == 8 and g.metrics.n_drafted > 0

@@ -93,7 +93,7 @@ def test_interfaces_is_a_leaf():
     that imports them back."""
     graph = import_graph()
     assert graph["adaptive_spec.decoding.interfaces"] <= {"adaptive_spec.errors", "adaptive_spec.params"}
-    assert graph["adaptive_spec.params"] <= {"adaptive_spec.errors", "adaptive_spec.decoding.auto", "adaptive_spec.backends.vocab",
+    assert graph["adaptive_spec.params"] <= {"adaptive_spec.errors", "adaptive_spec.heads.curve", "adaptive_spec.backends.vocab",
                                               "adaptive_spec.backends.engines",
                                               "adaptive_spec.backends.models"}
 
@@ -121,7 +121,7 @@ def test_the_generation_path_imports_no_datagen_training_or_evaluation():
 # ends in and the log handler; fetch.py's main prints machine-readable paths on stdout; llama_build.py
 # is make setup's script, run before the package's dependencies (and so its log handler) exist
 PRINTING = {"cli.py", "evaluation/sweep.py", "evaluation/report.py", "errors.py", "backends/fetch.py",
-            "training/train.py", "backends/llama_build.py"}
+            "training/train.py", "backends/llama_build.py", "evaluation/summary.py"}
 
 
 def test_library_code_reports_through_logging():
@@ -136,3 +136,23 @@ def test_library_code_reports_through_logging():
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print":
                 found.append(f"{f.name}:{node.lineno}")
     assert not found, found
+
+
+def test_no_lower_layer_imports_a_higher_one():
+    """Layers, lowest first: the engines (backends/), the heads and the typed settings (params), the decoder
+    (decoding/), then what runs it (datagen/, training/, evaluation/). A module imports only from its own
+    layer or below: the curve format lives with the heads, the logits' processing with the engines."""
+    graph = import_graph()
+
+    def layer(m: str) -> int:
+        for i, prefixes in enumerate((("adaptive_spec.backends", "adaptive_spec.errors",
+                                       "adaptive_spec.runs", "adaptive_spec.timing", "adaptive_spec.tables",
+                                       "adaptive_spec.prompts"),
+                                      ("adaptive_spec.heads", "adaptive_spec.params", "adaptive_spec.config"),
+                                      ("adaptive_spec.decoding",))):
+            if m.startswith(prefixes):
+                return i
+        return 3
+
+    bad = [(m, n) for m, ns in graph.items() for n in ns if layer(m) < 3 and layer(n) > layer(m)]
+    assert bad == [], bad

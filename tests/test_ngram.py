@@ -213,3 +213,36 @@ def test_distribution_is_exact_with_copied_drafts_on_llama_cpp(tmp_path, params,
     pol = NgramPolicy(1, 2, k=2, fallback=FixedK(2) if with_draft else None)
     counts = exact.sample_counts(Decoder(target, draft), PROMPT, params, pol, N, L)
     assert chi_square_pvalue(counts, probs, N) > 1e-3
+
+
+class CountingLM(MockLM):
+    """Records how many tokens each forward was fed."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.fed = []
+
+    def forward(self, ids, n_logits: int = 1):
+        self.fed.append(len(ids))
+        return super().forward(ids, n_logits)
+
+
+def test_a_windowed_draft_prefills_only_its_window_and_keeps_the_output_exact():
+    """--draft-context W: the draft sees the prompt's last W tokens; rejection sampling keeps the output
+    the target's (chi-square by enumeration; greedy equality), only acceptance may change."""
+    from adaptive_spec.backends.window import WindowedDraft
+
+    target, inner = MockLM(V, seed=0), CountingLM(V, seed=1)
+    draft = WindowedDraft(inner, 2)
+    prompt = [1, 2, 3, 4, 0, 1, 2]
+    params = SamplingParams(1.0, top_k=4)
+    probs = exact.exact_sequence_probs(target, prompt, params, V, L)
+    counts = exact.sample_counts(Decoder(target, draft), prompt, params, FixedK(2), N, L)
+    assert chi_square_pvalue(counts, probs, N) > 1e-3
+    inner.fed.clear()
+    g = Decoder(target, draft).generate(prompt, max_new_tokens=12, sampling=SamplingParams(0.0), policy=FixedK(2))
+    assert inner.fed[0] == 2 and max(inner.fed) <= 2  # the prefill fed the window only; steps feed 1-2 tokens
+    assert draft.length == draft.skipped + inner.length and draft.skipped == len(prompt) - 1 - 2
+    assert g.token_ids == Decoder(target).generate(prompt, max_new_tokens=12, sampling=SamplingParams(0.0)).token_ids
+    draft.fwd_time = 0.0  # counters go through to the runner the decoder reads them from
+    assert inner.fwd_time == 0.0

@@ -8,6 +8,7 @@ on a vocabulary as large as the real one.
 import pytest
 import torch
 
+from adaptive_spec.backends import logits as logits_mod
 from adaptive_spec.decoding import sampling
 from adaptive_spec.decoding.sampling import SamplingParams, process_logits, top_k, verify, verify_greedy
 
@@ -23,7 +24,7 @@ def dense(logits, params):
     x = x / params.temperature
     if params.top_p < 1:
         s, order = torch.sort(x, dim=-1, descending=True, stable=True)
-        x = torch.full_like(x, float("-inf")).scatter_(-1, order, sampling._drop_top_p(s, params.top_p))
+        x = torch.full_like(x, float("-inf")).scatter_(-1, order, logits_mod._drop_top_p(s, params.top_p))
     return x.softmax(-1)
 
 

@@ -93,11 +93,13 @@ def test_relative_error_and_mean_std():
     assert m == pytest.approx(0.020633, abs=1e-6) and s == pytest.approx(5.77e-5, rel=1e-2)
 
 
-def test_timed_measures_the_block():
-    import time
+def test_timed_measures_the_block(monkeypatch):
+    """The clock read on entering the block and again on leaving it, after the device is synced."""
+    from adaptive_spec import timing
 
-    from adaptive_spec.timing import timed
-
-    with timed("cpu") as t:
-        time.sleep(0.01)
-    assert 0.01 <= t.s < 1.0
+    ticks, synced = iter([10.0, 10.25]), []
+    monkeypatch.setattr(timing, "clock", lambda: next(ticks))
+    monkeypatch.setattr(timing, "sync", lambda device: synced.append(device))
+    with timing.timed("cpu") as t:
+        assert t.s == 0.0 and not synced
+    assert t.s == 0.25 and synced == ["cpu"]

@@ -21,7 +21,7 @@ Where the time goes (CPU): prompts are prefilled one by one (no pad rows: a pref
 compute-bound), a row leaves the batch and both caches when it samples EOS, and an int8 draft
 computes with a dense copy of its dequantized weights (every pass here is batched).
 
-On-disk format (a contract with the trainer; see README "Data generation"):
+On-disk format (a contract with the trainer; see docs/datagen.md):
   out_dir/manifest.json  {"format": "adaptive_spec.datagen.v1", "config", "config_hash", "seed",
                           "models": {"draft"|"target": {name, hidden_size, vocab_size, fingerprint}},
                           "splits": {split: {n_prompts, n_tokens, n_loss_tokens, shards: [...]}},

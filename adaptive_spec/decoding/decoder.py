@@ -61,6 +61,7 @@ class Metrics:
     hindsight_s: float = 0.0  # the oracle's untimed hindsight work (re-deriving X), kept out of wall_s
     draft_prefill_s: float = 0.0  # the parts of prefill_s per model
     target_prefill_s: float = 0.0
+    first_token_s: float = 0.0  # from the call to the first round's tokens: prefill and that round (TTFT)
     # where a round's time goes outside the two models' forwards (see `breakdown`)
     draft_other_s: float = 0.0  # drafting outside draft forwards: sampling q, the stop rule, copying
     verify_other_s: float = 0.0  # verification outside the target pass: processing p, rejection sampling, the read
@@ -209,6 +210,8 @@ class Decoder:
             stopped_by = "eos" if eos else stopped_by
             out.extend(new)
             tokens.extend(new)
+            if not met.first_token_s:
+                met.first_token_s = time.perf_counter() - t_start - met.hindsight_s
             seq = torch.cat([seq, torch.tensor(new, dtype=torch.long, device=self.device)])
             if on_tokens is not None:
                 on_tokens(new)

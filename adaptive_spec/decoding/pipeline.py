@@ -15,6 +15,7 @@ from transformers import TextStreamer
 
 from ..backends import engines, torch_engine
 from ..backends.cpu import describe
+from ..backends.window import WindowedDraft
 from ..errors import UserError
 from ..params import ARParams, PairParams, PolicyParams, check_runs_on, pair_params, policy_params
 from ..prompts import encode_prompt
@@ -105,8 +106,10 @@ class SpecPair:
         engine = params.engine
         engine.check_available()
         loaded = engine.load(params)
-        return cls(loaded.target, loaded.draft, loaded.tokenizer, loaded.eos_token_ids, engine, params,
-                   loaded.draft_config)
+        draft, config = loaded.draft, loaded.draft_config
+        if params.draft_context is not None and draft is not None:  # any engine's draft: window.py says why
+            draft, config = WindowedDraft(draft, params.draft_context), {**config, "draft_context": params.draft_context}
+        return cls(loaded.target, draft, loaded.tokenizer, loaded.eos_token_ids, engine, params, config)
 
     def runtime_info(self) -> dict:
         """The machine and each model's numeric path: recorded with every measurement."""

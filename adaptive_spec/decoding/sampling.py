@@ -1,7 +1,8 @@
 """Sampling and exact rejection-sampling verification.
 
 Conventions (those of the SpecDec++ paper): q is the draft's next-token distribution, p the
-target's. Temperature, top-k and top-p are applied identically to both by `process_logits`,
+target's. Temperature, top-k and top-p are applied identically to both by `process_logits`
+(backends/logits.py),
 so speculative decoding reproduces exactly the distribution of plain sampling from the
 processed p. Temperature 0 (greedy) is the point mass on the argmax: with one-hot p and q the
 same rejection rule accepts exactly when the draft token is the target's argmax and the
@@ -12,113 +13,10 @@ reads (n_accepted, next_token) once per round.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from ..errors import UserError
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1.0 = off
-
-    def __post_init__(self):
-        if not (self.temperature >= 0):
-            raise UserError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise UserError(f"top-k must be >= 0 (0 = off), got {self.top_k}")
-        if not (0 < self.top_p <= 1):
-            raise UserError(f"top-p must be in (0, 1] (1 = off), got {self.top_p}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-
-def top_k(logits: torch.Tensor, k: int, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, indices) of the k largest logits of each row [..., V], largest first: torch.topk's
-    values, found without its pass over the whole row (0.28 ms a row of 151,936 on one CPU thread;
-    this: ~0.05 ms, which a verification pays per row and a draft per token).
-
-    Each of the k largest values lies in one of the k blocks (of `block` values) with the largest
-    maxima: a value outside those has k block maxima, k distinct values, at least as large. So topk
-    over the block maxima, then over the k chosen blocks, gives the same values (among values tied at
-    the k-th place it may return other indices than torch.topk; process_logits keeps every tie)."""
-    V = logits.shape[-1]
-    if V < 8 * block or k * block * 4 > V:  # small rows (tests' tiny vocabularies) or k near V: plain topk
-        return torch.topk(logits, k, dim=-1)
-    lead = logits.shape[:-1]
-    rows = logits.reshape(-1, V)
-    pad = (-V) % block
-    if pad:
-        rows = torch.nn.functional.pad(rows, (0, pad), value=float("-inf"))
-    blocks = rows.view(rows.shape[0], -1, block)
-    top_blocks = torch.topk(blocks.amax(-1), k, dim=-1).indices  # [R, k]
-    chosen = torch.gather(blocks, 1, top_blocks.unsqueeze(-1).expand(-1, -1, block))  # [R, k, block]
-    vals, inner = torch.topk(chosen.reshape(rows.shape[0], -1), k, dim=-1)
-    idx = top_blocks.gather(1, inner // block) * block + inner % block
-    return vals.view(*lead, k), idx.view(*lead, k)
-
-
-def _drop_top_p(sorted_logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Sorted (descending) logits with the tokens past the top-p mass set to -inf: a token goes when
-    the tokens ranked above it already hold top_p of the mass; the most likely one always stays."""
-    sorted_probs = sorted_logits.softmax(-1)
-    drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
-    return sorted_logits.masked_fill(drop, float("-inf"))
-
-
-# values found beyond the k-th, so that logits tied at the k-th value are kept (as masking `< k-th` keeps them)
-TIE_SLACK = 8
-
-
-def _sparse_top_k(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor | None:
-    """process_logits with top-k from the k + TIE_SLACK largest logits only: the softmax over those, not
-    over the vocabulary (~0.1 ms a row of 151,936 on one CPU thread, against ~1 ms for masking and
-    exponentiating it all); None where ties at the k-th value may reach past them (the dense path
-    then). The kept logits are ordered like the dense path's stable sort (by value, ties by index),
-    so top-p drops the same tokens either way. One bool is read on the host: CPU only."""
-    k, V = params.top_k, logits.shape[-1]
-    n = min(k + TIE_SLACK, V)
-    vals, idx = top_k(logits, n)
-    kth = vals[..., k - 1:k]
-    if n < V and bool((vals[..., -1:] == kth).any()):
-        return None
-    idx, order = idx.sort(-1)
-    vals = vals.gather(-1, order)
-    vals, order = vals.sort(dim=-1, descending=True, stable=True)
-    idx = idx.gather(-1, order)
-    vals = vals.masked_fill(vals < kth, float("-inf")) / params.temperature
-    if params.top_p < 1.0:
-        vals = _drop_top_p(vals, params.top_p)
-    return torch.zeros_like(logits).scatter_(-1, idx, vals.softmax(-1))
-
-
-def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Logits [..., V] -> float32 probabilities after temperature, top-k and top-p.
-
-    Top-k keeps every token at least as likely as the k-th (more than k where logits tie there,
-    common with bf16 logits); top-p then drops a token when the tokens ranked above it (by value, ties
-    by index) already hold top_p of the mass."""
-    logits = logits.float()
-    if params.greedy:
-        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    if params.top_k and params.top_k < logits.shape[-1]:
-        if logits.device.type == "cpu":
-            sparse = _sparse_top_k(logits, params)
-            if sparse is not None:
-                return sparse
-        kth = top_k(logits, params.top_k)[0][..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    logits = logits / params.temperature
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
-        kept = _drop_top_p(sorted_logits, params.top_p)
-        logits = torch.full_like(logits, float("-inf")).scatter_(-1, order, kept)
-    return logits.softmax(-1)
+# the distribution a token is drawn from (temperature, top-k, top-p): below the decoder and the heads
+from ..backends.logits import SamplingParams, process_logits, top_k  # noqa: F401 (re-exported)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

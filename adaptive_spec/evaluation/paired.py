@@ -1,6 +1,6 @@
 """Paired benchmark rows: every configuration of a prompt run back to back, each row appended (fsynced)
 to results.jsonl as soon as it is measured, and skipped on a rerun that finds it there (resumable).
-The engine benchmarks (eval/bench_llama_cpp.py, eval/bench_ngram.py) share it."""
+The engine benchmarks (eval/bench_llama_cpp.py, eval/bench_ngram.py, eval/bench_ttft.py) share it."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,6 +18,17 @@ def row_key(row: dict) -> tuple:
 
 def done_keys(results: Path) -> set:
     return {row_key(r) for r in read_jsonl(results)} if results.is_file() else set()
+
+
+def start(out_dir, threads: int) -> tuple[Path, Path, set]:
+    """(the run folder, made; its results.jsonl; the keys of the rows it holds) with torch on `threads`."""
+    import torch  # noqa: PLC0415 (the helpers above need none)
+
+    torch.set_num_threads(threads)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results = out / "results.jsonl"
+    return out, results, done_keys(results)
 
 
 def record(results: Path, done: set, row: dict, measure: Callable[[], dict]) -> dict | None:

@@ -76,7 +76,7 @@ from transformers.utils import logging as hf_logging
 from ..backends import engines
 from ..backends.models import resolve_device, resolve_model_path
 from ..config import config_from_argv, config_to_dict
-from ..decoding.auto import load_curve
+from ..heads.curve import load_curve
 from ..decoding.costs import measure_costs
 from ..decoding.decoder import Decoder, Metrics
 from ..decoding.interfaces import PolicyContext
@@ -99,7 +99,7 @@ RESULT_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "chat", "seed"
 PAIR_RESULT_KEYS = ("backend", "n_ctx", "draft", "target", "dtype", "draft_quant", "draft_vocab", "threads")
 UNSET = {"n_ctx": 0, "draft_vocab": "", "threads": 0}
 # torch settings a sweep may set: recorded only when set, so an existing sweep's settings hash holds
-PAIR_IF_SET = ("kv_cache", "runtime", "max_cache_len", "target_quant")
+PAIR_IF_SET = ("kv_cache", "runtime", "max_cache_len", "target_quant", "draft_context")
 
 
 @dataclass

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import torch
 
-from ..decoding.sampling import SamplingParams, process_logits
+from ..backends.logits import SamplingParams, process_logits
 
 STATS = ("log_q", "entropy", "margin")
 N_STATS = len(STATS)

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..datagen.generate import iter_shards
-from ..decoding.auto import FORMAT, autotune_command, curve_path, weights_hash
+from ..heads.curve import FORMAT, autotune_command, curve_path, weights_hash
 from ..errors import UserError, get_logger
 from ..heads import head as heads
 from ..runs import read_manifest, write_json

@@ -376,6 +376,7 @@ def save_checkpoint(run: Run):
     if acc.is_main_process:
         folder = run.files.ckpt_root / f"checkpoint_{acc.project_configuration.iteration - 1}"
         write_json(folder / CKPT_STATE, run.state)
+        log.info(f"checkpoint saved: {folder} (step {run.state.get('step')})")
     acc.wait_for_everyone()
 
 

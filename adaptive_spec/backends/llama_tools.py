@@ -13,9 +13,9 @@ import sys
 import tarfile
 from pathlib import Path
 
-from ..backends.fetch import cache_dir
-from ..backends.llama_build import VERSION, X86_SETS, cmake_args, tier
 from ..errors import get_logger
+from .fetch import cache_dir
+from .llama_build import VERSION, X86_SETS, cmake_args, tier
 
 log = get_logger(__name__)
 

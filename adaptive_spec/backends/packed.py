@@ -1,0 +1,261 @@
+"""CPU kernel choice for the torch engine's linear layers: oneDNN-packed bf16 weights (PackedLinear), the
+row padding that makes a multi-row pass cost what the packed GEMM's blocking allows (choose_padding), and
+the fp16 path for the rows where FBGEMM's fp16 kernel beats it (choose_fp16_rows); pack_cpu_linears
+applies them to a loaded model and records the choice in `model.cpu_path`. Why each: docs/cpu-runtime.md.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+import warnings
+
+import torch
+
+from ..errors import UserError
+from .cpu import fbgemm_fp16, onednn_packed
+
+# torch marks the FBGEMM fp16 ops deprecated; cpu.fbgemm_fp16 checks they still run before any is used
+warnings.filterwarnings("ignore", message=r"fbgemm_\w+ is deprecated")
+
+
+class PackedLinear(torch.nn.Module):
+    """nn.Linear whose weight is pre-packed once into oneDNN's blocked layout (CPU only).
+
+    Why: a decode step is a stack of matrix-vector products, and stock bf16 `F.linear` re-reads
+    the row-major weight through a generic path at ~15-20 GB/s on an AVX-512 CPU, while the
+    pre-packed oneDNN kernel streams ~26-31 GB/s. On an AVX2-only CPU (no bf16 kernels, so
+    models run in fp32: see cpu.py) the packed fp32 kernel is 1.7x the stock one for one row and
+    3.6x for five (four 8960x1536 layers: 6.8 vs 11.7 ms, 9.3 vs 33.5 ms), which is what makes a
+    K + 1-token verification cost about one decode step there.
+
+    The original weight stays as `.weight` (tied embeddings share it, state_dict and
+    save_pretrained still work) unless `release=True`, which frees it for weights nothing else
+    shares (an inference-only model then holds one copy, not two); with grad enabled the stock
+    path runs, since the packed op has no backward.
+
+    `pad_to`: oneDNN picks its kernel by the number of input rows M, and on some CPUs the
+    M = 1..2 kernels read weights slower than the M = 4..6 ones (AVX-512 box: target forward
+    149 ms at M = 1, 123 ms at M = 5). Reading the weight once is the whole cost, so an input
+    of M rows is zero-padded to pad_to[M] rows and the extra outputs are dropped. Rows are
+    independent in a matmul, so padding changes no value beyond kernel rounding order.
+    () = no padding.
+
+    `fp16_rows`: on fp32 models (AVX2) a layer may also hold its weight in fp16 (`add_fp16`; only
+    where fp16 holds every weight exactly, as it does weights from bf16 checkpoints), which
+    FBGEMM's fp16-weight, fp32-arithmetic kernel streams at half the bytes; inputs whose row
+    count is in fp16_rows run on it. Measured on the default target's layers (AVX2, 2 threads,
+    eval/bench_linear_rows.py): 218 ms of linear layers per one-row step against oneDNN fp32's
+    339, 282 against 441 at 5 rows, but no gain from about 9 rows on, where oneDNN stays.
+    """
+
+    def __init__(self, linear: torch.nn.Linear, pad_to: tuple = (), release: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+        self.weight_bytes = linear.weight.numel() * linear.weight.element_size()
+        self.pad_to = pad_to
+        # FBGEMM fp16 copy of the weight, used for inputs whose row count is in fp16_rows (see
+        # add_fp16); None = oneDNN for every input
+        self.fp16, self.fp16_rows = None, frozenset()
+        self.released = False
+        if release:
+            # an empty tensor keeps .weight's dtype/device for code that asks, without the bytes
+            self.weight = torch.nn.Parameter(linear.weight.new_empty(0), requires_grad=False)
+            self.released = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        stock = torch.is_grad_enabled() or x.dim() < 2 or x.dtype != self.weight.dtype
+        if stock and not self.released:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        rows = x.numel() // self.in_features
+        if rows in self.fp16_rows:
+            y = torch.fbgemm_linear_fp16_weight_fp32_activation(x.reshape(rows, self.in_features).contiguous(),
+                                                                self.fp16, self._fp16_bias)
+            return y.reshape(*x.shape[:-1], self.out_features)
+        if rows < len(self.pad_to) and self.pad_to[rows] > rows:
+            xp = x.new_zeros(self.pad_to[rows], self.in_features)
+            xp[:rows] = x.reshape(rows, self.in_features)
+            y = torch.ops.mkldnn._linear_pointwise(xp, self.packed, self.bias, "none", [], "")
+            return y[:rows].reshape(*x.shape[:-1], self.out_features)
+        x2 = x.reshape(rows, self.in_features).to(self.packed.dtype).contiguous()
+        y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def add_fp16(self, weight: torch.Tensor | None = None):
+        """Also keep the weight as FBGEMM fp16 (only called for fp32 layers whose weights fp16
+        holds exactly: see fp16_exact). `weight`: the fp32 weight, where .weight was released."""
+        w = self.weight if weight is None else weight
+        self.fp16 = torch.fbgemm_pack_gemm_matrix_fp16(w.detach().float())
+        # the op takes a bias tensor, not None
+        self._fp16_bias = self.bias.detach().float() if self.bias is not None else torch.zeros(self.out_features)
+
+    @property
+    def step_bytes(self) -> int:
+        """Weight bytes a one-row input streams: half of fp32's on the fp16 copy."""
+        return self.weight_bytes // 2 if 1 in self.fp16_rows else self.weight_bytes
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"packed=oneDNN, pad_to={self.pad_to}, fp16_rows={sorted(self.fp16_rows)}, released={self.released}")
+
+
+def _rows_env(name: str) -> int | None:
+    """A row-count override from the environment: None for "auto" (unset), else the count."""
+    env = os.environ.get(name, "auto")
+    if env == "auto":
+        return None
+    if not env.isdigit():
+        raise UserError(f"{name} must be 'auto' or a row count (0 = off), got {env!r}")
+    return int(env)
+
+
+def _timed_layers(linears: list, budget_bytes: int) -> list:
+    """The first layers up to budget_bytes of weights: more than the CPU's caches, so a timing
+    over them is of weights streamed from memory, as in decoding."""
+    timed, total = [], 0
+    for m in linears:
+        if total >= budget_bytes:
+            break
+        timed.append(m)
+        total += m.weight_bytes
+    return timed
+
+
+def _median_s(fn, reps: int = 4) -> float:
+    """Median seconds of fn() over reps calls after the first (which pays for warm-up)."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def choose_padding(linears: list, max_rows: int = 8, budget_bytes: int = 256 << 20) -> tuple:
+    """pad_to[M] for M = 0..max_rows: the row count r >= M at which the model's linear layers run
+    fastest, measured once on the layers themselves (about a second); M itself unless r is at
+    least 3% faster. The timed layers are the first ones up to `budget_bytes` of weights: more
+    than the CPU's caches, so the timing is of weights streamed from memory, as in decoding.
+    ADAPTIVE_SPEC_CPU_PAD_ROWS=N pads every input of fewer than N rows to N (0 = off)."""
+    n = _rows_env("ADAPTIVE_SPEC_CPU_PAD_ROWS")
+    if n is not None:
+        return (0,) + (n,) * n if n > 1 else ()
+    timed = _timed_layers(linears, budget_bytes)
+    inputs = {r: {m.in_features: torch.zeros(r, m.in_features, dtype=m.packed.dtype) for m in timed}
+              for r in range(1, max_rows + 1)}
+
+    def step(r):
+        for m in timed:
+            torch.ops.mkldnn._linear_pointwise(inputs[r][m.in_features], m.packed, None, "none", [], "")
+
+    with torch.inference_mode():
+        cost = {r: _median_s(lambda: step(r)) for r in range(1, max_rows + 1)}
+    pad_to = [0]
+    for rows in range(1, max_rows + 1):
+        r = min(range(rows, max_rows + 1), key=cost.get)
+        pad_to.append(r if cost[r] < 0.97 * cost[rows] else rows)
+    return tuple(pad_to) if any(r != m for m, r in enumerate(pad_to)) else ()
+
+
+def fp16_exact(weights) -> bool:
+    """Every value of every weight is exactly representable in fp16 (no rounding, no overflow).
+    True for weights that come from bf16 checkpoints within fp16's range, e.g. the default pair
+    (0 of 2.4 G weights change); a model with any other weight keeps oneDNN, so that all its
+    layers compute on the same weights."""
+    return all(torch.equal(w, w.half().to(w.dtype)) for w in weights)
+
+
+def choose_fp16_rows(linears: list, max_rows: int = 16, budget_bytes: int = 256 << 20) -> frozenset:
+    """Row counts (1..max_rows) at which the layers' FBGEMM fp16 copies run at least 3% faster
+    than oneDNN (padded as pad_to says), timed on the first layers up to budget_bytes as in
+    choose_padding. ADAPTIVE_SPEC_CPU_FP16=N uses fp16 for every input of at most N rows (0 = off)."""
+    n = _rows_env("ADAPTIVE_SPEC_CPU_FP16")
+    if n is not None:
+        return frozenset(range(1, n + 1))
+    timed = _timed_layers(linears, budget_bytes)
+
+    def step(x, rows):
+        for m in timed:
+            m.fp16_rows = rows
+            m(x[m.in_features])
+
+    faster = set()
+    with torch.inference_mode():
+        for r in range(1, max_rows + 1):
+            x = {m.in_features: torch.zeros(r, m.in_features) for m in timed}
+            onednn, fp16 = _median_s(lambda: step(x, frozenset())), _median_s(lambda: step(x, frozenset([r])))
+            if fp16 < 0.97 * onednn:
+                faster.add(r)
+    for m in timed:
+        m.fp16_rows = frozenset()
+    return frozenset(faster)
+
+
+def pack_cpu_linears(model, release: bool = False, fp16: bool = True) -> int:
+    """Swap every nn.Linear of a CPU model for a PackedLinear; returns how many.
+
+    A no-op (0) on other devices, where oneDNN has no packed kernel for the model's dtype on this
+    CPU (bf16 on AVX2: cpu.onednn_packed says why), or when the environment sets
+    ADAPTIVE_SPEC_CPU_PACK=0. The padding is measured once per model (see PackedLinear and
+    choose_padding). `release`: free the original weights nothing else shares (inference only;
+    tied embeddings keep theirs). The chosen path is recorded as `model.cpu_path`.
+
+    `fp16`: in fp32 (CPUs without bf16 kernels), where FBGEMM runs and fp16 holds every weight
+    exactly, also keep an fp16 copy of each layer and run the row counts at which it is faster
+    on it (choose_fp16_rows; one-row decode steps and short verifications on AVX2). It costs
+    half the fp32 bytes again in memory, so batched work (datagen) passes False.
+    """
+    p = next(model.parameters(), None)
+    if p is None or p.device.type != "cpu":
+        return 0
+    why_not = ("ADAPTIVE_SPEC_CPU_PACK=0" if os.environ.get("ADAPTIVE_SPEC_CPU_PACK", "1") == "0"
+               else onednn_packed(p.dtype))
+    model.cpu_path = {"dtype": str(p.dtype).removeprefix("torch."), "linear": "stock", "pad_to": ()}
+    if why_not:
+        model.cpu_path["why_stock"] = why_not
+        return 0
+    # weights another module also holds (tied input embeddings) must survive the release
+    shared = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    # (parent, name) slots, not the layers themselves: each original layer is dropped as soon as
+    # its packed copy replaces it, so packing never holds a second copy of the whole model
+    slots = [(mod, cname) for mod in model.modules() for cname, child in mod.named_children()
+             if type(child) is torch.nn.Linear]
+    why_no_fp16 = None
+    if not fp16:
+        why_no_fp16 = "off (fp16=False: batched work)"
+    elif p.dtype != torch.float32:
+        why_no_fp16 = f"runs {str(p.dtype).removeprefix('torch.')} kernels"
+    elif _rows_env("ADAPTIVE_SPEC_CPU_FP16") == 0:
+        why_no_fp16 = "ADAPTIVE_SPEC_CPU_FP16=0"
+    else:
+        why_no_fp16 = fbgemm_fp16() or (None if fp16_exact(getattr(m, c).weight for m, c in slots)
+                                        else "a weight is not exactly representable in fp16")
+    packed = []
+    for mod, cname in slots:
+        child = getattr(mod, cname)
+        new = PackedLinear(child, release=release and id(child.weight) not in shared)
+        if why_no_fp16 is None:
+            new.add_fp16(child.weight)
+        setattr(mod, cname, new)
+        packed.append(new)
+        del child
+    if packed:
+        pad_to = choose_padding(packed)
+        for m in packed:
+            m.pad_to = pad_to
+        model.cpu_pad_to = pad_to
+        model.cpu_path.update(linear="onednn-packed", pad_to=pad_to)
+        if why_no_fp16 is None:
+            rows = choose_fp16_rows(packed)
+            for m in packed:
+                m.fp16_rows = rows
+                if not rows:
+                    m.fp16 = None  # never faster here: free the copy
+            model.cpu_path["fp16_rows"] = sorted(rows)
+            if rows:
+                model.cpu_path["linear"] = "onednn-packed + fbgemm-fp16"
+        else:
+            model.cpu_path["why_no_fp16"] = why_no_fp16
+    return len(packed)
