@@ -28,6 +28,8 @@ CAPABILITIES = {
 }
 # llama.cpp's re-quantizations of a GGUF file (llamacpp.GGUF_QUANTS says what each one is, and why)
 GGUF_QUANTS = ("q4_0", "q8_0", "q4_0-pure", "q4_k-pure", "iq4_nl-pure")
+# the engine CPU users run: the reports' baseline ("x llama.cpp alone") is its target-only row
+CPU_BASELINE = "llama.cpp"
 
 
 @dataclass

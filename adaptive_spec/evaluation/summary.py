@@ -17,6 +17,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from ..backends.engines import CPU_BASELINE
 from ..runs import PROJECT_ROOT, read_jsonl
 from ..tables import md_table
 
@@ -57,11 +58,11 @@ def rows_of(results: Path) -> list[dict]:
                 "HumanEval, GSM8K, AlpacaEval"
             by[(group, r["temperature"], r["engine"], r["config"])].append(r)
         for group, temp in dict.fromkeys((g, t) for g, t, _, _ in by):
-            alone = by.get((group, temp, "llama.cpp", "ar"))
+            alone = by.get((group, temp, CPU_BASELINE, "ar"))
             if not alone:
                 continue
             base = _speed(alone)
-            for engine in dict.fromkeys(e for g, t, e, _ in by if (g, t) == (group, temp) and e != "llama.cpp example"):
+            for engine in dict.fromkeys(e for g, t, e, _ in by if (g, t) == (group, temp) and e != f"{CPU_BASELINE} example"):
                 configs = {c: _speed(rs) for (g, t, e, c), rs in by.items() if (g, t, e) == (group, temp, engine)}
                 if "ar" not in configs:
                     continue
