@@ -28,6 +28,7 @@ carry over to the GPU run (they do for the same models and dtype up to numerics)
 
     python eval/bench_gpu.py --device cuda --pairs default,large --stats runs/sweep/results.jsonl
     python eval/bench_gpu.py --device cpu --tiny            # smoke test (numbers meaningless)
+    (on a machine without the package installed: PYTHONPATH=. python eval/bench_gpu.py ...)
 
 Writes <out>/bench_gpu.json and <out>/bench_gpu.md (rewritten after every model, so an
 interrupted run keeps what it measured).
@@ -46,12 +47,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from adaptive_spec.decoding.decoder import Decoder  # noqa: E402
-from adaptive_spec.decoding.policies import FixedK  # noqa: E402
-from adaptive_spec.decoding.sampling import SamplingParams, process_logits, sample, verify  # noqa: E402
-from adaptive_spec.backends.static_runner import DRAFT_SHAPES, StaticCausalLM, verify_shapes  # noqa: E402
+try:
+    from adaptive_spec.decoding.decoder import Decoder
+except ImportError:  # a bare machine (a lent GPU) with the checkout but no `pip install -e .`
+    sys.exit("error: the adaptive_spec package is not importable; run `pip install -e .` in the checkout, "
+             "or run this from its root as `PYTHONPATH=. python eval/bench_gpu.py ...`")
+from adaptive_spec.backends.static_runner import DRAFT_SHAPES, StaticCausalLM, verify_shapes
+from adaptive_spec.decoding.policies import FixedK
+from adaptive_spec.decoding.sampling import SamplingParams, process_logits, sample, verify
 
 # Qwen2.5 architectures (config.json of Qwen/Qwen2.5-{0.5B,1.5B,7B}; the Coder variants are
 # identical). The default pair built by `adaptive-spec fetch-models` unties the embeddings;

@@ -47,8 +47,7 @@ STYLE = {"sequence": ("tab:blue", "o"), "batch": ("tab:orange", "s"), "specinfer
 
 def make_tiny_pair(folder: Path) -> tuple[str, str]:
     """Tiny random Qwen2 models sharing a 32-token tokenizer (tests/tiny.py), for smoke tests."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from tiny import save_model
+    from adaptive_spec.backends.toy import save_model
 
     d, t = folder / "draft", folder / "target"
     if not (d / "config.json").is_file():

@@ -156,3 +156,15 @@ def test_no_lower_layer_imports_a_higher_one():
 
     bad = [(m, n) for m, ns in graph.items() for n in ns if layer(m) < 3 and layer(n) > layer(m)]
     assert bad == [], bad
+
+
+def test_eval_scripts_import_the_package_not_tests_or_paths():
+    """eval/ is thin scripts over the installed package: no sys.path edits, nothing from tests/."""
+    root = Path(__file__).resolve().parent.parent
+    bad = []
+    for f in sorted((root / "eval").glob("*.py")):
+        for i, line in enumerate(f.read_text().splitlines(), 1):
+            s = line.strip()
+            if "sys.path" in s or s.startswith(("from tiny ", "import tiny", "from tests", "import tests")):
+                bad.append(f"{f.name}:{i}: {s}")
+    assert bad == [], bad

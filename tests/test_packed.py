@@ -96,6 +96,25 @@ def test_padding_choice(monkeypatch):
         choose_padding(lins)
 
 
+def test_kernel_choices_are_timed_once_per_cpu_and_shape(monkeypatch, tmp_path):
+    """A sweep's rows run the same kernels: the second load reads the first one's choice from the cache
+    instead of timing again (which gave one report six different pad_to values); other shapes time anew."""
+    import adaptive_spec.backends.packed as packed
+
+    monkeypatch.setenv("ADAPTIVE_SPEC_CACHE", str(tmp_path))
+    lins = [PackedLinear(torch.nn.Linear(64, 256)) for _ in range(3)]
+    first = choose_padding(lins, max_rows=4)
+    assert len(list((tmp_path / "kernels").glob("pad_to-*.json"))) == 1
+
+    def no_timing(*a):
+        raise AssertionError("timed again")
+
+    monkeypatch.setattr(packed, "_time_padding", no_timing)
+    assert choose_padding(lins, max_rows=4) == first
+    with pytest.raises(AssertionError, match="timed again"):  # another shape is another key
+        choose_padding([PackedLinear(torch.nn.Linear(32, 128))], max_rows=4)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_packed_model_logits_match_unpacked(dtype):
     ref = make_model(16, hidden_size=32, layers=2, seed=5, logit_scale=3.0).to(dtype)

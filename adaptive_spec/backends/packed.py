@@ -5,7 +5,10 @@ applies them to a loaded model and records the choice in `model.cpu_path`. Why e
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import platform
 import statistics
 import time
 import warnings
@@ -133,9 +136,53 @@ def _median_s(fn, reps: int = 4) -> float:
     return statistics.median(times[1:])
 
 
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _choice_path(kind: str, timed: list, max_rows: int):
+    """Where a timed kernel choice is kept: <cache>/kernels/<key>.json, the key hashing what the choice
+    depends on (the CPU, its flags, torch and its threads, the timed layers' shapes and dtype), so the
+    choice is timed once per CPU and model shape, and every load after (every row of a sweep) runs the
+    same kernels. Delete the folder to time again."""
+    from .llama_build import cache_dir, cpu_flags  # stdlib only
+
+    key = {"kind": kind, "cpu": _cpu_name(), "flags": sorted(cpu_flags()), "torch": torch.__version__,
+           "threads": torch.get_num_threads(), "max_rows": max_rows,
+           "layers": [[m.in_features, m.out_features, str(m.packed.dtype)] for m in timed]}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / "kernels" / f"{kind}-{digest}.json", key
+
+
+def _cached_choice(kind: str, timed: list, max_rows: int, choose):
+    """choose() once per key (see _choice_path); the stored value after. A cache that cannot be read or
+    written is only slower: the choice is timed again."""
+    path, key = _choice_path(kind, timed, max_rows)
+    try:
+        return json.loads(path.read_text())["value"]
+    except (OSError, ValueError, KeyError):
+        pass
+    value = choose()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"key": key, "value": value}))
+        os.replace(tmp, path)  # atomic: a concurrent load reads the old file or the new one
+    except OSError:
+        pass
+    return value
+
+
 def choose_padding(linears: list, max_rows: int = 8, budget_bytes: int = 256 << 20) -> tuple:
     """pad_to[M] for M = 0..max_rows: the row count r >= M at which the model's linear layers run
-    fastest, measured once on the layers themselves (about a second); M itself unless r is at
+    fastest, timed on the layers themselves (about a second) once per CPU and layer shapes, then
+    read from the kernel cache (_cached_choice); M itself unless r is at
     least 3% faster. The timed layers are the first ones up to `budget_bytes` of weights: more
     than the CPU's caches, so the timing is of weights streamed from memory, as in decoding.
     ADAPTIVE_SPEC_CPU_PAD_ROWS=N pads every input of fewer than N rows to N (0 = off)."""
@@ -143,6 +190,10 @@ def choose_padding(linears: list, max_rows: int = 8, budget_bytes: int = 256 << 
     if n is not None:
         return (0,) + (n,) * n if n > 1 else ()
     timed = _timed_layers(linears, budget_bytes)
+    return tuple(_cached_choice("pad_to", timed, max_rows, lambda: list(_time_padding(timed, max_rows))))
+
+
+def _time_padding(timed: list, max_rows: int) -> tuple:
     inputs = {r: {m.in_features: torch.zeros(r, m.in_features, dtype=m.packed.dtype) for m in timed}
               for r in range(1, max_rows + 1)}
 
@@ -175,7 +226,10 @@ def choose_fp16_rows(linears: list, max_rows: int = 16, budget_bytes: int = 256 
     if n is not None:
         return frozenset(range(1, n + 1))
     timed = _timed_layers(linears, budget_bytes)
+    return frozenset(_cached_choice("fp16_rows", timed, max_rows, lambda: sorted(_time_fp16_rows(timed, max_rows))))
 
+
+def _time_fp16_rows(timed: list, max_rows: int) -> frozenset:
     def step(x, rows):
         for m in timed:
             m.fp16_rows = rows
@@ -198,7 +252,7 @@ def pack_cpu_linears(model, release: bool = False, fp16: bool = True) -> int:
 
     A no-op (0) on other devices, where oneDNN has no packed kernel for the model's dtype on this
     CPU (bf16 on AVX2: cpu.onednn_packed says why), or when the environment sets
-    ADAPTIVE_SPEC_CPU_PACK=0. The padding is measured once per model (see PackedLinear and
+    ADAPTIVE_SPEC_CPU_PACK=0. The padding is timed once per CPU and model shape (see PackedLinear and
     choose_padding). `release`: free the original weights nothing else shares (inference only;
     tied embeddings keep theirs). The chosen path is recorded as `model.cpu_path`.
 
