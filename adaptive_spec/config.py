@@ -44,6 +44,9 @@ def _validate(cls: type[T], raw: dict[str, Any]) -> T:
         first = errors[0]
         key = first["loc"][0] if first["loc"] else "?"
         hint = hints.get(key, Any)
+        if typing.get_origin(hint) is typing.Literal:
+            raise UserError(f"config key '{key}' must be one of {', '.join(map(str, typing.get_args(hint)))}, "
+                            f"got {first['input']!r}") from None
         raise UserError(f"config key '{key}' must be of type {getattr(hint, '__name__', str(hint))}, got "
                         f"{first['input']!r} ({first['msg'].lower()})") from None
 

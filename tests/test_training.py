@@ -81,7 +81,7 @@ def test_lr_schedule_warms_up_then_decays():
 def test_config_refuses_unknown_keys_and_bad_values(tmp_path):
     with pytest.raises(UserError, match="valid keys: data, output_dir"):
         load_config(TrainConfig, None, ["data=x", "wrej=3"])
-    with pytest.raises(UserError, match="target must be one of"):
+    with pytest.raises(UserError, match="key .target. must be one of accept_prob, expected_accept, got .foo."):
         load_config(TrainConfig, None, ["data=x", "target=foo"])
     with pytest.raises(UserError, match="missing required key"):
         load_config(TrainConfig, None, [])
@@ -172,7 +172,7 @@ def test_stats_need_datagen_draft_stats(tmp_path):
                                         "\\(or train inputs=hidden\\)"):
         load_split(cfg, read_manifest(old), "train", None)
     assert len(load_split(TrainConfig(data=str(old)), read_manifest(old), "train", None))
-    with pytest.raises(UserError, match="inputs must be one of hidden, hidden\\+stats, stats"):
+    with pytest.raises(UserError, match="inputs' must be one of hidden, hidden\\+stats, stats"):
         load_config(TrainConfig, None, [f"data={old}", "inputs=logits"])
     with pytest.raises(UserError, match="inputs=stats reads no hidden state: set feature=context"):
         load_config(TrainConfig, None, [f"data={old}", "inputs=stats"])

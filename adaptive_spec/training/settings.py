@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from ..errors import UserError
 from ..heads.head import FEATURES, INPUTS, MAX_DEPTH
@@ -16,10 +17,10 @@ RUNTIME_KEYS = {"stop_after_steps", "report_to", "wandb_project", "run_name", "k
 class TrainConfig:
     data: str                          # dataset folder written by datagen (manifest.json + shards)
     output_dir: str = "runs/head"      # run folder: log.jsonl, checkpoints/, head/, results.json
-    target: str = "accept_prob"        # accept_prob = min(1, p/q) of the sampled token | expected_accept
+    target: Literal[TARGETS] = "accept_prob"        # accept_prob = min(1, p/q) of the sampled token | expected_accept
     depth: int = 3                     # D residual blocks (0 = linear head); paper picks 3 or 4
-    feature: str = "token"             # token: e at Y_i's position (paper, one-step lag) | context: e that produced q_i (heads/head.py)
-    inputs: str = "hidden"             # hidden (paper) | hidden+stats: also log q(y), H(q), top-1 - top-2 of the draft (features.py) | stats: those alone (feature=context)
+    feature: Literal[FEATURES] = "token"             # token: e at Y_i's position (paper, one-step lag) | context: e that produced q_i (heads/head.py)
+    inputs: Literal[INPUTS] = "hidden"             # hidden (paper) | hidden+stats: also log q(y), H(q), top-1 - top-2 of the draft (features.py) | stats: those alone (feature=context)
     w_rej: float = 6.0                 # weight of the rejection term (paper's best: 6, with h = 0.7)
     w_acc: float = 1.0
     epochs: int = 3
@@ -32,7 +33,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0         # 0 = no clipping
     init_bias: bool = True             # start at the best constant predictor (output bias set, output weights 0)
     seed: int = 0
-    mixed_precision: str = "auto"      # auto | no | bf16 | fp16; auto = bf16 on a GPU, no on CPU
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"      # auto | no | bf16 | fp16; auto = bf16 on a GPU, no on CPU
     max_train_positions: int = 0       # 0 = all; else a fixed random subset (quick runs)
     max_dev_positions: int = 0         # 0 = all
     eval_train_positions: int = 100_000  # train metrics are measured on a fixed subset of this size
@@ -43,7 +44,7 @@ class TrainConfig:
     save_every: int = 1000             # steps between checkpoints (0 = none)
     keep_checkpoints: int = 2
     stop_after_steps: int = 0          # testing: exit abruptly after this step, as if killed
-    report_to: str = "wandb"           # wandb | none (wandb is offline unless configured)
+    report_to: Literal["wandb", "none"] = "wandb"           # wandb | none (wandb is offline unless configured)
     wandb_project: str = "adaptive_spec"
     run_name: str = ""
     draft: str = ""                    # draft model for datasets without features ("" = manifest's)

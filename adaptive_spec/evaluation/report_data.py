@@ -1,0 +1,301 @@
+"""A sweep's rows, aggregated for the report: loading, per-configuration aggregation over prompts,
+the forward-time fits, the per-dataset analysis and the tree families.
+
+The report's numbers all come from here; report_tables.py and report_plots.py only lay them out
+(report.py's docstring says how prompts are aggregated).
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..decoding import timemodel
+from ..errors import UserError
+from ..runs import read_json, read_jsonl
+from .sweep import RESULTS
+from .tree_calibration import TREE_POLICIES, tunstall_accepted
+
+SPEC_METHODS = ("fixed", "learned")  # the settings of Table 2's speculative fit (the paper's SpecDec, SpecDec++)
+HEURISTICS = ("confidence", "entropy", "heuristic")
+
+
+# ----------------------------------------------------------------------------- loading
+
+def load_sweep(sweep_dir: Path) -> tuple[list[dict], dict, dict]:
+    """(rows, heads info, config info) of a sweep folder."""
+    sweep_dir = Path(sweep_dir)
+    rpath = sweep_dir / RESULTS
+    if not rpath.is_file() and not rpath.with_name(RESULTS + ".gz").is_file():
+        raise UserError(f"{sweep_dir} has no {RESULTS}; run `adaptive-spec sweep --config ...` first or pass the "
+                        "sweep's out_dir to --sweep-dir")
+    rows = read_jsonl(rpath)
+    if not rows:
+        raise UserError(f"{rpath} holds no results yet; let the sweep run (it resumes where it stopped)")
+    need = ("dataset", "config", "method", "n_tokens", "n_target_forwards", "wall_s")
+    bad = [k for k in need if k not in rows[0]]
+    if bad:
+        raise UserError(f"{rpath} is not a sweep results file (rows lack {', '.join(bad)})")
+
+    def read(name):
+        return read_json(sweep_dir / name, required=False, hint="rerun the sweep to rewrite it") or {}
+
+    return rows, read("heads.json"), read("config.json")
+
+
+def ds_label(name: str) -> str:
+    return Path(name).stem if name.endswith((".json", ".jsonl")) else name.replace("/", "_")
+
+
+def _pkey(r: dict):
+    return (r.get("prompt_idx"), r.get("prompt_sha"))
+
+
+def complete_rows(rows: list[dict]) -> tuple[list[dict], int]:
+    """Rows of the prompts on which every configuration seen in `rows` ran (or all rows when no
+    prompt is complete); and the number of prompts left out."""
+    configs = {r["config"] for r in rows}
+    by_prompt = defaultdict(set)
+    for r in rows:
+        by_prompt[_pkey(r)].add(r["config"])
+    full = {p for p, cs in by_prompt.items() if cs == configs}
+    if not full:
+        return rows, 0
+    return [r for r in rows if _pkey(r) in full], len(by_prompt) - len(full)
+
+
+# ----------------------------------------------------------------------------- aggregation
+
+def _f(r, k) -> float:
+    v = r.get(k)
+    return float(v) if v is not None else 0.0
+
+
+def _decode_s(r) -> float:
+    return max(_f(r, "wall_s") - _f(r, "prefill_s"), 1e-12)
+
+
+@dataclass
+class Agg:
+    """One configuration on one dataset, aggregated over prompts."""
+
+    config: str
+    method: str
+    k: int | None
+    head: str | None
+    h: float | None
+    tau: float | None
+    n_prompts: int
+    n_tokens: float
+    n_draft: float
+    n_target: float
+    n_discarded: float
+    wall_s: float
+    decode_s: float
+    verification_rate: float
+    discard_rate: float
+    acceptance_rate: float
+    tokens_per_s: float
+    speedup: float  # geometric mean over prompts of tok/s / AR tok/s on the same prompt (nan without AR)
+    derived: bool  # counts derived (hf_assisted)
+    # per target pass (= per round): tokens, accepted and drafted tokens; a tree's depth and the
+    # accepted tokens its policy predicted (sum of R), where the rows have them
+    tokens_per_pass: float = float("nan")
+    accepted_per_pass: float = float("nan")
+    drafted_per_round: float = float("nan")
+    tree_depth: float = float("nan")
+    predicted_per_round: float = float("nan")
+    params: dict = field(default_factory=dict)  # a tree configuration's keys (drafting, estimator, budget, ...)
+
+    def label(self) -> str:
+        if self.method == "fixed":
+            return f"K={self.k}"
+        if self.method == "learned":
+            return f"{self.head}, h={self.h:g}"
+        return self.config
+
+
+def geomean(values) -> float:
+    v = [x for x in values if x and x > 0 and not math.isnan(x)]
+    return math.exp(sum(math.log(x) for x in v) / len(v)) if v else float("nan")
+
+
+def _tps(r) -> float:
+    return _f(r, "n_tokens") / max(_f(r, "wall_s"), 1e-12)
+
+
+def aggregate(rows: list[dict], how: str = "pooled", ar_by_prompt: dict | None = None) -> Agg:
+    r0 = rows[0]
+    S = lambda k: sum(_f(r, k) for r in rows)  # noqa: E731
+    N, NT, ND, NX = S("n_tokens"), S("n_target_forwards"), S("n_draft_forwards"), S("n_discarded")
+    wall, dec = S("wall_s"), sum(_decode_s(r) for r in rows)
+    acc, drafted = S("n_accepted"), S("n_drafted")
+    if how == "mean":
+        mean = lambda f: sum(f(r) for r in rows) / len(rows)  # noqa: E731
+        vr = mean(lambda r: _f(r, "n_target_forwards") / max(_f(r, "n_tokens"), 1))
+        dr = mean(lambda r: _f(r, "n_discarded") / max(_f(r, "n_tokens"), 1))
+        tps = mean(_tps)
+        ar_ = [_f(r, "n_accepted") / _f(r, "n_drafted") for r in rows if _f(r, "n_drafted")]
+        accr = sum(ar_) / len(ar_) if ar_ else float("nan")
+    else:
+        vr, dr, tps = NT / max(N, 1), NX / max(N, 1), N / max(wall, 1e-12)
+        accr = acc / drafted if drafted else float("nan")
+    sp = float("nan")
+    if ar_by_prompt:
+        sp = geomean(_tps(r) / _tps(ar_by_prompt[_pkey(r)]) for r in rows if _pkey(r) in ar_by_prompt)
+    a = Agg(r0["config"], r0["method"], r0.get("k"), r0.get("head"), r0.get("h"), r0.get("tau"), len(rows), N, ND,
+            NT, NX, wall, dec, vr, dr, accr, tps, sp, bool(r0.get("counts_derived")))
+    passes = lambda r: _f(r, "n_target_forwards")  # noqa: E731  (one target pass per round)
+    a.tokens_per_pass, a.accepted_per_pass, a.drafted_per_round = (
+        _ratio(rows, how, lambda r, k=k: _f(r, k), passes) for k in ("n_tokens", "n_accepted", "n_drafted"))
+    for attr, key in (("tree_depth", "tree_depth"), ("predicted_per_round", "predicted_accepted")):
+        have = [r for r in rows if r.get(key) is not None]  # per-round means: weighed by rounds when pooled
+        setattr(a, attr, _ratio(have, how, lambda r: _f(r, key) * _f(r, "rounds"), lambda r: _f(r, "rounds")))
+    if r0["method"] in TREE_POLICIES:
+        a.params = {k: r0.get(k) for k in ("drafting", "estimator", "budget", "max_budget", "num_drafts")}
+    return a
+
+
+def _ratio(rows: list[dict], how: str, num, den) -> float:
+    """sum num / sum den over the rows (pooled), or the mean over rows of num / den (mean)."""
+    if how == "mean":
+        v = [num(r) / den(r) for r in rows if den(r)]
+        return sum(v) / len(v) if v else float("nan")
+    d = sum(den(r) for r in rows)
+    return sum(num(r) for r in rows) / d if d else float("nan")
+
+
+def by_config(rows: list[dict]) -> dict[str, list[dict]]:
+    out = defaultdict(list)
+    for r in rows:
+        out[r["config"]].append(r)
+    return dict(out)
+
+
+# ----------------------------------------------------------------------------- fits
+
+def fit_settings(rows: list[dict]) -> dict:
+    """Forward-time fits of one dataset: {"standalone": {...}, "specdec": ForwardFit, "specdecpp": ...,
+    "speculative": ForwardFit (SpecDec + SpecDec++ pooled, used for Eq. 5.1)}."""
+    m = lambda *ms: [r for r in rows if r["method"] in ms]  # noqa: E731
+    tri = lambda rs: [(_f(r, "n_draft_forwards"), _f(r, "n_target_forwards"), _decode_s(r)) for r in rs]  # noqa: E731
+    ar, dar = m("ar"), m("draft_ar")
+    t_t, r2_t, n_t = timemodel.fit_standalone([_f(r, "n_target_forwards") for r in ar], [_decode_s(r) for r in ar])
+    t_d, r2_d, n_d = timemodel.fit_standalone([_f(r, "n_draft_forwards") for r in dar], [_decode_s(r) for r in dar])
+    return {
+        "standalone": {"t_draft": t_d, "t_target": t_t, "r2_draft": r2_d, "r2_target": r2_t, "n_draft": n_d,
+                       "n_target": n_t},
+        "specdec": timemodel.fit_forward_times(tri(m("fixed"))),
+        "specdecpp": timemodel.fit_forward_times(tri(m("learned"))),
+        "speculative": timemodel.fit_forward_times(tri(m(*SPEC_METHODS))),
+    }
+
+
+def usable(fit) -> bool:
+    return fit is not None and fit.t_draft is not None and fit.t_target is not None and fit.rank_ok
+
+
+def modelled_tps(a: Agg, fit) -> float:
+    if not usable(fit):
+        return float("nan")
+    return timemodel.theoretical_tokens_per_s(a.n_tokens, a.n_draft, a.n_target, fit.t_draft, fit.t_target)
+
+
+def rel_errors(rows: list[dict], t_draft: float, t_target: float) -> list[float]:
+    """Per-prompt |Eq. 5.1 throughput - measured decode throughput| / measured."""
+    out = []
+    for r in rows:
+        th = timemodel.theoretical_tokens_per_s(_f(r, "n_tokens"), _f(r, "n_draft_forwards"),
+                                             _f(r, "n_target_forwards"), t_draft, t_target)
+        out.append(timemodel.relative_error(th, _f(r, "n_tokens") / _decode_s(r)))
+    return [e for e in out if not math.isnan(e)]
+
+
+# ----------------------------------------------------------------------------- per-dataset analysis
+
+@dataclass
+class DatasetResult:
+    name: str
+    label: str
+    aggs: dict  # config -> Agg
+    rows: list  # the complete-prompt rows
+    fits: dict
+    n_prompts: int
+    dropped_prompts: int
+
+    def of(self, method: str) -> list[Agg]:
+        return [a for a in self.aggs.values() if a.method == method]
+
+    def best(self, method: str, key=lambda a: a.tokens_per_s) -> Agg | None:
+        c = [a for a in self.of(method) if not math.isnan(key(a))]
+        return max(c, key=key) if c else None
+
+    def get(self, config: str) -> Agg | None:
+        return self.aggs.get(config)
+
+
+def analyse(rows: list[dict], how: str = "pooled") -> list[DatasetResult]:
+    order = list(dict.fromkeys(r["dataset"] for r in rows))
+    results = []
+    for ds in order:
+        drows, dropped = complete_rows([r for r in rows if r["dataset"] == ds])
+        groups = by_config(drows)
+        ar = {_pkey(r): r for r in groups.get("ar", [])}
+        aggs = {c: aggregate(rs, how, ar or None) for c, rs in groups.items()}
+        results.append(DatasetResult(ds, ds_label(ds), aggs, drows, fit_settings(drows),
+                                     len({_pkey(r) for r in drows}), dropped))
+    return results
+
+
+def paired_ratio(d: DatasetResult, a: Agg | None, b: Agg | None) -> float:
+    """Geometric mean over prompts of tok/s(a) / tok/s(b) on the same prompt."""
+    if a is None or b is None:
+        return float("nan")
+    ra = {_pkey(r): r for r in d.rows if r["config"] == a.config}
+    rb = {_pkey(r): r for r in d.rows if r["config"] == b.config}
+    return geomean(_tps(ra[p]) / _tps(rb[p]) for p in ra if p in rb)
+
+
+def head_order(heads_info: dict, results: list[DatasetResult]) -> list[str]:
+    """The heads in heads.json's order, then any the rows name that it lacks."""
+    names = list(heads_info)
+    for d in results:
+        for a in d.of("learned"):
+            if a.head not in names:
+                names.append(a.head)
+    return names
+
+
+# ----------------------------------------------------------------------------- tree and multi-draft families
+
+FAMILY_OF = {"fixed": "fixed K", "learned": "SpecDec++", "ersd": "ERSD", "spectr": "SpecTr", "batch-sd": "batch SD",
+             "confidence": "confidence", "entropy": "entropy", "heuristic": "heuristic +2/-1", "oracle": "oracle",
+             "hf_assisted": "transformers assisted"}
+POS_TREE, HEAD_TREE, LEARNED_TREE = "optimal tree, positional R", "optimal tree, head-estimated R", \
+    "optimal tree, learned budget"
+FAMILIES = ("fixed K", "SpecDec++", POS_TREE, HEAD_TREE, LEARNED_TREE, "tree, fixed shape", "ERSD", "SpecTr",
+            "batch SD", "confidence", "entropy", "heuristic +2/-1", "oracle", "transformers assisted")
+
+
+def family(a: Agg) -> str | None:
+    """The family a configuration belongs to (None: the target or draft alone). `tree` (GSD) splits
+    by shape: the optimal tree by how R is estimated or a learned budget, and the fixed shapes."""
+    if a.method != "tree":
+        return FAMILY_OF.get(a.method)
+    if a.params.get("drafting", "tree") != "tree":
+        return "tree, fixed shape"
+    if a.params.get("budget") == "learned":
+        return LEARNED_TREE
+    return HEAD_TREE if a.params.get("estimator") == "head" else POS_TREE
+
+
+def best_of(d: DatasetResult, fams) -> Agg | None:
+    c = [a for a in d.aggs.values() if family(a) in fams and not math.isnan(a.tokens_per_s)]
+    return max(c, key=lambda a: a.tokens_per_s) if c else None
+
+
+def bound_curve(calibration: dict, method: str, ks) -> list[tuple[int, float]]:
+    """(budget, Tunstall bound on accepted tokens per pass) under `method`'s calibrated rates; [] uncalibrated."""
+    rates, vocab = calibration.get(method), calibration.get("settings", {}).get("vocab_size")
+    return [(k, tunstall_accepted(rates["cond_rates"], k, vocab)) for k in ks] if rates and vocab else []
