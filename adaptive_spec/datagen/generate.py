@@ -15,22 +15,13 @@ split train/dev/test on its own, so every source has its own dev prompts); `sour
 source each sequence came from, and the manifest counts prompts and tokens per source and split.
 
 p_i and q_i come from the generation pass itself: target and draft are stepped in lockstep on
-the sampled X (batched, left padded, KV cached), so no teacher-forced re-run of the target is
-needed. Only the features need a second draft pass, over Z alone (the prompt's KV cache is reused).
-Where the time goes (CPU): prompts are prefilled one by one (no pad rows: a prefill is
-compute-bound), a row leaves the batch and both caches when it samples EOS, and an int8 draft
-computes with a dense copy of its dequantized weights (every pass here is batched).
+the sampled X (batched, left padded, KV cached: batched.py), so no teacher-forced re-run of the
+target is needed. Only the features need a second draft pass, over Z alone (the prompt's KV cache
+is reused).
 
-On-disk format (a contract with the trainer; see docs/datagen.md):
-  out_dir/manifest.json  {"format": "adaptive_spec.datagen.v1", "config", "config_hash", "seed",
-                          "models": {"draft"|"target": {name, hidden_size, vocab_size, fingerprint}},
-                          "splits": {split: {n_prompts, n_tokens, n_loss_tokens, shards: [...]}},
-                          "sources": [{name, n, field, splits: {split: {n_prompts, n_tokens, n_loss_tokens}}}],
-                          "complete"}
-  out_dir/<split>/shard-NNNNN.safetensors with input_ids, input_offsets, prompt_lens, source_ids
-  (per sequence: an index into manifest "sources"), resp_offsets, x_ids, y_ids, z_ids, loss_mask,
-  accept_prob, expected_accept, draft_stats [T, 3] float32 [, features].
-n_tokens counts response tokens (T), n_loss_tokens those with loss_mask 1.
+The output (manifest.json and one safetensors file per shard) is a contract with the trainer:
+shards.py states it, tensor by tensor. n_tokens counts response tokens (T), n_loss_tokens those
+with loss_mask 1.
 
 Resuming: a shard is the unit of work. It is written atomically, and its random numbers come
 from a generator seeded by (seed, split, shard index) only, so rerunning the same command after
@@ -51,28 +42,26 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save
 from tqdm.auto import tqdm
-from transformers import DynamicCache
 
-from ..backends.models import (check_vocab, densify_quantized, load_model, model_fingerprint, model_kv, resolve_device,
-                               resolve_dtype, resolve_model_path, spread_kept_logits)
+from ..backends.models import (check_vocab, densify_quantized, load_model, model_fingerprint, resolve_device,
+                               resolve_dtype, resolve_model_path)
 from ..config import config_from_argv, config_to_dict
-from ..decoding.sampling import SamplingParams, process_logits, sample
+from ..decoding.sampling import SamplingParams
 from ..errors import UserError, get_logger, run_main
-from ..heads.features import draft_stats
 from ..params import PairParams
 from ..prompts import EVAL_SETS, TRAINING_SETS, encode_prompt, eos_token_ids, prompt_texts
-from ..runs import atomic_write, project_path, read_manifest, settings_problem, write_json
+from ..runs import project_path, read_manifest, settings_problem
+# The batched decoder and the shard format live in their own modules; the names other code reads
+# from here (tests, eval/, training/, features.py) are re-exported (noqa: F401).
+from .batched import _input_device, generate_shard, mix_tokens  # noqa: F401
+from .shards import (COUNTS, FORMAT, SPLITS, _n_shards, _write_shard, folder_manifest, iter_shards,  # noqa: F401
+                     load_shard, pack_shard, shard_file, shard_meta, write_manifest)
 
 log = get_logger(__name__)
 
-FORMAT = "adaptive_spec.datagen.v1"
-SPLITS = ("train", "dev", "test")
 WORK_ORDER = ("dev", "test", "train")  # the small evaluation splits first: a partial run is already usable
 # Keys that cannot change what is generated: a resume may change them freely.
 UNHASHED_KEYS = ("name", "out_dir", "overwrite", "threads", "progress")
@@ -85,7 +74,6 @@ STORED_UNSET = {"draft_vocab": "", "device": "auto", "threads": 0}
 # settings of the pair that datagen does not read (it runs the torch engine with dynamic caches)
 UNREAD_PAIR = ("backend", "n_ctx", "kv_cache", "runtime", "max_cache_len")
 SOURCE_KEYS = ("name", "n", "field")
-_META_KEY = "adaptive_spec.datagen"  # the single safetensors metadata key (see _write_shard)
 
 
 @dataclass
@@ -315,11 +303,7 @@ def load_models(cfg: DatagenConfig, device):
     return draft, target, ttok, vocab
 
 
-def _input_device(model) -> torch.device:
-    return model.get_input_embeddings().weight.device
-
-
-# -------------------------------------------------------------------------------- generation
+# ----------------------------------------------------------------------------------- the run
 
 
 def shard_generator(seed: int, split: str, shard: int, device) -> torch.Generator:
@@ -328,279 +312,10 @@ def shard_generator(seed: int, split: str, shard: int, device) -> torch.Generato
     return torch.Generator(device=device).manual_seed(s)
 
 
-def mix_tokens(x: torch.Tensor, y: torch.Tensor, r: float, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Z = X with probability r, else Y (token mixing). Returns (z, loss_mask: 1 where Z came from Y)."""
-    keep_x = torch.rand(x.shape, generator=gen, device=x.device) < r
-    return torch.where(keep_x, x, y), (~keep_x).to(torch.uint8)
-
-
-def _left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    L = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), L), dtype=torch.long)
-    for b, s in enumerate(seqs):
-        ids[b, L - len(s):] = torch.tensor(s, dtype=torch.long)
-        mask[b, L - len(s):] = 1
-    return ids, mask
-
-
-def _positions(mask: torch.Tensor) -> torch.Tensor:
-    # left padding: real tokens get 0, 1, 2, ... as in an unpadded run
-    return (mask.cumsum(-1) - 1).clamp_min(0)
-
-
-def _step(model, ids, mask, pos, cache, vocab: int, dev) -> torch.Tensor:
-    d = _input_device(model)
-    out = model(input_ids=ids.to(d), attention_mask=mask.to(d), position_ids=pos.to(d), **model_kv(model, cache),
-                use_cache=True, logits_to_keep=1)
-    logits = out.logits[:, -1].float()
-    kept = getattr(model, "kept_ids", None)
-    if kept is not None:  # a reduced draft vocabulary: q = 0 outside the kept tokens, as in decoding
-        logits = spread_kept_logits(logits, kept[kept < vocab], vocab)
-    return logits[:, :vocab].to(dev)
-
-
-def _prefill(model, prompts: list[list[int]], vocab: int, dev):
-    """Each prompt's own forward, then its KV right-aligned into one left-padded batch cache:
-    (logits at each prompt's last token [B, vocab], per layer (keys, values) [B, heads, L, dim]).
-
-    Why not one forward padded to the batch's longest prompt: a prefill is compute-bound, and on
-    the mix's prompts (median 71 tokens, a tail to 1024) pad rows were 40% of the rows of
-    length-sorted batches of 8, more for larger batches. (Prefilling runs of similar-length
-    prompts together, with a little padding, measured no faster: a forward's fixed cost, the
-    weights read once, about equals the pad rows it adds.) The pad slots of the cache stay zero;
-    the attention mask hides them, as it hid the pad rows' KV before."""
-    caches, logits = [], []
-    for s in prompts:
-        c = DynamicCache(config=model.config)
-        ids = torch.tensor([s], dtype=torch.long)
-        logits.append(_step(model, ids, torch.ones_like(ids), torch.arange(len(s))[None], c, vocab, dev))
-        caches.append(c)
-    L = max(len(s) for s in prompts)
-    kv = []
-    for i in range(len(caches[0].layers)):
-        k0, v0 = caches[0].layers[i].keys, caches[0].layers[i].values
-        keys = k0.new_zeros(len(prompts), k0.shape[1], L, k0.shape[3])
-        values = v0.new_zeros(len(prompts), v0.shape[1], L, v0.shape[3])
-        for b, c in enumerate(caches):
-            n = len(prompts[b])
-            keys[b, :, L - n:] = c.layers[i].keys[0]
-            values[b, :, L - n:] = c.layers[i].values[0]
-        kv.append((keys, values))
-    return torch.cat(logits), kv
-
-
-def _cache(model, kv: list[tuple[torch.Tensor, torch.Tensor]]):
-    """A DynamicCache holding copies of per-layer (keys, values): decoding appends to and
-    compacts its own tensors, never these."""
-    cache = DynamicCache(config=model.config)
-    for i, (k, v) in enumerate(kv):
-        cache.update(k, v, i)  # an empty layer's update concatenates: a copy
-    return cache
-
-
-@torch.inference_mode()
-def generate_batch(draft, target, prompts: list[list[int]], cfg: DatagenConfig, vocab: int, eos_ids: list[int],
-                   pad_id: int, gen: torch.Generator) -> list[dict[str, torch.Tensor]]:
-    """Lockstep generation for one batch: per sequence x, y, z, loss_mask, accept_prob,
-    expected_accept, draft_stats (and features) over its N response positions."""
-    params = cfg.sampling()
-    dev = gen.device
-    B = len(prompts)
-    _, mask = _left_pad(prompts, pad_id)
-    pos = _positions(mask)
-    prompt_mask = mask
-    t_logits, t_kv = _prefill(target, prompts, vocab, dev)
-    d_logits, d_kv = _prefill(draft, prompts, vocab, dev)
-    tcache, dcache = _cache(target, t_kv), _cache(draft, d_kv)  # d_kv stays: the features pass
-    del t_kv
-    next_pos = pos[:, -1:] + 1
-    eos = torch.tensor(eos_ids, dtype=torch.long, device=dev)
-    lengths = torch.full((B,), cfg.max_new_tokens, dtype=torch.long)
-    # The rows still generating (indices into the batch). A row that samples EOS leaves the batch
-    # and both caches: decoding it on to max_new_tokens cost ~12% of the steps' rows at 128
-    # tokens, while dropping rows from the caches is a copy of their KV, paid once per ending.
-    act = torch.arange(B, device=dev)
-    xs, ys, ps, es, ds = [], [], [], [], []
-
-    def full(v: torch.Tensor, fill) -> torch.Tensor:  # active rows' values -> [B, ...]
-        return torch.full((B, *v.shape[1:]), fill, dtype=v.dtype, device=v.device).index_copy_(0, act, v)
-
-    for i in range(cfg.max_new_tokens):
-        x, y, accept_prob, expected_accept, stats = _sample_position(t_logits, d_logits, params, gen)
-        xs.append(full(x, pad_id))
-        ys.append(full(y, pad_id))
-        ps.append(full(accept_prob, 0))
-        es.append(full(expected_accept, 0))
-        ds.append(full(stats, 0))
-        if i + 1 == cfg.max_new_tokens:
-            break
-        if cfg.stop_at_eos and eos.numel():
-            ended = torch.isin(x, eos)
-            if bool(ended.any()):
-                lengths[act[ended].cpu()] = i + 1
-                keep = (~ended).nonzero()[:, 0]
-                if keep.numel() == 0:
-                    break
-                act, x, mask, next_pos = act[keep], x[keep], mask[keep.cpu()], next_pos[keep.cpu()]
-                for c in (tcache, dcache):
-                    c.batch_select_indices(keep.to(c.layers[0].keys.device))
-        # feed X_i to both models
-        mask = torch.cat([mask, torch.ones((len(act), 1), dtype=mask.dtype)], dim=1)
-        t_logits = _step(target, x[:, None], mask, next_pos, tcache, vocab, dev)
-        d_logits = _step(draft, x[:, None], mask, next_pos, dcache, vocab, dev)
-        next_pos = next_pos + 1
-    del tcache, dcache
-    X, Y = torch.stack(xs, 1), torch.stack(ys, 1)
-    P, E = torch.stack(ps, 1), torch.stack(es, 1)
-    Z, loss_mask = mix_tokens(X, Y, cfg.mix_ratio, gen)
-    feats = _draft_features(draft, _cache(draft, d_kv), pos[:, -1:] + 1, prompt_mask, Z) \
-        if cfg.store_features else None
-    X, Y, Z, P, E, loss_mask, D = (t.cpu() for t in (X, Y, Z, P, E, loss_mask, torch.stack(ds, 1)))
-    return _split_sequences(prompts, lengths, X, Y, Z, P, E, loss_mask, D, feats)
-
-
-def _sample_position(t_logits, d_logits, params, gen: torch.Generator):
-    """One response position of the batch: X_i ~ p_i, Y_i ~ q_i, the probability that Y_i is
-    accepted, min(1, p(Y_i)/q(Y_i)), its expectation over Y_i, 1 - TV(p_i, q_i), and
-    draft_stats(q_i, Y_i) [B, 3].
-
-    q is the processed distribution (temperature, top-k, top-p) that Y_i is drawn from: the
-    decoder's q, the one its stop rules and heads see when drafting. Its statistics are taken at
-    Y_i, not Z_i: Z_i = Y_i wherever the loss is taken, and X_i may lie outside q's support
-    (log q = -inf) where it is not."""
-    p = process_logits(t_logits, params)
-    q = process_logits(d_logits, params)
-    x = sample(p, gen)  # X_i ~ p_i: the target's response
-    y = sample(q, gen)  # Y_i ~ q_i: the draft's candidate at the same position
-    p_y = p.gather(-1, y[:, None])[:, 0]
-    q_y = q.gather(-1, y[:, None])[:, 0]  # > 0: y was drawn from q
-    return x, y, (p_y / q_y).clamp(max=1.0), torch.minimum(p, q).sum(-1), draft_stats(q, y)  # 1 - TV(p, q)
-
-
-def _split_sequences(prompts, lengths, X, Y, Z, P, E, loss_mask, D, feats) -> list[dict[str, torch.Tensor]]:
-    """Per sequence b, its first lengths[b] positions (tokens past its EOS dropped)."""
-    seqs = []
-    for b in range(len(prompts)):
-        n = int(lengths[b])
-        seqs.append({"prompt": torch.tensor(prompts[b], dtype=torch.int32), "x": X[b, :n].to(torch.int32),
-                     "y": Y[b, :n].to(torch.int32), "z": Z[b, :n].to(torch.int32),
-                     "loss_mask": loss_mask[b, :n].contiguous(), "accept_prob": P[b, :n].float(),
-                     "expected_accept": E[b, :n].float(), "draft_stats": D[b, :n].float().contiguous()})
-        if feats is not None:
-            seqs[-1]["features"] = feats[b, :n].contiguous()
-    return seqs
-
-
-def _draft_features(draft, prompt_cache, first_pos, prompt_mask, Z) -> torch.Tensor:
-    """The draft's final hidden state (after the final norm) at the positions whose input tokens
-    are Z_1..Z_n, i.e. over the sequence (prompt, Z). bf16 [B, n, H].
-
-    `prompt_cache` holds the (padded) prompt from the prefill, so only Z is fed, which saves the
-    prompt's share of this pass. Rows that ended early carry trailing pad tokens past their EOS;
-    the pass is causal, so those do not touch earlier positions.
-    """
-    B, n = Z.shape
-    mask = torch.cat([prompt_mask, torch.ones((B, n), dtype=prompt_mask.dtype)], dim=1)
-    pos = first_pos + torch.arange(n)
-    d = _input_device(draft)
-    h = draft.base_model(input_ids=Z.to(d), attention_mask=mask.to(d), position_ids=pos.to(d),
-                         **model_kv(draft.base_model, prompt_cache), use_cache=True).last_hidden_state
-    return h.to(torch.bfloat16).cpu()
-
-
-def pack_shard(seqs: list[dict[str, torch.Tensor]], store_features: bool) -> dict[str, torch.Tensor]:
-    """Concatenate per-sequence arrays into the shard tensors of the v1 format."""
-    def offsets(lens):
-        return torch.tensor([0] + lens, dtype=torch.int64).cumsum(0)
-
-    resp_lens = [len(s["z"]) for s in seqs]
-    t = {
-        "input_ids": torch.cat([torch.cat([s["prompt"], s["z"]]) for s in seqs]).to(torch.int32),
-        "input_offsets": offsets([len(s["prompt"]) + len(s["z"]) for s in seqs]),
-        "prompt_lens": torch.tensor([len(s["prompt"]) for s in seqs], dtype=torch.int32),
-        "source_ids": torch.tensor([s["source"] for s in seqs], dtype=torch.int32),
-        "resp_offsets": offsets(resp_lens),
-        "x_ids": torch.cat([s["x"] for s in seqs]),
-        "y_ids": torch.cat([s["y"] for s in seqs]),
-        "z_ids": torch.cat([s["z"] for s in seqs]),
-        "loss_mask": torch.cat([s["loss_mask"] for s in seqs]).to(torch.uint8),
-        "accept_prob": torch.cat([s["accept_prob"] for s in seqs]).to(torch.float32),
-        "expected_accept": torch.cat([s["expected_accept"] for s in seqs]).to(torch.float32),
-        "draft_stats": torch.cat([s["draft_stats"] for s in seqs]).to(torch.float32),
-    }
-    if store_features:
-        t["features"] = torch.cat([s["features"] for s in seqs]).to(torch.bfloat16)
-    return {k: v.contiguous() for k, v in t.items()}
-
-
-# ----------------------------------------------------------------------------------- storage
-
-
-def _write_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict):
-    """Atomic write. All metadata goes into ONE key as sorted JSON: safetensors stores the
-    metadata map in hash order, which would break byte-identical reruns with several keys."""
-    atomic_write(path, save(tensors, metadata={_META_KEY: json.dumps(meta, sort_keys=True)}))
-
-
-def shard_meta(path: Path) -> dict:
-    with safe_open(str(path), framework="pt") as f:
-        return json.loads((f.metadata() or {}).get(_META_KEY, "{}"))
-
-
-def load_shard(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of one shard file (see the module docstring for their meaning)."""
-    return load_file(str(path))
-
-
-def iter_shards(out_dir: str | Path, split: str) -> Iterator[dict[str, torch.Tensor]]:
-    """The shards of `split` listed in out_dir/manifest.json, in order, loaded one at a time."""
-    out_dir = Path(out_dir)
-    man = read_manifest(out_dir, hint="point at a folder written by `adaptive-spec datagen`")
-    if split not in man["splits"]:
-        raise UserError(f"split {split!r} is not in {out_dir}; it has {', '.join(man['splits'])}")
-    for sh in man["splits"][split]["shards"]:
-        yield load_shard(out_dir / sh["file"])
-
-
-def shard_file(split: str, k: int) -> str:
-    return f"{split}/shard-{k:05d}.safetensors"
-
-
-def _n_shards(n_prompts: int, shard_size: int) -> int:
-    return -(-n_prompts // shard_size)
-
-
-COUNTS = ("n_prompts", "n_tokens", "n_loss_tokens")
-
-
 def build_manifest(out_dir: Path, cfg: DatagenConfig, models: dict, planned: dict) -> dict:
-    """The manifest as the folder stands: every finished shard file, in index order, and the
-    counts per split and per source."""
-    srcs = [{**src, "splits": {s: dict.fromkeys(COUNTS, 0) for s in SPLITS}} for src in cfg.source_list()]
-    splits, complete = {}, True
-    for s in SPLITS:
-        entry = {**dict.fromkeys(COUNTS, 0), "shards": []}
-        for k in range(planned[s]["n_shards"]):
-            f = shard_file(s, k)
-            if not (out_dir / f).is_file():
-                complete = False
-                continue
-            m = shard_meta(out_dir / f)
-            entry["shards"].append({"file": f, "n_seqs": m["n_seqs"], "n_tokens": m["n_tokens"],
-                                    "n_loss_tokens": m["n_loss_tokens"]})
-            for a, b in zip(COUNTS, ("n_seqs", "n_tokens", "n_loss_tokens")):
-                entry[a] += m[b]
-            for src, counts in zip(srcs, m.get("by_source", [])):
-                for a, c in zip(COUNTS, counts):
-                    src["splits"][s][a] += c
-        splits[s] = entry
-    return {"format": FORMAT, "config": cfg.stored(), "config_hash": config_hash(cfg), "seed": cfg.seed,
-            "models": models, "splits": splits, "sources": srcs, "planned": planned, "complete": complete}
-
-
-def write_manifest(out_dir: Path, manifest: dict):
-    write_json(out_dir / "manifest.json", manifest)
+    """The manifest of a run of `cfg` as the folder stands (shards.folder_manifest)."""
+    return folder_manifest(out_dir, config=cfg.stored(), config_hash=config_hash(cfg), seed=cfg.seed,
+                           sources=cfg.source_list(), models=models, planned=planned)
 
 
 def _identity(config: dict, models: dict, planned: dict) -> dict:
@@ -750,20 +465,6 @@ def eos_and_pad(tok, target) -> tuple[list[int], int]:
     """The ids that end a response, and the id that left-pads a batch."""
     eos_ids = eos_token_ids(tok, target)
     return eos_ids, tok.pad_token_id if tok.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
-
-
-def generate_shard(draft, target, prompts, cfg, vocab, eos_ids, pad_id, gen, on_batch) -> list[dict]:
-    """The sequences of one shard, in file order; batches hold prompts of similar length (less
-    padding in the prefill)."""
-    order = sorted(range(len(prompts)), key=lambda j: len(prompts[j]))
-    seqs: list = [None] * len(prompts)
-    for b in range(0, len(order), cfg.batch_size):
-        idx = order[b:b + cfg.batch_size]
-        batch = generate_batch(draft, target, [prompts[j] for j in idx], cfg, vocab, eos_ids, pad_id, gen)
-        for j, seq in zip(idx, batch):
-            seqs[j] = seq
-        on_batch(batch)
-    return seqs
 
 
 def _save_shard(out_dir: Path, split: str, k: int, seqs: list[dict], cfg: DatagenConfig, n_sources: int) -> dict:
