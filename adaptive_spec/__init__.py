@@ -1,17 +1,34 @@
 """adaptive_spec: exact speculative decoding with trainable adaptive drafting (SpecDec++).
 
 Data flows one way: prompts -> datagen -> training -> acceptance head -> decoder -> sweep -> report.
-"""
-from .backends.models import CausalLM, load_model
-from .heads.head import AcceptanceHead, load_head
-from .decoding.decoder import Decoder, Generation, Metrics
-from .decoding.interfaces import DraftStep, RoundOwner, RoundState, StopPolicy, register
-from .decoding.pipeline import SpecPair, make_policy, policy_names
-from .decoding.ngram import NgramPolicy
-from .decoding.policies import FixedK, LearnedThreshold
-from .decoding.sampling import SamplingParams
-from .errors import UserError
 
-__all__ = ["AcceptanceHead", "CausalLM", "Decoder", "DraftStep", "FixedK", "Generation", "LearnedThreshold", "Metrics",
-           "NgramPolicy", "RoundOwner", "RoundState", "SamplingParams", "SpecPair", "StopPolicy", "UserError", "load_head",
-           "load_model", "make_policy", "policy_names", "register"]
+The public names load on first use (PEP 562), so `import adaptive_spec.params` (every check the
+command line runs before a model loads) does not import torch.
+"""
+from __future__ import annotations
+
+import importlib
+
+_WHERE = {
+    "CausalLM": "backends.models", "load_model": "backends.models",
+    "AcceptanceHead": "heads.head", "load_head": "heads.head",
+    "Decoder": "decoding.decoder", "Generation": "decoding.decoder", "Metrics": "decoding.decoder",
+    "DraftStep": "decoding.interfaces", "RoundOwner": "decoding.interfaces", "RoundState": "decoding.interfaces",
+    "StopPolicy": "decoding.interfaces", "register": "decoding.interfaces",
+    "SpecPair": "decoding.pipeline", "make_policy": "decoding.pipeline", "policy_names": "decoding.pipeline",
+    "NgramPolicy": "decoding.ngram", "FixedK": "decoding.policies", "LearnedThreshold": "decoding.policies",
+    "SamplingParams": "decoding.sampling", "UserError": "errors",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'adaptive_spec' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    globals()[name] = value  # once: later lookups skip __getattr__
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_WHERE))

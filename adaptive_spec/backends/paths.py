@@ -1,0 +1,48 @@
+"""What a user names, resolved without torch: a model (hub id, folder, or the default pair's cached
+folder) and a `--draft-vocab` spec. Stdlib only (fetch.py is imported for its paths, and downloads only
+when auto_fetch asks), so params' checks run here before torch and the weights load."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import UserError
+
+
+def parse_draft_vocab(spec) -> tuple[str, int | None] | None:
+    """`--draft-vocab` split into (FILE or "", N or None); None means the whole vocabulary.
+    "N" -> ("", N), "FILE" -> (FILE, None), "FILE:N" -> (FILE, N). Bounds are checked by the callers."""
+    if spec in (None, "", "none", "full"):
+        return None
+    spec = str(spec).strip()
+    path, _, n = spec.rpartition(":")
+    if not n.lstrip("-").isdigit():
+        path, n = spec, ""
+    return path, int(n) if n else None
+
+
+def resolve_model_path(name: str | None, role: str, auto_fetch: bool = True) -> str:
+    """Map a user's model name to something `from_pretrained` takes.
+
+    None / "default" -> the cached default pair (fetched on first use when auto_fetch);
+    an existing folder -> itself (it must hold a config.json); anything else -> a hub id.
+    """
+    if name in (None, "", "default"):
+        from . import fetch  # only to build the default pair: keeps the download code off the generation path
+
+        paths = fetch.default_pair_paths()
+        if not fetch.is_fetched(role):
+            if not auto_fetch:
+                raise UserError(f"the default {role} model is not fetched yet; run `adaptive-spec fetch-models`")
+            fetch.fetch_default_pair(roles=[role])
+        return str(paths[role])
+    p = Path(name).expanduser()
+    if p.exists():
+        if not (p / "config.json").is_file():
+            raise UserError(f"{role} model folder {p} has no config.json; point --{role} at a folder "
+                            "saved with save_pretrained, or at a hub id")
+        return str(p)
+    # a hub id is "name" or "org/name"; anything else that does not exist is a missing folder
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise UserError(f"{role} model path {name} does not exist; pass an existing folder or a hub id "
+                        "such as Qwen/Qwen2.5-Coder-0.5B-Instruct")
+    return name

@@ -1,0 +1,432 @@
+"""A sweep's config and the configurations it runs: SweepConfig (checked before anything loads),
+RunSpec and build_grid. Part of `adaptive-spec sweep` (sweep.py: the module doc has the keys).
+
+Every policy setting is checked by its params class (params.py), the one `generate` takes: a
+`policies` or `trees` entry is spelled and defaulted as generate's keywords are, and ks, thresholds
+and the taus are each checked as the setting of their policy. `trees` entries written with the
+sweep's old names (budget, max_budget, node_cost, estimator, adapt) are read as they were meant
+(_from_old_names), so the committed configs and the stored results keep their grid keys.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import TypeAdapter, ValidationError
+
+from ..backends import engines
+from ..decoding.sampling import SamplingParams
+from ..decoding.trees.shapes import NESTED
+from ..errors import UserError
+from ..params import PairParams, build, check_runs_on, policy_class, policy_names, policy_params
+from ..runs import project_path
+from .sweep_heads import find_head_folder, resolve_heads
+from .tree_calibration import TREE_POLICIES
+
+AUTO = "auto"
+
+
+@dataclass
+class SweepConfig:
+    name: str = ""  # names the default out_dir runs/sweep/<name>; defaults to the config file's stem
+    # the models, as `generate` takes them (params.PairParams): pair: {draft_quant: int8, backend: llama.cpp, ...}
+    pair: PairParams = field(default_factory=PairParams)
+    # prompts
+    datasets: list[str] = field(default_factory=lambda: ["alpaca"])
+    fields: dict = field(default_factory=dict)  # dataset -> text field (default: the set's own)
+    hf_configs: dict = field(default_factory=dict)  # hub dataset -> configuration name
+    hf_splits: dict = field(default_factory=dict)  # hub dataset -> split
+    n_prompts: int = 30
+    max_prompt_tokens: int = 1024  # longer prompts are skipped (the next shuffled prompt takes the place)
+    chat: bool = True  # wrap prompts in the tokenizer's chat template
+    # sampling (paper appendix D.1: T = 1, top-k 50)
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_k: int = 50
+    top_p: float = 1.0
+    seed: int = 0  # prompt shuffle and generation seeds
+    # the grid
+    # and/or auto; a float is let through typing for validate() to refuse with its reason
+    ks: list[int | float | str] = field(default_factory=lambda: list(range(1, 15)))
+    heads: list[str] = field(default_factory=list)  # head folders (or training output dirs with head/); globs ok
+    thresholds: list[float | str] = field(default_factory=lambda: [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
+    curve: str = ""  # threshold_curve.json for `ks: [auto]` (default: the one beside the first head)
+    k_max: int = 20  # hard cap on candidates per round for the adaptive policies (paper: 20)
+    confidence_taus: list[float] = field(default_factory=list)
+    entropy_taus: list[float] = field(default_factory=list)
+    heuristic: bool = False
+    oracle: bool = False  # greedy only; skipped with a note when temperature > 0
+    include_ar: bool = True
+    include_draft_ar: bool = True
+    hf_assisted: bool = False
+    hf_prompt_lookup: bool = False
+    # tree / multi-draft configurations (module doc of sweep.py): each entry is the settings of its policy's
+    # params class, as `policies` entries are, with rates calibrated by the sweep; checked by tree_specs
+    trees: list[Any] = field(default_factory=list)
+    # any policy by the settings `generate` takes (params.py), one configuration each, checked by the
+    # policy's own params class: [{policy: ngram}, {policy: ngram, k: 3}, {policy: ngram, fallback: learned,
+    # head: DIR, threshold: auto}]; `label` names the configuration in the report (default: its settings)
+    policies: list[Any] = field(default_factory=list)
+    tree_calibration_prompts: int = 2  # per dataset: prompts the tree acceptance rates are measured on
+    tree_calibration_width: int = 8  # siblings of the calibration's batch drafting
+    # running
+    warmup: bool = True  # one short untimed generation per kind before the first timed run
+    out_dir: str = ""  # default runs/sweep/<name>, relative to the project root
+    overwrite: bool = False  # discard results of other settings found in out_dir (same settings: resumed)
+    progress: bool = True
+
+    def validate(self):
+        if not self.datasets or not all(isinstance(d, str) and d.strip() for d in self.datasets):
+            raise UserError("config key 'datasets' must be a non-empty list of dataset names or paths")
+        if len(set(self.datasets)) != len(self.datasets):
+            raise UserError(f"config key 'datasets' lists a dataset twice: {self.datasets}")
+        for key in ("fields", "hf_configs", "hf_splits"):
+            d = getattr(self, key)
+            if not isinstance(d, dict):
+                raise UserError(f"config key '{key}' must be a mapping dataset: value, got {d!r}")
+            stray = sorted(set(d) - set(self.datasets))
+            if stray:
+                raise UserError(f"config key '{key}' names dataset(s) {', '.join(map(repr, stray))} that are not in "
+                                f"datasets ({', '.join(self.datasets)})")
+        for key in ("n_prompts", "max_new_tokens", "max_prompt_tokens", "k_max", "tree_calibration_prompts",
+                    "tree_calibration_width"):
+            if getattr(self, key) < 1:
+                raise UserError(f"{key} must be >= 1, got {getattr(self, key)}")
+        typed = policy_specs(self)
+        if self.pair.draft is None and self.needs_draft(typed):
+            raise UserError("pair.draft is none, but the grid drafts with a draft model (ks, heads, taus, heuristic, "
+                            "oracle, trees, include_draft_ar or a policy that uses one): name a draft model (default: "
+                            "the default pair's), or keep only ar and policies without one (ngram)")
+        engine = self.pair.engine
+        for key, need in (("hf_assisted", "hf_generate"), ("hf_prompt_lookup", "hf_generate"), ("trees", "tree")):
+            if getattr(self, key) and need not in engine.capabilities:
+                raise UserError(f"{key} needs {engines.CAPABILITIES[need]}, which the {engine.name} backend does not "
+                                f"give; set it off for pair.backend {engine.name}, or use backend torch")
+        SamplingParams(self.temperature, self.top_k, self.top_p)
+        self.ks = [_auto_or(k, int, "ks") for k in self.ks]
+        self.thresholds = [_auto_or(h, float, "thresholds") for h in self.thresholds]
+        # each value is one setting of a policy: its params field checks it, as generate's flag would
+        for key, name, setting in (("ks", "fixed", "k"), ("thresholds", "learned", "threshold"),
+                                   ("confidence_taus", "confidence", "threshold"),
+                                   ("entropy_taus", "entropy", "threshold")):
+            _check_setting(getattr(self, key), key, name, setting)
+        if AUTO in self.ks and not (self.curve or self.heads):
+            raise UserError("ks lists auto but neither curve nor heads is given: set curve to a threshold_curve.json "
+                            "(made by `adaptive-spec autotune`), or list a head that has one")
+        if self.heads and not self.thresholds:
+            raise UserError("heads are given but thresholds is empty; list the h values to sweep")
+        for key, specs in (("policies", typed), ("trees", tree_specs(self))):
+            for spec in specs:
+                try:
+                    check_runs_on(spec.params["settings_obj"], engine)
+                except UserError as e:
+                    raise UserError(f"{key}: {e}") from None
+
+    def needs_draft(self, typed: list | None = None) -> bool:
+        return bool(self.include_draft_ar or self.ks or self.heads or self.confidence_taus or self.entropy_taus
+                    or self.heuristic or self.oracle or self.hf_assisted or self.trees
+                    or any(s.params["settings_obj"].uses_draft for s in (typed if typed is not None
+                                                                         else policy_specs(self))))
+
+    def resolved_out_dir(self) -> Path:
+        return project_path(self.out_dir or f"runs/sweep/{self.name or 'sweep'}")
+
+
+def _auto_or(value, kind, key: str):
+    """`auto`, or the value as `kind` (a YAML or key=value list may hold numbers as strings)."""
+    if isinstance(value, str) and value.strip().lower() == AUTO:
+        return AUTO
+    try:
+        if kind is int and (isinstance(value, bool) or float(value) != int(float(value))):
+            raise ValueError(value)
+        return kind(value)
+    except (TypeError, ValueError):
+        raise UserError(f"config key '{key}' takes {'integers' if kind is int else 'numbers'} or auto, "
+                        f"got {value!r}") from None
+
+
+def _check_setting(values: list, key: str, name: str, setting: str) -> None:
+    """Every value of the list `key` as policy `name`'s `setting` (its params field, alone: the other
+    settings, e.g. the learned policy's head, are checked where the configuration is built)."""
+    f = policy_class(name).model_fields[setting]
+    adapter = TypeAdapter(Annotated[f.annotation, f])
+    for v in values:
+        try:
+            adapter.validate_python(v)
+        except ValidationError:
+            expects = (f.json_schema_extra or {}).get("expects", "valid")
+            raise UserError(f"config key '{key}' lists {v!r}, but the {name} policy's {setting} must be "
+                            f"{expects}") from None
+
+
+def _as_keys(msg: str, cls, written: dict | None = None) -> str:
+    """A params error in the config's spelling: the settings its cross-field checks name as generate's
+    flags (--tree-learned) named as the entry's keys (tree_learned, or the old name it wrote)."""
+    def key(m):
+        k = m[1].replace("-", "_")
+        return (written or {}).get(k, k) if k in cls.model_fields else m[0]
+    return re.sub(r"--([a-z][a-z0-9-]*)", key, msg)
+
+
+def _fmt(v) -> str:
+    return v if v == AUTO else f"{v:g}"
+
+
+# ----------------------------------------------------------------------------- the grid
+
+@dataclass
+class RunSpec:
+    key: str  # unique within a sweep, e.g. "fixed:k=4", "learned:head=d3-wrej6:h=0.7"
+    method: str  # ar | draft_ar | fixed | learned | confidence | entropy | heuristic | oracle | hf_assisted,
+    #              or a policy name (a `policies` or `trees` entry)
+    # k, head, h, tau; a `policies` entry's settings (settings, settings_obj); a `trees` entry's
+    # (tree: its settings, head by label; settings_obj) and its row fields (tree_row_fields)
+    params: dict = field(default_factory=dict)
+
+    def row_fields(self) -> dict:
+        row = {"config": self.key, "method": self.method, "k": self.params.get("k"),
+               "head": self.params.get("head"), "h": self.params.get("h"), "tau": self.params.get("tau")}
+        if "settings" in self.params:  # a `policies` entry: its settings as given
+            row["settings"] = self.params["settings"]
+        if "tree" in self.params:  # node_cost: the value used goes in the row (auto is measured)
+            row.update({k: v for k, v in self.params.items() if k not in ("tree", "settings_obj")})
+        return row
+
+
+def tree_params(spec: RunSpec):
+    """The typed settings of a `trees` configuration (None for any other), head as a folder."""
+    return spec.params["settings_obj"] if "tree" in spec.params else None
+
+
+def build_grid(cfg: SweepConfig, head_labels: list[str]) -> tuple[list[RunSpec], list[str]]:
+    """The configurations run on every prompt, in run order, and notes on what was left out."""
+    specs, notes = [], []
+    if cfg.include_ar:
+        specs.append(RunSpec("ar", "ar"))
+    if cfg.include_draft_ar:
+        specs.append(RunSpec("draft_ar", "draft_ar"))
+    specs += [RunSpec(f"fixed:k={k}", "fixed_auto" if k == AUTO else "fixed", {"k": k}) for k in dict.fromkeys(cfg.ks)]
+    for label in head_labels:
+        specs += [RunSpec(f"learned:head={label}:h={_fmt(h)}", "learned_auto" if h == AUTO else "learned",
+                          {"head": label, "h": h}) for h in dict.fromkeys(cfg.thresholds)]
+    specs += [RunSpec(f"confidence:tau={t:g}", "confidence", {"tau": float(t)}) for t in dict.fromkeys(cfg.confidence_taus)]
+    specs += [RunSpec(f"entropy:tau={t:g}", "entropy", {"tau": float(t)}) for t in dict.fromkeys(cfg.entropy_taus)]
+    if cfg.heuristic:
+        specs.append(RunSpec("heuristic", "heuristic"))
+    if cfg.oracle:
+        if cfg.temperature > 0:
+            notes.append(f"oracle skipped: the hindsight oracle is defined for greedy decoding and this sweep "
+                         f"samples at temperature {cfg.temperature:g}")
+        else:
+            specs.append(RunSpec("oracle", "oracle"))
+    if cfg.hf_assisted:
+        specs.append(RunSpec("hf_assisted", "hf_assisted"))
+    if cfg.hf_prompt_lookup:
+        specs.append(RunSpec("hf_prompt_lookup", "hf_prompt_lookup"))
+    specs += tree_specs(cfg)
+    specs += policy_specs(cfg)
+    if not specs:
+        raise UserError("the sweep grid is empty; enable include_ar, list ks, heads, ... in the config")
+    return specs, notes
+
+
+def policy_specs(cfg: SweepConfig) -> list[RunSpec]:
+    """One RunSpec per `policies` entry, its settings checked by the policy's params class (a problem
+    names the entry: policies[i])."""
+    if not isinstance(cfg.policies, list):
+        raise UserError(f"config key 'policies' must be a list of mappings such as {{policy: ngram, k: 3}}, "
+                        f"got {cfg.policies!r}")
+    specs, seen = [], {}
+    for i, e in enumerate(cfg.policies):
+        if not isinstance(e, dict) or not isinstance(e.get("policy"), str):
+            raise UserError(f"policies[{i}] must be a mapping with a policy name, e.g. {{policy: ngram, k: 3}}, "
+                            f"got {e!r}")
+        settings = {k: v for k, v in e.items() if k not in ("policy", "label")}
+        try:
+            obj = policy_params(e["policy"], **settings)
+        except UserError as err:
+            msg = _as_keys(str(err), policy_class(e["policy"])) if e["policy"] in policy_names() else str(err)
+            raise UserError(f"policies[{i}]: {msg}") from None
+        key = str(e.get("label") or ":".join([obj.name] + [f"{k}={v}" for k, v in sorted(settings.items())]))
+        if key in seen:
+            raise UserError(f"policies[{i}] repeats policies[{seen[key]}] ({key}); drop one or give it a label")
+        seen[key] = i
+        specs.append(RunSpec(key, obj.name, {"settings": settings, "settings_obj": obj, **{
+            k: settings.get(k) for k in ("k", "head")}, "h": settings.get("threshold")}))
+    return specs
+
+
+# ----------------------------------------------------------------------------- `trees` entries
+
+MULTI_DRAFT = ("spectr", "batch-sd")
+# set by the sweep itself: the rates are measured once per sweep on calibration prompts (tree_calibration)
+SWEEP_SETS = ("tree_rates",)
+# the sweep's names before its entries took generate's (kept readable: _from_old_names)
+OLD_NAMES = ("budget", "max_budget", "node_cost", "estimator", "adapt")
+RENAMED = ("tree_budget", "tree_learned", "tree_node_cost", "tree_estimator", "adapt_rates")
+CONVERT = ("budget: N -> tree_budget: N; budget: learned, max_budget: M -> tree_learned: true, tree_budget: M "
+           "(node_cost: C -> tree_node_cost: C; auto: leave it out); estimator -> tree_estimator; adapt -> "
+           "adapt_rates (default true: write adapt_rates: false for the old frozen rates)")
+
+
+def _one_of(values) -> str:
+    return ", ".join(values[:-1]) + " or " + values[-1]
+
+
+def _from_old_names(e: dict, at: str, k_max: int) -> tuple[dict, dict]:
+    """An entry's settings in generate's names, and {name: the key the entry wrote it as}, for errors.
+    An entry in the old names means what it meant, old defaults included (budget 8, a learned budget
+    capped at k_max, node_cost auto, rates frozen): an old config reruns, and resumes, what it ran."""
+    values = {k: v for k, v in e.items() if k != "policy"}
+    old = [k for k in OLD_NAMES if k in e]
+    if not old:
+        return values, {}
+    new = [k for k in RENAMED if k in e]
+    if new:
+        raise UserError(f"{at}: {', '.join(old)} (the sweep's old names) beside {', '.join(new)}; write the entry in "
+                        f"the names generate takes: {CONVERT}")
+    budget = e.get("budget", 8)
+    if budget != "learned":
+        for key in ("max_budget", "node_cost"):
+            if key in e:
+                raise UserError(f"{at}.{key}: only used with budget: learned; drop it or set budget: learned")
+    values = {k: v for k, v in values.items() if k not in OLD_NAMES}
+    written = {"tree_budget": "budget", "adapt_rates": "adapt", "tree_estimator": "estimator"}
+    if budget == "learned":
+        values.update(tree_learned=True, tree_budget=e.get("max_budget", k_max))
+        written.update(tree_learned="budget", tree_budget="max_budget", tree_node_cost="node_cost")
+        if e.get("node_cost", AUTO) != AUTO:
+            values["tree_node_cost"] = e["node_cost"]
+    else:
+        values["tree_budget"] = budget
+    if "estimator" in e:
+        values["tree_estimator"] = e["estimator"]
+    values["adapt_rates"] = e.get("adapt", False)
+    return values, written
+
+
+class _Labels:
+    """The labels of `heads`, resolved once and only when an entry names a head."""
+
+    def __init__(self, patterns: list[str]):
+        self.patterns, self._resolved = patterns, None
+
+    def resolved(self) -> list[tuple[str, Any]]:
+        if self._resolved is None:
+            self._resolved = resolve_heads(self.patterns)
+        return self._resolved
+
+    def __call__(self) -> list[str]:
+        return [label for label, _ in self.resolved()]
+
+
+def _tree_entry(cfg: SweepConfig, e, at: str, labels: _Labels) -> tuple[dict, Any]:
+    """One `trees` entry: (its settings in generate's names, head as written; its params object, head
+    as a folder), checked by its policy's params class. A problem names the entry's key as written
+    (at.key). `labels()`: the labels of `heads`, looked up only when an entry names a head."""
+    if not isinstance(e, dict):
+        raise UserError(f"{at} must be a mapping such as {{policy: tree, tree_budget: 8}}, got {e!r}")
+    policy = e.get("policy", "tree")
+    if policy not in TREE_POLICIES:
+        raise UserError(f"{at}.policy: unknown policy {policy!r}; use {_one_of(TREE_POLICIES)}")
+    cls = policy_class(policy)
+    valid = ["policy", *(k for k in cls.model_fields if k not in SWEEP_SETS)]
+    for key in e:
+        if key in SWEEP_SETS:
+            raise UserError(f"{at}.{key}: the sweep measures the acceptance rates itself, once, on calibration "
+                            "prompts (tree_calibration_prompts, tree_calibration_width); drop it")
+        if key not in valid and (policy in MULTI_DRAFT or key not in OLD_NAMES):
+            raise UserError(f"{at}.{key}: not a setting of policy {policy}; its settings: {', '.join(valid)}")
+    values, written = _from_old_names(e, at, cfg.k_max) if policy not in MULTI_DRAFT else (dict(e), {})
+    values.pop("policy", None)
+    spell = lambda key: f"{at}.{written.get(key, key)}"  # noqa: E731
+    checked = dict(values)
+    if values.get("head") is not None:  # a label of heads or a folder: the params class checks the folder
+        checked["head"] = _tree_head(values, spell, labels)
+    elif values.get("tree_estimator") == "head":
+        raise UserError(f"{at}.head: {written.get('tree_estimator', 'tree_estimator')} head needs an acceptance "
+                        f"head; set head to a label of heads ({', '.join(labels()) or 'none listed'}) or a head "
+                        f"folder, or use {written.get('tree_estimator', 'tree_estimator')} positional")
+    try:
+        obj = build(cls, checked, f"policy {policy}", spell)
+    except UserError as err:
+        msg = _as_keys(str(err), cls, written)
+        raise UserError(msg if msg.startswith(at) else f"{at}: {msg}") from None
+    if policy in MULTI_DRAFT:
+        return values, obj
+    # what the policy would refuse only once built (decoding/trees/policy.py), refused before anything loads
+    if obj.tree_estimator == "head" and obj.drafting != "tree":
+        raise UserError(f"{spell('tree_estimator')}: the head estimator builds the optimal tree; use it with "
+                        f"drafting tree, or {written.get('tree_estimator', 'tree_estimator')} positional")
+    if obj.tree_learned and obj.drafting not in NESTED:
+        raise UserError(f"{spell('tree_learned')}: a learned budget grows the tree node by node, which drafting "
+                        f"{obj.drafting} cannot; use drafting {_one_of(NESTED)}, or a fixed budget")
+    return values, obj
+
+
+def _tree_head(values: dict, spell, labels: _Labels) -> str:
+    """The folder of an entry's head: a label of `heads`, or a head folder (as written)."""
+    h = values["head"]
+    if not isinstance(h, str) or not h:
+        raise UserError(f"{spell('head')}: must be a label of heads or a head folder, got {h!r}")
+    if h in labels():
+        return str(dict(labels.resolved())[h])
+    folder = find_head_folder(h)
+    if folder is None:
+        raise UserError(f"{spell('head')}: {h!r} is neither a label of heads ({', '.join(labels()) or 'none listed'}) "
+                        "nor a head folder (one with config.json, or a training output dir holding head/)")
+    return str(folder)
+
+
+def tree_budget(p) -> int:
+    """Tokens a round drafts (a learned budget's cap), as the tree factories pick them from the settings
+    (decoding/trees/policy.py: _make_tree, _make_ersd; a test holds the two together)."""
+    if p.name == "ersd" and p.drafting == "sequence":
+        order, default = (p.k, p.tree_budget), 4
+    elif p.name == "ersd" and p.drafting == "batch":
+        order, default = (p.num_drafts, p.tree_budget, p.k), 4
+    else:
+        order, default = (p.tree_budget, p.k), 8
+    return next((v for v in order if v is not None), default)
+
+
+def tree_row_fields(p, head: str | None) -> dict:
+    """A tree configuration's fields in its rows, named as the report and stored results.jsonl read them."""
+    if p.name in MULTI_DRAFT:
+        return {"num_drafts": p.num_drafts, "k": p.k}
+    b = tree_budget(p)
+    row = {"drafting": p.drafting, "estimator": p.tree_estimator, "budget": "learned" if p.tree_learned else b,
+           "head": head, "adapt": p.adapt_rates}
+    return {**row, "max_budget": b} if p.tree_learned else row
+
+
+def _tree_key(p, head: str | None) -> str:
+    """The configuration's key: the same for an entry in generate's names and in the old ones."""
+    if p.name in MULTI_DRAFT:
+        return f"{p.name}:n={p.num_drafts}:k={p.k}"
+    est = f"head={head}" if p.tree_estimator == "head" else "positional"
+    b = tree_budget(p)
+    if p.tree_learned:
+        c = p.tree_node_cost
+        b = f"learned<={b}:c={AUTO if c is None else format(c, 'g')}"
+    return f"{p.name}:{p.drafting}:{est}:b={b}" + (":adapt" if p.adapt_rates else "")
+
+
+def tree_specs(cfg: SweepConfig) -> list[RunSpec]:
+    """One RunSpec per `trees` entry (checked: a problem raises a UserError naming trees[i].key).
+    A head is named by its label in `heads`, or by its folder (then the folder, as written, is its label)."""
+    if not isinstance(cfg.trees, list):
+        raise UserError(f"config key 'trees' must be a list of mappings, got {cfg.trees!r}")
+    labels = _Labels(cfg.heads)
+    specs, seen = [], {}
+    for i, e in enumerate(cfg.trees):
+        values, obj = _tree_entry(cfg, e, f"trees[{i}]", labels)
+        head = values.get("head")
+        key = _tree_key(obj, head)
+        if key in seen:
+            raise UserError(f"trees[{i}] repeats trees[{seen[key]}] ({key}); drop one")
+        seen[key] = i
+        specs.append(RunSpec(key, obj.name, {"tree": values, "settings_obj": obj, **tree_row_fields(obj, head)}))
+    return specs
