@@ -236,10 +236,10 @@ def test_learned_budget_distribution_is_exact(name, factory, params, monkeypatch
 
 @pytest.mark.parametrize("kw,match", [
     (dict(tree_learned=True), "tree_learned needs tree_node_cost"),
-    (dict(tree_learned=True, tree_node_cost=0), r"tree_node_cost must be > 0 \(target steps"),
-    (dict(tree_learned=True, tree_node_cost=-0.5), r"tree_node_cost must be > 0 \(target steps"),
-    (dict(tree_learned=True, tree_node_cost=float("nan")), r"tree_node_cost must be > 0 \(target steps"),
-    (dict(tree_learned=True, tree_node_cost="x"), r"tree_node_cost must be > 0 \(target steps"),
+    (dict(tree_learned=True, tree_node_cost=0), r"tree_node_cost must be > 0 and finite \(target steps"),
+    (dict(tree_learned=True, tree_node_cost=-0.5), r"tree_node_cost must be > 0 and finite \(target steps"),
+    (dict(tree_learned=True, tree_node_cost=float("nan")), r"tree_node_cost must be > 0 and finite \(target steps"),
+    (dict(tree_learned=True, tree_node_cost="x"), r"tree_node_cost must be > 0 and finite \(target steps"),
     (dict(tree_node_cost=0.3), "--tree-node-cost applies only with --tree-learned"),
     (dict(tree_learned="maybe", tree_node_cost=0.3), "tree_learned must be "),
     (dict(tree_learned=True, tree_node_cost=0.3, drafting="specinfer"), "drafting 'specinfer' cannot"),
