@@ -51,8 +51,18 @@ FOLLOWUPS = "runs/prompts/followups.jsonl"
 FIXED = (3, 8)
 
 
-def configs(engine: str) -> list[tuple[str, str, dict]]:
-    """(label, policy, settings) per engine ("llama.cpp", "llama.cpp <target quant>", "torch")."""
+# --rules: which part of a copy rule pays, in our loop: llama.cpp's ngram-simple rule (a 12-token match,
+# then 48 copies), our cost-aware K on 12-token matches only, and on 4..8-token ones
+RULES = [("ngram k=48 n=12 (ngram-simple's rule)", "ngram", {"k": 48, "ngram_min": 12, "ngram_max": 12}),
+         ("ngram k=auto n=12", "ngram", {"ngram_min": 12, "ngram_max": 12}),
+         ("ngram k=auto n=4..8", "ngram", {"ngram_min": 4, "ngram_max": 8})]
+
+
+def configs(engine: str, rules: bool = False) -> list[tuple[str, str, dict]]:
+    """(label, policy, settings) per engine ("llama.cpp", "llama.cpp <target quant>", "torch"); rules: the
+    copy-rule comparison instead of the model-draft rows (llama.cpp only)."""
+    if rules:
+        return [("ar", "ar", {}), ("ngram k=auto", "ngram", {})] + (RULES if engine == "llama.cpp" else [])
     if engine == "torch":
         return [("ar", "ar", {}), ("ngram k=auto", "ngram", {}), ("hf prompt lookup", "hf_prompt_lookup", {})]
     if engine != "llama.cpp":
@@ -109,6 +119,7 @@ def _main(argv) -> int:
     ap.add_argument("--temperatures", default="1,0")
     ap.add_argument("--target-quant", default="", help="also the target re-quantized so (e.g. q4_0-pure)")
     ap.add_argument("--out", default="eval/results/bench_ngram")
+    ap.add_argument("--rules", action="store_true", help="compare copy rules (RULES) instead of the model-draft rows")
     ap.add_argument("--report-only", action="store_true")
     args = ap.parse_args(argv)
     out, results, done = start(args.out, args.threads)
@@ -142,7 +153,7 @@ def _main(argv) -> int:
                 if name == "torch" and ds not in torch_sets:
                     continue
                 pair.generate(ids, policy="ar", temperature=temp, max_new_tokens=16)  # untimed warm-up
-                for label, policy, kw in configs(name):
+                for label, policy, kw in configs(name, args.rules):
                     record(results, done, {"dataset": ds, "prompt_idx": i, "temperature": temp, "engine": name,
                                            "config": label, "prompt_tokens": len(ids)},
                            lambda: row_of(pair, ids, policy, kw, temp, args.max_new_tokens))
