@@ -40,7 +40,7 @@ from adaptive_spec.decoding.ngram import NgramIndex
 from adaptive_spec.decoding.pipeline import SpecPair
 from adaptive_spec.errors import UserError, run_main
 from adaptive_spec.backends.llama_tools import build, build_flags, spec_example
-from adaptive_spec.evaluation.paired import record, start
+from adaptive_spec.evaluation.paired import record, run_header, start
 from adaptive_spec.evaluation.sweep import hf_generate
 from adaptive_spec.prompts import load_prompts
 from adaptive_spec.runs import project_path, read_jsonl
@@ -123,6 +123,11 @@ def _main(argv) -> int:
     ap.add_argument("--report-only", action="store_true")
     args = ap.parse_args(argv)
     out, results, done = start(args.out, args.threads)
+    if args.report_only:  # from the folder alone: its rows and run.json
+        md = report(list(read_jsonl(results)), run_header(out, report_only=True))
+        (out / "report.md").write_text(md)
+        print(md)
+        return 0
     datasets = args.datasets.split(",")
     torch_sets = [d for d in args.torch_datasets.split(",") if d]
     if FOLLOWUPS in datasets and not project_path(FOLLOWUPS).is_file():
@@ -131,21 +136,19 @@ def _main(argv) -> int:
                                 field="messages" if ds.endswith(".jsonl") else None, n=args.prompts)
                for ds in datasets}
     bins = build(args.threads)
-    pairs = {}
-    if not args.report_only:
-        pairs["llama.cpp"] = SpecPair.load(backend="llama.cpp", threads=args.threads)
-        if args.target_quant:
-            pairs[f"llama.cpp {args.target_quant}"] = SpecPair.load(backend="llama.cpp", draft=None,
-                                                                    target_quant=args.target_quant, threads=args.threads)
-        for name, pair in pairs.items():  # pinned: a resumed run prices its auto rows the same way
-            measure_costs(pair, pin=out / f"costs-{name.replace(' ', '-')}.json")
-        if torch_sets:
-            pairs["torch"] = SpecPair.load(draft=None, threads=args.threads)
-            measure_costs(pairs["torch"], pin=out / "costs-torch.json")
+    pairs = {"llama.cpp": SpecPair.load(backend="llama.cpp", threads=args.threads)}
+    if args.target_quant:
+        pairs[f"llama.cpp {args.target_quant}"] = SpecPair.load(backend="llama.cpp", draft=None,
+                                                                target_quant=args.target_quant, threads=args.threads)
+    for name, pair in pairs.items():  # pinned: a resumed run prices its auto rows the same way
+        measure_costs(pair, pin=out / f"costs-{name.replace(' ', '-')}.json")
+    if torch_sets:
+        pairs["torch"] = SpecPair.load(draft=None, threads=args.threads)
+        measure_costs(pairs["torch"], pin=out / "costs-torch.json")
     temps = [float(t) for t in args.temperatures.split(",")]
     order = [(ds, i, texts[i]) for i in range(max(map(len, prompts.values())))
              for ds, texts in prompts.items() if i < len(texts)]
-    for ds, i, text in ([] if args.report_only else order):
+    for ds, i, text in order:
         ids = pairs["llama.cpp"].encode(text, chat=True)
         chat_text = pairs["llama.cpp"].tokenizer.decode(ids)
         for temp in temps:
@@ -163,8 +166,11 @@ def _main(argv) -> int:
                                        "prompt_tokens": len(ids)},
                        lambda: spec_example(bins, default_gguf("target"), None, chat_text, args.max_new_tokens, None,
                                             args.threads, spec_type="ngram-simple"))
-    first, per_round = lookup_cost()
-    md = report(list(read_jsonl(results)), args, build_flags(bins), (first, per_round))
+    header = run_header(out, report_only=False, measure=lambda: {
+        "script": f"eval/{Path(__file__).name}", "max_new_tokens": args.max_new_tokens, "threads": args.threads,
+        "cpu": flags_line(),
+        "build": build_flags(bins) + f"; llama-cpp-python {VERSION}", "lookup_ms": lookup_cost()})
+    md = report(list(read_jsonl(results)), header)
     (out / "report.md").write_text(md)
     print(md)
     return 0
@@ -174,7 +180,9 @@ def _speed(rows: list[dict], time_field: str = "decode_s") -> float:
     return sum(r["n_tokens"] for r in rows) / sum(r[time_field] for r in rows)
 
 
-def report(rows: list[dict], args, flags: str, lookup: tuple[float, float]) -> str:
+def report(rows: list[dict], run: dict) -> str:
+    """The report of the rows, with what run.json says of the run (paired.run_header)."""
+    lookup = run["lookup_ms"]
     by = defaultdict(list)
     for r in rows:
         by[(r["dataset"], r["temperature"], r["engine"], r["config"])].append(r)
@@ -182,8 +190,8 @@ def report(rows: list[dict], args, flags: str, lookup: tuple[float, float]) -> s
     names = {ds: Path(ds).stem for ds in datasets}
     n_prompts = {ds: len({r["prompt_idx"] for r in rows if r["dataset"] == ds}) for ds in datasets}
     lines = [f"# Prompt lookup (n-gram drafting): {', '.join(f'{names[d]} ({n})' for d, n in n_prompts.items())} "
-             f"prompts x {args.max_new_tokens} tokens, {args.threads} threads", "", flags_line(), "",
-             flags + f"; llama-cpp-python {VERSION}", "",
+             f"prompts x {run['max_new_tokens']} tokens, {run['threads']} threads", "", run["cpu"], "",
+             run["build"], "",
              "Decode tokens/s (prefill left out), pooled over prompts, every configuration of a prompt back to back; "
              "(x) is the ratio to the same engine's target alone in the same rows; `acc` the acceptance of copied "
              "tokens; `copy` the share of rounds that copied.", ""]
@@ -247,7 +255,7 @@ def report(rows: list[dict], args, flags: str, lookup: tuple[float, float]) -> s
               md_table(["set", "configuration", "prompt tokens", "prefill ms"], ttft), "",
               f"The lookup's own cost (decoding/ngram.py NgramIndex, ngram 2..4): indexing a 4,000-token context "
               f"once {lookup[0]:.2f} ms, then {lookup[1]:.3f} ms a round (its new tokens indexed, one lookup).", "",
-              f"Written {time.strftime('%Y-%m-%d %H:%M')} by `python eval/bench_ngram.py`."]
+              f"Written {run['written']} by `python eval/bench_ngram.py`."]
     return "\n".join(lines) + "\n"
 
 

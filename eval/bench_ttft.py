@@ -18,15 +18,15 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections import defaultdict
+from pathlib import Path
 
 
 from adaptive_spec.backends.cpu import flags_line
 from adaptive_spec.backends.window import WindowedDraft
 from adaptive_spec.decoding.pipeline import SpecPair
 from adaptive_spec.errors import run_main
-from adaptive_spec.evaluation.paired import record, start
+from adaptive_spec.evaluation.paired import record, run_header, start
 from adaptive_spec.prompts import load_prompts
 from adaptive_spec.runs import project_path, read_jsonl
 from adaptive_spec.tables import md_table
@@ -59,8 +59,8 @@ def _main(argv) -> int:
     ap.add_argument("--report-only", action="store_true", help="run nothing: the report of the rows <out> holds")
     args = ap.parse_args(argv)
     out, results, done = start(args.out, args.threads)
-    if args.report_only:
-        (out / "report.md").write_text(report(list(read_jsonl(results)), args))
+    if args.report_only:  # from the folder alone: its rows and run.json
+        (out / "report.md").write_text(report(list(read_jsonl(results)), run_header(out, report_only=True)))
         return 0
     pair = SpecPair.load(backend="llama.cpp", draft_quant=args.draft_quant, threads=args.threads)
     windows = [int(w) for w in args.windows.split(",") if w]
@@ -88,19 +88,24 @@ def _main(argv) -> int:
                             "n_accepted": m.n_accepted, "token_ids": g.token_ids}
                 record(results, done, {"dataset": name, "prompt_idx": i, "temperature": 0.0, "engine": "llama.cpp",
                                        "config": label, "prompt_tokens": len(ids)}, measure)
-    md = report(list(read_jsonl(results)), args)
+    header = run_header(out, report_only=False, measure=lambda: {
+        "script": f"eval/{Path(__file__).name}", "max_new_tokens": args.max_new_tokens, "threads": args.threads,
+        "cpu": flags_line(),
+        "draft_quant": args.draft_quant})
+    md = report(list(read_jsonl(results)), header)
     (out / "report.md").write_text(md)
     print(md)
     return 0
 
 
-def report(rows: list[dict], args) -> str:
+def report(rows: list[dict], run: dict) -> str:
+    """The report of the rows, with what run.json says of the run (paired.run_header)."""
     by = defaultdict(list)
     for r in rows:
         by[(r["dataset"], r["config"])].append(r)
-    lines = [f"# Time to the first token on long prompts, llama.cpp, greedy, {args.max_new_tokens} tokens, "
-             f"{args.threads} threads", "", flags_line(), "",
-             f"Draft: the fetched 0.5B re-quantized {args.draft_quant}; SpecDec++ with {HEAD}. TTFT: from the call to "
+    lines = [f"# Time to the first token on long prompts, llama.cpp, greedy, {run['max_new_tokens']} tokens, "
+             f"{run['threads']} threads", "", run["cpu"], "",
+             f"Draft: the fetched 0.5B re-quantized {run['draft_quant']}; SpecDec++ with {HEAD}. TTFT: from the call to "
              "the first round's tokens (both prefills and that round). Means over prompts; ratios to the target "
              "alone on the same prompts.", ""]
     for ds in dict.fromkeys(r["dataset"] for r in rows):
@@ -123,7 +128,7 @@ def report(rows: list[dict], args) -> str:
         lines += [f"## {ds} ({len(ar)} prompts)", "",
                   md_table(["configuration", "prompt tokens", "TTFT ms", "draft prefill ms", "acceptance",
                             "decode tok/s", "wall tok/s"], table), ""]
-    lines += [f"Written {time.strftime('%Y-%m-%d %H:%M')} by `python eval/bench_ttft.py`."]
+    lines += [f"Written {run['written']} by `python eval/bench_ttft.py`."]
     return "\n".join(lines) + "\n"
 
 

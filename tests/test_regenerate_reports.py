@@ -1,9 +1,12 @@
-"""Every committed sweep report under eval/results/ is what `adaptive-spec report` writes today.
+"""Every committed sweep report under eval/results/ is what `adaptive-spec report` writes today, and every
+committed paired-benchmark report (a folder with run.json) is what its script's --report-only writes today.
 
 A report is built from the sweep's logs alone (no model loads), so a change to the analysis, the
 tables or their wording shows up here: rerun `adaptive-spec report --sweep-dir eval/results/<sweep>`
 and commit the new report.md with the change that made it.
 """
+import importlib.util
+import json
 import shutil
 from pathlib import Path
 
@@ -38,3 +41,39 @@ def test_committed_report_regenerates_identically(folder, tmp_path):
     # compared verbatim: a report holds no timestamp and no absolute path (plots are linked by file name)
     assert (copy / "report.md").read_text() == committed, \
         f"rerun `adaptive-spec report --sweep-dir eval/results/{folder.name}` and commit its report.md"
+
+
+def benchmark_folders() -> list[Path]:
+    """Paired benchmarks (evaluation/paired.py): rows, the run.json their report reads, and the report."""
+    return sorted(d for d in RESULTS.iterdir()
+                  if all((d / n).is_file() for n in ("report.md", "results.jsonl", "run.json")))
+
+
+def test_the_committed_benchmarks_are_found():
+    names = {d.name for d in benchmark_folders()}
+    assert {"bench_ngram_avx512_epyc", "bench_ttft_avx512_epyc"} <= names, names
+
+
+@pytest.mark.parametrize("folder", benchmark_folders(), ids=lambda d: d.name)
+def test_committed_benchmark_report_regenerates_identically(folder, tmp_path):
+    """From the folder alone (no model, no llama.cpp build, no prompt set): the CPU's flags, the build and
+    the timed constants come from run.json, so the report reads the same on any machine."""
+    script = json.loads((folder / "run.json").read_text())["script"]
+    spec = importlib.util.spec_from_file_location(Path(script).stem, RESULTS.parent.parent / script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    copy = shutil.copytree(folder, tmp_path / folder.name, ignore=shutil.ignore_patterns("report.md"))
+    assert mod.main(["--report-only", "--out", str(copy)]) == 0
+    assert (copy / "report.md").read_text() == (folder / "report.md").read_text(), \
+        f"rerun `python {script} --report-only --out eval/results/{folder.name}` and commit its report.md"
+
+
+def test_report_only_needs_the_run_header_and_reads_what_the_run_wrote(tmp_path):
+    from adaptive_spec.errors import UserError
+    from adaptive_spec.evaluation.paired import run_header
+
+    with pytest.raises(UserError, match="run.json does not exist: --report-only regenerates"):
+        run_header(tmp_path, report_only=True)
+    written = run_header(tmp_path, report_only=False, measure=lambda: {"cpu": "flags: x", "threads": 2})
+    assert set(written) == {"cpu", "threads", "written"}
+    assert run_header(tmp_path, report_only=True) == written

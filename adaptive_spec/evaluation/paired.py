@@ -3,11 +3,13 @@ to results.jsonl as soon as it is measured, and skipped on a rerun that finds it
 The engine benchmarks (eval/bench_llama_cpp.py, eval/bench_ngram.py, eval/bench_ttft.py) share it."""
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 from typing import Callable
 
-from ..errors import get_logger
-from ..runs import append_jsonl, read_jsonl
+from ..errors import UserError, get_logger
+from ..runs import append_jsonl, atomic_write, read_jsonl
 
 log = get_logger(__name__)
 
@@ -42,3 +44,22 @@ def record(results: Path, done: set, row: dict, measure: Callable[[], dict]) -> 
     log.info(f"{Path(str(row['dataset'])).stem} {row['prompt_idx']} T={row['temperature']:g} {row['engine']:20} "
              f"{row['config']:24} " + (f"{speed:6.2f} tok/s" if speed is not None else ""))
     return row
+
+
+RUN = "run.json"
+
+
+def run_header(out: Path, report_only: bool, measure: Callable[[], dict] | None = None) -> dict:
+    """What a report says beside its rows (the CPU's flags, the build, constants timed on the machine,
+    the settings its title names, when it was written): measured and kept in <out>/run.json by a run
+    that measures, read back by --report-only, so that a committed report regenerates from its folder
+    alone, on any machine, byte for byte (tests/test_regenerate_reports.py)."""
+    path = out / RUN
+    if report_only:
+        if not path.is_file():
+            raise UserError(f"{path} does not exist: --report-only regenerates a report from a run folder that "
+                            "holds one; rerun the benchmark without --report-only (it resumes its rows)")
+        return json.loads(path.read_text())
+    header = {**(measure() if measure else {}), "written": time.strftime("%Y-%m-%d %H:%M")}
+    atomic_write(path, json.dumps(header, indent=1) + "\n")
+    return header
