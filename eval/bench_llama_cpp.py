@@ -39,7 +39,7 @@ from adaptive_spec.backends.llama_build import VERSION
 from adaptive_spec.backends.llamacpp import requantized_gguf
 from adaptive_spec.decoding.costs import measure_costs
 from adaptive_spec.backends.llama_tools import bench_tg, build, build_flags, spec_example
-from adaptive_spec.evaluation.paired import record, start
+from adaptive_spec.evaluation.paired import pooled_tok_s, record, start
 from adaptive_spec.runs import read_jsonl
 from adaptive_spec.tables import md_table
 
@@ -166,8 +166,7 @@ def main(argv=None) -> int:
 
 def _speed(rows: list[dict], field: str = "decode_tok_s") -> float:
     """Tokens over time, pooled over prompts (a long prompt weighs by its tokens, as in sweeps)."""
-    time_field = "decode_s" if field == "decode_tok_s" else "wall_s"
-    return sum(r["n_tokens"] for r in rows) / sum(r[time_field] for r in rows)
+    return pooled_tok_s(rows, "decode_s" if field == "decode_tok_s" else "wall_s")
 
 
 def break_even(costs: dict, k: int) -> tuple[float, float, float | None]:

@@ -40,7 +40,7 @@ from adaptive_spec.decoding.ngram import NgramIndex
 from adaptive_spec.decoding.pipeline import SpecPair
 from adaptive_spec.errors import UserError, run_main
 from adaptive_spec.backends.llama_tools import build, build_flags, spec_example
-from adaptive_spec.evaluation.paired import record, run_header, start
+from adaptive_spec.evaluation.paired import pooled_tok_s, record, run_header, start
 from adaptive_spec.evaluation.sweep import hf_generate
 from adaptive_spec.prompts import load_prompts
 from adaptive_spec.runs import project_path, read_jsonl
@@ -176,10 +176,6 @@ def _main(argv) -> int:
     return 0
 
 
-def _speed(rows: list[dict], time_field: str = "decode_s") -> float:
-    return sum(r["n_tokens"] for r in rows) / sum(r[time_field] for r in rows)
-
-
 def report(rows: list[dict], run: dict) -> str:
     """The report of the rows, with what run.json says of the run (paired.run_header)."""
     lookup = run["lookup_ms"]
@@ -206,7 +202,7 @@ def report(rows: list[dict], run: dict) -> str:
                 if not rs:
                     cells.append("—")
                     continue
-                cell = f"{_speed(rs):.2f}" + (f" ({_speed(rs) / _speed(base):.2f}x)" if base else "")
+                cell = f"{pooled_tok_s(rs):.2f}" + (f" ({pooled_tok_s(rs) / pooled_tok_s(base):.2f}x)" if base else "")
                 drafted = sum((r.get("n_drafted_by") or {}).get("ngram", 0) for r in rs)
                 if drafted:
                     acc = sum((r.get("n_accepted_by") or {}).get("ngram", 0) for r in rs) / drafted
@@ -239,9 +235,9 @@ def report(rows: list[dict], run: dict) -> str:
         p_wall = (sum(r["n_tokens"] for r in walls) / sum(r["n_tokens"] / r["auto_predicted_wall_tok_s"] for r in walls)
                   if walls else float("nan"))
         pred.append([names[ds], "greedy" if temp == 0 else f"T={temp:g}", engine, config,
-                     "/".join(sorted({str(r["auto"]) for r in rs})), f"{p_dec:.2f}", f"{_speed(rs):.2f}",
-                     f"{p_dec / _speed(rs) - 1:+.1%}", f"{p_wall:.2f}", f"{_speed(walls, 'wall_s'):.2f}" if walls else "—",
-                     f"{p_wall / _speed(walls, 'wall_s') - 1:+.1%}" if walls else "—"])
+                     "/".join(sorted({str(r["auto"]) for r in rs})), f"{p_dec:.2f}", f"{pooled_tok_s(rs):.2f}",
+                     f"{p_dec / pooled_tok_s(rs) - 1:+.1%}", f"{p_wall:.2f}", f"{pooled_tok_s(walls, 'wall_s'):.2f}" if walls else "—",
+                     f"{p_wall / pooled_tok_s(walls, 'wall_s') - 1:+.1%}" if walls else "—"])
     if pred:
         lines += ["## auto: predicted against measured", "",
                   "The pick's predicted tokens/s (the measured forward costs, the loop's own time per row and round, "
@@ -269,7 +265,7 @@ def _goals(by, datasets, names, temp) -> list[list[str]]:
 
     def sp(ds, engine, config):
         rs = by.get((ds, temp, engine, config))
-        return _speed(rs) if rs else float("nan")
+        return pooled_tok_s(rs) if rs else float("nan")
 
     for ds in datasets:
         ar = sp(ds, "llama.cpp", "ar")

@@ -162,11 +162,11 @@ def test_an_entry_takes_generate_s_names_and_defaults():
                                    {"policy": "ersd", "drafting": "specinfer"}])
 def test_the_budget_in_key_and_row_is_the_one_the_policy_drafts(entry):
     from adaptive_spec.decoding.pipeline import make_policy
-    from adaptive_spec.evaluation.sweep_grid import tree_budget
+    from adaptive_spec.decoding.trees.policy import round_budget
 
     (spec,) = specs_of([entry])
     drafted = make_policy(spec.params["settings_obj"]).budget
-    assert tree_budget(spec.params["settings_obj"]) == spec.row_fields()["budget"] == drafted
+    assert round_budget(spec.params["settings_obj"]) == spec.row_fields()["budget"] == drafted
     assert f":b={drafted}:" in spec.key
 
 

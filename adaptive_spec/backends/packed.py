@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import statistics
 import time
 import warnings
@@ -16,7 +15,9 @@ import warnings
 import torch
 
 from ..errors import UserError
-from .cpu import fbgemm_fp16, onednn_packed
+from ..runs import write_json
+from .cpu import cpu_name, fbgemm_fp16, onednn_packed
+from .llama_build import cache_dir, cpu_flags
 
 # torch marks the FBGEMM fp16 ops deprecated; cpu.fbgemm_fp16 checks they still run before any is used
 warnings.filterwarnings("ignore", message=r"fbgemm_\w+ is deprecated")
@@ -136,24 +137,12 @@ def _median_s(fn, reps: int = 4) -> float:
     return statistics.median(times[1:])
 
 
-def _cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _choice_path(kind: str, timed: list, max_rows: int):
     """Where a timed kernel choice is kept: <cache>/kernels/<key>.json, the key hashing what the choice
     depends on (the CPU, its flags, torch and its threads, the timed layers' shapes and dtype), so the
     choice is timed once per CPU and model shape, and every load after (every row of a sweep) runs the
     same kernels. Delete the folder to time again."""
-    from .llama_build import cache_dir, cpu_flags  # stdlib only
-
-    key = {"kind": kind, "cpu": _cpu_name(), "flags": sorted(cpu_flags()), "torch": torch.__version__,
+    key = {"kind": kind, "cpu": cpu_name(), "flags": sorted(cpu_flags()), "torch": torch.__version__,
            "threads": torch.get_num_threads(), "max_rows": max_rows,
            "layers": [[m.in_features, m.out_features, str(m.packed.dtype)] for m in timed]}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -171,9 +160,7 @@ def _cached_choice(kind: str, timed: list, max_rows: int, choose):
     value = choose()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"key": key, "value": value}))
-        os.replace(tmp, path)  # atomic: a concurrent load reads the old file or the new one
+        write_json(path, {"key": key, "value": value})  # atomic: a concurrent load reads the old file or the new
     except OSError:
         pass
     return value

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import UserError, get_logger
-from ..runs import append_jsonl, atomic_write, read_jsonl
+from ..runs import append_jsonl, read_jsonl, write_json
 
 log = get_logger(__name__)
 
@@ -31,6 +31,13 @@ def start(out_dir, threads: int) -> tuple[Path, Path, set]:
     out.mkdir(parents=True, exist_ok=True)
     results = out / "results.jsonl"
     return out, results, done_keys(results)
+
+
+def pooled_tok_s(rows: list[dict], time_field: str = "decode_s") -> float:
+    """Tokens over time pooled over prompts (a long prompt weighs by its tokens, as in sweeps); decode_s
+    leaves prefill out, as llama-bench tg does, wall_s keeps it."""
+    t = sum(r[time_field] for r in rows)
+    return sum(r["n_tokens"] for r in rows) / t if t else float("nan")
 
 
 def record(results: Path, done: set, row: dict, measure: Callable[[], dict]) -> dict | None:
@@ -61,5 +68,5 @@ def run_header(out: Path, report_only: bool, measure: Callable[[], dict] | None 
                             "holds one; rerun the benchmark without --report-only (it resumes its rows)")
         return json.loads(path.read_text())
     header = {**(measure() if measure else {}), "written": time.strftime("%Y-%m-%d %H:%M")}
-    atomic_write(path, json.dumps(header, indent=1) + "\n")
+    write_json(path, header, indent=1)
     return header

@@ -18,6 +18,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from ..backends import engines
 from ..decoding.sampling import SamplingParams
+from ..decoding.trees.policy import round_budget
 from ..decoding.trees.shapes import NESTED
 from ..errors import UserError
 from ..params import PairParams, build, check_runs_on, policy_class, policy_names, policy_params
@@ -380,23 +381,11 @@ def _tree_head(values: dict, spell, labels: _Labels) -> str:
     return str(folder)
 
 
-def tree_budget(p) -> int:
-    """Tokens a round drafts (a learned budget's cap), as the tree factories pick them from the settings
-    (decoding/trees/policy.py: _make_tree, _make_ersd; a test holds the two together)."""
-    if p.name == "ersd" and p.drafting == "sequence":
-        order, default = (p.k, p.tree_budget), 4
-    elif p.name == "ersd" and p.drafting == "batch":
-        order, default = (p.num_drafts, p.tree_budget, p.k), 4
-    else:
-        order, default = (p.tree_budget, p.k), 8
-    return next((v for v in order if v is not None), default)
-
-
 def tree_row_fields(p, head: str | None) -> dict:
     """A tree configuration's fields in its rows, named as the report and stored results.jsonl read them."""
     if p.name in MULTI_DRAFT:
         return {"num_drafts": p.num_drafts, "k": p.k}
-    b = tree_budget(p)
+    b = round_budget(p)
     row = {"drafting": p.drafting, "estimator": p.tree_estimator, "budget": "learned" if p.tree_learned else b,
            "head": head, "adapt": p.adapt_rates}
     return {**row, "max_budget": b} if p.tree_learned else row
@@ -407,7 +396,7 @@ def _tree_key(p, head: str | None) -> str:
     if p.name in MULTI_DRAFT:
         return f"{p.name}:n={p.num_drafts}:k={p.k}"
     est = f"head={head}" if p.tree_estimator == "head" else "positional"
-    b = tree_budget(p)
+    b = round_budget(p)
     if p.tree_learned:
         c = p.tree_node_cost
         b = f"learned<={b}:c={AUTO if c is None else format(c, 'g')}"

@@ -181,11 +181,16 @@ class TreePolicy(RoundOwner):
         return verify_race(tree, P, state.gen)
 
 
-def _budget(*vals, default):
-    for v in vals:
-        if v is not None:
-            return v
-    return default
+def round_budget(p) -> int:
+    """Tokens a round drafts (a learned budget's cap) under tree or ersd settings `p`: the factories
+    below draft it, and a sweep's key and rows name it (evaluation/sweep_grid.py)."""
+    if p.name == "ersd" and p.drafting == "sequence":
+        order, default = (p.k, p.tree_budget), 4
+    elif p.name == "ersd" and p.drafting == "batch":
+        order, default = (p.num_drafts, p.tree_budget, p.k), 4
+    else:
+        order, default = (p.tree_budget, p.k), 8
+    return next((v for v in order if v is not None), default)
 
 
 def _resolve_head(estimator, head, pair):
@@ -205,7 +210,7 @@ def _make_tree(p: TreeParams, ctx: PolicyContext):
     """GSD tree drafting: tree_budget drafted tokens per round (default: k, else 8); with
     tree_learned, as many as are worth tree_node_cost each (unset: measured on the pair), at most
     tree_budget."""
-    return TreePolicy("gsd", p.drafting, _budget(p.tree_budget, p.k, default=8), p.tree_estimator,
+    return TreePolicy("gsd", p.drafting, round_budget(p), p.tree_estimator,
                       _resolve_head(p.tree_estimator, p.head, ctx.pair), p.tree_rates, p.adapt_rates, name="tree",
                       learned_budget=p.tree_learned,
                       node_cost=_node_cost(p.tree_learned, p.tree_node_cost, ctx.pair, p.drafting))
@@ -216,12 +221,7 @@ def _make_ersd(p: ErsdParams, ctx: PolicyContext):
     """Exponential-race SD. drafting sequence (k tokens), batch (num_drafts alternatives for the
     next token), tree (optimal tree of tree_budget tokens), specinfer (tree_budget). tree_learned
     and tree_node_cost as for `tree` (the budget is then the cap)."""
-    if p.drafting == "sequence":
-        budget = _budget(p.k, p.tree_budget, default=4)
-    elif p.drafting == "batch":
-        budget = _budget(p.num_drafts, p.tree_budget, p.k, default=4)
-    else:
-        budget = _budget(p.tree_budget, p.k, default=8)
-    return TreePolicy("ersd", p.drafting, budget, p.tree_estimator, _resolve_head(p.tree_estimator, p.head, ctx.pair),
+    return TreePolicy("ersd", p.drafting, round_budget(p), p.tree_estimator,
+                      _resolve_head(p.tree_estimator, p.head, ctx.pair),
                       p.tree_rates, p.adapt_rates, name="ersd", learned_budget=p.tree_learned,
                       node_cost=_node_cost(p.tree_learned, p.tree_node_cost, ctx.pair, p.drafting))
