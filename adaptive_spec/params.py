@@ -418,7 +418,8 @@ def policies_with(key: str) -> list[str]:
 # another model whose distribution the output then follows exactly
 GGUF_QUANTS = engines.GGUF_QUANTS
 # settings of the torch-like engines and their defaults (refused, when set, on an engine without them)
-_TORCH_ONLY = {"dtype": "auto", "draft_vocab": None, "kv_cache": "dynamic", "runtime": "eager", "max_cache_len": None}
+_TORCH_ONLY = {"dtype": "auto", "kv_cache": "dynamic", "runtime": "eager", "max_cache_len": None, "cpu_stock": False,
+               "cpu_pad_rows": "auto", "cpu_fp16_rows": "auto"}
 
 
 class PairParams(Params):
@@ -445,7 +446,7 @@ class PairParams(Params):
         "all have multi-row CPU kernels (cheaper verification); the output then follows that file exactly",
         **_expects("none or " + ", ".join(GGUF_QUANTS) + " (llama.cpp)"))
     draft_vocab: str | None = Field(
-        None, description="draft output layer keeps the N most frequent tokens (shipped list for the default "
+        None, description="draft output layer keeps the N most frequent tokens (both engines; shipped list for the default "
         "tokenizer) or those of a list from `adaptive-spec draft-vocab` (N | FILE | FILE:N); default: all",
         **_expects("N >= 1, FILE or FILE:N"))
     device: str | None = Field(None, description="cpu, cuda, cuda:1 ... (default: cuda if available)")
@@ -464,6 +465,16 @@ class PairParams(Params):
         **_expects("eager, cudagraph or compile"))
     max_cache_len: int | None = Field(None, ge=1, description="static KV cache: preallocated positions",
                                       **_expects("an integer >= 1"))
+    # torch's CPU kernels (backends/packed.py): chosen by timing once per CPU and model shape, then cached;
+    # these fix the choice (a benchmark of one path, or a CPU where the timing misleads)
+    cpu_stock: bool = Field(False, description="torch on CPU: stock torch kernels (default: the linear layers "
+                            "pre-packed for oneDNN where it has a kernel for the dtype)", **_expects("true or false"))
+    cpu_pad_rows: Literal["auto"] | int = Field(
+        "auto", description="torch on CPU: pad every input of fewer than N rows to N (0: never; auto: the row "
+        "counts timed fastest on this CPU)", **_expects("auto or a row count >= 0"))
+    cpu_fp16_rows: Literal["auto"] | int = Field(
+        "auto", description="torch on CPU, fp32 models: run inputs of at most N rows on an fp16 weight copy (0: "
+        "never; auto: the row counts timed faster on this CPU)", **_expects("auto or a row count >= 0"))
 
     @model_validator(mode="before")
     @classmethod
@@ -497,7 +508,15 @@ class PairParams(Params):
                              "caches itself")
         if self.draft_vocab is not None:
             _check_draft_vocab(self.draft_vocab)
+        for key in ("cpu_pad_rows", "cpu_fp16_rows"):
+            if isinstance(getattr(self, key), int) and getattr(self, key) < 0:
+                raise ValueError(f"{key} must be auto or a row count >= 0 (0: off), got {getattr(self, key)}")
         return self
+
+    def cpu_kernels(self) -> dict:
+        """load_model's keywords for the torch CPU kernel choice (None: timed and cached)."""
+        return {"pack": not self.cpu_stock, "pad_rows": None if self.cpu_pad_rows == "auto" else self.cpu_pad_rows,
+                "fp16_rows": None if self.cpu_fp16_rows == "auto" else self.cpu_fp16_rows}
 
     @property
     def engine(self) -> engines.Engine:

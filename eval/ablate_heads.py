@@ -20,7 +20,9 @@ All heads share the config's target (default accept_prob = min(1, p/q)), so thei
 compare. Overall dev metrics are those of the exported head (lowest dev loss); per-source ones
 are recomputed from that head on heads.shard_inputs rows (the rows the offline replay of
 `--threshold auto` reads), cached in the run's ablation.json and added to its model card
-(head/README.md). Writes <out>/ablation.md and <out>/ablation.json.
+(head/README.md). Writes <out>/ablation.md, <out>/ablation.json (the table's rows) and <out>/run.json
+(what the table says beside them, evaluation/paired.run_header); `--report-only --out DIR` rewrites
+DIR/ablation.md from those two alone (no --data, no training, no torch).
 
 --eval-data scores every head also on another folder's dev split, typically the same responses
 with states on the target's prefix (`adaptive-spec datagen-features --prefix target`): the
@@ -36,18 +38,18 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from adaptive_spec.config import load_config
 from adaptive_spec.errors import UserError, run_main
-from adaptive_spec.heads.head import AcceptanceHead, shard_inputs, shard_positions
+from adaptive_spec.evaluation.paired import run_header
 from adaptive_spec.runs import atomic_write, write_json
 from adaptive_spec.tables import fmt, md_table
-from adaptive_spec.training.data import dataset_sources, read_manifest
-from adaptive_spec.training.loop import train
-from adaptive_spec.training.metrics import prediction_metrics
-from adaptive_spec.training.settings import TrainConfig
+
+if TYPE_CHECKING:  # torch, the heads and training load where a head is trained or scored: --report-only needs none
+    import torch
+
+    from adaptive_spec.heads.head import AcceptanceHead
+    from adaptive_spec.training.settings import TrainConfig
 
 VARIANTS = {"hidden": ("token", "hidden"), "hidden+stats": ("token", "hidden+stats"),
             "context": ("context", "hidden"), "context+stats": ("context", "hidden+stats"),
@@ -77,21 +79,28 @@ def run_name(variant: str, depth: int, w_rej: float) -> str:
 
 def source_of_positions(shard: dict) -> torch.Tensor:
     """[T] source index of each response position (datagen stores one per sequence)."""
+    import torch
+
     return torch.repeat_interleave(shard["source_ids"].long(), shard["resp_offsets"].long().diff())
 
 
-@torch.no_grad()
 def dev_metrics(head: AcceptanceHead, cfg: TrainConfig, manifest: dict, data: Path | None = None) -> dict:
     """{"all": metrics, source: metrics, ...} of `head` on every dev shard of `data` (default: the
     training data), from shard_inputs rows at the positions training uses (shard_positions)."""
+    import torch
     from safetensors.torch import load_file
+
+    from adaptive_spec.heads.head import shard_inputs, shard_positions
+    from adaptive_spec.training.data import dataset_sources
+    from adaptive_spec.training.metrics import prediction_metrics
 
     names = dataset_sources(manifest)
     zs, ys, srcs = [], [], []
     for entry in ((manifest.get("splits") or {}).get("dev") or {}).get("shards") or []:
         shard = load_file(str(Path(data or cfg.data) / entry["file"]))
         used = shard_positions(head, shard)
-        zs.append(head(shard_inputs(head, shard)[used]).float())
+        with torch.no_grad():
+            zs.append(head(shard_inputs(head, shard)[used]).float())
         ys.append(shard[cfg.target].float()[used].clamp(0, 1))
         if names:
             srcs.append(source_of_positions(shard)[used])
@@ -108,6 +117,10 @@ def dev_metrics(head: AcceptanceHead, cfg: TrainConfig, manifest: dict, data: Pa
 def evaluate_head(run_dir: Path, cfg: TrainConfig, manifest: dict) -> dict:
     """The run's ablation.json (computed once): its head's dev metrics overall and per source; the
     per-source ones also go into the head's model card."""
+    import torch
+
+    from adaptive_spec.heads.head import AcceptanceHead
+
     cached = run_dir / "ablation.json"
     if cached.is_file():
         return json.loads(cached.read_text())
@@ -128,6 +141,10 @@ def evaluate_on(run_dir: Path, cfg: TrainConfig, data: Path, manifest: dict) -> 
     old = json.loads(cached.read_text()) if cached.is_file() else {}
     if old.get("key") == key:
         return old["by"]
+    import torch
+
+    from adaptive_spec.heads.head import AcceptanceHead
+
     head = AcceptanceHead.from_pretrained(run_dir / "head", dtype=torch.float32)
     by = dev_metrics(head, cfg, manifest, data)
     write_json(cached, {"key": key, "by": by})
@@ -137,9 +154,11 @@ def evaluate_on(run_dir: Path, cfg: TrainConfig, data: Path, manifest: dict) -> 
 def reference_auc(data: Path, manifest: dict) -> dict:
     """{"all": AUC, source: AUC} of the draft's own log q(Y_i) (draft_stats), no head, on the dev
     split at the positions a token head is scored on."""
+    import torch
     from safetensors.torch import load_file
 
     from adaptive_spec.heads.features import CONTEXT_KEY, position_map
+    from adaptive_spec.training.data import dataset_sources
     from adaptive_spec.training.metrics import auc
 
     names = dataset_sources(manifest)
@@ -177,6 +196,19 @@ def table_row(variant: str, cfg: TrainConfig, results: dict, by: dict, sources: 
 
 def write_tables(rows: list[dict], out: Path, cfg: TrainConfig, manifest: dict, sources: list[str],
                  reference: dict, eval_data: str | None = None):
+    table = {"data": cfg.data, "config_hash": manifest.get("config_hash"), "eval_data": eval_data,
+             "target": cfg.target, "sources": sources, "reference_log_q_auc": reference, "rows": rows}
+    write_json(out / "ablation.json", table)
+    header = run_header(out, report_only=False, measure=lambda: {
+        "script": "eval/ablate_heads.py", "report": "ablation.md", "ece_bins": cfg.ece_bins})
+    atomic_write(out / "ablation.md", report(table, header))
+    print(f"ablation table: {out / 'ablation.md'}", file=sys.stderr)
+
+
+def report(table: dict, header: dict) -> str:
+    """ablation.md: ablation.json's rows (`table`, with the data, its config hash, the target, the prompt
+    sources and the reference AUC), with what run.json says of the run (the ECE's bins)."""
+    rows, sources, eval_data = table["rows"], table["sources"], table["eval_data"]
     trio = ("kl", "auc", "ece")
     per = "eval_by_source" if eval_data else "by_source"
     cols = ["inputs", "D", "w_rej", "training positions", "best step", "dev KL", "dev AUC", "dev ECE",
@@ -187,30 +219,29 @@ def write_tables(rows: list[dict], out: Path, cfg: TrainConfig, manifest: dict, 
               *([fmt(r["eval"].get(k), ".4f") for k in trio] if eval_data else []),
               *[" / ".join(fmt(r[per][s].get(k), ".4f") for k in trio) for s in sources]]
              for r in rows]
+    reference = table["reference_log_q_auc"]
     where = f"the dev split of {eval_data}" if eval_data else "the dev split"
     ref = (f"Reference, no head: the draft's own log q(Y_i) ranks accepted tokens above rejected ones with AUC "
            f"{fmt(reference.get('all'), '.4f')} on {where}"
            + (" (" + ", ".join(f"{s} {fmt(reference.get(s), '.4f')}" for s in sources) + ")" if sources else "")
            + ". A head is worth its cost where it beats that.")
-    text = [f"# Head inputs, ablated: {cfg.data} (datagen config hash {manifest.get('config_hash')})", "",
-            f"Target `{cfg.target}`; dev metrics of each exported head (lowest dev loss): KL = unweighted binary "
+    text = [f"# Head inputs, ablated: {table['data']} (datagen config hash {table['config_hash']})", "",
+            f"Target `{table['target']}`; dev metrics of each exported head (lowest dev loss): KL = unweighted binary "
             f"KL(P || p_hat), AUC = chance a token with P >= 0.99 ranks above one with P < 0.99, ECE over "
-            f"{cfg.ece_bins} equal-width bins. w_rej > 1 biases predictions down on purpose, which raises KL and "
+            f"{header['ece_bins']} equal-width bins. w_rej > 1 biases predictions down on purpose, which raises KL and "
             "ECE: compare KL and ECE within a w_rej, AUC across all."
             + (f" eval: the same heads on the dev split of {eval_data}." if eval_data else ""), "",
             md_table(cols, cells), "", ref, ""]
-    atomic_write(out / "ablation.md", "\n".join(text))
-    write_json(out / "ablation.json", {"data": cfg.data, "config_hash": manifest.get("config_hash"),
-                                       "eval_data": eval_data, "target": cfg.target, "sources": sources,
-                                       "reference_log_q_auc": reference, "rows": rows})
-    print(f"ablation table: {out / 'ablation.md'}", file=sys.stderr)
+    return "\n".join(text)
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="eval/ablate_heads.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", required=True, help="datagen output folder (manifest.json + shards)")
+    p.add_argument("--data", help="datagen output folder (manifest.json + shards); required unless --report-only")
     p.add_argument("--out", default="runs/heads/ablation", help="one run folder per head, plus ablation.md")
+    p.add_argument("--report-only", action="store_true",
+                   help="train nothing: ablation.md from what <out> holds (ablation.json and run.json)")
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"input sets: {', '.join(VARIANTS)}")
     p.add_argument("--depths", default="0,3", help="residual blocks D, each in 0..4")
     p.add_argument("--w-rejs", default="1,6", help="rejection weights w_rej")
@@ -222,9 +253,23 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _main(argv) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    if args.report_only:  # from the folder alone: its table's rows and run.json
+        table = json.loads((out / "ablation.json").read_text())
+        atomic_write(out / "ablation.md", report(table, run_header(out, report_only=True)))
+        return 0
+    if not args.data:
+        p.error("the following arguments are required: --data")
+
     from accelerate import PartialState
 
-    args = parser().parse_args(argv)
+    from adaptive_spec.config import load_config
+    from adaptive_spec.training.data import dataset_sources, read_manifest
+    from adaptive_spec.training.loop import train
+    from adaptive_spec.training.settings import TrainConfig
+
     variants = _list(args.variants, _variant, "--variants", ", ".join(VARIANTS))
     depths = _list(args.depths, int, "--depths", "integers in 0..4")
     w_rejs = _list(args.w_rejs, float, "--w-rejs", "positive numbers")
@@ -236,7 +281,6 @@ def _main(argv) -> int:
     if eval_man is not None and dataset_sources(eval_man) != sources:
         raise UserError(f"--eval-data {eval_dir} has prompt sources {dataset_sources(eval_man)}, --data has {sources}; "
                         "evaluate on a folder derived from the same datagen run")
-    out = Path(args.out)
     grid = [(v, d, w) for v in variants for d in depths for w in w_rejs]
     for v, d, w in grid:  # every run's settings checked before the first one trains
         dataclasses.replace(base, feature=VARIANTS[v][0], inputs=VARIANTS[v][1], depth=d, w_rej=w).validate()

@@ -14,20 +14,27 @@ The paths alternate --rounds times so drifts in the machine's speed hit all alik
 flags head every table: a number from another CPU kind says nothing about this one.
 
     python eval/bench_cpu_kernels.py [--models draft,target] [--lens 1,2,3,5,9] [--prefill 235] [--threads 2]
+
+The rows and the read bandwidth go to <out>/results.json, the CPU's flags line and the prefill length
+the table names to <out>/run.json (evaluation/paired.run_header), the table to <out>/table.md;
+`--report-only --out <out>` measures nothing and loads no model: it rewrites table.md from those two
+files alone, on any machine.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from adaptive_spec.evaluation.paired import run_header
 
-from adaptive_spec.backends.cpu import describe, fbgemm_fp16, flags_line, onednn_packed
-from adaptive_spec.backends.models import CausalLM, PackedLinear, QuantLinear, load_model, resolve_dtype
+if TYPE_CHECKING:  # torch and the models are imported where a measuring run needs them: --report-only needs neither
+    import torch
+
+    from adaptive_spec.backends.models import CausalLM
 
 # path name -> (dtype, packed, fp16 copies for short inputs)
 PATHS = {"bf16 stock": ("bf16", False, False), "fp32 stock": ("fp32", False, False),
@@ -38,6 +45,8 @@ PATHS = {"bf16 stock": ("bf16", False, False), "fp32 stock": ("fp32", False, Fal
 def read_bandwidth_gbps(gib: float = 1.0, reps: int = 5) -> float:
     """Best-of-reps GB/s of summing a buffer far larger than the caches: the ceiling a
     bandwidth-bound decode step can reach on this machine with torch's threads."""
+    import torch
+
     x = torch.ones(int(gib * (1 << 30) // 4), dtype=torch.float32)
     x.sum()
     best = min(_timed(lambda: x.sum()) for _ in range(reps))
@@ -51,6 +60,10 @@ def _timed(f) -> float:
 
 
 def linear_bytes(model) -> int:
+    import torch
+
+    from adaptive_spec.backends.models import PackedLinear, QuantLinear
+
     seen, n = set(), 0
     for m in model.modules():
         if isinstance(m, (PackedLinear, QuantLinear)):  # their own byte count: the weight may be released
@@ -64,6 +77,8 @@ def linear_bytes(model) -> int:
 
 def time_forward(lm: CausalLM, prompt: torch.Tensor, n: int, reps: int) -> tuple[float, torch.Tensor]:
     """Median seconds of feeding n tokens after the prompt (rolled back each time), and the logits."""
+    import torch
+
     lm.reset()
     lm.forward(prompt, n_logits=0)
     base = lm.length
@@ -79,6 +94,8 @@ def time_forward(lm: CausalLM, prompt: torch.Tensor, n: int, reps: int) -> tuple
 
 
 def time_prefill(lm: CausalLM, n: int, reps: int) -> float:
+    import torch
+
     ids = torch.arange(300, 300 + n) % lm.vocab_size
     times = []
     for _ in range(reps + 1):
@@ -88,16 +105,18 @@ def time_prefill(lm: CausalLM, n: int, reps: int) -> float:
 
 
 def load_path(name: str, role: str, dtype: str, packed: bool, fp16: bool) -> CausalLM:
-    env = os.environ.get("ADAPTIVE_SPEC_CPU_PACK")
-    os.environ["ADAPTIVE_SPEC_CPU_PACK"] = "1" if packed else "0"
-    try:
-        model, _ = load_model(name, role, dtype, "cpu", fp16=fp16)
-    finally:
-        os.environ.pop("ADAPTIVE_SPEC_CPU_PACK") if env is None else os.environ.__setitem__("ADAPTIVE_SPEC_CPU_PACK", env)
+    from adaptive_spec.backends.models import CausalLM, load_model
+
+    model, _ = load_model(name, role, dtype, "cpu", pack=packed, fp16=fp16)
     return CausalLM(model)
 
 
 def bench_model(name: str, args, lens: list[int]) -> list[dict]:
+    import torch
+
+    from adaptive_spec.backends.cpu import fbgemm_fp16, onednn_packed
+    from adaptive_spec.backends.models import resolve_dtype
+
     role = name if name in ("draft", "target") else "target"
     path = None if name in ("draft", "target") else name
     # a packed path this CPU has no kernel for is left out (the table's first line says why)
@@ -132,10 +151,21 @@ def bench_model(name: str, args, lens: list[int]) -> list[dict]:
     return rows
 
 
-def table(rows: list[dict], bw: float, prefill: int) -> str:
-    lines = [f"{flags_line()}", f"read bandwidth (sum over 1 GiB, best of 5): {bw:.1f} GB/s", "",
+def report(results, run: dict) -> str:
+    """table.md of results.json (`results`) with what run.json (`run`) says of the run: its CPU's flags line
+    and the prefill length; the same text whether just measured or rebuilt by --report-only."""
+    if isinstance(results, list):  # the first runs (a list of rows): stock vs packed layouts of one dtype
+        return layouts_table(results)
+    return table(results["rows"], results["read_GBps"], run["prefill"], run["cpu"])
+
+
+def table(rows: list[dict], bw: float, prefill: int, cpu: str) -> str:
+    # rows without a reference are from runs that compared every path with fp32 stock and kept no cpu_path
+    legacy = any("reference" not in r for r in rows)
+    lines = [cpu, f"read bandwidth (sum over 1 GiB, best of 5): {bw:.1f} GB/s", "",
              "| model | path | tokens | ms/forward | x decode step | GB/s of weights | % of read bw | "
-             f"prefill {prefill} tok, s | prefill speed-up vs bf16 stock | max abs logit diff vs reference |",
+             f"prefill {prefill} tok, s | prefill speed-up vs bf16 stock | "
+             f"max abs logit diff vs {'fp32' if legacy else 'reference'} |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ref = next((s for s in rows if s["model"] == r["model"] and s["path"] == "bf16 stock"), None)
@@ -146,10 +176,24 @@ def table(rows: list[dict], bw: float, prefill: int) -> str:
                      f"{pf / 1e3:.2f} | {sp} | {r['max_abs_logit_diff']:.3g} |" if pf else
                      f"| {r['model']} | {r['path']} | {r['tokens']} | {r['ms']:.1f} | {r['vs_step']:.2f} | "
                      f"{r['weight_GBps']:.1f} | {100 * r['weight_GBps'] / bw:.0f}% | — | — | {r['max_abs_logit_diff']:.3g} |")
-    lines.append("")
+    if not legacy:
+        lines.append("")
+        for r in rows:
+            if r["tokens"] == rows[0]["tokens"]:
+                # the model's record keeps pad_to as a tuple; results.json, as a list
+                path = {k: tuple(v) if k == "pad_to" else v for k, v in r["cpu_path"].items()}
+                lines.append(f"- {r['model']}, {r['path']}: logits against {r['reference']}; path {path}")
+    return "\n".join(lines) + "\n"
+
+
+def layouts_table(rows: list[dict]) -> str:
+    """The first runs' table: each model's layouts (stock, packed, packed with row padding) in one dtype."""
+    lines = ["| model | layout | tokens | ms/forward | GB/s of weights | speed-up vs stock | max abs logit diff |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
-        if r["tokens"] == rows[0]["tokens"]:
-            lines.append(f"- {r['model']}, {r['path']}: logits against {r['reference']}; path {r['cpu_path']}")
+        stock = next(s for s in rows if s["model"] == r["model"] and s["tokens"] == r["tokens"] and s["layout"] == "stock")
+        lines.append(f"| {r['model']} | {r['layout']} | {r['tokens']} | {r['ms']:.1f} | {r['weight_GBps']:.1f} | "
+                     f"{stock['ms'] / r['ms']:.2f}x | {r['max_abs_logit_diff']:.3g} |")
     return "\n".join(lines) + "\n"
 
 
@@ -164,7 +208,20 @@ def main(argv=None) -> int:
     ap.add_argument("--paths", default=None, help="comma-separated subset of: " + ", ".join(PATHS)
                     + " (default: all this CPU runs; logits are compared with fp32 stock, else the first)")
     ap.add_argument("--out", default=None, help="output folder (default eval/results/bench_cpu_kernels_<isa>)")
+    ap.add_argument("--report-only", action="store_true",
+                    help="measure nothing: rewrite <out>/table.md from its results.json and run.json")
     args = ap.parse_args(argv)
+    if args.report_only:
+        if not args.out:
+            ap.error("--report-only rewrites the table of a run folder: name it with --out")
+        out = Path(args.out)
+        (out / "table.md").write_text(report(json.loads((out / "results.json").read_text()),
+                                             run_header(out, report_only=True)))
+        return 0
+    import torch
+
+    from adaptive_spec.backends.cpu import describe, flags_line
+
     torch.set_num_threads(args.threads)
     lens = sorted({1, *(int(x) for x in args.lens.split(","))})
     bw = read_bandwidth_gbps()
@@ -172,7 +229,9 @@ def main(argv=None) -> int:
     out = Path(args.out or f"eval/results/bench_cpu_kernels_{describe()['isa'].lower()}")
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"machine": describe(), "read_GBps": bw, "rows": rows}, indent=1) + "\n")
-    text = table(rows, bw, args.prefill)
+    header = run_header(out, report_only=False, measure=lambda: {
+        "script": f"eval/{Path(__file__).name}", "report": "table.md", "cpu": flags_line(), "prefill": args.prefill})
+    text = report(json.loads((out / "results.json").read_text()), header)  # as --report-only reads it back
     (out / "table.md").write_text(text)
     print(text)
     return 0

@@ -2,25 +2,21 @@
 
 For each prompt, every configuration (ar, K = 1..8, at each temperature) runs back to back, so
 machine noise hits all of them alike and the speed-up ratios are taken within one run.
-Results go to <out>/results.jsonl (one line per prompt x config; a rerun skips what is done)
-and a markdown table to <out>/table.md.
+Results go to <out>/results.jsonl (one line per prompt x config; a rerun skips what is done),
+what the report says beside them (CPU flags, read bandwidth, weight bytes, settings) to <out>/run.json
+and the report to <out>/table.md.
 
     python eval/bench_decode.py --prompts 10 --max-new-tokens 128 --ks 1,2,3,4,5,6,7,8 --temperatures 0,1
+    python eval/bench_decode.py --report-only --out eval/results/bench_decode_avx2   # no model: table.md again
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import statistics
-import time
 from pathlib import Path
 
-import torch
-from tqdm import tqdm
-
-from adaptive_spec import SpecPair
-from adaptive_spec.prompts import load_prompts
+from adaptive_spec.evaluation.paired import run_header
 from adaptive_spec.runs import append_jsonl, read_jsonl
 from adaptive_spec.tables import md_table
 
@@ -77,6 +73,7 @@ def parse_draft(spec: str) -> tuple[str, str | None]:
 def load_pairs(args) -> dict:
     """One target, shared; one SpecPair per draft configuration (each with its own caches), so
     every configuration runs in this process on the same prompts, back to back."""
+    from adaptive_spec import SpecPair
     from adaptive_spec.backends.models import load_model
 
     base = SpecPair.load(target=args.target, draft=None, dtype=args.dtype, device=args.device,
@@ -95,41 +92,47 @@ def load_pairs(args) -> dict:
     if args.compare_no_fp16:
         # the same target without the FBGEMM fp16 copies (oneDNN fp32 for every input), as
         # target alone and under every draft configuration, in this run on the same prompts
-        os.environ["ADAPTIVE_SPEC_CPU_FP16"] = "0"
-        try:
-            old = SpecPair.load(target=args.target, draft=None, dtype=args.dtype, device=args.device)
-        finally:
-            os.environ.pop("ADAPTIVE_SPEC_CPU_FP16")
+        old = SpecPair.load(target=args.target, draft=None, dtype=args.dtype, device=args.device, cpu_fp16_rows=0)
         pairs[f"ar{NO_FP16}"] = old
         for spec, (draft_model, dtok) in drafts.items():
             pairs[spec + NO_FP16] = SpecPair.from_models(old.target.model, old.tokenizer, draft_model, dtok)
     return pairs
 
 
-def draft_costs(rows: list[dict], pairs: dict, bw_gbps: float) -> str:
-    """Per draft configuration: mean seconds per decode forward of draft and target (prefill
-    excluded), c = t_draft / t_target, the weight bytes each streams per step and the GB/s that
-    makes, against the machine's read bandwidth (the ceiling of a bandwidth-bound step)."""
+def linear_gb(pairs: dict) -> dict:
+    """GB of linear weights each model streams per step: the target under "ar", each draft
+    configuration under its name (eval/bench_cpu_kernels.linear_bytes), in the order they ran."""
     from bench_cpu_kernels import linear_bytes
 
+    return {"ar": linear_bytes(pairs["ar"].target.model) / 1e9,
+            **{spec: linear_bytes(pair.draft.model) / 1e9 for spec, pair in pairs.items() if not spec.startswith("ar")}}
+
+
+def draft_costs(rows: list[dict], gb: dict, bw_gbps: float | None) -> str:
+    """Per draft configuration: mean seconds per decode forward of draft and target (prefill
+    excluded), c = t_draft / t_target, the weight GB each streams per step (`gb`, linear_gb's) and
+    the GB/s that makes, against the machine's read bandwidth (the ceiling of a bandwidth-bound
+    step). A size or bandwidth the run did not record (an older run.json) leaves its cells out."""
+    def speed(nbytes: float | None, t: float) -> list[str]:
+        if nbytes is None:
+            return ["", ""]
+        share = f" ({100 * nbytes / t / bw_gbps:.0f}%)" if bw_gbps else ""
+        return [f"{nbytes:.3f}", f"{nbytes / t:.1f}{share}"]
+
     t_target = _per_forward([r for r in rows if r["config"] == "ar"], "target")
-    tbytes = linear_bytes(pairs["ar"].target.model)
     t_fp16 = t_target
-    out = [["target (ar step)", "—", f"{t_target * 1e3:.1f}", "1", f"{tbytes / 1e9:.3f}",
-            f"{tbytes / t_target / 1e9:.1f} ({100 * tbytes / t_target / 1e9 / bw_gbps:.0f}%)", "—"]]
-    for spec, pair in pairs.items():
+    out = [["target (ar step)", "—", f"{t_target * 1e3:.1f}", "1", *speed(gb.get("ar"), t_target), "—"]]
+    for spec in gb:
         if spec.startswith("ar"):
             continue
-        rs = [r for r in rows if r["draft"] == spec and r["config"] != "ar"]
+        rs = [r for r in rows if r.get("draft", "none") == spec and r["config"] != "ar"]
         t_draft = _per_forward(rs, "draft")
         if spec.endswith(NO_FP16) and t_target == t_fp16:  # c against its own target's step
             t_target = _per_forward([r for r in rows if r["config"] == "ar" + NO_FP16], "target")
             out.append([f"target{NO_FP16} (ar step)", "—", f"{t_target * 1e3:.1f}", "1", "", "", "—"])
-        nbytes = linear_bytes(pair.draft.model)
         acc = [r["acceptance_rate"] for r in rs if r["acceptance_rate"] == r["acceptance_rate"]]
         out.append([draft_label(spec), f"{t_draft * 1e3:.1f}", f"{t_target * 1e3:.1f}", f"{t_draft / t_target:.3f}",
-                    f"{nbytes / 1e9:.3f}", f"{nbytes / t_draft / 1e9:.1f} ({100 * nbytes / t_draft / 1e9 / bw_gbps:.0f}%)",
-                    f"{statistics.mean(acc):.3f}" if acc else "—"])
+                    *speed(gb[spec], t_draft), f"{statistics.mean(acc):.3f}" if acc else "—"])
     return md_table(["model", "t_draft ms", "t_target ms (ar step)", "c = t_draft/t_target", "linear weights GB",
                      "GB/s (% of read bw)", "acceptance rate"], out)
 
@@ -143,7 +146,7 @@ def greedy_check(rows: list[dict]) -> str:
     if not spec:
         return ""
     same = sum(r["output_sha"] == ar[r["prompt_idx"]] for r in spec)
-    return f"Greedy: speculative output equals the target's own greedy output in {same} of {len(spec)} runs.\n\n"
+    return f"Greedy: speculative output equals the target's own greedy output in {same} of {len(spec)} runs."
 
 
 def _per_forward(rows: list[dict], role: str) -> float:
@@ -153,7 +156,7 @@ def _per_forward(rows: list[dict], role: str) -> float:
     return s / max(n, 1)
 
 
-def main(argv=None):
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--draft", default="default", help="draft model: hub id, local folder or 'default'")
     ap.add_argument("--target", default="default", help="target model: hub id, local folder or 'default'")
@@ -178,9 +181,15 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--out", default="runs/bench_decode", help="folder for results.jsonl and table.md")
     ap.add_argument("--table-only", action="store_true", help="print the table of what <out> holds; run nothing")
+    ap.add_argument("--report-only", action="store_true",
+                    help="run nothing, load no model: <out>/table.md again from its results.jsonl and run.json")
     args = ap.parse_args(argv)
 
     out = Path(args.out)
+    if args.report_only:  # from the folder alone: its rows and run.json
+        run = run_header(out, report_only=True)
+        (out / "table.md").write_text(report(run_rows(out / "results.jsonl", run), run))
+        return 0
     out.mkdir(parents=True, exist_ok=True)
     res_path = out / "results.jsonl"
     settings = {k: getattr(args, k) for k in ("draft", "target", "dataset", "max_new_tokens", "dtype", "top_k")}
@@ -191,7 +200,9 @@ def main(argv=None):
         n = len({r["prompt_idx"] for r in done_rows})
         label_configs(done_rows)
         print(f"# Decode benchmark (from {res_path}: {len(done_rows)} runs over {n} prompts)\n\n" + table(done_rows))
-        return
+        return 0
+    from adaptive_spec.prompts import load_prompts
+
     pairs = load_pairs(args)
     prompts = load_prompts(args.dataset, field=args.field, n=args.prompts)
     jobs = [(a, a) for a in pairs if a.startswith("ar")] + [(c, f"k{k}") for c in pairs if not c.startswith("ar")
@@ -201,15 +212,41 @@ def main(argv=None):
         pair.generate(prompts[0], policy="ar" if spec.startswith("ar") else "fixed", k=2, max_new_tokens=8,
                       temperature=0, chat=True)
     todo = [(i, t, d, c) for i in range(len(prompts)) for t in temps for d, c in jobs if (i, t, c, d) not in done]
-    # the report covers this invocation's grid only: rows of other drafts or K left in <out> by an
-    # earlier run would otherwise make every prompt look incomplete
-    wanted = {(i, t, c, d) for i in range(len(prompts)) for t in temps for d, c in jobs}
-    done_rows = [r for r in done_rows if (r["prompt_idx"], r["temperature"], r["config"], r.get("draft", "none")) in wanted]
-    rows = done_rows + run_jobs(todo, pairs, prompts, args, settings, res_path)
-    write_report(rows, pairs, args, len(prompts), out)
+    run_jobs(todo, pairs, prompts, args, settings, res_path)
+    run = run_header(out, report_only=False, measure=lambda: measured(pairs, args, settings, len(prompts), temps, jobs))
+    md = report(run_rows(res_path, run), run)
+    (out / "table.md").write_text(md)
+    print(md, end="")
+    return 0
+
+
+def measured(pairs: dict, args, settings: dict, n_prompts: int, temps: list[float], jobs: list) -> dict:
+    """What table.md says beside the rows (paired.run_header keeps it in run.json): the machine, the
+    run's settings and grid, the models' weight sizes."""
+    import torch
+
+    from adaptive_spec.backends.cpu import flags_line
+    from bench_cpu_kernels import read_bandwidth_gbps
+
+    return {"script": "eval/bench_decode.py", "report": "table.md", "cpu": flags_line(),
+            "read_bw_gbps": read_bandwidth_gbps(), "target_path": str(pairs["ar"].runtime_info().get("target_path")),
+            "target": args.target, "draft": args.draft, "drafts": args.drafts, "dtype": args.dtype,
+            "device": str(pairs["ar"].target.device), "threads": torch.get_num_threads(), "dataset": args.dataset,
+            "max_new_tokens": args.max_new_tokens, "top_k": args.top_k, "settings": settings,
+            "n_prompts": n_prompts, "temperatures": temps, "jobs": [list(j) for j in jobs], "linear_gb": linear_gb(pairs)}
+
+
+def run_rows(res_path: Path, run: dict) -> list[dict]:
+    """The rows of the run's settings and grid (its prompts x temperatures x jobs), in file order: rows
+    of other drafts or K left in <out> by an earlier run would otherwise make every prompt look incomplete."""
+    wanted = {(i, t, c, d) for i in range(run["n_prompts"]) for t in run["temperatures"] for d, c in run["jobs"]}
+    return [r for r in read_jsonl(res_path) if r.get("settings") == run["settings"]
+            and (r["prompt_idx"], r["temperature"], r["config"], r.get("draft", "none")) in wanted]
 
 
 def run_jobs(todo, pairs, prompts, args, settings, res_path) -> list[dict]:
+    from tqdm import tqdm
+
     rows = []
     bar = tqdm(todo, desc="bench", unit="run", dynamic_ncols=True)
     for i, temp, spec, cfg in bar:
@@ -238,24 +275,32 @@ def label_configs(rows: list[dict]) -> None:
             r["config"] = f"{draft_label(r.get('draft', 'none'))} {r['config']}"
 
 
-def write_report(rows, pairs, args, n_prompts, out: Path):
-    from adaptive_spec.backends.cpu import flags_line
-
+def report(rows: list[dict], run: dict) -> str:
+    """table.md: the rows (run_rows) with what run.json says of the run (paired.run_header). A line whose
+    value an older run.json lacks (CPU flags, read bandwidth, target path, weight sizes) is left out;
+    its "note", if any, closes the report."""
+    rows = [dict(r) for r in rows]
     label_configs(rows)
-    from bench_cpu_kernels import read_bandwidth_gbps
-
-    runtime = pairs["ar"].runtime_info()
-    bw = read_bandwidth_gbps()
-    md = table(rows) + "\n\n" + greedy_check(rows) + draft_costs(rows, pairs, bw)
-    hdr = (f"# Decode benchmark\n\n{flags_line()}\n\nread bandwidth: {bw:.1f} GB/s (sum over 1 GiB, best of 5)\n\n"
-           f"target path: {runtime.get('target_path')}\n\n"
-           f"{args.target} (target) / {args.draft} (draft; configurations {args.drafts}), dtype {args.dtype}, "
-           f"device {pairs['ar'].target.device}, {torch.get_num_threads()} threads, {n_prompts} prompts from "
-           f"{args.dataset} (chat template), {args.max_new_tokens} new tokens, top-k {args.top_k or 'off'}. "
-           f"Written {time.strftime('%Y-%m-%d %H:%M')}.\n\n")
-    (out / "table.md").write_text(hdr + md + "\n")
-    print(hdr + md)
+    lines = ["# Decode benchmark", ""]
+    if "cpu" in run:
+        lines += [run["cpu"], ""]
+    if "read_bw_gbps" in run:
+        lines += [f"read bandwidth: {run['read_bw_gbps']:.1f} GB/s (sum over 1 GiB, best of 5)", ""]
+    if "target_path" in run:
+        lines += [f"target path: {run['target_path']}", ""]
+    lines += [f"{run['target']} (target) / {run['draft']} (draft; configurations {run['drafts']}), dtype {run['dtype']}, "
+              f"device {run['device']}, {run['threads']} threads, {run['n_prompts']} prompts from {run['dataset']} "
+              f"(chat template), {run['max_new_tokens']} new tokens, top-k {run['top_k'] or 'off'}. "
+              f"Written {run['written']}.", "", table(rows), ""]
+    greedy = greedy_check(rows)
+    if greedy:
+        lines += [greedy, ""]
+    if "linear_gb" in run:
+        lines += [draft_costs(rows, run["linear_gb"], run.get("read_bw_gbps")), ""]
+    if run.get("note"):
+        lines += [run["note"], ""]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -7,44 +7,53 @@ acceptance of a drafted token there is 1 - TV(p_i, q_i) (sum of min(p, q)), unde
 sampling settings (temperature, top-k) as the decode benchmark. Time is one draft decode step
 (1 token after a 64-token cache, median of --reps), so the table reads: acceptance lost
 against step time saved, for the unquantized draft, int8, and int8 with V' kept tokens.
+Rows go to <out>/results.json, what the report says beside them (CPU flags, the responses' source
+and sampling) to <out>/run.json, the table to <out>/table.md.
 
     python eval/bench_draft_vocab.py --from runs/bench_decode/results.jsonl --drafts none,int8,int8:8192,int8:16384,int8:32768,int8:65536
+    python eval/bench_draft_vocab.py --report-only --out eval/results/bench_draft_vocab_avx2   # no model: table.md again
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import time
 from pathlib import Path
 
-import torch
-
-from adaptive_spec.backends.cpu import flags_line
-from adaptive_spec.backends.models import CausalLM, load_model
+from adaptive_spec.evaluation.paired import run_header
 from adaptive_spec.runs import read_jsonl
-from adaptive_spec.decoding.sampling import SamplingParams, process_logits
 from adaptive_spec.tables import md_table
-from bench_cpu_kernels import linear_bytes, time_forward
-from bench_decode import draft_label, parse_draft
 
 
-def processed(lm: CausalLM, ids: list[int], n_resp: int, params: SamplingParams) -> torch.Tensor:
+def bench_decode():
+    """eval/bench_decode.py (its draft-configuration parser and labels), loaded by its path: eval/ is
+    no package, and a test imports this script from elsewhere."""
+    spec = importlib.util.spec_from_file_location("bench_decode", Path(__file__).with_name("bench_decode.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def processed(lm, ids: list[int], n_resp: int, params):
     """The processed next-token distributions at the n_resp response positions [n_resp, V]."""
+    import torch
+
+    from adaptive_spec.decoding.sampling import process_logits
+
     lm.reset()
     logits, _ = lm.forward(torch.tensor(ids[:-1]), n_logits=n_resp)
     return process_logits(logits, params)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--from", dest="src", required=True, help="bench_decode results.jsonl with ar rows (token_ids)")
-    ap.add_argument("--drafts", default="none,int8,int8:8192,int8:16384,int8:32768,int8:65536",
-                    help="draft configurations QUANT[:VOCAB]")
-    ap.add_argument("--dtype", default="auto", help="dtype of both models (auto: fp32 on AVX2-only CPUs)")
-    ap.add_argument("--reps", type=int, default=9, help="timed draft steps per configuration")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads")
-    ap.add_argument("--out", default="eval/results/bench_draft_vocab", help="folder for results.json and table.md")
-    args = ap.parse_args(argv)
+def measure(args) -> tuple[list[dict], dict]:
+    """(one row per draft configuration, what the report says beside them)."""
+    import torch
+
+    from adaptive_spec.backends.cpu import flags_line
+    from adaptive_spec.backends.models import CausalLM, load_model
+    from adaptive_spec.decoding.sampling import SamplingParams
+    from bench_cpu_kernels import linear_bytes, time_forward
+
     torch.set_num_threads(args.threads)
     runs = [r for r in read_jsonl(Path(args.src)) if r.get("config") == "ar" and r.get("token_ids")]
     if not runs:
@@ -56,6 +65,7 @@ def main(argv=None) -> int:
         ps = [processed(target, ids, n, sp) for ids, n, sp in seqs]
     del target
     rows = []
+    parse_draft = bench_decode().parse_draft
     for spec in args.drafts.split(","):
         quant, vocab = parse_draft(spec)
         draft = CausalLM(load_model(None, "draft", args.dtype, "cpu", quant=quant, draft_vocab=vocab)[0])
@@ -66,20 +76,52 @@ def main(argv=None) -> int:
         rows.append({"draft": spec, "alpha": alpha.mean().item(), "n_positions": alpha.numel(),
                      "step_ms": step * 1e3, "linear_GB": linear_bytes(draft.model) / 1e9})
         print(rows[-1], flush=True)
+    return rows, {"script": "eval/bench_draft_vocab.py", "report": "table.md", "cpu": flags_line(), "from": args.src,
+                  "n_responses": len(runs), "n_positions": sum(n for _, n, _ in seqs),
+                  "temperature": runs[0]["temperature"], "top_k": runs[0]["settings"].get("top_k", 0),
+                  "dtype": args.dtype}
+
+
+def report(rows: list[dict], run: dict) -> str:
+    """table.md: the rows (results.json) with what run.json says of the run (paired.run_header)."""
+    label = bench_decode().draft_label
     base = rows[0]
-    table = [[draft_label(r["draft"]), f"{r['alpha']:.4f}", f"{100 * (r['alpha'] - base['alpha']):+.2f}",
+    table = [[label(r["draft"]), f"{r['alpha']:.4f}", f"{100 * (r['alpha'] - base['alpha']):+.2f}",
               f"{r['step_ms']:.1f}", f"{r['step_ms'] / base['step_ms']:.2f}x", f"{r['linear_GB']:.3f}"] for r in rows]
+    return (f"# Draft configurations: expected acceptance vs draft step time\n\n{run['cpu']}\n\n"
+            f"{run['n_responses']} target responses from {run['from']} ({run['n_positions']} positions), "
+            f"sampling as there (T {run['temperature']:g}, top-k {run['top_k']}), "
+            f"dtype {run['dtype']}. Written {run['written']}.\n\n"
+            + md_table(["draft", "E[accept] = 1 - TV(p, q)", "vs first row, points", "draft step ms",
+                        "step vs first row", "draft linear GB"], table) + "\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--from", dest="src", help="bench_decode results.jsonl with ar rows (token_ids); required "
+                                               "unless --report-only")
+    ap.add_argument("--drafts", default="none,int8,int8:8192,int8:16384,int8:32768,int8:65536",
+                    help="draft configurations QUANT[:VOCAB]")
+    ap.add_argument("--dtype", default="auto", help="dtype of both models (auto: fp32 on AVX2-only CPUs)")
+    ap.add_argument("--reps", type=int, default=9, help="timed draft steps per configuration")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--out", default="eval/results/bench_draft_vocab", help="folder for results.json and table.md")
+    ap.add_argument("--report-only", action="store_true",
+                    help="run nothing, load no model: <out>/table.md again from its results.json and run.json")
+    args = ap.parse_args(argv)
     out = Path(args.out)
+    if args.report_only:  # from the folder alone: its rows and run.json
+        run = run_header(out, report_only=True)
+        (out / "table.md").write_text(report(json.loads((out / "results.json").read_text()), run))
+        return 0
+    if not args.src:
+        ap.error("--from is required (unless --report-only)")
+    rows, header = measure(args)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
-    md = (f"# Draft configurations: expected acceptance vs draft step time\n\n{flags_line()}\n\n"
-          f"{len(runs)} target responses from {args.src} ({sum(n for _, n, _ in seqs)} positions), "
-          f"sampling as there (T {runs[0]['temperature']:g}, top-k {runs[0]['settings'].get('top_k', 0)}), "
-          f"dtype {args.dtype}. Written {time.strftime('%Y-%m-%d %H:%M')}.\n\n"
-          + md_table(["draft", "E[accept] = 1 - TV(p, q)", "vs first row, points", "draft step ms",
-                      "step vs first row", "draft linear GB"], table))
-    (out / "table.md").write_text(md + "\n")
-    print(md)
+    md = report(rows, run_header(out, report_only=False, measure=lambda: header))
+    (out / "table.md").write_text(md)
+    print(md, end="")
     return 0
 
 

@@ -18,6 +18,11 @@ ratio a verification forward would have if nothing but linear layers ran. Kernel
 counts alternate --rounds times so machine drift hits all alike; the CPU flags head the table.
 
     python eval/bench_linear_rows.py [--model target] [--rows 1,2,3,5,9] [--threads 2]
+
+The rows go to <out>/results.json, what the table says beside them (the CPU's flags line, the model,
+its layer shapes, each kernel's bytes per weight, the settings) to <out>/run.json (evaluation/paired.run_header),
+the table to <out>/table.md; `--report-only --out <out>` measures nothing: it rewrites table.md from
+those two files alone, on any machine.
 """
 from __future__ import annotations
 
@@ -27,10 +32,7 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
-
-from adaptive_spec.backends.cpu import describe, fbgemm_fp16, flags_line, onednn_packed
-from adaptive_spec.backends.models import resolve_model_path
+from adaptive_spec.evaluation.paired import run_header
 from adaptive_spec.tables import md_table
 
 STREAM_BYTES = 256 << 20  # copies of a small layer up to this size, so weights come from memory, not cache
@@ -39,6 +41,8 @@ STREAM_BYTES = 256 << 20  # copies of a small layer up to this size, so weights 
 def layer_shapes(model: str) -> dict[str, tuple[int, int, int]]:
     """name -> (in_features, out_features, count in the model) for a Llama/Qwen-style decoder."""
     from transformers import AutoConfig
+
+    from adaptive_spec.backends.models import resolve_model_path
 
     role = model if model in ("target", "draft") else "target"
     c = AutoConfig.from_pretrained(resolve_model_path(None if model == role else model, role))
@@ -53,6 +57,10 @@ def layer_shapes(model: str) -> dict[str, tuple[int, int, int]]:
 def kernels() -> dict:
     """name -> (bytes per weight, prepare(weight fp32) -> state, call(x, state)); only those this
     CPU can run."""
+    import torch
+
+    from adaptive_spec.backends.cpu import fbgemm_fp16, onednn_packed
+
     out = {}
     for dt in (torch.float32, torch.bfloat16):
         tag = "fp32" if dt == torch.float32 else "bf16"
@@ -72,6 +80,26 @@ def kernels() -> dict:
     return out
 
 
+def report(results: list[dict], run: dict) -> str:
+    """table.md of results.json's rows with what run.json (`run`) says of the run: the CPU's flags line, the
+    model, its layer shapes, each kernel's bytes per weight, the settings; the same text whether just
+    measured or rebuilt by --report-only."""
+    rows = sorted(int(m) for m in results[0]["ms"])  # row counts: JSON keys are strings
+    table = []
+    for r in results:
+        t = {int(m): v for m, v in r["ms"].items()}
+        if r["layer"] == "whole model":
+            label, gbps = r["layer"], ""
+        else:
+            i, o, count = run["shapes"][r["layer"]]
+            label, gbps = f"{r['layer']} {i}->{o} (x{count})", f"{i * o * run['weight_bytes'][r['kernel']] / t[1] / 1e6:.1f}"
+        table.append([r["kernel"], label, f"{t[1]:.2f}", gbps] + [f"{t[m] / t[1]:.2f}" for m in rows[1:]])
+    return "\n".join([run["cpu"], f"{run['model']}: random weights of its linear layers' shapes, {run['threads']} threads, "
+                      f"median of {run['rounds']} rounds x {run['reps']} reps", "",
+                      md_table(["kernel", "layer", "ms at 1 row", "weight GB/s at 1 row"]
+                               + [f"x at {m} rows" for m in rows[1:]], table)]) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="target", help="'target' / 'draft' of the default pair, a folder or a hub id")
@@ -80,7 +108,20 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None, help="output folder (default eval/results/bench_linear_rows_<isa>)")
+    ap.add_argument("--report-only", action="store_true",
+                    help="measure nothing: rewrite <out>/table.md from its results.json and run.json")
     args = ap.parse_args(argv)
+    if args.report_only:
+        if not args.out:
+            ap.error("--report-only rewrites the table of a run folder: name it with --out")
+        out = Path(args.out)
+        (out / "table.md").write_text(report(json.loads((out / "results.json").read_text())["rows"],
+                                             run_header(out, report_only=True)))
+        return 0
+    import torch
+
+    from adaptive_spec.backends.cpu import describe, flags_line
+
     torch.set_num_threads(args.threads)
     rows = sorted({1, *(int(r) for r in args.rows.split(","))})
     shapes = layer_shapes(args.model)
@@ -105,24 +146,22 @@ def main(argv=None) -> int:
                             ms.setdefault((k, name, m), []).append((time.perf_counter() - t0) / copies)
             del ws, states
     med = {key: statistics.median(v) * 1e3 for key, v in ms.items()}
-    table, results = [], []
+    results = []
     for k in ks:
-        for name, (i, o, count) in [*shapes.items(), ("whole model", (0, 0, 0))]:
+        for name in [*shapes, "whole model"]:
             if name == "whole model":
                 t = {m: sum(c * med[(k, s, m)] for s, (_, _, c) in shapes.items()) for m in rows}
             else:
                 t = {m: med[(k, name, m)] for m in rows}
             results.append({"kernel": k, "layer": name, "ms": t, "vs_1_row": {m: t[m] / t[1] for m in rows}})
-            label = name if name == "whole model" else f"{name} {i}->{o} (x{count})"
-            gbps = "" if name == "whole model" else f"{i * o * ks[k][0] / t[1] / 1e6:.1f}"
-            table.append([k, label, f"{t[1]:.2f}", gbps] + [f"{t[m] / t[1]:.2f}" for m in rows[1:]])
-    text = "\n".join([flags_line(), f"{args.model}: random weights of its linear layers' shapes, {args.threads} threads, "
-                      f"median of {args.rounds} rounds x {args.reps} reps", "",
-                      md_table(["kernel", "layer", "ms at 1 row", "weight GB/s at 1 row"]
-                               + [f"x at {m} rows" for m in rows[1:]], table)]) + "\n"
     out = Path(args.out or f"eval/results/bench_linear_rows_{describe()['isa'].lower()}")
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"machine": describe(), "rows": results}, indent=1) + "\n")
+    header = run_header(out, report_only=False, measure=lambda: {
+        "script": f"eval/{Path(__file__).name}", "report": "table.md", "cpu": flags_line(), "model": args.model,
+        "threads": args.threads, "rounds": args.rounds, "reps": args.reps,
+        "shapes": {name: list(v) for name, v in shapes.items()}, "weight_bytes": {k: v[0] for k, v in ks.items()}})
+    text = report(json.loads((out / "results.json").read_text())["rows"], header)  # as --report-only reads it back
     (out / "table.md").write_text(text)
     print(text)
     return 0

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from collections import defaultdict
 
 from adaptive_spec.backends.cpu import flags_line
@@ -39,7 +38,7 @@ from adaptive_spec.backends.llama_build import VERSION
 from adaptive_spec.backends.llamacpp import requantized_gguf
 from adaptive_spec.decoding.costs import measure_costs
 from adaptive_spec.backends.llama_tools import bench_tg, build, build_flags, spec_example
-from adaptive_spec.evaluation.paired import pooled_tok_s, record, start
+from adaptive_spec.evaluation.paired import pooled_tok_s, record, run_header, start
 from adaptive_spec.runs import read_jsonl
 from adaptive_spec.tables import md_table
 
@@ -59,8 +58,10 @@ def our_configs(pair_name: str) -> list[tuple[str, str, dict]]:
     """(config label, policy, kwargs) per loaded pair ("torch", "llama.cpp", "llama.cpp q4_0")."""
     if pair_name == "torch":
         return [("ar", "ar", {}), ("specdec++ h=auto", "learned", {"head": HEAD, "threshold": "auto"})]
-    if pair_name != "llama.cpp":  # the re-quantized draft: its own rows, labelled with its file type
-        tag = f" (draft {QUANT})"
+    if pair_name == "llama.cpp fetched-target":  # the baseline's baseline: the fetched file, alone
+        return [("ar (fetched target)", "ar", {})]
+    if pair_name != "llama.cpp":  # another draft file: its own rows, labelled with its file type
+        tag = f" (draft {pair_name.split()[1]})"
         return ([(f"fixed K={k}{tag}", "fixed", {"k": k}) for k in QUANT_K]
                 + [(f"specdec++ h={h:g}{tag}", "learned", {"head": HEAD, "threshold": h}) for h in QUANT_H]
                 + [(f"specdec++ h=auto{tag}", "learned", {"head": HEAD, "threshold": "auto"})])
@@ -95,34 +96,48 @@ def main(argv=None) -> int:
     ap.add_argument("--torch-temperatures", default="1", help="temperatures of the torch rows ('' = none): the "
                     "torch engine is 3-4x slower here, and the engine ratio is what they are for")
     ap.add_argument("--out", default="eval/results/bench_llama_cpp_peer")
+    ap.add_argument("--drafts", default=f"none,{QUANT}",
+                    help="llama.cpp draft files, each QUANT or QUANT:N (--draft-quant, and --draft-vocab N): the first "
+                    "gets every row (ar, fixed K, SpecDec++ h and auto, confidence), the others fixed K, h and auto")
+    ap.add_argument("--target-quant", default="none", help="the llama.cpp target re-quantized so (e.g. iq4_nl-pure); "
+                    "then every ratio is to llama.cpp alone on that file, and one more row runs the fetched file alone")
+    ap.add_argument("--no-examples", action="store_true", help="skip llama.cpp's own speculative example")
     ap.add_argument("--report-only", action="store_true",
-                    help="run no generation: llama-bench, then the report of the rows <out> holds")
+                    help="run nothing: the report from what <out> holds (its rows, run.json, costs-*.json)")
     args = ap.parse_args(argv)
+    out, results, done = start(args.out, args.threads)
+    if args.report_only:  # from the folder alone: no model, no build, no prompt set
+        write_report(out, run_header(out, report_only=True))
+        return 0
 
     from adaptive_spec.decoding.pipeline import SpecPair
     from adaptive_spec.prompts import load_prompts
 
-    out, results, done = start(args.out, args.threads)
     bins = build(args.threads)
     target_gguf, draft_gguf = default_gguf("target"), default_gguf("draft")
+    drafts = args.drafts.split(",")
     quant_gguf = requantized_gguf(draft_gguf, QUANT, args.threads)
     pairs = {}
-    if not args.report_only:
-        pairs["llama.cpp"] = SpecPair.load(backend="llama.cpp", threads=args.threads)
-        pairs[f"llama.cpp {QUANT}"] = SpecPair.load(backend="llama.cpp", draft_quant=QUANT, threads=args.threads)
-        for name, pair in pairs.items():  # pinned: a resumed run prices (and so picks auto) the same way
-            measure_costs(pair, pin=out / f"costs-{name.replace(' ', '-')}.json")
+    for i, spec in enumerate(drafts):
+        quant, _, vocab = spec.partition(":")
+        pairs["llama.cpp" if i == 0 else f"llama.cpp {spec}"] = SpecPair.load(
+            backend="llama.cpp", threads=args.threads, draft_quant=quant, draft_vocab=vocab or None,
+            target_quant=args.target_quant)
+    for name, pair in pairs.items():  # pinned: a resumed run prices (and so picks auto) the same way
+        measure_costs(pair, pin=out / f"costs-{name.replace(' ', '-').replace(':', '-v')}.json")
+    if args.target_quant != "none":
+        pairs["llama.cpp fetched-target"] = SpecPair.load(backend="llama.cpp", draft=None, threads=args.threads)
     torch_temps = [float(t) for t in args.torch_temperatures.split(",") if t.strip()]
-    if torch_temps and not args.report_only:
+    if torch_temps:
         pairs["torch"] = SpecPair.load(draft_quant="int8", threads=args.threads)
-    tok = pairs["llama.cpp"].tokenizer if pairs else None
+    tok = pairs["llama.cpp"].tokenizer
     prompts = {ds: load_prompts(ds, n=args.prompts) for ds in args.datasets.split(",")}
     lengths = []
     temps = [float(t) for t in args.temperatures.split(",")]
     # prompt-major, round-robin over the datasets: a run stopped early still covers every dataset alike
     order = [(ds, i, texts[i]) for i in range(max(map(len, prompts.values())))
              for ds, texts in prompts.items() if i < len(texts)]
-    for ds, i, text in ([] if args.report_only else order):
+    for ds, i, text in order:
         ids = pairs["llama.cpp"].encode(text, chat=True)
         lengths.append(len(ids))
         chat_text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
@@ -139,7 +154,7 @@ def main(argv=None) -> int:
                     record(results, done, {"dataset": ds, "prompt_idx": i, "temperature": temp, "engine": engine,
                                            "config": label, "prompt_tokens": len(ids)},
                            lambda: our_row(pair, ids, policy, kw, temp, args.max_new_tokens))
-            if temp != 0:
+            if temp != 0 or args.no_examples:
                 continue
             examples = [(f"draft-max {k}" + (" (default)" if k == 3 else ""), draft_gguf, k) for k in DRAFT_MAX]
             examples.append((f"draft-max 3 (draft {QUANT})", quant_gguf, 3))
@@ -151,15 +166,25 @@ def main(argv=None) -> int:
     # the prompts' mean length sets the context llama-bench's tg is also measured at
     per_prompt = {(r["dataset"], r["prompt_idx"]): r["prompt_tokens"] for r in read_jsonl(results)}
     lengths = lengths or list(per_prompt.values())
-    tg = {"empty context": bench_tg(bins, target_gguf, args.max_new_tokens, 0, args.threads),
-          f"{int(statistics.mean(lengths))}-token context": bench_tg(bins, target_gguf, args.max_new_tokens,
+    tg_file = target_gguf if args.target_quant == "none" else requantized_gguf(target_gguf, args.target_quant)
+    tg = {"empty context": bench_tg(bins, tg_file, args.max_new_tokens, 0, args.threads),
+          f"{int(statistics.mean(lengths))}-token context": bench_tg(bins, tg_file, args.max_new_tokens,
                                                                      int(statistics.mean(lengths)), args.threads)}
     (out / "llama_bench.json").write_text(json.dumps(tg, indent=1) + "\n")
-    costs = {p.stem[len("costs-"):]: json.loads(p.read_text()) for p in sorted(out.glob("costs-*.json"))}
-    md = report(list(read_jsonl(results)), tg, build_flags(bins), args, costs)
-    (out / "report.md").write_text(md)
-    print(md)
+    header = run_header(out, report_only=False, measure=lambda: {
+        "script": "eval/bench_llama_cpp.py", "cpu": flags_line(), "build": build_flags(bins) + f"; llama-cpp-python {VERSION}",
+        "llama_bench": tg, "max_new_tokens": args.max_new_tokens, "threads": args.threads, "drafts": args.drafts,
+        "target_quant": args.target_quant, "llama_bench_file": f"target {_file_label(args.target_quant)}"})
+    print(write_report(out, header))
     return 0
+
+
+def write_report(out, header: dict) -> str:
+    """<out>/report.md from the rows, the pinned costs and run.json (paired.run_header)."""
+    costs = {p.stem[len("costs-"):]: json.loads(p.read_text()) for p in sorted(out.glob("costs-*.json"))}
+    md = report(list(read_jsonl(out / "results.jsonl")), header, costs)
+    (out / "report.md").write_text(md)
+    return md
 
 
 # ----------------------------------------------------------------------------- the report
@@ -225,7 +250,10 @@ def ceiling(costs: dict, k: int) -> float:
     return (k + 1) / sum(round_cost(costs, k))
 
 
-def report(rows: list[dict], tg: dict, flags: str, args, costs: dict | None = None) -> str:
+def report(rows: list[dict], header: dict, costs: dict | None = None) -> str:
+    """The report of the rows, with what run.json says of the run (paired.run_header): the CPU and build
+    lines, llama-bench's tg, the settings in the title, when it was written."""
+    tg = header["llama_bench"]
     by = defaultdict(list)
     for r in rows:
         by[(r["dataset"], r["temperature"], r["engine"], r["config"])].append(r)
@@ -233,12 +261,15 @@ def report(rows: list[dict], tg: dict, flags: str, args, costs: dict | None = No
     temps = list(dict.fromkeys(r["temperature"] for r in rows))
     n_prompts = {ds: len({r["prompt_idx"] for r in rows if r["dataset"] == ds}) for ds in datasets}
     lines = [f"# llama.cpp peer benchmark: {', '.join(f'{ds} ({n})' for ds, n in n_prompts.items())} prompts x "
-             f"{args.max_new_tokens} tokens, {args.threads} threads", "",
-             flags_line(), "", flags + f"; llama-cpp-python {VERSION}", "",
+             f"{header['max_new_tokens']} tokens, {header['threads']} threads", "",
+             header["cpu"], "", header["build"], "",
              "Decode tokens/s (prefill left out, as llama-bench tg and the example's 'decoded' line do), pooled over "
              "prompts; every configuration of a prompt ran back to back. `x alone` is the ratio to our target alone "
              "on llama.cpp in the same rows.", "",
-             "llama-bench tg (target alone, llama.cpp's own loop): "
+             f"llama.cpp files: target {_file_label(header['target_quant'])}; drafts "
+             + ", ".join(_file_label(d) for d in header["drafts"].split(","))
+             + " (the first: every row; the others: `(draft ...)` rows)", "",
+             f"llama-bench tg ({header.get('llama_bench_file', 'the same target file')} alone, llama.cpp's own loop): "
              + ", ".join(f"{v:.2f} tok/s at {k}" for k, v in tg.items()), ""]
     goals = []
     for temp in temps:
@@ -260,11 +291,22 @@ def report(rows: list[dict], tg: dict, flags: str, args, costs: dict | None = No
                 cells.append(cell)
             table.append(cells)
         lines += [f"## {mode}", "", md_table(["engine", "configuration", *datasets], table), ""]
-        goals += _goals(by, datasets, temp, tg)
+        # llama-bench's tg compares with our target alone only where it ran the same file
+        same_file = header.get("llama_bench_file", "target fetched") == f"target {_file_label(header['target_quant'])}"
+        goals += _goals(by, datasets, temp, tg if same_file else None)
     lines += ["## Goals (ratios from the rows above)", "", md_table(["goal", "dataset", "ratio", "met"], goals), ""]
     lines += cost_section(costs) if costs else []
-    lines += [f"Written {time.strftime('%Y-%m-%d %H:%M')} by `python eval/bench_llama_cpp.py`."]
+    lines += [f"Written {header['written']} by `python eval/bench_llama_cpp.py`."]
     return "\n".join(lines) + "\n"
+
+
+def _file_label(spec: str) -> str:
+    quant, _, vocab = spec.partition(":")
+    return ("fetched" if quant == "none" else quant) + (f" with a {vocab}-token vocabulary" if vocab else "")
+
+
+# issue 39's bar for SpecDec++ auto against llama.cpp alone on the same target file (decode and wall)
+AUTO_BAR = {"humaneval": 1.2, "gsm8k": 1.2, "alpaca": 1.05}
 
 
 def _goals(by, datasets, temp, tg) -> list[list[str]]:
@@ -282,7 +324,7 @@ def _goals(by, datasets, temp, tg) -> list[list[str]]:
         ar = by[(ds, temp, "llama.cpp", "ar")]
         if not ar:
             continue
-        if temp == 0:
+        if temp == 0 and tg:
             depth = next(k for k in tg if k != "empty context")
             add(f"ours target alone on llama.cpp / llama-bench tg at {depth} (>= 0.95)", ds, _speed(ar) / tg[depth], 0.95)
         label, spec = best(ds, "llama.cpp", "specdec++ h=0")
@@ -301,9 +343,15 @@ def _goals(by, datasets, temp, tg) -> list[list[str]]:
                     _speed(spec) / _speed(ex), 1.25)
             if ds in ("humaneval", "gsm8k"):
                 add(f"greedy: SpecDec++ ({label}) / llama.cpp alone (>= 1.15)", ds, _speed(spec) / _speed(ar), 1.15)
+        fetched = by.get((ds, temp, "llama.cpp", "ar (fetched target)"))
         for label in sorted({k[3] for k in by if k[:3] == (ds, temp, "llama.cpp") and k[3].startswith("specdec++ h=auto")}):
-            add(f"{mode}: SpecDec++ {label[len('specdec++ '):]} on llama.cpp / llama.cpp alone (>= 0.97)", ds,
-                _speed(by[(ds, temp, "llama.cpp", label)]) / _speed(ar), 0.97)
+            rs, bar = by[(ds, temp, "llama.cpp", label)], AUTO_BAR.get(ds, 0.97)
+            for field, what in (("decode_tok_s", "decode"), ("tok_s", "wall")):
+                add(f"{mode}: SpecDec++ {label[len('specdec++ '):]} on llama.cpp / llama.cpp alone, {what} (>= {bar:g})",
+                    ds, _speed(rs, field) / _speed(ar, field), bar)
+            if fetched:
+                add(f"{mode}: SpecDec++ {label[len('specdec++ '):]} / llama.cpp alone on the fetched target, decode "
+                    "(>= 1)", ds, _speed(rs) / _speed(fetched), 1.0)
     return out
 
 

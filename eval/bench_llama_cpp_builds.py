@@ -8,6 +8,11 @@ the ratio that decides whether speculation pays (a verification of K + 1 tokens 
 step). The draft rows include the draft re-quantized to Q4_0 (`--draft-quant q4_0`).
 
     python eval/bench_llama_cpp_builds.py --rounds 3 --out eval/results/bench_llama_cpp_builds_<cpu>
+
+Writes <out>/results.json (every llama-bench measurement, per build and model), <out>/report.md and
+<out>/run.json (what the report says beside the measurements: the CPU, the binding's version, this
+CPU's build, the settings, when; evaluation/paired.run_header). `--report-only --out DIR` rewrites
+DIR/report.md from those alone (no build, no model, no llama-bench).
 """
 from __future__ import annotations
 
@@ -15,16 +20,11 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 
-from adaptive_spec.backends.llama_tools import build, run
-
-from adaptive_spec.backends.cpu import flags_line
-from adaptive_spec.backends.fetch import default_gguf
-from adaptive_spec.backends.llama_build import VERSION, cmake_args, cpu_flags, enabled_sets, tier
-from adaptive_spec.backends.llamacpp import requantized_gguf
+from adaptive_spec.backends.llama_build import cpu_flags, tier
+from adaptive_spec.evaluation.paired import run_header
 from adaptive_spec.runs import write_json
 from adaptive_spec.tables import md_table
 
@@ -41,6 +41,8 @@ def builds() -> dict[str, frozenset | None]:
 
 
 def bench(bins: Path, gguf: Path, depth: int, threads: int, reps: int) -> dict:
+    from adaptive_spec.backends.llama_tools import run
+
     out = run([str(bins / "llama-bench"), "-m", str(gguf), "-p", ",".join(map(str, LENGTHS)), "-n", "32",
                "-d", str(depth), "-t", str(threads), "-r", str(reps), "-o", "json"])
     rows = json.loads(out[out.index("["): out.rindex("]") + 1])
@@ -55,8 +57,21 @@ def main(argv=None) -> int:
     ap.add_argument("--depth", type=int, default=150, help="context tokens before the timed passes")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="eval/results/bench_llama_cpp_builds")
+    ap.add_argument("--report-only", action="store_true",
+                    help="run nothing: report.md from what <out> holds (results.json and run.json)")
     args = ap.parse_args(argv)
     out = Path(args.out)
+    if args.report_only:  # from the folder alone: no build, no model
+        got = json.loads((out / "results.json").read_text())
+        (out / "report.md").write_text(report(got, run_header(out, report_only=True)))
+        return 0
+
+    from adaptive_spec.backends.cpu import flags_line
+    from adaptive_spec.backends.fetch import default_gguf
+    from adaptive_spec.backends.llama_build import VERSION, cmake_args, enabled_sets
+    from adaptive_spec.backends.llama_tools import build
+    from adaptive_spec.backends.llamacpp import requantized_gguf
+
     out.mkdir(parents=True, exist_ok=True)
     bins = {name: build(args.threads, flags, tools=("llama-bench",)) for name, flags in builds().items()}
     draft = default_gguf("draft")
@@ -70,34 +85,51 @@ def main(argv=None) -> int:
                 step = got[(name, role)][-1]["step_s"]
                 print(f"round {r + 1} {name:28} {role:10} step {1e3 * step:6.1f} ms", file=sys.stderr, flush=True)
     write_json(out / "results.json", {f"{k[0]}|{k[1]}": v for k, v in got.items()})
+    header = run_header(out, report_only=False, measure=lambda: {
+        "script": "eval/bench_llama_cpp_builds.py", "rounds": args.rounds, "reps": args.reps,
+        "threads": args.threads, "depth": args.depth, "cpu": flags_line(), "llama_cpp_python": VERSION,
+        "cmake_args": cmake_args(), "tier": tier(), "sets": enabled_sets(cpu_flags())})
+    md = report(json.loads((out / "results.json").read_text()), header)
+    (out / "report.md").write_text(md)
+    print(md, end="")
+    return 0
+
+
+def report(got: dict[str, list[dict]], header: dict) -> str:
+    """report.md from results.json ({"build|model": [one llama-bench measurement a round]}), with what
+    run.json says of the run (paired.run_header): the settings in the title, the CPU line, the binding's
+    version, this CPU's build (its tier, cmake arguments and instruction sets), when it was written."""
+    runs_of = {tuple(k.split("|", 1)): v for k, v in got.items()}
+    names, roles = list(dict.fromkeys(n for n, _ in runs_of)), list(dict.fromkeys(r for _, r in runs_of))
+    lengths = sorted({int(k[2:-2]) for runs in runs_of.values() for x in runs for k in x if k.startswith("pp")})
+    own = header["tier"]
     table = []
-    for (name, role), runs in got.items():
+    for (name, role), runs in runs_of.items():
         step = statistics.median(x["step_s"] for x in runs)
         cells = [name, role, f"{1 / step:.2f}", f"{1e3 * step:.1f}"]
-        cells += [f"{statistics.median(x[f'pp{n}_s'] / x['step_s'] for x in runs):.2f}" for n in LENGTHS]
+        cells += [f"{statistics.median(x[f'pp{n}_s'] / x['step_s'] for x in runs):.2f}" for n in lengths]
         table.append(cells)
-    base = {role: statistics.median(x["step_s"] for x in got[(tier(), role)]) for role in models}
+    base = {role: statistics.median(x["step_s"] for x in runs_of[(own, role)]) for role in roles}
     ratios = []
-    for name in bins:
-        if name == tier():
+    for name in names:
+        if name == own:
             continue
-        for role in models:
-            other = statistics.median(x["step_s"] for x in got[(name, role)])
+        for role in roles:
+            other = statistics.median(x["step_s"] for x in runs_of[(name, role)])
             ratios.append([role, f"{other / base[role]:.2f}x"])
-    md = [f"# llama.cpp builds on this CPU: llama-bench, {args.rounds} interleaved rounds x {args.reps} reps, "
-          f"{args.threads} threads, {args.depth}-token context", "", flags_line(), "",
-          f"llama-cpp-python {VERSION}'s llama.cpp; this CPU's build (`make setup`): `{cmake_args()}`", "",
+    md = [f"# llama.cpp builds on this CPU: llama-bench, {header['rounds']} interleaved rounds x "
+          f"{header['reps']} reps, {header['threads']} threads, {header['depth']}-token context", "", header["cpu"], "",
+          f"llama-cpp-python {header['llama_cpp_python']}'s llama.cpp; this CPU's build (`make setup`): "
+          f"`{header['cmake_args']}`", "",
           "Medians over rounds. `pp N / step`: a pass over N tokens in one-token steps (what a verification of "
           "K + 1 = N tokens costs against plain decoding).", "",
-          md_table(["build", "model", "tok/s", "ms a step", *[f"pp {n} / step" for n in LENGTHS]], table), ""]
+          md_table(["build", "model", "tok/s", "ms a step", *[f"pp {n} / step" for n in lengths]], table), ""]
     if ratios:
-        md += [f"Step time of the other builds against this CPU's own ({tier()}; above 1x: this CPU's build is "
+        md += [f"Step time of the other builds against this CPU's own ({own}; above 1x: this CPU's build is "
                "faster):", "", md_table(["model", "ratio"], ratios), ""]
-    md += [f"Instruction sets of this CPU's build: {', '.join(enabled_sets(cpu_flags()))}.", "",
-           f"Written {time.strftime('%Y-%m-%d %H:%M')} by `python eval/bench_llama_cpp_builds.py`."]
-    (out / "report.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
-    return 0
+    md += [f"Instruction sets of this CPU's build: {', '.join(header['sets'])}.", "",
+           f"Written {header['written']} by `python eval/bench_llama_cpp_builds.py`."]
+    return "\n".join(md) + "\n"
 
 
 if __name__ == "__main__":

@@ -8,21 +8,19 @@ the llama.cpp engine's decode_torch_threads) and with torch on the process's thr
 Every variant of a prompt runs back to back after an untimed warm-up, and so does llama-bench tg at
 that prompt's length (this box's speed drifts by 10% between spells, so only paired figures
 compare); the order of the two torch settings alternates from prompt to prompt. Resumable:
-rows go to <out>/results.jsonl as they finish; <out>/report.md holds the table.
+rows go to <out>/results.jsonl as they finish; <out>/report.md holds the table, <out>/run.json what it
+says beside the rows (the CPU, the build, the settings, when: evaluation/paired.run_header).
+`--report-only --out DIR` rewrites DIR/report.md from those alone (no model, no build, no prompt set).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 
-from adaptive_spec.backends.llama_tools import bench_tg, build, build_flags
-
-from adaptive_spec.backends.cpu import flags_line
-from adaptive_spec.backends.fetch import default_gguf
+from adaptive_spec.evaluation.paired import run_header
 from adaptive_spec.runs import append_jsonl, read_jsonl
 from adaptive_spec.tables import md_table
 
@@ -34,17 +32,25 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="eval/results/bench_llama_cpp_overhead")
+    ap.add_argument("--report-only", action="store_true",
+                    help="run nothing: report.md from what <out> holds (results.jsonl and run.json)")
     args = ap.parse_args(argv)
+    out = Path(args.out)
+    results = out / "results.jsonl"
+    if args.report_only:  # from the folder alone: no model, no build, no prompt set
+        (out / "report.md").write_text(report(list(read_jsonl(results)), run_header(out, report_only=True)))
+        return 0
 
     import torch
 
+    from adaptive_spec.backends.cpu import flags_line
+    from adaptive_spec.backends.fetch import default_gguf
+    from adaptive_spec.backends.llama_tools import bench_tg, build, build_flags
     from adaptive_spec.decoding import pipeline
     from adaptive_spec.prompts import load_prompts
 
     torch.set_num_threads(args.threads)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = out / "results.jsonl"
     done = {_key(r) for r in read_jsonl(results)} if results.is_file() else set()
     bins = build(args.threads)
     pair = pipeline.SpecPair.load(backend="llama.cpp", draft=None, threads=args.threads)
@@ -75,7 +81,10 @@ def main(argv=None) -> int:
                     append_jsonl(results, row)
                     print(f"{ds} {i} T={temp:g} torch threads {threads}: {m.n_tokens / row['decode_s']:.2f} tok/s",
                           file=sys.stderr, flush=True)
-    md = report(list(read_jsonl(results)), build_flags(bins), args)
+    header = run_header(out, report_only=False, measure=lambda: {
+        "script": "eval/bench_llama_cpp_overhead.py", "cpu": flags_line(), "build": build_flags(bins),
+        "max_new_tokens": args.max_new_tokens})
+    md = report(list(read_jsonl(results)), header)
     (out / "report.md").write_text(md)
     print(md)
     return 0
@@ -85,9 +94,10 @@ def _key(row: dict) -> tuple:
     return row["dataset"], row["prompt_idx"], row["temperature"], row["torch_threads"]
 
 
-def report(rows: list[dict], flags: str, args) -> str:
+def report(rows: list[dict], header: dict) -> str:
     """One line per sampling mode and torch setting; `x llama-bench tg` pools llama-bench's time over
-    the same prompts (each measured beside them) as our rows' time."""
+    the same prompts (each measured beside them) as our rows' time. The CPU and build lines, the tokens
+    a prompt and when it was written come from run.json (paired.run_header)."""
     tg = {(r["dataset"], r["prompt_idx"]): r["tg_tok_s"] for r in rows if r["temperature"] is None}
     by = defaultdict(list)
     for r in rows:
@@ -101,14 +111,14 @@ def report(rows: list[dict], flags: str, args) -> str:
         table.append(["greedy" if temp == 0 else "T = 1, top-k 50", str(threads), str(len(rs)), f"{n / dec:.2f}",
                       f"{n / tg_s:.2f}", f"{tg_s / dec:.3f}", f"{1e3 * fwd / n:.2f}", f"{1e3 * (dec - fwd) / n:.2f}"])
     return "\n".join([
-        f"# Our decode loop on llama.cpp against llama-bench: target alone, {args.max_new_tokens} tokens a prompt",
-        "", flags_line(), "", flags, "",
+        f"# Our decode loop on llama.cpp against llama-bench: target alone, {header['max_new_tokens']} tokens a prompt",
+        "", header["cpu"], "", header["build"], "",
         "llama-bench tg ran once per prompt, generating as many tokens after as many tokens of context as the "
         "prompt has, beside that prompt's rows. `forward` is llama.cpp's decode call with the logits copied out; "
         "`other` is the rest of the decode loop (sampling, bookkeeping). Prefill is left out, as tg does.", "",
         md_table(["sampling", "torch threads while decoding", "prompts", "decode tok/s", "llama-bench tg tok/s",
                   "x llama-bench tg", "forward ms/token", "other ms/token"], table), "",
-        f"Written {time.strftime('%Y-%m-%d %H:%M')} by `python eval/bench_llama_cpp_overhead.py`.", ""])
+        f"Written {header['written']} by `python eval/bench_llama_cpp_overhead.py`.", ""])
 
 
 if __name__ == "__main__":

@@ -13,6 +13,11 @@ and how often their argmaxes agree.
 
     python eval/bench_pass_costs.py --out eval/results/bench_pass_costs_avx512_epyc [--quality]
 
+The times, sizes and quality go to <out>/pass_costs.json, what the report says beside them (the CPU's flags
+line, the ggml build, the command) to <out>/run.json (evaluation/paired.run_header), the report to
+<out>/report.md; `--report-only --out <out>` measures nothing and loads no model: it rewrites report.md
+from those two files alone, on any machine.
+
 Why each type costs what it does (ggml-cpu as vendored in llama-cpp-python 0.3.36): Q4_0, Q4_K and
 IQ4_NL matrices are repacked and their GEMM decodes a block once per group of 4 rows (repack.cpp,
 `nrows > 3`); Q6_K (in Q4_K_M: the output matrix, half of attn_v / ffn_down) and Q5_0 have no x86
@@ -21,23 +26,19 @@ multi-row path below 8 rows (tiled/tiled.cpp starts at 8), so each row of a pass
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
-
-from adaptive_spec.backends.cpu import flags_line
-from adaptive_spec.backends.fetch import default_gguf
-from adaptive_spec.backends.llama_build import VERSION, X86_SETS, cmake_args
-from adaptive_spec.backends.llamacpp import GGUFModel, LlamaCppLM, requantized_gguf
-from adaptive_spec.decoding.costs import PREFIX
-from adaptive_spec.decoding.pipeline import SpecPair
-from adaptive_spec.prompts import load_prompts
+from adaptive_spec.evaluation.paired import run_header
 from adaptive_spec.runs import write_json
 from adaptive_spec.tables import md_table
+
+if TYPE_CHECKING:  # llama.cpp, torch and the models are imported where a measuring run needs them
+    from adaptive_spec.backends.llamacpp import LlamaCppLM
 
 TARGET_QUANTS = ("none", "q4_0-pure", "q4_k-pure", "iq4_nl-pure")
 DRAFT_QUANTS = ("none", "q4_0", "q4_0-pure")
@@ -45,18 +46,42 @@ LENGTHS = tuple(range(1, 10))
 
 
 def _file(role: str, quant: str) -> Path:
+    from adaptive_spec.backends.fetch import default_gguf
+    from adaptive_spec.backends.llamacpp import requantized_gguf
+
     src = default_gguf(role)
     return src if quant == "none" else requantized_gguf(src, quant)
 
 
+def draft_runner(spec: str, threads: int, n_ctx: int = 1024) -> LlamaCppLM:
+    """A draft named QUANT or QUANT:N (N: --draft-vocab, the draft's GGUF cut to the N most frequent tokens)."""
+    from adaptive_spec.backends.gguf_vocab import reduced_draft_gguf
+    from adaptive_spec.backends.llamacpp import GGUFModel, LlamaCppLM
+    from adaptive_spec.backends.vocab import resolve_draft_vocab
+    from adaptive_spec.decoding.pipeline import SpecPair
+
+    quant, _, vocab = spec.partition(":")
+    path, maps = _file("draft", quant), {}
+    if vocab:
+        tok = SpecPair.load(backend="llama.cpp", draft=None, target="default").tokenizer
+        path, kept, imap = reduced_draft_gguf(path, resolve_draft_vocab(vocab, tok, GGUFModel(path).vocab_size).numpy())
+        maps = {"kept_ids": kept, "input_map": imap}
+    return LlamaCppLM(GGUFModel(path), n_ctx=n_ctx, n_threads=threads, **maps)
+
+
 def pass_times(runners: dict, reps: int) -> dict:
     """{(name, n, all_rows): median seconds} of a pass of n rows after PREFIX tokens, interleaved."""
+    import numpy as np
+
+    from adaptive_spec.decoding.costs import PREFIX
+
     ids = (np.arange(PREFIX + max(LENGTHS)) * 7 + 5) % 150_000
     for lm in runners.values():
         lm.reset()
         lm.forward(ids[:PREFIX], n_logits=0)
+    # a draft runs steps of 1 row (2 in a round's first), so only those are timed for it
     cells = [(name, n, all_rows) for name in runners for n in LENGTHS for all_rows in (True, False)
-             if all_rows or n > 1]
+             if (all_rows or n > 1) and (not name.startswith("draft") or (n <= 2 and all_rows))]
     samples = {c: [] for c in cells}
     for r in range(reps + 1):  # round 0: warm-up
         for name, n, all_rows in cells:
@@ -69,9 +94,12 @@ def pass_times(runners: dict, reps: int) -> dict:
     return {c: statistics.median(v) for c, v in samples.items()}
 
 
-def quality(quants: list[str], n_prompts: int, n_tokens: int) -> dict:
-    """{quant: (mean KL nats, top-1 agreement, tokens)} against the fetched target, teacher-forced on
-    its own greedy continuations of held prompts (HumanEval and, where present, GSM8K / AlpacaEval)."""
+def held_sequences(n_prompts: int, n_tokens: int):
+    """(the fetched target's pair, [(prompt ids, its greedy continuation)], the target's log-probabilities
+    along each): held prompts (HumanEval and, where present, GSM8K / AlpacaEval), teacher-forced."""
+    from adaptive_spec.decoding.pipeline import SpecPair
+    from adaptive_spec.prompts import load_prompts
+
     base = SpecPair.load(backend="llama.cpp", draft=None)
     prompts = []
     for ds in ("humaneval", "gsm8k", "alpaca"):
@@ -84,13 +112,23 @@ def quality(quants: list[str], n_prompts: int, n_tokens: int) -> dict:
         ids = base.encode(p, chat=True)
         g = base.generate(ids, policy="ar", temperature=0, max_new_tokens=n_tokens)
         seqs.append((ids, g.token_ids))
+    return base, seqs, [logprobs(base.target, ids, new) for ids, new in seqs]
 
-    def logprobs(lm, ids, new):
-        lm.reset()
-        logits, _ = lm.forward(torch.tensor(ids + new[:-1]), n_logits=len(new))
-        return logits.float().log_softmax(-1)
 
-    ref = [logprobs(base.target, ids, new) for ids, new in seqs]
+def logprobs(lm, ids, new):
+    import torch
+
+    lm.reset()
+    logits, _ = lm.forward(torch.tensor(ids + new[:-1]), n_logits=len(new))
+    return logits.float().log_softmax(-1)
+
+
+def quality(quants: list[str], held) -> dict:
+    """{quant: (mean KL nats, top-1 agreement, tokens)} of each re-quantized target against the fetched
+    one, teacher-forced on its own greedy continuations (held_sequences)."""
+    from adaptive_spec.backends.llamacpp import GGUFModel, LlamaCppLM
+
+    base, seqs, ref = held
     out = {}
     for q in quants:
         lm = LlamaCppLM(GGUFModel(_file("target", q)), n_ctx=base.target.max_length, n_threads=base.target.n_threads)
@@ -105,31 +143,37 @@ def quality(quants: list[str], n_prompts: int, n_tokens: int) -> dict:
     return out
 
 
-def _main(argv) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--targets", default=",".join(TARGET_QUANTS), help="target re-quantizations (none: fetched)")
-    ap.add_argument("--drafts", default=",".join(DRAFT_QUANTS), help="draft re-quantizations (none: fetched)")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--quality", action="store_true", help="also the re-quantized targets' KL from the fetched one")
-    ap.add_argument("--quality-prompts", type=int, default=4, help="per prompt set")
-    ap.add_argument("--quality-tokens", type=int, default=64)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    threads = args.threads or torch.get_num_threads()
-    cpu = flags_line()
-    torch.set_num_threads(1)  # torch only copies logits here; llama.cpp computes on `threads`
-    targets, drafts = args.targets.split(","), args.drafts.split(",")
-    runners = {f"target {q}": LlamaCppLM(GGUFModel(_file("target", q)), n_ctx=1024, n_threads=threads) for q in targets}
-    runners.update({f"draft {q}": LlamaCppLM(GGUFModel(_file("draft", q)), n_ctx=1024, n_threads=threads)
-                    for q in drafts})
-    t = pass_times(runners, args.reps)
-    sizes = {name: lm.model.n_bytes / 2**20 for name, lm in runners.items()}
-    result = {"threads": threads, "prefix": PREFIX, "reps": args.reps, "cpu": cpu,
-              "times": {f"{name}|{n}|{'all' if a else 'last'}": v for (name, n, a), v in t.items()},
-              "sizes_mib": sizes}
+def acceptance(drafts: list[str], held, threads: int) -> dict:
+    """{draft: (expected acceptance at T = 1, greedy agreement, tokens)}: along the fetched target's greedy
+    continuations, E[alpha] = sum_x min(p(x), q(x)) per position (the chance a T = 1 draft token is
+    accepted) and how often the draft's argmax is the target's; a reduced vocabulary's q is 0 on the
+    dropped tokens, so what it loses in acceptance shows here beside what it saves in the step above."""
+    base, seqs, ref = held
+    out = {}
+    for spec in drafts:
+        lm = draft_runner(spec, threads, n_ctx=base.target.max_length)
+        alpha, agree, n = 0.0, 0, 0
+        for (ids, new), lp_ref in zip(seqs, ref):
+            lq = logprobs(lm, ids, new)
+            alpha += float(lp_ref.exp().minimum(lq.exp()).sum())
+            agree += int((lq.argmax(-1) == lp_ref.argmax(-1)).sum())
+            n += len(new)
+        out[spec] = (alpha / n, agree / n, n)
+        del lm
+    return out
+
+
+def report(result: dict, run: dict) -> str:
+    """report.md of pass_costs.json (`result`: threads, prefix, reps, times, sizes, quality) with what
+    run.json (`run`) says of the run: the CPU's flags line, the ggml build, the command and when it was
+    written; the same text whether just measured or rebuilt by --report-only."""
+    t = {}
+    for key, v in result["times"].items():
+        name, n, rows = key.split("|")
+        t[(name, int(n), rows == "all")] = v
+    sizes = result["sizes_mib"]
+    targets = [name.removeprefix("target ") for name in sizes if name.startswith("target ")]
+    drafts = [name.removeprefix("draft ") for name in sizes if name.startswith("draft ")]
     rows = []
     for q in targets:
         name = f"target {q}"
@@ -141,29 +185,90 @@ def _main(argv) -> int:
     drows = [[q, f"{sizes[f'draft {q}']:.0f}", f"{1e3 * t[(f'draft {q}', 1, True)]:.1f}",
               " / ".join(f"{t[(f'draft {q}', 1, True)] / t[(f'target {tq}', 1, True)]:.2f}" for tq in targets)]
              for q in drafts]
-    md = [f"# Verification pass costs on llama.cpp ({threads} threads)", "", cpu, "",
-          f"ggml build flags on: {', '.join(n for n, _ in X86_SETS if f'-D{n}=ON' in cmake_args())} "
-          f"(GGML_NATIVE and AMX off); llama-cpp-python {VERSION}", "",
-          f"A pass of N rows after a {PREFIX}-token context, median of {args.reps} interleaved rounds, in one-row "
-          "steps of the same file. `all rows`: logits of every row (verification); `last row`: of the last only "
-          "(llama-bench -p N); their gap is the output matrix's extra rows.", "",
+    md = [f"# Verification pass costs on llama.cpp ({result['threads']} threads)", "", run["cpu"], "",
+          run["build"], "",
+          f"A pass of N rows after a {result['prefix']}-token context, median of {result['reps']} interleaved rounds, "
+          "in one-row steps of the same file. `all rows`: logits of every row (verification); `last row`: of the "
+          "last only (llama-bench -p N); their gap is the output matrix's extra rows.", "",
           "## Targets", "",
           md_table(["target quant", "MiB", "one-row step ms", "v(1..9), all rows", "v(1..9), last row", "v(4)",
                     "4-row pass ms"], rows), "",
           "## Drafts", "", f"c = draft step / target step, for each target ({', '.join(targets)}).", "",
-          md_table(["draft quant", "MiB", "step ms", "c"], drows), ""]
-    if args.quality:
-        qual = quality([q for q in targets if q != "none"], args.quality_prompts, args.quality_tokens)
-        result["quality"] = qual
+          md_table(["draft quant[:vocab]", "MiB", "step ms", "c"], drows), ""]
+    if "quality" in result:
         md += ["## Quality of the re-quantized targets", "",
                "Teacher-forced on the fetched target's greedy continuations of held prompts: mean per-token "
                "KL(fetched || re-quantized) of the next-token distributions, and argmax agreement.", "",
                md_table(["target quant", "mean KL (nats)", "top-1 agreement", "tokens"],
-                        [[q, f"{kl:.4f}", f"{ag:.3f}", str(n)] for q, (kl, ag, n) in qual.items()]), ""]
-    md += [f"Written {time.strftime('%Y-%m-%d %H:%M')} by `python eval/bench_pass_costs.py {' '.join(argv)}`."]
+                        [[q, f"{kl:.4f}", f"{ag:.3f}", str(n)] for q, (kl, ag, n) in result["quality"].items()]), ""]
+    if "acceptance" in result:
+        md += ["## What each draft costs in acceptance", "",
+               "Teacher-forced on the fetched target's greedy continuations of the same held prompts: the expected "
+               "acceptance of a T = 1 draft token, E[alpha] = sum_x min(p(x), q(x)), and how often the draft's "
+               "argmax is the target's (greedy acceptance), against the fetched target.", "",
+               md_table(["draft quant[:vocab]", "E[alpha], T = 1", "greedy agreement", "tokens"],
+                        [[q, f"{a:.3f}", f"{ag:.3f}", str(n)] for q, (a, ag, n) in result["acceptance"].items()]),
+               ""]
+    md += [f"Written {run['written']} by `{run['command']}`."]
+    return "\n".join(md) + "\n"
+
+
+def _main(argv) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--targets", default=",".join(TARGET_QUANTS), help="target re-quantizations (none: fetched)")
+    ap.add_argument("--drafts", default=",".join(DRAFT_QUANTS), help="draft re-quantizations (none: fetched), each "
+                    "QUANT or QUANT:N (N: a reduced draft vocabulary, --draft-vocab N)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--quality", action="store_true", help="also the re-quantized targets' KL from the fetched one")
+    ap.add_argument("--acceptance", action="store_true", help="also each draft's expected acceptance against the "
+                    "fetched target (what a cheaper draft file costs)")
+    ap.add_argument("--quality-prompts", type=int, default=4, help="per prompt set (--quality and --acceptance)")
+    ap.add_argument("--quality-tokens", type=int, default=64)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--report-only", action="store_true",
+                    help="measure nothing: rewrite <out>/report.md from its pass_costs.json and run.json")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    if args.report_only:
+        (out / "report.md").write_text(report(json.loads((out / "pass_costs.json").read_text()),
+                                              run_header(out, report_only=True)))
+        return 0
+    import torch
+
+    from adaptive_spec.backends.cpu import flags_line
+    from adaptive_spec.backends.llama_build import VERSION, X86_SETS, cmake_args
+    from adaptive_spec.backends.llamacpp import GGUFModel, LlamaCppLM
+    from adaptive_spec.decoding.costs import PREFIX
+
+    out.mkdir(parents=True, exist_ok=True)
+    threads = args.threads or torch.get_num_threads()
+    cpu = flags_line()
+    torch.set_num_threads(1)  # torch only copies logits here; llama.cpp computes on `threads`
+    targets, drafts = args.targets.split(","), args.drafts.split(",")
+    runners = {f"target {q}": LlamaCppLM(GGUFModel(_file("target", q)), n_ctx=1024, n_threads=threads) for q in targets}
+    runners.update({f"draft {q}": draft_runner(q, threads) for q in drafts})
+    t = pass_times(runners, args.reps)
+    sizes = {name: lm.model.n_bytes / 2**20 for name, lm in runners.items()}
+    result = {"threads": threads, "prefix": PREFIX, "reps": args.reps, "cpu": cpu,
+              "times": {f"{name}|{n}|{'all' if a else 'last'}": v for (name, n, a), v in t.items()},
+              "sizes_mib": sizes}
+    if args.quality or args.acceptance:
+        del runners  # the timed files' memory, before the teacher-forced passes load theirs
+        held = held_sequences(args.quality_prompts, args.quality_tokens)
+        if args.quality:
+            result["quality"] = quality([q for q in targets if q != "none"], held)
+        if args.acceptance:
+            result["acceptance"] = acceptance(drafts, held, threads)
     write_json(out / "pass_costs.json", result)
-    (out / "report.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+    header = run_header(out, report_only=False, measure=lambda: {
+        "script": f"eval/{Path(__file__).name}", "cpu": cpu,
+        "build": f"ggml build flags on: {', '.join(n for n, _ in X86_SETS if f'-D{n}=ON' in cmake_args())} "
+                 f"(GGML_NATIVE and AMX off); llama-cpp-python {VERSION}",
+        "command": f"python eval/bench_pass_costs.py {' '.join(argv)}"})
+    md = report(json.loads((out / "pass_costs.json").read_text()), header)  # as --report-only reads it back
+    (out / "report.md").write_text(md)
+    print(md, end="")
     return 0
 
 

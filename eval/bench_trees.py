@@ -15,28 +15,27 @@ First a calibration run measures the 0-th order conditional acceptance rates c_i
 index (batch drafting of width --calib-width plus sequence drafting, as in the paper) on separate
 prompts; then every strategy runs with those rates frozen. Results: <out>/calibration.json,
 <out>/results.jsonl (one line per prompt x config; a rerun skips what is done), <out>/summary.json,
-<out>/table.md and <out>/accepted_vs_drafted.png.
+<out>/run.json (what the table says beside the rows: the settings, the machine's threads, the
+vocabulary the bounds use), <out>/table.md and <out>/accepted_vs_drafted.png.
 
     python eval/bench_trees.py                                 # the default Qwen pair
     python eval/bench_trees.py --tiny --prompts 2 --max-new-tokens 16 --budgets 1,2,4   # smoke test
+    python eval/bench_trees.py --report-only --out eval/results/bench_trees_cpu   # no model: table.md again
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
-from adaptive_spec import SpecPair
 from adaptive_spec.decoding.trees import policy as T
 from adaptive_spec.errors import UserError
-from adaptive_spec.prompts import load_prompts
-from adaptive_spec.runs import append_jsonl, read_jsonl
+from adaptive_spec.evaluation.paired import run_header
+from adaptive_spec.runs import append_jsonl, read_json, read_jsonl
 from adaptive_spec.decoding.sampling import SamplingParams
 from adaptive_spec.evaluation.tree_calibration import load_or_calibrate, measure_rates, tunstall_accepted, zeroth_order_accepted
 
@@ -171,6 +170,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", default=None)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default="runs/bench_trees")
+    ap.add_argument("--report-only", action="store_true",
+                    help="run nothing, load no model: <out>/table.md again from its results.jsonl, calibration.json "
+                         "and run.json")
     return ap.parse_args(argv)
 
 
@@ -195,6 +197,8 @@ def run_pending(pair, eval_prompts, configs, args, sampling, rates: dict, head, 
                 res_path: Path) -> list[dict]:
     """Runs every (prompt, config) that results.jsonl lacks for these settings, appending each
     row as it finishes (a rerun skips what is done); returns all rows of these settings."""
+    from tqdm import tqdm
+
     rows = [r for r in read_jsonl(res_path) if r.get("settings") == settings]
     done = {(r["prompt_idx"], r["method"], r["strategy"], r["k"]) for r in rows}
     todo = [(i, k, m, s) for i in range(len(eval_prompts)) for k, m, s in configs if (i, m, s, k) not in done]
@@ -214,18 +218,42 @@ def run_pending(pair, eval_prompts, configs, args, sampling, rates: dict, head, 
     return rows
 
 
-def table_header(args, pair, n_eval: int, n_calib: int) -> str:
-    return (f"# Tree drafting benchmark\n\n{args.target} (target) / {args.draft} (draft), {args.dtype}, device "
-            f"{pair.target.device}, {torch.get_num_threads()} threads, {n_eval} prompts from {args.dataset}, "
-            f"{args.max_new_tokens} new tokens, temperature {args.temperature:g}. 'predicted' = sum of R over the "
-            f"drafted nodes (0-th order rates from {n_calib} calibration prompts; the head's R for "
+def table_header(run: dict) -> str:
+    """table.md's title and text, from what run.json says of the run (paired.run_header)."""
+    return (f"# Tree drafting benchmark\n\n{run['target']} (target) / {run['draft']} (draft), {run['dtype']}, device "
+            f"{run['device']}, {run['threads']} threads, {run['n_prompts']} prompts from {run['dataset']}, "
+            f"{run['max_new_tokens']} new tokens, temperature {run['temperature']:g}. 'predicted' = sum of R over the "
+            f"drafted nodes (0-th order rates from {run['calib_prompts']} calibration prompts; the head's R for "
             f"tree-head); Tunstall bound = Lemma 4.2 bound on generated tokens per pass, minus 1. Written "
-            f"{time.strftime('%Y-%m-%d %H:%M')}.\n\n")
+            f"{run['written']}.\n\n")
 
 
-def main(argv=None):
+def report(summary: list[dict], run: dict) -> str:
+    """table.md: the summary of the run's rows (summarize) with what run.json says of the run."""
+    return table_header(run) + table(summary) + "\n"
+
+
+def report_only(out: Path) -> int:
+    """table.md again from the folder alone: the rows of run.json's settings, the calibration they ran
+    with (calibration.json) and the vocabulary size run.json keeps."""
+    run = run_header(out, report_only=True)
+    cal = read_json(out / "calibration.json", hint="--report-only needs the run's calibration")
+    if cal.get("settings") != run["settings"]:
+        raise UserError(f"{out / 'calibration.json'} is another run's calibration (its settings differ from run.json's)")
+    rows = [r for r in read_jsonl(out / "results.jsonl") if r.get("settings") == run["settings"]]
+    summary = summarize(rows, {m: cal[m] for m in run["methods"]}, run["vocab_size"])
+    (out / "table.md").write_text(report(summary, run))
+    return 0
+
+
+def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
+    if args.report_only:
+        return report_only(out)
+    from adaptive_spec import SpecPair
+    from adaptive_spec.prompts import load_prompts
+
     out.mkdir(parents=True, exist_ok=True)
     if args.tiny:
         args.draft, args.target, tiny_head = make_tiny_pair(out / "tiny_pair")
@@ -264,15 +292,22 @@ def main(argv=None):
              f"{len(eval_prompts)} prompts x {args.max_new_tokens} tokens")
     plot(summary, methods, out / "accepted_vs_drafted.png", title)
     (out / "summary.json").write_text(json.dumps({"settings": settings, "rates": rates, "summary": summary}, indent=1))
-    hdr = table_header(args, pair, len(eval_prompts), len(calib_prompts))
-    (out / "table.md").write_text(hdr + table(summary) + "\n")
-    print(hdr + table(summary))
+    run = run_header(out, report_only=False, measure=lambda: {
+        "script": "eval/bench_trees.py", "report": "table.md", "target": args.target, "draft": args.draft,
+        "dtype": args.dtype, "device": str(pair.target.device), "threads": torch.get_num_threads(),
+        "n_prompts": len(eval_prompts), "dataset": args.dataset, "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature, "calib_prompts": len(calib_prompts), "methods": methods,
+        "vocab_size": pair.target.vocab_size, "settings": settings})
+    md = report(summary, run)
+    (out / "table.md").write_text(md)
+    print(md, end="")
     print(f"\nplot: {out / 'accepted_vs_drafted.png'}")
+    return 0
 
 
 if __name__ == "__main__":
     try:
-        main()
+        sys.exit(main())
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

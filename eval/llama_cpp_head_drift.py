@@ -13,19 +13,20 @@ stored torch rows (draft_stats, accept_prob) are scored beside them.
 
     python eval/llama_cpp_head_drift.py --data data/datagen/mix --sequences 48
 
-Writes <out>/metrics.json and <out>/report.md (with a reliability plot).
+Writes <out>/metrics.json, <out>/report.md (with a reliability plot) and <out>/run.json (what the report
+says beside the metrics: the CPU, the sampling, the command, when; evaluation/paired.run_header).
+`--report-only --out DIR` rewrites DIR/report.md from metrics.json and run.json alone (no model, no
+data, no torch; the plot is left as it is).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
-import torch
-
-from adaptive_spec.backends.cpu import flags_line
+from adaptive_spec.evaluation.paired import run_header
+from adaptive_spec.tables import md_table
 
 HEAD = "checkpoints/qwen-coder-0.5b-int8-stats-d3"
 
@@ -39,9 +40,19 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="eval/results/llama_cpp_head_drift")
+    ap.add_argument("--report-only", action="store_true",
+                    help="score nothing: report.md from what <out> holds (metrics.json and run.json)")
     args = ap.parse_args(argv)
+    out = Path(args.out)
+    if args.report_only:  # from the folder alone: no model, no data
+        doc = json.loads((out / "metrics.json").read_text())
+        (out / "report.md").write_text(report(doc, run_header(out, report_only=True)))
+        return 0
 
+    import torch
     from tqdm.auto import tqdm
+
+    from adaptive_spec.backends.cpu import flags_line
 
     from adaptive_spec.datagen.generate import iter_shards
     from adaptive_spec.heads.features import truncated_stats
@@ -92,7 +103,6 @@ def main(argv=None) -> int:
             if done >= args.sequences:
                 break
     bar.close()
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     metrics, curves = {}, {}
     for name, (logits, targets) in rows.items():
@@ -100,23 +110,29 @@ def main(argv=None) -> int:
         m["mean_expected_accept"] = torch.cat(expected[name]).double().mean().item()
         metrics[name], curves[name] = m, bins
     plot_reliability(curves, out / "reliability.png", title="torch vs llama.cpp draft statistics")
-    (out / "metrics.json").write_text(json.dumps({"head": args.head, "data": args.data, "split": args.split,
-                                                  "sequences": done, "sampling": vars(params),
-                                                  "metrics": metrics}, indent=1, default=str) + "\n")
-    from adaptive_spec.tables import md_table
-
-    table = [[name, str(m["n"]), f"{m['mean_target']:.3f}", f"{m['mean_pred']:.3f}", f"{m['mean_expected_accept']:.3f}",
-              f"{m['kl']:.4f}", f"{m['auc']:.3f}", f"{m['ece']:.4f}"] for name, m in metrics.items()]
-    md = "\n".join([f"# The statistics head on llama.cpp's draft: {Path(args.head).name}", "", flags_line(), "",
-                    f"{done} {args.split} responses of {args.data}, teacher-forced on the target's response; "
-                    f"y ~ q with {params}; the same positions' stored torch rows beside.", "",
-                    md_table(["draft statistics from", "positions", "mean P", "mean predicted", "mean E[accept]",
-                              "KL", "AUC", "ECE"], table), "", "![reliability](reliability.png)", "",
-                    f"Written {time.strftime('%Y-%m-%d %H:%M')} by `python eval/llama_cpp_head_drift.py --data "
-                    f"{args.data} --sequences {args.sequences}`."])
-    (out / "report.md").write_text(md + "\n")
-    print(md)
+    doc = {"head": args.head, "data": args.data, "split": args.split, "sequences": done, "sampling": vars(params),
+           "metrics": metrics}
+    (out / "metrics.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    header = run_header(out, report_only=False, measure=lambda: {
+        "script": "eval/llama_cpp_head_drift.py", "cpu": flags_line(), "sampling": str(params),
+        "command": f"python eval/llama_cpp_head_drift.py --data {args.data} --sequences {args.sequences}"})
+    md = report(json.loads((out / "metrics.json").read_text()), header)
+    (out / "report.md").write_text(md)
+    print(md, end="")
     return 0
+
+
+def report(doc: dict, header: dict) -> str:
+    """report.md: metrics.json (`doc`), with what run.json says of the run (paired.run_header): the CPU
+    line, the sampling, the command and when it ran."""
+    table = [[name, str(m["n"]), f"{m['mean_target']:.3f}", f"{m['mean_pred']:.3f}", f"{m['mean_expected_accept']:.3f}",
+              f"{m['kl']:.4f}", f"{m['auc']:.3f}", f"{m['ece']:.4f}"] for name, m in doc["metrics"].items()]
+    return "\n".join([f"# The statistics head on llama.cpp's draft: {Path(doc['head']).name}", "", header["cpu"], "",
+                      f"{doc['sequences']} {doc['split']} responses of {doc['data']}, teacher-forced on the target's "
+                      f"response; y ~ q with {header['sampling']}; the same positions' stored torch rows beside.", "",
+                      md_table(["draft statistics from", "positions", "mean P", "mean predicted", "mean E[accept]",
+                                "KL", "AUC", "ECE"], table), "", "![reliability](reliability.png)", "",
+                      f"Written {header['written']} by `{header['command']}`."]) + "\n"
 
 
 if __name__ == "__main__":

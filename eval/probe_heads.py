@@ -20,6 +20,10 @@ q nearly coincide, p/q lands a hair below 1 in floating point, and such a token 
 accepted).
 
     python eval/probe_heads.py --data runs/datagen/gsm8k --split dev --heads 'checkpoints/*'
+
+Writes <out>/results.json (one row per predictor), <out>/table.md and <out>/run.json (what the table
+says beside the rows: the split's mean P and share accepted, the sampling, evaluation/paired.run_header).
+`--report-only --out DIR` rewrites DIR/table.md from those alone: no model, no data, no torch.
 """
 from __future__ import annotations
 
@@ -27,19 +31,24 @@ import argparse
 import glob
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from adaptive_spec.evaluation.paired import run_header
 
-from adaptive_spec.heads.features import CONTEXT_KEY, response_starts
-from adaptive_spec.heads.head import AcceptanceHead, join_inputs, reads_stats
-from adaptive_spec.backends.models import load_model
-from adaptive_spec.decoding.sampling import SamplingParams, process_logits
-from adaptive_spec.training.data import mmap_tensor, read_small
-from adaptive_spec.training.metrics import ACCEPTED, auc, binary_kl
+if TYPE_CHECKING:  # torch, the models and the heads are imported where a probe runs: --report-only needs none
+    import torch
+
+    from adaptive_spec.decoding.sampling import SamplingParams
 
 
 def load_split(root: Path, manifest: dict, split: str, lm_head: torch.Tensor, params: SamplingParams,
                chunk: int = 512):
+    import torch
+
+    from adaptive_spec.decoding.sampling import process_logits
+    from adaptive_spec.heads.features import CONTEXT_KEY, response_starts
+    from adaptive_spec.training.data import mmap_tensor, read_small
+
     shards = ((manifest.get("splits") or {}).get(split) or {}).get("shards") or []
     if not shards:
         raise SystemExit(f"error: {root} has no {split} shards; run datagen first or pick another --split")
@@ -76,6 +85,8 @@ def load_split(root: Path, manifest: dict, split: str, lm_head: torch.Tensor, pa
 
 def cv_logistic(X: torch.Tensor, t: torch.Tensor, seed: int = 0) -> torch.Tensor:
     """Out-of-fold logits of a logistic regression (soft targets), 2 folds."""
+    import torch
+
     n = len(t)
     idx = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     folds = [idx[: n // 2], idx[n // 2:]]
@@ -105,7 +116,25 @@ def main(argv=None) -> int:
     ap.add_argument("--split", default="dev")
     ap.add_argument("--heads", nargs="*", default=["checkpoints/*"], help="head folders or globs")
     ap.add_argument("--out", default="eval/results/probe_heads")
+    ap.add_argument("--report-only", action="store_true",
+                    help="score nothing: table.md from what <out> holds (results.json and run.json)")
     args = ap.parse_args(argv)
+    out = Path(args.out)
+    if args.report_only:  # from the folder alone: no model, no data
+        header = run_header(out, report_only=True)
+        # a folder kept before results.json sat beside its table holds the results in run.json
+        results = json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() \
+            else header["results"]
+        (out / "table.md").write_text(report(results, header))
+        return 0
+
+    import torch
+
+    from adaptive_spec.backends.models import load_model
+    from adaptive_spec.decoding.sampling import SamplingParams
+    from adaptive_spec.heads.head import AcceptanceHead, join_inputs, reads_stats
+    from adaptive_spec.training.metrics import ACCEPTED, auc, binary_kl
+
     root = Path(args.data)
     manifest = json.loads((root / "manifest.json").read_text())
     c = manifest["config"]
@@ -143,19 +172,35 @@ def main(argv=None) -> int:
         rows.append(("logistic(q(y), H, all heads)", cv_logistic(allz, P), True))
     res = [{"predictor": n, "kl": binary_kl(P, z).mean().item() if is_logit else None, "auc": auc(z, P)}
            for n, z, is_logit in rows]
-    lines = [f"{args.data} {args.split}: {len(P)} draft tokens, mean P {P.mean():.3f}, "
-             f"{(P >= ACCEPTED).float().mean():.1%} with P >= {ACCEPTED}; sampling T={params.temperature} "
-             f"top-k {params.top_k} top-p {params.top_p}", "",
-             f"| predictor | KL(P‖p̂) per token | AUC (P ≥ {ACCEPTED} vs P < {ACCEPTED}) |", "|---|---|---|"]
-    lines += [f"| {r['predictor']} | {'–' if r['kl'] is None else format(r['kl'], '.4f')} | {r['auc']:.4f} |"
-              for r in res]
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"data": args.data, "split": args.split, "n": len(P),
-                                                   "rows": res}, indent=1) + "\n")
-    (out / "table.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    results = {"data": args.data, "split": args.split, "n": len(P), "rows": res}
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    header = run_header(out, report_only=False, measure=lambda: {
+        "script": "eval/probe_heads.py", "report": "table.md", "mean_p": P.mean().item(),
+        "accepted_share": (P >= ACCEPTED).float().mean().item(), "accepted": ACCEPTED,
+        "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p})
+    md = report(results, header)
+    (out / "table.md").write_text(md)
+    print(md, end="")
     return 0
+
+
+def report(results: dict, header: dict) -> str:
+    """table.md: results.json's rows, with what run.json says of the split (its mean P and the share of
+    tokens accepted, the sampling, the threshold P counts as accepted at). A folder annotated by hand
+    (probe_heads_int8) also has a title, a note on how its data was made and the CPU line in run.json."""
+    acc = header["accepted"]
+    lines = [f"# {header['title']}", ""] if header.get("title") else []
+    for key in ("note", "cpu"):
+        if header.get(key):
+            lines += [header[key], ""]
+    lines += [f"{results['data']} {results['split']}: {results['n']} draft tokens, mean P {header['mean_p']:.3f}, "
+              f"{header['accepted_share']:.1%} with P >= {acc}; sampling T={header['temperature']} "
+              f"top-k {header['top_k']} top-p {header['top_p']}", "",
+              f"| predictor | KL(P‖p̂) per token | AUC (P ≥ {acc} vs P < {acc}) |", "|---|---|---|"]
+    lines += [f"| {r['predictor']} | {'–' if r['kl'] is None else format(r['kl'], '.4f')} | {r['auc']:.4f} |"
+              for r in results["rows"]]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -10,7 +10,10 @@ its tokens must be the same (a cache not rolled back exactly would change them).
 
     python eval/soak_llama_cpp.py --n 300 --max-new-tokens 24 --n-ctx 1024
 
-Writes <out>/soak.jsonl (one row per generation) and <out>/report.md; exits 1 if a check failed.
+Writes <out>/soak.jsonl (one row per generation), <out>/report.md and <out>/run.json (what the report
+says beside the rows: the CPU, the settings, the wall time, the command, when; evaluation/paired.run_header);
+exits 1 if a check failed. `--report-only --out DIR` rewrites DIR/report.md from those alone (no model):
+the checks are recomputed from the rows.
 """
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-from adaptive_spec.backends.cpu import flags_line
+from adaptive_spec.evaluation.paired import run_header
+from adaptive_spec.runs import read_jsonl
 
 HEAD = "checkpoints/qwen-coder-0.5b-int8-stats-d3"
 POLICIES = [("ar", {}), ("fixed", {"k": 3}), ("learned", {"head": HEAD, "threshold": 0.3}),
@@ -43,10 +47,22 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat-every", type=int, default=10)
     ap.add_argument("--out", default="eval/results/soak_llama_cpp")
+    ap.add_argument("--report-only", action="store_true",
+                    help="run nothing: report.md from what <out> holds (soak.jsonl and run.json)")
     args = ap.parse_args(argv)
+    out = Path(args.out)
+    if args.report_only:  # from the folder alone: no model
+        header = run_header(out, report_only=True)
+        rows = read_jsonl(out / "soak.jsonl")
+        if not rows:
+            print(f"{out / 'soak.jsonl'} holds no generations", file=sys.stderr)
+            return 1
+        (out / "report.md").write_text(report(rows, header))
+        return 1 if checks(rows)[3] else 0
 
     import torch
 
+    from adaptive_spec.backends.cpu import flags_line
     from adaptive_spec.decoding.pipeline import SpecPair
     from adaptive_spec.prompts import load_prompts
 
@@ -54,44 +70,66 @@ def main(argv=None) -> int:
     pair = SpecPair.load(backend="llama.cpp", threads=args.threads, n_ctx=args.n_ctx)
     pool = [pair.encode(t) for t in load_prompts("humaneval")]
     rng = random.Random(0)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = open(out / "soak.jsonl", "w")
-    rows, history, failures = [], [], []
+    rows, history = [], []
     t_start = time.perf_counter()
     # Ctrl-C or kill: stop, and report the generations done (the report says how many of --n)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
     try:
-        _soak(args, pair, pool, rng, log, rows, history, failures)
+        _soak(args, pair, pool, rng, log, rows, history)
     except KeyboardInterrupt:
         print(f"stopped after {len(rows)} of {args.n} generations", file=sys.stderr)
     if not rows:
         return 1
+    wall_s = time.perf_counter() - t_start
+    header = run_header(out, report_only=False, measure=lambda: {
+        "script": "eval/soak_llama_cpp.py", "cpu": flags_line(), "n": args.n, "n_ctx": args.n_ctx,
+        "policies": [p for p, _ in POLICIES], "wall_s": wall_s,
+        "command": f"python eval/soak_llama_cpp.py --n {args.n} --max-new-tokens {args.max_new_tokens} "
+                   f"--n-ctx {args.n_ctx}"})
+    md = report(rows, header)
+    (out / "report.md").write_text(md)
+    print(md, end="")
+    return 1 if checks(rows)[3] else 0
+
+
+def checks(rows: list[dict]) -> tuple[float, float, float, list[str]]:
+    """(resident MiB after 20 generations, the peak after that, its growth, the failures): a repeat that
+    gave other tokens, memory that grew 5% or more after the first 20 generations."""
+    failures = [f"generation {r['i']} repeated seed {r['seed']} ({r['policy']}) and got other tokens"
+                for r in rows if r["repeat"] and not r["same_tokens"]]
     base = rows[min(19, len(rows) - 1)]["rss_mib"]
     peak = max(r["rss_mib"] for r in rows[20:]) if len(rows) > 20 else base
     growth = peak / base - 1
     if growth >= 0.05:
         failures.append(f"resident memory grew {100 * growth:.1f}% after the first 20 generations")
+    return base, peak, growth, failures
+
+
+def report(rows: list[dict], header: dict) -> str:
+    """report.md: the checks on soak.jsonl's rows, with what run.json says of the run (paired.run_header):
+    the CPU line, --n, n_ctx, the policies, the wall time, the command and when it ran; a note added to
+    run.json by hand (what else ran beside it, on which code) follows the command."""
+    base, peak, growth, failures = checks(rows)
     repeats = [r for r in rows if r["repeat"]]
-    md = "\n".join([
+    return "\n".join([
         f"# llama.cpp backend soak: {len(rows)} generations in one process"
-        + ("" if len(rows) == args.n else f" (stopped early: {len(rows)} of --n {args.n})"), "", flags_line(), "",
-        f"- policies: {', '.join(p for p, _ in POLICIES)}; T = 1 top-k 50 and greedy; prompts "
-        f"{min(r['prompt_tokens'] for r in rows)}..{max(r['prompt_tokens'] for r in rows)} tokens; n_ctx {args.n_ctx}; "
-        f"{sum(r['hit_context'] for r in rows)} generations capped by the context limit",
+        + ("" if len(rows) == header["n"] else f" (stopped early: {len(rows)} of --n {header['n']})"), "",
+        header["cpu"], "",
+        f"- policies: {', '.join(header['policies'])}; T = 1 top-k 50 and greedy; prompts "
+        f"{min(r['prompt_tokens'] for r in rows)}..{max(r['prompt_tokens'] for r in rows)} tokens; "
+        f"n_ctx {header['n_ctx']}; {sum(r['hit_context'] for r in rows)} generations capped by the context limit",
         f"- resident memory: {rows[0]['rss_mib']:.0f} MiB after the first, {base:.0f} MiB after 20, peak {peak:.0f} MiB "
         f"after that: growth {100 * growth:+.2f}% (goal < 5%)",
         f"- repeats with the same seed: {sum(r['same_tokens'] for r in repeats)} of {len(repeats)} gave the same tokens",
-        f"- wall time {time.perf_counter() - t_start:.0f} s",
+        f"- wall time {header['wall_s']:.0f} s",
         f"- failures: {'; '.join(failures) if failures else 'none'}", "",
-        f"Written {time.strftime('%Y-%m-%d %H:%M')} by `python eval/soak_llama_cpp.py --n {args.n} --max-new-tokens "
-        f"{args.max_new_tokens} --n-ctx {args.n_ctx}`."])
-    (out / "report.md").write_text(md + "\n")
-    print(md)
-    return 1 if failures else 0
+        f"Written {header['written']} by `{header['command']}`"
+        + (f", {header['note']}" if header.get("note") else "") + "."]) + "\n"
 
 
-def _soak(args, pair, pool, rng, log, rows, history, failures) -> None:
+def _soak(args, pair, pool, rng, log, rows, history) -> None:
     """The generations, appended to `rows` (and `log`) as they finish."""
     for i in range(args.n):
         if i and i % args.repeat_every == 0:
@@ -112,10 +150,8 @@ def _soak(args, pair, pool, rng, log, rows, history, failures) -> None:
                "seed": job["seed"], "n_tokens": g.metrics.n_tokens, "stopped_by": g.stopped_by,
                "hit_context": len(job["ids"]) + args.max_new_tokens > args.n_ctx, "rss_mib": rss_mib(),
                "tok_s": g.metrics.tokens_per_s, "repeat": job["repeat"]}
-        if job["repeat"]:
+        if job["repeat"]:  # a repeat that got other tokens is a failure (checks)
             row["same_tokens"] = g.token_ids == job["tokens"]
-            if not row["same_tokens"]:
-                failures.append(f"generation {i} repeated seed {job['seed']} ({job['policy']}) and got other tokens")
         else:
             history.append({**job, "tokens": g.token_ids})
         rows.append(row)

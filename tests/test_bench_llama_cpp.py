@@ -3,7 +3,6 @@ ceiling a perfect draft would reach, and the goal rows of the report, on costs a
 import importlib.util
 import math
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -54,18 +53,20 @@ def _rows(engine, config, tok_s, auto=None):
 def test_goals_compare_auto_with_auto_and_the_best_h(bench):
     rows = (_rows("llama.cpp", "ar", 25.0) + _rows("llama.cpp", "specdec++ h=0.3", 15.0)
             + _rows("llama.cpp", "specdec++ h=auto", 25.0, auto="ar") + _rows("torch", "specdec++ h=auto", 10.0))
-    args = SimpleNamespace(max_new_tokens=100, threads=2)
-    md = bench.report(rows, {"empty context": 26.0, "100-token context": 26.0}, "flags", args)
+    header = {"llama_bench": {"empty context": 26.0, "100-token context": 26.0}, "cpu": "cpu", "build": "flags",
+              "max_new_tokens": 100, "threads": 2, "drafts": "none", "target_quant": "none", "written": "2026-01-01 00:00"}
+    md = bench.report(rows, header)
     wall = {cfg: 200 / (2 + 200 / s) for cfg, s in (("auto", 25.0), ("h", 15.0), ("torch", 10.0))}
     lines = {ln.split(" | ")[0]: ln for ln in md.splitlines() if ln.startswith("| T=1")}
     auto_line = lines["| T=1: SpecDec++ h=auto on llama.cpp / on torch, wall tok/s (>= 2)"]
     assert f"{wall['auto'] / wall['torch']:.2f}x | yes" in auto_line
     best_h = lines["| T=1: SpecDec++ on llama.cpp (specdec++ h=0.3) / on torch (auto), wall tok/s (>= 2)"]
     assert f"{wall['h'] / wall['torch']:.2f}x | **no**" in best_h
-    assert "| T=1: SpecDec++ h=auto on llama.cpp / llama.cpp alone (>= 0.97) | gsm8k | 1.00x | yes |" in md
+    assert "| T=1: SpecDec++ h=auto on llama.cpp / llama.cpp alone, decode (>= 1.2) | gsm8k | 1.00x | **no** |" in md
+    assert "on the fetched target" not in md  # no fetched-file row in this run
     # a run without auto rows (stopped early, or another grid) gets no auto goals, and no crash
     partial = [r for r in rows if r["config"] != "specdec++ h=auto"]
-    md = bench.report(partial, {"empty context": 26.0, "100-token context": 26.0}, "flags", args)
+    md = bench.report(partial, header)
     assert "h=auto" not in md and "specdec++ h=0.3) / on torch" not in md
 
 
@@ -81,7 +82,7 @@ def test_overhead_report_pairs_each_prompt_with_its_llama_bench_run(monkeypatch)
             rows.append({"dataset": "gsm8k", "prompt_idx": i, "temperature": 0.0, "torch_threads": threads,
                          "n_tokens": 100, "decode_s": 100 / (tg * (0.99 if threads == 1 else 0.9)),
                          "forward_s": 100 / tg})
-    md = mod.report(rows, "flags", SimpleNamespace(max_new_tokens=100))
+    md = mod.report(rows, {"cpu": "cpu", "build": "flags", "max_new_tokens": 100, "written": "2026-01-01 00:00"})
     line = {ln.split(" | ")[1]: ln for ln in md.splitlines() if ln.startswith("| greedy")}
     assert "| 0.990 |" in line["1"] and "| 0.900 |" in line["2"]
     # llama-bench pooled as our time is: 200 tokens over 100/20 + 100/40 s

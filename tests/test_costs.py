@@ -113,7 +113,7 @@ def test_cache_hit_miss_and_corrupt_file(pair, cache, monkeypatch, capsys):
     other = C.measure_costs(pair)  # another draft configuration: another key, measured
     assert calls == [other.key] and other.key != first.key
     assert sorted(p.name for p in cache.iterdir()) == sorted([f"{first.key}.json", f"{other.key}.json"])
-    # the same models on other CPU kernels (e.g. ADAPTIVE_SPEC_CPU_FP16=0): another key
+    # the same models on other CPU kernels (e.g. cpu_fp16_rows=0): another key
     monkeypatch.setattr(pair.target.model, "cpu_path", {"linear": "onednn-packed", "fp16_rows": []}, raising=False)
     third = C.measure_costs(pair)
     assert calls == [other.key, third.key] and third.key not in (first.key, other.key)

@@ -156,6 +156,75 @@ def test_a_requantized_target_is_the_model_the_output_follows(tmp_path, monkeypa
     assert chi_square_pvalue(counts, probs, N) > 1e-3
 
 
+def reduced(path, keep):
+    """A reduced-vocabulary runner of `path` keeping `keep` (--draft-vocab on llama.cpp)."""
+    from adaptive_spec.backends.gguf_vocab import reduced_draft_gguf
+    out, kept, imap = reduced_draft_gguf(path, keep)
+    return out, llamacpp.LlamaCppLM(out, n_ctx=128, n_threads=1, kept_ids=kept, input_map=imap)
+
+
+@needs_binding
+def test_a_reduced_vocabulary_draft_keeps_its_rows(tiny_ggufs, tmp_path, monkeypatch):
+    """The draft GGUF cut to the kept rows (embedding and output) gives the full file's logits on every
+    kept id and -inf elsewhere; a dropped input id reads the first kept row (no token text to go by);
+    the file is made once and reused."""
+    monkeypatch.setenv("ADAPTIVE_SPEC_CACHE", str(tmp_path))
+    src = tiny_ggufs["big_draft"][1]
+    keep = [0, 2, 3, 5, 8, 9, 13, 17, 20, 21, 30, 31]
+    path, r = reduced(src, keep)
+    assert r.n_vocab == len(keep) and r.vocab_size == 32 and path.stat().st_size < src.stat().st_size
+    full = lm(src)
+    ids = torch.tensor([2, 9, 17, 30, 5])
+    a, _ = r.forward(ids, n_logits=5)
+    b, _ = full.forward(ids, n_logits=5)
+    dropped = torch.ones(32, dtype=torch.bool)
+    dropped[keep] = False
+    assert torch.isinf(a[:, dropped]).all() and (a[:, dropped] < 0).all()
+    torch.testing.assert_close(a[:, keep], b[:, keep], atol=1e-4, rtol=1e-4)
+    c, _ = r.forward(torch.tensor([7]))  # 7 was dropped: it reads row 0, token 0
+    d, _ = full.forward(torch.tensor([0]))
+    torch.testing.assert_close(c[0, keep], d[0, keep], atol=1e-4, rtol=1e-4)
+    mtime = path.stat().st_mtime_ns
+    assert reduced(src, keep)[0] == path and path.stat().st_mtime_ns == mtime
+    assert r.fresh().forward(ids, n_logits=5)[0].allclose(a)
+
+
+def test_a_dropped_token_reads_its_longest_kept_prefix():
+    from adaptive_spec.backends.gguf_vocab import complete_keep, input_map
+    tokens = ["a", "ab", "abc", "b", "<|end|>", "xyz"]
+    kept = complete_keep([0, 3], tokens, [1, 1, 1, 1, 3, 1], len(tokens))
+    assert kept.tolist() == [0, 3, 4]  # the control token is always kept (llama.cpp looks it up at load)
+    m = input_map(kept, len(tokens), tokens)
+    assert m.tolist() == [0, 0, 0, 1, 2, 0]  # ab, abc -> a; xyz has no kept prefix -> the first kept row
+
+
+@needs_binding
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(1.0, top_k=3)], ids=["t1", "topk3"])
+def test_a_reduced_vocabulary_draft_keeps_the_output_exact(tiny_ggufs, tmp_path, monkeypatch, params):
+    """q is zero on the dropped ids (2 of 5 here, a dropped input reading another row): the output is
+    still exactly the target's, by enumeration."""
+    monkeypatch.setenv("ADAPTIVE_SPEC_CACHE", str(tmp_path))
+    target = lm(tiny_ggufs["target"][1])
+    _, draft = reduced(tiny_ggufs["draft"][1], [0, 2, 4])
+    prompt = [1, 2]
+    probs = exact.exact_sequence_probs(target, prompt, params, V, L)
+    counts = exact.sample_counts(Decoder(target, draft), prompt, params, FixedK(2), N, L)
+    assert chi_square_pvalue(counts, probs, N) > 1e-3
+    assert any(c[0] in (1, 3) for c in counts)  # the dropped tokens are still emitted
+
+
+@needs_binding
+def test_greedy_with_a_reduced_vocabulary_draft_equals_greedy_target(tiny_ggufs, tmp_path, monkeypatch):
+    monkeypatch.setenv("ADAPTIVE_SPEC_CACHE", str(tmp_path))
+    target = lm(tiny_ggufs["big_target"][1])
+    _, draft = reduced(tiny_ggufs["big_draft"][1], list(range(0, 32, 2)))
+    prompt = [5, 9, 4, 17]
+    ref = Decoder(target, None).generate(prompt, max_new_tokens=40, sampling=GREEDY).token_ids
+    for k in (1, 3):
+        g = Decoder(target, draft).generate(prompt, max_new_tokens=40, sampling=GREEDY, policy=FixedK(k))
+        assert g.token_ids == ref
+
+
 def test_an_unknown_gguf_quantization_is_refused():
     with pytest.raises(UserError, match="unknown GGUF quantization 'int8'; use one of q4_0, q8_0, q4_0-pure"):
         llamacpp.requantized_gguf("any.gguf", "int8")

@@ -78,22 +78,31 @@ def test_release_keeps_tied_weights_and_frees_the_rest():
 
 def test_stock_path_recorded_when_packing_is_off(monkeypatch):
     m = make_model(16, hidden_size=32, layers=1, seed=0)
-    monkeypatch.setenv("ADAPTIVE_SPEC_CPU_PACK", "0")
-    assert pack_cpu_linears(m) == 0
-    assert m.cpu_path == {"dtype": "float32", "linear": "stock", "pad_to": (), "why_stock": "ADAPTIVE_SPEC_CPU_PACK=0"}
+    assert pack_cpu_linears(m, pack=False) == 0
+    assert m.cpu_path == {"dtype": "float32", "linear": "stock", "pad_to": (), "why_stock": "cpu_stock=True"}
 
 
 def test_padding_choice(monkeypatch):
     lins = [PackedLinear(torch.nn.Linear(64, 256)) for _ in range(3)]
     pad_to = choose_padding(lins, max_rows=4)  # measured: none, or rows r >= M for each M
     assert pad_to == () or (len(pad_to) == 5 and all(r >= m for m, r in enumerate(pad_to)))
-    monkeypatch.setenv("ADAPTIVE_SPEC_CPU_PAD_ROWS", "4")
-    assert choose_padding(lins) == (0, 4, 4, 4, 4)
-    monkeypatch.setenv("ADAPTIVE_SPEC_CPU_PAD_ROWS", "0")
-    assert choose_padding(lins) == ()
-    monkeypatch.setenv("ADAPTIVE_SPEC_CPU_PAD_ROWS", "six")
-    with pytest.raises(UserError, match="must be 'auto' or a row count"):
-        choose_padding(lins)
+    assert choose_padding(lins, rows=4) == (0, 4, 4, 4, 4)  # PairParams.cpu_pad_rows
+    assert choose_padding(lins, rows=0) == ()
+
+
+@pytest.mark.parametrize("key", ["cpu_pad_rows", "cpu_fp16_rows"])
+def test_kernel_settings_are_typed_and_checked_before_loading(key):
+    """The kernel switches are pair settings (once environment variables): refused when malformed, before
+    torch or any weights, and handed to load_model as pack_cpu_linears' keywords."""
+    from adaptive_spec.params import pair_params
+    assert pair_params(**{key: "4"}).cpu_kernels()[key.removeprefix("cpu_")] == 4
+    assert pair_params().cpu_kernels() == {"pack": True, "pad_rows": None, "fp16_rows": None}
+    assert pair_params(cpu_stock=True).cpu_kernels()["pack"] is False
+    for bad in ("six", -1):
+        with pytest.raises(UserError, match=key):
+            pair_params(**{key: bad})
+    with pytest.raises(UserError, match=f"{key}.*llama.cpp backend"):
+        pair_params(backend="llama.cpp", **{key: 4})
 
 
 def test_kernel_choices_are_timed_once_per_cpu_and_shape(monkeypatch, tmp_path):
@@ -170,17 +179,15 @@ def test_load_model_packs_on_cpu(tiny_pair, monkeypatch, dtype):
     _, target = tiny_pair
     m, _ = load_model(str(target), "target", dtype, "cpu")
     assert any(isinstance(x, PackedLinear) for x in m.modules())
-    monkeypatch.setenv("ADAPTIVE_SPEC_CPU_PACK", "0")
-    m, _ = load_model(str(target), "target", dtype, "cpu")
+    m, _ = load_model(str(target), "target", dtype, "cpu", pack=False)
     assert not any(isinstance(x, PackedLinear) for x in m.modules())
 
 
 def test_forced_stock_bf16_path_still_exact_on_any_cpu(monkeypatch):
     """The fallback a user gets with --dtype bf16 on an AVX2 CPU (stock kernels, no packing)
     keeps greedy speculative output equal to greedy target output."""
-    monkeypatch.setenv("ADAPTIVE_SPEC_CPU_PACK", "0")
     models = [make_model(16, hidden_size=32, layers=2, seed=s, logit_scale=3.0).to(torch.bfloat16) for s in (6, 7)]
-    assert all(pack_cpu_linears(m) == 0 for m in models)
+    assert all(pack_cpu_linears(m, pack=False) == 0 for m in models)
     target, draft = CausalLM(models[0]), CausalLM(models[1])
     params = SamplingParams(0.0)
     ar = Decoder(target).generate([1, 2, 3], 24, params).token_ids
@@ -189,12 +196,11 @@ def test_forced_stock_bf16_path_still_exact_on_any_cpu(monkeypatch):
 
 # --- the FBGEMM fp16 copy for short inputs (fp32 models on CPUs without bf16 kernels) ---
 
-def fp16_model(seed, monkeypatch, rows="16", vocab=16):
+def fp16_model(seed, monkeypatch, rows=16, vocab=16):
     """A tiny fp32 model whose weights fp16 holds exactly (as it holds the default pair's bf16
     ones; a tiny random model's weights go below fp16's normal range, so round them), packed with the fp16 copy forced on for inputs of up to `rows` rows."""
     m = make_model(vocab, hidden_size=32, layers=2, seed=seed, logit_scale=3.0).half().float()
-    monkeypatch.setenv("ADAPTIVE_SPEC_CPU_FP16", rows)
-    assert pack_cpu_linears(m, release=True) == 2 * 7 + 1
+    assert pack_cpu_linears(m, release=True, fp16_rows=rows) == 2 * 7 + 1
     return m
 
 
@@ -218,7 +224,7 @@ def test_fp16_copy_matches_stock_linear(shape, monkeypatch):
 
 @NEEDS_FP16
 def test_fp16_path_chosen_recorded_and_refused_for_inexact_weights(monkeypatch):
-    m = fp16_model(0, monkeypatch, rows="4")
+    m = fp16_model(0, monkeypatch, rows=4)
     assert m.cpu_path["linear"] == "onednn-packed + fbgemm-fp16" and m.cpu_path["fp16_rows"] == [1, 2, 3, 4]
     lins = [x for x in m.modules() if isinstance(x, PackedLinear)]
     assert all(x.fp16 is not None and x.fp16_rows == frozenset({1, 2, 3, 4}) for x in lins)
@@ -232,18 +238,13 @@ def test_fp16_path_chosen_recorded_and_refused_for_inexact_weights(monkeypatch):
     m = make_model(16, hidden_size=32, layers=1, seed=0).half().float()
     pack_cpu_linears(m, fp16=False)
     assert m.cpu_path["why_no_fp16"] == "off (fp16=False: batched work)"
-    monkeypatch.setenv("ADAPTIVE_SPEC_CPU_FP16", "0")
     m = make_model(16, hidden_size=32, layers=1, seed=0).half().float()
-    pack_cpu_linears(m)
-    assert m.cpu_path["why_no_fp16"] == "ADAPTIVE_SPEC_CPU_FP16=0"
-    monkeypatch.setenv("ADAPTIVE_SPEC_CPU_FP16", "many")
-    with pytest.raises(UserError, match="ADAPTIVE_SPEC_CPU_FP16 must be"):
-        pack_cpu_linears(make_model(16, hidden_size=32, layers=1, seed=0).half().float())
+    pack_cpu_linears(m, fp16_rows=0)
+    assert m.cpu_path["why_no_fp16"] == "cpu_fp16_rows=0"
 
 
 @NEEDS_FP16
 def test_fp16_rows_measured_choice_is_a_set_of_row_counts(monkeypatch):
-    monkeypatch.setenv("ADAPTIVE_SPEC_CPU_FP16", "auto")
     m = make_model(16, hidden_size=32, layers=1, seed=0).half().float()
     pack_cpu_linears(m)
     rows = m.cpu_path["fp16_rows"]

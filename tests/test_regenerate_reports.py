@@ -44,28 +44,37 @@ def test_committed_report_regenerates_identically(folder, tmp_path):
 
 
 def benchmark_folders() -> list[Path]:
-    """Paired benchmarks (evaluation/paired.py): rows, the run.json their report reads, and the report."""
-    return sorted(d for d in RESULTS.iterdir()
-                  if all((d / n).is_file() for n in ("report.md", "results.jsonl", "run.json")))
+    """Benchmark script runs: the run.json their report reads (evaluation/paired.run_header), naming the
+    script, the report file (report.md unless "report" says otherwise) and any arguments --report-only needs."""
+    return sorted(d for d in RESULTS.iterdir() if (d / "run.json").is_file())
 
 
 def test_the_committed_benchmarks_are_found():
     names = {d.name for d in benchmark_folders()}
-    assert {"bench_ngram_avx512_epyc", "bench_ttft_avx512_epyc"} <= names, names
+    assert {"bench_ngram_avx512_epyc", "bench_ttft_avx512_epyc", "bench_llama_cpp_peer_avx512_epyc"} <= names, names
+
+
+def test_every_committed_result_regenerates():
+    """Every folder under eval/results/ is a sweep (`adaptive-spec report` regenerates it) or a benchmark run
+    whose script regenerates its report from the folder alone: a report nothing can rebuild is not kept."""
+    rebuilt = set(sweep_folders()) | set(benchmark_folders())
+    orphans = sorted(d.name for d in RESULTS.iterdir() if d.is_dir() and d not in rebuilt)
+    assert not orphans, f"no run.json (script and report) and no sweep config: {orphans}"
 
 
 @pytest.mark.parametrize("folder", benchmark_folders(), ids=lambda d: d.name)
 def test_committed_benchmark_report_regenerates_identically(folder, tmp_path):
     """From the folder alone (no model, no llama.cpp build, no prompt set): the CPU's flags, the build and
     the timed constants come from run.json, so the report reads the same on any machine."""
-    script = json.loads((folder / "run.json").read_text())["script"]
+    run = json.loads((folder / "run.json").read_text())
+    script, name = run["script"], run.get("report", "report.md")
     spec = importlib.util.spec_from_file_location(Path(script).stem, RESULTS.parent.parent / script)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    copy = shutil.copytree(folder, tmp_path / folder.name, ignore=shutil.ignore_patterns("report.md"))
-    assert mod.main(["--report-only", "--out", str(copy)]) == 0
-    assert (copy / "report.md").read_text() == (folder / "report.md").read_text(), \
-        f"rerun `python {script} --report-only --out eval/results/{folder.name}` and commit its report.md"
+    copy = shutil.copytree(folder, tmp_path / folder.name, ignore=shutil.ignore_patterns(name))
+    assert mod.main(["--report-only", "--out", str(copy), *run.get("report_args", [])]) in (0, None)
+    assert (copy / name).read_text() == (folder / name).read_text(), \
+        f"rerun `python {script} --report-only --out eval/results/{folder.name}` and commit its {name}"
 
 
 def test_report_only_needs_the_run_header_and_reads_what_the_run_wrote(tmp_path):

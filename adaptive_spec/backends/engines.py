@@ -53,7 +53,7 @@ class Engine:
     capabilities: frozenset = frozenset()
     draft_quants: tuple = ("none",)
     target_quants: tuple = ("none",)
-    torch_settings: bool = True  # dtype, draft_vocab, kv_cache, runtime, max_cache_len, device apply to it
+    torch_settings: bool = True  # dtype, kv_cache, runtime, max_cache_len, device apply to it
     context_setting: bool = False  # n_ctx (--n-ctx) sets its context
     time_model: str = "extended"  # the time model `auto` prices it with (decoding/timemodel.py)
     # torch's threads while it decodes (None: as they are): an engine computing on its own threads wants

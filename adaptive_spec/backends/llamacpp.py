@@ -39,6 +39,7 @@ import torch
 
 from ..errors import UserError
 from .llama_build import cache_dir, install_command, missing_instructions
+from .paths import file_fingerprint  # noqa: F401 (re-exported: the GGUF files' identity)
 
 log = logging.getLogger(__name__)
 
@@ -171,15 +172,6 @@ def resolve_gguf(name: str | None, role: str) -> Path:
                     "with one, nor a hub file written owner/repo:FILE.gguf")
 
 
-def file_fingerprint(path: str | Path) -> str:
-    """Name, size and the first MiB of a file: instant, and enough to tell two GGUFs apart."""
-    path = Path(path)
-    h = hashlib.sha256(f"{path.name}:{path.stat().st_size}".encode())
-    with open(path, "rb") as f:
-        h.update(f.read(1 << 20))
-    return h.hexdigest()[:16]
-
-
 # GGUF re-quantizations (PairParams.draft_quant / target_quant on this engine): name -> (llama.cpp file
 # type, the one tensor type of every matrix or None). Without a type llama.cpp mixes types as its file
 # type says (the output matrix stays Q6_K); a "-pure" one puts every matrix, the output and the
@@ -277,7 +269,9 @@ class LlamaCppLM:
     """
 
     def __init__(self, model: GGUFModel | str | Path, n_ctx: int | None = None, n_threads: int | None = None,
-                 n_batch: int = 512, vocab_size: int | None = None):
+                 n_batch: int = 512, vocab_size: int | None = None, kept_ids=None, input_map=None):
+        """kept_ids / input_map: a reduced-vocabulary draft file's two maps (gguf_vocab.reduced_draft_gguf):
+        the full-vocabulary id of each of its rows, and each full-vocabulary id's row."""
         self.model = model if isinstance(model, GGUFModel) else GGUFModel(model)
         ll = self.ll = self.model.ll
         self.n_threads = int(n_threads or torch.get_num_threads() or os.cpu_count() or 1)
@@ -304,13 +298,18 @@ class LlamaCppLM:
         np.ctypeslib.as_array(self.batch.n_seq_id, shape=(self.n_batch,))[:] = 1
         for j in range(self.n_batch):
             self.batch.seq_id[j][0] = 0
-        self.n_vocab = self.model.vocab_size
-        self.vocab_size = int(vocab_size or self.n_vocab)
-        if self.vocab_size > self.n_vocab:
-            raise UserError(f"vocab_size {self.vocab_size} exceeds {self.model.path.name}'s {self.n_vocab} tokens")
+        self.n_vocab = self.model.vocab_size  # rows of its output matrix
+        self.input_map = None if input_map is None else np.asarray(input_map, dtype=np.int32)
+        self._kept = None if kept_ids is None else np.asarray(kept_ids, dtype=np.int64)
+        if (self._kept is None) != (self.input_map is None) or (self._kept is not None and len(self._kept) != self.n_vocab):
+            raise ValueError(f"a reduced-vocabulary file needs both maps, kept_ids of its {self.n_vocab} rows")
+        self.full_vocab = self.n_vocab if self.input_map is None else len(self.input_map)
+        self.vocab_size = int(vocab_size or self.full_vocab)
+        if self.vocab_size > self.full_vocab:
+            raise UserError(f"vocab_size {self.vocab_size} exceeds {self.model.path.name}'s {self.full_vocab} tokens")
         self.hidden_size = self.model.hidden_size
         self.max_length = n_ctx  # the context's positions (CausalLM's name for the limit)
-        self.kept_ids = None
+        self.kept_ids = None if self._kept is None else torch.from_numpy(self._kept)
         self.device = torch.device("cpu")
         self._zero_hidden = torch.zeros(self.hidden_size)
         self.fwd_time = 0.0
@@ -321,7 +320,7 @@ class LlamaCppLM:
     def fresh(self) -> "LlamaCppLM":
         """Another context on the same weights (its own empty cache): for work beside a running decode."""
         return LlamaCppLM(self.model, n_ctx=self.max_length, n_threads=self.n_threads, n_batch=self.n_batch,
-                          vocab_size=self.vocab_size)
+                          vocab_size=self.vocab_size, kept_ids=self._kept, input_map=self.input_map)
 
     def reset(self):
         self.ll.llama_memory_clear(self.mem, True)
@@ -334,6 +333,8 @@ class LlamaCppLM:
         n = ids.shape[0]
         if n == 0:
             raise ValueError("forward needs at least one token")
+        if self.input_map is not None:
+            ids = self.input_map[ids]  # a reduced-vocabulary file: each id's row (a dropped one: its nearest)
         if self.length + n > self.max_length:
             raise UserError(f"{self.length + n} positions exceed the llama.cpp context of {self.max_length}; "
                             "pass a larger --n-ctx or a shorter prompt")
@@ -356,13 +357,21 @@ class LlamaCppLM:
             k = int(want.sum())
             if k:
                 ptr = self.ll.llama_get_logits(self.ctx)
-                rows.append(np.ctypeslib.as_array(ptr, shape=(k, self.n_vocab))[:, :self.vocab_size].copy())
+                out = np.ctypeslib.as_array(ptr, shape=(k, self.n_vocab))
+                rows.append(out[:, :self.vocab_size].copy() if self._kept is None else self._spread(out))
         self.length += n
         logits = (torch.from_numpy(np.concatenate(rows) if len(rows) > 1 else rows[0]) if rows
                   else torch.empty(0, self.vocab_size))
         self.fwd_time += time.perf_counter() - t0
         self.n_forwards += 1
         return logits, self._zero_hidden
+
+    def _spread(self, out: np.ndarray) -> np.ndarray:
+        """A reduced file's logits over the full vocabulary: -inf (q = 0) on every dropped id."""
+        full = np.full((out.shape[0], self.vocab_size), -np.inf, dtype=np.float32)
+        keep = self._kept < self.vocab_size  # sorted: the ids past the tokenizer's end are the last columns
+        full[:, self._kept[keep]] = out[:, :int(keep.sum())]
+        return full
 
     def rollback(self, length: int):
         """Forget cached positions >= length."""
@@ -399,14 +408,23 @@ def load_pair(params):
         if params.draft_quant != "none":
             draft_path = requantized_gguf(draft_path, params.draft_quant, params.threads)
     tok, eos = _gguf_tokenizer(params.target, target_path)  # the fetched file's, beside it
+    maps = {}
+    if draft_path is not None and params.draft_vocab is not None:
+        from .gguf_vocab import reduced_draft_gguf  # noqa: PLC0415 (gguf's reader: only for a reduced draft)
+        from .vocab import resolve_draft_vocab  # noqa: PLC0415
+
+        keep = resolve_draft_vocab(params.draft_vocab, tok, gguf_tokens_digest(draft_path)[0])
+        if keep is not None:
+            draft_path, kept, imap = reduced_draft_gguf(draft_path, keep.numpy())
+            maps = {"kept_ids": kept, "input_map": imap}
     if params.target_quant != "none":
         target_path = requantized_gguf(target_path, params.target_quant, params.threads)
     threads = params.threads or torch.get_num_threads()
     t = LlamaCppLM(GGUFModel(target_path), n_ctx=params.n_ctx, n_threads=threads)
     d = None
     if draft_path is not None:
-        d = LlamaCppLM(GGUFModel(draft_path), n_ctx=t.max_length, n_threads=threads)
-        vocab = min(t.n_vocab, d.n_vocab)
+        d = LlamaCppLM(GGUFModel(draft_path), n_ctx=t.max_length, n_threads=threads, **maps)
+        vocab = min(t.full_vocab, d.full_vocab)
         if len(tok) > vocab:
             raise UserError(f"the tokenizer has {len(tok)} tokens but a model's output layer has only {vocab}; "
                             "the draft and target do not fit together")
@@ -414,7 +432,7 @@ def load_pair(params):
     if eos is None:
         eos = sorted(({tok.eos_token_id} - {None}) | _eog_ids(t))
     config = {"backend": "llama.cpp", "draft_quant": "gguf" if params.draft_quant == "none"
-              else f"gguf-{params.draft_quant}", "draft_vocab": "full",
+              else f"gguf-{params.draft_quant}", "draft_vocab": params.draft_vocab if maps else "full",
               **({} if params.target_quant == "none" else {"target_quant": params.target_quant})}
     return Loaded(t, d, tok, eos, config)
 

@@ -41,7 +41,8 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device | str | 
 
 
 def load_model(name: str | None, role: str = "target", dtype=None, device=None, pack: bool = True,
-               quant: str | None = "none", draft_vocab=None, fp16: bool = True):
+               quant: str | None = "none", draft_vocab=None, fp16: bool = True, pad_rows: int | None = None,
+               fp16_rows: int | None = None):
     """(model, tokenizer) for a hub id, local path or the default pair's `role`.
 
     quant "int8" / "int4": every linear layer becomes an Int8Linear / Int4Linear (weight-only; for drafts).
@@ -50,7 +51,8 @@ def load_model(name: str | None, role: str = "target", dtype=None, device=None, 
     dtype "auto" (or None): bf16, or fp32 on a CPU without bf16 kernels (cpu.auto_dtype). On CPU
     the linear layers are pre-packed for oneDNN where it has a kernel for the dtype (see
     PackedLinear) unless pack=False, with fp16 copies for short inputs where that is faster
-    (pack_cpu_linears; fp16=False for batched work); `model.cpu_path` records what was chosen."""
+    (pack_cpu_linears; fp16=False for batched work); pad_rows / fp16_rows fix what is otherwise timed
+    (PairParams.cpu_kernels); `model.cpu_path` records what was chosen."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: the model registry; when weights load
 
     device = resolve_device(device)
@@ -73,7 +75,7 @@ def load_model(name: str | None, role: str = "target", dtype=None, device=None, 
     if quant in QUANT_LAYERS:
         quantize_linears(model, quant)
     elif pack:
-        pack_cpu_linears(model, release=True, fp16=fp16)
+        pack_cpu_linears(model, release=True, fp16=fp16, pad_rows=pad_rows, fp16_rows=fp16_rows)
     model.name_or_path = name or ("default-" + role)
     return model, tok
 

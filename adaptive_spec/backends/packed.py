@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import statistics
 import time
 import warnings
@@ -105,16 +104,6 @@ class PackedLinear(torch.nn.Module):
                 f"packed=oneDNN, pad_to={self.pad_to}, fp16_rows={sorted(self.fp16_rows)}, released={self.released}")
 
 
-def _rows_env(name: str) -> int | None:
-    """A row-count override from the environment: None for "auto" (unset), else the count."""
-    env = os.environ.get(name, "auto")
-    if env == "auto":
-        return None
-    if not env.isdigit():
-        raise UserError(f"{name} must be 'auto' or a row count (0 = off), got {env!r}")
-    return int(env)
-
-
 def _timed_layers(linears: list, budget_bytes: int) -> list:
     """The first layers up to budget_bytes of weights: more than the CPU's caches, so a timing
     over them is of weights streamed from memory, as in decoding."""
@@ -166,14 +155,14 @@ def _cached_choice(kind: str, timed: list, max_rows: int, choose):
     return value
 
 
-def choose_padding(linears: list, max_rows: int = 8, budget_bytes: int = 256 << 20) -> tuple:
+def choose_padding(linears: list, max_rows: int = 8, budget_bytes: int = 256 << 20, rows: int | None = None) -> tuple:
     """pad_to[M] for M = 0..max_rows: the row count r >= M at which the model's linear layers run
     fastest, timed on the layers themselves (about a second) once per CPU and layer shapes, then
     read from the kernel cache (_cached_choice); M itself unless r is at
     least 3% faster. The timed layers are the first ones up to `budget_bytes` of weights: more
     than the CPU's caches, so the timing is of weights streamed from memory, as in decoding.
-    ADAPTIVE_SPEC_CPU_PAD_ROWS=N pads every input of fewer than N rows to N (0 = off)."""
-    n = _rows_env("ADAPTIVE_SPEC_CPU_PAD_ROWS")
+    `rows` N (PairParams.cpu_pad_rows) pads every input of fewer than N rows to N instead (0 = off)."""
+    n = rows
     if n is not None:
         return (0,) + (n,) * n if n > 1 else ()
     timed = _timed_layers(linears, budget_bytes)
@@ -205,11 +194,13 @@ def fp16_exact(weights) -> bool:
     return all(torch.equal(w, w.half().to(w.dtype)) for w in weights)
 
 
-def choose_fp16_rows(linears: list, max_rows: int = 16, budget_bytes: int = 256 << 20) -> frozenset:
+def choose_fp16_rows(linears: list, max_rows: int = 16, budget_bytes: int = 256 << 20,
+                     rows: int | None = None) -> frozenset:
     """Row counts (1..max_rows) at which the layers' FBGEMM fp16 copies run at least 3% faster
     than oneDNN (padded as pad_to says), timed on the first layers up to budget_bytes as in
-    choose_padding. ADAPTIVE_SPEC_CPU_FP16=N uses fp16 for every input of at most N rows (0 = off)."""
-    n = _rows_env("ADAPTIVE_SPEC_CPU_FP16")
+    choose_padding. `rows` N (PairParams.cpu_fp16_rows) uses fp16 for every input of at most N rows
+    instead (0 = off)."""
+    n = rows
     if n is not None:
         return frozenset(range(1, n + 1))
     timed = _timed_layers(linears, budget_bytes)
@@ -234,25 +225,26 @@ def _time_fp16_rows(timed: list, max_rows: int) -> frozenset:
     return frozenset(faster)
 
 
-def pack_cpu_linears(model, release: bool = False, fp16: bool = True) -> int:
+def pack_cpu_linears(model, release: bool = False, fp16: bool = True, pack: bool = True, pad_rows: int | None = None,
+                     fp16_rows: int | None = None) -> int:
     """Swap every nn.Linear of a CPU model for a PackedLinear; returns how many.
 
     A no-op (0) on other devices, where oneDNN has no packed kernel for the model's dtype on this
-    CPU (bf16 on AVX2: cpu.onednn_packed says why), or when the environment sets
-    ADAPTIVE_SPEC_CPU_PACK=0. The padding is timed once per CPU and model shape (see PackedLinear and
-    choose_padding). `release`: free the original weights nothing else shares (inference only;
+    CPU (bf16 on AVX2: cpu.onednn_packed says why), or with pack=False (PairParams.cpu_stock). The
+    padding is timed once per CPU and model shape (see PackedLinear and choose_padding) unless
+    `pad_rows` fixes it (PairParams.cpu_pad_rows; None: timed). `release`: free the original weights nothing else shares (inference only;
     tied embeddings keep theirs). The chosen path is recorded as `model.cpu_path`.
 
     `fp16`: in fp32 (CPUs without bf16 kernels), where FBGEMM runs and fp16 holds every weight
     exactly, also keep an fp16 copy of each layer and run the row counts at which it is faster
     on it (choose_fp16_rows; one-row decode steps and short verifications on AVX2). It costs
-    half the fp32 bytes again in memory, so batched work (datagen) passes False.
+    half the fp32 bytes again in memory, so batched work (datagen) passes False. `fp16_rows` fixes
+    its row counts (PairParams.cpu_fp16_rows: 0 = off; None: timed).
     """
     p = next(model.parameters(), None)
     if p is None or p.device.type != "cpu":
         return 0
-    why_not = ("ADAPTIVE_SPEC_CPU_PACK=0" if os.environ.get("ADAPTIVE_SPEC_CPU_PACK", "1") == "0"
-               else onednn_packed(p.dtype))
+    why_not = "cpu_stock=True" if not pack else onednn_packed(p.dtype)
     model.cpu_path = {"dtype": str(p.dtype).removeprefix("torch."), "linear": "stock", "pad_to": ()}
     if why_not:
         model.cpu_path["why_stock"] = why_not
@@ -268,8 +260,8 @@ def pack_cpu_linears(model, release: bool = False, fp16: bool = True) -> int:
         why_no_fp16 = "off (fp16=False: batched work)"
     elif p.dtype != torch.float32:
         why_no_fp16 = f"runs {str(p.dtype).removeprefix('torch.')} kernels"
-    elif _rows_env("ADAPTIVE_SPEC_CPU_FP16") == 0:
-        why_no_fp16 = "ADAPTIVE_SPEC_CPU_FP16=0"
+    elif fp16_rows == 0:
+        why_no_fp16 = "cpu_fp16_rows=0"
     else:
         why_no_fp16 = fbgemm_fp16() or (None if fp16_exact(getattr(m, c).weight for m, c in slots)
                                         else "a weight is not exactly representable in fp16")
@@ -283,13 +275,13 @@ def pack_cpu_linears(model, release: bool = False, fp16: bool = True) -> int:
         packed.append(new)
         del child
     if packed:
-        pad_to = choose_padding(packed)
+        pad_to = choose_padding(packed, rows=pad_rows)
         for m in packed:
             m.pad_to = pad_to
         model.cpu_pad_to = pad_to
         model.cpu_path.update(linear="onednn-packed", pad_to=pad_to)
         if why_no_fp16 is None:
-            rows = choose_fp16_rows(packed)
+            rows = choose_fp16_rows(packed, rows=fp16_rows)
             for m in packed:
                 m.fp16_rows = rows
                 if not rows:

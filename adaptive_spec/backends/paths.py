@@ -3,6 +3,7 @@ folder) and a `--draft-vocab` spec. Stdlib only (fetch.py is imported for its pa
 when auto_fetch asks), so params' checks run here before torch and the weights load."""
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from ..errors import UserError
@@ -46,3 +47,12 @@ def resolve_model_path(name: str | None, role: str, auto_fetch: bool = True) -> 
         raise UserError(f"{role} model path {name} does not exist; pass an existing folder or a hub id "
                         "such as Qwen/Qwen2.5-Coder-0.5B-Instruct")
     return name
+
+
+def file_fingerprint(path: str | Path) -> str:
+    """Name, size and the first MiB of a file: instant, and enough to tell two GGUFs apart."""
+    path = Path(path)
+    h = hashlib.sha256(f"{path.name}:{path.stat().st_size}".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:16]

@@ -22,9 +22,10 @@ def load_pair(params) -> Loaded:
         torch.set_num_threads(params.threads)
     device = resolve_device(params.device)
     check_quant(params.draft_quant, device)  # refused before any weights load
-    target_model, tok = load_model(params.target, "target", params.dtype, device)
+    kernels = params.cpu_kernels()
+    target_model, tok = load_model(params.target, "target", params.dtype, device, **kernels)
     draft_model, dtok = ((load_model(params.draft, "draft", params.dtype, device, quant=params.draft_quant,
-                                     draft_vocab=params.draft_vocab)
+                                     draft_vocab=params.draft_vocab, **kernels)
                           if params.draft is not None else (None, None)))
     loaded = from_models(target_model, tok, draft_model, dtok, kv_cache=params.kv_cache, runtime=params.runtime,
                          max_cache_len=params.max_cache_len)
