@@ -341,14 +341,17 @@ def test_torch_only_n_ctx_is_refused(capsys):
 
 @needs_binding
 @pytest.mark.slow
-def test_real_pair_greedy_speculative_equals_greedy_target():
-    """On the default pair's GGUFs: greedy speculative output is the greedy target output, or
+@pytest.mark.parametrize("files", [{}, {"target_quant": "iq4_nl-pure", "draft_quant": "q4_0-pure", "draft_vocab": "32768"}],
+                         ids=["fetched", "iq4_nl-target-reduced-draft"])
+def test_real_pair_greedy_speculative_equals_greedy_target(files):
+    """On the default pair's GGUFs (as fetched, and the cheapest files measured: a re-quantized target and a
+    re-quantized draft with a reduced vocabulary): greedy speculative output is the greedy target output, or
     differs first where the target's top two logits nearly tie (a K + 1-row pass and a one-row
     step round differently); every such mismatch is counted and must be rare."""
     from adaptive_spec.decoding.pipeline import SpecPair
 
     torch.set_num_threads(2)
-    pair = SpecPair.load(backend="llama.cpp", threads=2)
+    pair = SpecPair.load(backend="llama.cpp", threads=2, **files)
     prompts = ["Write a Python function that checks whether a number is prime.",
                "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
                "How many clips did Natalia sell altogether in April and May?",

@@ -6,12 +6,13 @@ configuration measured, and prompt lookup (`--policy ngram`, `--k auto`).
     python -m adaptive_spec.evaluation.summary            # print the table
     python -m adaptive_spec.evaluation.summary --write    # put it in README.md between its markers
 
-It reads eval/results/bench_llama_cpp_peer*/ (eval/bench_llama_cpp.py) and bench_ngram*/
+It reads eval/results/bench_llama_cpp_peer*/ and bench_llama_cpp_vocab*/ (eval/bench_llama_cpp.py) and bench_ngram*/
 (eval/bench_ngram.py); tests/test_summary.py checks the README holds what this generates.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from collections import defaultdict
@@ -42,11 +43,20 @@ def _set_name(ds: str) -> str:
 def rows_of(results: Path) -> list[dict]:
     """One line per (CPU, engine, prompt group, sampling): tok/s and ratios to llama.cpp alone."""
     out = []
-    for folder in sorted(results.glob("bench_llama_cpp_peer*")) + sorted(results.glob("bench_ngram*")):
+    folders = sorted(results.glob("bench_llama_cpp_peer*")) + sorted(results.glob("bench_llama_cpp_vocab*")) + \
+        sorted(results.glob("bench_ngram*"))
+    for folder in folders:
         rows = list(read_jsonl(folder / "results.jsonl")) if (folder / "results.jsonl").is_file() else []
         if not rows:
             continue
         ngram = folder.name.startswith("bench_ngram")
+        run = json.loads((folder / "run.json").read_text()) if (folder / "run.json").is_file() else {}
+        if run.get("target_quant", "none") != "none" and not ngram:
+            # a run whose every row is on a re-quantized target: its baseline is the fetched file alone
+            tq = run["target_quant"]
+            rows = [{**r, "config": "ar", "engine": CPU_BASELINE} if r["config"] == "ar (fetched target)"
+                    else {**r, "engine": f"{r['engine']} {tq}"} for r in rows]
+            rows.sort(key=lambda r: r["engine"] != CPU_BASELINE)  # the baseline's line first, as elsewhere
         by = defaultdict(list)
         for r in rows:
             group = _set_name(r["dataset"]) if ngram and _set_name(r["dataset"]) not in MODEL_SETS else \
@@ -62,7 +72,7 @@ def rows_of(results: Path) -> list[dict]:
                 configs = {c: pooled_tok_s(rs) for (g, t, e, c), rs in by.items() if (g, t, e) == (group, temp, engine)}
                 if "ar" not in configs:
                     continue
-                spec = {c: v for c, v in configs.items() if c != "ar" and "prompt lookup" not in c}
+                spec = {c: v for c, v in configs.items() if not c.startswith("ar") and "prompt lookup" not in c}
                 best = max(spec.items(), key=lambda cv: cv[1], default=None)
                 auto = configs.get("specdec++ h=auto")
                 ng = configs.get("ngram k=auto")
