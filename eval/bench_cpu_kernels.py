@@ -42,55 +42,10 @@ PATHS = {"bf16 stock": ("bf16", False, False), "fp32 stock": ("fp32", False, Fal
          "bf16 packed": ("bf16", True, False)}
 
 
-def read_bandwidth_gbps(gib: float = 1.0, reps: int = 5) -> float:
-    """Best-of-reps GB/s of summing a buffer far larger than the caches: the ceiling a
-    bandwidth-bound decode step can reach on this machine with torch's threads."""
-    import torch
-
-    x = torch.ones(int(gib * (1 << 30) // 4), dtype=torch.float32)
-    x.sum()
-    best = min(_timed(lambda: x.sum()) for _ in range(reps))
-    return x.numel() * 4 / best / 1e9
-
-
 def _timed(f) -> float:
     t0 = time.perf_counter()
     f()
     return time.perf_counter() - t0
-
-
-def linear_bytes(model) -> int:
-    import torch
-
-    from adaptive_spec.backends.models import PackedLinear, QuantLinear
-
-    seen, n = set(), 0
-    for m in model.modules():
-        if isinstance(m, (PackedLinear, QuantLinear)):  # their own byte count: the weight may be released
-            n += getattr(m, "step_bytes", m.weight_bytes) if id(m) not in seen else 0
-            seen.add(id(m))
-        elif isinstance(m, torch.nn.Linear) and id(m.weight) not in seen:
-            seen.add(id(m.weight))
-            n += m.weight.numel() * m.weight.element_size()
-    return n
-
-
-def time_forward(lm: CausalLM, prompt: torch.Tensor, n: int, reps: int) -> tuple[float, torch.Tensor]:
-    """Median seconds of feeding n tokens after the prompt (rolled back each time), and the logits."""
-    import torch
-
-    lm.reset()
-    lm.forward(prompt, n_logits=0)
-    base = lm.length
-    ids = torch.arange(100, 100 + n) % lm.vocab_size
-    times = []
-    for r in range(reps + 3):
-        lm.rollback(base)
-        t0 = time.perf_counter()
-        logits, _ = lm.forward(ids, n_logits=n)
-        if r >= 3:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times), logits
 
 
 def time_prefill(lm: CausalLM, n: int, reps: int) -> float:
@@ -116,6 +71,7 @@ def bench_model(name: str, args, lens: list[int]) -> list[dict]:
 
     from adaptive_spec.backends.cpu import fbgemm_fp16, onednn_packed
     from adaptive_spec.backends.models import resolve_dtype
+    from adaptive_spec.evaluation.forward_costs import linear_bytes, time_forward
 
     role = name if name in ("draft", "target") else "target"
     path = None if name in ("draft", "target") else name
@@ -221,6 +177,7 @@ def main(argv=None) -> int:
     import torch
 
     from adaptive_spec.backends.cpu import describe, flags_line
+    from adaptive_spec.evaluation.forward_costs import read_bandwidth_gbps
 
     torch.set_num_threads(args.threads)
     lens = sorted({1, *(int(x) for x in args.lens.split(","))})

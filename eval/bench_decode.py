@@ -16,6 +16,7 @@ import hashlib
 import statistics
 from pathlib import Path
 
+from adaptive_spec.evaluation.forward_costs import draft_label, parse_draft
 from adaptive_spec.evaluation.paired import run_header
 from adaptive_spec.runs import append_jsonl, read_jsonl
 from adaptive_spec.tables import md_table
@@ -59,17 +60,6 @@ def table(rows: list[dict]) -> str:
     return md_table(HEADER, out)
 
 
-def draft_label(spec: str) -> str:
-    base, at, rest = spec.partition("@")
-    return ("unquantized" if base == "none" else base) + at + rest
-
-
-def parse_draft(spec: str) -> tuple[str, str | None]:
-    """"none" | "int8" | "int8:32768" | "none:32768" -> (draft_quant, draft_vocab)."""
-    quant, _, vocab = spec.partition(":")
-    return quant or "none", vocab or None
-
-
 def load_pairs(args) -> dict:
     """One target, shared; one SpecPair per draft configuration (each with its own caches), so
     every configuration runs in this process on the same prompts, back to back."""
@@ -102,7 +92,7 @@ def load_pairs(args) -> dict:
 def linear_gb(pairs: dict) -> dict:
     """GB of linear weights each model streams per step: the target under "ar", each draft
     configuration under its name (eval/bench_cpu_kernels.linear_bytes), in the order they ran."""
-    from bench_cpu_kernels import linear_bytes
+    from adaptive_spec.evaluation.forward_costs import linear_bytes
 
     return {"ar": linear_bytes(pairs["ar"].target.model) / 1e9,
             **{spec: linear_bytes(pair.draft.model) / 1e9 for spec, pair in pairs.items() if not spec.startswith("ar")}}
@@ -209,8 +199,8 @@ def main(argv=None) -> int:
                                                               for k in args.ks.split(",")]
     temps = [float(t) for t in args.temperatures.split(",")]
     for spec, pair in pairs.items():  # warm-up: the first forwards pay for allocation and kernel selection
-        pair.generate(prompts[0], policy="ar" if spec.startswith("ar") else "fixed", k=2, max_new_tokens=8,
-                      temperature=0, chat=True)
+        policy = {"policy": "ar"} if spec.startswith("ar") else {"policy": "fixed", "k": 2}
+        pair.generate(prompts[0], max_new_tokens=8, temperature=0, chat=True, **policy)
     todo = [(i, t, d, c) for i in range(len(prompts)) for t in temps for d, c in jobs if (i, t, c, d) not in done]
     run_jobs(todo, pairs, prompts, args, settings, res_path)
     run = run_header(out, report_only=False, measure=lambda: measured(pairs, args, settings, len(prompts), temps, jobs))
@@ -226,7 +216,7 @@ def measured(pairs: dict, args, settings: dict, n_prompts: int, temps: list[floa
     import torch
 
     from adaptive_spec.backends.cpu import flags_line
-    from bench_cpu_kernels import read_bandwidth_gbps
+    from adaptive_spec.evaluation.forward_costs import read_bandwidth_gbps
 
     return {"script": "eval/bench_decode.py", "report": "table.md", "cpu": flags_line(),
             "read_bw_gbps": read_bandwidth_gbps(), "target_path": str(pairs["ar"].runtime_info().get("target_path")),

@@ -16,22 +16,13 @@ and sampling) to <out>/run.json, the table to <out>/table.md.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 from pathlib import Path
 
+from adaptive_spec.evaluation.forward_costs import draft_label, parse_draft
 from adaptive_spec.evaluation.paired import run_header
 from adaptive_spec.runs import read_jsonl
 from adaptive_spec.tables import md_table
-
-
-def bench_decode():
-    """eval/bench_decode.py (its draft-configuration parser and labels), loaded by its path: eval/ is
-    no package, and a test imports this script from elsewhere."""
-    spec = importlib.util.spec_from_file_location("bench_decode", Path(__file__).with_name("bench_decode.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def processed(lm, ids: list[int], n_resp: int, params):
@@ -52,7 +43,7 @@ def measure(args) -> tuple[list[dict], dict]:
     from adaptive_spec.backends.cpu import flags_line
     from adaptive_spec.backends.models import CausalLM, load_model
     from adaptive_spec.decoding.sampling import SamplingParams
-    from bench_cpu_kernels import linear_bytes, time_forward
+    from adaptive_spec.evaluation.forward_costs import linear_bytes, time_forward
 
     torch.set_num_threads(args.threads)
     runs = [r for r in read_jsonl(Path(args.src)) if r.get("config") == "ar" and r.get("token_ids")]
@@ -65,7 +56,6 @@ def measure(args) -> tuple[list[dict], dict]:
         ps = [processed(target, ids, n, sp) for ids, n, sp in seqs]
     del target
     rows = []
-    parse_draft = bench_decode().parse_draft
     for spec in args.drafts.split(","):
         quant, vocab = parse_draft(spec)
         draft = CausalLM(load_model(None, "draft", args.dtype, "cpu", quant=quant, draft_vocab=vocab)[0])
@@ -84,7 +74,7 @@ def measure(args) -> tuple[list[dict], dict]:
 
 def report(rows: list[dict], run: dict) -> str:
     """table.md: the rows (results.json) with what run.json says of the run (paired.run_header)."""
-    label = bench_decode().draft_label
+    label = draft_label
     base = rows[0]
     table = [[label(r["draft"]), f"{r['alpha']:.4f}", f"{100 * (r['alpha'] - base['alpha']):+.2f}",
               f"{r['step_ms']:.1f}", f"{r['step_ms'] / base['step_ms']:.2f}x", f"{r['linear_GB']:.3f}"] for r in rows]

@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -67,31 +65,6 @@ def draft_runner(spec: str, threads: int, n_ctx: int = 1024) -> LlamaCppLM:
         path, kept, imap = reduced_draft_gguf(path, resolve_draft_vocab(vocab, tok, GGUFModel(path).vocab_size).numpy())
         maps = {"kept_ids": kept, "input_map": imap}
     return LlamaCppLM(GGUFModel(path), n_ctx=n_ctx, n_threads=threads, **maps)
-
-
-def pass_times(runners: dict, reps: int) -> dict:
-    """{(name, n, all_rows): median seconds} of a pass of n rows after PREFIX tokens, interleaved."""
-    import numpy as np
-
-    from adaptive_spec.decoding.costs import PREFIX
-
-    ids = (np.arange(PREFIX + max(LENGTHS)) * 7 + 5) % 150_000
-    for lm in runners.values():
-        lm.reset()
-        lm.forward(ids[:PREFIX], n_logits=0)
-    # a draft runs steps of 1 row (2 in a round's first), so only those are timed for it
-    cells = [(name, n, all_rows) for name in runners for n in LENGTHS for all_rows in (True, False)
-             if (all_rows or n > 1) and (not name.startswith("draft") or (n <= 2 and all_rows))]
-    samples = {c: [] for c in cells}
-    for r in range(reps + 1):  # round 0: warm-up
-        for name, n, all_rows in cells:
-            lm = runners[name]
-            lm.rollback(PREFIX)
-            t0 = time.perf_counter()
-            lm.forward(ids[PREFIX:PREFIX + n], n_logits=n if all_rows else 1)
-            if r:
-                samples[(name, n, all_rows)].append(time.perf_counter() - t0)
-    return {c: statistics.median(v) for c, v in samples.items()}
 
 
 def held_sequences(n_prompts: int, n_tokens: int):
@@ -240,6 +213,7 @@ def _main(argv) -> int:
     from adaptive_spec.backends.llama_build import VERSION, X86_SETS, cmake_args
     from adaptive_spec.backends.llamacpp import GGUFModel, LlamaCppLM
     from adaptive_spec.decoding.costs import PREFIX
+    from adaptive_spec.evaluation.forward_costs import pass_times
 
     out.mkdir(parents=True, exist_ok=True)
     threads = args.threads or torch.get_num_threads()
@@ -248,7 +222,10 @@ def _main(argv) -> int:
     targets, drafts = args.targets.split(","), args.drafts.split(",")
     runners = {f"target {q}": LlamaCppLM(GGUFModel(_file("target", q)), n_ctx=1024, n_threads=threads) for q in targets}
     runners.update({f"draft {q}": draft_runner(q, threads) for q in drafts})
-    t = pass_times(runners, args.reps)
+    # a draft runs steps of 1 row (2 in a round's first), so only those are timed for it
+    lengths = {name: (1, 2) if name.startswith("draft") else LENGTHS for name in runners}
+    t = pass_times(runners, lengths, args.reps, all_rows=(True, False))
+    t = {(name, n, a): v for (name, n, a), v in t.items() if a or not name.startswith("draft")}
     sizes = {name: lm.model.n_bytes / 2**20 for name, lm in runners.items()}
     result = {"threads": threads, "prefix": PREFIX, "reps": args.reps, "cpu": cpu,
               "times": {f"{name}|{n}|{'all' if a else 'last'}": v for (name, n, a), v in t.items()},

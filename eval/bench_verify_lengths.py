@@ -97,7 +97,7 @@ def main(argv=None) -> int:
                                              run_header(out, report_only=True)))
         return 0
     import torch
-    from bench_cpu_kernels import time_forward  # eval/ is on the path of `python eval/bench_verify_lengths.py`
+    from adaptive_spec.evaluation.forward_costs import time_forward
 
     from adaptive_spec.backends.cpu import flags_line
     from adaptive_spec.decoding.pipeline import SpecPair

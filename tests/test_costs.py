@@ -49,11 +49,11 @@ def test_verification_fit(monkeypatch):
 
     runners = SimpleNamespace(draft=object(), target=SimpleNamespace(vocab_size=50, device=torch.device("cpu")))
     lengths = C.VERIFY_LENGTHS + C.LONG_LENGTHS
-    monkeypatch.setattr(C, "_interleaved_times", fake({n: 0.1 + 0.01 * (n - 1) for n in lengths}))
+    monkeypatch.setattr(C, "interleaved_times", fake({n: 0.1 + 0.01 * (n - 1) for n in lengths}))
     c = C._measure(runners, 3, "k")
     assert (c.t_draft, c.t_target, c.t_cand) == pytest.approx((0.03, 0.1, 0.01))
     assert c.verify_s(16) == pytest.approx(0.25) and c.verify_s(20) == pytest.approx(0.29)  # measured, interpolated
-    monkeypatch.setattr(C, "_interleaved_times", fake({n: 0.2 - 0.001 * n for n in lengths}))
+    monkeypatch.setattr(C, "interleaved_times", fake({n: 0.2 - 0.001 * n for n in lengths}))
     c = C._measure(runners, 3, "k")
     assert c.t_cand == 0.0 and c.t_target == pytest.approx(0.2 - 0.005)
     flat = sum(0.2 - 0.001 * n for n in lengths) / len(lengths)  # a falling table, long passes included, pools flat
@@ -95,7 +95,7 @@ def test_rounds_interleave_every_cell():
 
     draft, target = Lm("d"), Lm("t")
     cells = [(draft, 1, False), (target, 1, True), (target, 3, True)]
-    out = C._interleaved_times(cells, reps=2)
+    out = C.interleaved_times(cells, reps=2)
     assert fed == [("d", 1), ("t", 1), ("t", 3)] * 3 and len(out) == 3
 
 

@@ -159,13 +159,17 @@ def test_no_lower_layer_imports_a_higher_one():
 
 
 def test_eval_scripts_import_the_package_not_tests_or_paths():
-    """eval/ is thin scripts over the installed package: no sys.path edits, nothing from tests/."""
+    """eval/ is thin scripts over the installed package: no sys.path edits, nothing from tests/, and no script
+    importing another (what two scripts share lives in the package, e.g. evaluation/forward_costs.py)."""
     root = Path(__file__).resolve().parent.parent
+    scripts = sorted((root / "eval").glob("*.py"))
+    siblings = tuple(p for f in scripts for p in (f"from {f.stem} ", f"import {f.stem}"))
     bad = []
-    for f in sorted((root / "eval").glob("*.py")):
+    for f in scripts:
         for i, line in enumerate(f.read_text().splitlines(), 1):
             s = line.strip()
-            if "sys.path" in s or s.startswith(("from tiny ", "import tiny", "from tests", "import tests")):
+            if "sys.path" in s or "spec_from_file_location" in s or s.startswith(
+                    ("from tiny ", "import tiny", "from tests", "import tests", *siblings)):
                 bad.append(f"{f.name}:{i}: {s}")
     assert bad == [], bad
 

@@ -238,12 +238,12 @@ def _measure(pair, reps: int, key: str) -> Costs:
     cells = ([(pair.draft, 1, False)] if pair.draft is not None else []) + [(pair.target, n, True)
                                                                             for n in VERIFY_LENGTHS]
     prefill: dict = {}
-    times = _interleaved_times(cells, reps, prefill)
+    times = interleaved_times(cells, reps, prefill)
     t_draft = times[0] if pair.draft is not None else 0.0
     measured = times[-len(VERIFY_LENGTHS):]
     limit = getattr(pair.target, "max_length", None)
     longs = [n for n in LONG_LENGTHS if not limit or n <= limit // 2]  # after a context of at least as many
-    long_times = _interleaved_times([(pair.target, n, True) for n in longs], max(1, (reps + 1) // 2)) if longs else []
+    long_times = interleaved_times([(pair.target, n, True) for n in longs], max(1, (reps + 1) // 2)) if longs else []
     k = np.asarray(VERIFY_LENGTHS, dtype=float) - 1
     slope, intercept = np.polyfit(k, measured, 1)
     if slope < 0:  # timing noise on a pass that does not grow with K: no per-candidate cost
@@ -321,7 +321,7 @@ def context_length(lm, longest: int) -> int:
     return PREFIX if not limit else max(1, min(PREFIX, limit - longest))
 
 
-def _interleaved_times(cells, reps: int, prefill: dict | None = None) -> list[float]:
+def interleaved_times(cells, reps: int, prefill: dict | None = None) -> list[float]:
     """Median seconds per cell (lm, n tokens, all_logits) of feeding n tokens after a PREFIX-token
     context. Each round times every cell once, so a slow spell of the machine (these boxes vary
     1.5x between runs) slows every cell alike instead of whichever length was timed during it;
