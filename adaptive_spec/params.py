@@ -77,6 +77,7 @@ def _auto_owners(key: str) -> list[str]:
 # ---- stop policies ---------------------------------------------------------------------------
 
 PositiveInt = Annotated[int, Field(ge=1)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
 UnitOpen = Annotated[float, Field(gt=0, lt=1)]
 
 
@@ -469,10 +470,10 @@ class PairParams(Params):
     # these fix the choice (a benchmark of one path, or a CPU where the timing misleads)
     cpu_stock: bool = Field(False, description="torch on CPU: stock torch kernels (default: the linear layers "
                             "pre-packed for oneDNN where it has a kernel for the dtype)", **_expects("true or false"))
-    cpu_pad_rows: Literal["auto"] | int = Field(
+    cpu_pad_rows: NonNegativeInt | Literal["auto"] = Field(
         "auto", description="torch on CPU: pad every input of fewer than N rows to N (0: never; auto: the row "
         "counts timed fastest on this CPU)", **_expects("auto or a row count >= 0"))
-    cpu_fp16_rows: Literal["auto"] | int = Field(
+    cpu_fp16_rows: NonNegativeInt | Literal["auto"] = Field(
         "auto", description="torch on CPU, fp32 models: run inputs of at most N rows on an fp16 weight copy (0: "
         "never; auto: the row counts timed faster on this CPU)", **_expects("auto or a row count >= 0"))
 
@@ -508,9 +509,6 @@ class PairParams(Params):
                              "caches itself")
         if self.draft_vocab is not None:
             _check_draft_vocab(self.draft_vocab)
-        for key in ("cpu_pad_rows", "cpu_fp16_rows"):
-            if isinstance(getattr(self, key), int) and getattr(self, key) < 0:
-                raise ValueError(f"{key} must be auto or a row count >= 0 (0: off), got {getattr(self, key)}")
         return self
 
     def cpu_kernels(self) -> dict:

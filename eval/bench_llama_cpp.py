@@ -38,6 +38,7 @@ from adaptive_spec.backends.llama_build import VERSION
 from adaptive_spec.backends.llamacpp import requantized_gguf
 from adaptive_spec.decoding.costs import measure_costs
 from adaptive_spec.backends.llama_tools import bench_tg, build, build_flags, spec_example
+from adaptive_spec.evaluation.forward_costs import parse_draft
 from adaptive_spec.evaluation.paired import pooled_tok_s, record, run_header, start
 from adaptive_spec.runs import read_jsonl
 from adaptive_spec.tables import md_table
@@ -119,9 +120,9 @@ def main(argv=None) -> int:
     quant_gguf = requantized_gguf(draft_gguf, QUANT, args.threads)
     pairs = {}
     for i, spec in enumerate(drafts):
-        quant, _, vocab = spec.partition(":")
+        quant, vocab = parse_draft(spec)
         pairs["llama.cpp" if i == 0 else f"llama.cpp {spec}"] = SpecPair.load(
-            backend="llama.cpp", threads=args.threads, draft_quant=quant, draft_vocab=vocab or None,
+            backend="llama.cpp", threads=args.threads, draft_quant=quant, draft_vocab=vocab,
             target_quant=args.target_quant)
     for name, pair in pairs.items():  # pinned: a resumed run prices (and so picks auto) the same way
         measure_costs(pair, pin=out / f"costs-{name.replace(' ', '-').replace(':', '-v')}.json")
@@ -301,7 +302,7 @@ def report(rows: list[dict], header: dict, costs: dict | None = None) -> str:
 
 
 def _file_label(spec: str) -> str:
-    quant, _, vocab = spec.partition(":")
+    quant, vocab = parse_draft(spec)
     return ("fetched" if quant == "none" else quant) + (f" with a {vocab}-token vocabulary" if vocab else "")
 
 

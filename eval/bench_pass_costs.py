@@ -26,6 +26,7 @@ multi-row path below 8 rows (tiled/tiled.cpp starts at 8), so each row of a pass
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -53,18 +54,24 @@ def _file(role: str, quant: str) -> Path:
 
 def draft_runner(spec: str, threads: int, n_ctx: int = 1024) -> LlamaCppLM:
     """A draft named QUANT or QUANT:N (N: --draft-vocab, the draft's GGUF cut to the N most frequent tokens)."""
-    from adaptive_spec.backends.gguf_vocab import reduced_draft_gguf
-    from adaptive_spec.backends.llamacpp import GGUFModel, LlamaCppLM
-    from adaptive_spec.backends.vocab import resolve_draft_vocab
-    from adaptive_spec.decoding.pipeline import SpecPair
+    from adaptive_spec.backends.llamacpp import GGUFModel, LlamaCppLM, gguf_tokens_digest, reduced_vocab_draft
+    from adaptive_spec.evaluation.forward_costs import parse_draft
 
-    quant, _, vocab = spec.partition(":")
+    quant, vocab = parse_draft(spec)
     path, maps = _file("draft", quant), {}
     if vocab:
-        tok = SpecPair.load(backend="llama.cpp", draft=None, target="default").tokenizer
-        path, kept, imap = reduced_draft_gguf(path, resolve_draft_vocab(vocab, tok, GGUFModel(path).vocab_size).numpy())
-        maps = {"kept_ids": kept, "input_map": imap}
+        path, maps = reduced_vocab_draft(path, vocab, _tokenizer(), gguf_tokens_digest(path)[0])
     return LlamaCppLM(GGUFModel(path), n_ctx=n_ctx, n_threads=threads, **maps)
+
+
+@functools.cache
+def _tokenizer():
+    """The default pair's tokenizer (the list of kept tokens is counted with it)."""
+    from transformers import AutoTokenizer
+
+    from adaptive_spec.backends.paths import resolve_model_path
+
+    return AutoTokenizer.from_pretrained(resolve_model_path("default", "target"))
 
 
 def held_sequences(n_prompts: int, n_tokens: int):
@@ -96,24 +103,27 @@ def logprobs(lm, ids, new):
     return logits.float().log_softmax(-1)
 
 
+def against_fetched(lm, held, per_token) -> tuple[float, float, int]:
+    """(per_token(reference log-probs, lm's) summed over the held tokens / tokens, argmax agreement, tokens):
+    `lm` teacher-forced along the fetched target's greedy continuations (held_sequences)."""
+    _, seqs, ref = held
+    total, agree, n = 0.0, 0, 0
+    for (ids, new), lp_ref in zip(seqs, ref):
+        lp = logprobs(lm, ids, new)
+        total += float(per_token(lp_ref, lp))
+        agree += int((lp.argmax(-1) == lp_ref.argmax(-1)).sum())
+        n += len(new)
+    return total / n, agree / n, n
+
+
 def quality(quants: list[str], held) -> dict:
-    """{quant: (mean KL nats, top-1 agreement, tokens)} of each re-quantized target against the fetched
-    one, teacher-forced on its own greedy continuations (held_sequences)."""
+    """{quant: (mean KL(fetched || re-quantized) nats, top-1 agreement, tokens)} of each re-quantized target."""
     from adaptive_spec.backends.llamacpp import GGUFModel, LlamaCppLM
 
-    base, seqs, ref = held
-    out = {}
-    for q in quants:
-        lm = LlamaCppLM(GGUFModel(_file("target", q)), n_ctx=base.target.max_length, n_threads=base.target.n_threads)
-        kl, agree, n = 0.0, 0, 0
-        for (ids, new), lp_ref in zip(seqs, ref):
-            lp = logprobs(lm, ids, new)
-            kl += float((lp_ref.exp() * (lp_ref - lp)).sum())
-            agree += int((lp.argmax(-1) == lp_ref.argmax(-1)).sum())
-            n += len(new)
-        out[q] = (kl / n, agree / n, n)
-        del lm
-    return out
+    base = held[0]
+    kl = lambda ref, lp: (ref.exp() * (ref - lp)).sum()  # noqa: E731
+    return {q: against_fetched(LlamaCppLM(GGUFModel(_file("target", q)), n_ctx=base.target.max_length,
+                                          n_threads=base.target.n_threads), held, kl) for q in quants}
 
 
 def acceptance(drafts: list[str], held, threads: int) -> dict:
@@ -121,19 +131,10 @@ def acceptance(drafts: list[str], held, threads: int) -> dict:
     continuations, E[alpha] = sum_x min(p(x), q(x)) per position (the chance a T = 1 draft token is
     accepted) and how often the draft's argmax is the target's; a reduced vocabulary's q is 0 on the
     dropped tokens, so what it loses in acceptance shows here beside what it saves in the step above."""
-    base, seqs, ref = held
-    out = {}
-    for spec in drafts:
-        lm = draft_runner(spec, threads, n_ctx=base.target.max_length)
-        alpha, agree, n = 0.0, 0, 0
-        for (ids, new), lp_ref in zip(seqs, ref):
-            lq = logprobs(lm, ids, new)
-            alpha += float(lp_ref.exp().minimum(lq.exp()).sum())
-            agree += int((lq.argmax(-1) == lp_ref.argmax(-1)).sum())
-            n += len(new)
-        out[spec] = (alpha / n, agree / n, n)
-        del lm
-    return out
+    base = held[0]
+    alpha = lambda ref, lq: ref.exp().minimum(lq.exp()).sum()  # noqa: E731
+    return {spec: against_fetched(draft_runner(spec, threads, n_ctx=base.target.max_length), held, alpha)
+            for spec in drafts}
 
 
 def report(result: dict, run: dict) -> str:

@@ -185,6 +185,12 @@ def test_a_reduced_vocabulary_draft_keeps_its_rows(tiny_ggufs, tmp_path, monkeyp
     d, _ = full.forward(torch.tensor([0]))
     torch.testing.assert_close(c[0, keep], d[0, keep], atol=1e-4, rtol=1e-4)
     mtime = path.stat().st_mtime_ns
+    import gguf
+
+    def no_reading(*a):
+        raise AssertionError("the cached file was read again")
+
+    monkeypatch.setattr(gguf, "GGUFReader", no_reading)  # a load that finds the file opens no reader
     assert reduced(src, keep)[0] == path and path.stat().st_mtime_ns == mtime
     assert r.fresh().forward(ids, n_logits=5)[0].allclose(a)
 

@@ -88,16 +88,24 @@ def input_map(kept: np.ndarray, n_vocab: int, tokens: list[str] | None) -> np.nd
     return out
 
 
-def _tag(kept: np.ndarray) -> str:
-    return f"vocab{len(kept)}-{hashlib.sha256(kept.astype(np.int64).tobytes()).hexdigest()[:8]}"
+def _tag(ids: np.ndarray) -> str:
+    return f"vocab{len(ids)}-{hashlib.sha256(ids.astype(np.int64).tobytes()).hexdigest()[:8]}"
 
 
 def reduced_draft_gguf(src: str | Path, keep_ids) -> tuple[Path, np.ndarray, np.ndarray]:
     """(reduced GGUF, kept ids [V'] sorted, input map [V]) for `src` keeping `keep_ids` (plus what
-    complete_keep adds); made once and cached under a name holding the source's fingerprint and the set."""
-    import gguf  # the GGUF reader/writer (a dependency); only when a reduced draft is asked for
-
+    complete_keep adds); made once and cached under a name holding the source's fingerprint and the ids
+    asked for, so a load that finds it opens neither the source nor gguf's reader (seconds over 151,936
+    token strings)."""
     src = Path(src)
+    asked = np.unique(np.asarray(keep_ids, dtype=np.int64))
+    out = cache_dir() / "gguf" / f"{src.stem}.{_tag(asked)}.{file_fingerprint(src)}.gguf"
+    maps = out.with_name(out.name + ".vocab.npz")
+    if out.is_file() and maps.is_file():
+        with np.load(maps) as z:
+            return out, z["kept_ids"], z["input_map"]
+    import gguf  # the GGUF reader/writer (a dependency); only when a reduced draft is made
+
     reader = gguf.GGUFReader(str(src))
     fields = reader.fields
     tokens = fields["tokenizer.ggml.tokens"].contents() if "tokenizer.ggml.tokens" in fields else None
@@ -106,12 +114,7 @@ def reduced_draft_gguf(src: str | Path, keep_ids) -> tuple[Path, np.ndarray, np.
     if "token_embd.weight" not in rows:
         raise UserError(f"{src.name} has no token_embd.weight; --draft-vocab needs a draft with one (a llama-style GGUF)")
     n_vocab = int(rows["token_embd.weight"].shape[-1])
-    kept = complete_keep(np.asarray(keep_ids), tokens, types, n_vocab)
-    out = cache_dir() / "gguf" / f"{src.stem}.{_tag(kept)}.{file_fingerprint(src)}.gguf"
-    maps = out.with_name(out.name + ".vocab.npz")
-    if out.is_file() and maps.is_file():
-        with np.load(maps) as z:
-            return out, z["kept_ids"], z["input_map"]
+    kept = complete_keep(asked, tokens, types, n_vocab)
     imap = input_map(kept, n_vocab, tokens)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp_maps = maps.with_name(maps.name + ".partial.npz")

@@ -135,13 +135,15 @@ def gguf_tokens_digest(path: str | Path) -> tuple[int, str]:
     return n, h.hexdigest()[:16]
 
 
-def check_gguf_pair(draft: str | Path, target: str | Path) -> None:
-    """Refuse, before either model loads, a draft GGUF whose tokenizer is not the target's."""
+def check_gguf_pair(draft: str | Path, target: str | Path) -> int:
+    """Refuse, before either model loads, a draft GGUF whose tokenizer is not the target's; else the
+    draft's number of tokens."""
     (nd, hd), (nt, ht) = gguf_tokens_digest(draft), gguf_tokens_digest(target)
     if hd != ht:
         raise UserError(f"the draft GGUF's tokenizer ({nd} tokens, {Path(draft).name}) differs from the target's "
                         f"({nt} tokens, {Path(target).name}); speculative decoding needs a draft that shares the "
                         "target's tokenizer")
+    return nd
 
 
 def resolve_gguf(name: str | None, role: str) -> Path:
@@ -300,8 +302,10 @@ class LlamaCppLM:
             self.batch.seq_id[j][0] = 0
         self.n_vocab = self.model.vocab_size  # rows of its output matrix
         self.input_map = None if input_map is None else np.asarray(input_map, dtype=np.int32)
-        self._kept = None if kept_ids is None else np.asarray(kept_ids, dtype=np.int64)
-        if (self._kept is None) != (self.input_map is None) or (self._kept is not None and len(self._kept) != self.n_vocab):
+        # a reduced file's full-vocabulary id per row, sorted (CausalLM's attribute for the same thing)
+        self.kept_ids = None if kept_ids is None else torch.as_tensor(np.asarray(kept_ids), dtype=torch.long)
+        if (self.kept_ids is None) != (self.input_map is None) or (
+                self.kept_ids is not None and len(self.kept_ids) != self.n_vocab):
             raise ValueError(f"a reduced-vocabulary file needs both maps, kept_ids of its {self.n_vocab} rows")
         self.full_vocab = self.n_vocab if self.input_map is None else len(self.input_map)
         self.vocab_size = int(vocab_size or self.full_vocab)
@@ -309,7 +313,6 @@ class LlamaCppLM:
             raise UserError(f"vocab_size {self.vocab_size} exceeds {self.model.path.name}'s {self.full_vocab} tokens")
         self.hidden_size = self.model.hidden_size
         self.max_length = n_ctx  # the context's positions (CausalLM's name for the limit)
-        self.kept_ids = None if self._kept is None else torch.from_numpy(self._kept)
         self.device = torch.device("cpu")
         self._zero_hidden = torch.zeros(self.hidden_size)
         self.fwd_time = 0.0
@@ -320,7 +323,7 @@ class LlamaCppLM:
     def fresh(self) -> "LlamaCppLM":
         """Another context on the same weights (its own empty cache): for work beside a running decode."""
         return LlamaCppLM(self.model, n_ctx=self.max_length, n_threads=self.n_threads, n_batch=self.n_batch,
-                          vocab_size=self.vocab_size, kept_ids=self._kept, input_map=self.input_map)
+                          vocab_size=self.vocab_size, kept_ids=self.kept_ids, input_map=self.input_map)
 
     def reset(self):
         self.ll.llama_memory_clear(self.mem, True)
@@ -358,7 +361,7 @@ class LlamaCppLM:
             if k:
                 ptr = self.ll.llama_get_logits(self.ctx)
                 out = np.ctypeslib.as_array(ptr, shape=(k, self.n_vocab))
-                rows.append(out[:, :self.vocab_size].copy() if self._kept is None else self._spread(out))
+                rows.append(out[:, :self.vocab_size].copy() if self.kept_ids is None else self._spread(out))
         self.length += n
         logits = (torch.from_numpy(np.concatenate(rows) if len(rows) > 1 else rows[0]) if rows
                   else torch.empty(0, self.vocab_size))
@@ -367,11 +370,12 @@ class LlamaCppLM:
         return logits, self._zero_hidden
 
     def _spread(self, out: np.ndarray) -> np.ndarray:
-        """A reduced file's logits over the full vocabulary: -inf (q = 0) on every dropped id."""
-        full = np.full((out.shape[0], self.vocab_size), -np.inf, dtype=np.float32)
-        keep = self._kept < self.vocab_size  # sorted: the ids past the tokenizer's end are the last columns
-        full[:, self._kept[keep]] = out[:, :int(keep.sum())]
-        return full
+        """A reduced file's logits over the full vocabulary, -inf (q = 0) on every dropped id, as CausalLM's
+        (runner.spread_kept_logits; vocab_size may be set after construction, so the crop is made here)."""
+        from .runner import spread_kept_logits  # noqa: PLC0415 (runner imports transformers: only for this file)
+
+        kept = self.kept_ids[self.kept_ids < self.vocab_size]
+        return spread_kept_logits(torch.from_numpy(out), kept, self.vocab_size).numpy()
 
     def rollback(self, length: int):
         """Forget cached positions >= length."""
@@ -404,19 +408,13 @@ def load_pair(params):
     target_path = resolve_gguf(params.target, "target")
     draft_path = resolve_gguf(params.draft, "draft") if params.draft is not None else None
     if draft_path is not None:
-        check_gguf_pair(draft_path, target_path)
+        n_draft = check_gguf_pair(draft_path, target_path)
         if params.draft_quant != "none":
             draft_path = requantized_gguf(draft_path, params.draft_quant, params.threads)
     tok, eos = _gguf_tokenizer(params.target, target_path)  # the fetched file's, beside it
     maps = {}
     if draft_path is not None and params.draft_vocab is not None:
-        from .gguf_vocab import reduced_draft_gguf  # noqa: PLC0415 (gguf's reader: only for a reduced draft)
-        from .vocab import resolve_draft_vocab  # noqa: PLC0415
-
-        keep = resolve_draft_vocab(params.draft_vocab, tok, gguf_tokens_digest(draft_path)[0])
-        if keep is not None:
-            draft_path, kept, imap = reduced_draft_gguf(draft_path, keep.numpy())
-            maps = {"kept_ids": kept, "input_map": imap}
+        draft_path, maps = reduced_vocab_draft(draft_path, params.draft_vocab, tok, n_draft)
     if params.target_quant != "none":
         target_path = requantized_gguf(target_path, params.target_quant, params.threads)
     threads = params.threads or torch.get_num_threads()
@@ -435,6 +433,19 @@ def load_pair(params):
               else f"gguf-{params.draft_quant}", "draft_vocab": params.draft_vocab if maps else "full",
               **({} if params.target_quant == "none" else {"target_quant": params.target_quant})}
     return Loaded(t, d, tok, eos, config)
+
+
+def reduced_vocab_draft(draft_path, spec, tok, n_draft: int) -> tuple[Path, dict]:
+    """`--draft-vocab spec` on this engine: (the draft's reduced file, LlamaCppLM's kept_ids / input_map
+    keywords), or (draft_path, {}) where the spec keeps every token (gguf_vocab.py says how and why)."""
+    from .gguf_vocab import reduced_draft_gguf  # noqa: PLC0415 (gguf's reader: only for a reduced draft)
+    from .vocab import resolve_draft_vocab  # noqa: PLC0415
+
+    keep = resolve_draft_vocab(spec, tok, n_draft)
+    if keep is None:
+        return Path(draft_path), {}
+    path, kept, imap = reduced_draft_gguf(draft_path, keep.numpy())
+    return path, {"kept_ids": kept, "input_map": imap}
 
 
 def _gguf_tokenizer(name, gguf_path):

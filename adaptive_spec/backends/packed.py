@@ -162,9 +162,8 @@ def choose_padding(linears: list, max_rows: int = 8, budget_bytes: int = 256 << 
     least 3% faster. The timed layers are the first ones up to `budget_bytes` of weights: more
     than the CPU's caches, so the timing is of weights streamed from memory, as in decoding.
     `rows` N (PairParams.cpu_pad_rows) pads every input of fewer than N rows to N instead (0 = off)."""
-    n = rows
-    if n is not None:
-        return (0,) + (n,) * n if n > 1 else ()
+    if rows is not None:
+        return (0,) + (rows,) * rows if rows > 1 else ()
     timed = _timed_layers(linears, budget_bytes)
     return tuple(_cached_choice("pad_to", timed, max_rows, lambda: list(_time_padding(timed, max_rows))))
 
@@ -200,9 +199,8 @@ def choose_fp16_rows(linears: list, max_rows: int = 16, budget_bytes: int = 256 
     than oneDNN (padded as pad_to says), timed on the first layers up to budget_bytes as in
     choose_padding. `rows` N (PairParams.cpu_fp16_rows) uses fp16 for every input of at most N rows
     instead (0 = off)."""
-    n = rows
-    if n is not None:
-        return frozenset(range(1, n + 1))
+    if rows is not None:
+        return frozenset(range(1, rows + 1))
     timed = _timed_layers(linears, budget_bytes)
     return frozenset(_cached_choice("fp16_rows", timed, max_rows, lambda: sorted(_time_fp16_rows(timed, max_rows))))
 
