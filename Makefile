@@ -48,8 +48,10 @@ test: models
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 
+# the decode benchmark: the target alone against fixed K per draft configuration (a sweep with a drafts axis)
 bench: models
-	$(PY) eval/bench_decode.py --dataset humaneval --out runs/bench_decode
+	.venv/bin/adaptive-spec sweep --config configs/sweep/bench.yaml
+	.venv/bin/adaptive-spec report --sweep-dir runs/sweep/bench
 
 clean:
 	rm -rf .venv .pytest_cache

@@ -206,7 +206,7 @@ def _draft_vocab(argv: list[str]) -> int:
 def _datagen_features(argv: list[str]) -> int:
     """adaptive-spec datagen-features: complete a datagen run stored without features (e.g. the
     committed data/datagen/mix) with the draft's hidden states, into a folder that training,
-    autotune and eval/ablate_heads.py read (datagen/features.py)."""
+    autotune and `eval/score_heads.py ablate` read (datagen/features.py)."""
     from .datagen.features import run  # a subcommand's module: loaded when it runs, as DELEGATED's are
 
     ap = _Parser(prog="adaptive-spec datagen-features", description=_datagen_features.__doc__)

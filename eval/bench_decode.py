@@ -1,24 +1,25 @@
-"""Benchmark: target-only decoding vs speculative decoding with fixed K, side by side.
+"""The tables of the decode benchmark runs committed before the decode benchmark became the sweep.
 
-For each prompt, every configuration (ar, K = 1..8, at each temperature) runs back to back, so
-machine noise hits all of them alike and the speed-up ratios are taken within one run.
-Results go to <out>/results.jsonl (one line per prompt x config; a rerun skips what is done),
-what the report says beside them (CPU flags, read bandwidth, weight bytes, settings) to <out>/run.json
-and the report to <out>/table.md.
+Target alone against fixed K per draft configuration is now a sweep with a `drafts` axis: one harness,
+one resume, one report (`make bench`, i.e. `adaptive-spec sweep --config configs/sweep/bench.yaml`, then
+`adaptive-spec report --sweep-dir runs/sweep/bench`). What stays here rebuilds the tables of the runs this
+script's former measuring path wrote (eval/results/bench_decode_*), from their folders alone:
 
-    python eval/bench_decode.py --prompts 10 --max-new-tokens 128 --ks 1,2,3,4,5,6,7,8 --temperatures 0,1
     python eval/bench_decode.py --report-only --out eval/results/bench_decode_avx2   # no model: table.md again
+
+A former run's command maps onto a sweep config: --drafts none,int8 -> drafts: [none, int8]; --ks 1,2 ->
+ks: [1, 2]; one sweep per temperature; --ar-dtypes and --compare-no-fp16 -> one sweep per target setting
+(pair.dtype, pair.cpu_fp16_rows), compared with `adaptive-spec report --beside`.
 """
 from __future__ import annotations
 
 import argparse
-import hashlib
 import statistics
 from pathlib import Path
 
-from adaptive_spec.evaluation.forward_costs import draft_label, parse_draft
+from adaptive_spec.evaluation.forward_costs import draft_label
 from adaptive_spec.evaluation.paired import run_header
-from adaptive_spec.runs import append_jsonl, read_jsonl
+from adaptive_spec.runs import read_jsonl
 from adaptive_spec.tables import md_table
 
 NO_FP16 = "@no-fp16"  # suffix of the configurations run on the target without fp16 copies
@@ -58,44 +59,6 @@ def table(rows: list[dict]) -> str:
                         f"{statistics.mean(acc) if acc else float('nan'):.3f}", f"{tok / n_target:.2f}",
                         f"{100 * other:.1f}%", str(len(rs))])
     return md_table(HEADER, out)
-
-
-def load_pairs(args) -> dict:
-    """One target, shared; one SpecPair per draft configuration (each with its own caches), so
-    every configuration runs in this process on the same prompts, back to back."""
-    from adaptive_spec import SpecPair
-    from adaptive_spec.backends.models import load_model
-
-    base = SpecPair.load(target=args.target, draft=None, dtype=args.dtype, device=args.device,
-                         threads=args.threads)
-    target_model = base.target.model
-    pairs = {"ar": base}
-    for dt in filter(None, args.ar_dtypes.split(",")):
-        pairs[f"ar-{dt}"] = SpecPair.load(target=args.target, draft=None, dtype=dt, device=args.device)
-    drafts = {}
-    for spec in args.drafts.split(","):
-        quant, vocab = parse_draft(spec)
-        drafts[spec] = load_model(args.draft, "draft", args.dtype, args.device, quant=quant, draft_vocab=vocab)
-        pair = SpecPair.from_models(target_model, base.tokenizer, *drafts[spec])
-        pair.draft_config = {"draft_quant": quant, "draft_vocab": vocab or "full"}
-        pairs[spec] = pair
-    if args.compare_no_fp16:
-        # the same target without the FBGEMM fp16 copies (oneDNN fp32 for every input), as
-        # target alone and under every draft configuration, in this run on the same prompts
-        old = SpecPair.load(target=args.target, draft=None, dtype=args.dtype, device=args.device, cpu_fp16_rows=0)
-        pairs[f"ar{NO_FP16}"] = old
-        for spec, (draft_model, dtok) in drafts.items():
-            pairs[spec + NO_FP16] = SpecPair.from_models(old.target.model, old.tokenizer, draft_model, dtok)
-    return pairs
-
-
-def linear_gb(pairs: dict) -> dict:
-    """GB of linear weights each model streams per step: the target under "ar", each draft
-    configuration under its name (eval/bench_cpu_kernels.linear_bytes), in the order they ran."""
-    from adaptive_spec.evaluation.forward_costs import linear_bytes
-
-    return {"ar": linear_bytes(pairs["ar"].target.model) / 1e9,
-            **{spec: linear_bytes(pair.draft.model) / 1e9 for spec, pair in pairs.items() if not spec.startswith("ar")}}
 
 
 def draft_costs(rows: list[dict], gb: dict, bw_gbps: float | None) -> str:
@@ -148,82 +111,18 @@ def _per_forward(rows: list[dict], role: str) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--draft", default="default", help="draft model: hub id, local folder or 'default'")
-    ap.add_argument("--target", default="default", help="target model: hub id, local folder or 'default'")
-    ap.add_argument("--dataset", default="humaneval",
-                    help="alpaca | gsm8k | gsm8k-train | humaneval | sharegpt | path.json(l) | hub id")
-    ap.add_argument("--field", default=None, help="text field of a local/hub dataset (default: the set's own)")
-    ap.add_argument("--prompts", type=int, default=10, help="number of prompts (shuffled with seed 0)")
-    ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per run")
-    ap.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="comma-separated fixed K values")
-    ap.add_argument("--temperatures", default="0,1", help="comma-separated temperatures (0 = greedy)")
-    ap.add_argument("--dtype", default="auto", help="auto (default), bf16, fp16 or fp32")
-    ap.add_argument("--drafts", default="none",
-                    help="comma-separated draft configurations QUANT[:VOCAB], e.g. none,int8,int8:32768 "
-                         "(QUANT none|int8; VOCAB as --draft-vocab), all run side by side")
-    ap.add_argument("--top-k", type=int, default=0, help="top-k of the sampling (0 = off; the paper: 50)")
-    ap.add_argument("--ar-dtypes", default="",
-                    help="extra target-alone baselines in other dtypes, e.g. bf16 (on an AVX2 CPU: bf16 stock "
-                         "kernels, the fastest one-token step there), loaded beside the main target")
-    ap.add_argument("--compare-no-fp16", action="store_true",
-                    help="also run the target without its FBGEMM fp16 copies (ar and every draft), side by side")
-    ap.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    ap.add_argument("--out", default="runs/bench_decode", help="folder for results.jsonl and table.md")
-    ap.add_argument("--table-only", action="store_true", help="print the table of what <out> holds; run nothing")
+    ap.add_argument("--out", required=True, help="a committed run's folder (results.jsonl and run.json)")
     ap.add_argument("--report-only", action="store_true",
-                    help="run nothing, load no model: <out>/table.md again from its results.jsonl and run.json")
+                    help="load no model: <out>/table.md again from its results.jsonl and run.json")
     args = ap.parse_args(argv)
-
+    if not args.report_only:
+        raise SystemExit("error: the decode benchmark is the sweep now: `make bench` (adaptive-spec sweep --config "
+                         "configs/sweep/bench.yaml; a `drafts` list runs each draft configuration against one "
+                         "target); this script only rebuilds a former run's table: add --report-only")
     out = Path(args.out)
-    if args.report_only:  # from the folder alone: its rows and run.json
-        run = run_header(out, report_only=True)
-        (out / "table.md").write_text(report(run_rows(out / "results.jsonl", run), run))
-        return 0
-    out.mkdir(parents=True, exist_ok=True)
-    res_path = out / "results.jsonl"
-    settings = {k: getattr(args, k) for k in ("draft", "target", "dataset", "max_new_tokens", "dtype", "top_k")}
-    done_rows = [r for r in read_jsonl(res_path, repair=True) if r.get("settings") == settings]
-    done = {(r["prompt_idx"], r["temperature"], r["config"], r.get("draft", "none")) for r in done_rows}
-
-    if args.table_only:
-        n = len({r["prompt_idx"] for r in done_rows})
-        label_configs(done_rows)
-        print(f"# Decode benchmark (from {res_path}: {len(done_rows)} runs over {n} prompts)\n\n" + table(done_rows))
-        return 0
-    from adaptive_spec.prompts import load_prompts
-
-    pairs = load_pairs(args)
-    prompts = load_prompts(args.dataset, field=args.field, n=args.prompts)
-    jobs = [(a, a) for a in pairs if a.startswith("ar")] + [(c, f"k{k}") for c in pairs if not c.startswith("ar")
-                                                              for k in args.ks.split(",")]
-    temps = [float(t) for t in args.temperatures.split(",")]
-    for spec, pair in pairs.items():  # warm-up: the first forwards pay for allocation and kernel selection
-        policy = {"policy": "ar"} if spec.startswith("ar") else {"policy": "fixed", "k": 2}
-        pair.generate(prompts[0], max_new_tokens=8, temperature=0, chat=True, **policy)
-    todo = [(i, t, d, c) for i in range(len(prompts)) for t in temps for d, c in jobs if (i, t, c, d) not in done]
-    run_jobs(todo, pairs, prompts, args, settings, res_path)
-    run = run_header(out, report_only=False, measure=lambda: measured(pairs, args, settings, len(prompts), temps, jobs))
-    md = report(run_rows(res_path, run), run)
-    (out / "table.md").write_text(md)
-    print(md, end="")
+    run = run_header(out, report_only=True)
+    (out / "table.md").write_text(report(run_rows(out / "results.jsonl", run), run))
     return 0
-
-
-def measured(pairs: dict, args, settings: dict, n_prompts: int, temps: list[float], jobs: list) -> dict:
-    """What table.md says beside the rows (paired.run_header keeps it in run.json): the machine, the
-    run's settings and grid, the models' weight sizes."""
-    import torch
-
-    from adaptive_spec.backends.cpu import flags_line
-    from adaptive_spec.evaluation.forward_costs import read_bandwidth_gbps
-
-    return {"script": "eval/bench_decode.py", "report": "table.md", "cpu": flags_line(),
-            "read_bw_gbps": read_bandwidth_gbps(), "target_path": str(pairs["ar"].runtime_info().get("target_path")),
-            "target": args.target, "draft": args.draft, "drafts": args.drafts, "dtype": args.dtype,
-            "device": str(pairs["ar"].target.device), "threads": torch.get_num_threads(), "dataset": args.dataset,
-            "max_new_tokens": args.max_new_tokens, "top_k": args.top_k, "settings": settings,
-            "n_prompts": n_prompts, "temperatures": temps, "jobs": [list(j) for j in jobs], "linear_gb": linear_gb(pairs)}
 
 
 def run_rows(res_path: Path, run: dict) -> list[dict]:
@@ -232,30 +131,6 @@ def run_rows(res_path: Path, run: dict) -> list[dict]:
     wanted = {(i, t, c, d) for i in range(run["n_prompts"]) for t in run["temperatures"] for d, c in run["jobs"]}
     return [r for r in read_jsonl(res_path) if r.get("settings") == run["settings"]
             and (r["prompt_idx"], r["temperature"], r["config"], r.get("draft", "none")) in wanted]
-
-
-def run_jobs(todo, pairs, prompts, args, settings, res_path) -> list[dict]:
-    from tqdm import tqdm
-
-    rows = []
-    bar = tqdm(todo, desc="bench", unit="run", dynamic_ncols=True)
-    for i, temp, spec, cfg in bar:
-        kw = {"policy": "ar"} if cfg.startswith("ar") else {"policy": "fixed", "k": int(cfg[1:])}
-        pair = pairs[spec]
-        g = pair.generate(prompts[i], max_new_tokens=args.max_new_tokens, temperature=temp,
-                          top_k=args.top_k, seed=i, chat=True, **kw)
-        m = g.metrics
-        prefill = {"target_prefill_s": pair.target.prefill_s,
-                   "draft_prefill_s": pair.draft.prefill_s if pair.draft is not None else 0.0}
-        row = {"settings": settings, "prompt_idx": i, "temperature": temp, "config": cfg,
-               "draft": spec if not cfg.startswith("ar") else cfg, **m.to_dict(), **prefill,
-               "output_sha": hashlib.sha256(str(g.token_ids).encode()).hexdigest()[:16]}
-        if cfg == "ar":  # the target's own responses: eval/bench_draft_vocab.py scores drafts on them
-            row["token_ids"], row["prompt_ids"] = g.token_ids, pair.encode(prompts[i], chat=True)
-        append_jsonl(res_path, row)
-        rows.append(row)
-        bar.set_postfix_str(f"{draft_label(spec)} {cfg} t={temp:g} {m.tokens_per_s:.2f} tok/s")
-    return rows
 
 
 def label_configs(rows: list[dict]) -> None:

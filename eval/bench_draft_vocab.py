@@ -1,7 +1,7 @@
 """Benchmark: what a cheaper draft costs in acceptance and saves in time, per draft configuration.
 
 Acceptance is measured exactly, without decoding: over the target's own responses (the `ar`
-rows of a bench_decode run, which store prompt and output ids), one teacher-forced forward of
+rows of a sweep, which store prompt and output ids: `make bench` writes runs/sweep/bench), one teacher-forced forward of
 the target and of each draft give p_i and q_i at every response position, and the expected
 acceptance of a drafted token there is 1 - TV(p_i, q_i) (sum of min(p, q)), under the same
 sampling settings (temperature, top-k) as the decode benchmark. Time is one draft decode step
@@ -10,7 +10,7 @@ against step time saved, for the unquantized draft, int8, and int8 with V' kept 
 Rows go to <out>/results.json, what the report says beside them (CPU flags, the responses' source
 and sampling) to <out>/run.json, the table to <out>/table.md.
 
-    python eval/bench_draft_vocab.py --from runs/bench_decode/results.jsonl --drafts none,int8,int8:8192,int8:16384,int8:32768,int8:65536
+    python eval/bench_draft_vocab.py --from runs/sweep/bench/results.jsonl --drafts none,int8,int8:8192,int8:16384,int8:32768,int8:65536
     python eval/bench_draft_vocab.py --report-only --out eval/results/bench_draft_vocab_avx2   # no model: table.md again
 """
 from __future__ import annotations
@@ -46,12 +46,14 @@ def measure(args) -> tuple[list[dict], dict]:
     from adaptive_spec.evaluation.forward_costs import linear_bytes, time_forward
 
     torch.set_num_threads(args.threads)
-    runs = [r for r in read_jsonl(Path(args.src)) if r.get("config") == "ar" and r.get("token_ids")]
+    runs = [{**r, **sampling_of(r, Path(args.src))} for r in read_jsonl(Path(args.src))
+            if r.get("config") == "ar" and r.get("token_ids")]
     if not runs:
-        raise SystemExit(f"{args.src} has no ar rows with token_ids; run eval/bench_decode.py first")
+        raise SystemExit(f"error: {args.src} has no ar rows with token_ids; run a sweep with include_ar first "
+                         "(`make bench` writes runs/sweep/bench/results.jsonl)")
     target = CausalLM(load_model(None, "target", args.dtype, "cpu")[0])
-    seqs = [(r["prompt_ids"] + r["token_ids"], len(r["token_ids"]),
-             SamplingParams(r["temperature"], r["settings"].get("top_k", 0))) for r in runs]
+    seqs = [(r["prompt_ids"] + r["token_ids"], len(r["token_ids"]), SamplingParams(r["temperature"], r["top_k"]))
+            for r in runs]
     with torch.inference_mode():
         ps = [processed(target, ids, n, sp) for ids, n, sp in seqs]
     del target
@@ -68,8 +70,17 @@ def measure(args) -> tuple[list[dict], dict]:
         print(rows[-1], flush=True)
     return rows, {"script": "eval/bench_draft_vocab.py", "report": "table.md", "cpu": flags_line(), "from": args.src,
                   "n_responses": len(runs), "n_positions": sum(n for _, n, _ in seqs),
-                  "temperature": runs[0]["temperature"], "top_k": runs[0]["settings"].get("top_k", 0),
+                  "temperature": runs[0]["temperature"], "top_k": runs[0]["top_k"],
                   "dtype": args.dtype}
+
+
+def sampling_of(row: dict, src: Path) -> dict:
+    """The sampling a response was drawn with: a sweep's settings.json beside its rows, or (a run of the
+    former bench_decode harness) the row's own temperature and settings."""
+    if "settings" in row:
+        return {"temperature": row["temperature"], "top_k": row["settings"].get("top_k", 0)}
+    s = json.loads((src.parent / "settings.json").read_text())["settings"]
+    return {"temperature": s["temperature"], "top_k": s["top_k"]}
 
 
 def report(rows: list[dict], run: dict) -> str:
@@ -88,7 +99,7 @@ def report(rows: list[dict], run: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--from", dest="src", help="bench_decode results.jsonl with ar rows (token_ids); required "
+    ap.add_argument("--from", dest="src", help="a sweep's results.jsonl with ar rows (token_ids); required "
                                                "unless --report-only")
     ap.add_argument("--drafts", default="none,int8,int8:8192,int8:16384,int8:32768,int8:65536",
                     help="draft configurations QUANT[:VOCAB]")

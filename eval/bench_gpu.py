@@ -16,7 +16,7 @@ per model and context length (prompt tokens already in the KV cache):
 
 GPU times come from CUDA events around loops with no host sync inside, after warm-up
 (compile / CUDA-graph capture excluded). Then, with acceptance statistics measured elsewhere
-(e.g. on CPU: eval/bench_decode.py or `adaptive-spec sweep` results.jsonl, or a JSON of
+(e.g. on CPU: an `adaptive-spec sweep` results.jsonl (`make bench`'s), or a JSON of
 per-policy tokens-per-target-pass / discard rates), Eq. 5.1 of SpecDec++,
 
     T = t_draft * N_draft + t_target * N_target,
@@ -280,7 +280,7 @@ def _policy_key(row: dict) -> str:
 
 def load_stats(paths) -> dict:
     """Per-policy acceptance statistics, from any of:
-      * results.jsonl of eval/bench_decode.py or `adaptive-spec sweep` (one Metrics row per run:
+      * results.jsonl of an `adaptive-spec sweep` or a former bench_decode run (one Metrics row per run:
         counts are summed per config [and temperature]);
       * a JSON list of such rows;
       * a JSON object {name: {...}} or {"policies": {name: {...}}} where {...} holds counts
@@ -485,7 +485,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "(torch.compile reduce-overhead per shape; minutes of compile per model)")
     ap.add_argument("--bandwidth-tbs", type=float, default=None, help="memory bandwidth in TB/s (default: by device)")
     ap.add_argument("--stats", action="append", default=[],
-                    help="acceptance statistics (results.jsonl of bench_decode / sweep, or JSON); repeatable")
+                    help="acceptance statistics (a sweep's results.jsonl, or JSON); repeatable")
     ap.add_argument("--head-depth", type=int, default=3, help="acceptance head in the draft step (-1: none)")
     ap.add_argument("--no-hf-generate", action="store_true", help="skip transformers' generate baseline")
     ap.add_argument("--hf-repeats", type=int, default=None)

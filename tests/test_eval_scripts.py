@@ -1,8 +1,11 @@
-"""The torch benchmark scripts run end to end on a tiny pair (their measuring path: a model load, a decode, the
-report), and the report a run writes is what --report-only rebuilds from the folder alone."""
+"""The decode benchmark is the sweep: eval/bench_decode.py measures nothing any more (it rebuilds the
+tables of the runs its former harness committed), and the draft-vocabulary benchmark reads the target's
+responses from a sweep's rows."""
 import importlib.util
 import json
 from pathlib import Path
+
+import pytest
 
 EVAL = Path(__file__).resolve().parent.parent / "eval"
 
@@ -14,20 +17,22 @@ def script(name):
     return mod
 
 
-def test_bench_decode_runs_and_its_table_regenerates(tiny_pair, tmp_path):
-    draft, target = tiny_pair
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"text": t}) + "\n" for t in ("abc", "hello")))
-    out = tmp_path / "run"
-    bench = script("bench_decode")
-    assert bench.main(["--draft", str(draft), "--target", str(target), "--dataset", str(prompts), "--prompts", "2",
-                       "--max-new-tokens", "6", "--ks", "1,2", "--temperatures", "0", "--dtype", "fp32",
-                       "--threads", "1", "--out", str(out)]) == 0
-    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert {r["config"] for r in rows} == {"ar", "k1", "k2"} and len(rows) == 6
-    out_of = {(r["prompt_idx"], r["config"]): r["output_sha"] for r in rows}
-    assert all(out_of[(i, c)] == out_of[(i, "ar")] for i, c in out_of)  # greedy speculative = greedy target
-    written = (out / "table.md").read_text()
-    (out / "table.md").unlink()
-    assert bench.main(["--report-only", "--out", str(out)]) == 0
-    assert (out / "table.md").read_text() == written
+def test_bench_decode_points_a_measuring_run_at_the_sweep(tmp_path):
+    with pytest.raises(SystemExit, match=r"error: the decode benchmark is the sweep now: `make bench`"):
+        script("bench_decode").main(["--out", str(tmp_path)])
+
+
+def test_make_bench_is_the_bench_sweep():
+    make = (EVAL.parent / "Makefile").read_text()
+    bench = make[make.index("\nbench:"):].split("\n\n")[0]
+    assert "sweep --config configs/sweep/bench.yaml" in bench and "eval/bench_decode.py" not in bench
+
+
+@pytest.mark.parametrize("row, settings, want", [
+    ({"config": "ar", "temperature": 0.0, "settings": {"top_k": 5}}, None, {"temperature": 0.0, "top_k": 5}),
+    ({"config": "ar"}, {"temperature": 1.0, "top_k": 50}, {"temperature": 1.0, "top_k": 50}),
+])
+def test_draft_vocab_reads_the_sampling_of_a_sweep_or_a_former_run(tmp_path, row, settings, want):
+    if settings is not None:
+        (tmp_path / "settings.json").write_text(json.dumps({"settings": settings, "hash": "x"}))
+    assert script("bench_draft_vocab").sampling_of(row, tmp_path / "results.jsonl") == want

@@ -45,7 +45,8 @@ def test_committed_report_regenerates_identically(folder, tmp_path):
 
 def benchmark_folders() -> list[Path]:
     """Benchmark script runs: the run.json their report reads (evaluation/paired.run_header), naming the
-    script, the report file (report.md unless "report" says otherwise) and any arguments --report-only needs."""
+    script, the report file (report.md unless "report" says otherwise) and any arguments --report-only needs
+    ("report_args", given before it: a subcommand goes there)."""
     return sorted(d for d in RESULTS.iterdir() if (d / "run.json").is_file())
 
 
@@ -72,9 +73,11 @@ def test_committed_benchmark_report_regenerates_identically(folder, tmp_path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     copy = shutil.copytree(folder, tmp_path / folder.name, ignore=shutil.ignore_patterns(name))
-    assert mod.main(["--report-only", "--out", str(copy), *run.get("report_args", [])]) in (0, None)
+    # report_args first: a tool with subcommands (eval/bench_forward_costs.py kernels ...) names its mode there
+    args = run.get("report_args", [])
+    assert mod.main([*args, "--report-only", "--out", str(copy)]) in (0, None)
     assert (copy / name).read_text() == (folder / name).read_text(), \
-        f"rerun `python {script} --report-only --out eval/results/{folder.name}` and commit its {name}"
+        f"rerun `python {' '.join([script, *args])} --report-only --out eval/results/{folder.name}` and commit its {name}"
 
 
 def test_report_only_needs_the_run_header_and_reads_what_the_run_wrote(tmp_path):

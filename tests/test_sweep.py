@@ -432,3 +432,57 @@ def test_typed_policy_entries_are_checked_before_models_load(inputs, tmp_path, c
     assert sweep.main(argv) == 2
     import re
     assert re.search(match, capsys.readouterr().err)
+
+
+def test_a_drafts_axis_runs_each_draft_configuration_against_one_target(inputs, tmp_path):
+    """`drafts`: every configuration that drafts runs once per draft configuration, the target alone and
+    prompt lookup once; the pairs share one target; the report gives each (dataset, draft) its own column."""
+    from adaptive_spec.backends.models import int8_kernel
+
+    drafts = ["none", "int8"] if int8_kernel("cpu") is None else ["none", "none:48"]
+    out = tmp_path / "drafts"
+    argv = overrides(inputs, out, datasets=f"[{inputs['a']}]", ks="[1, 2]", heads="[]", thresholds="[]",
+                     confidence_taus="[]", heuristic="false", hf_assisted="false", include_draft_ar="true",
+                     drafts=f"[{', '.join(drafts)}]", policies="[{policy: ngram, k: 2, ngram_min: 1}]")
+    loads = []
+    real_load = sweep.SpecPair.load
+
+    def counting_load(params):
+        pair = real_load(params)
+        loads.append(pair)
+        return pair
+
+    real_pairs, built = sweep._load_pairs, []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sweep.SpecPair, "load", counting_load)
+        mp.setattr(sweep, "_load_pairs", lambda *a: built.append(real_pairs(*a)) or built[-1])
+        assert sweep.main(argv) == 0
+    assert len(loads) == 2 and list(built[0]) == drafts
+    pairs = [p for p, _ in built[0].values()]
+    assert all(p.target is loads[0].target for p in pairs) and pairs[1].draft is loads[1].draft
+    rows = read_rows(out)
+    per_prompt = {"ar", "ngram:k=2:ngram_min=1"} | {f"{c}@{d}" for c in ("draft_ar", "fixed:k=1", "fixed:k=2")
+                                                    for d in drafts}
+    assert {r["config"] for r in rows} == per_prompt and len(rows) == 2 * len(per_prompt)
+    assert {r.get("draft") for r in rows} == {None, *drafts}
+    ar = [r for r in rows if r["method"] == "ar"]
+    assert all(len(r["token_ids"]) == r["n_tokens"] and r["prompt_ids"] for r in ar)
+    # every draft configuration verifies against the first pair's target (one load's weights)
+    assert json.loads((out / "settings.json").read_text())["settings"]["drafts"] == drafts
+    assert set(json.loads((out / "config.json").read_text())["drafts_runtime"]) == set(drafts)
+    assert report.main(["--sweep-dir", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    label = Path(inputs["a"]).stem
+    for d in drafts:
+        assert f"### {label}-{d.replace(':', '-')}" in md  # one all-configurations table per draft configuration
+
+
+@pytest.mark.parametrize("drafts,match", [
+    ("[int9]", r"pair.draft_quant must be .* for drafts\[0\] \(int9\)"),
+    ("[none, none]", r"'drafts' lists a draft configuration twice"),
+])
+def test_a_bad_drafts_entry_is_refused_before_models_load(inputs, tmp_path, capsys, drafts, match):
+    import re
+
+    assert sweep.main(overrides(inputs, tmp_path / "x", drafts=drafts)) == 2
+    assert re.search(match, capsys.readouterr().err)

@@ -418,12 +418,12 @@ def test_partial_data_trains_on_the_shards_written_so_far(tmp_path, dataset):
     assert head["n_train_positions"] < len(load_split(TrainConfig(data=str(dataset)), full, "train", None))
 
 
-# ---------------------------------------------------------------- the input ablation (eval/ablate_heads.py)
+# ---------------------------------------------------------------- the input ablation (eval/score_heads.py ablate)
 
-def ablate_module():
+def score_heads_module():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("ablate_heads", ROOT / "eval" / "ablate_heads.py")
+    spec = importlib.util.spec_from_file_location("score_heads", ROOT / "eval" / "score_heads.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -439,7 +439,7 @@ def test_ablation_trains_the_grid_resumes_and_reports_per_source(tmp_path, tiny_
     clean = make_dataset(tmp_path / "clean", seqs={"train": 4, "dev": 16}, stats_weight=3.0, sources=["gsm8k", "code"],
                          clean=True, seed=5)
     out = tmp_path / "abl"
-    args = ["eval/ablate_heads.py", "--data", str(data), "--out", str(out), "--depths", "0", "--w-rejs", "1",
+    args = ["eval/score_heads.py", "ablate", "--data", str(data), "--out", str(out), "--depths", "0", "--w-rejs", "1",
             "--eval-data", str(clean), "report_to=none", "epochs=4", "batch_size=32", "lr=3e-2", "warmup_ratio=0.1", "eval_every=10",
             "save_every=0", "log_every=5"]
     r = subprocess.run([sys.executable, *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
@@ -477,6 +477,12 @@ def test_ablation_trains_the_grid_resumes_and_reports_per_source(tmp_path, tiny_
     torch.testing.assert_close(head.stats_mean, st.mean(0).float())  # standardized by the training positions
     torch.testing.assert_close(head.stats_std, st.std(0, correction=0).float())
 
+    run = json.loads((out / "run.json").read_text())
+    assert (run["script"], run["report_args"]) == ("eval/score_heads.py", ["ablate"])  # what --report-only needs
+    (out / "ablation.md").unlink()
+    assert score_heads_module().main([*run["report_args"], "--report-only", "--out", str(out)]) == 0
+    assert (out / "ablation.md").read_text() == md
+
     r2 = subprocess.run([sys.executable, *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert r2.returncode == 0 and r2.stderr.count("already finished") == 3, r2.stderr[-3000:]
     assert (out / "ablation.md").read_text() == md
@@ -492,14 +498,14 @@ def test_ablation_trains_the_grid_resumes_and_reports_per_source(tmp_path, tiny_
 
 
 def test_ablation_refuses_bad_grids(tmp_path, dataset, capsys):
-    mod = ablate_module()
+    mod = score_heads_module()
     for argv, msg in [(["--variants", "hidden,logits"], "--variants takes a comma-separated list of hidden, "
                                                           "hidden+stats, context, context+stats, stats"),
                       (["--depths", "0,7"], "depths must be in 0..4"),
                       (["--w-rejs", "x"], "--w-rejs takes a comma-separated list of positive numbers"),
                       (["--eval-data", str(make_dataset(tmp_path / "other", seqs={"train": 4, "dev": 4}, sources=["gsm8k", "code"]))],
                        "has prompt sources ['gsm8k', 'code'], --data has []")]:
-        assert mod.main(["--data", str(dataset), "--out", str(tmp_path / "a"), *argv]) == 2
+        assert mod.main(["ablate", "--data", str(dataset), "--out", str(tmp_path / "a"), *argv]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and msg in err and err.count("\n") == 1, err
     assert not (tmp_path / "a").exists()

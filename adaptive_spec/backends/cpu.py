@@ -69,7 +69,7 @@ def fbgemm_fp16() -> str | None:
     Why it matters: on a CPU without bf16 kernels (AVX2) the models compute in fp32, and a
     one-row decode step streams 4 bytes a weight through oneDNN; this kernel streams 2 (fp16,
     widened in registers, fp32 arithmetic), measured 1.8x faster for the default target's layers
-    at one row and still faster up to about 5 (eval/bench_linear_rows.py). torch marks the op
+    at one row and still faster up to about 5 (`eval/bench_forward_costs.py linear-rows`). torch marks the op
     deprecated; where a build drops it, this says so and oneDNN alone runs."""
     if not hasattr(torch, "fbgemm_linear_fp16_weight_fp32_activation"):
         return "this torch build has no torch.fbgemm_linear_fp16_weight_fp32_activation"

@@ -48,7 +48,7 @@ class PackedLinear(torch.nn.Module):
     where fp16 holds every weight exactly, as it does weights from bf16 checkpoints), which
     FBGEMM's fp16-weight, fp32-arithmetic kernel streams at half the bytes; inputs whose row
     count is in fp16_rows run on it. Measured on the default target's layers (AVX2, 2 threads,
-    eval/bench_linear_rows.py): 218 ms of linear layers per one-row step against oneDNN fp32's
+    `eval/bench_forward_costs.py linear-rows`): 218 ms of linear layers per one-row step against oneDNN fp32's
     339, 282 against 441 at 5 rows, but no gain from about 9 rows on, where oneDNN stays.
     """
 

@@ -114,7 +114,7 @@ class Int4Linear(QuantLinear):
     `group_size` input channels, run by torch's maintained `_weight_int4pack_mm_for_cpu` (the
     kernel torchao's CPU int4 path calls). Weight w = (q - 8) * scale + zero, q in 0..15. Measured
     on an AVX2 CPU, twelve 4864x896 layers, 2 threads, one row: 3.83 ms against 4.5-5.7 ms int8
-    in the same runs (eval/bench_decode.py measures the whole draft and its acceptance)."""
+    in the same runs (`make bench`, a sweep over draft configurations, measures the whole draft and its acceptance)."""
 
     def __init__(self, linear: torch.nn.Linear, group_size: int = 64):
         super().__init__()

@@ -6,7 +6,7 @@ default draft). The token data is what costs hours (a target pass per token) and
 keeping across machines, so a run can store only it (`store_features: false`, as
 configs/datagen/mix.yaml does, committed under data/datagen/). This command derives the
 features from it, with one pass of the frozen draft per response, into a complete datagen
-folder (manifest + shards with `features`) that training, `autotune` and eval/ablate_heads.py
+folder (manifest + shards with `features`) that training, `autotune` and `eval/score_heads.py ablate`
 read as they read any datagen run:
 
     adaptive-spec datagen-features --data data/datagen/mix --out runs/datagen/mix

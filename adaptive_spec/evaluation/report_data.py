@@ -236,14 +236,19 @@ class DatasetResult:
 
 
 def analyse(rows: list[dict], how: str = "pooled") -> list[DatasetResult]:
-    order = list(dict.fromkeys(r["dataset"] for r in rows))
+    """One result per dataset; a sweep with a `drafts` axis gives one per dataset and draft configuration
+    (label DATASET-DRAFT), each holding the rows that ran with that draft beside the target alone's, so
+    every table, fit and speed-up compares one draft configuration with the target alone on the same prompts."""
+    order = list(dict.fromkeys((r["dataset"], r.get("draft")) for r in rows if r.get("draft") is not None))
+    order = order or [(ds, None) for ds in dict.fromkeys(r["dataset"] for r in rows)]
     results = []
-    for ds in order:
-        drows, dropped = complete_rows([r for r in rows if r["dataset"] == ds])
+    for ds, draft in order:
+        drows, dropped = complete_rows([r for r in rows if r["dataset"] == ds and r.get("draft") in (None, draft)])
         groups = by_config(drows)
         ar = {_pkey(r): r for r in groups.get("ar", [])}
         aggs = {c: aggregate(rs, how, ar or None) for c, rs in groups.items()}
-        results.append(DatasetResult(ds, ds_label(ds), aggs, drows, fit_settings(drows),
+        label = ds_label(ds) if draft is None else f"{ds_label(ds)}-{draft.replace(':', '-')}"
+        results.append(DatasetResult(ds, label, aggs, drows, fit_settings(drows),
                                      len({_pkey(r) for r in drows}), dropped))
     return results
 

@@ -3,7 +3,10 @@
     adaptive-spec sweep --config configs/sweep/paper.yaml [key=value ...]
 
 For each dataset and each prompt, all configurations run back to back, so machine noise hits them
-alike and per-prompt ratios compare like with like:
+alike and per-prompt ratios compare like with like. With a `drafts` list (draft configurations
+QUANT[:VOCAB], e.g. [none, int8, int8:32768]; `make bench`), every configuration that drafts runs once
+per entry (key KEY@ENTRY, rows carry `draft`) against one loaded target, and the report gives each
+dataset and entry its own column:
 
     ar            target alone (autoregressive; stand-alone t_target)
     draft_ar      draft alone (stand-alone t_draft; its forwards are counted as N_draft)
@@ -109,6 +112,8 @@ def _settings(cfg: SweepConfig, device: str) -> dict:
     d = {k: UNSET[k] if k in UNSET and getattr(p, k) is None else getattr(p, k) for k in PAIR_RESULT_KEYS}
     d.update(p.model_dump(include=set(PAIR_IF_SET), exclude_defaults=True))
     d.update({k: getattr(cfg, k) for k in RESULT_KEYS})
+    if cfg.drafts:  # recorded only when set, so an existing sweep's settings hash holds
+        d["drafts"] = list(cfg.drafts)
     d["device"] = device
     return d
 
@@ -146,6 +151,8 @@ def check_out_dir(out: Path, settings: dict, overwrite: bool):
     print(f"note: {problem}; overwrite=true: discarding them", file=sys.stderr)
     for name in RUN_FILES:
         (out / name).unlink(missing_ok=True)
+    for pin in out.glob("costs@*.json"):  # the other drafts entries' pinned costs (_pinned_costs)
+        pin.unlink()
 
 
 def prompt_sha(text) -> str:
@@ -192,23 +199,24 @@ def run(cfg: SweepConfig) -> Path:
     lock = lock_dir(out, "sweep")  # noqa: F841 (held until this process exits)
     check_out_dir(out, settings, cfg.overwrite)
 
-    pair, draft_decoder = _load_pair(cfg, all_heads)
+    pairs = _load_pairs(cfg, all_heads)  # drafts entry ("" without a drafts axis) -> (pair, draft decoder)
+    pair = next(iter(pairs.values()))[0]
     if any(s.method == "hf_assisted" for s in specs):
         notes += _note([hf_schedule_note(pair.draft.model)])
     selected = {ds: _select_dataset(pair, ds, texts[ds], cfg, notes) for ds in cfg.datasets}
-    costs = _pinned_costs(pair, out, specs, notes)
+    costs = [_pinned_costs(p, out, specs, notes, d, i == 0) for i, (d, (p, _)) in enumerate(pairs.items())][0]
     tree_ctx = _tree_context(pair, cfg, out, texts, selected, settings, specs, notes, costs)
     cpu_pad_to = _cpu_pad_to(pair)
-    runtime = pair.runtime_info()
+    runtime = {d: p.runtime_info() for d, (p, _) in pairs.items()}
     _write_run_files(out, cfg, settings, heads, selected, specs, notes, cpu_pad_to, runtime)
     todo, n_jobs = _todo(out / RESULTS, cfg, selected, specs)
     if todo and cfg.warmup:
-        _warmup(pair, todo[0][3], specs, cfg, all_heads, draft_decoder, tree_ctx)
+        _warmup(pairs, todo[0][3], specs, cfg, all_heads, tree_ctx)
     # every row carries the machine and the numeric paths it ran on: "auto" resolves per CPU
-    context = {"settings_hash": settings_hash(settings), "cpu_pad_to": cpu_pad_to, "isa": runtime["machine"]["isa"],
-               "cpu_flags": runtime["machine"]["cpu_flags"],
-               "paths": {r: runtime.get(f"{r}_path") for r in ("target", "draft")}}
-    _run_jobs(pair, todo, n_jobs, cfg, all_heads, draft_decoder, out / RESULTS, context, tree_ctx)
+    context = {d: {"settings_hash": settings_hash(settings), "cpu_pad_to": cpu_pad_to, "isa": r["machine"]["isa"],
+                   "cpu_flags": r["machine"]["cpu_flags"], "paths": {m: r.get(f"{m}_path") for m in ("target", "draft")}}
+               for d, r in runtime.items()}
+    _run_jobs(pairs, todo, n_jobs, cfg, all_heads, out / RESULTS, context, tree_ctx)
     return out
 
 
@@ -222,18 +230,28 @@ def _device_name(device: str | None) -> str:
     return str(resolve_device(device))
 
 
-def _load_pair(cfg: SweepConfig, heads: dict):
-    """The pair, with every head checked against its draft and moved to its device, and a
-    decoder that runs the draft alone (the draft_ar baseline)."""
+def _load_pairs(cfg: SweepConfig, heads: dict) -> dict:
+    """drafts entry ("" without a drafts axis) -> (its pair, a decoder running its draft alone: the
+    draft_ar baseline), every head checked against the draft and moved to its device. The pairs share the
+    first one's target, so the target alone and every draft configuration run on the same weights and
+    kernels; another entry's own target load is dropped at once."""
     hf_logging.disable_progress_bar()
-    pair = SpecPair.load(cfg.pair)
-    for label, (head, info) in heads.items():
-        if head.hidden_size != pair.draft.hidden_size:
-            raise UserError(f"head {label} at {info['path']} was trained for a draft of hidden size "
-                            f"{head.hidden_size} but the draft in use has hidden size {pair.draft.hidden_size}; "
-                            "pass the draft it was trained for or train a head for this draft")
-        head.to(pair.draft.device)
-    return pair, (Decoder(pair.draft, None, eos_token_ids=pair.eos_token_ids) if pair.draft is not None else None)
+    pairs, first = {}, None
+    for d, params in cfg.draft_pairs().items():
+        pair = SpecPair.load(params)
+        if first is None:
+            first = pair
+        else:
+            pair = SpecPair(first.target, pair.draft, first.tokenizer, first.eos_token_ids, pair.engine, params,
+                            pair.draft_config)
+        for label, (head, info) in heads.items():
+            if head.hidden_size != pair.draft.hidden_size:
+                raise UserError(f"head {label} at {info['path']} was trained for a draft of hidden size "
+                                f"{head.hidden_size} but the draft in use has hidden size {pair.draft.hidden_size}; "
+                                "pass the draft it was trained for or train a head for this draft")
+            head.to(pair.draft.device)
+        pairs[d] = pair, (Decoder(pair.draft, None, eos_token_ids=pair.eos_token_ids) if pair.draft else None)
+    return pairs
 
 
 def _select_dataset(pair, ds: str, texts: list[str], cfg: SweepConfig, notes: list[str]) -> list:
@@ -249,20 +267,21 @@ def _select_dataset(pair, ds: str, texts: list[str], cfg: SweepConfig, notes: li
     return chosen
 
 
-def _pinned_costs(pair, out: Path, specs, notes: list[str]):
+def _pinned_costs(pair, out: Path, specs, notes: list[str], draft: str = "", first: bool = True):
     """The one measurement of t_draft, t_target and t_cand that every auto pick of the sweep reads
     (ks / thresholds auto, a learned tree budget's node_cost auto), pinned in out_dir/costs.json:
-    a resumed sweep reuses it, so its auto rows mean the same before and after an interruption.
-    None where no configuration needs it."""
+    a resumed sweep reuses it, so its auto rows mean the same before and after an interruption; a
+    `drafts` entry other than the first pins its own (costs@ENTRY.json). None where no configuration needs it."""
     if not any(s.method in ("fixed_auto", "learned_auto") or auto_node_cost(s) or "settings" in s.params
                for s in specs):
         return None
 
-    costs = measure_costs(pair, pin=out / COSTS)
+    name = COSTS if first else f"costs@{draft.replace(':', '-')}.json"
+    costs = measure_costs(pair, pin=out / name)
     table = getattr(costs, "t_verify", ())
     v = f", v(1..{len(table)}) = {' '.join(f'{t / table[0]:.2f}' for t in table)} target steps" if table else ""
-    notes += _note([f"auto picks read the forward times pinned in {COSTS}: t_draft/t_target = {costs.c:.4g}{v} "
-                    f"(measured {costs.measured})"])
+    notes += _note([f"auto picks{f' with draft {draft}' if draft else ''} read the forward times pinned in {name}: "
+                    f"t_draft/t_target = {costs.c:.4g}{v} (measured {costs.measured})"])
     return costs
 
 
@@ -323,7 +342,8 @@ def _cpu_pad_to(pair) -> dict:
 
 def _write_run_files(out: Path, cfg: SweepConfig, settings: dict, heads: dict, selected: dict, specs, notes,
                      cpu_pad_to: dict, pair_runtime: dict):
-    """settings.json, heads.json, prompts.json and config.json (see the module doc)."""
+    """settings.json, heads.json, prompts.json and config.json (see the module doc); `pair_runtime`:
+    drafts entry -> its pair's runtime_info."""
     write_json(out / "settings.json", {"settings": settings, "hash": settings_hash(settings)})
     write_json(out / "heads.json", {k: v[1] for k, v in heads.items()}, default=str)
     write_json(out / "prompts.json", {ds: [{"prompt_idx": i, "prompt_sha": prompt_sha(t), "n_prompt_tokens": len(ids),
@@ -332,7 +352,8 @@ def _write_run_files(out: Path, cfg: SweepConfig, settings: dict, heads: dict, s
     write_json(out / "config.json", {
         "config": config_to_dict(cfg), "grid": [s.key for s in specs], "notes": notes, "device": settings["device"],
         "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
-        "cpu_pad_to": cpu_pad_to, "runtime": pair_runtime, "written": time.strftime("%Y-%m-%d %H:%M:%S")}, default=str)
+        "cpu_pad_to": cpu_pad_to, "runtime": next(iter(pair_runtime.values())),
+        **({"drafts_runtime": pair_runtime} if cfg.drafts else {}), "written": time.strftime("%Y-%m-%d %H:%M:%S")}, default=str)
 
 
 def _todo(rpath: Path, cfg: SweepConfig, selected: dict, specs) -> tuple[list[tuple], int]:
@@ -347,9 +368,11 @@ def _todo(rpath: Path, cfg: SweepConfig, selected: dict, specs) -> tuple[list[tu
     return [j for j in jobs if (j[0], j[1], prompt_sha(j[2]), j[4].key) not in done], len(jobs)
 
 
-def _run_jobs(pair, todo: list[tuple], n_jobs: int, cfg: SweepConfig, heads: dict, draft_decoder, rpath: Path,
+def _run_jobs(pairs: dict, todo: list[tuple], n_jobs: int, cfg: SweepConfig, heads: dict, rpath: Path,
               context: dict, tree_ctx: dict | None = None):
-    """Run each job and append its row to results.jsonl as soon as it is done."""
+    """Run each job on its draft configuration's pair (`pairs`, _load_pairs') and append its row to
+    results.jsonl as soon as it is done."""
+    first = next(iter(pairs))
     bar = tqdm(total=n_jobs, initial=n_jobs - len(todo), desc="sweep", unit="run", dynamic_ncols=True,
                disable=not cfg.progress, file=sys.stderr)
     greedy_x = {}  # (dataset, prompt) -> the target-alone greedy output, the oracle's X (Theorem 4.1)
@@ -357,15 +380,20 @@ def _run_jobs(pair, todo: list[tuple], n_jobs: int, cfg: SweepConfig, heads: dic
     try:
         for ds, i, text, ids, spec in todo:
             seed = cfg.seed * 100_003 + i
-            x = greedy_x.pop((ds, i), None) if spec.method == "oracle" else None
+            x = greedy_x.get((ds, i)) if spec.method == "oracle" else None
+            draft = spec.params.get("draft", first)
+            pair, draft_decoder = pairs[draft]
             m, stopped, new, extra = run_one(pair, spec, ids, cfg, seed, heads, draft_decoder, target_output=x,
                                              tree_ctx=tree_ctx)
-            if spec.method == "ar" and keep_x:
-                greedy_x[(ds, i)] = new
+            if spec.method == "ar":
+                if keep_x:
+                    greedy_x[(ds, i)] = new
+                # the target's own response, for scoring other drafts on it (eval/bench_draft_vocab.py)
+                extra = {**extra, "prompt_ids": list(ids), "token_ids": list(new)}
             append_jsonl(rpath, {"dataset": ds, "prompt_idx": i, "prompt_sha": prompt_sha(text),
                                  "n_prompt_tokens": len(ids), **spec.row_fields(), "seed": seed, "stopped_by": stopped,
                                  "output_sha": prompt_sha(json.dumps(new)), **m.to_dict(), **extra,
-                                 "counts_derived": spec.method in ("hf_assisted", "hf_prompt_lookup"), **context,
+                                 "counts_derived": spec.method in ("hf_assisted", "hf_prompt_lookup"), **context[draft],
                                  "time": time.time()})
             bar.update(1)
             bar.set_postfix_str(f"{Path(ds).stem} #{i} {spec.key} {m.tokens_per_s:.1f} tok/s", refresh=False)
@@ -373,15 +401,17 @@ def _run_jobs(pair, todo: list[tuple], n_jobs: int, cfg: SweepConfig, heads: dic
         bar.close()
 
 
-def _warmup(pair, ids, specs, cfg, heads, draft_decoder, tree_ctx=None):
-    """Untimed short generations: the first forwards pay for allocation and kernel selection."""
+def _warmup(pairs: dict, ids, specs, cfg, heads, tree_ctx=None):
+    """Untimed short generations, one per kind and draft configuration: the first forwards pay for
+    allocation and kernel selection."""
     n = min(8, cfg.max_new_tokens)
-    seen = set()
+    first, seen = next(iter(pairs)), set()
     for spec in specs:
-        if spec.method in seen or spec.method == "oracle":
+        draft = spec.params.get("draft", first)
+        if (spec.method, draft) in seen or spec.method == "oracle":
             continue
-        seen.add(spec.method)
-        run_one(pair, spec, ids, cfg, 0, heads, draft_decoder, max_new_tokens=n, tree_ctx=tree_ctx)
+        seen.add((spec.method, draft))
+        run_one(*pairs[draft][:1], spec, ids, cfg, 0, heads, pairs[draft][1], max_new_tokens=n, tree_ctx=tree_ctx)
 
 
 INTERRUPTED = "finished runs are kept in results.jsonl; rerun the same command to resume"

@@ -34,6 +34,10 @@ class SweepConfig:
     name: str = ""  # names the default out_dir runs/sweep/<name>; defaults to the config file's stem
     # the models, as `generate` takes them (params.PairParams): pair: {draft_quant: int8, backend: llama.cpp, ...}
     pair: PairParams = field(default_factory=PairParams)
+    # draft configurations run side by side against one target, each QUANT[:VOCAB] as generate's --draft-quant
+    # and --draft-vocab take them (e.g. [none, int8, int8:32768]); every configuration that drafts runs once per
+    # entry (its key ends in @ENTRY), the target alone once. Empty: the pair's own draft only
+    drafts: list[str] = field(default_factory=list)
     # prompts
     datasets: list[str] = field(default_factory=lambda: ["alpaca"])
     fields: dict = field(default_factory=dict)  # dataset -> text field (default: the set's own)
@@ -118,12 +122,36 @@ class SweepConfig:
                             "(made by `adaptive-spec autotune`), or list a head that has one")
         if self.heads and not self.thresholds:
             raise UserError("heads are given but thresholds is empty; list the h values to sweep")
+        self.draft_pairs()
         for key, specs in (("policies", typed), ("trees", tree_specs(self))):
             for spec in specs:
                 try:
                     check_runs_on(spec.params["settings_obj"], engine)
                 except UserError as e:
                     raise UserError(f"{key}: {e}") from None
+
+    def draft_pairs(self) -> dict[str, PairParams]:
+        """`drafts` entry -> the pair's settings with that draft configuration, each checked as generate's
+        flags are ({"": pair} without a drafts axis): the sweep loads one pair per entry and shares its target."""
+        if not self.drafts:
+            return {"": self.pair}
+        if not isinstance(self.drafts, list) or not all(isinstance(d, str) and d for d in self.drafts):
+            raise UserError(f"config key 'drafts' must be a list of draft configurations QUANT[:VOCAB] such as "
+                            f"[none, int8, int8:32768], got {self.drafts!r}")
+        if len(set(self.drafts)) != len(self.drafts):
+            raise UserError(f"config key 'drafts' lists a draft configuration twice: {self.drafts}")
+        if self.pair.draft is None:
+            raise UserError("drafts is set but pair.draft is none: name the draft model the configurations quantize")
+        if self.trees:
+            raise UserError("trees are calibrated on one draft and do not run with a drafts axis: run one sweep per "
+                            "draft configuration (pair.draft_quant / pair.draft_vocab), or leave drafts empty")
+        base = self.pair.model_dump(exclude_unset=True)
+        out = {}
+        for i, d in enumerate(self.drafts):
+            quant, _, vocab = d.partition(":")
+            out[d] = build(PairParams, {**base, "draft_quant": quant, "draft_vocab": vocab or None},
+                           f"drafts[{i}] ({d})", lambda k: f"pair.{k}")
+        return out
 
     def needs_draft(self, typed: list | None = None) -> bool:
         return bool(self.include_draft_ar or self.ks or self.heads or self.confidence_taus or self.entropy_taus
@@ -189,6 +217,8 @@ class RunSpec:
     def row_fields(self) -> dict:
         row = {"config": self.key, "method": self.method, "k": self.params.get("k"),
                "head": self.params.get("head"), "h": self.params.get("h"), "tau": self.params.get("tau")}
+        if "draft" in self.params:  # a `drafts` entry: the draft configuration it ran with
+            row["draft"] = self.params["draft"]
         if "settings" in self.params:  # a `policies` entry: its settings as given
             row["settings"] = self.params["settings"]
         if "tree" in self.params:  # node_cost: the value used goes in the row (auto is measured)
@@ -230,7 +260,22 @@ def build_grid(cfg: SweepConfig, head_labels: list[str]) -> tuple[list[RunSpec],
     specs += policy_specs(cfg)
     if not specs:
         raise UserError("the sweep grid is empty; enable include_ar, list ks, heads, ... in the config")
-    return specs, notes
+    return per_draft(specs, cfg.drafts), notes
+
+
+def per_draft(specs: list[RunSpec], drafts: list[str]) -> list[RunSpec]:
+    """Each configuration that drafts with the draft model once per `drafts` entry (key KEY@ENTRY),
+    the others (the target alone, prompt lookup) once; prompt-major, so one prompt runs them all."""
+    if not drafts:
+        return specs
+    out = []
+    for s in specs:
+        obj = s.params.get("settings_obj")
+        if s.method in ("ar", "hf_prompt_lookup") or (obj is not None and not obj.uses_draft):
+            out.append(s)
+        else:
+            out += [RunSpec(f"{s.key}@{d}", s.method, {**s.params, "draft": d}) for d in drafts]
+    return out
 
 
 def policy_specs(cfg: SweepConfig) -> list[RunSpec]:
