@@ -235,10 +235,11 @@ def _tokenizer():
 def held_sequences(n_prompts: int, n_tokens: int):
     """(the fetched target's pair, [(prompt ids, its greedy continuation)], the target's log-probabilities
     along each): held prompts (HumanEval and, where present, GSM8K / AlpacaEval), teacher-forced."""
+    from ..backends.engines import CPU_BASELINE
     from ..decoding.pipeline import SpecPair
     from ..prompts import load_prompts
 
-    base = SpecPair.load(backend="llama.cpp", draft=None)
+    base = SpecPair.load(backend=CPU_BASELINE, draft=None)  # the engine whose passes are measured
     prompts = []
     for ds in ("humaneval", "gsm8k", "alpaca"):
         try:
