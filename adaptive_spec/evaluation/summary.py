@@ -6,8 +6,8 @@ configuration measured, and prompt lookup (`--policy ngram`, `--k auto`).
     python -m adaptive_spec.evaluation.summary            # print the table
     python -m adaptive_spec.evaluation.summary --write    # put it in README.md between its markers
 
-It reads eval/results/bench_llama_cpp_peer*/ and bench_llama_cpp_vocab*/ (eval/bench_llama_cpp.py) and bench_ngram*/
-(eval/bench_ngram.py); tests/test_summary.py checks the README holds what this generates.
+It reads every eval/results/bench_llama_cpp_*/ that eval/bench_llama_cpp.py wrote (its run.json says so) and
+bench_ngram*/ (eval/bench_ngram.py); tests/test_summary.py checks the README holds what this generates.
 """
 from __future__ import annotations
 
@@ -36,6 +36,12 @@ def _cpu(folder: Path) -> str:
     return f"{m[1].strip()}, {m[2]}" if m else folder.name
 
 
+def _script(folder: Path) -> str | None:
+    """The script a benchmark folder's run.json names (None: no run.json)."""
+    run = folder / "run.json"
+    return json.loads(run.read_text()).get("script") if run.is_file() else None
+
+
 def _set_name(ds: str) -> str:
     return "second turns" if Path(ds).stem == "followups" else Path(ds).stem
 
@@ -43,7 +49,7 @@ def _set_name(ds: str) -> str:
 def rows_of(results: Path) -> list[dict]:
     """One line per (CPU, engine, prompt group, sampling): tok/s and ratios to llama.cpp alone."""
     out = []
-    folders = sorted(results.glob("bench_llama_cpp_peer*")) + sorted(results.glob("bench_llama_cpp_vocab*")) + \
+    folders = [f for f in sorted(results.glob("bench_llama_cpp_*")) if _script(f) == "eval/bench_llama_cpp.py"] + \
         sorted(results.glob("bench_ngram*"))
     for folder in folders:
         rows = list(read_jsonl(folder / "results.jsonl")) if (folder / "results.jsonl").is_file() else []
@@ -106,8 +112,8 @@ def table(results: Path = PROJECT_ROOT / "eval" / "results") -> str:
 def readme_block(results: Path = PROJECT_ROOT / "eval" / "results") -> str:
     return "\n".join([BEGIN, "", "Decode tokens/s pooled over each report's prompts, 128 tokens each, 2 threads, "
                       "at T = 1 (top-k 50) / greedy; every ratio is to llama.cpp alone (our loop over the fetched GGUF "
-                      "target) on the same CPU and prompts; `target iq4_nl-pure` is that target re-quantized "
-                      "(`--target-quant`, another model: eval/results/bench_pass_costs_avx512_epyc says how far).",
+                      "target) on the same CPU and prompts; `target iq4_nl-pure`, `target q8_0`: that target re-quantized "
+                      "(`--target-quant`, another model: eval/results/bench_pass_costs_q8_avx512_epyc says how far).",
                       "", table(results), "", END])
 
 
