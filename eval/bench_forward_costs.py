@@ -32,8 +32,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
-from adaptive_spec.evaluation.paired import run_header
-from adaptive_spec.runs import write_json
+from adaptive_spec.evaluation.paired import rebuild_report, write_run
 from adaptive_spec.tables import md_table
 
 if TYPE_CHECKING:  # torch, llama.cpp and the models are imported where a measuring run needs them
@@ -534,14 +533,6 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def rewrite_report(m: Mode, out: Path, run: dict) -> str:
-    """<out>'s report from its data file and `run` (run.json): one path for a measuring run and --report-only,
-    so a report reads the same whether just measured or rebuilt."""
-    text = m.report(json.loads((out / m.data).read_text()), run)
-    (out / m.report_file).write_text(text)
-    return text
-
-
 def _main(argv: list[str]) -> int:
     ap = parser()
     args = ap.parse_args(argv)
@@ -549,20 +540,15 @@ def _main(argv: list[str]) -> int:
     if args.report_only:
         if not args.out:
             ap.error(f"{args.command} --report-only rewrites the report of a run folder: name it with --out")
-        rewrite_report(m, Path(args.out), run_header(Path(args.out), report_only=True))
+        rebuild_report(Path(args.out), m.data, m.report_file, m.report)
         return 0
     results, fields = m.measure(args)
     if args.out is None:
         from adaptive_spec.backends.cpu import describe
 
         args.out = m.out.format(isa=describe()["isa"].lower())
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / m.data, results, indent=m.indent)
-    header = run_header(out, report_only=False, measure=lambda: {
-        "script": SCRIPT, "report_args": [args.command], "report": m.report_file,
-        "command": f"python {SCRIPT} {' '.join(argv)}", **fields})
-    print(rewrite_report(m, out, header), end="")
+    print(write_run(Path(args.out), SCRIPT, args.command, m.data, results, m.report_file, m.report,
+                    lambda: {"command": f"python {SCRIPT} {' '.join(argv)}", **fields}, m.indent), end="")
     return 0
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from adaptive_spec.errors import UserError, run_main
-from adaptive_spec.evaluation.paired import run_header
+from adaptive_spec.evaluation.paired import rebuild_report, run_header, write_run
 from adaptive_spec.runs import atomic_write, write_json
 from adaptive_spec.tables import fmt, md_table
 
@@ -55,28 +55,18 @@ class Mode(NamedTuple):
     interrupted: str = "nothing was written; rerun the same command"
 
 
-def rebuild_report(mode: Mode, out: Path):
+def rebuild(mode: Mode, out: Path):
     """--report-only: the report from <out>'s rows and run.json alone."""
     header = run_header(out, report_only=True)
-    rows = out / mode.rows
-    if rows.is_file() or "results" not in header:
-        doc = json.loads(rows.read_text())
-    else:  # a probe folder kept before results.json sat beside its table holds the results in run.json
-        doc = header["results"]
-    atomic_write(out / mode.report_file, mode.report(doc, header))
+    # a probe folder kept before results.json sat beside its table holds the results in run.json
+    legacy = not (out / mode.rows).is_file() and "results" in header
+    rebuild_report(out, mode.rows, mode.report_file, mode.report, header, header["results"] if legacy else None)
 
 
 def finish(mode: Mode, out: Path, doc: dict, measure: Callable[[], dict]) -> str:
-    """Writes a measured run: the rows, run.json (`measure()`'s header, with what --report-only needs to find
-    this script and subcommand) and the report, which is returned."""
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / mode.rows, doc, indent=mode.indent, default=str)
-    header = run_header(out, report_only=False, measure=lambda: {
-        "script": SCRIPT, "report_args": [mode.name], "report": mode.report_file, **measure()})
-    # the report reads the rows back from the file: what --report-only reads later, so it rewrites the same text
-    text = mode.report(json.loads((out / mode.rows).read_text()), header)
-    atomic_write(out / mode.report_file, text)
-    return text
+    """Writes a measured run (paired.write_run: the rows, run.json, the report read back from the rows, as
+    --report-only reads them later) and returns the report."""
+    return write_run(out, SCRIPT, mode.name, mode.rows, doc, mode.report_file, mode.report, measure, mode.indent)
 
 
 # ---------------------------------------------------------------- probe
@@ -534,7 +524,7 @@ def main(argv=None) -> int:
 
     def body(_):
         if args.report_only:  # from the folder alone: no --data, no model, no torch
-            rebuild_report(mode, Path(args.out))
+            rebuild(mode, Path(args.out))
             return 0
         return mode.run(args, args.parser)
 

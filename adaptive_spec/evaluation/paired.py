@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import UserError, get_logger
-from ..runs import append_jsonl, read_jsonl, write_json
+from ..runs import append_jsonl, atomic_write, read_jsonl, write_json
 
 log = get_logger(__name__)
 
@@ -70,3 +70,25 @@ def run_header(out: Path, report_only: bool, measure: Callable[[], dict] | None 
     header = {**(measure() if measure else {}), "written": time.strftime("%Y-%m-%d %H:%M")}
     write_json(path, header, indent=1)
     return header
+
+
+def write_run(out: Path, script: str, subcommand: str, data_file: str, data, report_file: str,
+              report: Callable[[dict, dict], str], measure: Callable[[], dict], indent: int = 1) -> str:
+    """A measured run of one subcommand of an eval/ tool (bench_forward_costs.py, score_heads.py): its data
+    file, run.json (`measure()`'s fields, naming the script and subcommand so --report-only finds them) and
+    the report, which is returned."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / data_file, data, indent=indent, default=str)
+    header = run_header(out, report_only=False, measure=lambda: {
+        "script": script, "report_args": [subcommand], "report": report_file, **measure()})
+    return rebuild_report(out, data_file, report_file, report, header)
+
+
+def rebuild_report(out: Path, data_file: str, report_file: str, report: Callable[[dict, dict], str],
+                   header: dict | None = None, data=None) -> str:
+    """<out>'s report from its data file (or `data`) and run.json (`header`, read when not given): one path
+    for a measuring run and --report-only, so a report reads the same whether just measured or rebuilt."""
+    header = run_header(out, report_only=True) if header is None else header
+    text = report(json.loads((out / data_file).read_text()) if data is None else data, header)
+    atomic_write(out / report_file, text)
+    return text

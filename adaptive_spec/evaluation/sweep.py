@@ -411,7 +411,8 @@ def _warmup(pairs: dict, ids, specs, cfg, heads, tree_ctx=None):
         if (spec.method, draft) in seen or spec.method == "oracle":
             continue
         seen.add((spec.method, draft))
-        run_one(*pairs[draft][:1], spec, ids, cfg, 0, heads, pairs[draft][1], max_new_tokens=n, tree_ctx=tree_ctx)
+        pair, draft_decoder = pairs[draft]
+        run_one(pair, spec, ids, cfg, 0, heads, draft_decoder, max_new_tokens=n, tree_ctx=tree_ctx)
 
 
 INTERRUPTED = "finished runs are kept in results.jsonl; rerun the same command to resume"

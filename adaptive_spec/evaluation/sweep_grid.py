@@ -23,6 +23,7 @@ from ..decoding.trees.shapes import NESTED
 from ..errors import UserError
 from ..params import PairParams, build, check_runs_on, policy_class, policy_names, policy_params
 from ..runs import project_path
+from .forward_costs import parse_draft
 from .sweep_heads import find_head_folder, resolve_heads
 from .tree_calibration import TREE_POLICIES
 
@@ -148,8 +149,8 @@ class SweepConfig:
         base = self.pair.model_dump(exclude_unset=True)
         out = {}
         for i, d in enumerate(self.drafts):
-            quant, _, vocab = d.partition(":")
-            out[d] = build(PairParams, {**base, "draft_quant": quant, "draft_vocab": vocab or None},
+            quant, vocab = parse_draft(d)
+            out[d] = build(PairParams, {**base, "draft_quant": quant, "draft_vocab": vocab},
                            f"drafts[{i}] ({d})", lambda k: f"pair.{k}")
         return out
 
