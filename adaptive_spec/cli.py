@@ -1,4 +1,4 @@
-"""`adaptive-spec` command line: fetch-models, generate, datagen, datagen-features, train, autotune, sweep, report."""
+"""`adaptive-spec` command line: fetch-models, generate, datagen, datagen-features, train, autotune, sweep, report, probe."""
 from __future__ import annotations
 
 import argparse
@@ -24,6 +24,8 @@ DELEGATED = {
     "train": ("adaptive_spec.training.train", "train acceptance heads on datagen output (also: train.py)"),
     "sweep": ("adaptive_spec.evaluation.sweep", "threshold / K sweeps over prompt sets"),
     "report": ("adaptive_spec.evaluation.report", "tables and Pareto plots from sweep results"),
+    "probe": ("adaptive_spec.evaluation.probe", "what pays on this machine: its costs measured once (cached), "
+              "tok/s predicted per configuration, with the reason"),
 }
 
 
@@ -114,7 +116,7 @@ def validate(args):
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     pair = params.pair_params(spell=flag, **_set(args, params.PairParams.model_fields))
     policy = params.policy_params(args.policy, spell=flag, **_set(args, params.policy_fields()))
-    if not policy.uses_draft:  # no draft model to load (ar; ngram without a fallback)
+    if not policy.needs.draft_model:  # no draft model to load (ar; ngram without a fallback)
         pair = pair.model_copy(update={"draft": None})
     elif pair.draft is None:
         raise UserError(f"--policy {policy.name} drafts with a draft model, but --draft is none; name a draft (default: "
@@ -122,7 +124,7 @@ def validate(args):
     policy.check_sampling(sampling.temperature)
     params.check_runs_on(policy, pair.engine)
     pair.engine.check_available()
-    if pair.draft is not None and pair.engine.torch_settings:
+    if pair.draft is not None and pair.engine.model_files == "hf":  # a draft's vocabulary size is in its config.json
         pair.check_draft_vocab_size()
     return pair, policy, sampling
 

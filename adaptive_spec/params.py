@@ -21,7 +21,9 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .backends import engines
+from .backends import engines, presets
+from . import registry
+from .registry import Needs
 from .errors import UserError
 from .heads.curve import load_curve
 
@@ -70,8 +72,13 @@ def explain(err: ValidationError, cls: type[Params], where: str, spell=lambda ke
     return f"{spell(key)} must be {what} for {where}, got {first['input']!r}"
 
 
+def _policy_classes() -> dict[str, type["PolicyParams"]]:
+    return {e.name: e.params for e in registry.entries() if e.params is not None}
+
+
 def _auto_owners(key: str) -> list[str]:
-    return [n for n, cls in _POLICIES.items() if key in cls.model_fields and "'auto'" in str(cls.model_fields[key].annotation)]
+    return [n for n, cls in _policy_classes().items()
+            if key in cls.model_fields and "'auto'" in str(cls.model_fields[key].annotation)]
 
 
 # ---- stop policies ---------------------------------------------------------------------------
@@ -82,44 +89,37 @@ UnitOpen = Annotated[float, Field(gt=0, lt=1)]
 
 
 class PolicyParams(Params):
-    """A policy's settings. Subclasses register under their `--policy` name (`policy_params`)."""
+    """A policy's settings. Subclasses register under their `--policy` name (`policy`), in the decoding
+    layer's registry (decoding/registry.py), which the policy's factory joins."""
 
     name: ClassVar[str] = ""
     # what the policy needs of an engine whatever its settings (backends/engines.py CAPABILITIES)
     static_needs: ClassVar[frozenset] = frozenset()
 
     @property
-    def needs(self) -> frozenset:
-        """What it needs of an engine with these settings (engines.check_policy reads it)."""
-        return self.static_needs
-
-    @property
-    def uses_draft(self) -> bool:
-        """Whether the policy drafts with a draft model (the pair then loads one)."""
-        return True
+    def needs(self) -> Needs:
+        """What the policy needs with these settings: a draft model, a prefilled draft, engine capabilities
+        (read by check_runs_on, the command line, the sweep, and through the built policy by the decoder)."""
+        return Needs(engine=self.static_needs)
 
     def check_sampling(self, temperature: float) -> None:
         """Refuse a decode mode the policy is not defined for (the oracle: greedy only)."""
 
 
-_POLICIES: dict[str, type[PolicyParams]] = {}
-
-
 def policy(name: str):
-    """Register a params class as policy `name`'s (its factory registers in interfaces.register)."""
+    """Declare a params class as policy `name`'s settings in the registry (its factory joins it through
+    interfaces.register)."""
 
     def deco(cls):
         cls.name = name
-        _POLICIES[name] = cls
+        registry.declare(name, params=cls)
         return cls
 
     return deco
 
 
 def policy_class(name: str) -> type[PolicyParams]:
-    if name not in _POLICIES:
-        raise UserError(f"unknown policy {name!r}; valid policies: {', '.join(_POLICIES)}")
-    return _POLICIES[name]
+    return registry.entry(name).params
 
 
 def policy_params(name: str, spell=lambda key: key, **values) -> PolicyParams:
@@ -127,20 +127,20 @@ def policy_params(name: str, spell=lambda key: key, **values) -> PolicyParams:
     return build(policy_class(name), values, f"policy {name}", spell)
 
 
-def policy_names() -> list[str]:
-    return list(_POLICIES)
+policy_names = registry.names  # every name, "ar" first
 
 
 def check_runs_on(policy: PolicyParams, engine: "engines.Engine | str") -> None:
     """Refuse `policy` on an engine that lacks what it needs (engines.CAPABILITIES), naming the policies
     that do run there and the engines it runs on: one line, before any model loads."""
     engine = engines.get(engine) if isinstance(engine, str) else engine
-    missing = sorted(set(policy.needs) - set(engine.capabilities))
+    need = set(policy.needs.engine)
+    missing = sorted(need - set(engine.capabilities))
     if not missing:
         return
-    fits = [n for n, cls in _POLICIES.items() if set(cls.static_needs) <= set(engine.capabilities)]
+    fits = [n for n, cls in _policy_classes().items() if set(cls.static_needs) <= set(engine.capabilities)]
     why = "; ".join(engines.CAPABILITIES.get(m, m) for m in missing)
-    others = [n for n in engines.names() if set(policy.needs) <= set(engines.get(n).capabilities)]
+    others = [n for n in engines.names() if need <= set(engines.get(n).capabilities)]
     raise UserError(f"policy {policy.name!r} does not run on the {engine.name} backend: it needs {why}, which "
                     f"{engine.name} does not give; policies that do run there: {', '.join(fits)}"
                     + (" (learned with a statistics head, inputs=stats)" if "learned" in fits else "")
@@ -197,8 +197,8 @@ class ARParams(PolicyParams):
     """The target alone: no draft, no settings."""
 
     @property
-    def uses_draft(self) -> bool:
-        return False
+    def needs(self) -> Needs:
+        return Needs(draft_model=False)
 
 
 @policy("fixed")
@@ -228,8 +228,8 @@ class LearnedParams(PolicyParams):
     curve: str | None = CURVE
 
     @property
-    def needs(self) -> frozenset:
-        return head_needs(self.head)
+    def needs(self) -> Needs:
+        return Needs(engine=head_needs(self.head))
 
     @model_validator(mode="after")
     def _complete(self):
@@ -309,12 +309,10 @@ class NgramParams(PolicyParams):
         return self
 
     @property
-    def uses_draft(self) -> bool:
-        return self.fallback != "none"
-
-    @property
-    def needs(self) -> frozenset:
-        return head_needs(self.head) if self.fallback == "learned" else frozenset()
+    def needs(self) -> Needs:
+        learned = self.fallback == "learned"
+        # copying rounds never need the draft: it catches up on the prompt in its first model round
+        return Needs(draft_model=learned, prefilled_draft=False, engine=head_needs(self.head) if learned else frozenset())
 
     def fallback_params(self) -> "LearnedParams":
         """The draft model's stop rule in the rounds nothing is copied (checked on construction)."""
@@ -350,8 +348,8 @@ class _TreeBase(PolicyParams):
                                **_expects("tree, sequence, batch or specinfer"))
 
     @property
-    def needs(self) -> frozenset:
-        return self.static_needs | (frozenset({"hidden"}) if self.tree_estimator == "head" else frozenset())
+    def needs(self) -> Needs:
+        return Needs(engine=self.static_needs | (frozenset({"hidden"}) if self.tree_estimator == "head" else frozenset()))
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -402,14 +400,14 @@ class BatchSDParams(_MultiDraft):
 def policy_fields() -> dict[str, Any]:
     """Every policy setting by name (the first declaration's field): the command line's flags."""
     out: dict[str, Any] = {}
-    for cls in _POLICIES.values():
+    for cls in _policy_classes().values():
         for key, f in cls.model_fields.items():
             out.setdefault(key, f)
     return out
 
 
 def policies_with(key: str) -> list[str]:
-    return [n for n, cls in _POLICIES.items() if key in cls.model_fields]
+    return [n for n, cls in _policy_classes().items() if key in cls.model_fields]
 
 
 # ---- the model pair --------------------------------------------------------------------------
@@ -417,10 +415,11 @@ def policies_with(key: str) -> list[str]:
 # each engine's quantizations are its record's (backends/engines.py): torch quantizes the draft's layers at
 # load; llama.cpp re-quantizes a GGUF file once (llamacpp.requantized_gguf), the target's too, which makes it
 # another model whose distribution the output then follows exactly
-GGUF_QUANTS = engines.GGUF_QUANTS
-# settings of the torch-like engines and their defaults (refused, when set, on an engine without them)
-_TORCH_ONLY = {"dtype": "auto", "kv_cache": "dynamic", "runtime": "eager", "max_cache_len": None, "cpu_stock": False,
-               "cpu_pad_rows": "auto", "cpu_fp16_rows": "auto"}
+_GGUF = ", ".join(engines.GGUF_QUANTS)
+# every engine's names (engines.quant_names); which engine takes which is checked by PairParams._engine.
+# Literal[tuple] and not Literal[..., *names]: unpacking in a subscript is Python 3.11 grammar
+DraftQuant = Literal[engines.quant_names("draft")]
+TargetQuant = Literal[engines.quant_names("target")]
 
 
 class PairParams(Params):
@@ -437,15 +436,15 @@ class PairParams(Params):
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(
         "auto", description="weights' dtype (auto: bf16 on GPUs and on CPUs with bf16 kernels, fp32 on AVX2-only "
         "CPUs, where bf16 matrix products are several times slower)", **_expects("auto, bf16, fp16 or fp32"))
-    draft_quant: Literal["none", "int8", "int4", *engines.GGUF_QUANTS] = Field(
+    draft_quant: DraftQuant = Field(
         "none", description="draft weights, exactness unchanged: torch: none, int8 (weight-only, per-channel) or "
-        "int4 (weight-only, groups of 64; CPU); llama.cpp: none (the GGUF as it is) or " + ", ".join(GGUF_QUANTS)
+        "int4 (weight-only, groups of 64; CPU); llama.cpp: none (the GGUF as it is) or " + _GGUF
         + " (the draft GGUF re-quantized once by llama.cpp and cached; -pure: every matrix, output included, "
-        "in that type)", **_expects("none, int8, int4 (torch), or " + ", ".join(GGUF_QUANTS) + " (llama.cpp)"))
-    target_quant: Literal["none", *engines.GGUF_QUANTS] = Field(
+        "in that type)", **_expects("none, " + ", ".join(engines.TORCH_DRAFT_QUANTS) + " (torch), or " + _GGUF + " (llama.cpp)"))
+    target_quant: TargetQuant = Field(
         "none", description="llama.cpp: the target GGUF re-quantized once (cached), e.g. q4_0-pure, whose matrices "
         "all have multi-row CPU kernels (cheaper verification); the output then follows that file exactly",
-        **_expects("none or " + ", ".join(GGUF_QUANTS) + " (llama.cpp)"))
+        **_expects("none or " + _GGUF + " (llama.cpp)"))
     draft_vocab: str | None = Field(
         None, description="draft output layer keeps the N most frequent tokens (both engines; shipped list for the default "
         "tokenizer) or those of a list from `adaptive-spec draft-vocab` (N | FILE | FILE:N); default: all",
@@ -458,12 +457,17 @@ class PairParams(Params):
     draft_context: int | None = Field(None, ge=1, description="the draft sees only the last N prompt tokens (a "
                                       "shorter prefill before the first token; costs acceptance, never exactness)",
                                       **_expects("an integer >= 1"))
-    kv_cache: Literal["dynamic", "static"] = Field(
-        "dynamic", description="torch: KV caches dynamic (grow and crop) or static (preallocated, indexed by "
-        "position)", **_expects("dynamic or static"))
-    runtime: Literal["eager", "cudagraph", "compile"] = Field(
-        "eager", description="static KV cache on GPU: capture one CUDA graph per input length (cudagraph/compile)",
-        **_expects("eager, cudagraph or compile"))
+    kv_cache: Literal["auto", "dynamic", "static"] = Field(
+        "auto", description="torch: KV caches dynamic (grow and crop) or static (preallocated, indexed by "
+        "position); auto: static on a GPU, dynamic on the CPU", **_expects("auto, dynamic or static"))
+    runtime: Literal["auto", "eager", "cudagraph", "compile"] = Field(
+        "auto", description="torch with the static KV cache: one captured graph per input length, by torch.compile "
+        "(compile) or by capturing the eager step (cudagraph; GPU); auto: compile on a GPU (cudagraph where "
+        "compile fails), eager on the CPU", **_expects("auto, eager, cudagraph or compile"))
+    fused: bool | Literal["auto"] = Field(
+        "auto", description="torch with the static KV cache: the fused decoder (q/k/v and gate/up one matrix each, "
+        "several times fewer kernels a step: backends/fused.py); auto: on a GPU where the architecture is "
+        "supported", **_expects("auto, true or false"))
     max_cache_len: int | None = Field(None, ge=1, description="static KV cache: preallocated positions",
                                       **_expects("an integer >= 1"))
     # torch's CPU kernels (backends/packed.py): chosen by timing once per CPU and model shape, then cached;
@@ -476,10 +480,24 @@ class PairParams(Params):
     cpu_fp16_rows: NonNegativeInt | Literal["auto"] = Field(
         "auto", description="torch on CPU, fp32 models: run inputs of at most N rows on an fp16 weight copy (0: "
         "never; auto: the row counts timed faster on this CPU)", **_expects("auto or a row count >= 0"))
+    pair: str | None = Field(None, description="a named pair by hub ids (backends/presets.py), e.g. coder-0.5b-7b "
+                             "for a GPU: sets --draft and --target; default: the default pair", **_expects(
+                                 "one of " + ", ".join(presets.PRESETS)))
 
     @model_validator(mode="before")
     @classmethod
     def _vocab_as_text(cls, values):
+        if isinstance(values, dict) and values.get("pair") is not None:
+            if values["pair"] not in presets.PRESETS:
+                raise ValueError(f"unknown pair preset {values['pair']!r}; presets: {', '.join(presets.PRESETS)}")
+            named = [k for k in ("draft", "target") if values.get(k) not in (None, "default")]
+            if named:
+                raise ValueError(f"--pair {values['pair']} names both models; drop --{' and --'.join(named)} "
+                                 "or --pair")
+            p = presets.PRESETS[values["pair"]]
+            # "default" stays the fetched default pair (its hub ids are the same models, converted once)
+            models = ("default", "default") if p.name == "default" else p.hub_ids
+            values = {**values, "draft": models[0], "target": models[1]}
         if isinstance(values, dict) and isinstance(values.get("draft_vocab"), int):
             values = {**values, "draft_vocab": str(values["draft_vocab"])}
         if isinstance(values, dict) and isinstance(values.get("draft"), str) and values["draft"].lower() == "none":
@@ -488,25 +506,36 @@ class PairParams(Params):
 
     @model_validator(mode="after")
     def _engine(self):
-        if self.backend not in engines.names():
-            raise ValueError(f"unknown backend {self.backend!r}; valid backends: {', '.join(engines.names())}")
-        engine = engines.get(self.backend)
+        engine = engines.get(self.backend)  # unknown: refused naming the registered ones
+        if self.pair not in (None, "default") and engine.model_files != "hf":
+            raise ValueError(f"--pair {self.pair} names Hugging Face models; the {self.backend} backend loads "
+                             f"{engine.model_files} files: pass --target and --draft")
         for key, valid in (("draft_quant", engine.draft_quants), ("target_quant", engine.target_quants)):
             if getattr(self, key) not in valid:
                 raise ValueError(f"{key}={getattr(self, key)!r} does not run on the {self.backend} backend; it takes "
                                  f"{', '.join(valid)}")
-        if not engine.torch_settings:
-            unused = [f"{k}={getattr(self, k)!r}" for k, default in _TORCH_ONLY.items() if getattr(self, k) != default]
-            if self.device not in (None, "cpu"):
-                unused.append(f"device={self.device!r}")
-            if unused:
-                raise ValueError(f"{', '.join(unused)}: the {self.backend} backend runs {engine.description}; drop "
-                                 "these settings or use the torch backend")
+        # a setting another engine reads, set away from its default: this engine would silently ignore it
+        unused = [k for k in sorted(engines.engine_settings() - engine.settings)
+                  if getattr(self, k) != type(self).model_fields[k].default]
+        readers = [n for n in engines.names() if all(k in engines.get(n).settings for k in unused)]
+        if engine.devices is not None and self.device not in (None, *engine.devices):
+            unused.append("device")
+            readers = [n for n in readers if engines.get(n).devices is None]
+        if unused:
+            given = ", ".join(f"{k}={getattr(self, k)!r} (--{k.replace('_', '-')})" for k in unused)
+            many = len(unused) > 1
+            raise ValueError(f"{given}: the {self.backend} backend ({engine.description}) reads no such "
+                             f"setting{'s' if many else ''}; drop {'them' if many else 'it'}"
+                             + (f" or use --backend {' or '.join(readers)}" if readers else ""))
+        if self.runtime in ("cudagraph", "compile") and self.kv_cache == "dynamic":
+            raise ValueError(f"--runtime {self.runtime} needs the static KV cache: add --kv-cache static (or leave "
+                             "--kv-cache auto)")
+        if self.fused is True and self.kv_cache == "dynamic":
+            raise ValueError("--fused true needs the static KV cache: add --kv-cache static (or leave --kv-cache auto)")
+        if self.runtime == "cudagraph" and self.device == "cpu":
+            raise ValueError("--runtime cudagraph captures CUDA graphs: use a GPU (--device cuda) or --runtime eager")
         if self.draft_context is not None and self.draft is None:
             raise ValueError("draft_context (--draft-context) sets the draft's window; there is no draft (--draft none)")
-        if self.n_ctx is not None and not engine.context_setting:
-            raise ValueError(f"n_ctx (--n-ctx) sets the llama.cpp context; the {self.backend} backend sizes its "
-                             "caches itself")
         if self.draft_vocab is not None:
             _check_draft_vocab(self.draft_vocab)
         return self

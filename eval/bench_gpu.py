@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import platform
 import statistics
 import sys
@@ -52,111 +51,26 @@ try:
 except ImportError:  # a bare machine (a lent GPU) with the checkout but no `pip install -e .`
     sys.exit("error: the adaptive_spec package is not importable; run `pip install -e .` in the checkout, "
              "or run this from its root as `PYTHONPATH=. python eval/bench_gpu.py ...`")
+from adaptive_spec.backends import presets
+from adaptive_spec.backends.presets import preset
 from adaptive_spec.backends.static_runner import DRAFT_SHAPES, StaticCausalLM, verify_shapes
 from adaptive_spec.decoding.policies import FixedK
 from adaptive_spec.decoding.sampling import SamplingParams, process_logits, sample, verify
+# shared with eval/gpu_check.py; load_stats, estimate, interp are read from this module by the tests
+from adaptive_spec.evaluation.gpu_bench import (ESTIMATE_BANNER, estimate, fmt, interp, load_stats,  # noqa: F401
+                                                lookup_bandwidth, measure_hf_generate, model_bytes, time_host,
+                                                time_loop)
 
-# Qwen2.5 architectures (config.json of Qwen/Qwen2.5-{0.5B,1.5B,7B}; the Coder variants are
-# identical). The default pair built by `adaptive-spec fetch-models` unties the embeddings;
-# that changes memory, not the bytes a decode step reads (the LM head reads V x H either way).
-_QWEN = dict(hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-6,
-             rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, use_sliding_window=False,
-             attention_dropout=0.0, bos_token_id=151643, eos_token_id=151645)
-MODELS = {
-    "qwen2.5-0.5b": dict(_QWEN, hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                         intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-1.5b": dict(_QWEN, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                         intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-7b": dict(_QWEN, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                       intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
-    # --tiny smoke test
-    "tiny-draft": dict(_QWEN, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       intermediate_size=64, vocab_size=256, tie_word_embeddings=True, max_position_embeddings=512),
-    "tiny-target": dict(_QWEN, hidden_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                        intermediate_size=96, vocab_size=256, tie_word_embeddings=True, max_position_embeddings=512),
-}
+# the architectures are the GPU presets' (backends/presets.py: hub ids, shapes); "large" is the 1.5B/7B pair
+_DEFAULT, _LARGE, _TINY = preset("default"), preset("qwen-1.5b-7b"), preset("default", tiny=True)
+MODELS = {"qwen2.5-0.5b": _DEFAULT.draft, "qwen2.5-1.5b": _DEFAULT.target, "qwen2.5-7b": _LARGE.target,
+          "tiny-draft": _TINY.draft, "tiny-target": _TINY.target}  # --tiny smoke test
 PAIRS = {"default": ("qwen2.5-0.5b", "qwen2.5-1.5b"), "large": ("qwen2.5-1.5b", "qwen2.5-7b"),
          "tiny": ("tiny-draft", "tiny-target")}
 
-# HBM bandwidth in TB/s by device name (vendor datasheets); --bandwidth-tbs overrides
-BANDWIDTH_TBS = [("H200", 4.8), ("H100 PCIe", 2.0), ("H100 NVL", 3.9), ("H100", 3.35), ("GH200", 4.0),
-                 ("A100-SXM4-80GB", 2.039), ("A100 80GB PCIe", 1.935), ("A100", 1.555), ("L40S", 0.864),
-                 ("L40", 0.864), ("L4", 0.3), ("A10G", 0.6), ("A10", 0.6), ("RTX 4090", 1.008),
-                 ("RTX 3090", 0.936), ("V100", 0.9), ("T4", 0.32)]
-
-ESTIMATE_BANNER = ("ESTIMATE - a model, not a measurement: Eq. 5.1 of SpecDec++, T = t_draft*N_draft + "
-                   "t_target*N_target, with the GPU step times measured here and acceptance statistics "
-                   "measured elsewhere (--stats).")
-
-
-def lookup_bandwidth(device: torch.device, flag: float | None) -> tuple[float | None, str]:
-    if flag:
-        return flag * 1e12, "--bandwidth-tbs"
-    if device.type != "cuda":
-        return None, "unknown (pass --bandwidth-tbs)"
-    name = torch.cuda.get_device_name(device)
-    for key, tbs in BANDWIDTH_TBS:
-        if key.lower() in name.lower():
-            return tbs * 1e12, f"datasheet value for '{key}' ({name})"
-    return None, f"unknown for '{name}' (pass --bandwidth-tbs)"
-
 
 def build_model(name: str, dtype: torch.dtype, device: torch.device, seed: int = 0):
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    cfg = Qwen2Config(**MODELS[name])
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    return model.eval()
-
-
-def model_bytes(model) -> dict:
-    """Bytes a decode step reads: every weight once except the input embedding matrix, of which
-    one row is read (when tied, the LM head reads the matrix anyway and it is counted once)."""
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    emb = model.get_input_embeddings().weight
-    tied = emb.data_ptr() == model.get_output_embeddings().weight.data_ptr()
-    read = params if tied else params - emb.numel() * emb.element_size() + emb.shape[1] * emb.element_size()
-    return {"param_bytes": params, "weight_bytes_read_per_token": read, "n_params": sum(p.numel() for p in model.parameters())}
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_loop(fn, iters: int, device: torch.device, warm: int = 2) -> float:
-    """ms per call of fn(), from CUDA events around the whole loop (no sync inside) on CUDA,
-    perf_counter on CPU; warm-up calls excluded."""
-    for _ in range(warm):
-        fn()
-    sync(device)
-    if device.type == "cuda":
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            fn()
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b) / iters
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - t0) * 1000 / iters
-
-
-def time_host(fn, iters: int, device, warm: int = 2) -> float:
-    """ms per call measured on the host (for code that reads back to the host itself)."""
-    for _ in range(warm):
-        fn()
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    sync(device)
-    return (time.perf_counter() - t0) * 1000 / iters
+    return presets.build_model(MODELS[name], dtype, device, seed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,149 +147,8 @@ def measure_round_overhead(V: int, ks, iters: int, device) -> dict:
 # transformers' generate
 
 
-def measure_hf_generate(model, contexts, gen_tokens: int, repeats: int, device) -> dict:
-    """Decode tokens/s of model.generate (greedy) with a StaticCache (auto-compiled on CUDA),
-    as (t(G) - t(1)) / (G - 1); the first calls (compile) are excluded."""
-    from transformers import StaticCache
-
-    V = model.config.vocab_size
-    cache = StaticCache(config=model.config, max_cache_len=max(contexts) + gen_tokens + 8)
-    g = torch.Generator(device="cpu").manual_seed(1)
-    out = {"compiled": None}
-
-    def run(ids, n):
-        cache.reset()
-        sync(device)
-        t0 = time.perf_counter()
-        res = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=n,
-                             min_new_tokens=n, do_sample=False, pad_token_id=0)
-        sync(device)
-        assert res.shape[1] == ids.shape[1] + n
-        return time.perf_counter() - t0
-
-    for c in contexts:
-        ids = torch.randint(0, V, (1, c), generator=g).to(device)
-        for _ in range(2):  # compile + capture
-            run(ids, gen_tokens)
-        t_full = statistics.median(run(ids, gen_tokens) for _ in range(repeats))
-        t_one = statistics.median(run(ids, 1) for _ in range(repeats))
-        out[c] = (gen_tokens - 1) / max(t_full - t_one, 1e-9)
-    try:
-        out["compiled"] = bool(model._valid_auto_compile_criteria({"past_key_values": cache}, model.generation_config))
-    except Exception:  # private API; informational only
-        pass
-    return out
-
-
 # ---------------------------------------------------------------------------------------------
 # acceptance statistics -> Eq. 5.1
-
-
-def _policy_key(row: dict) -> str:
-    name = str(row.get("config") or row.get("policy") or row.get("name") or "?")
-    if "temperature" in row and row["temperature"] is not None:
-        name += f"@t={float(row['temperature']):g}"
-    return name
-
-
-def load_stats(paths) -> dict:
-    """Per-policy acceptance statistics, from any of:
-      * results.jsonl of an `adaptive-spec sweep` or a former bench_decode run (one Metrics row per run:
-        counts are summed per config [and temperature]);
-      * a JSON list of such rows;
-      * a JSON object {name: {...}} or {"policies": {name: {...}}} where {...} holds counts
-        (n_tokens, n_target_forwards, n_discarded[, n_draft_forwards]) or rates
-        (tokens_per_target_forward, discard_rate[, draft_forwards_per_token]).
-    Returns {name: {"target_per_token", "draft_per_token", "discard_rate", "tokens_per_target_forward"}}."""
-    rows, named = [], {}
-    for p in paths:
-        text = Path(p).read_text()
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError:
-            data = [json.loads(line) for line in text.splitlines() if line.strip()]
-        if isinstance(data, dict):
-            data = data.get("policies", data)
-            named.update({str(k): v for k, v in data.items() if isinstance(v, dict)})
-        else:
-            rows += [r for r in data if isinstance(r, dict)]
-    sums: dict = {}
-    for r in rows:
-        if not all(k in r for k in ("n_tokens", "n_target_forwards", "n_discarded")):
-            continue
-        s = sums.setdefault(_policy_key(r), {"n_tokens": 0, "n_target_forwards": 0, "n_discarded": 0,
-                                             "n_draft_forwards": 0, "has_draft": True})
-        for k in ("n_tokens", "n_target_forwards", "n_discarded"):
-            s[k] += r[k]
-        if r.get("n_draft_forwards") is None:
-            s["has_draft"] = False
-        else:
-            s["n_draft_forwards"] += r["n_draft_forwards"]
-    named.update(sums)
-    out = {}
-    for name, s in named.items():
-        if "n_tokens" in s:
-            N = max(s["n_tokens"], 1)
-            tgt, disc = s["n_target_forwards"] / N, s["n_discarded"] / N
-            drf = s["n_draft_forwards"] / N if s.get("has_draft", "n_draft_forwards" in s) else None
-        elif "tokens_per_target_forward" in s:
-            tgt, disc = 1.0 / s["tokens_per_target_forward"], s.get("discard_rate", 0.0)
-            drf = s.get("draft_forwards_per_token")
-        else:
-            continue
-        if drf is None:  # Lemma 3.1: N_draft + N_target = N + N_discarded
-            drf = 1.0 + disc - tgt
-        if drf <= 0 and tgt >= 1.0 - 1e-9:  # target-only decoding (ar): no speculation to model
-            continue
-        out[name] = {"target_per_token": tgt, "draft_per_token": drf, "discard_rate": disc,
-                     "tokens_per_target_forward": 1.0 / tgt if tgt else float("inf")}
-    return out
-
-
-def interp(table: dict, x: float) -> float:
-    """Piecewise-linear interpolation of {int n: ms} at x. Past the ends it extends from the nearest
-    measured point with the least-squares slope over all points, floored at zero: a longer pass is
-    never cheaper, and one noisy neighbour must not tip the estimate below zero."""
-    ks = sorted(int(k) for k in table)
-    t = {int(k): float(v) for k, v in table.items()}
-    if len(ks) == 1:
-        return t[ks[0]]
-    if ks[0] <= x <= ks[-1]:
-        lo = min(max(k for k in ks if k <= x), ks[-2])
-        hi = ks[ks.index(lo) + 1]
-        return t[lo] + (t[hi] - t[lo]) * (x - lo) / (hi - lo)
-    mx, my = sum(ks) / len(ks), sum(t.values()) / len(ks)
-    slope = max(0.0, sum((k - mx) * (t[k] - my) for k in ks) / sum((k - mx) ** 2 for k in ks))
-    end = ks[-1] if x > ks[-1] else ks[0]
-    return max(0.0, t[end] + slope * (x - end))
-
-
-def estimate(stats: dict, draft_rows: list, target_rows: list, overhead: dict | None) -> list[dict]:
-    """Eq. 5.1 per policy and context: T/N = t_draft*N_draft/N + t_target(L)*N_target/N, with
-    t_target(L) the measured verify time at the policy's mean verify length L = 1 + K_mean.
-    The AR reference is the target's own 1-token step (same runtime)."""
-    out = []
-    by_ctx = {r["context"]: r for r in draft_rows}
-    for tr in target_rows:
-        dr = by_ctx.get(tr["context"])
-        if dr is None:
-            continue
-        t_ar = tr["verify_ms"][1]
-        for name, s in stats.items():
-            k_mean = s["draft_per_token"] / s["target_per_token"] if s["target_per_token"] else 0.0
-            t_draft = dr.get("step_head_ms", dr["step_ms"]) if "learned" in name else dr["step_ms"]
-            t_target = interp(tr["verify_ms"], 1.0 + k_mean)
-            per_tok = t_draft * s["draft_per_token"] + t_target * s["target_per_token"]
-            row = {"context": tr["context"], "policy": name, **s, "k_mean": k_mean, "t_draft_ms": t_draft,
-                   "t_target_ms": t_target, "est_ms_per_token": per_tok, "est_speedup": t_ar / per_tok}
-            if overhead:
-                ks = sorted(k for k in overhead if isinstance(k, int))
-                ov = interp({k: overhead[k] for k in ks}, k_mean) if ks else 0.0
-                ar = t_ar + overhead.get("ar_token", 0.0)
-                per_tok_ov = per_tok + ov * s["target_per_token"]
-                row.update(est_ms_per_token_with_overhead=per_tok_ov, est_speedup_with_overhead=ar / per_tok_ov)
-            out.append(row)
-    return out
 
 
 def tiny_stats(draft, target) -> list[dict]:
@@ -392,12 +165,6 @@ def tiny_stats(draft, target) -> list[dict]:
 
 # ---------------------------------------------------------------------------------------------
 # report
-
-
-def fmt(x, nd=2):
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return "-"
-    return f"{x:.{nd}f}"
 
 
 def markdown(res: dict) -> str:
@@ -541,12 +308,9 @@ def environment(args, bw: float | None, bw_src: str) -> dict:
 
 
 def memory_shortfall(name: str, dtype: torch.dtype, device: torch.device) -> str | None:
-    """Why model `name` would not fit in the GPU's free memory (parameter count estimated from its
-    config, 30% headroom), or None when it fits."""
-    cfg = MODELS[name]
-    n_est = cfg["num_hidden_layers"] * (4 * cfg["hidden_size"] ** 2 + 3 * cfg["hidden_size"] *
-                                        cfg["intermediate_size"]) + 2 * cfg["vocab_size"] * cfg["hidden_size"]
-    need = n_est * torch.finfo(dtype).bits // 8 * 1.3
+    """Why model `name` would not fit in the GPU's free memory (its parameters, 30% headroom), or None
+    when it fits."""
+    need = MODELS[name].n_params() * torch.finfo(dtype).bits // 8 * 1.3
     free = torch.cuda.mem_get_info(device)[0]
     if need > free:
         return f"needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
@@ -570,7 +334,7 @@ def build_runner(name: str, args, is_draft: bool, max_cache: int, entry: dict):
     if head is not None:
         entry["warmup_s"] += lm.warmup([(1, 1)], with_head=True)
     entry.update(bytes=model_bytes(model), kv_bytes_per_slot=lm.kv_bytes_per_slot, max_cache_len=max_cache,
-                 config={k: v for k, v in MODELS[name].items() if k != "rope_parameters"})
+                 config={k: v for k, v in MODELS[name].config().items() if k != "rope_parameters"})
     return model, lm
 
 

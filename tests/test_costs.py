@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from adaptive_spec.backends.contract import Counters
 from adaptive_spec.decoding import costs as C
 from adaptive_spec.errors import UserError
 from adaptive_spec.decoding.pipeline import SpecPair
@@ -26,13 +27,13 @@ def pair():
 
 def test_measured_times_and_the_runners_are_left_as_they_were(pair, cache):
     before = pair.generate([5, 6, 7], policy="fixed", k=3, temperature=0, max_new_tokens=12)
-    pair.target.n_forwards, pair.target.fwd_time = 7, 1.5
+    pair.target.counters.restore((1.5, 7, 0.0))
     c = C.measure_costs(pair, reps=1)
     assert c.t_draft > 0 and c.t_target > 0 and c.t_cand >= 0
     assert c.c == pytest.approx(c.t_draft / c.t_target)
     assert c.node_cost == pytest.approx((c.t_draft + c.t_cand) / c.t_target)
     # measuring shows up in no counter and leaves no cached position behind
-    assert (pair.target.n_forwards, pair.target.fwd_time) == (7, 1.5)
+    assert pair.target.counters.saved() == (1.5, 7, 0.0)
     assert pair.target.length == 0 and pair.draft.length == 0
     after = pair.generate([5, 6, 7], policy="fixed", k=3, temperature=0, max_new_tokens=12)
     assert after.token_ids == before.token_ids
@@ -78,10 +79,11 @@ def test_rounds_interleave_every_cell():
 
     class Lm:
         device = torch.device("cpu")
-        vocab_size, max_length, fwd_time, n_forwards = 32, None, 0.0, 0
+        vocab_size, max_length = 32, None
 
         def __init__(self, name):
             self.name = name
+            self.counters = Counters()
 
         def reset(self):
             pass

@@ -69,35 +69,51 @@ def test_metrics_are_consistent():
     assert ar.target_pass_hist == {1: 7}
 
 
-@pytest.mark.parametrize("name", [n for n in policy_names() if n != "ar"])
-def test_eos_cut_books_cut_candidates_as_discarded(name):
-    """When EOS ends the output inside a round, the candidates after it were never
-    emitted and count as discarded, for every policy. With a draft equal to the target most
-    candidates are accepted, so the EOS usually falls among them. Metrics' invariants:
-    n_drafted = n_accepted + n_discarded and n_tokens = n_accepted + rounds - n_final_cut."""
+def assert_books(m, g):
+    """Metrics' identities, overall and per draft source (Metrics.book_round / book_cut book them)."""
+    rounds = sum(m.accepted_hist.values())
+    assert m.n_tokens == len(g.token_ids)
+    assert m.n_drafted == m.n_accepted + m.n_discarded
+    assert m.n_tokens == m.n_accepted + rounds - m.n_final_cut
+    assert m.n_final_cut in ((0, 1) if g.stopped_by == "eos" else (0,))  # only a round ending at EOS
+    assert sum(m.n_drafted_by.values()) == m.n_drafted and sum(m.n_accepted_by.values()) == m.n_accepted
+    assert sum(m.rounds_by.values()) == rounds
+    for source, n in m.n_drafted_by.items():
+        assert 0 <= m.n_accepted_by[source] <= n, (source, m.n_accepted_by, m.n_drafted_by)
+
+
+POLICY_CASES = [(n, {}) for n in policy_names() if n != "ar"] + [("ngram", {"fallback": "learned"})]
+
+
+@pytest.mark.parametrize("name,extra", POLICY_CASES, ids=[n + ("+" + "+".join(e.values()) if e else "")
+                                                          for n, e in POLICY_CASES])
+@pytest.mark.parametrize("cut", ["eos", "length"])
+def test_cuts_book_cut_candidates_as_discarded(name, extra, cut):
+    """When EOS ends the output inside a round, the candidates after it were never emitted and count as
+    discarded, in their source's counts too, for every policy; a short length limit likewise. With a
+    draft equal to the target most candidates are accepted, so the EOS usually falls among them."""
     _, target = pair()
     draft = CausalLM(target.model)
-    prompt = [5, 9, 4, 17]
+    prompt = [5, 9, 4, 17, 5, 9, 4]  # a repeat, so prompt lookup copies
     x = Decoder(target).generate(prompt, max_new_tokens=40, sampling=GREEDY).token_ids
     eos = next(t for j, t in enumerate(x) if j >= 6 and t not in x[:j])  # the greedy output hits it at j
-    dec = Decoder(target, draft, eos_token_ids=[eos])
+    eos_ids = [eos] if cut == "eos" else []
+    max_new = 40 if cut == "eos" else 7
+    dec = Decoder(target, draft, eos_token_ids=eos_ids)
     sampling = GREEDY if name == "oracle" else SamplingParams(1.0)
     torch.manual_seed(0)
-    ctx = PolicyContext(SimpleNamespace(target=target, draft=draft, eos_token_ids=[eos]), prompt, sampling, 40)
+    ctx = PolicyContext(SimpleNamespace(target=target, draft=draft, eos_token_ids=eos_ids), prompt, sampling, max_new)
     fields = policy_class(name).model_fields
+    learned = name == "learned" or extra.get("fallback") == "learned"
     kw = {k: v for k, v in dict(head=AcceptanceHead(24, depth=1), threshold=0.5, k=3).items()
-          if k in fields and (k != "head" or name == "learned") and (k != "threshold" or name != "ngram")}
+          if k in fields and (k != "head" or learned) and (k != "threshold" or name != "ngram" or learned)}
     stops = []
     for seed in range(4):
-        g = dec.generate(prompt, max_new_tokens=40, sampling=sampling, policy=make_policy(name, ctx, **kw), seed=seed)
-        m = g.metrics
-        rounds = sum(m.accepted_hist.values())
-        assert m.n_tokens == len(g.token_ids)
-        assert m.n_drafted == m.n_accepted + m.n_discarded
-        assert m.n_tokens == m.n_accepted + rounds - m.n_final_cut
-        assert m.n_final_cut in ((0, 1) if g.stopped_by == "eos" else (0,))  # only a round ending at EOS
+        g = dec.generate(prompt, max_new_tokens=max_new, sampling=sampling,
+                         policy=make_policy(name, ctx, **kw, **extra), seed=seed)
+        assert_books(g.metrics, g)
         stops.append(g.stopped_by)
-    assert "eos" in stops
+    assert cut in stops
 
 
 def test_rollback_matches_fresh_forward():

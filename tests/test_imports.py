@@ -88,14 +88,22 @@ def test_package_import_graph_is_acyclic():
 
 
 def test_interfaces_is_a_leaf():
-    """The stop-rule and round-owner interfaces and the registry import nothing else of the package
-    but errors and the typed settings (params, and the engine records they check), which import nothing
-    that imports them back."""
+    """The stop-rule and round-owner interfaces import nothing else of the package but errors, the policy
+    registry (a leaf) and the typed settings (params, and the engine records they check), which import
+    nothing that imports them back."""
     graph = import_graph()
-    assert graph["adaptive_spec.decoding.interfaces"] <= {"adaptive_spec.errors", "adaptive_spec.params"}
+    assert graph["adaptive_spec.registry"] <= {"adaptive_spec.errors"}
+    assert graph["adaptive_spec.decoding.interfaces"] <= {"adaptive_spec.errors", "adaptive_spec.params",
+                                                          "adaptive_spec.registry"}
     # params reads only stdlib-only modules: its checks run before torch (test_the_command_lines_checks...)
     assert graph["adaptive_spec.params"] <= {"adaptive_spec.errors", "adaptive_spec.heads.curve",
-                                              "adaptive_spec.backends.engines", "adaptive_spec.backends.paths"}
+                                              "adaptive_spec.backends.engines", "adaptive_spec.backends.paths",
+                                              "adaptive_spec.backends.presets", "adaptive_spec.registry"}
+    # and the engine records read only leaves: their loaders import an engine when a pair loads
+    assert graph["adaptive_spec.backends.engines"] <= {"adaptive_spec.errors", "adaptive_spec.backends.contract",
+                                                       "adaptive_spec.backends.quant_names",
+                                                       "adaptive_spec.backends.torch_engine",
+                                                       "adaptive_spec.backends.llamacpp"}
 
 
 # Data flows one way: prompts -> datagen -> training -> head -> decoder -> sweep -> report. The
@@ -121,7 +129,7 @@ def test_the_generation_path_imports_no_datagen_training_or_evaluation():
 # ends in and the log handler; fetch.py's main prints machine-readable paths on stdout; llama_build.py
 # is make setup's script, run before the package's dependencies (and so its log handler) exist
 PRINTING = {"cli.py", "evaluation/sweep.py", "evaluation/report.py", "errors.py", "backends/fetch.py",
-            "training/train.py", "backends/llama_build.py", "evaluation/summary.py"}
+            "training/train.py", "backends/llama_build.py", "evaluation/summary.py", "evaluation/probe.py"}
 
 
 def test_library_code_reports_through_logging():
@@ -148,7 +156,8 @@ def test_no_lower_layer_imports_a_higher_one():
         for i, prefixes in enumerate((("adaptive_spec.backends", "adaptive_spec.errors",
                                        "adaptive_spec.runs", "adaptive_spec.timing", "adaptive_spec.tables",
                                        "adaptive_spec.prompts"),
-                                      ("adaptive_spec.heads", "adaptive_spec.params", "adaptive_spec.config"),
+                                      ("adaptive_spec.heads", "adaptive_spec.params", "adaptive_spec.config",
+                                       "adaptive_spec.registry"),
                                       ("adaptive_spec.decoding",))):
             if m.startswith(prefixes):
                 return i
@@ -195,3 +204,49 @@ print(sorted(m for m in ("torch", "transformers") if m in sys.modules))
     assert out.stdout.strip() == "[]", (out.stdout, out.stderr)
     errors = out.stderr.strip().splitlines()
     assert len(errors) == 4 and all(e.startswith("error: ") for e in errors), errors
+
+
+
+def _newer_grammar(tree: ast.AST) -> list[tuple[int, str]]:
+    """Constructs of Python 3.11+ grammar that 3.10 refuses and ast.parse(feature_version=(3, 10)) lets
+    through: unpacking in a subscript (`Literal[..., *names]`, PEP 646) and `except*` (PEP 654)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript):
+            parts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+            found += [(node.lineno, "unpacking in a subscript") for p in parts if isinstance(p, ast.Starred)]
+        elif type(node).__name__ == "TryStar":
+            found.append((node.lineno, "except*"))
+    return found
+
+
+def test_every_module_parses_under_the_oldest_supported_python():
+    """pyproject promises Python >= 3.10: every file must parse under 3.10's grammar, whatever Python runs the
+    suite (ast's feature_version checks most of it, _newer_grammar what it misses); where a python3.10 is
+    installed, it compiles every file too."""
+    import re
+    import shutil
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    oldest = re.search(r'requires-python = ">=3\.(\d+)"', (root / "pyproject.toml").read_text())
+    assert oldest and oldest.group(1) == "10", "pyproject.toml's requires-python changed: update this test"
+    files = sorted([*root.glob("adaptive_spec/**/*.py"), *root.glob("eval/*.py"), *root.glob("tests/*.py"),
+                    root / "train.py"])
+    bad = []
+    for f in files:
+        try:
+            tree = ast.parse(f.read_text(), filename=str(f), feature_version=(3, 10))
+        except SyntaxError as e:
+            bad.append(f"{f.relative_to(root)}:{e.lineno}: {e.msg}")
+            continue
+        bad += [f"{f.relative_to(root)}:{line}: {what}" for line, what in _newer_grammar(tree)]
+    assert not bad, bad
+    assert _newer_grammar(ast.parse("x: Literal['a', *names]")), "the check must see what 3.10 refuses"
+    # a real interpreter, not pyenv's shim (which answers "command not found" for a version not selected)
+    py310 = next(iter(Path.home().glob(".pyenv/versions/3.10*/bin/python3.10")), None) or (
+        shutil.which("python3.10") if "shims" not in (shutil.which("python3.10") or "shims") else None)
+    if py310:
+        code = "import sys\nfor f in sys.argv[1:]: compile(open(f).read(), f, 'exec')"
+        r = subprocess.run([str(py310), "-c", code, *map(str, files)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-2000:]

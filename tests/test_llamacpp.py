@@ -16,6 +16,7 @@ import torch
 
 from adaptive_spec.backends import llama_build, llamacpp
 from adaptive_spec.decoding import sampling
+from adaptive_spec.decoding.costs import Costs
 from adaptive_spec.decoding.decoder import Decoder
 from adaptive_spec.errors import UserError
 from adaptive_spec.heads.head import AcceptanceHead
@@ -237,8 +238,17 @@ def test_an_unknown_gguf_quantization_is_refused():
 
 
 def test_gguf_quantizations_are_the_settings_names():
+    """One table of names (backends/quant_names.py): what llama.cpp makes, what its record offers, what the
+    settings type."""
+    from typing import get_args
+
     from adaptive_spec import params
-    assert tuple(llamacpp.GGUF_QUANTS) == params.GGUF_QUANTS
+    from adaptive_spec.backends import engines, quant_names
+
+    assert llamacpp.GGUF_QUANTS is quant_names.GGUF_QUANTS
+    assert engines.get("llama.cpp").target_quants == ("none", *quant_names.GGUF_QUANTS)
+    for role in ("draft", "target"):
+        assert get_args(params.PairParams.model_fields[f"{role}_quant"].annotation) == engines.quant_names(role)
 
 
 @needs_binding
@@ -310,7 +320,8 @@ def cli(argv, capsys):
     (["--policy", "spectr", "--k", "2"], "does not run on the llama.cpp backend"),
     (["--policy", "fixed", "--draft-quant", "int8"], "draft_quant='int8' does not run on the llama.cpp backend; it "
      "takes none, q4_0, q8_0"),
-    (["--policy", "fixed", "--dtype", "bf16", "--kv-cache", "static"], "dtype='bf16', kv_cache='static': the llama"),
+    (["--policy", "fixed", "--dtype", "bf16", "--kv-cache", "static"], "dtype='bf16' (--dtype), kv_cache='static' (--kv-cache): the llama.cpp backend (the GGUF files as they are, "
+         "through llama-cpp-python; CPU) reads no such settings; drop them or use --backend torch"),
     (["--policy", "learned", "--threshold", "0.3", "--head", "checkpoints/qwen-coder-0.5b-int8-hidden-d3"],
      "it needs the draft's hidden states"),
     (["--policy", "fixed", "--n-ctx", "0"], "--n-ctx must be an integer >= 1"),
@@ -340,7 +351,7 @@ def test_target_quant_is_refused_on_torch(capsys):
 
 def test_torch_only_n_ctx_is_refused(capsys):
     rc, err = cli(["generate", "--prompt", "hi", "--n-ctx", "512"], capsys)
-    assert rc == 2 and "n_ctx (--n-ctx) sets the llama.cpp context" in err[0]
+    assert rc == 2 and "n_ctx=512 (--n-ctx): the torch backend (Hugging Face weights" in err[0] and "use --backend llama.cpp" in err[0]
 
 
 # ------------------------------------------------------------------------------ the real pair
@@ -358,6 +369,9 @@ def test_real_pair_greedy_speculative_equals_greedy_target(files):
 
     torch.set_num_threads(2)
     pair = SpecPair.load(backend="llama.cpp", threads=2, **files)
+    # the n-gram policy with a fallback prices its rounds with the measured costs; measuring them (passes of up
+    # to 48 rows) took minutes of the suite on an AVX2 CPU, and the output is the target's whatever a round takes
+    pair.pinned_costs = LLAMA_CPP_COSTS
     prompts = ["Write a Python function that checks whether a number is prime.",
                "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
                "How many clips did Natalia sell altogether in April and May?",
@@ -382,6 +396,12 @@ def test_real_pair_greedy_speculative_equals_greedy_target(files):
     print(f"greedy llama.cpp: {len(mismatches)} of {runs} runs differ from the target alone: {mismatches}")
     assert all(gap < 0.1 for _, _, gap in mismatches), mismatches
     assert len(mismatches) <= runs // 2
+
+
+# a 2-core CPU's llama.cpp costs, fixed: a 4-row pass 2.8 one-row steps, a draft step 0.88 of one
+LLAMA_CPP_COSTS = Costs(0.18, 0.2, 0.0, "fixed", "tests", tuple(0.2 * v for v in (1, 1.5, 2.0, 2.8, 3.0, 3.2, 3.4, 3.6,
+                                                                                  3.8)),
+                        t_verify_long={n: 0.2 * v for n, v in ((12, 5.0), (16, 8.0), (24, 11.0), (32, 14.0), (48, 20.0))})
 
 
 AVX2_ONLY = frozenset("sse4_2 avx f16c fma avx2 bmi2".split())

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from adaptive_spec import params
 from adaptive_spec.cli import main
@@ -76,9 +77,9 @@ def test_oracle_refuses_sampling_before_anything_runs():
 
 
 @pytest.mark.parametrize("values,needle", [
-    ({"backend": "llama.cpp", "dtype": "fp32"}, "dtype='fp32': the llama.cpp backend"),
-    ({"backend": "llama.cpp", "device": "cuda"}, "device='cuda': the llama.cpp backend"),
-    ({"n_ctx": 512}, "n_ctx (--n-ctx) sets the llama.cpp context"),
+    ({"backend": "llama.cpp", "dtype": "fp32"}, "dtype='fp32' (--dtype): the llama.cpp backend"),
+    ({"backend": "llama.cpp", "device": "cuda"}, "device='cuda' (--device): the llama.cpp backend"),
+    ({"n_ctx": 512}, "n_ctx=512 (--n-ctx): the torch backend (Hugging Face weights, the default pair dequantized to bf16) reads no such setting; drop it or use --backend llama.cpp"),
     ({"backend": "vllm"}, "unknown backend 'vllm'; valid backends: torch, llama.cpp"),
     ({"draft_quant": "int3"}, "draft_quant must be none, int8, int4 (torch), or q4_0, q8_0, q4_0-pure, q4_k-pure, iq4_nl-pure (llama.cpp)"),
     ({"draft_vocab": 0}, "--draft-vocab must be a token count >= 1"),
@@ -96,7 +97,7 @@ def test_specpair_load_refuses_before_loading(monkeypatch):
     from adaptive_spec.decoding import pipeline
 
     monkeypatch.setattr(torch_engine, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
-    with pytest.raises(UserError, match="dtype='bf16': the llama.cpp backend"):
+    with pytest.raises(UserError, match=r"dtype='bf16' \(--dtype\): the llama.cpp backend"):
         pipeline.SpecPair.load(backend="llama.cpp", dtype="bf16")
     with pytest.raises(UserError, match="pass the settings dtype inside the PairParams"):  # one way in, not two
         pipeline.SpecPair.load(PairParams(), dtype="fp32")
@@ -139,3 +140,46 @@ print(json.dumps(sorted(sys.modules)))
     offline = ("adaptive_spec.datagen", "adaptive_spec.training", "adaptive_spec.evaluation", "adaptive_spec.backends.fetch")
     banned = {m for m in loaded if m.startswith(offline)} | (loaded & {"wandb", "datasets", "matplotlib", "sklearn"})
     assert "adaptive_spec.decoding.pipeline" in loaded and not banned, sorted(banned)
+
+
+def test_pair_presets_name_both_models_by_hub_id():
+    p = pair_params(pair="coder-0.5b-7b")
+    assert (p.draft, p.target) == ("Qwen/Qwen2.5-Coder-0.5B-Instruct", "Qwen/Qwen2.5-Coder-7B-Instruct")
+    assert (pair_params(pair="default").draft, pair_params(pair="default").target) == ("default", "default")
+    for values, needle in (({"pair": "7b"}, "unknown pair preset '7b'; presets: default, coder-0.5b-7b"),
+                           ({"pair": "qwen-1.5b-7b", "draft": "x/y"}, "drop --draft or --pair"),
+                           ({"pair": "qwen-1.5b-7b", "backend": "llama.cpp"}, "loads gguf files")):
+        with pytest.raises(UserError, match=needle):
+            pair_params(**values)
+
+
+def test_graph_runtimes_are_refused_where_they_cannot_run_before_any_weights():
+    """GPU-only choices fail as settings (no torch), and auto resolves per device at load."""
+    from adaptive_spec.backends.torch_engine import runtime_for
+
+    assert pair_params().kv_cache == "auto" and pair_params().runtime == "auto"
+    with pytest.raises(UserError, match="--runtime compile needs the static KV cache: add --kv-cache static"):
+        pair_params(kv_cache="dynamic", runtime="compile")
+    with pytest.raises(UserError, match="--runtime cudagraph captures CUDA graphs: use a GPU"):
+        pair_params(device="cpu", runtime="cudagraph")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert runtime_for("auto", "auto", cpu) == ("dynamic", "eager")  # the CPU path is unchanged
+    assert runtime_for("auto", "auto", cuda) == ("static", "compile")
+    assert runtime_for("static", "auto", cpu) == ("static", "eager")
+    with pytest.raises(UserError, match="--runtime cudagraph captures CUDA graphs, and this pair runs on cpu"):
+        runtime_for("auto", "cudagraph", cpu)
+
+
+def test_the_fused_decoder_is_chosen_where_it_pays():
+    """auto: on a GPU's static cache only (a CPU keeps its path); asked for where it cannot run, refused."""
+    from adaptive_spec.backends.torch_engine import _fused_for
+    from tiny import make_model
+
+    m = make_model(16)
+    assert _fused_for(m, "auto", "static") is False  # a CPU model: unchanged
+    assert _fused_for(m, True, "static") is True
+    with pytest.raises(UserError, match="--fused true needs the static KV cache"):
+        pair_params(kv_cache="dynamic", fused=True)
+    m.config.hidden_act = "gelu"
+    with pytest.raises(UserError, match="--fused true: the fused decoder supports the SiLU MLP only"):
+        _fused_for(m, True, "static")

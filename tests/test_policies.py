@@ -11,8 +11,7 @@ from adaptive_spec.heads.features import draft_stats, step_stats
 from adaptive_spec.heads.head import AcceptanceHead
 from adaptive_spec.backends.models import CausalLM
 from adaptive_spec.decoding.pipeline import SpecPair
-from adaptive_spec import params
-from adaptive_spec.decoding import interfaces
+from adaptive_spec import registry
 from adaptive_spec.decoding.interfaces import RoundOwner, RoundState, StopPolicy, register
 from adaptive_spec.decoding.pipeline import make_policy, policy_names
 from adaptive_spec.decoding.policies import (ConfidenceThreshold, EntropyThreshold, FixedK, HeuristicSchedule, HindsightOracle,
@@ -307,8 +306,7 @@ class TwoChains(RoundOwner):
 def test_extension_points(monkeypatch):
     """A stop rule and a round owner registered by name reach the decoder through make_policy;
     the decoder tells them apart by interface (a round owner is not a stop rule)."""
-    monkeypatch.setattr(interfaces, "_REGISTRY", dict(interfaces._REGISTRY))
-    monkeypatch.setattr(params, "_POLICIES", dict(params._POLICIES))
+    monkeypatch.setattr(registry, "_ENTRIES", dict(registry._ENTRIES))
     register("two-chains")(lambda params, ctx: TwoChains())
     register("stop-at-2")(lambda params, ctx: type("StopAt2", (StopPolicy,), {"should_stop": lambda self, s: s.i == 2})())
     assert {"ar", "fixed", "tree", "two-chains", "stop-at-2"} <= set(policy_names())

@@ -274,3 +274,60 @@ def test_report_without_tree_rows_has_no_tree_sections(tmp_path):
     md = report.build_report(d).read_text()
     assert "per family" not in md and "ERSD" not in md and "accepted_vs_drafted" not in md
     assert not list(d.glob("accepted_vs_drafted_*.png"))
+
+
+def test_the_report_says_in_words_what_was_fastest_and_why(tmp_path, capsys):
+    """At the top: the fastest configuration per dataset, its ratio to the target alone, and its round priced
+    in target steps with the times fitted to the rows (no costs.json): t_draft / t_target = 0.2 exactly."""
+    d = write_sweep(tmp_path, make_rows())
+    assert report.main(["--sweep-dir", str(d)]) == 0
+    md = (d / "report.md").read_text()
+    top = md.split("\n## ")[0]
+    assert top.startswith("# SpecDec++ sweep report: sweep\n\n**In short**")  # under the title
+    pp, ar = tps("learned:head=d3-wrej6:h=0.7"), tps("ar")
+    # 1.5 x (100 tokens, 88 drafted, 22 passes): 4.55 tokens and 4 drafted a round, (0.88 + 1.1) / 1.1 steps
+    assert (f"- **alpaca (2 prompts)**: the fastest here was learned:head=d3-wrej6:h=0.7, {pp:.2f} tok/s, "
+            f"{pp / ar:.2f}x the target alone. Why: its rounds made 4.55 tokens for 4.00 drafted and took 1.80 "
+            "one-row target steps each (the forward times fitted to these rows: a draft step 0.20 target steps): "
+            "speculation pays here") in top
+    # the command prints the same lines
+    assert "- **gsm8k (2 prompts)**: the fastest here was learned:head=d3-wrej6:h=0.7" in capsys.readouterr().out
+
+
+def test_in_words_beside_another_engine_with_the_measured_costs(tmp_path):
+    """With --beside: against the first engine's target alone; where the sweep pinned costs for auto
+    (costs.json), the round is priced with them under the engine's time model (llama.cpp: per-length table)."""
+    from adaptive_spec.decoding.costs import Costs
+
+    def sweep(name, backend, configs):
+        rows = []
+        for p in (0, 1):
+            for cfg, (method, k, nd, nt, hist, wall) in configs.items():
+                rows.append({"dataset": "humaneval", "prompt_idx": p, "prompt_sha": str(p), "config": cfg,
+                             "method": method, "k": k, "n_tokens": 64, "n_draft_forwards": nd, "n_target_forwards": nt,
+                             "n_drafted": nd, "n_accepted": 64 - nt if nd else 0, "n_discarded": max(0, nd + nt - 64),
+                             "target_pass_hist": hist, "wall_s": wall, "prefill_s": 0.5,
+                             **({"auto_value": "ar"} if method == "learned_auto" else {})})
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (folder / "config.json").write_text(json.dumps({"config": {"pair": {"backend": backend}}}))
+        return folder
+
+    # auto picked the target alone: a row as fast as it, drafting nothing, is no speculative configuration
+    llama = sweep("llama", "llama.cpp", {"ar": ("ar", None, 0, 64, {"1": 64}, 13.0),
+                                         "fixed:k=3": ("fixed", 3, 60, 20, {"4": 20}, 16.0),
+                                         "learned:h=auto": ("learned_auto", None, 0, 64, {"1": 64}, 13.1)})
+    torch = sweep("torch", "torch", {"ar": ("ar", None, 0, 64, {"1": 64}, 26.0)})
+    # a 4-row pass costs 2.8 steps, a draft step 0.88: K = 3 rounds of 3.2 tokens cost 2.8 + 3 x 0.88 steps
+    t1 = 0.2
+    costs = Costs(0.88 * t1, t1, 0.0, "k", "now", tuple(t1 * v for v in (1, 1.5, 2, 2.8, 3, 3.2, 3.4, 3.6, 3.8)))
+    (llama / "costs.json").write_text(json.dumps(costs.to_dict()))
+    assert report.main(["--sweep-dir", str(llama), "--beside", str(torch)]) == 0
+    top = (llama / "report.md").read_text().split("\n## ")[0]
+    assert ("- **humaneval (2 prompts)**: the fastest here was the target alone on llama.cpp, 4.92 tok/s; the best "
+            "speculative configuration, fixed:k=3 on llama.cpp, ran at 0.81x of it; torch's fastest, ar, 0.50x. "
+            "Why: its rounds made 3.20 tokens for 3.00 drafted and took 5.44 one-row target steps each (the costs "
+            "measured for auto, costs.json: a draft step 0.88 target steps, a 4-row pass 2.80): speculation does "
+            "not pay here (0.81x its engine's target alone, paired per prompt). `auto` chose the target alone "
+            "(learned:h=auto on llama.cpp).") in top

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from adaptive_spec.decoding.decoder import Decoder
 from adaptive_spec.errors import UserError
@@ -20,7 +19,9 @@ from adaptive_spec.heads.head import AcceptanceHead
 from adaptive_spec.backends.models import CausalLM
 from adaptive_spec.decoding.policies import FixedK
 from adaptive_spec.decoding.sampling import SamplingParams
+from adaptive_spec.backends.fused import OpCounter
 from adaptive_spec.backends.static_runner import DRAFT_SHAPES, StaticCausalLM, make_runner, verify_shapes
+from test_fused import compiled_decoding_matches
 from test_decoding import L, V, chi_square_pvalue, exact_sequence_probs, sample_counts
 from tiny import make_model
 
@@ -57,7 +58,7 @@ def test_same_numbers_as_causal_lm(models):
         assert b.dtype == torch.float32 and b.shape == (n_logits, 32)
         close(a, b)
         close(ha, hb)
-    assert st.length == dyn.length == 10 and st.n_forwards == 3 and st.fwd_time > 0
+    assert st.length == dyn.length == 10 and st.counters.n_forwards == 3 and st.counters.seconds > 0
     assert st.max_length == 40
 
 
@@ -96,29 +97,16 @@ def test_cache_overflow_is_a_user_error(models):
         StaticCausalLM(models[0], max_cache_len=10_000)  # past max_position_embeddings (128)
 
 
-def test_make_runner_selects_the_backend(models):
+def test_make_runner_selects_the_kv_cache(models):
     assert type(make_runner(models[0])) is CausalLM
-    lm = make_runner(models[0], backend="static", max_cache_len=16, warmup_shapes=DRAFT_SHAPES)
-    assert isinstance(lm, StaticCausalLM) and lm.runtime == "eager" and lm.length == 0 and lm.n_forwards == 0
-    with pytest.raises(UserError, match="backend"):
-        make_runner(models[0], backend="vllm")
-    with pytest.raises(UserError, match="static backend"):
+    lm = make_runner(models[0], kv_cache="static", max_cache_len=16, warmup_shapes=DRAFT_SHAPES)
+    assert isinstance(lm, StaticCausalLM) and lm.runtime == "eager" and lm.length == 0 and lm.counters.n_forwards == 0
+    with pytest.raises(UserError, match="unknown kv_cache 'vllm'; use one of dynamic, static"):
+        make_runner(models[0], kv_cache="vllm")
+    with pytest.raises(UserError, match="--kv-cache static"):
         make_runner(models[0], runtime="cudagraph")
     with pytest.raises(UserError, match="CUDA"):
-        make_runner(models[0], backend="static", runtime="cudagraph")  # CPU here
-
-
-class _HostReads(TorchDispatchMode):
-    """Counts ops that read a device value back to the host (a sync on CUDA)."""
-
-    def __init__(self):
-        super().__init__()
-        self.reads = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(k in str(func) for k in ("_local_scalar_dense", "aten.item", "is_nonzero", "aten.equal")):
-            self.reads.append(str(func))
-        return func(*args, **(kwargs or {}))
+        make_runner(models[0], kv_cache="static", runtime="cudagraph")  # CPU here
 
 
 def test_forward_reads_nothing_back_to_the_host(models):
@@ -126,13 +114,13 @@ def test_forward_reads_nothing_back_to_the_host(models):
     head = AcceptanceHead(16, depth=1).eval()
     lm = StaticCausalLM(models[0], max_cache_len=32, head=head)
     lm.forward(torch.arange(5), n_logits=0)
-    with _HostReads() as probe:
+    with OpCounter() as probe:
         lm.forward(torch.tensor([3]), 1)
         lm.forward(torch.tensor([4, 5]), 1)
         lm.forward(torch.arange(6), 6)
         lm.rollback(7)
         _, h, p = lm.forward_with_head(torch.tensor([6]), 1)
-    assert probe.reads == []
+    assert probe.host_reads == [] and probe.ops > 0
     with torch.inference_mode():
         close(p, head.acceptance_prob(h).float())  # the head on the step's own hidden state
 
@@ -160,6 +148,31 @@ def test_sampling_matches_dynamic_runner_seed_for_seed(models):
         a = st.generate([5, 9, 4], 25, SamplingParams(1.0), FixedK(3), seed=seed).token_ids
         b = dyn.generate([5, 9, 4], 25, SamplingParams(1.0), FixedK(3), seed=seed).token_ids
         assert a == b
+
+
+def test_the_learned_heads_stop_rule_runs_inside_the_draft_step(models):
+    """SpecDec++'s head rides in the draft's forward (forward_with_head, one graph on a GPU): the same tokens
+    and the same stop decisions as the head run after the step on the dynamic runner, seed for seed; a head
+    loaded again (same shape) is copied into the attached one, so captured graphs keep their addresses."""
+    from adaptive_spec.decoding.policies import LearnedThreshold
+
+    draft, target = models
+    torch.manual_seed(0)
+    head, again = AcceptanceHead(16, depth=1), AcceptanceHead(16, depth=1)
+    st_d = StaticCausalLM(draft, max_cache_len=64)
+    calls = []
+    inner = st_d.forward_with_head
+    st_d.forward_with_head = lambda *a, **k: calls.append(1) or inner(*a, **k)
+    st, dyn = Decoder(StaticCausalLM(target, max_cache_len=64), st_d), Decoder(CausalLM(target), CausalLM(draft))
+    for seed in range(3):
+        a = st.generate([5, 9, 4], 25, SamplingParams(1.0), LearnedThreshold(head, 0.4), seed=seed)
+        b = dyn.generate([5, 9, 4], 25, SamplingParams(1.0), LearnedThreshold(head, 0.4), seed=seed)
+        assert a.token_ids == b.token_ids and a.metrics.accepted_hist == b.metrics.accepted_hist
+        assert a.metrics.n_drafted == b.metrics.n_drafted == len(calls) and calls
+        calls.clear()
+    st.generate([5, 9, 4], 5, GREEDY, LearnedThreshold(again, 0.4))
+    assert st_d.head is head and st_d._attached is again  # copied in, not swapped
+    close(head.out.weight, again.out.weight)
 
 
 def test_distribution_is_exact_through_static_runners():
@@ -235,28 +248,8 @@ def test_bench_stats_and_eq_5_1():
 def test_compiled_path_traces_fullgraph_without_recompiles(models):
     """torch.compile(fullgraph=True, dynamic=False) with the 'eager' backend: traces the step
     without graph breaks, one graph per warmed shape, and K varying 1..4 recompiles nothing."""
-    import torch._dynamo
-
     draft, target = models
-    head = AcceptanceHead(16, depth=1).eval()
-    t = StaticCausalLM(target, max_cache_len=64, compile=True, compile_backend="eager")
-    d = StaticCausalLM(draft, max_cache_len=64, compile=True, compile_backend="eager", head=head)
-    t.warmup(verify_shapes(4))
-    d.warmup(DRAFT_SHAPES)
-    ref = Decoder(CausalLM(target), CausalLM(draft))
-    old = torch._dynamo.config.error_on_recompile
-    torch._dynamo.config.error_on_recompile = True
-    try:
-        for k in range(1, 5):
-            a = Decoder(t, d).generate([5, 9, 4], 20, SamplingParams(1.0), FixedK(k), seed=k).token_ids
-            assert a == ref.generate([5, 9, 4], 20, SamplingParams(1.0), FixedK(k), seed=k).token_ids
-        d.reset()
-        d.forward(torch.arange(3), 0)
-        _, h, p = d.forward_with_head(torch.tensor([4]), 1)
-        with torch.inference_mode():
-            close(p, head.acceptance_prob(h).float())
-    finally:
-        torch._dynamo.config.error_on_recompile = old
+    compiled_decoding_matches(StaticCausalLM, draft, target)
 
 
 def test_bench_gpu_interp_never_negative():

@@ -41,7 +41,7 @@ def test_tree_mask_logits_and_compaction_match_plain_forwards(n_pending):
     L = len(seq)
     for m in (draft, target):
         m.forward(seq[:L - n_pending], n_logits=0)
-        m.n_forwards = 0
+        m.counters.restart()
     params = SamplingParams(1.0)
     gen = torch.Generator().manual_seed(0)
     tr = D.DraftTree(draft, seq, params, gen, max_nodes=9, max_children=3)
@@ -49,7 +49,7 @@ def test_tree_mask_logits_and_compaction_match_plain_forwards(n_pending):
     parents = [-1, 0, 0, 0, 1, 1, 2, 4, 7, 4]
     sibs = [0, 0, 1, 2, 0, 1, 0, 0, 0, 1]
     D.grow_static(tr, parents, sibs)
-    assert tr.n == 9 and draft.n_forwards == 1 + 3  # the root, then one forward per inner level
+    assert tr.n == 9 and draft.counters.n_forwards == 1 + 3  # the root, then one forward per inner level
     P = TV.target_pass(target, seq, tr, params)
     toks = tr.tok.tolist()
     fresh = CausalLM(target.model)

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from adaptive_spec.backends.contract import Counters
+
 # the tiny HF models and tokenizer live in the package (eval/'s smoke runs build them too)
 from adaptive_spec.backends.toy import CHAT_TEMPLATE, make_model, make_tokenizer, save_model  # noqa: F401
 
@@ -29,7 +31,7 @@ class MockLM:
         self.hidden_size = 2
         self.max_length = max_length
         self.device = torch.device("cpu")
-        self.fwd_time, self.n_forwards = 0.0, 0
+        self.counters = Counters()
         self.reset()
 
     def reset(self):
@@ -41,7 +43,7 @@ class MockLM:
 
     def forward(self, ids, n_logits: int = 1):
         self.tokens.extend(int(t) for t in ids)
-        self.n_forwards += 1
+        self.counters.add(0.0)
         V = self.vocab_size
         rows = []
         for j in range(len(self.tokens) - n_logits, len(self.tokens)):

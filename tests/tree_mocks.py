@@ -63,7 +63,7 @@ class TreeMockLM(MockLM):
             a = self.tokens[prev] if prev >= 0 else V
             rows.append(self.table[a, self.tokens[me]])
             hid.append(torch.tensor([float(self.tokens[me]), float(len(chain) + 1)]))
-        self.n_forwards += 1
+        self.counters.add(0.0)
         return torch.stack(rows[logit_from:]), torch.stack(hid)
 
     def compact(self, base: int, extra: list[int]):

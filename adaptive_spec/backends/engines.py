@@ -1,82 +1,68 @@
 """The engines a pair runs on, what each can do, and the one check that a policy runs on one.
 
-An engine is a runner with the `models.CausalLM` interface (forward with the logits of the last n rows,
-rollback, reset, the counters it owns) plus an `Engine` record: the capabilities it offers, its
+An engine builds runners to the runner contract (contract.py: forward with the logits of the last n rows,
+rollback, reset, the counters it owns) and has an `Engine` record: the capabilities it offers, its
 quantization choices, which settings apply to it, the time model `auto` prices it with, and how to load
 a pair on it. Policies declare what they need (`params.PolicyParams.needs`); `params.check_runs_on` matches
 the two before any model loads and refuses a mismatch in one line naming what does run. No module outside
 backends/ compares an engine's name: they read its record; params.check_runs_on matches a policy
 with one. A third engine (an ONNX, MLX or GPU runner)
-is one module with a loader and one `register(Engine(...))`.
+is one module with a loader and one `register(Engine(...))`; the loader is a plain function that imports
+the engine's module when a pair loads.
 
 A leaf: stdlib only, imported by params (so every refusal comes before torch and the weights).
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import UserError
+from .contract import Loaded
+from .quant_names import GGUF_QUANTS, TORCH_DRAFT_QUANTS
 
 # what a policy may need of an engine, and why it would
 CAPABILITIES = {
     "hidden": "the draft's hidden states (a hidden-state acceptance head or tree estimator)",
-    "tree": "a token-tree pass (the tree and ersd policies)",
+    "tree": "a token-tree pass (the tree and ersd policies; its runners implement contract.TreeRunner)",
     "multi_draft": "several drafts in one batched pass (spectr, batch-sd)",
     "hf_generate": "transformers' own generate (the hf_assisted and hf_prompt_lookup peers)",
 }
-# llama.cpp's re-quantizations of a GGUF file (llamacpp.GGUF_QUANTS says what each one is, and why)
-GGUF_QUANTS = ("q4_0", "q8_0", "q4_0-pure", "q4_k-pure", "iq4_nl-pure")
 # the engine CPU users run: the reports' baseline ("x llama.cpp alone") is its target-only row
 CPU_BASELINE = "llama.cpp"
-
-
-@dataclass
-class Loaded:
-    """What an engine's loader gives: the two runners (draft None: the target alone), the tokenizer
-    prompts are encoded with, the ids that end a response, and the draft configuration a head's
-    warning and the cost cache compare against."""
-
-    target: Any
-    draft: Any
-    tokenizer: Any
-    eos_token_ids: list
-    draft_config: dict
+# PairParams settings that only some engines read (each engine's record lists its own; `devices` says where
+# it runs); the others apply to all
+TORCH_SETTINGS = frozenset({"dtype", "kv_cache", "runtime", "fused", "max_cache_len", "cpu_stock", "cpu_pad_rows",
+                            "cpu_fp16_rows"})
+LLAMA_CPP_SETTINGS = frozenset({"n_ctx"})
 
 
 @dataclass(frozen=True)
 class Engine:
     name: str
-    # PairParams -> Loaded: a callable, or "module:function" (imported only when a pair loads)
-    loader: str | Callable[..., Any]
+    loader: Callable[..., Loaded]  # PairParams -> Loaded (a function that imports the engine when a pair loads)
     capabilities: frozenset = frozenset()
     draft_quants: tuple = ("none",)
     target_quants: tuple = ("none",)
-    torch_settings: bool = True  # dtype, kv_cache, runtime, max_cache_len, device apply to it
-    context_setting: bool = False  # n_ctx (--n-ctx) sets its context
+    settings: frozenset = frozenset()  # the engine-specific PairParams settings it reads (TORCH_SETTINGS, ...)
+    devices: tuple | None = None  # the devices it runs on (None: any torch device)
+    model_files: str = "hf"  # what a model name points at: "hf" (config.json + weights) or "gguf"
     time_model: str = "extended"  # the time model `auto` prices it with (decoding/timemodel.py)
     # torch's threads while it decodes (None: as they are): an engine computing on its own threads wants
     # torch, which then only samples, off the cores
     decode_torch_threads: int | None = None
-    # "module:function" returning None where the engine can run here, else why not (a missing binding)
-    available: str | None = None
+    # () -> None where the engine can run here, else why not (a missing binding)
+    unavailable: Callable[[], str | None] | None = None
     description: str = ""
 
     def load(self, params) -> Loaded:
-        loader = self.loader
-        if isinstance(loader, str):
-            module, _, fn = loader.partition(":")
-            loader = getattr(importlib.import_module(module), fn)
-        return loader(params)
+        return self.loader(params)
 
     def check_available(self) -> None:
         """Refuse, naming the fix, an engine whose runtime is missing here (before any model loads)."""
-        if self.available:
-            module, _, fn = self.available.partition(":")
-            why = getattr(importlib.import_module(module), fn)()
-            if why:
-                raise UserError(why)
+        why = self.unavailable() if self.unavailable is not None else None
+        if why:
+            raise UserError(why)
 
 
 _ENGINES: dict[str, Engine] = {}
@@ -97,21 +83,53 @@ def get(name: str) -> Engine:
     return _ENGINES[name]
 
 
+def quant_names(role: str) -> tuple[str, ...]:
+    """Every engine's quantization names for `role` ("draft" or "target"), "none" first, in registration order."""
+    out: dict[str, None] = {}
+    for e in _ENGINES.values():
+        out.update(dict.fromkeys(e.draft_quants if role == "draft" else e.target_quants))
+    return tuple(out)
+
+
+def engine_settings() -> frozenset:
+    """The PairParams settings some engine does not read."""
+    return frozenset().union(*(e.settings for e in _ENGINES.values()))
+
+
+# the loaders import their engine only when a pair loads: params (and so every refusal) stays free of torch
+def _load_torch(params) -> Loaded:
+    from . import torch_engine
+
+    return torch_engine.load_pair(params)
+
+
+def _load_llama_cpp(params) -> Loaded:
+    from . import llamacpp
+
+    return llamacpp.load_pair(params)
+
+
+def _llama_cpp_unavailable() -> str | None:
+    from . import llamacpp
+
+    return llamacpp.unavailable()
+
+
 register(Engine(
-    "torch", "adaptive_spec.backends.torch_engine:load_pair",
+    "torch", _load_torch,
     capabilities=frozenset({"hidden", "tree", "multi_draft", "hf_generate"}),
-    draft_quants=("none", "int8", "int4"),
-    description="Hugging Face weights (the default pair dequantized to bf16)"))
+    draft_quants=("none", *TORCH_DRAFT_QUANTS), settings=TORCH_SETTINGS,
+    description="Hugging Face weights, the default pair dequantized to bf16"))
 register(Engine(
-    "llama.cpp", "adaptive_spec.backends.llamacpp:load_pair",
+    "llama.cpp", _load_llama_cpp,
     capabilities=frozenset(),
     draft_quants=("none", *GGUF_QUANTS), target_quants=("none", *GGUF_QUANTS),
-    torch_settings=False, context_setting=True,
+    settings=LLAMA_CPP_SETTINGS, devices=("cpu",), model_files="gguf",
     # its pass time is far from linear in its length (its CPU kernels change at 4 rows: a 4-token pass
     # can cost less than a 3-token one), so the per-length table is the model that fits
     time_model="table",
     # torch only samples and runs the heads there; its OpenMP pool would spin on llama.cpp's cores (one
     # thread: 0-3% faster forwards in three paired runs on a 2-core EPYC, never slower beyond noise)
     decode_torch_threads=1,
-    available="adaptive_spec.backends.llamacpp:unavailable",
+    unavailable=_llama_cpp_unavailable,
     description="the GGUF files as they are, through llama-cpp-python; CPU"))

@@ -38,6 +38,8 @@ import numpy as np
 import torch
 
 from ..errors import UserError
+from .contract import Counters, Loaded
+from .quant_names import GGUF_QUANTS
 from .llama_build import cache_dir, install_command, missing_instructions
 from .paths import file_fingerprint  # noqa: F401 (re-exported: the GGUF files' identity)
 
@@ -73,7 +75,7 @@ def available() -> str | None:
     return None
 
 
-unavailable = available  # engines.Engine.available: None where the engine runs here
+unavailable = available  # engines.Engine.unavailable: None where the engine runs here
 
 
 def _init(ll) -> None:
@@ -172,19 +174,6 @@ def resolve_gguf(name: str | None, role: str) -> Path:
                             f"{str(e).splitlines()[0] if str(e) else ''}); pass a local .gguf path") from None
     raise UserError(f"the llama.cpp backend loads GGUF files: {name!r} ({role}) is neither a .gguf file, a folder "
                     "with one, nor a hub file written owner/repo:FILE.gguf")
-
-
-# GGUF re-quantizations (PairParams.draft_quant / target_quant on this engine): name -> (llama.cpp file
-# type, the one tensor type of every matrix or None). Without a type llama.cpp mixes types as its file
-# type says (the output matrix stays Q6_K); a "-pure" one puts every matrix, the output and the
-# embedding included, in that one type (`pure` plus output_tensor_type / token_embedding_type).
-GGUF_QUANTS = {
-    "q4_0": ("LLAMA_FTYPE_MOSTLY_Q4_0", None),
-    "q8_0": ("LLAMA_FTYPE_MOSTLY_Q8_0", None),
-    "q4_0-pure": ("LLAMA_FTYPE_MOSTLY_Q4_0", "GGML_TYPE_Q4_0"),
-    "q4_k-pure": ("LLAMA_FTYPE_MOSTLY_Q4_K_S", "GGML_TYPE_Q4_K"),
-    "iq4_nl-pure": ("LLAMA_FTYPE_MOSTLY_IQ4_NL", "GGML_TYPE_IQ4_NL"),
-}
 
 
 def requantized_gguf(path: str | Path, qtype: str, threads: int | None = None) -> Path:
@@ -315,9 +304,7 @@ class LlamaCppLM:
         self.max_length = n_ctx  # the context's positions (CausalLM's name for the limit)
         self.device = torch.device("cpu")
         self._zero_hidden = torch.zeros(self.hidden_size)
-        self.fwd_time = 0.0
-        self.n_forwards = 0
-        self.prefill_s = 0.0
+        self.counters = Counters()
         self.length = 0
 
     def fresh(self) -> "LlamaCppLM":
@@ -365,8 +352,7 @@ class LlamaCppLM:
         self.length += n
         logits = (torch.from_numpy(np.concatenate(rows) if len(rows) > 1 else rows[0]) if rows
                   else torch.empty(0, self.vocab_size))
-        self.fwd_time += time.perf_counter() - t0
-        self.n_forwards += 1
+        self.counters.add(time.perf_counter() - t0)
         return logits, self._zero_hidden
 
     def _spread(self, out: np.ndarray) -> np.ndarray:
@@ -402,7 +388,6 @@ def load_pair(params):
     """engines.Engine's loader: both models as GGUF files in llama.cpp and the Hugging Face tokenizer
     (the same ids as the torch engine, chat template included). PairParams refused the torch-only
     settings already; the files are re-quantized first where draft_quant / target_quant ask it."""
-    from .engines import Loaded  # noqa: PLC0415 (engines names this function as a string)
 
     import_llama_cpp()
     target_path = resolve_gguf(params.target, "target")

@@ -7,12 +7,13 @@ from __future__ import annotations
 import torch
 
 from ..errors import UserError, first_line
+from .quant_names import TORCH_DRAFT_QUANTS
 from .cpu import onednn_packed
 from .packed import PackedLinear
 from .runner import resolve_device
 
 
-QUANTS = ("none", "int8", "int4")
+QUANTS = ("none", *TORCH_DRAFT_QUANTS)
 
 
 class QuantLinear(torch.nn.Module):

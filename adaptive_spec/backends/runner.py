@@ -12,7 +12,9 @@ import json
 import torch
 from transformers import DynamicCache
 
+from ..errors import UserError
 from ..timing import timed
+from .contract import Counters
 
 
 def resolve_device(device: str | None = None) -> torch.device:
@@ -76,9 +78,7 @@ class CausalLM:
         self.hidden_size = model.config.hidden_size
         self.max_length = getattr(model.config, "max_position_embeddings", None)
         self.device = next(model.parameters()).device
-        self.fwd_time = 0.0  # seconds spent in forward(), synced where the device is async
-        self.n_forwards = 0
-        self.prefill_s = 0.0  # the last prompt prefill (Decoder sets it), part of fwd_time
+        self.counters = Counters()  # seconds inside forward(), synced where the device is async
         self.reset()
 
     def reset(self):
@@ -105,8 +105,7 @@ class CausalLM:
             h = out.last_hidden_state[0]
             logits = self.logits(h[n - n_logits:]) if n_logits else h.new_empty(0, self.vocab_size)
             self.length += n
-        self.fwd_time += t.s
-        self.n_forwards += 1
+        self.counters.add(t.s)
         return logits, h[-1]
 
     def rollback(self, length: int):
@@ -114,6 +113,61 @@ class CausalLM:
         if length < self.length:
             self.cache.crop(length - self.length)  # negative: drop that many trailing positions
             self.length = length
+
+    # ---- the tree contract (contract.TreeRunner): tree drafting and verification ------------------
+
+    @torch.inference_mode()
+    def tree_forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor,
+                     logit_from: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed `ids` [n] after the cache with an arbitrary attention pattern.
+
+        attend [n, length + n] bool: row r may attend to cache slot c (the new tokens take slots
+        length .. length + n - 1). positions [n]: their position ids. Returns (logits of rows
+        logit_from.. [n - logit_from, V] float32, final hidden states [n, H]); length += n."""
+        with timed(self.device) as t:
+            n = ids.shape[0]
+            kv_len = self.length + n
+            if tuple(attend.shape) != (n, kv_len):
+                raise ValueError(f"attend must be [{n}, {kv_len}], got {tuple(attend.shape)}")
+            dtype = self.model.dtype
+            # an additive float mask works for the eager and the sdpa attention alike; a 4D mask is
+            # passed through by transformers' masking_utils untouched
+            mask = torch.zeros(1, 1, n, kv_len, dtype=dtype, device=self.device)
+            mask.masked_fill_(~attend.to(self.device).view(1, 1, n, kv_len), torch.finfo(dtype).min)
+            out = self.base(input_ids=ids.view(1, n), attention_mask=mask,
+                            position_ids=positions.view(1, n).to(self.device), **model_kv(self.base, self.cache),
+                            use_cache=True)
+            h = out.last_hidden_state[0]
+            logits = self.logits(h[logit_from:])
+            self.length += n
+        self.counters.add(t.s)
+        return logits, h
+
+    @torch.inference_mode()
+    def compact(self, base: int, extra: list[int]):
+        """Keep cache slots [0, base) followed by the slots `extra` (in that order), drop the rest.
+
+        Used after tree verification to keep exactly the accepted path: `extra` are the cache slots of
+        the accepted nodes, ancestors first. Only len(extra) rows are moved per layer."""
+        n = len(extra)
+        if extra == list(range(base, base + n)):  # already in place: a crop
+            self.rollback(base + n)
+            return
+        idx = torch.tensor(extra, dtype=torch.long, device=self.device)
+        for layer in self.cache.layers:
+            keys = getattr(layer, "keys", None)
+            if keys is None or keys.numel() == 0:
+                continue
+            if getattr(layer, "cumulative_length", 0) > keys.shape[-2]:
+                raise UserError("tree verification does not support sliding-window caches that already dropped tokens")
+            for name in ("keys", "values"):
+                t = getattr(layer, name)
+                rows = t.index_select(-2, idx)
+                t[..., base:base + n, :] = rows
+                setattr(layer, name, t[..., :base + n, :])
+            if getattr(layer, "cumulative_length", None) is not None:
+                layer.cumulative_length = base + n
+        self.length = base + n
 
     def fresh(self) -> "CausalLM":
         """Another runner on the same weights with its own empty cache (for work beside a running decode)."""

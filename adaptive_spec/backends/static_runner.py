@@ -1,7 +1,7 @@
 """A GPU-oriented runner: static KV cache indexed by position, one compiled graph per input shape.
 
-`StaticCausalLM` has the interface of `models.CausalLM` (reset / forward / rollback / length /
-fwd_time / n_forwards / ...), so `Decoder(StaticCausalLM(target), StaticCausalLM(draft))` works
+`StaticCausalLM` keeps the runner contract (contract.py: reset / forward / rollback / length /
+counters / ...), so `Decoder(StaticCausalLM(target), StaticCausalLM(draft))` works
 unchanged. What differs, in the style of gpt-fast:
 
 * The KV cache is preallocated once, [1, kv_heads, max_cache_len, head_dim] per layer, and
@@ -21,11 +21,17 @@ unchanged. What differs, in the style of gpt-fast:
   eagerly, so nothing compiles or captures in the middle of a timed run.
 * The LM head runs on the last n_logits rows only (static per shape), and optionally the
   acceptance head of SpecDec++ runs in the same graph (`forward_with_head`).
-* No host synchronisation inside forward: on CUDA, `fwd_time` is measured with CUDA events
-  that are read (one sync) only when `fwd_time` is read.
+* No host synchronisation inside forward: on CUDA, a forward's time is a pair of CUDA events
+  that are read (one sync) only when the counters' seconds are read.
 
 The CPU path is the same code without compile (compile=False, the default); it is exact, and it
 is what tests/test_static_runner.py checks against CausalLM.
+
+The step itself is pluggable: `StaticCausalLM` runs the Hugging Face modules over a positioned
+`StaticCache`; `FusedCausalLM` (make_runner(..., fused=True)) replaces the cache and the layers by
+fused.FusedDecoder, a fused Qwen2/Llama decoder (15 instead of 38 ops per layer and step), and
+keeps everything else: positions, rollback, warm-up, capture, compile, timing, the tree hooks'
+bookkeeping.
 
 Known costs of the design: attention reads all `max_cache_len` slots (masked), so keep
 `max_cache_len` near the longest context you need (default: 2048, capped by the model's
@@ -33,6 +39,8 @@ max_position_embeddings); sliding-window models are not supported (use CausalLM)
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
 from typing import Iterable
 
@@ -41,6 +49,7 @@ from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
 from ..errors import UserError
+from .fused import FusedDecoder, unsupported_reason
 from .models import CausalLM, kv, model_kv
 
 DEFAULT_MAX_CACHE_LEN = 2048
@@ -72,6 +81,11 @@ def _static_layer_cls():
     return PositionedStaticLayer
 
 
+def _event_seconds(start, end) -> float:
+    end.synchronize()
+    return start.elapsed_time(end) / 1000.0
+
+
 def _raise_recompile_limit(n: int = 64):
     """One graph per shape: K_max + 3 specialisations of one function, more than dynamo's
     default recompile limit (8) allows."""
@@ -88,25 +102,28 @@ def verify_shapes(k_max: int) -> list[tuple[int, int]]:
 
 DRAFT_SHAPES = [(1, 1), (2, 1)]  # one pending token, or two after a fully accepted round
 
-BACKENDS = ("dynamic", "static")
+KV_CACHES = ("dynamic", "static")
 RUNTIMES = ("eager", "cudagraph", "compile")
 
 
-def make_runner(model, vocab_size: int | None = None, backend: str = "dynamic", runtime: str = "eager",
-                max_cache_len: int | None = None, warmup_shapes=(), head=None):
-    """The runner for `backend`: "dynamic" = CausalLM (growing DynamicCache), "static" =
+def make_runner(model, vocab_size: int | None = None, kv_cache: str = "dynamic", runtime: str = "eager",
+                max_cache_len: int | None = None, warmup_shapes=(), head=None, fused: bool = False):
+    """The runner for `kv_cache`: "dynamic" = CausalLM (growing DynamicCache), "static" =
     StaticCausalLM with `runtime` eager | cudagraph | compile, warmed up on `warmup_shapes`
-    (e.g. verify_shapes(k_max) for a target, DRAFT_SHAPES for a draft)."""
-    if backend not in BACKENDS:
-        raise UserError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    (e.g. verify_shapes(k_max) for a target, DRAFT_SHAPES for a draft). fused=True (static only):
+    fused.FusedCausalLM, the same runner over a fused Qwen2/Llama decoder."""
+    if kv_cache not in KV_CACHES:
+        raise UserError(f"unknown kv_cache {kv_cache!r}; use one of {', '.join(KV_CACHES)}")
     if runtime not in RUNTIMES:
         raise UserError(f"unknown runtime {runtime!r}; use one of {', '.join(RUNTIMES)}")
-    if backend == "dynamic":
-        if runtime != "eager":
-            raise UserError("graph runtimes need the static backend (--backend static)")
+    if kv_cache == "dynamic":
+        if runtime != "eager" or fused:
+            what = f"--runtime {runtime}" if runtime != "eager" else "the fused decoder"
+            raise UserError(f"{what} needs the static KV cache: add --kv-cache static")
         return CausalLM(model, vocab_size)
-    lm = StaticCausalLM(model, vocab_size, max_cache_len=max_cache_len, compile=runtime == "compile",
-                        cuda_graphs=runtime == "cudagraph", head=head)
+    cls = FusedCausalLM if fused else StaticCausalLM
+    lm = cls(model, vocab_size, max_cache_len=max_cache_len, compile=runtime == "compile",
+             cuda_graphs=runtime == "cudagraph", head=head)
     if warmup_shapes:
         lm.warmup(warmup_shapes)
     return lm
@@ -119,13 +136,18 @@ class StaticCausalLM(CausalLM):
     max_cache_len: slots preallocated (prompt + new tokens + K_max + 1 must fit; attention
     reads all of them, masked, so keep it near what you need);
     compile: torch.compile each warmed-up shape (compile_mode defaults to "reduce-overhead",
-    i.e. CUDA graphs, on CUDA; compile_backend="eager" only traces, for tests);
+    i.e. CUDA graphs, on CUDA; compiler="eager" only traces, for tests);
     cuda_graphs: capture each warmed-up shape with torch.cuda.CUDAGraph instead (CUDA only);
     head: an AcceptanceHead evaluated in the same graph by `forward_with_head`.
+
+    A subclass with another step overrides `_alloc_kv`, `_kv_buffers`, `_last_hidden` and
+    `_tree_hidden` (fused.FusedCausalLM); the rest is shared.
     """
 
+    fused = False  # the Hugging Face modules run the step
+
     def __init__(self, model, vocab_size: int | None = None, max_cache_len: int | None = None,
-                 compile: bool = False, compile_mode: str | None = None, compile_backend: str = "inductor",
+                 compile: bool = False, compile_mode: str | None = None, compiler: str = "inductor",
                  cuda_graphs: bool = False, head=None):
         cfg = model.config
         types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
@@ -139,9 +161,8 @@ class StaticCausalLM(CausalLM):
         if compile and cuda_graphs:
             raise UserError("pick one of compile=True (torch.compile, CUDA graphs included) and cuda_graphs=True")
         self.head = head
+        self._attached = head  # the head last attached (its values may live in self.head's tensors)
         self.compile = bool(compile)
-        self._events: list = []
-        self._fwd_s = 0.0
         self._cache_ready = False
         super().__init__(model, vocab_size)  # sets model/base/lm_head/device/... and calls reset()
         self.max_length = self.max_cache_len
@@ -156,8 +177,8 @@ class StaticCausalLM(CausalLM):
             _raise_recompile_limit()
             mode = compile_mode or ("reduce-overhead" if self.device.type == "cuda" else "default")
             self._cudagraphs = self.device.type == "cuda" and mode in ("reduce-overhead", "max-autotune")
-            kw = {"mode": mode} if compile_backend == "inductor" else {}
-            self._compiled = torch.compile(self._step, backend=compile_backend, fullgraph=True, dynamic=False, **kw)
+            kw = {"mode": mode} if compiler == "inductor" else {}
+            self._compiled = torch.compile(self._step, backend=compiler, fullgraph=True, dynamic=False, **kw)
 
     @property
     def runtime(self) -> str:
@@ -166,8 +187,16 @@ class StaticCausalLM(CausalLM):
     # ---- cache ---------------------------------------------------------------------------
 
     def _build_cache(self):
-        cfg = self.config.get_text_config(decoder=True) if hasattr(self.config, "get_text_config") else self.config
         self._pos = torch.zeros((), dtype=torch.long, device=self.device)
+        torch._dynamo.mark_static_address(self._pos)
+        self._alloc_kv()
+        # bytes of K and V per cached position, all layers (what attention reads per slot)
+        self.kv_bytes_per_slot = sum(t.shape[1] * t.shape[3] * t.element_size()
+                                     for kv in self._kv_buffers() for t in kv)
+        self._cache_ready = True
+
+    def _alloc_kv(self):
+        cfg = self.config.get_text_config(decoder=True) if hasattr(self.config, "get_text_config") else self.config
         cache = StaticCache(config=self.config, max_cache_len=self.max_cache_len)
         layer_cls = _static_layer_cls()
         cache.layers = [layer_cls(self.max_cache_len, self._pos) for _ in cache.layers]
@@ -176,12 +205,11 @@ class StaticCausalLM(CausalLM):
         dtype = next(self.model.parameters()).dtype
         cache.early_initialization(batch_size=1, num_heads=kv_heads, head_dim=head_dim, dtype=dtype,
                                    device=self.device)
-        torch._dynamo.mark_static_address(self._pos)
         self.cache = cache
-        # bytes of K and V per cached position, all layers (what attention reads per slot)
-        self.kv_bytes_per_slot = sum(2 * l.keys.shape[1] * l.keys.shape[3] * l.keys.element_size()
-                                     for l in cache.layers)
-        self._cache_ready = True
+
+    def _kv_buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(keys, values) per layer, each [1, kv_heads, max_cache_len, head_dim]: slot = dim 2."""
+        return [(layer.keys, layer.values) for layer in self.cache.layers]
 
     def reset(self):
         if not self._cache_ready:
@@ -197,20 +225,6 @@ class StaticCausalLM(CausalLM):
 
     # ---- timing without syncs ---------------------------------------------------------------
 
-    @property
-    def fwd_time(self) -> float:
-        """Seconds inside forward(). On CUDA, summed from CUDA events (reading it syncs once)."""
-        if self._events:
-            self._events[-1][1].synchronize()
-            self._fwd_s += sum(a.elapsed_time(b) for a, b in self._events) / 1000.0
-            self._events.clear()
-        return self._fwd_s
-
-    @fwd_time.setter
-    def fwd_time(self, value: float):
-        self._events.clear()
-        self._fwd_s = float(value)
-
     def _tic(self):
         if self.device.type == "cuda":
             ev = torch.cuda.Event(enable_timing=True)
@@ -219,19 +233,33 @@ class StaticCausalLM(CausalLM):
         return time.perf_counter()
 
     def _toc(self, t0):
+        """Count one forward. On CUDA its time is a pair of events, read (one sync) only when the
+        counters' seconds are read, so a forward never waits on the device."""
         if self.device.type == "cuda":
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
-            self._events.append((t0, ev))
+            self.counters.add_pending(functools.partial(_event_seconds, t0, ev))
         else:
-            self._fwd_s += time.perf_counter() - t0
-        self.n_forwards += 1
+            self.counters.add(time.perf_counter() - t0)
 
     # ---- the step -------------------------------------------------------------------------
 
     def _step(self, ids: torch.Tensor, n_logits: int, with_head: bool):
         """ids [1, n] fed at positions pos..pos+n-1; every shape depends on (n, n_logits) only,
         and nothing is read back to the host (so the step can be captured as a graph)."""
+        n = ids.shape[-1]
+        h = self._last_hidden(ids, max(n_logits, 1))
+        logits = (self.logits(h[h.shape[0] - n_logits:]) if n_logits
+                  else h.new_zeros(0, self.vocab_size, dtype=torch.float32))
+        self._pos.add_(n)
+        last = h[-1]
+        if with_head:
+            return logits, last, self.head.acceptance_prob(last).float()
+        return logits, last
+
+    def _last_hidden(self, ids: torch.Tensor, rows: int) -> torch.Tensor:
+        """Feed ids [1, n] at positions pos..pos+n-1 (K/V written there, pos left as it is) and
+        return the final hidden states of (at least) the last `rows` positions [>= rows, H]."""
         from transformers.masking_utils import create_causal_mask  # heavy: slow to import, and only this step needs it
 
         n = ids.shape[-1]
@@ -245,13 +273,7 @@ class StaticCausalLM(CausalLM):
                                   allow_is_causal_skip=False)
         out = self.base(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids,
                         **model_kv(self.base, self.cache), use_cache=True)
-        h = out.last_hidden_state[0]
-        logits = self.logits(h[n - n_logits:]) if n_logits else h.new_zeros(0, self.vocab_size, dtype=torch.float32)
-        self._pos.add_(n)
-        last = h[-1]
-        if with_head:
-            return logits, last, self.head.acceptance_prob(last).float()
-        return logits, last
+        return out.last_hidden_state[0]
 
     def _buf(self, n: int) -> torch.Tensor:
         buf = self._ids_buf.get(n)
@@ -323,6 +345,37 @@ class StaticCausalLM(CausalLM):
         return self._run(ids, n_logits, True)
 
     @torch.inference_mode()
+    def attach_head(self, head) -> None:
+        """Evaluate `head` in forward_with_head (contract.HeadRunner). A captured graph reads the head's
+        parameters by address, so a head of the attached one's shape (the same head loaded again for the next
+        generation) is copied into the attached tensors; another shape replaces it and its graphs go."""
+        if head is None or head is self._attached:
+            return
+        mine = None if self.head is None else self.head.state_dict()
+        theirs = head.state_dict()
+        if mine is not None and mine.keys() == theirs.keys() and all(
+                mine[k].shape == theirs[k].shape and mine[k].dtype == theirs[k].dtype for k in mine):
+            for k, t in mine.items():
+                t.copy_(theirs[k].to(t.device))
+            self._attached = head
+            return
+        self.head = head
+        self._attached = head
+        self._warm = {key for key in self._warm if not key[2]}
+        if self._graphs is not None:
+            self._graphs = {key: g for key, g in self._graphs.items() if not key[2]}
+
+    @contextlib.contextmanager
+    def eager(self):
+        """Within it, every forward runs the eager step (no graph replay, no compiled call): for
+        counting the ops a step dispatches (fused.step_launches)."""
+        warm, self._warm = self._warm, set()
+        try:
+            yield self
+        finally:
+            self._warm = warm
+
+    @torch.inference_mode()
     def warmup(self, shapes: Iterable = (), with_head: bool | None = None, iters: int = 3) -> float:
         """Compile / capture every (n, n_logits) shape up front (an int n means (n, n)) so that
         no compile or capture happens in timed code; without a graph runtime it only warms the
@@ -346,15 +399,15 @@ class StaticCausalLM(CausalLM):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.reset()
-        self.fwd_time, self.n_forwards = 0.0, 0
+        self.counters.restart()
         return time.perf_counter() - t0
 
-    # ---- tree-policy hooks (adaptive_spec.decoding.trees.cache looks for these) ---------------------------
+    # ---- the tree contract (contract.TreeRunner) ------------------------------------------------
 
     @torch.inference_mode()
     def tree_forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor, logit_from: int = 0):
         """Feed `ids` [n] into slots length..length+n-1 with the visibility pattern attend
-        [n, length + n] and position ids `positions` [n] (eager; contract of tree_cache.tree_forward)."""
+        [n, length + n] and position ids `positions` [n] (eager; contract.TreeRunner)."""
         n = ids.shape[0]
         kv = self.length + n
         if tuple(attend.shape) != (n, kv):
@@ -363,17 +416,22 @@ class StaticCausalLM(CausalLM):
             raise UserError(f"the static KV cache holds {self.max_cache_len} positions but {kv} are needed")
         t0 = self._tic()
         dtype = next(self.model.parameters()).dtype
-        mask = torch.full((1, 1, n, self.max_cache_len), torch.finfo(dtype).min, dtype=dtype, device=self.device)
-        mask[0, 0, :, :kv].masked_fill_(attend.to(self.device), 0.0)
-        out = self.base(input_ids=ids.view(1, n).to(self.device), attention_mask=mask,
-                        position_ids=positions.view(1, n).to(self.device), **model_kv(self.base, self.cache),
-                        use_cache=True)
-        h = out.last_hidden_state[0]
+        mask = torch.full((n, self.max_cache_len), torch.finfo(dtype).min, dtype=dtype, device=self.device)
+        mask[:, :kv].masked_fill_(attend.to(self.device), 0.0)
+        h = self._tree_hidden(ids.to(self.device), positions.to(self.device), mask)
         logits = self.logits(h[logit_from:])
         self.length += n
         self._pos.fill_(self.length)
         self._toc(t0)
         return logits, h
+
+    def _tree_hidden(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [n, H] of ids [n] at position ids `positions` [n], K/V written to slots
+        pos..pos+n-1, attention masked by the additive mask [n, max_cache_len]."""
+        n = ids.shape[0]
+        out = self.base(input_ids=ids.view(1, n), attention_mask=mask.view(1, 1, n, -1),
+                        position_ids=positions.view(1, n), **model_kv(self.base, self.cache), use_cache=True)
+        return out.last_hidden_state[0]
 
     @torch.inference_mode()
     def compact(self, base: int, extra: list[int]):
@@ -382,8 +440,39 @@ class StaticCausalLM(CausalLM):
         if extra != list(range(base, base + n)):
             idx = torch.tensor(extra, dtype=torch.long, device=self.device)
             dst = torch.arange(base, base + n, device=self.device)
-            for layer in self.cache.layers:
-                for t in (layer.keys, layer.values):
+            for kv in self._kv_buffers():
+                for t in kv:
                     t.index_copy_(2, dst, t.index_select(2, idx))
         self.length = base + n
         self._pos.fill_(self.length)
+
+
+class FusedCausalLM(StaticCausalLM):
+    """StaticCausalLM whose layers are fused.FusedDecoder: same arguments, same contract (tree hooks
+    included), several times fewer kernels per step. For Qwen2 and Llama models with plain linear
+    layers; others are refused before any weight moves (fused.unsupported_reason). The model's q/k/v
+    and gate/up weights become views of the fused matrices (values unchanged)."""
+
+    fused = True
+
+    def __init__(self, model, vocab_size: int | None = None, **kw):
+        reason = unsupported_reason(model)
+        if reason:
+            raise UserError(reason + "; use the static runner without fused=True")
+        super().__init__(model, vocab_size, **kw)
+
+    def _alloc_kv(self):
+        self.decoder = FusedDecoder(self.model, self.max_cache_len)
+
+    def _kv_buffers(self):
+        return self.decoder.kv_buffers()
+
+    def _last_hidden(self, ids: torch.Tensor, rows: int) -> torch.Tensor:
+        n = ids.shape[-1]
+        positions = self._pos + self.decoder.slots[:n]  # position i in slot i
+        x = self.decoder(ids.view(n), positions, positions, self.decoder.causal_mask(positions))
+        return self.decoder.norm(x[n - rows:])
+
+    def _tree_hidden(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        slots = self._pos + self.decoder.slots[:ids.shape[0]]
+        return self.decoder.norm(self.decoder(ids, positions, slots, mask))

@@ -9,10 +9,30 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import UserError, get_logger
 from ..prompts import eos_token_ids
-from .engines import Loaded
+from .contract import Loaded
+from .fused import unsupported_reason
 from .models import check_quant, check_vocab, load_model, resolve_device
 from .static_runner import DRAFT_SHAPES, make_runner, verify_shapes
+
+log = get_logger(__name__)
+
+
+def runtime_for(kv_cache: str, runtime: str, device: torch.device) -> tuple[str, str]:
+    """(kv_cache, runtime) with "auto" resolved for `device`: on a GPU the static cache and compiled graphs (at
+    batch 1 a step's time is its kernel launches, which a graph replays as one), on the CPU the dynamic cache
+    run eagerly (graphs buy nothing there). GPU-only choices on a CPU are refused here, before any weights."""
+    cuda = device.type == "cuda"
+    kv_cache = ("static" if cuda else "dynamic") if kv_cache == "auto" else kv_cache
+    if runtime == "auto":
+        runtime = "compile" if cuda and kv_cache == "static" else "eager"
+    if runtime == "cudagraph" and not cuda:
+        raise UserError(f"--runtime cudagraph captures CUDA graphs, and this pair runs on {device}; use --runtime "
+                        "eager (or auto), or a GPU")
+    if runtime != "eager" and kv_cache != "static":
+        raise UserError(f"--runtime {runtime} needs the static KV cache: add --kv-cache static (or auto)")
+    return kv_cache, runtime
 
 
 def load_pair(params) -> Loaded:
@@ -21,30 +41,77 @@ def load_pair(params) -> Loaded:
     if params.threads:
         torch.set_num_threads(params.threads)
     device = resolve_device(params.device)
+    kv_cache, runtime = runtime_for(params.kv_cache, params.runtime, device)
     check_quant(params.draft_quant, device)  # refused before any weights load
     kernels = params.cpu_kernels()
     target_model, tok = load_model(params.target, "target", params.dtype, device, **kernels)
     draft_model, dtok = ((load_model(params.draft, "draft", params.dtype, device, quant=params.draft_quant,
                                      draft_vocab=params.draft_vocab, **kernels)
                           if params.draft is not None else (None, None)))
-    loaded = from_models(target_model, tok, draft_model, dtok, kv_cache=params.kv_cache, runtime=params.runtime,
-                         max_cache_len=params.max_cache_len)
+    loaded = from_models(target_model, tok, draft_model, dtok, kv_cache=kv_cache, runtime=runtime,
+                         max_cache_len=params.max_cache_len, fused=params.fused)
     loaded.draft_config = {"draft_quant": params.draft_quant, "draft_vocab": params.draft_vocab or "full"}
     return loaded
 
 
-def from_models(target_model, tokenizer, draft_model=None, draft_tokenizer=None, kv_cache: str = "dynamic",
-                runtime: str = "eager", max_cache_len: int | None = None, k_max: int = 20) -> Loaded:
+def from_models(target_model, tokenizer, draft_model=None, draft_tokenizer=None, kv_cache: str = "auto",
+                runtime: str = "auto", max_cache_len: int | None = None, k_max: int = 20,
+                fused: bool | str = "auto") -> Loaded:
     """Runners over Hugging Face models already loaded. kv_cache "dynamic": growing KV caches (any model,
     any device); "static": preallocated caches indexed by position, with runtime eager | cudagraph |
-    compile (GPU), graphs captured for the shapes a round of up to k_max candidates feeds."""
+    compile (GPU), graphs captured for the shapes a round of up to k_max candidates feeds (and more
+    through Loaded.prepare); "auto" for either: runtime_for. fused: the fused decoder (backends/fused.py)
+    over the static cache; "auto": where the static cache runs on a GPU and the model is supported."""
     vocab = None
     if draft_model is not None:
         vocab = check_vocab(draft_tokenizer or tokenizer, tokenizer, draft_model, target_model)
+    kv_cache, runtime = runtime_for(kv_cache, runtime, next(target_model.parameters()).device)
     graphs = runtime != "eager"
-    target = make_runner(target_model, vocab, kv_cache, runtime, max_cache_len,
-                         warmup_shapes=verify_shapes(k_max) if graphs else ())
-    draft = (make_runner(draft_model, vocab, kv_cache, runtime, max_cache_len,
-                         warmup_shapes=DRAFT_SHAPES if graphs else ())
+    models = [m for m in (target_model, draft_model) if m is not None]
+    fused = [_fused_for(m, fused, kv_cache) for m in models]
+    target = make_runner(target_model, vocab, kv_cache, runtime, max_cache_len, fused=fused[0])
+    draft = (make_runner(draft_model, vocab, kv_cache, runtime, max_cache_len, fused=fused[1])
              if draft_model is not None else None)
-    return Loaded(target, draft, tokenizer, eos_token_ids(tokenizer, target_model), {})
+    prepare = _graph_warmup(target, draft, runtime) if graphs else None
+    if prepare is not None:
+        prepare(k_max)
+    return Loaded(target, draft, tokenizer, eos_token_ids(tokenizer, target_model), {}, prepare=prepare)
+
+
+def _fused_for(model, fused: bool | str, kv_cache: str) -> bool:
+    """Whether `model` runs on the fused decoder: as asked, or with "auto" where it pays (the static cache on
+    a GPU, where a step's time is its kernels) and the architecture is supported."""
+    why = unsupported_reason(model)
+    if fused == "auto":
+        return kv_cache == "static" and next(model.parameters()).device.type == "cuda" and why is None
+    if fused and why:
+        raise UserError(f"--fused true: {why}; use --fused false")
+    return bool(fused)
+
+
+def _graph_warmup(target, draft, runtime: str):
+    """The pair's `prepare(k_max, head)`: capture (or compile) the graphs a round of up to k_max candidates
+    feeds, once per length, and the draft's steps with `head` in their graph, so nothing captures inside a
+    timed decode (SpecPair calls it with each policy's k_max and graph_head)."""
+    done = {"k": -1, "head": False}
+
+    def prepare(k_max: int, head=None) -> None:
+        t = 0.0
+        if k_max > done["k"]:
+            shapes = [s for s in verify_shapes(k_max) if s[0] > done["k"] + 1]
+            log.info(f"{'compiling' if runtime == 'compile' else 'capturing'} {runtime} graphs for verify passes of "
+                     f"{shapes[0][0]}..{shapes[-1][0]} rows (once per process; torch keeps compiled kernels on disk)")
+            t += target.warmup(shapes)
+            if draft is not None and done["k"] < 0:
+                t += draft.warmup(DRAFT_SHAPES, with_head=False)
+            done["k"] = k_max
+        if head is not None and draft is not None:
+            draft.attach_head(head)  # the same head again: its values copied in, the graphs kept
+            if not done["head"]:
+                log.info("capturing the draft's steps with the acceptance head in their graph")
+                t += draft.warmup(DRAFT_SHAPES, with_head=True)
+                done["head"] = True
+        if t:
+            log.info(f"graphs ready in {t:.1f} s")
+
+    return prepare

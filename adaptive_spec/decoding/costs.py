@@ -334,7 +334,7 @@ def interleaved_times(cells, reps: int, prefill: dict | None = None) -> list[flo
             longest = max(n for m, n, _ in cells if m is lm)
             prefix = context_length(lm, longest)
             ctx[id(lm)] = (lm, prefix, (torch.arange(prefix + longest, device=lm.device) * 7 + 5) % lm.vocab_size,
-                           (lm.fwd_time, lm.n_forwards))
+                           lm.counters.saved())
     for lm, prefix, ids, _ in ctx.values():
         for rep in range(2):  # the second time is the prefill rate's (the first pays for allocation)
             lm.reset()
@@ -351,7 +351,7 @@ def interleaved_times(cells, reps: int, prefill: dict | None = None) -> list[flo
                 lm.forward(ids[prefix:prefix + n], n_logits=n if all_logits else 1)
             if r:
                 samples[i].append(t.s)
-    for lm, _, _, (fwd_time, n_forwards) in ctx.values():
+    for lm, _, _, saved in ctx.values():
         lm.reset()
-        lm.fwd_time, lm.n_forwards = fwd_time, n_forwards
+        lm.counters.restore(saved)
     return [statistics.median(s) for s in samples]

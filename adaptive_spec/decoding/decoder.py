@@ -17,13 +17,12 @@ token, or two when all candidates were accepted: y_K, never fed to the draft, an
 from __future__ import annotations
 
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
-from ..backends.models import CausalLM
+from ..backends.contract import HeadRunner, Runner
 from ..errors import UserError
 from .interfaces import DraftSource, DraftStep, Policy, RoundOwner, RoundState, StopPolicy
 from .sampling import SamplingParams, draw, process_logits, verify, verify_greedy
@@ -40,6 +39,9 @@ class Metrics:
         n_tokens == n_accepted + rounds - n_final_cut,  rounds = sum(accepted_hist.values())
     n_final_cut counts the rounds whose target-drawn token was cut: 1 when the output ends on an
     EOS among a round's accepted candidates, else 0 (rounds never draft past the length limit).
+    Per draft source s (n_drafted_by, n_accepted_by, rounds_by; "none" for a round of no candidates),
+    the sums over s are n_drafted, n_accepted and rounds. Rounds are counted in one place:
+    `book_round`, and a cut at the end in `book_cut`.
     """
 
     n_tokens: int = 0  # N: new tokens
@@ -71,10 +73,39 @@ class Metrics:
     n_accepted_by: dict = field(default_factory=dict)
     # rounds by what drafted them ("model", "ngram", "none": a plain target step)
     rounds_by: dict = field(default_factory=dict)
+    last_source: str = field(default="", repr=False)  # the last round's source (a cut rebooks it), not reported
+    # with Decoder(record_trace=True): per verified round [K, n accepted (after a final cut), source]; None: off
+    trace: list | None = None
 
-    @property
-    def other_s(self) -> float:
-        return max(0.0, self.wall_s - self.draft_s - self.target_s)
+    def book_round(self, n_drafted: int, n_accepted: int, source: str = "model") -> None:
+        """Count one verified round of K = n_drafted candidates, n of them accepted, drafted by `source`."""
+        self.n_drafted += n_drafted
+        self.n_accepted += n_accepted
+        self.n_discarded += n_drafted - n_accepted
+        self.accepted_hist[n_accepted] = self.accepted_hist.get(n_accepted, 0) + 1
+        source = source if n_drafted else "none"
+        self.rounds_by[source] = self.rounds_by.get(source, 0) + 1
+        self.n_drafted_by[source] = self.n_drafted_by.get(source, 0) + n_drafted
+        self.n_accepted_by[source] = self.n_accepted_by.get(source, 0) + n_accepted
+        self.last_source = source
+        if self.trace is not None:
+            self.trace.append([n_drafted, n_accepted, source])
+
+    def book_cut(self, n: int, keep: int) -> None:
+        """The last round booked n accepted candidates and returned them + its own token; only `keep`
+        tokens of those are emitted (an EOS or the length limit): the rest move from accepted to
+        discarded, in that round's source too."""
+        kept = min(keep, n)
+        self.n_accepted -= n - kept
+        self.n_discarded += n - kept
+        self.n_accepted_by[self.last_source] -= n - kept
+        self.n_final_cut += 1  # keep <= n: the round's own token is always among those cut
+        self.accepted_hist[n] -= 1
+        if not self.accepted_hist[n]:
+            del self.accepted_hist[n]
+        self.accepted_hist[kept] = self.accepted_hist.get(kept, 0) + 1
+        if self.trace:
+            self.trace[-1][1] = kept
 
     def breakdown(self) -> dict:
         """Seconds of the generation by where they went: prefill (both models), the draft's and the
@@ -91,6 +122,8 @@ class Metrics:
     def outside_forwards_s(self) -> float:
         """Decode time outside both models' forwards (the loop's own cost)."""
         return max(0.0, self.wall_s - self.draft_s - self.target_s)
+
+    other_s = outside_forwards_s  # the rows' older name for it
 
     @property
     def discard_rate(self) -> float:
@@ -114,6 +147,9 @@ class Metrics:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        del d["last_source"]
+        if self.trace is None:
+            del d["trace"]
         d["accepted_hist"] = {str(k): v for k, v in sorted(self.accepted_hist.items())}
         d["target_pass_hist"] = {str(k): v for k, v in sorted(self.target_pass_hist.items())}
         for k in ("discard_rate", "verification_rate", "acceptance_rate", "tokens_per_target_forward",
@@ -148,10 +184,17 @@ class Decoder:
     runs. Either way the output distribution is exactly the target's (for the same SamplingParams).
     """
 
-    def __init__(self, target: CausalLM, draft: CausalLM | None = None, eos_token_ids=()):
+    def __init__(self, target: Runner, draft: Runner | None = None, eos_token_ids=(),
+                 replay: Iterator[int] | None = None, record_trace: bool = False):
+        """`record_trace`: Metrics.trace lists every verified round (K, n accepted, source).
+        `replay`: accepted counts to impose on the chain rounds, one per round, instead of the
+        verifier's (a trace recorded with real weights, replayed on models of the same shapes with
+        random weights: the real loop and kernels, the acceptance borrowed). Never exact: for measuring only."""
         self.target = target
         self.draft = draft
         self.eos = set(int(e) for e in eos_token_ids)
+        self.replay = replay
+        self.record_trace = record_trace
         self.device = target.device
         if draft is not None and draft.vocab_size != target.vocab_size:
             raise UserError(f"draft and target must score the same vocabulary ({draft.vocab_size} vs "
@@ -182,7 +225,8 @@ class Decoder:
         seed: int | None = 0,
         on_tokens: Callable[[list[int]], None] | None = None,
     ) -> Generation:
-        uses_draft = policy is not None and getattr(policy, "needs_draft", True)
+        needs = policy.needs if policy is not None else None
+        uses_draft = needs is not None and needs.draft_model
         if uses_draft and self.draft is None:
             raise UserError(f"the {getattr(policy, 'name', 'speculative')} policy drafts with a draft model; load one, "
                             "or use a policy that needs none (ngram, ar)")
@@ -198,14 +242,14 @@ class Decoder:
         seq = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
         # a policy may draft with the model in some rounds only (ngram with a model fallback): its draft
         # catches up on the prompt in its first model round, so a generation that never needs it never pays
-        eager = [self.target] + ([self.draft] if uses_draft and getattr(policy, "prefill_draft", True) else [])
+        eager = [self.target] + ([self.draft] if uses_draft and needs.prefilled_draft else [])
         met = self._prefill(eager, seq)
         out: list[int] = []
         tokens = list(prompt_ids)  # seq as a host list, for sources that read the context (n-gram lookup)
         stopped_by = "length"
-        hist: Counter = Counter()
         while len(out) < max_new_tokens and stopped_by != "eos":
-            state = RoundState(self, seq, len(out), max_new_tokens - len(out), sampling, gen, met, hist, tokens)
+            state = RoundState(decoder=self, seq=seq, pos=len(out), remaining=max_new_tokens - len(out),
+                               sampling=sampling, gen=gen, met=met, tokens=tokens)
             new, eos = self._cut(self._round(state, policy), state)
             stopped_by = "eos" if eos else stopped_by
             out.extend(new)
@@ -216,7 +260,7 @@ class Decoder:
             if on_tokens is not None:
                 on_tokens(new)
         met.wall_s = time.perf_counter() - t_start - met.hindsight_s
-        self._count(met, out, hist, policy is not None)
+        self._count(met, out, policy is not None)
         return Generation(token_ids=out, metrics=met, stopped_by=stopped_by)
 
     def _prefill(self, models, seq: torch.Tensor) -> Metrics:
@@ -224,15 +268,16 @@ class Decoder:
         time it took, per model. Counters then restart, so they count decoding forwards."""
         for m in (self.target, self.draft):
             if m is not None:
-                m.fwd_time, m.n_forwards, m.prefill_s = 0.0, 0, 0.0
+                m.counters.restart()
         for m in models:
             if seq.shape[0] > 1:
                 m.forward(seq[:-1], n_logits=0)
         for m in models:  # prefill time stays in the forward time (and is kept per model)
-            m.n_forwards, m.prefill_s = 0, m.fwd_time
-        draft_prefill = self.draft.prefill_s if self.draft is not None and self.draft in models else 0.0
-        return Metrics(prefill_s=self.target.prefill_s + draft_prefill, target_prefill_s=self.target.prefill_s,
-                       draft_prefill_s=draft_prefill)
+            m.counters.end_prefill()
+        t_prefill = self.target.counters.prefill_s
+        d_prefill = self.draft.counters.prefill_s if self.draft is not None and self.draft in models else 0.0
+        return Metrics(prefill_s=t_prefill + d_prefill, target_prefill_s=t_prefill, draft_prefill_s=d_prefill,
+                       trace=[] if self.record_trace else None)
 
     def _round(self, state: RoundState, policy: Policy | None) -> list[int]:
         if policy is None:
@@ -249,30 +294,16 @@ class Decoder:
         eos_at = next((j for j, t in enumerate(new) if t in self.eos), None)
         keep = min(len(new) if eos_at is None else eos_at + 1, state.remaining)
         if keep < len(new):
-            self._rebook_cut(len(new) - 1, keep, state.met, state.hist)
+            state.met.book_cut(len(new) - 1, keep)
         return new[:keep], eos_at is not None and eos_at < keep
 
-    @staticmethod
-    def _rebook_cut(n: int, keep: int, met: Metrics, hist: Counter) -> None:
-        """A round booked n accepted candidates and returned them + its own token; only `keep`
-        tokens of those are emitted."""
-        kept = min(keep, n)
-        met.n_accepted -= n - kept
-        met.n_discarded += n - kept
-        met.n_final_cut += 1  # keep <= n: the round's own token is always among those cut
-        hist[n] -= 1
-        if not hist[n]:
-            del hist[n]
-        hist[kept] += 1
-
-    def _count(self, met: Metrics, out: list[int], hist: Counter, speculative: bool) -> None:
+    def _count(self, met: Metrics, out: list[int], speculative: bool) -> None:
         met.n_tokens = len(out)
-        met.target_s = self.target.fwd_time
-        met.n_target_forwards = self.target.n_forwards
+        met.target_s = self.target.counters.seconds
+        met.n_target_forwards = self.target.counters.n_forwards
         if speculative and self.draft is not None:
-            met.draft_s = self.draft.fwd_time
-            met.n_draft_forwards = self.draft.n_forwards
-        met.accepted_hist = dict(hist)
+            met.draft_s = self.draft.counters.seconds
+            met.n_draft_forwards = self.draft.counters.n_forwards
 
     def target_step(self, state: RoundState) -> list[int]:
         """One plain target step: the next token, no drafting."""
@@ -290,7 +321,7 @@ class Decoder:
         """One speculation round of a chain drafted by `source` (default: the draft model) under the
         stop rule; returns the new tokens (accepted candidates + one). Leaves both caches covering
         exactly the accepted prefix."""
-        source = source or ModelSource(self.draft)
+        source = source or ModelSource(self.draft, rule.graph_head)
         # the round adds at most K + 1 tokens: never draft past the length limit
         k_cap = max(0, min(rule.begin_round(state.pos), state.remaining - 1))
         y, q = self._draft_chain(state, rule, k_cap, source)
@@ -304,7 +335,7 @@ class Decoder:
         """y_1..y_K drafted by `source` from the round's context on, asking `rule` after each; (y [K], q [K, V])."""
         ys, qs = [], []
         t_round = time.perf_counter()
-        fwd_before = self.draft.fwd_time if self.draft is not None else 0.0
+        fwd_before = self.draft.counters.seconds if self.draft is not None else 0.0
         for i in range(1, k_cap + 1):
             step = source.step(state, i, ys)
             if step is None:  # the source has nothing more to propose this round
@@ -316,7 +347,7 @@ class Decoder:
             state.met.policy_s += time.perf_counter() - t0
             if stop:
                 break
-        fwd = (self.draft.fwd_time if self.draft is not None else 0.0) - fwd_before
+        fwd = (self.draft.counters.seconds if self.draft is not None else 0.0) - fwd_before
         state.met.draft_other_s += time.perf_counter() - t_round - fwd
         if not ys:
             return state.seq.new_empty(0), None
@@ -338,6 +369,8 @@ class Decoder:
                 q = p.new_empty(0, p.shape[-1])
             n_t, tok_t = verify(y, q, p, state.gen)
             state.p_y = p[torch.arange(K, device=p.device), y]
+        if self.replay is not None:  # the trace's outcome, not the verifier's (measuring only)
+            n_t = torch.tensor(min(next(self.replay), K), device=n_t.device)
         # the round's one host sync: read n, the new token and the candidates together
         vals = torch.cat([n_t.view(1), tok_t.view(1), y]).tolist()
         n, tok = vals[0], vals[1]
@@ -362,8 +395,13 @@ class ModelSource(DraftSource):
 
     name = "model"
 
-    def __init__(self, draft):
+    def __init__(self, draft, head=None):
+        """head: the stop rule's graph_head, evaluated inside the draft's forward where the draft runner can
+        (a contract.HeadRunner); elsewhere the rule runs it after the step."""
         self.draft = draft
+        self.head = head if head is not None and isinstance(draft, HeadRunner) else None
+        if self.head is not None:
+            draft.attach_head(self.head)
 
     def step(self, state: RoundState, i: int, ys: list) -> DraftStep:
         draft, L = self.draft, state.seq.shape[0]
@@ -375,10 +413,14 @@ class ModelSource(DraftSource):
                 inp = torch.cat([inp, torch.stack(ys)])
         else:
             inp = torch.stack(ys[draft.length - L:])
-        logits, hidden = draft.forward(inp, n_logits=1)
+        accept = None
+        if self.head is not None:
+            logits, hidden, accept = draft.forward_with_head(inp, n_logits=1)
+        else:
+            logits, hidden = draft.forward(inp, n_logits=1)
         q_i = process_logits(logits[0], state.sampling)
         y_i = draw(q_i, state.sampling, state.gen)
-        return DraftStep(i, y_i, q_i, logits[0], hidden, state.pos + i - 1, state.sampling)
+        return DraftStep(i, y_i, q_i, logits[0], hidden, state.pos + i - 1, state.sampling, accept=accept)
 
 
 def _count_pass(met: Metrics, n: int) -> None:

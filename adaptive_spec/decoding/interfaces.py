@@ -1,7 +1,8 @@
-"""The decoder's two extension points and the policy registry.
+"""The decoder's two extension points, and how a policy joins the registry.
 
-A leaf module: it imports nothing else of the package but errors and params (both leaves), so every policy module can
-import it and the decoder can dispatch on it without any module importing a policy module back.
+Near a leaf: it imports only the policy registry (a leaf) and params (which imports nothing of decoding), so
+every policy module can import it and the decoder can dispatch on it without any module
+importing a policy module back.
 
 * `StopPolicy`, a stop rule: the decoder drafts one chain y_1, y_2, ... and asks it, per drafted
   token, whether to stop. It sees a `DraftStep` per token:
@@ -31,24 +32,23 @@ import it and the decoder can dispatch on it without any module importing a poli
 * `RoundOwner`, a policy that runs the whole round itself (a token tree, several drafts, or a
   chain round wrapped in extra work): `run_round(state)` gets one `RoundState` and returns the
   round's new tokens, its accepted candidates followed by one token the target drew. Contract:
-  leave both caches covering exactly seq + the new tokens but the last, count forwards in the
-  models' counters, and book the round with `RoundState.book(K, n)`.
+  leave both caches covering exactly seq + the new tokens but the last (the runners count their
+  own forwards), and book the round with `RoundState.book(K, n)`.
 
-Both hold per-generation state: the decoder calls `reset()` at the start of each generation.
-A policy's settings are a `params.PolicyParams` class registered under its name (`@params.policy`);
-its factory registers under the same name with `@register("name")` and is called as
-`factory(params, context)`; `adaptive_spec.decoding.pipeline.make_policy` builds policies by name.
+Both hold per-generation state: the decoder calls `reset()` at the start of each generation, and
+both carry `needs` (registry.Needs: a draft model, a prefilled draft), which the decoder reads.
+A policy's settings are a `params.PolicyParams` class declared under its name (`@params.policy`);
+its factory joins the same registry entry (registry.py) with `@register("name")` and is called as
+`factory(params, context)`; `adaptive_spec.decoding.pipeline.make_policy` builds policies by name and
+gives each the `needs` its settings declare.
 """
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from pydantic import create_model
-
-from .. import params
-from ..errors import UserError
+from .. import params, registry
+from ..registry import Needs
 
 
 @dataclass
@@ -61,6 +61,9 @@ class DraftStep:
     pos: int
     sampling: Any = None  # the SamplingParams `probs` was processed with (None: unknown)
     source: str = "model"  # what proposed the token (see the module docstring)
+    # the rule's graph_head's acceptance probability of `hidden`, computed inside the draft's forward
+    # (a contract.HeadRunner draft); None: the rule computes it itself
+    accept: Any = None
 
 
 class DraftSource:
@@ -77,6 +80,10 @@ class StopPolicy:
 
     name = "base"
     k_max: int = 20
+    needs: Needs = Needs()
+    # an acceptance head a draft runner may evaluate inside its own forward on DraftStep.hidden (the step
+    # then carries its output in `accept`): one graph instead of a graph and the head's own launches
+    graph_head: Any = None
 
     def reset(self) -> None:
         pass
@@ -94,15 +101,15 @@ class StopPolicy:
         return {"policy": self.name}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RoundState:
     """Everything one round may read or update.
 
-    decoder    the Decoder: .target, .draft (CausalLM runners), .eos, .chain_round(state, rule)
+    decoder    the Decoder: .target, .draft (runners: backends/contract.py), .eos, .chain_round(state, rule)
     seq        prompt + tokens generated so far [L] (device tensor)
     pos        tokens generated so far (index of the round's first new token)
     remaining  tokens the generation may still add (the round must add at most this many)
-    sampling   SamplingParams, gen the torch.Generator, met the Metrics, hist accepted -> rounds
+    sampling   SamplingParams, gen the torch.Generator, met the Metrics (the round books itself there)
     tokens     seq as a host list (read it, never change it)
     p_y        after a chain round's verification: the target's probability of each of its K candidates
                [K] (the processed p; 0 or 1 when greedy), for sources that learn from them
@@ -115,8 +122,7 @@ class RoundState:
     sampling: Any
     gen: Any
     met: Any
-    hist: Counter
-    tokens: list = None
+    tokens: list
     p_y: Any = None
 
     @property
@@ -128,22 +134,18 @@ class RoundState:
         return self.decoder.draft
 
     def book(self, n_drafted: int, n_accepted: int, source: str = "model") -> None:
-        """Count one verified round of K = n_drafted candidates, n of them accepted, drafted by `source`."""
-        met = self.met
-        met.n_drafted += n_drafted
-        met.n_accepted += n_accepted
-        met.n_discarded += n_drafted - n_accepted
-        self.hist[n_accepted] += 1
-        source = source if n_drafted else "none"
-        met.rounds_by[source] = met.rounds_by.get(source, 0) + 1
-        met.n_drafted_by[source] = met.n_drafted_by.get(source, 0) + n_drafted
-        met.n_accepted_by[source] = met.n_accepted_by.get(source, 0) + n_accepted
+        """Count one verified round of K = n_drafted candidates, n of them accepted, drafted by `source`
+        (Metrics.book_round: the one place a round is counted)."""
+        self.met.book_round(n_drafted, n_accepted, source)
 
 
 class RoundOwner:
     """A policy that runs its own rounds (see the module docstring for the contract)."""
 
     name = "round-owner"
+    needs: Needs = Needs()
+    k_max: int = 20  # the most candidates a round verifies in one chain pass (graph runtimes warm up to it)
+    graph_head: Any = None  # as StopPolicy.graph_head, for the stop rule of the model rounds it runs
 
     def reset(self) -> None:
         pass
@@ -168,27 +170,12 @@ class PolicyContext:
     max_new_tokens: int = 128
 
 
-# name -> factory(params, context) returning a Policy; policy modules fill it at import time
-_REGISTRY: dict[str, Callable[..., Policy]] = {}
-
-
 def register(name: str):
-    """Register a factory; its settings class is params' class of the same name (an extension
-    without one gets an empty settings class: it takes no keywords)."""
-    def deco(factory):
-        if name not in params._POLICIES:
-            params.policy(name)(create_model(f"Params_{name}", __base__=params.PolicyParams))
-        _REGISTRY[name] = factory
+    """Declare a policy's factory under `name`; its settings class is the one params declared under the
+    same name (an extension without one gets an empty settings class: it takes no keywords)."""
+    def deco(factory: Callable[..., Policy]):
+        if registry.entry_params(name) is None:
+            params.policy(name)(type(f"Params_{name}", (params.PolicyParams,), {}))
+        registry.declare(name, factory=factory)
         return factory
     return deco
-
-
-def registered() -> list[str]:
-    """The registered names, sorted (only those of the policy modules imported so far)."""
-    return sorted(_REGISTRY)
-
-
-def lookup(name: str) -> Callable[..., Policy]:
-    if name not in _REGISTRY:
-        raise UserError(f"unknown policy {name!r}; valid policies: ar, {', '.join(registered())}")
-    return _REGISTRY[name]

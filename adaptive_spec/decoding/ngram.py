@@ -38,7 +38,8 @@ from ..errors import UserError
 from ..params import NgramParams
 from .auto import resolve_auto
 from .costs import measure_costs
-from .interfaces import DraftSource, DraftStep, PolicyContext, RoundOwner, RoundState, StopPolicy, lookup, register
+from .. import registry
+from .interfaces import DraftSource, DraftStep, Needs, PolicyContext, RoundOwner, RoundState, StopPolicy, register
 
 
 MATCH_CAP = 64  # how far back a match's length is counted (it caps a copy's length too: NgramPolicy._choose)
@@ -188,9 +189,10 @@ class NgramPolicy(RoundOwner):
         self.k, self.k_max = k, k_max
         self.v = verify_steps or (lambda n: float(n))
         self.fallback = fallback
+        self.graph_head = None if fallback is None else fallback.graph_head
         self.draft_steps = draft_steps
-        self.needs_draft = fallback is not None
-        self.prefill_draft = False  # the draft catches up in its first round: copying rounds never need it
+        # the draft catches up on the prompt in its first model round: copying rounds never need it
+        self.needs = Needs(draft_model=fallback is not None, prefilled_draft=False)
         self.reset()
 
     def reset(self) -> None:
@@ -285,7 +287,7 @@ def _make_ngram(p: NgramParams, ctx: PolicyContext):
                             "a draft (--draft default) or use --fallback none")
         lp, _ = resolve_auto(pair, p.fallback_params(), temperature=getattr(ctx.sampling, "temperature", None))
         if lp is not None:  # None: auto found that the draft model does not pay on this machine
-            fallback = lookup("learned")(lp, ctx)
+            fallback = registry.factory("learned")(lp, ctx)
     if pair is not None and (p.k == "auto" or fallback is not None):
         costs = measure_costs(pair)
     return NgramPolicy(p.ngram_min, p.ngram_max, p.k, p.k_max,

@@ -22,14 +22,13 @@ from ..prompts import encode_prompt
 from . import multidraft, ngram, policies  # noqa: F401  (importing them registers their policies)
 from .auto import resolve_auto
 from .decoder import Decoder, Generation
-from .interfaces import Policy, PolicyContext, lookup, registered
+from .. import registry
+from .interfaces import Policy, PolicyContext
 from .sampling import SamplingParams
 from .trees import policy as tree  # noqa: F401  (registers the tree policies)
 
 
-def policy_names() -> list[str]:
-    """Every name `make_policy` accepts ("ar" first), without loading any model: for `--policy` choices."""
-    return ["ar"] + registered()
+policy_names = registry.names  # every name `make_policy` accepts ("ar" first)
 
 
 def as_policy_params(policy: str | PolicyParams, settings: dict) -> PolicyParams:
@@ -54,7 +53,9 @@ def make_policy(policy: str | PolicyParams, context: PolicyContext | None = None
     engine = getattr(ctx.pair, "engine", None)
     if engine is not None:
         check_runs_on(params, engine)
-    return lookup(params.name)(params, ctx)
+    policy = registry.factory(params.name)(params, ctx)
+    policy.needs = params.needs  # what its settings declare, read by the decoder
+    return policy
 
 
 class SpecPair:
@@ -65,9 +66,11 @@ class SpecPair:
     `SpecPair(target, draft, tokenizer, eos_token_ids, engine)` takes runners an engine built."""
 
     def __init__(self, target, draft, tokenizer, eos_token_ids: list[int], engine: str | engines.Engine = "torch",
-                 params: PairParams | None = None, draft_config: dict | None = None):
+                 params: PairParams | None = None, draft_config: dict | None = None, prepare=None):
         """`params`: the settings `load` was given (recorded, not re-applied); `draft_config`: the draft
-        configuration a head's warning and the cost cache compare against."""
+        configuration a head's warning and the cost cache compare against; `prepare(k_max)`: the engine's
+        hook that readies the runners for a policy's longest round (contract.Loaded.prepare)."""
+        self.prepare = prepare
         self.tokenizer = tokenizer
         self.target, self.draft = target, draft
         self.eos_token_ids = list(eos_token_ids)
@@ -84,14 +87,15 @@ class SpecPair:
         return self.engine.name
 
     @classmethod
-    def from_models(cls, target_model, tokenizer, draft_model=None, draft_tokenizer=None, kv_cache: str = "dynamic",
-                    runtime: str = "eager", max_cache_len: int | None = None, k_max: int = 20,
+    def from_models(cls, target_model, tokenizer, draft_model=None, draft_tokenizer=None, kv_cache: str = "auto",
+                    runtime: str = "auto", max_cache_len: int | None = None, k_max: int = 20, fused="auto",
                     params: PairParams | None = None) -> "SpecPair":
         """A torch pair over Hugging Face models already loaded (torch_engine.from_models: kv_cache
         dynamic | static, runtime eager | cudagraph | compile)."""
         loaded = torch_engine.from_models(target_model, tokenizer, draft_model, draft_tokenizer, kv_cache, runtime,
-                                          max_cache_len, k_max)
-        return cls(loaded.target, loaded.draft, loaded.tokenizer, loaded.eos_token_ids, "torch", params)
+                                          max_cache_len, k_max, fused)
+        return cls(loaded.target, loaded.draft, loaded.tokenizer, loaded.eos_token_ids, "torch", params,
+                   prepare=loaded.prepare)
 
     @classmethod
     def load(cls, params: PairParams | None = None, **settings) -> "SpecPair":
@@ -109,7 +113,7 @@ class SpecPair:
         draft, config = loaded.draft, loaded.draft_config
         if params.draft_context is not None and draft is not None:  # any engine's draft: window.py says why
             draft, config = WindowedDraft(draft, params.draft_context), {**config, "draft_context": params.draft_context}
-        return cls(loaded.target, draft, loaded.tokenizer, loaded.eos_token_ids, engine, params, config)
+        return cls(loaded.target, draft, loaded.tokenizer, loaded.eos_token_ids, engine, params, config, loaded.prepare)
 
     def runtime_info(self) -> dict:
         """The machine and each model's numeric path: recorded with every measurement."""
@@ -139,16 +143,18 @@ class SpecPair:
         if on_text is not None:
             on_tokens = _Streamer(self.tokenizer, on_text)
         # the costs auto measures (the loop's sampling among them) are taken on the threads the decode has
-        with _torch_threads(self.engine.decode_torch_threads):
+        with torch_threads(self.engine.decode_torch_threads):
             params, auto = resolve_auto(self, params, temperature=temperature)
             params = params or ARParams()  # auto found that no drafting pays on this machine
             pol = make_policy(params, PolicyContext(self, ids, sampling, max_new_tokens))
+            if self.prepare is not None:
+                self.prepare(pol.k_max if pol is not None else 0, pol.graph_head if pol is not None else None)
             g = self.decoder.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, policy=pol,
                                       seed=seed, on_tokens=on_tokens)
         if on_tokens is not None:
             on_tokens.end()
         g.text = self.tokenizer.decode(g.token_ids, skip_special_tokens=True)
-        g.auto = None if auto is None else {**auto, **_predicted_wall(auto, len(ids), g.metrics.n_tokens)}
+        g.auto = None if auto is None else {**auto, **predicted_wall(auto, len(ids), g.metrics.n_tokens)}
         return g
 
 
@@ -156,7 +162,7 @@ def _is_messages(prompt) -> bool:
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
 
 
-def _predicted_wall(auto: dict, n_prompt: int, n_tokens: int) -> dict:
+def predicted_wall(auto: dict, n_prompt: int, n_tokens: int) -> dict:
     """auto's predicted wall tokens/s of this generation: its decode rate plus the prompt's prefill at
     the measured prefill rates (the draft's too where the pick drafts)."""
     c = auto.get("costs") or {}
@@ -168,7 +174,7 @@ def _predicted_wall(auto: dict, n_prompt: int, n_tokens: int) -> dict:
 
 
 @contextlib.contextmanager
-def _torch_threads(n: int | None):
+def torch_threads(n: int | None):
     """torch on n threads inside the block (None: as it is)."""
     if n is None:
         yield

@@ -72,6 +72,8 @@ class LearnedThreshold(StopPolicy):
         self.stats_params = ((getattr(head, "stats_params", None) or SamplingParams()) if reads_stats(self.inputs)
                              else None)
         self.p_all = self.prev_stats = None
+        # a head of the hidden state alone can run inside the draft's graph (DraftStep.accept)
+        self.graph_head = head if self.inputs == "hidden" and isinstance(head, torch.nn.Module) else None
 
     def begin_round(self, pos: int) -> int:
         self.p_all = None  # prod of predicted acceptance probabilities of y_1..y_{i-1}
@@ -85,7 +87,10 @@ class LearnedThreshold(StopPolicy):
             stats, self.prev_stats = self.prev_stats, stats
             if step.i == 1:
                 return False
-        p_hat = self.head.acceptance_prob(step.hidden if stats is None else join_inputs(step.hidden, stats))
+        if step.accept is not None:  # computed in the draft's graph from the same hidden state
+            p_hat = step.accept
+        else:
+            p_hat = self.head.acceptance_prob(step.hidden if stats is None else join_inputs(step.hidden, stats))
         self.p_all = p_hat if self.p_all is None else self.p_all * p_hat
         return bool(1.0 - self.p_all > self.h)
 

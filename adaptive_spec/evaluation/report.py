@@ -50,16 +50,16 @@ from .report_data import (Agg, DatasetResult, aggregate, analyse, by_config, com
                           fit_settings, geomean, head_order, load_sweep, modelled_tps, paired_ratio, rel_errors)
 from .report_plots import accepted_vs_drafted_plot, pareto_plot
 from .report_tables import (H_REF, all_configs_table, auto_table, breakdown_table, cpu_lines, decomposition,
-                            engines_section, ersd_fig3_table, family_table, fmt_t, pct, peer_table, table1, table2,
-                            table3, tree_comparisons)
-from .sweep import stored_pair
+                            engines_section, ersd_fig3_table, family_table, fmt_t, in_short, pct, peer_table, table1,
+                            table2, table3, tree_comparisons)
+from .sweep import COSTS, stored_pair
 from .tree_calibration import TREE_POLICIES
 
 # The analysis, the tables and the plots live in report_data, report_tables and report_plots; the
 # names scripts and tests reach as `report.X` stay importable from here.
 __all__ = ["Agg", "DatasetResult", "H_REF", "accepted_vs_drafted_plot", "aggregate", "all_configs_table", "analyse",
            "auto_table", "breakdown_table", "build_report", "by_config", "complete_rows", "cpu_lines",
-           "decomposition", "ds_label", "engines_section", "family", "fit_settings", "fmt_t", "geomean",
+           "decomposition", "ds_label", "engines_section", "family", "fit_settings", "fmt_t", "geomean", "in_short",
            "load_sweep", "main", "modelled_tps", "paired_ratio", "pareto_plot", "pct", "peer_table", "rel_errors",
            "table1", "table2", "table3", "tree_sections"]
 
@@ -101,12 +101,13 @@ def build_report(sweep_dir: Path, out: Path | None = None, how: str = "pooled", 
     out.parent.mkdir(parents=True, exist_ok=True)
     results = analyse(rows, how)
     md = _intro(sweep_dir.name, cfg_info, how, results, cpu_lines(rows))
+    sweeps = [(_backend(cfg_info), results, *_costs(sweep_dir, cfg_info))]
+    for other in beside:
+        o_rows, _, o_cfg = load_sweep(Path(other))
+        sweeps.append((_backend(o_cfg), analyse(o_rows, how), *_costs(Path(other), o_cfg)))
+    md[2:2] = in_short(sweeps)  # in words, under the title
     if beside:
-        sweeps = [(_backend(cfg_info), results)]
-        for other in beside:
-            o_rows, _, o_cfg = load_sweep(Path(other))
-            sweeps.append((_backend(o_cfg), analyse(o_rows, how)))
-        md += engines_section(sweeps)
+        md += engines_section([s[:2] for s in sweeps])
     md += _figure3(results, out.parent, head_order(heads_info, results), how)
     trees = []
     if any(r["method"] in TREE_POLICIES for r in rows):
@@ -119,6 +120,15 @@ def build_report(sweep_dir: Path, out: Path | None = None, how: str = "pooled", 
 
 def _backend(cfg_info: dict) -> str:
     return stored_pair(cfg_info.get("config") or {}).get("backend", "torch")
+
+
+def _costs(sweep_dir: Path, cfg_info: dict) -> tuple:
+    """(the forward times the sweep pinned for its auto picks, or None; its engine's time model)."""
+    from ..backends.engines import get
+    from ..decoding.costs import costs_from_json
+
+    saved = read_json(sweep_dir / COSTS, required=False, hint="rerun the sweep to rewrite it")
+    return (costs_from_json(saved) if saved else None), get(_backend(cfg_info)).time_model
 
 
 def _intro(name: str, cfg_info: dict, how: str, results: list[DatasetResult], cpu: list[str]) -> list[str]:
@@ -215,6 +225,7 @@ def _main(argv) -> int:
     args = parser.parse_args(argv)
     out = build_report(Path(args.sweep_dir), Path(args.out) if args.out else None, args.aggregate,
                        [Path(b) for b in args.beside])
+    print("\n".join(line for line in out.read_text().split("\n\n## ")[0].splitlines() if line.startswith("- **")))
     print(f"report written to {out}")
     return 0
 

@@ -304,3 +304,40 @@ def bound_curve(calibration: dict, method: str, ks) -> list[tuple[int, float]]:
     """(budget, Tunstall bound on accepted tokens per pass) under `method`'s calibrated rates; [] uncalibrated."""
     rates, vocab = calibration.get(method), calibration.get("settings", {}).get("vocab_size")
     return [(k, tunstall_accepted(rates["cond_rates"], k, vocab)) for k in ks] if rates and vocab else []
+
+
+# ----------------------------------------------------------------------------- a configuration's rounds
+
+def pooled_counts(d: DatasetResult, config: str) -> dict:
+    """A configuration's counts summed over its rows, as one row timemodel.predict_time prices (its target
+    passes' histogram summed too, where every row has one)."""
+    rows = [r for r in d.rows if r["config"] == config]
+    out = {k: sum(_f(r, k) for r in rows) for k in ("n_tokens", "n_target_forwards", "n_draft_forwards", "n_drafted",
+                                                    "n_accepted")}
+    if rows and all(isinstance(r.get("target_pass_hist"), dict) for r in rows):
+        hist = defaultdict(float)
+        for r in rows:
+            for n, c in r["target_pass_hist"].items():
+                hist[str(n)] += float(c)
+        out["target_pass_hist"] = dict(hist)
+    return out
+
+
+# the target alone's token: one one-row pass
+ONE_STEP = {"n_tokens": 1.0, "n_target_forwards": 1.0, "n_draft_forwards": 0.0, "n_drafted": 0.0,
+            "target_pass_hist": {"1": 1.0}}
+
+
+def round_costs(counts: dict, coef: dict) -> dict:
+    """Per round (one target pass each) of counts (a sweep's pooled rows, a curve point): tokens, drafted
+    tokens, draft steps, the share of drafted tokens accepted, the commonest pass length, and the round's time
+    in one-row target steps (ONE_STEP) under `coef` (timemodel's coefficients: measured costs, or times fitted
+    from the rows)."""
+    rounds = counts["n_target_forwards"]
+    hist = counts.get("target_pass_hist") or {}
+    drafted = counts.get("n_drafted", 0.0)
+    return {"tokens": counts["n_tokens"] / rounds, "drafted": drafted / rounds,
+            "draft_steps": counts.get("n_draft_forwards", 0.0) / rounds,
+            "accepted": counts.get("n_accepted", 0.0) / drafted if drafted else float("nan"),
+            "rows": int(max(hist, key=hist.get)) if hist else None,
+            "steps": timemodel.predict_time(counts, coef) / rounds / timemodel.predict_time(ONE_STEP, coef)}

@@ -12,7 +12,8 @@ from collections import Counter, defaultdict
 from ..decoding import timemodel
 from ..tables import fmt, md_table
 from .report_data import (FAMILIES, HEAD_TREE, HEURISTICS, LEARNED_TREE, POS_TREE, DatasetResult, best_of,
-                          bound_curve, by_config, head_order, modelled_tps, paired_ratio, rel_errors, usable)
+                          bound_curve, by_config, head_order, modelled_tps, paired_ratio, pooled_counts, rel_errors,
+                          round_costs, usable)
 from .tree_calibration import TREE_POLICIES, VERIFICATION, zeroth_order_accepted
 
 H_REF = 0.7  # the paper's recommended threshold
@@ -364,3 +365,94 @@ def engines_section(sweeps: list[tuple[str, list[DatasetResult]]]) -> list[str]:
         md += [f"### {label}", "", md_table(["engine", "config", "prompts", "tok/s", "×ar", "×own ar", "accept"], rows),
                ""]
     return md
+
+
+# ----------------------------------------------------------------------------- in words, at the top
+
+STANDALONE = ("ar", "draft_ar")
+# where no cost is known, a round's tokens and drafts only (its steps are then left unsaid)
+ONE_STEP_COEF = {"t_target": 1.0}
+# no configuration a user runs: the draft alone, and the hindsight oracle (it knows the output beforehand)
+NOT_A_CHOICE = ("draft_ar", "oracle")
+
+
+def in_short(sweeps: list[tuple[str, list[DatasetResult], object, str]]) -> list[str]:
+    """The report's first lines, generated from the rows: per dataset, the fastest configuration on this
+    machine, by how much against the target alone (the first sweep's engine), and why: a round of the best
+    speculative configuration priced in target steps, with the costs the sweep measured for `auto`
+    (costs.json: Costs, and the engine's time model) or, without them, the forward times fitted to its rows
+    (Table 2). The draft alone and the hindsight oracle are no choice a user has: left out.
+    `sweeps`: (engine, its analysis, its Costs or None, its time model)."""
+    labels = list(dict.fromkeys(d.label for _, results, _, _ in sweeps for d in results))
+    lines = []
+    for label in labels:
+        found = [(engine, d, costs, model) for engine, results, costs, model in sweeps
+                 for d in results if d.label == label]
+        cands = [(engine, d, a) for engine, d, _, _ in found for a in d.aggs.values()
+                 if not math.isnan(a.tokens_per_s) and a.method not in NOT_A_CHOICE]
+        if not cands:
+            continue
+        base_engine, base_d = found[0][0], found[0][1]
+        base = base_d.get("ar")
+        several = len(found) > 1
+        on = lambda e: f" on {e}" if several else ""  # noqa: E731
+        x = lambda a: f"{a.tokens_per_s / base.tokens_per_s:.2f}x" if base else "—"  # noqa: E731
+        engine, d, fastest = max(cands, key=lambda c: c[2].tokens_per_s)
+        where = f"{label} ({d.n_prompts} prompts)"
+        # speculative: rows that drafted (an auto row that chose the target alone did not)
+        spec = [c for c in cands if c[2].method not in STANDALONE and c[2].drafted_per_round > 0]
+        if fastest.method == "ar":
+            text = f"**{where}**: the fastest here was the target alone{on(engine)}, {fmt(fastest.tokens_per_s)} tok/s"
+            if spec:
+                e2, _, a2 = max(spec, key=lambda c: c[2].tokens_per_s)
+                text += f"; the best speculative configuration, {a2.config}{on(e2)}, ran at {x(a2)} of " + \
+                    ("it" if engine == base_engine else f"the target alone on {base_engine}")
+        else:
+            text = (f"**{where}**: the fastest here was {fastest.config}{on(engine)}, {fmt(fastest.tokens_per_s)} "
+                    f"tok/s, {x(fastest)} the target alone{on(base_engine)}")
+        for e, od, _, _ in found[1:]:  # each other engine's best, against the same baseline
+            best = max((a for a in od.aggs.values() if not math.isnan(a.tokens_per_s) and a.method not in NOT_A_CHOICE),
+                       key=lambda a: a.tokens_per_s, default=None)
+            if best is not None and od is not d:
+                text += f"; {e}'s fastest, {best.config}, {x(best)}"
+        why = _why(found, spec)
+        text += "." + (f" Why: {why}." if why else "")
+        chose_ar = [f"{a.config}{on(e)}" for e, dd, a in cands if a.method in AUTO_OF
+                    and {r.get("auto_value") for r in dd.rows if r["config"] == a.config} == {"ar"}]
+        if chose_ar:
+            text += f" `auto` chose the target alone ({', '.join(chose_ar)})."
+        lines.append(text)
+    return ["**In short** (tokens/s end to end; ratios pooled over prompts):", ""] + \
+        [f"- {line}" for line in lines] + [""] if lines else []
+
+
+def _why(found, spec) -> str | None:
+    """The best speculative configuration's round in target steps, at the measured costs of its engine
+    (or the times fitted to its rows)."""
+    if not spec:
+        return None
+    engine, d, a = max(spec, key=lambda c: c[2].tokens_per_s)
+    _, _, costs, model = next(f for f in found if f[1] is d)
+    counts = pooled_counts(d, a.config)
+    if not counts["n_target_forwards"] or a.derived:
+        return None
+    fit = d.fits["speculative"]
+    if costs is not None:
+        coef, source, c = timemodel.coef_of(costs, model), "the costs measured for auto, costs.json", costs.c
+    elif usable(fit) and fit.t_draft > 0 and fit.t_target > 0:  # a fit over few rows can come out negative
+        coef, source = {"t_draft": fit.t_draft, "t_target": fit.t_target}, "the forward times fitted to these rows"
+        c = fit.t_draft / fit.t_target
+    else:
+        r = round_costs(counts, ONE_STEP_COEF)
+        return (f"its rounds made {r['tokens']:.2f} tokens a target pass for {r['drafted']:.2f} drafted (no costs "
+                "measured here, and none fitted to these rows)")
+    r = round_costs(counts, coef)
+    parts = [f"a draft step {c:.2f} target steps"] if r["draft_steps"] else []
+    if r["rows"] and "verify_s" in coef:
+        parts.append(f"a {r['rows']}-row pass {coef['verify_s'](r['rows']) / coef['verify_s'](1):.2f}")
+    text = (f"its rounds made {r['tokens']:.2f} tokens for {r['drafted']:.2f} drafted and took {r['steps']:.2f} "
+            f"one-row target steps each ({source}" + (f": {', '.join(parts)})" if parts else ")"))
+    if math.isnan(a.speedup):
+        return text
+    return text + f": speculation {'pays' if a.speedup > 1 else 'does not pay'} here ({a.speedup:.2f}x its engine's " \
+        "target alone, paired per prompt)"

@@ -50,7 +50,9 @@ dataset and entry its own column:
 Output in out_dir (default runs/sweep/<config name>, relative to the project root):
     results.jsonl   one line per (dataset, prompt, config): all Metrics fields plus the config's
                     parameters; appended and fsynced, so a rerun of the same command skips what is
-                    done (resume after a kill or Ctrl-C)
+                    done (resume after a kill or Ctrl-C); with `record_trace: true` each row adds `trace`,
+                    its verified rounds [[K, n accepted, source], ...], and config.json `trace_pair`, the
+                    models that made them (decoding/replay.py replays them, eval/gpu_check.py on a GPU)
     settings.json   the settings the results depend on (models, dtype, device, threads, sampling,
                     lengths, seed); a rerun with other settings is refused (use another out_dir,
                     or overwrite=true to discard the old results)
@@ -77,11 +79,12 @@ import transformers
 from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
+from ..backends import fetch, presets
 from ..backends.models import resolve_device
 from ..config import config_from_argv, config_to_dict
 from ..decoding.costs import measure_costs
 from ..decoding.decoder import Decoder
-from ..decoding.pipeline import SpecPair
+from ..decoding.pipeline import SpecPair, torch_threads
 from ..decoding.sampling import SamplingParams
 from ..errors import UserError, run_main
 from ..params import PairParams
@@ -114,6 +117,8 @@ def _settings(cfg: SweepConfig, device: str) -> dict:
     d.update({k: getattr(cfg, k) for k in RESULT_KEYS})
     if cfg.drafts:  # recorded only when set, so an existing sweep's settings hash holds
         d["drafts"] = list(cfg.drafts)
+    if cfg.record_trace:  # likewise; and a resume must not mix rows with and without traces
+        d["record_trace"] = True
     d["device"] = device
     return d
 
@@ -201,6 +206,8 @@ def run(cfg: SweepConfig) -> Path:
 
     pairs = _load_pairs(cfg, all_heads)  # drafts entry ("" without a drafts axis) -> (pair, draft decoder)
     pair = next(iter(pairs.values()))[0]
+    for p, _ in pairs.values():
+        p.decoder.record_trace = cfg.record_trace  # Metrics.trace, which the rows keep (Metrics.to_dict)
     if any(s.method == "hf_assisted" for s in specs):
         notes += _note([hf_schedule_note(pair.draft.model)])
     selected = {ds: _select_dataset(pair, ds, texts[ds], cfg, notes) for ds in cfg.datasets}
@@ -208,7 +215,7 @@ def run(cfg: SweepConfig) -> Path:
     tree_ctx = _tree_context(pair, cfg, out, texts, selected, settings, specs, notes, costs)
     cpu_pad_to = _cpu_pad_to(pair)
     runtime = {d: p.runtime_info() for d, (p, _) in pairs.items()}
-    _write_run_files(out, cfg, settings, heads, selected, specs, notes, cpu_pad_to, runtime)
+    _write_run_files(out, cfg, settings, heads, selected, specs, notes, cpu_pad_to, runtime, pair)
     todo, n_jobs = _todo(out / RESULTS, cfg, selected, specs)
     if todo and cfg.warmup:
         _warmup(pairs, todo[0][3], specs, cfg, all_heads, tree_ctx)
@@ -277,7 +284,10 @@ def _pinned_costs(pair, out: Path, specs, notes: list[str], draft: str = "", fir
         return None
 
     name = COSTS if first else f"costs@{draft.replace(':', '-')}.json"
-    costs = measure_costs(pair, pin=out / name)
+    # on the threads the decode has (the engine's decode_torch_threads), as generate's auto measures: one
+    # measurement, one cache key, per machine
+    with torch_threads(pair.engine.decode_torch_threads):
+        costs = measure_costs(pair, pin=out / name)
     table = getattr(costs, "t_verify", ())
     v = f", v(1..{len(table)}) = {' '.join(f'{t / table[0]:.2f}' for t in table)} target steps" if table else ""
     notes += _note([f"auto picks{f' with draft {draft}' if draft else ''} read the forward times pinned in {name}: "
@@ -341,9 +351,9 @@ def _cpu_pad_to(pair) -> dict:
 
 
 def _write_run_files(out: Path, cfg: SweepConfig, settings: dict, heads: dict, selected: dict, specs, notes,
-                     cpu_pad_to: dict, pair_runtime: dict):
+                     cpu_pad_to: dict, pair_runtime: dict, pair=None):
     """settings.json, heads.json, prompts.json and config.json (see the module doc); `pair_runtime`:
-    drafts entry -> its pair's runtime_info."""
+    drafts entry -> its pair's runtime_info; `pair`: the (first) pair, whose models a trace names."""
     write_json(out / "settings.json", {"settings": settings, "hash": settings_hash(settings)})
     write_json(out / "heads.json", {k: v[1] for k, v in heads.items()}, default=str)
     write_json(out / "prompts.json", {ds: [{"prompt_idx": i, "prompt_sha": prompt_sha(t), "n_prompt_tokens": len(ids),
@@ -353,7 +363,29 @@ def _write_run_files(out: Path, cfg: SweepConfig, settings: dict, heads: dict, s
         "config": config_to_dict(cfg), "grid": [s.key for s in specs], "notes": notes, "device": settings["device"],
         "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
         "cpu_pad_to": cpu_pad_to, "runtime": next(iter(pair_runtime.values())),
-        **({"drafts_runtime": pair_runtime} if cfg.drafts else {}), "written": time.strftime("%Y-%m-%d %H:%M:%S")}, default=str)
+        **({"drafts_runtime": pair_runtime} if cfg.drafts else {}),
+        **({"trace_pair": trace_pair(cfg, pair)} if cfg.record_trace else {}),
+        "written": time.strftime("%Y-%m-%d %H:%M:%S")}, default=str)
+
+
+def trace_pair(cfg: SweepConfig, pair) -> dict:
+    """Which models recorded the traces: per role the name the config gave, its hub id (the default pair's
+    from fetch.py; a hub id as given; None for a folder), the weights' fingerprint and the vocabulary, and the
+    GPU preset (backends/presets.py) of those hub ids, so a replay on another pair's shapes is labelled as
+    borrowed acceptance."""
+    out = {}
+    for role in ("draft", "target"):
+        lm, name = getattr(pair, role), getattr(cfg.pair, role)
+        if lm is None:
+            continue
+        hub = (fetch.DEFAULT_PAIR[role].hub_id if name in (None, "", "default")
+               else None if Path(str(name)).expanduser().exists() else str(name))
+        out[role] = {"name": name, "hub_id": hub, "vocab_size": lm.vocab_size,
+                     "fingerprint": lm.fingerprint() if hasattr(lm, "fingerprint") else None,
+                     "draft_quant": cfg.pair.draft_quant if role == "draft" else None}
+    match = presets.by_hub_ids(*(out.get(r, {}).get("hub_id") for r in ("draft", "target")))
+    out["preset"] = match.name if match else None
+    return out
 
 
 def _todo(rpath: Path, cfg: SweepConfig, selected: dict, specs) -> tuple[list[tuple], int]:

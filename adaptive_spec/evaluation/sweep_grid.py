@@ -82,6 +82,9 @@ class SweepConfig:
     out_dir: str = ""  # default runs/sweep/<name>, relative to the project root
     overwrite: bool = False  # discard results of other settings found in out_dir (same settings: resumed)
     progress: bool = True
+    # rows keep each generation's verified rounds as `trace`, [[K, n accepted, source], ...], and config.json
+    # the models that made them (trace_pair): decoding/replay.py replays them on other weights of the same shapes
+    record_trace: bool = False
 
     def validate(self):
         if not self.datasets or not all(isinstance(d, str) and d.strip() for d in self.datasets):
@@ -155,10 +158,10 @@ class SweepConfig:
         return out
 
     def needs_draft(self, typed: list | None = None) -> bool:
+        """Whether some configuration of the grid drafts with the draft model (RunSpec.drafts_with_model)."""
         return bool(self.include_draft_ar or self.ks or self.heads or self.confidence_taus or self.entropy_taus
                     or self.heuristic or self.oracle or self.hf_assisted or self.trees
-                    or any(s.params["settings_obj"].uses_draft for s in (typed if typed is not None
-                                                                         else policy_specs(self))))
+                    or any(s.drafts_with_model() for s in (typed if typed is not None else policy_specs(self))))
 
     def resolved_out_dir(self) -> Path:
         return project_path(self.out_dir or f"runs/sweep/{self.name or 'sweep'}")
@@ -214,6 +217,12 @@ class RunSpec:
     # k, head, h, tau; a `policies` entry's settings (settings, settings_obj); a `trees` entry's
     # (tree: its settings, head by label; settings_obj) and its row fields (tree_row_fields)
     params: dict = field(default_factory=dict)
+
+    def drafts_with_model(self) -> bool:
+        """What its policy declares (registry.Needs.draft_model); the target alone and transformers' prompt
+        lookup draft with none."""
+        obj = self.params.get("settings_obj")
+        return obj.needs.draft_model if obj is not None else self.method not in ("ar", "hf_prompt_lookup")
 
     def row_fields(self) -> dict:
         row = {"config": self.key, "method": self.method, "k": self.params.get("k"),
@@ -271,8 +280,7 @@ def per_draft(specs: list[RunSpec], drafts: list[str]) -> list[RunSpec]:
         return specs
     out = []
     for s in specs:
-        obj = s.params.get("settings_obj")
-        if s.method in ("ar", "hf_prompt_lookup") or (obj is not None and not obj.uses_draft):
+        if not s.drafts_with_model():
             out.append(s)
         else:
             out += [RunSpec(f"{s.key}@{d}", s.method, {**s.params, "draft": d}) for d in drafts]

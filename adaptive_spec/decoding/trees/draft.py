@@ -17,7 +17,6 @@ import time
 import torch
 
 from ..sampling import SamplingParams, process_logits
-from .cache import tree_forward
 from .shapes import worth_growing
 
 
@@ -117,7 +116,7 @@ class DraftTree:
             attend[r, base + r] = True
         idx = torch.tensor(nodes, device=self.device)
         pos = torch.tensor([self.L - 1 + self.depth[j] for j in nodes], device=self.device)
-        logits, h = tree_forward(d, self.tok[idx], pos, attend.to(self.device))
+        logits, h = d.tree_forward(self.tok[idx], pos, attend.to(self.device))
         for r, j in enumerate(nodes):
             self.slot[j] = self.n_fwd + r
         self.n_fwd += n

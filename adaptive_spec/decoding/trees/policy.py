@@ -62,7 +62,7 @@ def _check_choices(method: str, drafting: str, estimator: str, head) -> None:
         raise UserError(f"unknown tree_estimator {estimator!r}; use positional or head")
     if estimator == "head" and drafting != "tree":
         raise UserError("tree_estimator 'head' builds the optimal tree; use it with drafting 'tree'")
-    if estimator == "head" and not hasattr(head, "acceptance_prob"):
+    if estimator == "head" and head is None:
         raise UserError("tree_estimator 'head' needs an acceptance head: set head (--head DIR) to a trained head, "
                         "or use tree_estimator positional")
 

@@ -19,7 +19,6 @@ import torch
 
 from ..interfaces import RoundState
 from ..sampling import SamplingParams, process_logits, residual, sample
-from .cache import compact_cache, tree_forward
 
 
 def target_pass(target, seq: torch.Tensor, tree, sampling: SamplingParams) -> torch.Tensor:
@@ -40,7 +39,7 @@ def target_pass(target, seq: torch.Tensor, tree, sampling: SamplingParams) -> to
     for j in range(1, N + 1):
         for a in tree.ancestors(j):
             attend[n_p + j - 1, L + a - 1] = True
-    logits, _ = tree_forward(target, ids, pos, attend.to(dev), logit_from=n_p - 1)
+    logits, _ = target.tree_forward(ids, pos, attend.to(dev), logit_from=n_p - 1)
     return process_logits(logits, sampling)
 
 
@@ -152,13 +151,13 @@ def compact_to_path(target, draft, tree, L: int, path: list[int]) -> None:
     was run on (a leaf never is); the target ran on every node."""
     if not tree.n:
         return
-    compact_cache(target, L, [L + j - 1 for j in path])
+    target.compact(L, [L + j - 1 for j in path])
     slots = []
     for j in path:
         if tree.slot[j] is None:
             break
         slots.append(L + tree.slot[j])
-    compact_cache(draft, L, slots)
+    draft.compact(L, slots)
 
 
 def finish_round(state: RoundState, tree, path: list[int]) -> None:

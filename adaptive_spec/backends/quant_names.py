@@ -1,0 +1,18 @@
+"""Each engine's quantization names, in one place: the engine records (engines.py) offer them, the settings
+(params.py) type them, and the engines' own modules (quant.py, llamacpp.py) implement them.
+
+A leaf: stdlib only, so the engine records need no engine module and no engine module needs the records.
+"""
+# torch's weight-only draft quantizations (backends/quant.py makes the layers)
+TORCH_DRAFT_QUANTS = ("int8", "int4")
+# llama.cpp's re-quantizations of a GGUF file (llamacpp.requantized_gguf): name -> (llama.cpp file type, the
+# one tensor type of every matrix or None). Without a type llama.cpp mixes types as its file type says (the
+# output matrix stays Q6_K); a "-pure" one puts every matrix, the output and the embedding included, in that
+# one type (`pure` plus output_tensor_type / token_embedding_type).
+GGUF_QUANTS = {
+    "q4_0": ("LLAMA_FTYPE_MOSTLY_Q4_0", None),
+    "q8_0": ("LLAMA_FTYPE_MOSTLY_Q8_0", None),
+    "q4_0-pure": ("LLAMA_FTYPE_MOSTLY_Q4_0", "GGML_TYPE_Q4_0"),
+    "q4_k-pure": ("LLAMA_FTYPE_MOSTLY_Q4_K_S", "GGML_TYPE_Q4_K"),
+    "iq4_nl-pure": ("LLAMA_FTYPE_MOSTLY_IQ4_NL", "GGML_TYPE_IQ4_NL"),
+}

@@ -1,0 +1,132 @@
+"""Replaying a recorded trace: the real decode loop, runners and kernels, with the acceptance a run of
+the real weights measured ("measured, not modelled").
+
+A trace (`Decoder(record_trace=True)`: `Metrics.trace`, a sweep's rows with `record_trace: true`) lists
+every verified chain round of one generation as [K, n accepted, source]. Replayed on models of the same
+shapes (random weights on a GPU, say), every round drafts exactly the recorded K (the inner policy's
+`should_stop` still runs on each step, for its cost: the learned head's forward) and its verification is
+told the recorded n (`Decoder(replay=...)`). So the replay does the recorded work (the same rounds, the
+same forwards of the same lengths) and reproduces the recorded counts (n_tokens, rounds, n_drafted,
+n_accepted, accepted_hist, n_final_cut); its wall time is what that work costs on this machine. The
+tokens are the other weights' own: EOS is off and the length is the recorded n_tokens.
+
+Why the rounds are owned here (a RoundOwner) and not left to the decoder with a stop rule: the decoder caps
+a round's K at the tokens left minus one, so that no round drafts past the length limit. A recorded round
+cut at an EOS drafted past the tokens it kept, so under a replay whose length is the recorded n_tokens
+its K would be capped. `TraceReplay` runs each chain round with the cap lifted to the recorded K, and the
+decoder's own cut at the length limit then removes what the recorded EOS cut (the last round's token
+from the target): the counts come out the same, n_final_cut included.
+
+Chain traces only: a tree round's K counts nodes, which no chain reproduces (`chain_trace` refuses them).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Iterator
+
+from ..errors import UserError
+from .decoder import Decoder, Generation
+from .interfaces import DraftStep, RoundOwner, RoundState, StopPolicy
+from .ngram import SpanSource
+from ..registry import Needs
+from .sampling import SamplingParams
+
+SOURCES = ("model", "ngram", "none")  # what drafted a chain round (Metrics.book_round)
+
+
+class TraceStop(StopPolicy):
+    """Stops at the round's recorded K; asks `inner` too (its cost is real), deciding by the trace."""
+
+    name = "trace"
+
+    def __init__(self, inner: StopPolicy | None = None):
+        self.inner = inner
+        self.k = 0
+
+    def reset(self) -> None:
+        if self.inner is not None:
+            self.inner.reset()
+
+    def begin_round(self, pos: int) -> int:
+        if self.inner is not None:
+            self.inner.begin_round(pos)
+        return self.k
+
+    def should_stop(self, step: DraftStep) -> bool:
+        if self.inner is not None and step.source == "model":
+            self.inner.should_stop(step)
+        return step.i >= self.k
+
+    def end_round(self, n_drafted: int, n_accepted: int) -> None:
+        if self.inner is not None:
+            self.inner.end_round(n_drafted, n_accepted)
+
+
+class TraceReplay(RoundOwner):
+    """Runs the rounds of `trace` (check_trace'd), one chain round each; pair it with a Decoder whose
+    `replay` is `accepted()` (replay_generate does both)."""
+
+    name = "replay"
+
+    def __init__(self, trace: list, inner: StopPolicy | None = None, needs: Needs | None = None):
+        """`needs`: what the recorded policy declared (default: the inner rule's; a trace of copies alone
+        needs no draft model): a lazily prefilled draft (prompt lookup's) replays lazily."""
+        self.trace = [(int(k), int(n), str(s)) for k, n, s in trace]
+        self.rule = TraceStop(inner)
+        self.needs = needs or (inner.needs if inner is not None else
+                               Needs(draft_model=any(s == "model" for _, _, s in self.trace)))
+        self.reset()
+
+    def reset(self) -> None:
+        self.i = 0
+        self.rule.reset()
+
+    def accepted(self) -> Iterator[int]:
+        """The recorded n of each round, in order: the Decoder's `replay`."""
+        return iter([n for _, n, _ in self.trace])
+
+    def run_round(self, state: RoundState) -> list[int]:
+        if self.i >= len(self.trace):
+            raise UserError(f"the trace has {len(self.trace)} rounds but the replay needs more; replay it with the "
+                            "n_tokens it was recorded with")
+        k, _, source = self.trace[self.i]
+        self.i += 1
+        self.rule.k = k
+        drafter = None
+        if source == "ngram":  # a copy costs no model forward: copy the last token, as a span would be copied
+            drafter = SpanSource([state.tokens[-1]] * k, state.decoder.target.vocab_size, state.seq.device)
+        # the recorded K, not capped at the tokens left (module doc); the decoder's cut does the rest
+        lifted = replace(state, remaining=max(state.remaining, k + 1))
+        return state.decoder.chain_round(lifted, self.rule, drafter)
+
+    def describe(self) -> dict:
+        return {"policy": self.name, "rounds": len(self.trace)}
+
+
+def check_trace(trace: list, n_tokens: int) -> list:
+    """`trace` as a chain trace of a generation of n_tokens tokens, or a UserError saying what is wrong."""
+    if not isinstance(trace, list) or not all(isinstance(r, (list, tuple)) and len(r) == 3 for r in trace):
+        raise UserError("a trace is a list of [K, n_accepted, source] rounds (Metrics.trace); record one with "
+                        "Decoder(record_trace=True) or a sweep with record_trace: true")
+    for i, (k, n, s) in enumerate(trace):
+        if s not in SOURCES or not 0 <= n <= k or (s == "none") != (k == 0):
+            raise UserError(f"trace round {i} is {[k, n, s]}: not a chain round (K >= n >= 0, source one of "
+                            f"{', '.join(SOURCES)}); tree and multi-draft traces do not replay as chains")
+    cut = sum(n + 1 for _, n, _ in trace) - n_tokens
+    if cut not in (0, 1):
+        raise UserError(f"the trace's rounds emit {n_tokens + cut} tokens but the row has n_tokens {n_tokens}: "
+                        "not the trace of that generation")
+    return trace
+
+
+def replay_generate(target, draft, prompt_ids: list[int], n_tokens: int, trace: list | None = None,
+                    inner: StopPolicy | None = None, sampling: SamplingParams = SamplingParams(1.0),
+                    seed: int = 0) -> Generation:
+    """Replay one recorded generation on the runners `target` and `draft` (any weights of the recorded
+    shapes): no trace (None, or an ar row's empty one) is the target alone for n_tokens; else its rounds,
+    with `inner` (the recorded policy's stop rule, built for these runners) asked at every drafted step."""
+    if not trace:
+        return Decoder(target, None).generate(prompt_ids, max_new_tokens=n_tokens, sampling=sampling, seed=seed)
+    policy = TraceReplay(check_trace(trace, n_tokens), inner)
+    dec = Decoder(target, draft, eos_token_ids=(), replay=policy.accepted())
+    return dec.generate(prompt_ids, max_new_tokens=n_tokens, sampling=sampling, policy=policy, seed=seed)

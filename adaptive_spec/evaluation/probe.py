@@ -1,0 +1,299 @@
+"""`adaptive-spec probe`: what pays on this machine, for one pair, engine, set of files and head: its
+costs measured once (cached) and each configuration's tok/s predicted from them, with the reason.
+
+    adaptive-spec probe --backend llama.cpp                          # the default pair's GGUF files
+    adaptive-spec probe --draft-quant int8                           # torch, with the served CPU draft
+    adaptive-spec probe --backend llama.cpp --target-quant q8_0 --json
+
+It loads the pair as `generate` does (the same pair flags) and takes the forward costs through the calls
+`--threshold auto` and `--k auto` make (decoding/auto.resolve_auto over decoding/costs.measure_costs, on
+the torch threads the decode has, cached per machine and pair: after a probe, `generate` with auto
+measures nothing, nor does a second probe): a one-row step, v(N) for passes of 1..9 rows and the
+longer ones copies verify in, the draft's step, both prefill rates, the loop's own time per row and per
+round. Each configuration is priced with auto's time model (the engine's: timemodel.predict_time) from
+the head's offline curve (counts per h and per K: the head and the data, not the machine):
+
+    target alone        one step a token
+    fixed K             the curve's best K
+    SpecDec++ h=auto    auto's pick: an h, or the target alone where no h pays (then the best h is named)
+    prompt lookup       a plain step where nothing is copied; in a long verbatim copy, the K copies a round
+                        that ngram.best_k takes at the copy rate of a long match (CopyAcceptance's prior)
+    combined            SpecDec++ h=auto where nothing is copied, prompt lookup where something is
+
+Decode tok/s leave prefill out; wall tok/s add it for --prompt-tokens at the measured prefill rates.
+eval/bench_probe.py checks the predictions against measured runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from .. import params
+from ..errors import UserError, run_main
+
+DEFAULT_HEAD = "checkpoints/qwen-coder-0.5b-int8-stats-d3"
+# a long verbatim copy: a match this long is CopyAcceptance's top bucket (its prior: 0.97 of copies accepted)
+COPY_MATCH = 16
+INTERRUPTED = "nothing was written (forward times measured in full are cached); run the same command again"
+
+
+# ----------------------------------------------------------------------------- pricing (no model needed)
+
+def _rate(point: dict, coef: dict) -> float:
+    from ..decoding.timemodel import predict_time
+
+    return point["n_tokens"] / predict_time(point, coef)
+
+
+def _curve_point(curve: dict, need: str, value, cap=None) -> dict:
+    if need == "k":
+        return next(p for p in curve["fixed_k"] if p["k"] == value)
+    if cap is not None:
+        for p in curve.get("capped", []):
+            if p["h"] == value and p["k_max"] == cap:
+                return p
+    return next(p for p in curve["thresholds"] if p["h"] == value)
+
+
+def _best_drafting(choice: dict) -> tuple:
+    """(value, cap, predicted tok/s) of the best drafting h or K the pick priced, whatever it chose."""
+    cands = [(v, None, t) for v, t in choice["predicted"].items()]
+    for label, t in (choice.get("predicted_capped") or {}).items():
+        h, cap = label.split("@")
+        cands.append((float(h), int(cap), t))
+    return max(cands, key=lambda c: c[2])
+
+
+def copy_round(costs, coef: dict, k_max: int) -> dict:
+    """A round of a long verbatim copy under `--policy ngram --k auto`: the K copies ngram.best_k takes
+    (a match of COPY_MATCH tokens, CopyAcceptance's prior, v(n) as measured) at the rate it settles to
+    (Dinkelbach's rule: lambda the tokens per step so far); with its expected tokens and its tok/s."""
+    from ..decoding.ngram import CopyAcceptance, best_k, verify_steps_of
+
+    a = CopyAcceptance().predict(COPY_MATCH, min(k_max, COPY_MATCH))  # at most as many copies as match
+    v = verify_steps_of(costs)
+    lam, K, expected = 1.0, 0, 1.0
+    for _ in range(100):
+        K, value = best_k(a, v, lam)
+        expected = value + lam * v(K + 1)
+        if abs(expected / v(K + 1) - lam) < 1e-12:
+            break
+        lam = expected / v(K + 1)
+    point = {"n_tokens": expected, "n_target_forwards": 1.0, "n_draft_forwards": 0.0, "n_drafted": float(K),
+             "n_accepted": expected - 1.0, "target_pass_hist": {str(K + 1): 1.0}}
+    return {"k": K, "tokens": expected, "steps": v(K + 1), "accepted": a[0], "tokens_per_s": _rate(point, coef)}
+
+
+def predict(pair, head: str | None, temperature: float, prompt_tokens: int, max_new_tokens: int,
+            k_max: int = params.NgramParams().k_max) -> dict:
+    """Every configuration's predicted tok/s on `pair` (loaded; or anything resolve_auto and measure_costs
+    take, e.g. a pair with pinned_costs), priced as `auto` prices them; the draft's configurations only
+    with a draft and a head."""
+    from ..decoding.auto import AR, DEFAULT_TIME_MODEL, load_curve, resolve_auto
+    from ..decoding.costs import measure_costs
+    from ..decoding.timemodel import coef_of, effective_model
+    from .report_data import ONE_STEP, round_costs
+
+    costs = measure_costs(pair)
+    picks = {}
+    if pair.draft is not None and head is not None:
+        for need, p in (("h", params.policy_params("learned", head=head, threshold="auto")),
+                        ("k", params.policy_params("fixed", k="auto", curve=str(_curve_file(head))))):
+            picks[need] = resolve_auto(pair, p, temperature=temperature)[1]
+    # the mode and model resolve_auto priced with (picks' "model"); the same without a draft
+    loop = "greedy" if temperature == 0 else "sample"
+    model = next(iter(picks.values()))["model"] if picks else effective_model(
+        costs, getattr(pair.engine, "time_model", DEFAULT_TIME_MODEL))
+    coef = coef_of(costs, model, loop)
+    ar = _rate(ONE_STEP, coef)
+    v = lambda n: costs.verify_s(n) / costs.verify_s(1)  # noqa: E731
+
+    def entry(name, policy, rate, reason, drafts, catch_up=False, **extra):
+        decode, wall = timed(costs.to_dict(), rate, drafts, catch_up, prompt_tokens, max_new_tokens)
+        return {"name": name, "policy": policy, "rate_tokens_per_s": rate, "drafts": drafts, "catch_up": catch_up,
+                "decode_tokens_per_s": decode, "wall_tokens_per_s": wall, "speedup": decode / ar, "reason": reason,
+                **extra}
+
+    def verdict(x):
+        return "drafting pays" if x > 1 else "drafting does not pay"
+
+    loop_ms = 1e3 * coef.get("loop_row", 0.0)
+    rows = [entry("target alone", {"policy": "ar"}, ar, f"one step: {1e3 / ar:.1f} ms (the target's pass "
+                  f"{1e3 / ar - loop_ms:.1f} ms, sampling {loop_ms:.1f} ms)", False)]
+    copy = copy_round(costs, coef, k_max)
+    copying = {"k": copy["k"], "decode_tokens_per_s": max(copy["tokens_per_s"], ar),
+               "speedup": max(copy["tokens_per_s"], ar) / ar}
+    copy_why = (f"in a long verbatim copy {copy['k']} copies a round ({copy['accepted']:.2f} accepted each) "
+                f"verify in a {copy['k'] + 1}-row pass of {copy['steps']:.2f} steps for {copy['tokens']:.2f} tokens: "
+                f"{copying['speedup']:.2f}x" if copy["k"] else "no copy pays even in a long verbatim copy")
+    auto_row = None
+    if picks:
+        curve = load_curve(_curve_file(head), "h", head)
+        kc = picks["k"]
+        K = max(kc["predicted"], key=kc["predicted"].get)
+        r = round_costs(_curve_point(curve, "k", K), coef)
+        tps = kc["predicted"][K]
+        rows.append(entry(f"fixed K={K}", {"policy": "fixed", "k": K}, tps,
+                          f"a {K + 1}-row pass costs {v(K + 1):.2f} steps and a draft step {costs.c:.2f}: "
+                          f"{r['steps']:.2f} steps a round for {r['tokens']:.2f} tokens ({r['accepted']:.2f} of "
+                          f"candidates accepted): {verdict(tps / ar)}", True, round=r))
+        hc = picks["h"]
+        h, cap, best_tps = _best_drafting(hc)
+        r = round_costs(_curve_point(curve, "h", h, cap), coef)
+        h_label = f"{h:g}" + (f" with K <= {cap}" if cap is not None else "")
+        best = {"h": h, "k_max": cap, "decode_tokens_per_s": best_tps, "speedup": best_tps / ar, "round": r}
+        if hc["value"] == AR:
+            why = (f"runs the target alone: the best h ({h_label}) would take {r['steps']:.2f} steps a round for "
+                   f"{r['tokens']:.2f} tokens ({best_tps / ar:.2f}x)")
+        else:
+            why = (f"h = {h_label}: {r['drafted']:.2f} drafted a round, {r['tokens']:.2f} tokens for {r['steps']:.2f} "
+                   f"steps (a draft step {costs.c:.2f}, passes mostly {r['rows']} rows at {v(r['rows']):.2f}): "
+                   f"{verdict(hc['tokens_per_s'] / ar)}")
+        auto_row = entry("SpecDec++ h=auto", {"policy": "learned", "head": head, "threshold": "auto"},
+                         hc["tokens_per_s"], why, hc["value"] != AR, pick=hc["value"], best=best)
+        rows.append(auto_row)
+    rows.append(entry("prompt lookup", {"policy": "ngram"}, ar, "a plain step where nothing is copied (1.00x); "
+                      + copy_why + (": pays where the answer copies the prompt" if copy["k"] else ""), False,
+                      copying=copying))
+    if auto_row is not None:
+        fallback = "the target alone" if auto_row["pick"] == AR else f"SpecDec++ h = {auto_row['pick']:g}"
+        rows.append(entry("combined", {"policy": "ngram", "fallback": "learned", "head": head, "threshold": "auto"},
+                          auto_row["decode_tokens_per_s"], f"rounds without a copy run {fallback} "
+                          f"({auto_row['speedup']:.2f}x); copying rounds as prompt lookup "
+                          f"({copying['speedup']:.2f}x in a long copy)", auto_row["pick"] != AR,
+                          catch_up=auto_row["pick"] != AR, copying=copying))
+    return {"engine": pair.engine.name, "time_model": model, "sampling": loop, "temperature": temperature,
+            "head": head if picks else None, "prompt_tokens": prompt_tokens, "max_new_tokens": max_new_tokens,
+            "costs": costs.to_dict(), "configurations": rows}
+
+
+def timed(costs: dict, rate: float, drafts: bool, catch_up: bool, prompt_tokens: float,
+          n_tokens: float) -> tuple[float, float | None]:
+    """(decode, wall) tok/s of n_tokens after a prompt of prompt_tokens, decoded at `rate`: wall adds the prompt's
+    prefill at the measured rates, the draft's too where it drafts, as a generation's auto pick states it
+    (pipeline.predicted_wall; None without measured prefill rates). `catch_up`: the draft reads the prompt in
+    its first round instead (the n-gram policy's fallback), so its prefill falls in decode time."""
+    from ..decoding.auto import AR
+    from ..decoding.pipeline import predicted_wall
+
+    wall = predicted_wall({"costs": costs, "value": 1 if drafts else AR, "tokens_per_s": rate}, prompt_tokens,
+                           n_tokens).get("wall_tokens_per_s")
+    if not catch_up:
+        return rate, wall
+    return n_tokens / (n_tokens / rate + costs.get("t_prefill_draft", 0.0) * max(prompt_tokens - 1, 0)), wall
+
+
+def _curve_file(head):
+    from ..heads.curve import curve_path
+
+    return curve_path(head)
+
+
+# ----------------------------------------------------------------------------- measuring
+
+def run(pair_params, head: str | None = DEFAULT_HEAD, temperature: float = 1.0, prompt_tokens: int = 128,
+        max_new_tokens: int = 128, reps: int | None = None) -> dict:
+    """Load the pair, measure its costs (or read them from the cache) and predict (see `predict`); with the
+    machine, how long loading and measuring took, and where the costs are cached."""
+    from transformers.utils import logging as hf_logging
+
+    from ..backends.cpu import describe
+    from ..decoding.costs import config_key, cost_config, costs_dir, measure_costs
+    from ..decoding.pipeline import SpecPair, torch_threads
+
+    hf_logging.disable_progress_bar()
+    t0 = time.perf_counter()
+    pair = SpecPair.load(pair_params)
+    loaded = time.perf_counter()
+    # on the torch threads the decode has: the cost cache's key holds them, so auto finds this measurement
+    with torch_threads(pair.engine.decode_torch_threads):
+        path = costs_dir() / f"{config_key(cost_config(pair))}.json"
+        cached = path.is_file()
+        if reps is not None and not cached:
+            measure_costs(pair, reps=reps)  # cached, so that `predict` (and auto after it) reads this one
+        measure_costs(pair)
+        measured = time.perf_counter()
+        out = predict(pair, head if pair.draft is not None else None, temperature, prompt_tokens, max_new_tokens)
+    return {"machine": describe(), "pair": pair_params.model_dump(exclude_defaults=True), **out,
+            "cache": str(path), "cached": cached, "load_s": loaded - t0, "measure_s": measured - loaded}
+
+
+# ----------------------------------------------------------------------------- output
+
+def render(result: dict) -> str:
+    """The probe's text: the costs, one line per configuration (predicted tok/s, speed-up, why), the fastest."""
+    c = result["costs"]
+    t1 = c["t_verify"][0] if c.get("t_verify") else c["t_target"]
+    v = " ".join(f"{t / t1:.2f}" for t in c.get("t_verify") or ())
+    longs = ", ".join(f"v({n}) = {t / t1:.2f}" for n, t in sorted((int(n), t) for n, t in
+                                                                  (c.get("t_verify_long") or {}).items()))
+    m = result.get("machine") or {}
+    how = ("read from the cache" if result.get("cached") else f"measured in {result['measure_s']:.0f} s") \
+        if "measure_s" in result else "given"
+    lines = [f"{m.get('cpu', 'this machine')} ({m.get('isa', '?')}, {m.get('threads', '?')} threads), engine "
+             f"{result['engine']}" + (f", pair {json.dumps(result['pair'])}" if result.get("pair") else "")
+             + (f", head {result['head']}" if result.get("head") else ""),
+             f"costs ({how}{'; ' + result['cache'] if result.get('cache') else ''}): a step {1e3 * t1:.1f} ms; "
+             f"a pass of 1..{len(c.get('t_verify') or ())} rows costs v = {v or '-'} steps"
+             + (f", {longs}" if longs else "") + f"; a draft step {c['t_draft'] / c['t_target']:.2f} steps; prefill "
+             f"{1e3 * c.get('t_prefill', 0.0):.2f} ms a prompt token (draft {1e3 * c.get('t_prefill_draft', 0.0):.2f})",
+             f"predicted with the {result['time_model']} time model ({result['sampling']} sampling); wall: a "
+             f"{result['prompt_tokens']}-token prompt and {result['max_new_tokens']} new tokens", ""]
+    rows = result["configurations"]
+    width = max(len(r["name"]) for r in rows)
+    lines.append(f"{'configuration':{width}}  decode tok/s  wall tok/s  speed-up  why")
+    for r in rows:
+        wall = f"{r['wall_tokens_per_s']:10.2f}" if r.get("wall_tokens_per_s") else f"{'-':>10}"
+        lines.append(f"{r['name']:{width}}  {r['decode_tokens_per_s']:12.2f}  {wall}  {r['speedup']:7.2f}x  "
+                     f"{r['reason']}")
+    best = max(rows, key=lambda r: r["decode_tokens_per_s"])
+    lines += ["", f"fastest here: {best['name']}, {best['decode_tokens_per_s']:.2f} tok/s decoding "
+              f"({best['speedup']:.2f}x the target alone)" + ("; prompt lookup also pays where the answer copies "
+                                                             "the prompt" if any((r.get('copying') or {}).get('k')
+                                                                                 for r in rows) else "")]
+    return "\n".join(lines)
+
+
+def _main(argv) -> int:
+    from .. import cli
+
+    ap = cli._Parser(prog="adaptive-spec probe", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    cli._add_fields(ap, params.PairParams.model_fields, lambda key: "")
+    ap.add_argument("--head", default=DEFAULT_HEAD,
+                    help=f"acceptance head with its threshold_curve.json (default {DEFAULT_HEAD}; none: no draft "
+                         "configurations)")
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature the decode will use (0: greedy)")
+    ap.add_argument("--prompt-tokens", type=int, default=128, help="prompt length the wall tok/s assume (128)")
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated, for the wall tok/s (128)")
+    ap.add_argument("--reps", type=int, default=None,
+                    help="timing rounds where nothing is cached (default: auto's own count)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as e:  # --help, or a bad argument (already reported on one line)
+        return e.code if isinstance(e.code, int) else 2
+    for name in ("prompt_tokens", "max_new_tokens", "reps"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.temperature < 0:
+        raise UserError(f"--temperature must be >= 0, got {args.temperature}")
+    pair = params.pair_params(spell=cli.flag, **cli._set(args, params.PairParams.model_fields))
+    head = None if str(args.head).lower() == "none" else args.head
+    if head is not None and pair.draft is not None:
+        learned = params.policy_params("learned", spell=cli.flag, head=head, threshold="auto")  # the curve exists
+        params.check_runs_on(learned, pair.engine)
+    pair.engine.check_available()
+    result = run(pair, head, args.temperature, args.prompt_tokens, args.max_new_tokens, args.reps)
+    print(json.dumps(result, default=str) if args.json else render(result))
+    return 0
+
+
+def main(argv=None) -> int:
+    return run_main(_main, argv, INTERRUPTED)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

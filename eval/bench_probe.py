@@ -1,0 +1,192 @@
+"""Does `adaptive-spec probe` predict what runs measure? Per engine: the probe (costs measured once, tok/s
+predicted per configuration), then a sweep of exactly the configurations it priced on the same machine, and
+each prediction beside the measured decode and wall tok/s (goal: within 10%).
+
+    python eval/bench_probe.py --prompts 5 --out eval/results/bench_probe_<cpu>
+    python eval/bench_probe.py --engines llama.cpp --datasets humaneval --prompts 1 --max-new-tokens 16 --out /tmp/p
+
+Per engine: the probe's JSON (<out>/probe_<engine>.json) and a sweep (<out>/sweep_<engine>/, resumable: rerun the
+same command) of the target alone, the probe's best fixed K, SpecDec++ h=auto, SpecDec++ at the best h where auto
+runs the target alone (its prediction is then the drafting one), prompt lookup (k auto) and the two combined, at
+T = 1 top-k 50 (the sampling the head's curve was replayed at). Measured: pooled over every prompt of every set,
+decode = tokens / (wall - prefill), wall = tokens / wall; the predicted wall adds the prefill of the rows' mean
+prompt at the probe's measured rates. Prompt lookup is predicted as the plain steps it falls back to where
+nothing is copied; the three sets' answers copy little, so that is the prediction this checks. GSM8K and
+AlpacaEval come from ../shared/data or ADAPTIVE_SPEC_DATA. `--report-only` rebuilds the report from the folder.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+from pathlib import Path
+
+from adaptive_spec.errors import UserError, run_main
+from adaptive_spec.evaluation import probe
+from adaptive_spec.evaluation.paired import run_header
+from adaptive_spec.runs import read_jsonl, write_json
+from adaptive_spec.tables import md_table
+
+GOAL = 0.10  # |predicted / measured - 1|
+BEST_H = "specdec++ best h"  # the drafting h, where auto runs the target alone
+
+
+def sweep_config(result: dict, engine: str, args) -> dict:
+    """The sweep of the configurations the probe priced (sweep.py's keys)."""
+    rows = {r["name"].split(" K=")[0]: r for r in result["configurations"]}
+    head = result["head"]
+    pair = {"backend": engine, "threads": args.threads}
+    if engine == "torch":
+        pair["draft_quant"] = args.torch_draft_quant
+    cfg = {"pair": pair, "datasets": args.datasets.split(","), "n_prompts": args.prompts,
+           "max_new_tokens": args.max_new_tokens, "temperature": 1.0, "top_k": 50, "chat": True, "seed": 0,
+           "ks": [], "heads": [], "thresholds": [], "confidence_taus": [], "entropy_taus": [], "heuristic": False,
+           "include_ar": True, "include_draft_ar": False, "hf_assisted": False,
+           "policies": [{"policy": "ngram", "label": "prompt lookup"}]}
+    if head is not None:
+        auto = rows["SpecDec++ h=auto"]
+        cfg.update(ks=[rows["fixed"]["policy"]["k"]], heads=[head], thresholds=["auto"])
+        cfg["policies"].append({**rows["combined"]["policy"], "label": "combined"})
+        if auto["pick"] == "ar":
+            best = auto["best"]
+            cfg["policies"].append({"policy": "learned", "head": head, "threshold": best["h"], "label": BEST_H,
+                                    **({"k_max": best["k_max"]} if best["k_max"] is not None else {})})
+    return cfg
+
+
+def pairs_of(result: dict, rows: list[dict]) -> list[tuple[str, dict | None, list[dict]]]:
+    """(configuration, its prediction, its measured rows) for each configuration the probe priced."""
+    by = {r["name"].split(" K=")[0]: r for r in result["configurations"]}
+    pick = lambda f: [r for r in rows if f(r)]  # noqa: E731
+    out = [("target alone", by["target alone"], pick(lambda r: r["config"] == "ar"))]
+    if "fixed" in by:
+        k = by["fixed"]["policy"]["k"]
+        out.append((f"fixed K={k}", by["fixed"], pick(lambda r: r["config"] == f"fixed:k={k}")))
+        auto = by["SpecDec++ h=auto"]
+        out.append(("SpecDec++ h=auto", auto, pick(lambda r: r["method"] == "learned_auto")))
+        if auto["pick"] == "ar":
+            best = auto["best"]
+            label = f"SpecDec++ h={best['h']:g}" + (f" with K <= {best['k_max']}" if best["k_max"] is not None else "")
+            out.append((label, {"rate_tokens_per_s": best["decode_tokens_per_s"], "drafts": True, "catch_up": False},
+                        pick(lambda r: r["config"] == BEST_H)))
+    out.append(("prompt lookup", by["prompt lookup"], pick(lambda r: r["config"] == "prompt lookup")))
+    if "combined" in by:
+        out.append(("combined", by["combined"], pick(lambda r: r["config"] == "combined")))
+    return out
+
+
+def compare(result: dict, rows: list[dict]) -> list[dict]:
+    """Per configuration: predicted and measured decode and wall tok/s, pooled over the rows."""
+    out = []
+    for name, pred, rs in pairs_of(result, rows):
+        if not rs:
+            continue
+        n = sum(r["n_tokens"] for r in rs)
+        wall = sum(r["wall_s"] for r in rs)
+        decode = sum(r["wall_s"] - r["prefill_s"] for r in rs)
+        prompt = sum(r["n_prompt_tokens"] for r in rs) / len(rs)
+        p_decode, p_wall = probe.timed(result["costs"], pred["rate_tokens_per_s"], pred["drafts"], pred["catch_up"],
+                                       prompt, n / len(rs))
+        out.append({"name": name, "runs": len(rs), "prompt_tokens": prompt, "predicted_decode": p_decode,
+                    "decode": n / decode, "predicted_wall": p_wall, "wall": n / wall})
+    return out
+
+
+def report(results: dict, sweeps: dict, run: dict) -> str:
+    """results: engine -> the probe's JSON; sweeps: engine -> its sweep rows."""
+    err = lambda p, m: "—" if p is None else f"{100 * (p / m - 1):+.1f}%"  # noqa: E731
+    ok = lambda *e: "yes" if all(x is not None and abs(x) <= GOAL for x in e) else "**no**"  # noqa: E731
+    lines = [f"# Probe predictions against measured runs: {run['datasets']} x {run['prompts']} prompts x "
+             f"{run['max_new_tokens']} tokens, T = 1 top-k 50, {run['threads']} threads", "", run["cpu"], "",
+             "Each engine: what `adaptive-spec probe` printed (costs measured once, then cached), then the sweep of "
+             "the configurations it priced, run after it on the same machine. Measured tok/s pool every prompt of "
+             f"every set; decode leaves prefill out. Goal: every prediction within {100 * GOAL:.0f}% of the "
+             "measured decode and wall tok/s.", ""]
+    for engine, result in results.items():
+        table, worst = [], 0.0
+        for c in compare(result, sweeps.get(engine, [])):
+            ed = c["predicted_decode"] / c["decode"] - 1
+            ew = None if c["predicted_wall"] is None else c["predicted_wall"] / c["wall"] - 1
+            worst = max(worst, abs(ed), abs(ew or 0.0))
+            table.append([c["name"], str(c["runs"]), f"{c['predicted_decode']:.2f}", f"{c['decode']:.2f}",
+                          err(c["predicted_decode"], c["decode"]),
+                          "—" if c["predicted_wall"] is None else f"{c['predicted_wall']:.2f}", f"{c['wall']:.2f}",
+                          err(c["predicted_wall"], c["wall"]), ok(ed, ew)])
+        lines += [f"## {engine}", "", "```", probe.render(result), "```", "",
+                  md_table(["configuration", "runs", "predicted decode tok/s", "measured", "error",
+                            "predicted wall tok/s", "measured", "error", f"within {100 * GOAL:.0f}%"], table), "",
+                  f"Largest error: {100 * worst:.1f}%.", ""]
+    lines.append(f"Written {run['written']} by `python eval/bench_probe.py`.")
+    return "\n".join(lines) + "\n"
+
+
+def _load(out: Path, engines: list[str]) -> tuple[dict, dict]:
+    results, sweeps = {}, {}
+    for engine in engines:
+        path = out / f"probe_{engine}.json"
+        if not path.is_file():
+            raise UserError(f"{path} does not exist: run the benchmark without --report-only first")
+        results[engine] = json.loads(path.read_text())
+        rows = out / f"sweep_{engine}" / "results.jsonl"
+        sweeps[engine] = list(read_jsonl(rows)) if rows.is_file() else []
+    return results, sweeps
+
+
+def _main(argv) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engines", default="llama.cpp,torch")
+    ap.add_argument("--datasets", default="humaneval,gsm8k,alpaca")
+    ap.add_argument("--prompts", type=int, default=5, help="per set")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--head", default=probe.DEFAULT_HEAD)
+    ap.add_argument("--torch-draft-quant", default="int8", help="the torch draft's weights (the head's draft)")
+    ap.add_argument("--reps", type=int, default=None, help="the probe's timing rounds where nothing is cached")
+    ap.add_argument("--out", default="eval/results/bench_probe")
+    ap.add_argument("--report-only", action="store_true", help="run nothing: the report of what <out> holds")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    if args.report_only:
+        run = run_header(out, report_only=True)
+        (out / "report.md").write_text(report(*_load(out, run["engines"]), run))
+        return 0
+    import torch
+
+    from adaptive_spec.backends.cpu import flags_line
+    from adaptive_spec.evaluation import sweep
+    from adaptive_spec.params import pair_params
+
+    torch.set_num_threads(args.threads)
+    out.mkdir(parents=True, exist_ok=True)
+    engines = args.engines.split(",")
+    for engine in engines:
+        path = out / f"probe_{engine}.json"
+        if not path.is_file():  # a rerun keeps the first probe: its predictions are what the rows are checked against
+            pair = pair_params(backend=engine, threads=args.threads,
+                               **({"draft_quant": args.torch_draft_quant} if engine == "torch" else {}))
+            write_json(path, probe.run(pair, args.head, 1.0, 128, args.max_new_tokens, args.reps), indent=1,
+                       default=str)
+            gc.collect()  # the probe's pair, before the sweep loads its own
+        result = json.loads(path.read_text())
+        config = out / f"sweep_{engine}.yaml"
+        config.write_text(json.dumps(sweep_config(result, engine, args), indent=1))  # JSON is YAML
+        if sweep.main(["--config", str(config), f"out_dir={out / f'sweep_{engine}'}"]) != 0:
+            return 2
+        gc.collect()
+    header = run_header(out, report_only=False, measure=lambda: {
+        "script": f"eval/{Path(__file__).name}", "engines": engines, "datasets": args.datasets,
+        "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "threads": args.threads, "cpu": flags_line()})
+    md = report(*_load(out, engines), header)
+    (out / "report.md").write_text(md)
+    print(md)
+    return 0
+
+
+def main(argv=None) -> int:
+    return run_main(_main, sys.argv[1:] if argv is None else argv,
+                    "the probes and the finished sweep rows are kept in <out>; rerun the same command to resume")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

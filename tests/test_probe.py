@@ -1,0 +1,181 @@
+"""`adaptive-spec probe`: each configuration priced as `auto` prices it, from fixed cost tables (no timing);
+one run on tiny models for the measuring path, the cache and the JSON."""
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from adaptive_spec.backends import engines
+from adaptive_spec.decoding.auto import resolve_auto
+from adaptive_spec.decoding.costs import Costs
+from adaptive_spec.evaluation import probe
+from adaptive_spec.params import policy_params
+
+HEAD = probe.DEFAULT_HEAD  # committed, with its threshold_curve.json
+LOOP = {"sample": {"row": 0.0005, "round": 0.0002}, "greedy": {"row": 0.0002, "round": 0.0001}}
+
+
+def costs(t1, v, c, longs=None, prefill=0.02, prefill_draft=0.01):
+    """A cost table: one-row step t1 seconds, v(1..9) in steps, a draft step c target steps."""
+    return Costs(c * t1, t1, 0.0, "fixed", "test", tuple(t1 * x for x in v), prefill, prefill_draft, LOOP,
+                 {n: t1 * x for n, x in (longs or {}).items()} or None)
+
+
+# the issue's 2-core AVX2 EPYC on llama.cpp: a 4-row pass costs 2.81 steps, a draft step 0.88
+SLOW_PASSES = costs(0.2075, (1.00, 1.52, 2.00, 2.81, 3.2, 3.6, 4.0, 4.4, 4.8), 0.88,
+                    {12: 6.0, 16: 8.0, 24: 12.0, 32: 16.0, 48: 24.0})
+# a memory-bound step: passes of up to 9 rows cost about one step, a draft step 0.3
+CHEAP_PASSES = costs(0.1, (1.0, 1.0, 1.02, 1.04, 1.06, 1.1, 1.2, 1.3, 1.4), 0.3,
+                     {12: 1.6, 16: 1.9, 24: 2.6, 32: 3.3, 48: 4.8})
+
+
+def fake_pair(c, engine="llama.cpp", draft=True):
+    """What resolve_auto and measure_costs read of a pair: its engine, its picks, its pinned costs."""
+    return SimpleNamespace(engine=engines.get(engine), auto_picks={}, pinned_costs=c,
+                           draft=object() if draft else None)
+
+
+def by_name(result):
+    return {r["name"].split(" K=")[0]: r for r in result["configurations"]}
+
+
+@pytest.mark.parametrize("engine", ["llama.cpp", "torch"])
+def test_where_passes_cost_steps_drafting_does_not_pay_and_auto_runs_the_target_alone(engine):
+    result = probe.predict(fake_pair(SLOW_PASSES, engine), HEAD, 1.0, 128, 128)
+    rows = by_name(result)
+    ar = rows["target alone"]["decode_tokens_per_s"]
+    # one step and the loop's time per row: what auto's target-alone rate is
+    assert ar == pytest.approx(1 / (0.2075 + 0.0005))
+    assert rows["SpecDec++ h=auto"]["pick"] == "ar" and rows["SpecDec++ h=auto"]["decode_tokens_per_s"] == ar
+    assert "runs the target alone" in rows["SpecDec++ h=auto"]["reason"]
+    assert rows["SpecDec++ h=auto"]["best"]["speedup"] < 1 and rows["fixed"]["speedup"] < 1
+    assert "drafting does not pay" in rows["fixed"]["reason"]
+    assert rows["combined"]["decode_tokens_per_s"] == ar
+    assert max(result["configurations"], key=lambda r: r["decode_tokens_per_s"])["speedup"] == 1.0
+    assert "fastest here: target alone" in probe.render(result)
+
+
+def test_where_passes_are_cheap_the_rows_are_autos_picks_and_their_reasons_hold_their_numbers():
+    pair = fake_pair(CHEAP_PASSES, "torch")
+    result = probe.predict(pair, HEAD, 1.0, 128, 128)
+    rows = by_name(result)
+    learned = resolve_auto(fake_pair(CHEAP_PASSES, "torch"), policy_params("learned", head=HEAD, threshold="auto"),
+                           temperature=1.0)[1]
+    assert learned["value"] != "ar" and rows["SpecDec++ h=auto"]["pick"] == learned["value"]
+    assert rows["SpecDec++ h=auto"]["decode_tokens_per_s"] == pytest.approx(learned["tokens_per_s"])
+    assert rows["SpecDec++ h=auto"]["speedup"] > 1.2 and "drafting pays" in rows["SpecDec++ h=auto"]["reason"]
+    fixed = rows["fixed"]
+    k = fixed["policy"]["k"]
+    assert fixed["decode_tokens_per_s"] == max(pair.auto_picks[next(key for key in pair.auto_picks
+                                                                    if key[1] == "k")]["predicted"].values())
+    # the reason's round (tokens and steps) is the prediction: speed-up = tokens a round / steps a round
+    r = fixed["round"]
+    assert fixed["speedup"] == pytest.approx(r["tokens"] / r["steps"])
+    assert f"a {k + 1}-row pass costs" in fixed["reason"] and f"{r['tokens']:.2f} tokens" in fixed["reason"]
+    # without copies the combined policy runs SpecDec++'s rounds
+    assert rows["combined"]["rate_tokens_per_s"] == rows["SpecDec++ h=auto"]["decode_tokens_per_s"]
+
+
+def test_prompt_lookup_pays_in_a_long_copy_only_where_a_many_row_pass_is_cheap():
+    coef = lambda c: {"t_draft": c.t_draft, "t_target": c.t_target, "t_cand": 0.0, "verify_s": c.verify_s}  # noqa: E731
+    cheap = probe.copy_round(CHEAP_PASSES, coef(CHEAP_PASSES), 48)
+    assert cheap["k"] >= 8 and cheap["tokens_per_s"] * 0.1 > 3  # > 3x a 0.1 s step
+    # every row a step (v(n) = n): no copy pays for its row
+    linear = costs(0.1, tuple(range(1, 10)), 0.3, {n: n for n in (12, 16, 24, 32, 48)})
+    none = probe.copy_round(linear, coef(linear), 48)
+    assert none["k"] == 0 and none["tokens_per_s"] == pytest.approx(10.0)
+    rows = by_name(probe.predict(fake_pair(linear, draft=False), None, 1.0, 128, 128))
+    assert set(rows) == {"target alone", "prompt lookup"}  # no draft: no draft configurations
+    assert rows["prompt lookup"]["copying"]["speedup"] == 1.0 and "no copy pays" in rows["prompt lookup"]["reason"]
+
+
+def test_wall_adds_the_prompts_prefill_at_the_measured_rates():
+    rows = by_name(probe.predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 101, 128))
+    for name, drafts in (("target alone", False), ("SpecDec++ h=auto", True), ("prompt lookup", False),
+                         ("combined", True)):
+        r = rows[name]
+        prefill = 100 * (0.02 + (0.01 if drafts else 0.0))
+        assert r["wall_tokens_per_s"] == pytest.approx(128 / (128 / r["rate_tokens_per_s"] + prefill))
+    # the combined policy's draft reads the prompt in its first model round: in decode time
+    auto, combined = rows["SpecDec++ h=auto"], rows["combined"]
+    assert auto["decode_tokens_per_s"] == auto["rate_tokens_per_s"] == combined["rate_tokens_per_s"]
+    assert combined["decode_tokens_per_s"] == pytest.approx(128 / (128 / auto["rate_tokens_per_s"] + 100 * 0.01))
+
+
+def test_greedy_prices_the_greedy_loop():
+    slow_loop = costs(0.1, (1.0,) * 9, 0.3)
+    slow_loop.loop = {"greedy": {"row": 0.05, "round": 0.0}, "sample": {"row": 0.0, "round": 0.0}}
+    greedy = by_name(probe.predict(fake_pair(slow_loop, draft=False), None, 0.0, 128, 128))
+    sampled = by_name(probe.predict(fake_pair(slow_loop, draft=False), None, 1.0, 128, 128))
+    assert greedy["target alone"]["decode_tokens_per_s"] == pytest.approx(1 / 0.15)
+    assert sampled["target alone"]["decode_tokens_per_s"] == pytest.approx(1 / 0.1)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--head", "no/such/head"], "no/such/head"),
+    (["--prompt-tokens", "0"], "--prompt-tokens must be >= 1, got 0"),
+    (["--backend", "onnx"], "onnx"),
+    (["--draft-quant", "int3"], "int3"),
+])
+def test_refusals_are_one_line_before_any_model_loads(argv, needle, capsys):
+    assert probe.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+
+
+def test_a_probe_on_tiny_models_measures_once_then_reads_the_cache(tmp_path, monkeypatch, capsys):
+    from adaptive_spec.backends.toy import save_model
+
+    monkeypatch.setenv("ADAPTIVE_SPEC_CACHE", str(tmp_path / "cache"))
+    target = save_model(tmp_path / "target", vocab_size=32, hidden_size=16, seed=1)
+    argv = ["--target", str(target), "--draft", "none", "--dtype", "fp32", "--device", "cpu", "--threads", "1",
+            "--reps", "1", "--json"]
+    assert probe.main(argv) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert not first["cached"] and (tmp_path / "cache" / "costs").is_dir()
+    assert [r["name"] for r in first["configurations"]] == ["target alone", "prompt lookup"]
+    assert probe.main(argv) == 0
+    second = json.loads(capsys.readouterr().out)
+    assert second["cached"] and second["costs"] == first["costs"] and second["cache"] == first["cache"]
+    assert probe.main(argv[:-1]) == 0
+    assert "fastest here:" in capsys.readouterr().out
+
+
+def test_the_benchmark_sweeps_what_the_probe_priced_and_tables_the_errors(tmp_path):
+    """eval/bench_probe.py: the sweep it runs holds each configuration the probe priced (the drafting h too where
+    auto runs the target alone), and its report sets each prediction beside the pooled measured rows."""
+    import importlib.util
+
+    from adaptive_spec.evaluation.paired import run_header
+    from adaptive_spec.evaluation.sweep_grid import SweepConfig, build_grid, policy_specs
+    from adaptive_spec.runs import PROJECT_ROOT
+
+    spec = importlib.util.spec_from_file_location("bench_probe", PROJECT_ROOT / "eval" / "bench_probe.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = probe.predict(fake_pair(SLOW_PASSES), HEAD, 1.0, 128, 64)
+    args = SimpleNamespace(threads=2, torch_draft_quant="int8", datasets="humaneval", prompts=1, max_new_tokens=64)
+    cfg = bench.sweep_config(result, "llama.cpp", args)
+    typed = SweepConfig(**{k: v for k, v in cfg.items() if k != "pair"})
+    keys = [s.key for s in build_grid(typed, [HEAD.split("/")[-1]])[0]]
+    assert keys[:3] == ["ar", "fixed:k=1", f"learned:head={HEAD.split('/')[-1]}:h=auto"]
+    assert [s.key for s in policy_specs(typed)] == ["prompt lookup", "combined", bench.BEST_H]
+    # measured rows: every configuration at the target alone's speed but the fixed K, 10% under its prediction
+    ar = result["configurations"][0]["decode_tokens_per_s"]
+    k = next(r for r in result["configurations"] if r["name"].startswith("fixed"))
+    rows = [{"config": c, "method": m, "n_tokens": 64, "n_prompt_tokens": 101, "prefill_s": 0.0,
+             "wall_s": 64 / tps} for c, m, tps in (("ar", "ar", ar), ("fixed:k=1", "fixed", 0.9 * k["decode_tokens_per_s"]),
+                                                   ("x", "learned_auto", ar), ("prompt lookup", "ngram", ar),
+                                                   ("combined", "ngram", ar), (bench.BEST_H, "learned", ar))]
+    out = tmp_path / "bench"
+    (out / "sweep_llama.cpp").mkdir(parents=True)
+    (out / "probe_llama.cpp.json").write_text(json.dumps(result))
+    (out / "sweep_llama.cpp" / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_header(out, False, lambda: {"script": "eval/bench_probe.py", "engines": ["llama.cpp"], "datasets": "humaneval",
+                                    "prompts": 1, "max_new_tokens": 64, "threads": 2, "cpu": "CPU: test"})
+    assert bench.main(["--report-only", "--out", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    assert "| target alone | 1 | " in md and "| +0.0% |" in md
+    # 1 / 0.9 - 1: the fixed K row misses the goal; prefill 0 in the rows against 100 tokens of it predicted
+    assert f"| fixed K=1 | 1 | {k['decode_tokens_per_s']:.2f} | {0.9 * k['decode_tokens_per_s']:.2f} | +11.1% |" in md
+    assert "**no**" in md and "Largest error:" in md
