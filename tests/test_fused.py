@@ -322,11 +322,11 @@ def test_a_step_dispatches_far_fewer_ops_than_the_hugging_face_modules():
     assert (verify[4] - verify[2]) / 2 <= FUSED_OPS_PER_LAYER_VERIFY
 
 
-def test_no_host_read_inside_a_step():
-    """Steps must be capturable as CUDA graphs: no .item() / bool(tensor) in any shape, the head's
-    variant included; after a rollback too."""
-    head = AcceptanceHead(32, depth=1).eval()
-    lm = FusedCausalLM(hf_model(), max_cache_len=32, head=head)
+def assert_no_host_read_inside_a_step(cls, model, hidden: int):
+    """Steps of `cls` must be capturable as CUDA graphs: no .item() / bool(tensor) in any shape, the head's
+    variant included; after a rollback too; and the head's in-graph output is the head on the step's state."""
+    head = AcceptanceHead(hidden, depth=1).eval()
+    lm = cls(model, max_cache_len=32, head=head)
     lm.forward(torch.arange(5), n_logits=0)
     with OpCounter() as probe:
         lm.forward(torch.tensor([3]), 1)
@@ -339,10 +339,14 @@ def test_no_host_read_inside_a_step():
         close(p, head.acceptance_prob(h).float())  # the head on the step's own hidden state
 
 
+def test_no_host_read_inside_a_step():
+    assert_no_host_read_inside_a_step(FusedCausalLM, hf_model(), 32)
+
+
 def compiled_decoding_matches(cls, draft, target):
     """Runners of `cls` compiled with dynamo's 'eager' backend (fullgraph, dynamic=False) decode as the
     dynamic runner does, seed for seed, with K varying and recompiles an error; the head's in-graph output
-    equals the head run after. Returns (draft runner, its head)."""
+    equals the head run after. Returns the draft runner."""
     import torch._dynamo
 
     head = AcceptanceHead(16, depth=1).eval()

@@ -19,9 +19,8 @@ from adaptive_spec.heads.head import AcceptanceHead
 from adaptive_spec.backends.models import CausalLM
 from adaptive_spec.decoding.policies import FixedK
 from adaptive_spec.decoding.sampling import SamplingParams
-from adaptive_spec.backends.fused import OpCounter
 from adaptive_spec.backends.static_runner import DRAFT_SHAPES, StaticCausalLM, make_runner, verify_shapes
-from test_fused import compiled_decoding_matches
+from test_fused import assert_no_host_read_inside_a_step, compiled_decoding_matches
 from test_decoding import L, V, chi_square_pvalue, exact_sequence_probs, sample_counts
 from tiny import make_model
 
@@ -111,18 +110,7 @@ def test_make_runner_selects_the_kv_cache(models):
 
 def test_forward_reads_nothing_back_to_the_host(models):
     """The step must be capturable as a CUDA graph: no .item() / bool(tensor) inside."""
-    head = AcceptanceHead(16, depth=1).eval()
-    lm = StaticCausalLM(models[0], max_cache_len=32, head=head)
-    lm.forward(torch.arange(5), n_logits=0)
-    with OpCounter() as probe:
-        lm.forward(torch.tensor([3]), 1)
-        lm.forward(torch.tensor([4, 5]), 1)
-        lm.forward(torch.arange(6), 6)
-        lm.rollback(7)
-        _, h, p = lm.forward_with_head(torch.tensor([6]), 1)
-    assert probe.host_reads == [] and probe.ops > 0
-    with torch.inference_mode():
-        close(p, head.acceptance_prob(h).float())  # the head on the step's own hidden state
+    assert_no_host_read_inside_a_step(StaticCausalLM, models[0], 16)
 
 
 @pytest.mark.parametrize("k", range(1, 9))

@@ -67,10 +67,10 @@ def from_models(target_model, tokenizer, draft_model=None, draft_tokenizer=None,
         vocab = check_vocab(draft_tokenizer or tokenizer, tokenizer, draft_model, target_model)
     kv_cache, runtime = runtime_for(kv_cache, runtime, next(target_model.parameters()).device)
     graphs = runtime != "eager"
-    models = [m for m in (target_model, draft_model) if m is not None]
-    fused = [_fused_for(m, fused, kv_cache) for m in models]
-    target = make_runner(target_model, vocab, kv_cache, runtime, max_cache_len, fused=fused[0])
-    draft = (make_runner(draft_model, vocab, kv_cache, runtime, max_cache_len, fused=fused[1])
+    target = make_runner(target_model, vocab, kv_cache, runtime, max_cache_len,
+                         fused=_fused_for(target_model, fused, kv_cache))
+    draft = (make_runner(draft_model, vocab, kv_cache, runtime, max_cache_len,
+                         fused=_fused_for(draft_model, fused, kv_cache))
              if draft_model is not None else None)
     prepare = _graph_warmup(target, draft, runtime) if graphs else None
     if prepare is not None:
@@ -81,10 +81,10 @@ def from_models(target_model, tokenizer, draft_model=None, draft_tokenizer=None,
 def _fused_for(model, fused: bool | str, kv_cache: str) -> bool:
     """Whether `model` runs on the fused decoder: as asked, or with "auto" where it pays (the static cache on
     a GPU, where a step's time is its kernels) and the architecture is supported."""
-    why = unsupported_reason(model)
-    if fused == "auto":
-        return kv_cache == "static" and next(model.parameters()).device.type == "cuda" and why is None
-    if fused and why:
+    if fused == "auto":  # the architecture is read only where the fused decoder would run
+        return kv_cache == "static" and next(model.parameters()).device.type == "cuda" and unsupported_reason(model) is None
+    why = unsupported_reason(model) if fused else None
+    if why:
         raise UserError(f"--fused true: {why}; use --fused false")
     return bool(fused)
 

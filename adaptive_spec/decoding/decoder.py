@@ -195,6 +195,8 @@ class Decoder:
         self.eos = set(int(e) for e in eos_token_ids)
         self.replay = replay
         self.record_trace = record_trace
+        # once, not per round: a Protocol isinstance reads every member
+        self.draft_runs_heads = isinstance(draft, HeadRunner)
         self.device = target.device
         if draft is not None and draft.vocab_size != target.vocab_size:
             raise UserError(f"draft and target must score the same vocabulary ({draft.vocab_size} vs "
@@ -321,7 +323,7 @@ class Decoder:
         """One speculation round of a chain drafted by `source` (default: the draft model) under the
         stop rule; returns the new tokens (accepted candidates + one). Leaves both caches covering
         exactly the accepted prefix."""
-        source = source or ModelSource(self.draft, rule.graph_head)
+        source = source or ModelSource(self.draft, rule.graph_head if self.draft_runs_heads else None)
         # the round adds at most K + 1 tokens: never draft past the length limit
         k_cap = max(0, min(rule.begin_round(state.pos), state.remaining - 1))
         y, q = self._draft_chain(state, rule, k_cap, source)
@@ -396,11 +398,11 @@ class ModelSource(DraftSource):
     name = "model"
 
     def __init__(self, draft, head=None):
-        """head: the stop rule's graph_head, evaluated inside the draft's forward where the draft runner can
-        (a contract.HeadRunner); elsewhere the rule runs it after the step."""
+        """head: the stop rule's graph_head, evaluated inside the draft's forward (the draft must be a
+        contract.HeadRunner; None: the rule runs its head after the step)."""
         self.draft = draft
-        self.head = head if head is not None and isinstance(draft, HeadRunner) else None
-        if self.head is not None:
+        self.head = head
+        if head is not None:
             draft.attach_head(self.head)
 
     def step(self, state: RoundState, i: int, ys: list) -> DraftStep:
