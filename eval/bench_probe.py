@@ -10,8 +10,12 @@ same command) of the target alone, the probe's best fixed K, SpecDec++ h=auto, S
 runs the target alone (its prediction is then the drafting one), prompt lookup (k auto) and the two combined, at
 T = 1 top-k 50 (the sampling the head's curve was replayed at). Measured: pooled over every prompt of every set,
 decode = tokens / (wall - prefill), wall = tokens / wall; the predicted wall adds the prefill of the rows' mean
-prompt at the probe's measured rates. Prompt lookup is predicted as the plain steps it falls back to where
-nothing is copied; the three sets' answers copy little, so that is the prediction this checks. GSM8K and
+prompt at the probe's measured rates. After the runs the costs are measured once more, uncached
+(<out>/probe_<engine>_after.json), pricing the same configurations: these machines' speed drifts by 10% over
+minutes (a one-row step measured 83 ms before a run and 76 ms in it), so a prediction is judged on the mean of
+the two measurements, the one before shown beside it. A second table splits the error: the runs' tokens a
+round against the curve's (the workload: the head's dev answers are not these sets), and the runs priced from
+their own counts at the same costs (the time model alone). GSM8K and
 AlpacaEval come from ../shared/data or ADAPTIVE_SPEC_DATA. `--report-only` rebuilds the report from the folder.
 """
 from __future__ import annotations
@@ -76,9 +80,13 @@ def pairs_of(result: dict, rows: list[dict]) -> list[tuple[str, dict | None, lis
     return out
 
 
-def compare(result: dict, rows: list[dict]) -> list[dict]:
-    """Per configuration: predicted and measured decode and wall tok/s, pooled over the rows."""
+def compare(result: dict, rows: list[dict], after: dict | None = None) -> list[dict]:
+    """Per configuration: predicted and measured decode and wall tok/s, pooled over the rows. With `after` (the
+    same configurations priced at costs measured again after the runs): its predictions too, and the window's,
+    the two measurements' mean time per token (the machine's mean speed over the runs, as far as two samples
+    of it tell)."""
     out = []
+    later = {name: pred for name, pred, _ in pairs_of(after, rows)} if after is not None else {}
     for name, pred, rs in pairs_of(result, rows):
         if not rs:
             continue
@@ -86,15 +94,50 @@ def compare(result: dict, rows: list[dict]) -> list[dict]:
         wall = sum(r["wall_s"] for r in rs)
         decode = sum(r["wall_s"] - r["prefill_s"] for r in rs)
         prompt = sum(r["n_prompt_tokens"] for r in rs) / len(rs)
-        p_decode, p_wall = probe.timed(result["costs"], pred["rate_tokens_per_s"], pred["drafts"], pred["catch_up"],
-                                       prompt, n / len(rs))
-        out.append({"name": name, "runs": len(rs), "prompt_tokens": prompt, "predicted_decode": p_decode,
-                    "decode": n / decode, "predicted_wall": p_wall, "wall": n / wall})
+        predicted = lambda res, pr: probe.timed(res["costs"], pr["rate_tokens_per_s"], pr["drafts"],  # noqa: E731
+                                                pr["catch_up"], prompt, n / len(rs))
+        p_decode, p_wall = predicted(result, pred)
+        c = {"name": name, "runs": len(rs), "prompt_tokens": prompt, "predicted_decode": p_decode,
+             "decode": n / decode, "predicted_wall": p_wall, "wall": n / wall,
+             "counts_decode": counts_rate(result, rs, after), "tokens_per_round": n / sum(r["n_target_forwards"]
+                                                                                      for r in rs)}
+        curve = (pred.get("round") or (pred.get("best") or {}).get("round") or {}) if pred.get("drafts") else {}
+        copies = pred.get("copies")  # prompt lookup replayed on the dev answers
+        c["predicted_tokens_per_round"] = curve.get("tokens") or (copies["n_tokens"] / copies["n_target_forwards"]
+                                                                 if copies else None)
+        if name in later:
+            a_decode, a_wall = predicted(after, later[name])
+            c.update(after_decode=a_decode, after_wall=a_wall, window_decode=2 / (1 / p_decode + 1 / a_decode),
+                     window_wall=None if None in (p_wall, a_wall) else 2 / (1 / p_wall + 1 / a_wall))
+        out.append(c)
     return out
 
 
-def report(results: dict, sweeps: dict, run: dict) -> str:
-    """results: engine -> the probe's JSON; sweeps: engine -> its sweep rows."""
+def counts_rate(result: dict, rows: list[dict], after: dict | None = None) -> float:
+    """Decode tok/s of `rows` priced from their own counts (passes, draft steps; for fixed K the rounds that
+    accepted all K) at the probe's costs, the mean of both measurements where there are two: the time model
+    alone, without the curve's counts (the workload's side: how often these prompts' tokens are accepted)."""
+    from adaptive_spec.decoding.costs import costs_from_json
+    from adaptive_spec.decoding.timemodel import coef_of, predict_time
+
+    n = sum(r["n_tokens"] for r in rows)
+    rates = []
+    for res in [result] + ([after] if after is not None else []):
+        coef = coef_of(costs_from_json(res["costs"]), res["time_model"], res["sampling"])
+        t = sum(predict_time({**r, "n_all_accepted": (r.get("accepted_hist") or {}).get(str(r["k"]), 0)
+                              if r.get("method") == "fixed" and r.get("k") else 0}, coef) for r in rows)
+        rates.append(n / t)
+    return len(rates) / sum(1 / x for x in rates)
+
+
+def _step_ms(result: dict) -> float:
+    c = result["costs"]
+    return 1e3 * (c["t_verify"][0] if c.get("t_verify") else c["t_target"])
+
+
+def report(results: dict, sweeps: dict, run: dict, afters: dict | None = None) -> str:
+    """results: engine -> the probe's JSON; sweeps: engine -> its sweep rows; afters: engine -> the costs
+    measured again after its runs, pricing the same configurations (where the benchmark took them)."""
     err = lambda p, m: "—" if p is None else f"{100 * (p / m - 1):+.1f}%"  # noqa: E731
     ok = lambda *e: "yes" if all(x is not None and abs(x) <= GOAL for x in e) else "**no**"  # noqa: E731
     lines = [f"# Probe predictions against measured runs: {run['datasets']} x {run['prompts']} prompts x "
@@ -103,26 +146,60 @@ def report(results: dict, sweeps: dict, run: dict) -> str:
              "the configurations it priced, run after it on the same machine. Measured tok/s pool every prompt of "
              f"every set; decode leaves prefill out. Goal: every prediction within {100 * GOAL:.0f}% of the "
              "measured decode and wall tok/s.", ""]
+    num = lambda x: "—" if x is None else f"{x:.2f}"  # noqa: E731
     for engine, result in results.items():
-        table, worst = [], 0.0
-        for c in compare(result, sweeps.get(engine, [])):
-            ed = c["predicted_decode"] / c["decode"] - 1
-            ew = None if c["predicted_wall"] is None else c["predicted_wall"] / c["wall"] - 1
+        after = (afters or {}).get(engine)
+        table, worst, worst_before, split = [], 0.0, 0.0, []
+        for c in compare(result, sweeps.get(engine, []), after):
+            # judged on the window's prediction where the costs were measured again after the runs
+            d, w = (c["window_decode"], c["window_wall"]) if "window_decode" in c else (c["predicted_decode"],
+                                                                                        c["predicted_wall"])
+            ed, ew = d / c["decode"] - 1, None if w is None else w / c["wall"] - 1
             worst = max(worst, abs(ed), abs(ew or 0.0))
-            table.append([c["name"], str(c["runs"]), f"{c['predicted_decode']:.2f}", f"{c['decode']:.2f}",
-                          err(c["predicted_decode"], c["decode"]),
-                          "—" if c["predicted_wall"] is None else f"{c['predicted_wall']:.2f}", f"{c['wall']:.2f}",
-                          err(c["predicted_wall"], c["wall"]), ok(ed, ew)])
-        lines += [f"## {engine}", "", "```", probe.render(result), "```", "",
-                  md_table(["configuration", "runs", "predicted decode tok/s", "measured", "error",
-                            "predicted wall tok/s", "measured", "error", f"within {100 * GOAL:.0f}%"], table), "",
-                  f"Largest error: {100 * worst:.1f}%.", ""]
+            worst_before = max(worst_before, abs(c["predicted_decode"] / c["decode"] - 1),
+                               abs(c["predicted_wall"] / c["wall"] - 1) if c["predicted_wall"] else 0.0)
+            if after is None:
+                table.append([c["name"], str(c["runs"]), num(d), f"{c['decode']:.2f}", err(d, c["decode"]), num(w),
+                              f"{c['wall']:.2f}", err(w, c["wall"]), ok(ed, ew)])
+            else:
+                a = c.get("after_decode")
+                table.append([c["name"], str(c["runs"]), f"{c['decode']:.2f}",
+                              f"{c['predicted_decode']:.2f} ({err(c['predicted_decode'], c['decode'])})",
+                              "—" if a is None else f"{a:.2f} ({err(a, c['decode'])})", num(d), err(d, c["decode"]),
+                              f"{c['wall']:.2f}", num(w), err(w, c["wall"]), ok(ed, ew)])
+            split.append([c["name"], f"{c['tokens_per_round']:.2f}", num(c["predicted_tokens_per_round"]),
+                          err(c["predicted_tokens_per_round"], c["tokens_per_round"]), f"{c['counts_decode']:.2f}",
+                          err(c["counts_decode"], c["decode"])])
+        lines += [f"## {engine}", "", "```", probe.render(result), "```", ""]
+        if after is None:
+            lines += [md_table(["configuration", "runs", "predicted decode tok/s", "measured", "error",
+                                "predicted wall tok/s", "measured", "error", f"within {100 * GOAL:.0f}%"], table), "",
+                      f"Largest error: {100 * worst:.1f}%.", ""]
+            continue
+        before_ms, after_ms = _step_ms(result), _step_ms(after)
+        lines += [f"The costs measured again after the runs (uncached, the same configurations priced): a step "
+                  f"{after_ms:.1f} ms against {before_ms:.1f} ms before them ({100 * (after_ms / before_ms - 1):+.1f}%"
+                  f"), a draft step {after['costs']['t_draft'] / after['costs']['t_target']:.2f} steps against "
+                  f"{result['costs']['t_draft'] / result['costs']['t_target']:.2f}. How far the two differ is how "
+                  "far this machine's own speed moved in the meantime, which no prediction made beforehand can "
+                  "know; the mean of the two (per token) stands for the machine across the runs.", "",
+                  md_table(["configuration", "runs", "measured decode tok/s", "predicted before (error)",
+                            "after (error)", "mean of both", "error", "measured wall tok/s", "predicted wall (mean)",
+                            "error", f"within {100 * GOAL:.0f}%"], table), "",
+                  f"Largest error of the mean of both: {100 * worst:.1f}% (of the probe before the runs alone: "
+                  f"{100 * worst_before:.1f}%).", "",
+                  "Where the error comes from: a prediction is the machine's costs times the curve's counts (the head's "
+                  "dev answers, not these sets). Tokens a round as the runs had them and as the curve has them, and the "
+                  "runs priced from their own counts at the same costs (the time model alone; the mean of both "
+                  "measurements):", "",
+                  md_table(["configuration", "tokens a round: runs", "curve", "error", "decode tok/s from the runs' "
+                            "counts", "error"], split), ""]
     lines.append(f"Written {run['written']} by `python eval/bench_probe.py`.")
     return "\n".join(lines) + "\n"
 
 
-def _load(out: Path, engines: list[str]) -> tuple[dict, dict]:
-    results, sweeps = {}, {}
+def _load(out: Path, engines: list[str]) -> tuple[dict, dict, dict]:
+    results, sweeps, afters = {}, {}, {}
     for engine in engines:
         path = out / f"probe_{engine}.json"
         if not path.is_file():
@@ -130,7 +207,9 @@ def _load(out: Path, engines: list[str]) -> tuple[dict, dict]:
         results[engine] = json.loads(path.read_text())
         rows = out / f"sweep_{engine}" / "results.jsonl"
         sweeps[engine] = list(read_jsonl(rows)) if rows.is_file() else []
-    return results, sweeps
+        if (out / f"probe_{engine}_after.json").is_file():
+            afters[engine] = json.loads((out / f"probe_{engine}_after.json").read_text())
+    return results, sweeps, afters
 
 
 def _main(argv) -> int:
@@ -149,7 +228,8 @@ def _main(argv) -> int:
     out = Path(args.out)
     if args.report_only:
         run = run_header(out, report_only=True)
-        (out / "report.md").write_text(report(*_load(out, run["engines"]), run))
+        results, sweeps, afters = _load(out, run["engines"])
+        (out / "report.md").write_text(report(results, sweeps, run, afters))
         return 0
     import torch
 
@@ -162,9 +242,9 @@ def _main(argv) -> int:
     engines = args.engines.split(",")
     for engine in engines:
         path = out / f"probe_{engine}.json"
+        pair = pair_params(backend=engine, threads=args.threads,
+                           **({"draft_quant": args.torch_draft_quant} if engine == "torch" else {}))
         if not path.is_file():  # a rerun keeps the first probe: its predictions are what the rows are checked against
-            pair = pair_params(backend=engine, threads=args.threads,
-                               **({"draft_quant": args.torch_draft_quant} if engine == "torch" else {}))
             write_json(path, probe.run(pair, args.head, 1.0, 128, args.max_new_tokens, args.reps), indent=1,
                        default=str)
             gc.collect()  # the probe's pair, before the sweep loads its own
@@ -174,10 +254,16 @@ def _main(argv) -> int:
         if sweep.main(["--config", str(config), f"out_dir={out / f'sweep_{engine}'}"]) != 0:
             return 2
         gc.collect()
+        after = out / f"probe_{engine}_after.json"
+        if not after.is_file():  # the machine's speed after the runs: the same configurations, measured afresh
+            write_json(after, probe.run(pair, args.head, 1.0, 128, args.max_new_tokens, args.reps, cache=False,
+                                        ran=probe.picks_of(result)), indent=1, default=str)
+            gc.collect()
     header = run_header(out, report_only=False, measure=lambda: {
         "script": f"eval/{Path(__file__).name}", "engines": engines, "datasets": args.datasets,
         "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "threads": args.threads, "cpu": flags_line()})
-    md = report(*_load(out, engines), header)
+    results, sweeps, afters = _load(out, engines)
+    md = report(results, sweeps, header, afters)
     (out / "report.md").write_text(md)
     print(md)
     return 0

@@ -20,20 +20,20 @@ from train_fixtures import make_dataset
 
 
 def expected_counts(P, K, width):
-    """(rounds, drafted, accepted, rounds of 0, 1, ..., width candidates) by enumerating every
-    acceptance outcome of every round."""
+    """(rounds, drafted, accepted, rounds with every candidate accepted, rounds of 0, 1, ..., width
+    candidates) by enumerating every acceptance outcome of every round."""
     T = len(P)
 
     def from_(s):
         if s >= T:
-            return np.zeros(4 + width)
+            return np.zeros(5 + width)
         k = min(int(K[s]), T - s - 1)
-        total, reach = np.zeros(4 + width), 1.0
-        this = np.zeros(4 + width)
-        this[:3], this[3 + k] = [1.0, k, 0.0], 1.0
+        total, reach = np.zeros(5 + width), 1.0
+        this = np.zeros(5 + width)
+        this[:3], this[4 + k] = [1.0, k, 0.0], 1.0
         for a in range(k + 1):  # a accepted: the first a pass, then a rejection (or all k passed)
             p = reach * ((1.0 - P[s + a]) if a < k else 1.0)
-            this[2] = a
+            this[2], this[3] = a, float(a == k > 0)  # all accepted: the draft's next first step feeds two
             total += p * (this + from_(s + a + 1))
             if a < k:
                 reach *= P[s + a]
@@ -52,7 +52,8 @@ def test_replay_is_the_exact_expectation():
         got = A.replay(A.window_products(P, 5), K)
         assert got == pytest.approx(expected_counts(P, K, 5), abs=1e-12)
         assert got[0] + got[2] == pytest.approx(T)  # every response yields exactly T tokens
-        assert got[3:].sum() == pytest.approx(got[0]) and got[3:] @ np.arange(6) == pytest.approx(got[1])
+        assert got[4:].sum() == pytest.approx(got[0]) and got[4:] @ np.arange(6) == pytest.approx(got[1])
+        assert 0 <= got[3] <= got[0] - got[4]  # only rounds that drafted can accept them all
 
 
 @pytest.mark.parametrize("a", [0.5, 0.8, 0.95])

@@ -30,6 +30,7 @@ def test_measured_times_and_the_runners_are_left_as_they_were(pair, cache):
     pair.target.counters.restore((1.5, 7, 0.0))
     c = C.measure_costs(pair, reps=1)
     assert c.t_draft > 0 and c.t_target > 0 and c.t_cand >= 0
+    assert c.t_draft_two >= c.t_draft and c.t_catch_up == c.t_draft_two - c.t_draft  # the draft's 2-token step
     assert c.c == pytest.approx(c.t_draft / c.t_target)
     assert c.node_cost == pytest.approx((c.t_draft + c.t_cand) / c.t_target)
     # measuring shows up in no counter and leaves no cached position behind
@@ -40,6 +41,7 @@ def test_measured_times_and_the_runners_are_left_as_they_were(pair, cache):
     assert after.metrics.n_target_forwards == before.metrics.n_target_forwards
     saved = json.loads((cache / f"{c.key}.json").read_text())
     assert saved["t_target"] == c.t_target and saved["config"]["draft_fingerprint"]
+    assert C.costs_from_json(saved) == c
 
 
 def test_verification_fit(monkeypatch):

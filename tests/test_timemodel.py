@@ -128,3 +128,21 @@ def test_table_model_prices_each_pass_length_and_wins_on_step_costs():
     assert TM.predict_time(partial, coef) == pytest.approx(TM.predict_time(partial, TM.coef_of(costs, "extended")))
     assert "table" not in dict(TM.compare(rows, Costs(0.06, 0.14, 0.0, "key", "now")))  # no table measured
     assert "table, measured costs" not in dict(TM.compare(rows, Costs(0.06, 0.14, 0.0, "key", "now")))
+
+
+def test_a_round_after_one_all_accepted_pays_the_drafts_two_token_step():
+    """A curve point's n_all_accepted rounds each make the next round's first draft step feed two tokens
+    (y_K and the bonus): the measured models add t_draft_two - t_draft per such round, Eq. 3.1 does not,
+    and costs without a two-token time (older caches) price it as before."""
+    point = {"n_tokens": 180, "n_target_forwards": 100, "n_draft_forwards": 100, "n_drafted": 100,
+             "n_accepted": 80, "n_all_accepted": 80, "target_pass_hist": {"2": 100}}
+    step = (0.1, 0.14) + (0.2,) * 7
+    two = Costs(0.04, 0.1, 0.0, "key", "now", step, t_draft_two=0.055)
+    one = Costs(0.04, 0.1, 0.0, "key", "now", step)
+    for model in ("extended", "table"):
+        base = TM.predict_time(point, TM.coef_of(one, model))
+        assert TM.predict_time(point, TM.coef_of(two, model)) == pytest.approx(base + 80 * 0.015)
+        assert TM.predict_time({**point, "n_all_accepted": 0}, TM.coef_of(two, model)) == pytest.approx(base)
+    assert TM.predict_time(point, TM.coef_of(two, "paper")) == pytest.approx(TM.predict_time(point, TM.coef_of(one, "paper")))
+    # a two-token step timed faster than a one-token one (noise) costs nothing extra
+    assert Costs(0.04, 0.1, 0.0, "key", "now", step, t_draft_two=0.03).t_catch_up == 0.0

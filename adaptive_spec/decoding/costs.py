@@ -53,8 +53,8 @@ PREFIX = 256
 # How the times are taken, in the cache key: times taken another way are measured again. v2: the
 # draft step and every length timed round-robin over 5 rounds, t_verify made monotone; v3: with the
 # prefill rate of both models and the decode loop's own time per row and per round (`loop`); v4: and
-# the LONG_LENGTHS passes.
-METHOD = "interleaved-monotone-v4"
+# the LONG_LENGTHS passes; v5: and the draft's two-token pass (t_draft_two).
+METHOD = "interleaved-monotone-v5"
 # the sampling modes the loop's own time is measured for (by name: "greedy" at temperature 0, "sample" else)
 LOOP_SAMPLING = {"greedy": dict(temperature=0.0), "sample": dict(temperature=1.0, top_k=50)}
 
@@ -74,6 +74,10 @@ class Costs:
     # sampling, the host read, the rollback) beyond its rows
     loop: dict = None
     t_verify_long: dict = None  # {n: seconds} of the LONG_LENGTHS passes (monotone with t_verify)
+    # a draft pass of two tokens: a round's first draft step after a round whose candidates were all
+    # accepted feeds y_K (never fed to the draft) and the bonus token (decoder.py's cache invariant); on a
+    # 2-core CPU it costs 1.2-1.4 one-row steps, and fixed K = 1 runs it in most rounds (0: not measured)
+    t_draft_two: float = 0.0
 
     def loop_s(self, mode: str, part: str) -> float:
         return float(((self.loop or {}).get(mode) or {}).get(part, 0.0))
@@ -93,6 +97,11 @@ class Costs:
         last, t_last = points[-1]
         slope = (t_last - points[-2][1]) / (last - points[-2][0]) if len(points) > 1 else self.t_cand
         return t_last + slope * (n - last)
+
+    @property
+    def t_catch_up(self) -> float:
+        """What a two-token draft step costs beyond a one-token one (0 where not measured)."""
+        return max(0.0, self.t_draft_two - self.t_draft) if self.t_draft_two else 0.0
 
     @property
     def c(self) -> float:
@@ -205,7 +214,8 @@ def costs_from_json(d: dict) -> Costs:
     return Costs(float(d["t_draft"]), float(d["t_target"]), float(d["t_cand"]), str(d["key"]), str(d["measured"]),
                  tuple(float(t) for t in d.get("t_verify") or ()), float(d.get("t_prefill", 0.0)),
                  float(d.get("t_prefill_draft", 0.0)), d.get("loop"),
-                 {int(k): float(v) for k, v in (d.get("t_verify_long") or {}).items()} or None)
+                 {int(k): float(v) for k, v in (d.get("t_verify_long") or {}).items()} or None,
+                 float(d.get("t_draft_two", 0.0)))
 
 
 def _read_cached(path: Path, key: str) -> Costs | None:
@@ -235,11 +245,12 @@ def _read_costs_file(path: Path, what: str, key: str | None = None) -> tuple[dic
 def _measure(pair, reps: int, key: str) -> Costs:
     if reps < 1:
         raise UserError(f"reps must be >= 1, got {reps}")
-    cells = ([(pair.draft, 1, False)] if pair.draft is not None else []) + [(pair.target, n, True)
-                                                                            for n in VERIFY_LENGTHS]
+    cells = ([(pair.draft, 1, False), (pair.draft, 2, False)] if pair.draft is not None else []) + [
+        (pair.target, n, True) for n in VERIFY_LENGTHS]
     prefill: dict = {}
     times = interleaved_times(cells, reps, prefill)
-    t_draft = times[0] if pair.draft is not None else 0.0
+    # a two-token step never costs less than a one-token one (timing noise where they are alike)
+    t_draft, t_draft_two = (times[0], max(times[0], times[1])) if pair.draft is not None else (0.0, 0.0)
     measured = times[-len(VERIFY_LENGTHS):]
     limit = getattr(pair.target, "max_length", None)
     longs = [n for n in LONG_LENGTHS if not limit or n <= limit // 2]  # after a context of at least as many
@@ -254,7 +265,7 @@ def _measure(pair, reps: int, key: str) -> Costs:
                  tuple(float(t) for t in table[:len(VERIFY_LENGTHS)]), prefill.get(id(pair.target), 0.0),
                  prefill.get(id(pair.draft), 0.0) if pair.draft is not None else 0.0,
                  loop_times(pair.target.vocab_size, pair.target.device),
-                 {n: float(t) for n, t in zip(longs, table[len(VERIFY_LENGTHS):])} or None)
+                 {n: float(t) for n, t in zip(longs, table[len(VERIFY_LENGTHS):])} or None, float(t_draft_two))
 
 
 def loop_times(vocab_size: int, device, reps: int = 20) -> dict:

@@ -270,6 +270,40 @@ class NgramPolicy(RoundOwner):
         return d
 
 
+def replay_copies(policy: NgramPolicy, prompt: list[int], response: list[int]) -> dict:
+    """Prompt lookup run offline along a target response X (no model): the counts its rounds would have,
+    named as a sweep row's (timemodel.predict_time prices them). Each round copies what `policy` copies
+    (its index, its K for the rounds so far) and accepts the copies that X repeats; as in autotune's replay
+    X stands in for the accepted text, and a copy is a function of the context, so that indicator is an
+    unbiased sample of the probability that verification accepts the copies (p(y_1) p(y_2 | y_1) ...). The
+    same indicators stand in for p(y) where the policy learns its copy rates. The policy's own rule, not a
+    copy of it: this is what `adaptive-spec probe` prices prompt lookup with."""
+    policy.reset()
+    tokens = list(prompt)
+    T, s = len(response), 0
+    rounds = drafted = accepted = 0
+    hist: dict[str, int] = {}
+    while s < T:
+        cap = min(policy.k_max if policy.k == "auto" else policy.k, T - s - 1)
+        span, n_match = [], 0
+        if cap > 0:
+            policy.index.update(tokens)
+            span, n_match = policy.index.lookup(tokens, cap)
+        K = policy._choose(span, n_match)
+        a = 0
+        while a < K and span[a] == response[s + a]:
+            a += 1
+        if K:
+            policy.acceptance.observe(n_match, [1.0] * a + [0.0] * (a < K))
+        policy._account(a + 1, policy.v(K + 1))
+        rounds, drafted, accepted = rounds + 1, drafted + K, accepted + a
+        hist[str(K + 1)] = hist.get(str(K + 1), 0) + 1
+        tokens.extend(response[s:s + a + 1])
+        s += a + 1
+    return {"n_tokens": T, "n_target_forwards": rounds, "n_draft_forwards": 0, "n_drafted": drafted,
+            "n_accepted": accepted, "target_pass_hist": hist}
+
+
 def verify_steps_of(costs):
     """v(n) in one-row steps from measured Costs (costs.py): the per-length table where measured."""
     base = costs.verify_s(1)

@@ -34,6 +34,12 @@ histogram falls back to the extended model's terms.
 t_cand is the extra target time per candidate in a verification pass (costs.py measures it:
 about 10 ms on an AVX2-only CPU, near zero where the pass reads the weights once whatever K is).
 
+t_catch_up (measured costs only, not the paper's model) is what a two-token draft step costs beyond
+a one-token one, paid once per round after a round whose candidates were all accepted (the draft
+then feeds y_K and the bonus token): N_all_accepted, a curve point's expected count. Without it the
+models price fixed K = 1 about 8% fast on a 2-core CPU, where a two-row draft pass costs 1.2-1.4
+steps and 0.8 of K = 1 rounds are all accepted (eval/results/bench_probe_*).
+
 T is the decode time, wall_s - prefill_s: prefill enters as a measured term, not a fitted
 constant, because its cost depends on the prompt's length, which the counts do not carry, and
 every row records it. A fitted constant would take prompt-length variation for model error,
@@ -90,6 +96,9 @@ def predict_time(row: dict, coef: dict) -> float:
                                                                 for n, c in hist.items())
     else:
         t = sum(coef.get(name, 0.0) * _f(row, col) for name, col in COLUMNS.items())
+    # the draft's two-token first steps, after rounds whose candidates were all accepted (a curve point
+    # counts them; a sweep row does not, and its time is fitted without the term)
+    t += coef.get("t_catch_up", 0.0) * _f(row, "n_all_accepted")
     if "loop_row" in coef:
         if hist:
             rows = sum(int(n) * float(c) for n, c in hist.items())
@@ -108,6 +117,8 @@ def coef_of(costs, model: str = "extended", loop: str | None = None) -> dict:
     ("greedy", "sample") whose measured loop time (Costs.loop) the prediction adds."""
     model = effective_model(costs, _check_model(model))
     coef = {name: getattr(costs, name) for name in MODELS["extended" if model == "table" else model]}
+    if model != "paper" and getattr(costs, "t_catch_up", 0.0):  # Eq. 3.1 prices every draft step alike
+        coef["t_catch_up"] = costs.t_catch_up
     if loop is not None and getattr(costs, "loop", None):
         coef.update(loop_row=costs.loop_s(loop, "row"), loop_round=costs.loop_s(loop, "round"))
     return {**coef, "verify_s": costs.verify_s} if model == "table" else coef

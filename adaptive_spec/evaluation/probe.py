@@ -16,8 +16,10 @@ the head's offline curve (counts per h and per K: the head and the data, not the
     target alone        one step a token
     fixed K             the curve's best K
     SpecDec++ h=auto    auto's pick: an h, or the target alone where no h pays (then the best h is named)
-    prompt lookup       a plain step where nothing is copied; in a long verbatim copy, the K copies a round
-                        that ngram.best_k takes at the copy rate of a long match (CopyAcceptance's prior)
+    prompt lookup       the policy itself replayed along the dev answers of COPY_DATA (the heads' data: what
+                        it copies there, at this machine's v(n); ngram.replay_copies), or a plain step a token
+                        without that data; beside it, the K copies a round of a long verbatim copy that
+                        ngram.best_k takes at the copy rate of a long match (CopyAcceptance's prior)
     combined            SpecDec++ h=auto where nothing is copied, prompt lookup where something is
 
 Decode tok/s leave prefill out; wall tok/s add it for --prompt-tokens at the measured prefill rates.
@@ -29,11 +31,15 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from .. import params
 from ..errors import UserError, run_main
 
 DEFAULT_HEAD = "checkpoints/qwen-coder-0.5b-int8-stats-d3"
+# the answers prompt lookup is priced on: the committed heads' dev responses (a workload's copying is the
+# workload's, not the machine's; this mix stands for a general one, as it does for the head's curve)
+COPY_DATA = "data/datagen/mix"
 # a long verbatim copy: a match this long is CopyAcceptance's top bucket (its prior: 0.97 of copies accepted)
 COPY_MATCH = 16
 INTERRUPTED = "nothing was written (forward times measured in full are cached); run the same command again"
@@ -86,11 +92,70 @@ def copy_round(costs, coef: dict, k_max: int) -> dict:
     return {"k": K, "tokens": expected, "steps": v(K + 1), "accepted": a[0], "tokens_per_s": _rate(point, coef)}
 
 
+def copy_counts(costs, k_max: int, data_dir=None) -> dict | None:
+    """Prompt lookup's counts (`--policy ngram --k auto` at these costs) pooled over the dev responses of a
+    datagen run (ngram.replay_copies; default COPY_DATA, the committed heads' data: ShareGPT, code, GSM8K-train
+    and MBPP prompts, none of the benchmark sets), with how many answers; None where the data is absent."""
+    from ..datagen.shards import iter_shards
+    from ..decoding.ngram import NgramPolicy, replay_copies, verify_steps_of
+    from ..runs import PROJECT_ROOT
+
+    path = Path(data_dir) if data_dir is not None else PROJECT_ROOT / COPY_DATA
+    if not (path / "manifest.json").is_file():
+        return None
+    p = params.NgramParams()
+    policy = NgramPolicy(p.ngram_min, p.ngram_max, "auto", k_max, verify_steps=verify_steps_of(costs))
+    total = {"n_tokens": 0, "n_target_forwards": 0, "n_draft_forwards": 0, "n_drafted": 0, "n_accepted": 0,
+             "target_pass_hist": {}, "n_responses": 0, "data": str(path)}
+    for shard in iter_shards(path, "dev"):
+        ids, x = shard["input_ids"].tolist(), shard["x_ids"].tolist()
+        starts, lens, offs = shard["input_offsets"].tolist(), shard["prompt_lens"].tolist(), shard["resp_offsets"].tolist()
+        for i, n_prompt in enumerate(lens):
+            if offs[i + 1] <= offs[i]:
+                continue
+            c = replay_copies(policy, ids[starts[i]:starts[i] + n_prompt], x[offs[i]:offs[i + 1]])
+            for key in ("n_tokens", "n_target_forwards", "n_drafted", "n_accepted"):
+                total[key] += c[key]
+            for n, count in c["target_pass_hist"].items():
+                total["target_pass_hist"][n] = total["target_pass_hist"].get(n, 0) + count
+            total["n_responses"] += 1
+    return total if total["n_responses"] else None
+
+
+def _priced(choice: dict, value, cap) -> float:
+    """An auto choice's predicted tok/s at `value` (an h or K; AR: the target alone), capped at K <= cap."""
+    from ..decoding.auto import AR
+
+    if value == AR:
+        return choice["ar_tokens_per_s"]
+    return choice["predicted_capped"][f"{value:g}@{cap}"] if cap is not None else choice["predicted"][value]
+
+
+def _cap_of(choice: dict):
+    """The cap of an auto choice's pick: None unless a capped point won (its k_max is the limit otherwise)."""
+    cap = choice.get("k_max")
+    return cap if cap is not None and f"{choice['value']:g}@{cap}" in choice.get("predicted_capped", {}) else None
+
+
+def picks_of(result: dict) -> dict | None:
+    """What a probe's result chose ({"k": K, "pick": (h or AR, cap), "best": (h, cap)}), for pricing the same
+    configurations at other costs (`predict(ran=...)`); None where it priced no drafting."""
+    by = {r["name"].split(" K=")[0]: r for r in result["configurations"]}
+    if "fixed" not in by:
+        return None
+    auto = by["SpecDec++ h=auto"]
+    return {"k": by["fixed"]["policy"]["k"], "pick": (auto["pick"], auto.get("pick_k_max")),
+            "best": (auto["best"]["h"], auto["best"]["k_max"])}
+
+
 def predict(pair, head: str | None, temperature: float, prompt_tokens: int, max_new_tokens: int,
-            k_max: int = params.NgramParams().k_max) -> dict:
+            k_max: int = params.NgramParams().k_max, ran: dict | None = None, copy_data=None) -> dict:
     """Every configuration's predicted tok/s on `pair` (loaded; or anything resolve_auto and measure_costs
     take, e.g. a pair with pinned_costs), priced as `auto` prices them; the draft's configurations only
-    with a draft and a head."""
+    with a draft and a head. `ran` (picks_of another result): price the K and h that one chose instead of
+    choosing again, so that a second measurement prices the configurations that ran (eval/bench_probe.py).
+    `copy_data`: the datagen run whose dev answers prompt lookup is replayed on (default COPY_DATA; absent:
+    it is priced as the plain steps it falls back to where nothing is copied)."""
     from ..decoding.auto import AR, DEFAULT_TIME_MODEL, load_curve, resolve_auto
     from ..decoding.costs import measure_costs
     from ..decoding.timemodel import coef_of, effective_model
@@ -132,7 +197,7 @@ def predict(pair, head: str | None, temperature: float, prompt_tokens: int, max_
     if picks:
         curve = load_curve(_curve_file(head), "h", head)
         kc = picks["k"]
-        K = max(kc["predicted"], key=kc["predicted"].get)
+        K = max(kc["predicted"], key=kc["predicted"].get) if ran is None else ran["k"]
         r = round_costs(_curve_point(curve, "k", K), coef)
         tps = kc["predicted"][K]
         rows.append(entry(f"fixed K={K}", {"policy": "fixed", "k": K}, tps,
@@ -140,23 +205,42 @@ def predict(pair, head: str | None, temperature: float, prompt_tokens: int, max_
                           f"{r['steps']:.2f} steps a round for {r['tokens']:.2f} tokens ({r['accepted']:.2f} of "
                           f"candidates accepted): {verdict(tps / ar)}", True, round=r))
         hc = picks["h"]
-        h, cap, best_tps = _best_drafting(hc)
+        h, cap, best_tps = _best_drafting(hc) if ran is None else (*ran["best"], _priced(hc, *ran["best"]))
+        if ran is None:
+            pick, pick_cap, pick_tps = hc["value"], _cap_of(hc), hc["tokens_per_s"]
+        else:
+            pick, pick_cap = ran["pick"]
+            pick_tps = _priced(hc, pick, pick_cap)
         r = round_costs(_curve_point(curve, "h", h, cap), coef)
         h_label = f"{h:g}" + (f" with K <= {cap}" if cap is not None else "")
         best = {"h": h, "k_max": cap, "decode_tokens_per_s": best_tps, "speedup": best_tps / ar, "round": r}
-        if hc["value"] == AR:
+        if pick == AR:
             why = (f"runs the target alone: the best h ({h_label}) would take {r['steps']:.2f} steps a round for "
                    f"{r['tokens']:.2f} tokens ({best_tps / ar:.2f}x)")
         else:
+            if (pick, pick_cap) != (h, cap):  # `ran` picked another h than these costs' best
+                r = round_costs(_curve_point(curve, "h", pick, pick_cap), coef)
+                h_label = f"{pick:g}" + (f" with K <= {pick_cap}" if pick_cap is not None else "")
             why = (f"h = {h_label}: {r['drafted']:.2f} drafted a round, {r['tokens']:.2f} tokens for {r['steps']:.2f} "
                    f"steps (a draft step {costs.c:.2f}, passes mostly {r['rows']} rows at {v(r['rows']):.2f}): "
-                   f"{verdict(hc['tokens_per_s'] / ar)}")
+                   f"{verdict(pick_tps / ar)}")
         auto_row = entry("SpecDec++ h=auto", {"policy": "learned", "head": head, "threshold": "auto"},
-                         hc["tokens_per_s"], why, hc["value"] != AR, pick=hc["value"], best=best)
+                         pick_tps, why, pick != AR, pick=pick, pick_k_max=pick_cap, best=best)
         rows.append(auto_row)
-    rows.append(entry("prompt lookup", {"policy": "ngram"}, ar, "a plain step where nothing is copied (1.00x); "
-                      + copy_why + (": pays where the answer copies the prompt" if copy["k"] else ""), False,
-                      copying=copying))
+    copies = copy_counts(costs, k_max, copy_data)
+    if copies is None:
+        lookup, lookup_why = ar, "a plain step where nothing is copied (1.00x); "
+    else:
+        lookup = _rate(copies, coef)
+        rounds = copies["n_target_forwards"]
+        copying_rounds = rounds - copies["target_pass_hist"].get("1", 0)
+        lookup_why = (f"on {copies['n_responses']} dev answers ({COPY_DATA if copy_data is None else copy_data}) "
+                      f"{copying_rounds / rounds:.0%} of rounds copy, {copies['n_drafted'] / max(copying_rounds, 1):.1f} "
+                      f"copies each, {copies['n_accepted'] / max(copies['n_drafted'], 1):.2f} of them accepted: "
+                      f"{lookup / ar:.2f}x; ")
+    rows.append(entry("prompt lookup", {"policy": "ngram"}, lookup, lookup_why + copy_why
+                      + (": pays where the answer copies the prompt" if copy["k"] else ""), False, copying=copying,
+                      **({"copies": {k: v for k, v in copies.items() if k != "data"}} if copies else {})))
     if auto_row is not None:
         fallback = "the target alone" if auto_row["pick"] == AR else f"SpecDec++ h = {auto_row['pick']:g}"
         rows.append(entry("combined", {"policy": "ngram", "fallback": "learned", "head": head, "threshold": "auto"},
@@ -194,9 +278,10 @@ def _curve_file(head):
 # ----------------------------------------------------------------------------- measuring
 
 def run(pair_params, head: str | None = DEFAULT_HEAD, temperature: float = 1.0, prompt_tokens: int = 128,
-        max_new_tokens: int = 128, reps: int | None = None) -> dict:
+        max_new_tokens: int = 128, reps: int | None = None, cache: bool = True, ran: dict | None = None) -> dict:
     """Load the pair, measure its costs (or read them from the cache) and predict (see `predict`); with the
-    machine, how long loading and measuring took, and where the costs are cached."""
+    machine, how long loading and measuring took, and where the costs are cached. cache=False: measure
+    afresh, reading and writing no cache (a second measurement of the same machine); `ran`: see predict."""
     from transformers.utils import logging as hf_logging
 
     from ..backends.cpu import describe
@@ -210,14 +295,18 @@ def run(pair_params, head: str | None = DEFAULT_HEAD, temperature: float = 1.0, 
     # on the torch threads the decode has: the cost cache's key holds them, so auto finds this measurement
     with torch_threads(pair.engine.decode_torch_threads):
         path = costs_dir() / f"{config_key(cost_config(pair))}.json"
-        cached = path.is_file()
-        if reps is not None and not cached:
+        cached = cache and path.is_file()
+        if not cache:  # pinned on the pair: `predict` (and auto within it) reads this measurement
+            pair.pinned_costs = measure_costs(pair, **({"reps": reps} if reps else {}), cache=False)
+        elif reps is not None and not cached:
             measure_costs(pair, reps=reps)  # cached, so that `predict` (and auto after it) reads this one
         measure_costs(pair)
         measured = time.perf_counter()
-        out = predict(pair, head if pair.draft is not None else None, temperature, prompt_tokens, max_new_tokens)
+        out = predict(pair, head if pair.draft is not None else None, temperature, prompt_tokens, max_new_tokens,
+                      ran=ran)
     return {"machine": describe(), "pair": pair_params.model_dump(exclude_defaults=True), **out,
-            "cache": str(path), "cached": cached, "load_s": loaded - t0, "measure_s": measured - loaded}
+            "cache": str(path) if cache else None, "cached": cached, "load_s": loaded - t0,
+            "measure_s": measured - loaded}
 
 
 # ----------------------------------------------------------------------------- output
@@ -237,7 +326,9 @@ def render(result: dict) -> str:
              + (f", head {result['head']}" if result.get("head") else ""),
              f"costs ({how}{'; ' + result['cache'] if result.get('cache') else ''}): a step {1e3 * t1:.1f} ms; "
              f"a pass of 1..{len(c.get('t_verify') or ())} rows costs v = {v or '-'} steps"
-             + (f", {longs}" if longs else "") + f"; a draft step {c['t_draft'] / c['t_target']:.2f} steps; prefill "
+             + (f", {longs}" if longs else "") + f"; a draft step {c['t_draft'] / c['t_target']:.2f} steps"
+             + (f" (of two tokens, after a round all accepted: {c['t_draft_two'] / c['t_target']:.2f})"
+                if c.get("t_draft_two") else "") + "; prefill "
              f"{1e3 * c.get('t_prefill', 0.0):.2f} ms a prompt token (draft {1e3 * c.get('t_prefill_draft', 0.0):.2f})",
              f"predicted with the {result['time_model']} time model ({result['sampling']} sampling); wall: a "
              f"{result['prompt_tokens']}-token prompt and {result['max_new_tokens']} new tokens", ""]

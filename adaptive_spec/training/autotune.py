@@ -70,14 +70,15 @@ def stop_lengths(phat_windows: np.ndarray, h: float, k_max: int, lag: int) -> np
 
 
 def replay(accept_windows: np.ndarray, K: np.ndarray) -> np.ndarray:
-    """Expected (rounds, drafted, accepted, rounds of 0 candidates, of 1, ..., of k_hi) over one
-    response of T = len(K) tokens, a round from position s drafting K[s] candidates;
-    accept_windows from window_products(P, >= max K). The per-K rounds say how many
-    verification passes of each length (K + 1 tokens) the policy runs, for the `table` time model."""
+    """Expected (rounds, drafted, accepted, rounds whose candidates were all accepted, rounds of 0
+    candidates, of 1, ..., of k_hi) over one response of T = len(K) tokens, a round from position s
+    drafting K[s] candidates; accept_windows from window_products(P, >= max K). The per-K rounds say how
+    many verification passes of each length (K + 1 tokens) the policy runs, for the `table` time model;
+    the all-accepted ones, how many of the draft's first steps feed two tokens (y_K and the bonus)."""
     T = len(K)
     w = np.zeros(T + 1)
     w[0] = 1.0
-    rounds = drafted = accepted = 0.0
+    rounds = drafted = accepted = full = 0.0
     by_k = np.zeros(accept_windows.shape[1])
     for s in range(T):
         ws = w[s]
@@ -91,17 +92,19 @@ def replay(accept_windows: np.ndarray, K: np.ndarray) -> np.ndarray:
         rounds += ws
         drafted += ws * k
         accepted += ws * float(c[1:].sum())
+        full += ws * float(c[k]) if k else 0.0
         by_k[k] += ws
-    return np.concatenate([[rounds, drafted, accepted], by_k])
+    return np.concatenate([[rounds, drafted, accepted, full], by_k])
 
 
 def counts_row(T: int, totals: np.ndarray) -> dict:
     """Curve counts, named as sweep rows name them (timemodel.predict_time reads either):
     target_pass_hist maps a verification pass's length (K + 1 tokens) to its expected count."""
-    rounds, drafted, accepted = map(float, totals[:3])
-    passes = {str(k + 1): float(v) for k, v in enumerate(totals[3:]) if v > 0}
+    rounds, drafted, accepted, full = map(float, totals[:4])
+    passes = {str(k + 1): float(v) for k, v in enumerate(totals[4:]) if v > 0}
     return {"n_tokens": T, "n_target_forwards": rounds, "n_draft_forwards": drafted, "n_drafted": drafted,
-            "n_accepted": accepted, "n_discarded": drafted - accepted, "verification_rate": rounds / max(T, 1),
+            "n_accepted": accepted, "n_all_accepted": full, "n_discarded": drafted - accepted,
+            "verification_rate": rounds / max(T, 1),
             "discard_rate": (drafted - accepted) / max(T, 1), "tokens_per_round": T / rounds if rounds else float("nan"),
             "target_pass_hist": passes}
 
