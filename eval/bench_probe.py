@@ -38,7 +38,7 @@ BEST_H = "specdec++ best h"  # the drafting h, where auto runs the target alone
 
 def sweep_config(result: dict, engine: str, args) -> dict:
     """The sweep of the configurations the probe priced (sweep.py's keys)."""
-    rows = {r["name"].split(" K=")[0]: r for r in result["configurations"]}
+    rows = probe.by_name(result)
     head = result["head"]
     pair = {"backend": engine, "threads": args.threads}
     if engine == "torch":
@@ -61,7 +61,7 @@ def sweep_config(result: dict, engine: str, args) -> dict:
 
 def pairs_of(result: dict, rows: list[dict]) -> list[tuple[str, dict | None, list[dict]]]:
     """(configuration, its prediction, its measured rows) for each configuration the probe priced."""
-    by = {r["name"].split(" K=")[0]: r for r in result["configurations"]}
+    by = probe.by_name(result)
     pick = lambda f: [r for r in rows if f(r)]  # noqa: E731
     out = [("target alone", by["target alone"], pick(lambda r: r["config"] == "ar"))]
     if "fixed" in by:

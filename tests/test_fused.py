@@ -186,28 +186,36 @@ def pair(request):
             make_model(32, hidden_size=24, layers=3, seed=2, arch=arch, logit_scale=4.0))
 
 
-@pytest.mark.parametrize("k", [1, 3, 6])
-def test_greedy_speculative_equals_greedy_target(pair, k):
-    draft, target = pair
+def greedy_speculative_against_target(runner, draft, target, k: int):
+    """(fixed-K greedy speculative decoding with both models on `runner` (a runner class), the target's own greedy
+    tokens on the dynamic runner): the two must be equal token for token (test_static_runner.py uses it too)."""
     prompt = [5, 9, 4, 17]
     ref = Decoder(CausalLM(target)).generate(prompt, max_new_tokens=30, sampling=GREEDY).token_ids
-    dec = Decoder(FusedCausalLM(target, max_cache_len=64), FusedCausalLM(draft, max_cache_len=64))
-    g = dec.generate(prompt, max_new_tokens=30, sampling=GREEDY, policy=FixedK(k))
+    dec = Decoder(runner(target, max_cache_len=64), runner(draft, max_cache_len=64))
+    return dec.generate(prompt, max_new_tokens=30, sampling=GREEDY, policy=FixedK(k)), ref
+
+
+def assert_sampling_matches_dynamic_runner(runner, draft, target):
+    """Same models, same seed: `runner` (warmed up, a no-op without a graph runtime) and the dynamic runner draw
+    the same tokens (their logits agree to float rounding)."""
+    t, d = runner(target, max_cache_len=64), runner(draft, max_cache_len=64)
+    t.warmup(verify_shapes(3))
+    d.warmup(DRAFT_SHAPES)
+    fast, dyn = Decoder(t, d), Decoder(CausalLM(target), CausalLM(draft))
+    for seed in range(3):
+        a = fast.generate([5, 9, 4], 25, SamplingParams(1.0), FixedK(3), seed=seed).token_ids
+        assert a == dyn.generate([5, 9, 4], 25, SamplingParams(1.0), FixedK(3), seed=seed).token_ids
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_speculative_equals_greedy_target(pair, k):
+    g, ref = greedy_speculative_against_target(FusedCausalLM, *pair, k)
     assert g.token_ids == ref
     assert g.metrics.n_draft_forwards == g.metrics.n_drafted and g.metrics.n_discarded > 0  # rollbacks ran
 
 
 def test_sampling_matches_dynamic_runner_seed_for_seed(pair):
-    """Same models, same seed: the fused and the dynamic runners draw the same tokens (their logits
-    agree to float rounding)."""
-    draft, target = pair
-    t, d = FusedCausalLM(target, max_cache_len=64), FusedCausalLM(draft, max_cache_len=64)
-    t.warmup(verify_shapes(3))
-    d.warmup(DRAFT_SHAPES)
-    fused, dyn = Decoder(t, d), Decoder(CausalLM(target), CausalLM(draft))
-    for seed in range(3):
-        a = fused.generate([5, 9, 4], 25, SamplingParams(1.0), FixedK(3), seed=seed).token_ids
-        assert a == dyn.generate([5, 9, 4], 25, SamplingParams(1.0), FixedK(3), seed=seed).token_ids
+    assert_sampling_matches_dynamic_runner(FusedCausalLM, *pair)
 
 
 def context_model(seed):

@@ -35,8 +35,7 @@ def fake_pair(c, engine="llama.cpp", draft=True):
                            draft=object() if draft else None)
 
 
-def by_name(result):
-    return {r["name"].split(" K=")[0]: r for r in result["configurations"]}
+by_name = probe.by_name
 
 
 @pytest.mark.parametrize("engine", ["llama.cpp", "torch"])

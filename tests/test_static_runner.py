@@ -19,8 +19,9 @@ from adaptive_spec.heads.head import AcceptanceHead
 from adaptive_spec.backends.models import CausalLM
 from adaptive_spec.decoding.policies import FixedK
 from adaptive_spec.decoding.sampling import SamplingParams
-from adaptive_spec.backends.static_runner import DRAFT_SHAPES, StaticCausalLM, make_runner, verify_shapes
-from test_fused import assert_no_host_read_inside_a_step, compiled_decoding_matches
+from adaptive_spec.backends.static_runner import DRAFT_SHAPES, StaticCausalLM, make_runner
+from test_fused import (assert_no_host_read_inside_a_step, assert_sampling_matches_dynamic_runner,
+                        compiled_decoding_matches, greedy_speculative_against_target)
 from test_decoding import L, V, chi_square_pvalue, exact_sequence_probs, sample_counts
 from tiny import make_model
 
@@ -115,27 +116,13 @@ def test_forward_reads_nothing_back_to_the_host(models):
 
 @pytest.mark.parametrize("k", range(1, 9))
 def test_greedy_speculative_equals_greedy_target(models, k):
-    draft, target = models
-    prompt = [5, 9, 4, 17]
-    ref = Decoder(CausalLM(target)).generate(prompt, max_new_tokens=30, sampling=GREEDY).token_ids
-    dec = Decoder(StaticCausalLM(target, max_cache_len=64), StaticCausalLM(draft, max_cache_len=64))
-    g = dec.generate(prompt, max_new_tokens=30, sampling=GREEDY, policy=FixedK(k))
+    g, ref = greedy_speculative_against_target(StaticCausalLM, *models, k)
     assert g.token_ids == ref
     assert g.metrics.n_draft_forwards == g.metrics.n_drafted
 
 
 def test_sampling_matches_dynamic_runner_seed_for_seed(models):
-    """Same models, same seed: the static and dynamic runners draw the same tokens (their
-    logits agree to float rounding), under warm-up too (a no-op without a graph runtime)."""
-    draft, target = models
-    st_t, st_d = StaticCausalLM(target, max_cache_len=64), StaticCausalLM(draft, max_cache_len=64)
-    st_t.warmup(verify_shapes(3))
-    st_d.warmup(DRAFT_SHAPES)
-    st, dyn = Decoder(st_t, st_d), Decoder(CausalLM(target), CausalLM(draft))
-    for seed in range(3):
-        a = st.generate([5, 9, 4], 25, SamplingParams(1.0), FixedK(3), seed=seed).token_ids
-        b = dyn.generate([5, 9, 4], 25, SamplingParams(1.0), FixedK(3), seed=seed).token_ids
-        assert a == b
+    assert_sampling_matches_dynamic_runner(StaticCausalLM, *models)
 
 
 def test_the_learned_heads_stop_rule_runs_inside_the_draft_step(models):

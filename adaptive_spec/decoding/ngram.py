@@ -208,24 +208,32 @@ class NgramPolicy(RoundOwner):
     def lam(self) -> float:
         return self.tokens_done / self.steps_done
 
-    def run_round(self, state: RoundState) -> list[int]:
-        t0 = time.perf_counter()
-        cap = min(self.k_max if self.k == "auto" else self.k, state.remaining - 1)
+    def propose(self, tokens: list[int], remaining: int) -> tuple[list[int], int, int]:
+        """(the copy found for `tokens`, its match's length, K: how many of it to verify; 0 where none pays)
+        with `remaining` tokens left to generate."""
+        cap = min(self.k_max if self.k == "auto" else self.k, remaining - 1)
         span, n_match = ([], 0)
         if cap > 0:
-            self.index.update(state.tokens)
-            span, n_match = self.index.lookup(state.tokens, cap)
-        K = self._choose(span, n_match)
+            self.index.update(tokens)
+            span, n_match = self.index.lookup(tokens, cap)
+        return span, n_match, self._choose(span, n_match)
+
+    def learn(self, n_match: int, K: int, p_y: list[float], n_tokens: int) -> None:
+        """After a round of K copies (a match of n_match tokens) made n_tokens: p_y, the target's probability
+        of the copies verification reached, moves the copy rates; the round's tokens and steps, lambda."""
+        self.acceptance.observe(n_match, p_y)
+        self._account(n_tokens, self.v(K + 1))
+
+    def run_round(self, state: RoundState) -> list[int]:
+        t0 = time.perf_counter()
+        span, n_match, K = self.propose(state.tokens, state.remaining)
         if K:
             source = SpanSource(span[:K], state.target.vocab_size, state.seq.device)
         state.met.draft_other_s += time.perf_counter() - t0
         if K:
             new = state.decoder.chain_round(state, _Exactly(K), source=source)
-            n = len(new) - 1
-            m = min(n + 1, K)  # the copies verification reached
-            p_y = state.p_y[:m].tolist()
-            self.acceptance.observe(n_match, p_y)
-            self._account(len(new), self.v(K + 1))
+            m = min(len(new), K)  # the copies verification reached
+            self.learn(n_match, K, state.p_y[:m].tolist(), len(new))
             return new
         if self.fallback is not None:
             before = state.met.n_drafted
@@ -237,7 +245,7 @@ class NgramPolicy(RoundOwner):
             self.model_steps += cost
             self._account(len(new), cost)
             return new
-        self._account(1, self.v(1))
+        self.learn(0, 0, [], 1)
         state.book(0, 0)  # a round of no candidates: the target's token alone
         return state.decoder.target_step(state)
 
@@ -284,18 +292,11 @@ def replay_copies(policy: NgramPolicy, prompt: list[int], response: list[int]) -
     rounds = drafted = accepted = 0
     hist: dict[str, int] = {}
     while s < T:
-        cap = min(policy.k_max if policy.k == "auto" else policy.k, T - s - 1)
-        span, n_match = [], 0
-        if cap > 0:
-            policy.index.update(tokens)
-            span, n_match = policy.index.lookup(tokens, cap)
-        K = policy._choose(span, n_match)
+        span, n_match, K = policy.propose(tokens, T - s)
         a = 0
         while a < K and span[a] == response[s + a]:
             a += 1
-        if K:
-            policy.acceptance.observe(n_match, [1.0] * a + [0.0] * (a < K))
-        policy._account(a + 1, policy.v(K + 1))
+        policy.learn(n_match, K, [1.0] * a + [0.0] * (a < K), a + 1)
         rounds, drafted, accepted = rounds + 1, drafted + K, accepted + a
         hist[str(K + 1)] = hist.get(str(K + 1), 0) + 1
         tokens.extend(response[s:s + a + 1])

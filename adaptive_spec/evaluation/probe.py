@@ -99,27 +99,20 @@ def copy_counts(costs, k_max: int, data_dir=None) -> dict | None:
     from ..datagen.shards import iter_shards
     from ..decoding.ngram import NgramPolicy, replay_copies, verify_steps_of
     from ..runs import PROJECT_ROOT
+    from .report_data import sum_counts
 
     path = Path(data_dir) if data_dir is not None else PROJECT_ROOT / COPY_DATA
     if not (path / "manifest.json").is_file():
         return None
     p = params.NgramParams()
     policy = NgramPolicy(p.ngram_min, p.ngram_max, "auto", k_max, verify_steps=verify_steps_of(costs))
-    total = {"n_tokens": 0, "n_target_forwards": 0, "n_draft_forwards": 0, "n_drafted": 0, "n_accepted": 0,
-             "target_pass_hist": {}, "n_responses": 0, "data": str(path)}
+    answers = []
     for shard in iter_shards(path, "dev"):
         ids, x = shard["input_ids"].tolist(), shard["x_ids"].tolist()
         starts, lens, offs = shard["input_offsets"].tolist(), shard["prompt_lens"].tolist(), shard["resp_offsets"].tolist()
-        for i, n_prompt in enumerate(lens):
-            if offs[i + 1] <= offs[i]:
-                continue
-            c = replay_copies(policy, ids[starts[i]:starts[i] + n_prompt], x[offs[i]:offs[i + 1]])
-            for key in ("n_tokens", "n_target_forwards", "n_drafted", "n_accepted"):
-                total[key] += c[key]
-            for n, count in c["target_pass_hist"].items():
-                total["target_pass_hist"][n] = total["target_pass_hist"].get(n, 0) + count
-            total["n_responses"] += 1
-    return total if total["n_responses"] else None
+        answers += [replay_copies(policy, ids[starts[i]:starts[i] + n_prompt], x[offs[i]:offs[i + 1]])
+                    for i, n_prompt in enumerate(lens) if offs[i + 1] > offs[i]]
+    return {**sum_counts(answers), "n_responses": len(answers), "data": str(path)} if answers else None
 
 
 def _priced(choice: dict, value, cap) -> float:
@@ -137,10 +130,15 @@ def _cap_of(choice: dict):
     return cap if cap is not None and f"{choice['value']:g}@{cap}" in choice.get("predicted_capped", {}) else None
 
 
+def by_name(result: dict) -> dict:
+    """A probe result's configurations by name, fixed K's as "fixed" (its name carries the K)."""
+    return {r["name"].split(" K=")[0]: r for r in result["configurations"]}
+
+
 def picks_of(result: dict) -> dict | None:
     """What a probe's result chose ({"k": K, "pick": (h or AR, cap), "best": (h, cap)}), for pricing the same
     configurations at other costs (`predict(ran=...)`); None where it priced no drafting."""
-    by = {r["name"].split(" K=")[0]: r for r in result["configurations"]}
+    by = by_name(result)
     if "fixed" not in by:
         return None
     auto = by["SpecDec++ h=auto"]

@@ -309,9 +309,13 @@ def bound_curve(calibration: dict, method: str, ks) -> list[tuple[int, float]]:
 # ----------------------------------------------------------------------------- a configuration's rounds
 
 def pooled_counts(d: DatasetResult, config: str) -> dict:
-    """A configuration's counts summed over its rows, as one row timemodel.predict_time prices (its target
-    passes' histogram summed too, where every row has one)."""
-    rows = [r for r in d.rows if r["config"] == config]
+    """A configuration's counts summed over its rows (sum_counts)."""
+    return sum_counts([r for r in d.rows if r["config"] == config])
+
+
+def sum_counts(rows: list[dict]) -> dict:
+    """Rows' counts summed, as one row timemodel.predict_time prices (their target passes' histogram summed
+    too, where every row has one)."""
     out = {k: sum(_f(r, k) for r in rows) for k in ("n_tokens", "n_target_forwards", "n_draft_forwards", "n_drafted",
                                                     "n_accepted")}
     if rows and all(isinstance(r.get("target_pass_hist"), dict) for r in rows):
