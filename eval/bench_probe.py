@@ -15,7 +15,8 @@ prompt at the probe's measured rates. After the runs the costs are measured once
 minutes (a one-row step measured 83 ms before a run and 76 ms in it), so a prediction is judged on the mean of
 the two measurements, the one before shown beside it. A second table splits the error: the runs' tokens a
 round against the curve's (the workload: the head's dev answers are not these sets), and the runs priced from
-their own counts at the same costs (the time model alone). GSM8K and
+their own counts at the same costs (the time model alone). The probe is told what the sets are (--workload: each
+set's kind, KIND, in equal parts), as a user would tell it of their prompts. GSM8K and
 AlpacaEval come from ../shared/data or ADAPTIVE_SPEC_DATA. `--report-only` rebuilds the report from the folder.
 """
 from __future__ import annotations
@@ -33,6 +34,8 @@ from adaptive_spec.runs import read_jsonl, write_json
 from adaptive_spec.tables import md_table
 
 GOAL = 0.10  # |predicted / measured - 1|
+# the kind of prompts each set is (probe --workload): the probe prices the sets' mix, in equal parts as they run
+KIND = {"humaneval": "code", "mbpp": "code", "gsm8k": "math", "alpaca": "chat", "sharegpt": "chat"}
 BEST_H = "specdec++ best h"  # the drafting h, where auto runs the target alone
 
 
@@ -99,24 +102,34 @@ def compare(result: dict, rows: list[dict], after: dict | None = None) -> list[d
         p_decode, p_wall = predicted(result, pred)
         c = {"name": name, "runs": len(rs), "prompt_tokens": prompt, "predicted_decode": p_decode,
              "decode": n / decode, "predicted_wall": p_wall, "wall": n / wall,
-             "counts_decode": counts_rate(result, rs, after), "tokens_per_round": n / sum(r["n_target_forwards"]
-                                                                                      for r in rs)}
+             "counts_decode": counts_rate(result, rs, after, pred.get("catch_up", False)),
+             "tokens_per_round": n / sum(r["n_target_forwards"] for r in rs)}
         curve = (pred.get("round") or (pred.get("best") or {}).get("round") or {}) if pred.get("drafts") else {}
-        copies = pred.get("copies")  # prompt lookup replayed on the dev answers
-        c["predicted_tokens_per_round"] = curve.get("tokens") or (copies["n_tokens"] / copies["n_target_forwards"]
-                                                                 if copies else None)
+        replayed = pred.get("joint") or pred.get("copies")  # combined, prompt lookup: replayed on the dev answers
+        c["predicted_tokens_per_round"] = (replayed["n_tokens"] / replayed["n_target_forwards"] if replayed
+                                           else curve.get("tokens"))
         if name in later:
             a_decode, a_wall = predicted(after, later[name])
             c.update(after_decode=a_decode, after_wall=a_wall, window_decode=2 / (1 / p_decode + 1 / a_decode),
                      window_wall=None if None in (p_wall, a_wall) else 2 / (1 / p_wall + 1 / a_wall))
         out.append(c)
+    # against the target alone, measured side by side in the same runs and predicted at the same costs: the
+    # machine's speed (which moved 5-20% between the measurements here) cancels in both ratios
+    ar = next((c for c in out if c["name"] == "target alone"), None)
+    for c in out if ar is not None else []:
+        c["speedup"] = c["decode"] / ar["decode"]
+        c["predicted_speedup"] = c["predicted_decode"] / ar["predicted_decode"]
+        if "after_decode" in c and "after_decode" in ar:
+            c["after_speedup"] = c["after_decode"] / ar["after_decode"]
     return out
 
 
-def counts_rate(result: dict, rows: list[dict], after: dict | None = None) -> float:
+def counts_rate(result: dict, rows: list[dict], after: dict | None = None, catch_up: bool = False) -> float:
     """Decode tok/s of `rows` priced from their own counts (passes, draft steps; for fixed K the rounds that
     accepted all K) at the probe's costs, the mean of both measurements where there are two: the time model
-    alone, without the curve's counts (the workload's side: how often these prompts' tokens are accepted)."""
+    alone, without the curve's counts (the workload's side: how often these prompts' tokens are accepted).
+    `catch_up`: the draft reads each prompt in its first round (combined), at its measured prefill rate. A row
+    does not count the draft's steps that feed what copies made (the replay does), so combined's is a floor."""
     from adaptive_spec.decoding.costs import costs_from_json
     from adaptive_spec.decoding.timemodel import coef_of, predict_time
 
@@ -126,6 +139,8 @@ def counts_rate(result: dict, rows: list[dict], after: dict | None = None) -> fl
         coef = coef_of(costs_from_json(res["costs"]), res["time_model"], res["sampling"])
         t = sum(predict_time({**r, "n_all_accepted": (r.get("accepted_hist") or {}).get(str(r["k"]), 0)
                               if r.get("method") == "fixed" and r.get("k") else 0}, coef) for r in rows)
+        if catch_up:
+            t += res["costs"].get("t_prefill_draft", 0.0) * sum(max(r["n_prompt_tokens"] - 1, 0) for r in rows)
         rates.append(n / t)
     return len(rates) / sum(1 / x for x in rates)
 
@@ -149,7 +164,7 @@ def report(results: dict, sweeps: dict, run: dict, afters: dict | None = None) -
     num = lambda x: "—" if x is None else f"{x:.2f}"  # noqa: E731
     for engine, result in results.items():
         after = (afters or {}).get(engine)
-        table, worst, worst_before, split = [], 0.0, 0.0, []
+        table, worst, worst_before, split, ratios = [], 0.0, 0.0, [], []
         for c in compare(result, sweeps.get(engine, []), after):
             # judged on the window's prediction where the costs were measured again after the runs
             d, w = (c["window_decode"], c["window_wall"]) if "window_decode" in c else (c["predicted_decode"],
@@ -167,6 +182,11 @@ def report(results: dict, sweeps: dict, run: dict, afters: dict | None = None) -
                               f"{c['predicted_decode']:.2f} ({err(c['predicted_decode'], c['decode'])})",
                               "—" if a is None else f"{a:.2f} ({err(a, c['decode'])})", num(d), err(d, c["decode"]),
                               f"{c['wall']:.2f}", num(w), err(w, c["wall"]), ok(ed, ew)])
+            if "speedup" in c and c["name"] != "target alone":
+                ratios.append([c["name"], f"{c['speedup']:.2f}x", f"{c['predicted_speedup']:.2f}x",
+                               err(c["predicted_speedup"], c["speedup"]),
+                               f"{c['after_speedup']:.2f}x" if "after_speedup" in c else "—",
+                               err(c.get("after_speedup"), c["speedup"])])
             split.append([c["name"], f"{c['tokens_per_round']:.2f}", num(c["predicted_tokens_per_round"]),
                           err(c["predicted_tokens_per_round"], c["tokens_per_round"]), f"{c['counts_decode']:.2f}",
                           err(c["counts_decode"], c["decode"])])
@@ -188,12 +208,16 @@ def report(results: dict, sweeps: dict, run: dict, afters: dict | None = None) -
                             "error", f"within {100 * GOAL:.0f}%"], table), "",
                   f"Largest error of the mean of both: {100 * worst:.1f}% (of the probe before the runs alone: "
                   f"{100 * worst_before:.1f}%).", "",
-                  "Where the error comes from: a prediction is the machine's costs times the curve's counts (the head's "
-                  "dev answers, not these sets). Tokens a round as the runs had them and as the curve has them, and the "
-                  "runs priced from their own counts at the same costs (the time model alone; the mean of both "
-                  "measurements):", "",
-                  md_table(["configuration", "tokens a round: runs", "curve", "error", "decode tok/s from the runs' "
-                            "counts", "error"], split), ""]
+                  "Where the error comes from: a prediction is the machine's costs times the counts of the head's dev "
+                  f"answers (not these sets; {probe.describe_workload(result.get('workload', probe.MIX))}). Tokens a "
+                  "round as the runs had them and as the dev answers have them (the curve; prompt lookup and combined "
+                  "replayed on them), and the runs priced from their own counts at the same costs (the time model "
+                  "alone; the mean of both measurements):", "",
+                  md_table(["configuration", "tokens a round: runs", "dev answers", "error", "decode tok/s from the "
+                            "runs' counts", "error"], split), "",
+                  "Speed-ups over the target alone, measured side by side in the same runs and predicted at the "
+                  "same costs (the machine's speed cancels in both):", "",
+                  md_table(["configuration", "measured", "predicted before", "error", "after", "error"], ratios), ""]
     lines.append(f"Written {run['written']} by `python eval/bench_probe.py`.")
     return "\n".join(lines) + "\n"
 
@@ -226,6 +250,10 @@ def _main(argv) -> int:
     ap.add_argument("--report-only", action="store_true", help="run nothing: the report of what <out> holds")
     args = ap.parse_args(argv)
     out = Path(args.out)
+    unknown = [d for d in args.datasets.split(",") if d not in KIND]
+    if unknown and not args.report_only:
+        raise UserError(f"no workload kind for set {unknown[0]!r}: the probe prices one of {', '.join(KIND)}")
+    workload = probe.parse_workload([KIND[d] for d in args.datasets.split(",") if d in KIND])
     if args.report_only:
         run = run_header(out, report_only=True)
         results, sweeps, afters = _load(out, run["engines"])
@@ -245,8 +273,8 @@ def _main(argv) -> int:
         pair = pair_params(backend=engine, threads=args.threads,
                            **({"draft_quant": args.torch_draft_quant} if engine == "torch" else {}))
         if not path.is_file():  # a rerun keeps the first probe: its predictions are what the rows are checked against
-            write_json(path, probe.run(pair, args.head, 1.0, 128, args.max_new_tokens, args.reps), indent=1,
-                       default=str)
+            write_json(path, probe.run(pair, args.head, 1.0, 128, args.max_new_tokens, args.reps,
+                                       workload=workload), indent=1, default=str)
             gc.collect()  # the probe's pair, before the sweep loads its own
         result = json.loads(path.read_text())
         config = out / f"sweep_{engine}.yaml"
@@ -257,7 +285,9 @@ def _main(argv) -> int:
         after = out / f"probe_{engine}_after.json"
         if not after.is_file():  # the machine's speed after the runs: the same configurations, measured afresh
             write_json(after, probe.run(pair, args.head, 1.0, 128, args.max_new_tokens, args.reps, cache=False,
-                                        ran=probe.picks_of(result)), indent=1, default=str)
+                                        ran=probe.picks_of(result),
+                                        workload=probe.parse_workload(result.get("workload", probe.MIX))),
+                       indent=1, default=str)
             gc.collect()
     header = run_header(out, report_only=False, measure=lambda: {
         "script": f"eval/{Path(__file__).name}", "engines": engines, "datasets": args.datasets,

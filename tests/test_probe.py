@@ -49,7 +49,9 @@ def test_where_passes_cost_steps_drafting_does_not_pay_and_auto_runs_the_target_
     assert "runs the target alone" in rows["SpecDec++ h=auto"]["reason"]
     assert rows["SpecDec++ h=auto"]["best"]["speedup"] < 1 and rows["fixed"]["speedup"] < 1
     assert "drafting does not pay" in rows["fixed"]["reason"]
-    assert rows["combined"]["decode_tokens_per_s"] == ar
+    # its fallback is the target alone: combined is prompt lookup's rounds
+    assert rows["combined"]["decode_tokens_per_s"] == rows["prompt lookup"]["decode_tokens_per_s"]
+    assert "joint" not in rows["combined"] and not rows["combined"]["drafts"]
     # where every row costs most of a step, prompt lookup copies little on the dev answers: about the target
     # alone (on the table model; torch's line model prices a pass at one step whatever its rows)
     if engine == "llama.cpp":
@@ -76,8 +78,11 @@ def test_where_passes_are_cheap_the_rows_are_autos_picks_and_their_reasons_hold_
     r = fixed["round"]
     assert fixed["speedup"] == pytest.approx(r["tokens"] / r["steps"])
     assert f"a {k + 1}-row pass costs" in fixed["reason"] and f"{r['tokens']:.2f} tokens" in fixed["reason"]
-    # without copies the combined policy runs SpecDec++'s rounds
-    assert rows["combined"]["rate_tokens_per_s"] == rows["SpecDec++ h=auto"]["decode_tokens_per_s"]
+    # combined is replayed jointly: SpecDec++'s rounds where nothing is copied, so its rounds are about SpecDec++'s
+    # with some copying rounds among them, and the draft catches up on what those made
+    joint, auto = rows["combined"]["joint"], rows["SpecDec++ h=auto"]["round"]
+    assert joint["n_tokens"] / joint["n_target_forwards"] == pytest.approx(auto["tokens"], rel=0.15)
+    assert joint["n_fed_extra"] > 0 and "replayed on" in rows["combined"]["reason"]
 
 
 def test_a_second_measurement_prices_the_configurations_the_first_one_chose():
@@ -94,10 +99,11 @@ def test_a_second_measurement_prices_the_configurations_the_first_one_chose():
     assert (auto["pick"], auto["pick_k_max"]) == ran["pick"] and rows["fixed"]["policy"]["k"] == ran["k"]
     choice = next(c for key, c in slow_pair.auto_picks.items() if key[1] == "h")
     h, cap = ran["pick"]
-    assert auto["decode_tokens_per_s"] == pytest.approx(probe._priced(choice, h, cap))
+    assert auto["decode_tokens_per_s"] == pytest.approx(choice["predicted_capped"][f"{h:g}@{cap}"] if cap
+                                                        else choice["predicted"][h])
     assert auto["decode_tokens_per_s"] < own["SpecDec++ h=auto"]["decode_tokens_per_s"]  # drafting at slow costs
     assert f"h = {h:g}" in auto["reason"] and "drafting does not pay" in auto["reason"]
-    assert rows["combined"]["rate_tokens_per_s"] == auto["decode_tokens_per_s"]
+    assert rows["combined"]["drafts"] and "joint" in rows["combined"]  # its fallback drafts at the h that ran
     # a result without drafting has no picks to carry
     assert probe.picks_of(probe.predict(fake_pair(CHEAP_PASSES, draft=False), None, 1.0, 128, 128)) is None
 
@@ -149,8 +155,8 @@ def test_wall_adds_the_prompts_prefill_at_the_measured_rates():
         assert r["wall_tokens_per_s"] == pytest.approx(128 / (128 / r["rate_tokens_per_s"] + prefill))
     # the combined policy's draft reads the prompt in its first model round: in decode time
     auto, combined = rows["SpecDec++ h=auto"], rows["combined"]
-    assert auto["decode_tokens_per_s"] == auto["rate_tokens_per_s"] == combined["rate_tokens_per_s"]
-    assert combined["decode_tokens_per_s"] == pytest.approx(128 / (128 / auto["rate_tokens_per_s"] + 100 * 0.01))
+    assert auto["decode_tokens_per_s"] == auto["rate_tokens_per_s"]
+    assert combined["decode_tokens_per_s"] == pytest.approx(128 / (128 / combined["rate_tokens_per_s"] + 100 * 0.01))
 
 
 def test_greedy_prices_the_greedy_loop():
@@ -167,6 +173,7 @@ def test_greedy_prices_the_greedy_loop():
     (["--prompt-tokens", "0"], "--prompt-tokens must be >= 1, got 0"),
     (["--backend", "onnx"], "onnx"),
     (["--draft-quant", "int3"], "int3"),
+    (["--workload", "poetry"], "unknown kind 'poetry'"),
 ])
 def test_refusals_are_one_line_before_any_model_loads(argv, needle, capsys):
     assert probe.main(argv) == 2
@@ -245,3 +252,89 @@ def test_the_benchmark_sweeps_what_the_probe_priced_and_tables_the_errors(tmp_pa
     # the error split: the rows' own counts (64 one-row passes each) priced at the mean costs are the target
     # alone's rate, whatever configuration ran them
     assert "Where the error comes from" in md and f"| target alone | 1.00 | — | — | {mean:.2f} | " in md, md
+    # speed-ups over the target alone, measured and predicted side by side: the fixed K row's 10% shortfall stays
+    kd = k["decode_tokens_per_s"]
+    assert "Speed-ups over the target alone" in md and f"| fixed K=1 | {0.9 * kd / ar:.2f}x | {kd / ar:.2f}x | +11.1% |" in md
+
+
+def test_the_combined_replay_runs_draft_rounds_where_nothing_is_copied_and_counts_the_drafts_catch_up():
+    """replay_copies with a model_round: by hand. Rows free and draft steps dear (10 steps), so every copy found
+    beats the draft model's rounds; those (a fake: 2 drafted, both accepted, or 3 drafted, 1 accepted, capped as
+    the decoder caps them) run where no copy is found."""
+    from adaptive_spec.decoding.interfaces import StopPolicy
+    from adaptive_spec.decoding.ngram import NgramPolicy, replay_copies
+
+    policy = NgramPolicy(2, 4, "auto", 48, verify_steps=lambda n: 1.0, fallback=StopPolicy(), draft_steps=10.0)
+    calls = []
+
+    def model_round(s, remaining):
+        calls.append(s)
+        k, a = (2, 2) if s == 0 else (3, 1)
+        return min(k, remaining - 1), min(a, remaining - 1)
+
+    # prompt 7 1 2 3 4 8, answer 1 2 3 4 5 6 9 9. s=0: no 2-gram yet, a model round: 2 drafted and accepted, with
+    # the bonus "1 2 3". s=3: "1 2 3" recurs in the prompt: a copy round, "4" accepted, "8" rejected for "5". s=5:
+    # "4 5" recurs nowhere: a model round of 2 (3 capped by the 3 tokens left), 1 accepted ("6 9"). s=7: one token
+    # left, a round of 0 candidates
+    r = replay_copies(policy, [7, 1, 2, 3, 4, 8], [1, 2, 3, 4, 5, 6, 9, 9], model_round)
+    assert calls == [0, 5, 7] and r["n_target_forwards"] == 4 and r["n_tokens"] == 8
+    assert r["n_accepted"] == 2 + 1 + 1 and r["n_draft_forwards"] == 2 + 2 and r["target_pass_hist"]["1"] == 1
+    # the first model round was all accepted (y_2 and the bonus unseen by the draft), then the copy round made 2
+    # tokens: the second model round's first step feeds those 4, one wide step and 2 tokens beyond two
+    assert r["n_all_accepted"] == 1 and r["n_fed_extra"] == 2
+
+
+def test_where_no_copy_pays_the_combined_replay_samples_specdec_rounds_as_autotune_expects_them():
+    """With no copies allowed (at most 0 a round) the joint replay is SpecDec++ alone, its accepted counts drawn
+    from P: its tokens a round and all-accepted rounds match the curve's exact expectation (autotune's replay)."""
+    import json as _json
+
+    curve = _json.loads((probe._curve_file(HEAD)).read_text())
+    point = next(p for p in curve["thresholds"] if p["h"] == 0.3)
+    joint = probe.combined_counts(CHEAP_PASSES, HEAD, 0.3, curve["k_max"], 0)
+    assert joint["n_responses"] == curve["n_responses"] and joint["n_tokens"] == 4 * curve["n_tokens"]
+    assert joint["n_fed_extra"] == 0 and joint["target_pass_hist"].get("1", 0) < 0.01 * joint["n_target_forwards"]
+    assert joint["n_tokens"] / joint["n_target_forwards"] == pytest.approx(point["tokens_per_round"], rel=0.02)
+    assert joint["n_all_accepted"] / joint["n_target_forwards"] == pytest.approx(
+        point["n_all_accepted"] / point["n_target_forwards"], rel=0.05)
+
+
+def test_a_workload_prices_its_kinds_counts_in_equal_parts():
+    import json as _json
+
+    from adaptive_spec.decoding.timemodel import coef_of, predict_time
+
+    curve = _json.loads((probe._curve_file(HEAD)).read_text())
+    coef = coef_of(CHEAP_PASSES, "extended", "sample")
+    k_of = lambda section, k: next(p for p in section["fixed_k"] if p["k"] == k)  # noqa: E731
+    math = by_name(probe.predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 128, 128, workload=("math",)))
+    K = math["fixed"]["policy"]["k"]
+    point = k_of(curve["by_source"]["gsm8k-train"], K)
+    assert math["fixed"]["rate_tokens_per_s"] == pytest.approx(point["n_tokens"] / predict_time(point, coef))
+    # two kinds in equal parts of tokens: the time per token is the mean of theirs
+    both = by_name(probe.predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 128, 128, workload=("math", "chat"),
+                                 ran=probe.picks_of({"configurations": list(math.values())})))
+    chat = k_of(curve["by_source"]["sharegpt"], K)
+    per_token = [predict_time(p, coef) / p["n_tokens"] for p in (point, chat)]
+    assert both["fixed"]["rate_tokens_per_s"] == pytest.approx(2 / sum(per_token))
+    # a workload's kinds price prompt lookup on their own answers: math copies more than chat here
+    chat_only = by_name(probe.predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 128, 128, workload=("chat",)))
+    assert math["prompt lookup"]["copies"]["n_accepted"] / math["prompt lookup"]["copies"]["n_tokens"] > \
+        chat_only["prompt lookup"]["copies"]["n_accepted"] / chat_only["prompt lookup"]["copies"]["n_tokens"]
+    assert probe.parse_workload("mix") is None and probe.parse_workload("code, math") == ("code", "math")
+    with pytest.raises(Exception, match="unknown kind 'poetry'.*chat, code, math"):
+        probe.parse_workload("code,poetry")
+    with pytest.raises(Exception, match="no counts for prompt source 'sharegpt'"):
+        probe.check_workload({"by_source": {}}, ("chat",))
+
+
+def test_a_draft_step_that_feeds_copied_tokens_costs_them_at_the_drafts_prefill_rate():
+    from adaptive_spec.decoding.timemodel import coef_of, predict_time
+
+    c = costs(0.1, (1.0,) * 9, 0.3, prefill_draft=0.004)
+    c.t_draft_two = c.t_draft + 0.01
+    coef = coef_of(c, "extended")
+    row = {"n_tokens": 10, "n_target_forwards": 4, "n_draft_forwards": 6, "n_drafted": 6}
+    base = predict_time(row, coef)
+    assert predict_time({**row, "n_all_accepted": 2, "n_fed_extra": 5}, coef) == pytest.approx(base + 0.02 + 0.02)
+    assert "t_feed" not in coef_of(c, "paper")  # Eq. 3.1 prices every draft step alike

@@ -224,6 +224,15 @@ class NgramPolicy(RoundOwner):
         self.acceptance.observe(n_match, p_y)
         self._account(n_tokens, self.v(K + 1))
 
+    def learn_model(self, n_tokens: int, k_drafted: int) -> None:
+        """After a round of the draft model (the fallback) drafted k_drafted and made n_tokens: its value so far
+        (what a copy must beat, _choose) and lambda."""
+        cost = (self.draft_steps or 0.0) * k_drafted + self.v(k_drafted + 1)
+        self.model_rounds += 1
+        self.model_tokens += n_tokens
+        self.model_steps += cost
+        self._account(n_tokens, cost)
+
     def run_round(self, state: RoundState) -> list[int]:
         t0 = time.perf_counter()
         span, n_match, K = self.propose(state.tokens, state.remaining)
@@ -238,12 +247,7 @@ class NgramPolicy(RoundOwner):
         if self.fallback is not None:
             before = state.met.n_drafted
             new = state.decoder.chain_round(state, self.fallback)
-            k_drafted = state.met.n_drafted - before
-            cost = (self.draft_steps or 0.0) * k_drafted + self.v(k_drafted + 1)
-            self.model_rounds += 1
-            self.model_tokens += len(new)
-            self.model_steps += cost
-            self._account(len(new), cost)
+            self.learn_model(len(new), state.met.n_drafted - before)
             return new
         self.learn(0, 0, [], 1)
         state.book(0, 0)  # a round of no candidates: the target's token alone
@@ -278,31 +282,51 @@ class NgramPolicy(RoundOwner):
         return d
 
 
-def replay_copies(policy: NgramPolicy, prompt: list[int], response: list[int]) -> dict:
+def replay_copies(policy: NgramPolicy, prompt: list[int], response: list[int], model_round=None) -> dict:
     """Prompt lookup run offline along a target response X (no model): the counts its rounds would have,
     named as a sweep row's (timemodel.predict_time prices them). Each round copies what `policy` copies
     (its index, its K for the rounds so far) and accepts the copies that X repeats; as in autotune's replay
     X stands in for the accepted text, and a copy is a function of the context, so that indicator is an
     unbiased sample of the probability that verification accepts the copies (p(y_1) p(y_2 | y_1) ...). The
     same indicators stand in for p(y) where the policy learns its copy rates. The policy's own rule, not a
-    copy of it: this is what `adaptive-spec probe` prices prompt lookup with."""
+    copy of it: this is what `adaptive-spec probe` prices prompt lookup with.
+
+    model_round(s, remaining) -> (drafted, accepted): the rounds nothing is copied in run the draft model
+    instead (a policy with a fallback: the combined configuration), as that callback samples them at
+    position s. Then the draft's first step of a model round feeds every token it has not seen: two after
+    a round all accepted (y_K and the bonus), and after copying rounds all they made (counted as
+    n_all_accepted, one such step each, and n_fed_extra, the tokens beyond two: timemodel prices both)."""
     policy.reset()
     tokens = list(prompt)
     T, s = len(response), 0
-    rounds = drafted = accepted = 0
+    rounds = drafted = accepted = draft_forwards = wide = extra = 0
+    unseen = 1  # tokens the draft has not fed: the last one (its prompt is priced as its prefill)
     hist: dict[str, int] = {}
     while s < T:
         span, n_match, K = policy.propose(tokens, T - s)
-        a = 0
-        while a < K and span[a] == response[s + a]:
-            a += 1
-        policy.learn(n_match, K, [1.0] * a + [0.0] * (a < K), a + 1)
+        if K or model_round is None:
+            a = 0
+            while a < K and span[a] == response[s + a]:
+                a += 1
+            policy.learn(n_match, K, [1.0] * a + [0.0] * (a < K), a + 1)
+            unseen += a + 1
+        else:
+            K, a = model_round(s, T - s)
+            policy.learn_model(a + 1, K)
+            if K:
+                draft_forwards += K
+                wide += unseen >= 2
+                extra += max(unseen - 2, 0)
+                unseen = 2 if a == K else 1
+            else:
+                unseen += 1
         rounds, drafted, accepted = rounds + 1, drafted + K, accepted + a
         hist[str(K + 1)] = hist.get(str(K + 1), 0) + 1
         tokens.extend(response[s:s + a + 1])
         s += a + 1
-    return {"n_tokens": T, "n_target_forwards": rounds, "n_draft_forwards": 0, "n_drafted": drafted,
-            "n_accepted": accepted, "target_pass_hist": hist}
+    out = {"n_tokens": T, "n_target_forwards": rounds, "n_draft_forwards": draft_forwards, "n_drafted": drafted,
+           "n_accepted": accepted, "target_pass_hist": hist}
+    return out if model_round is None else {**out, "n_all_accepted": wide, "n_fed_extra": extra}
 
 
 def verify_steps_of(costs):

@@ -36,7 +36,10 @@ about 10 ms on an AVX2-only CPU, near zero where the pass reads the weights once
 
 t_catch_up (measured costs only, not the paper's model) is what a two-token draft step costs beyond
 a one-token one, paid once per round after a round whose candidates were all accepted (the draft
-then feeds y_K and the bonus token): N_all_accepted, a curve point's expected count. Without it the
+then feeds y_K and the bonus token): N_all_accepted, a curve point's expected count. Where copying
+rounds run between the draft's rounds (prompt lookup with the draft model elsewhere) its first step
+feeds every token they made: one such step, plus N_fed_extra tokens beyond two at t_feed, the draft's
+prefill rate per token. Without it the
 models price fixed K = 1 about 8% fast on a 2-core CPU, where a two-row draft pass costs 1.2-1.4
 steps and 0.8 of K = 1 rounds are all accepted (eval/results/bench_probe_*).
 
@@ -99,6 +102,9 @@ def predict_time(row: dict, coef: dict) -> float:
     # the draft's two-token first steps, after rounds whose candidates were all accepted (a curve point
     # counts them; a sweep row does not, and its time is fitted without the term)
     t += coef.get("t_catch_up", 0.0) * _f(row, "n_all_accepted")
+    # and the tokens beyond two such a step feeds after copying rounds (prompt lookup with the draft model
+    # in the other rounds: ngram.replay_copies counts them), at the draft's prefill rate
+    t += coef.get("t_feed", 0.0) * _f(row, "n_fed_extra")
     if "loop_row" in coef:
         if hist:
             rows = sum(int(n) * float(c) for n, c in hist.items())
@@ -119,6 +125,7 @@ def coef_of(costs, model: str = "extended", loop: str | None = None) -> dict:
     coef = {name: getattr(costs, name) for name in MODELS["extended" if model == "table" else model]}
     if model != "paper" and getattr(costs, "t_catch_up", 0.0):  # Eq. 3.1 prices every draft step alike
         coef["t_catch_up"] = costs.t_catch_up
+        coef["t_feed"] = getattr(costs, "t_prefill_draft", 0.0)
     if loop is not None and getattr(costs, "loop", None):
         coef.update(loop_row=costs.loop_s(loop, "row"), loop_round=costs.loop_s(loop, "round"))
     return {**coef, "verify_s": costs.verify_s} if model == "table" else coef

@@ -4,6 +4,7 @@ costs measured once (cached) and each configuration's tok/s predicted from them,
     adaptive-spec probe --backend llama.cpp                          # the default pair's GGUF files
     adaptive-spec probe --draft-quant int8                           # torch, with the served CPU draft
     adaptive-spec probe --backend llama.cpp --target-quant q8_0 --json
+    adaptive-spec probe --backend llama.cpp --workload code          # priced for code prompts
 
 It loads the pair as `generate` does (the same pair flags) and takes the forward costs through the calls
 `--threshold auto` and `--k auto` make (decoding/auto.resolve_auto over decoding/costs.measure_costs, on
@@ -14,13 +15,22 @@ round. Each configuration is priced with auto's time model (the engine's: timemo
 the head's offline curve (counts per h and per K: the head and the data, not the machine):
 
     target alone        one step a token
-    fixed K             the curve's best K
+    fixed K             the curve's best K (at the workload's counts; by default `--k auto`'s pick)
     SpecDec++ h=auto    auto's pick: an h, or the target alone where no h pays (then the best h is named)
     prompt lookup       the policy itself replayed along the dev answers of COPY_DATA (the heads' data: what
                         it copies there, at this machine's v(n); ngram.replay_copies), or a plain step a token
                         without that data; beside it, the K copies a round of a long verbatim copy that
                         ngram.best_k takes at the copy rate of a long match (CopyAcceptance's prior)
-    combined            SpecDec++ h=auto where nothing is copied, prompt lookup where something is
+    combined            both replayed jointly along those answers (combined_counts): the policy's copying rounds,
+                        and SpecDec++ at auto's h where it copies nothing (K as autotune's replay stops, the
+                        accepted count drawn from the stored acceptance probabilities), with the draft's catch-up
+                        on what the copies made; the target alone's steps instead where auto runs no draft
+
+`--workload` (chat, code, math, or a comma-separated mix of them, in equal parts) prices every configuration
+at the counts of the dev answers of those kinds' prompt sources (WORKLOADS) instead of all of them pooled:
+how often a draft is accepted and how much an answer copies are the workload's, and they differ by kind
+(fixed K = 3 makes 2.7 tokens a round on the ShareGPT answers, 3.4 on GSM8K's). `--threshold auto` still
+picks h from the pooled curve, as a generation does; the probe prices that pick at the workload's counts.
 
 Decode tok/s leave prefill out; wall tok/s add it for --prompt-tokens at the measured prefill rates.
 eval/bench_probe.py checks the predictions against measured runs.
@@ -42,10 +52,76 @@ DEFAULT_HEAD = "checkpoints/qwen-coder-0.5b-int8-stats-d3"
 COPY_DATA = "data/datagen/mix"
 # a long verbatim copy: a match this long is CopyAcceptance's top bucket (its prior: 0.97 of copies accepted)
 COPY_MATCH = 16
+# draws per answer of the combined replay's draft rounds (their accepted counts are sampled; copies are not)
+COMBINED_SAMPLES = 4
+# what a user can say their prompts are (--workload): the prompt sources of the heads' dev answers that stand
+# for each kind (the curve's by_source, COPY_DATA's source_ids); "mix" is those answers as they are pooled
+WORKLOADS = {"chat": ("sharegpt",), "code": ("sharegpt-code", "mbpp"), "math": ("gsm8k-train",)}
+MIX = "mix"
 INTERRUPTED = "nothing was written (forward times measured in full are cached); run the same command again"
 
 
 # ----------------------------------------------------------------------------- pricing (no model needed)
+
+def parse_workload(text) -> tuple[str, ...] | None:
+    """--workload: None for MIX; else the kinds named (comma-separated, WORKLOADS' keys; a kind named twice
+    weighs twice), mixed in equal parts of tokens."""
+    kinds = tuple(k.strip().lower() for k in (text if isinstance(text, (list, tuple)) else str(text).split(","))
+                  if k.strip())
+    if kinds in ((), (MIX,)):
+        return None
+    bad = [k for k in kinds if k not in WORKLOADS]
+    if bad:
+        raise UserError(f"--workload: unknown kind {bad[0]!r}; valid: {MIX} (the default: the heads' dev answers "
+                        f"pooled) or a comma-separated list of {', '.join(WORKLOADS)}")
+    return kinds
+
+
+def check_workload(curve: dict, kinds) -> None:
+    """The curve counts every source the kinds stand for (a curve of one source has no by_source)."""
+    have = curve.get("by_source") or {}
+    for kind in kinds or ():
+        missing = [src for src in WORKLOADS[kind] if src not in have]
+        if missing:
+            raise UserError(f"--workload {kind}: the head's curve has no counts for prompt source {missing[0]!r} "
+                            f"(it has: {', '.join(have) or 'no per-source counts'}); use --workload {MIX}")
+
+
+def _scaled(counts: dict, f: float) -> dict:
+    out = {k: v * f for k, v in counts.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    if isinstance(counts.get("target_pass_hist"), dict):
+        out["target_pass_hist"] = {n: c * f for n, c in counts["target_pass_hist"].items()}
+    return out
+
+
+def mixed(groups) -> dict:
+    """Counts of a workload of kinds in equal parts: each group's pooled counts (sum_counts) scaled to one token,
+    summed (so n_tokens is the number of kinds; timemodel.predict_time is linear in the counts)."""
+    from .report_data import sum_counts
+
+    parts = [sum_counts(g) for g in groups]
+    return sum_counts([_scaled(c, 1.0 / c["n_tokens"]) for c in parts])
+
+
+def workload_point(curve: dict, kinds, select) -> dict:
+    """select(section) on the pooled curve (kinds None), or those of the kinds' sources mixed (`mixed`)."""
+    if kinds is None:
+        return select(curve)
+    return mixed([[select(curve["by_source"][src]) for src in WORKLOADS[kind]] for kind in kinds])
+
+
+def _grouped(answers_by_source: dict, kinds) -> tuple[dict | None, int]:
+    """Replayed answers (source -> their counts) as one workload's counts, pooled (kinds None) or mixed by kind;
+    with how many answers they hold (None where a kind has none)."""
+    from .report_data import sum_counts
+
+    if kinds is None:
+        every = [a for group in answers_by_source.values() for a in group]
+        return (sum_counts(every) if every else None), len(every)
+    groups = [[a for src in WORKLOADS[kind] for a in answers_by_source.get(src, [])] for kind in kinds]
+    used = sum(len(answers_by_source.get(src, [])) for kind in dict.fromkeys(kinds) for src in WORKLOADS[kind])
+    return (mixed(groups) if all(groups) else None), used
+
 
 def _rate(point: dict, coef: dict) -> float:
     from ..decoding.timemodel import predict_time
@@ -61,15 +137,6 @@ def _curve_point(curve: dict, need: str, value, cap=None) -> dict:
             if p["h"] == value and p["k_max"] == cap:
                 return p
     return next(p for p in curve["thresholds"] if p["h"] == value)
-
-
-def _best_drafting(choice: dict) -> tuple:
-    """(value, cap, predicted tok/s) of the best drafting h or K the pick priced, whatever it chose."""
-    cands = [(v, None, t) for v, t in choice["predicted"].items()]
-    for label, t in (choice.get("predicted_capped") or {}).items():
-        h, cap = label.split("@")
-        cands.append((float(h), int(cap), t))
-    return max(cands, key=lambda c: c[2])
 
 
 def copy_round(costs, coef: dict, k_max: int) -> dict:
@@ -92,36 +159,98 @@ def copy_round(costs, coef: dict, k_max: int) -> dict:
     return {"k": K, "tokens": expected, "steps": v(K + 1), "accepted": a[0], "tokens_per_s": _rate(point, coef)}
 
 
-def copy_counts(costs, k_max: int, data_dir=None) -> dict | None:
-    """Prompt lookup's counts (`--policy ngram --k auto` at these costs) pooled over the dev responses of a
-    datagen run (ngram.replay_copies; default COPY_DATA, the committed heads' data: ShareGPT, code, GSM8K-train
-    and MBPP prompts, none of the benchmark sets), with how many answers; None where the data is absent."""
-    from ..datagen.shards import iter_shards
-    from ..decoding.ngram import NgramPolicy, replay_copies, verify_steps_of
+def _data_path(data_dir) -> Path | None:
     from ..runs import PROJECT_ROOT
-    from .report_data import sum_counts
 
     path = Path(data_dir) if data_dir is not None else PROJECT_ROOT / COPY_DATA
-    if not (path / "manifest.json").is_file():
-        return None
-    p = params.NgramParams()
-    policy = NgramPolicy(p.ngram_min, p.ngram_max, "auto", k_max, verify_steps=verify_steps_of(costs))
-    answers = []
+    return path if (path / "manifest.json").is_file() else None
+
+
+def dev_answers(path: Path, head=None):
+    """(source name or None, prompt ids, response ids, P, p̂) per dev response of a datagen run; P (the stored
+    acceptance probabilities) and p̂ (the head's predictions) only with a head (loaded), else None."""
+    from ..datagen.shards import iter_shards
+    from ..runs import read_manifest
+    from ..training.autotune import _predictions
+    from ..training.data import dataset_sources
+
+    names = dataset_sources(read_manifest(path))
     for shard in iter_shards(path, "dev"):
         ids, x = shard["input_ids"].tolist(), shard["x_ids"].tolist()
         starts, lens, offs = shard["input_offsets"].tolist(), shard["prompt_lens"].tolist(), shard["resp_offsets"].tolist()
-        answers += [replay_copies(policy, ids[starts[i]:starts[i] + n_prompt], x[offs[i]:offs[i + 1]])
-                    for i, n_prompt in enumerate(lens) if offs[i + 1] > offs[i]]
-    return {**sum_counts(answers), "n_responses": len(answers), "data": str(path)} if answers else None
+        src = shard["source_ids"].tolist() if names and "source_ids" in shard else [None] * len(lens)
+        P = phat = None
+        if head is not None:
+            P, phat = shard["accept_prob"].double().numpy(), _predictions(head, shard)
+        for i, n_prompt in enumerate(lens):
+            a, b = offs[i], offs[i + 1]
+            if b > a:
+                yield (None if src[i] is None else names[src[i]], ids[starts[i]:starts[i] + n_prompt], x[a:b],
+                       None if P is None else P[a:b], None if phat is None else phat[a:b])
 
 
-def _priced(choice: dict, value, cap) -> float:
-    """An auto choice's predicted tok/s at `value` (an h or K; AR: the target alone), capped at K <= cap."""
-    from ..decoding.auto import AR
+def copy_counts(costs, k_max: int, data_dir=None, kinds=None) -> dict | None:
+    """Prompt lookup's counts (`--policy ngram --k auto` at these costs) over the dev responses of a datagen run
+    (ngram.replay_copies; default COPY_DATA, the committed heads' data: ShareGPT, code, GSM8K-train and MBPP
+    prompts, none of the benchmark sets), pooled or, for `kinds` (parse_workload), mixed by kind; with how many
+    answers. None where the data (or a kind's answers) is absent."""
+    from ..decoding.ngram import NgramPolicy, replay_copies, verify_steps_of
 
-    if value == AR:
-        return choice["ar_tokens_per_s"]
-    return choice["predicted_capped"][f"{value:g}@{cap}"] if cap is not None else choice["predicted"][value]
+    path = _data_path(data_dir)
+    if path is None:
+        return None
+    p = params.NgramParams()
+    policy = NgramPolicy(p.ngram_min, p.ngram_max, "auto", k_max, verify_steps=verify_steps_of(costs))
+    by: dict = {}
+    for src, prompt, response, _, _ in dev_answers(path):
+        by.setdefault(src, []).append(replay_copies(policy, prompt, response))
+    out, used = _grouped(by, kinds)
+    return None if out is None else {**out, "n_responses": used, "data": str(path)}
+
+
+def combined_counts(costs, head, h: float, cap: int, k_max: int, data_dir=None, kinds=None,
+                    samples: int = COMBINED_SAMPLES, seed: int = 0) -> dict | None:
+    """The combined configuration's counts (`--policy ngram --fallback learned`, SpecDec++ at h with K <= cap
+    where nothing is copied) over the dev responses of a datagen run (default COPY_DATA; pooled, or mixed by
+    kind), replayed jointly: NgramPolicy's own rounds (ngram.replay_copies) with the draft's rounds in between,
+    each K as autotune's replay stops (stop_lengths over the head's p̂ there) and its accepted count drawn from
+    the stored acceptance probabilities (the P_i autotune's replay multiplies), `samples` draws per answer. None
+    where the data is absent. Jointly because the two interact: a copy is taken only where it beats the draft's
+    rounds so far, and a draft round can run past where a copy would start."""
+    import numpy as np
+
+    from ..decoding.interfaces import StopPolicy
+    from ..decoding.ngram import NgramPolicy, replay_copies, verify_steps_of
+    from ..heads import head as heads
+    from ..runs import read_manifest
+    from ..training.autotune import stop_lengths, window_products
+
+    path = _data_path(data_dir)
+    if path is None:
+        return None
+    man = read_manifest(path)
+    model = heads.load_head(head, hidden_size=(man.get("models", {}).get("draft") or {}).get("hidden_size"),
+                            why="the probe's combined replay",
+                            **({"inputs": heads.INPUTS} if hasattr(heads, "INPUTS") else {}))
+    lag = 0 if getattr(model, "feature", "token") == "context" else 1
+    p = params.NgramParams()
+    policy = NgramPolicy(p.ngram_min, p.ngram_max, "auto", k_max, verify_steps=verify_steps_of(costs),
+                         fallback=StopPolicy(), draft_steps=costs.c)
+    rng = np.random.default_rng(seed)
+    by: dict = {}
+    for src, prompt, response, P, phat in dev_answers(path, model):
+        K = stop_lengths(window_products(phat, cap), h, cap, lag)
+
+        def model_round(s, remaining):
+            k = int(min(K[s], remaining - 1))
+            n = 0
+            while n < k and rng.random() < P[s + n]:
+                n += 1
+            return k, n
+
+        by.setdefault(src, []).extend(replay_copies(policy, prompt, response, model_round) for _ in range(samples))
+    out, used = _grouped(by, kinds)
+    return None if out is None else {**out, "n_responses": used // samples, "data": str(path)}
 
 
 def _cap_of(choice: dict):
@@ -147,13 +276,17 @@ def picks_of(result: dict) -> dict | None:
 
 
 def predict(pair, head: str | None, temperature: float, prompt_tokens: int, max_new_tokens: int,
-            k_max: int = params.NgramParams().k_max, ran: dict | None = None, copy_data=None) -> dict:
+            k_max: int = params.NgramParams().k_max, ran: dict | None = None, copy_data=None,
+            workload=None) -> dict:
     """Every configuration's predicted tok/s on `pair` (loaded; or anything resolve_auto and measure_costs
     take, e.g. a pair with pinned_costs), priced as `auto` prices them; the draft's configurations only
     with a draft and a head. `ran` (picks_of another result): price the K and h that one chose instead of
     choosing again, so that a second measurement prices the configurations that ran (eval/bench_probe.py).
-    `copy_data`: the datagen run whose dev answers prompt lookup is replayed on (default COPY_DATA; absent:
-    it is priced as the plain steps it falls back to where nothing is copied)."""
+    `copy_data`: the datagen run whose dev answers prompt lookup and combined are replayed on (default
+    COPY_DATA; absent: prompt lookup is priced as the plain steps it falls back to where nothing is copied,
+    combined as SpecDec++). `workload` (parse_workload's kinds; None: the dev answers pooled): whose counts
+    price every configuration. SpecDec++ h=auto is what `--threshold auto` picks (from the pooled curve, as a
+    generation picks it), priced at the workload's counts; fixed K is the workload's best K."""
     from ..decoding.auto import AR, DEFAULT_TIME_MODEL, load_curve, resolve_auto
     from ..decoding.costs import measure_costs
     from ..decoding.timemodel import coef_of, effective_model
@@ -191,63 +324,83 @@ def predict(pair, head: str | None, temperature: float, prompt_tokens: int, max_
     copy_why = (f"in a long verbatim copy {copy['k']} copies a round ({copy['accepted']:.2f} accepted each) "
                 f"verify in a {copy['k'] + 1}-row pass of {copy['steps']:.2f} steps for {copy['tokens']:.2f} tokens: "
                 f"{copying['speedup']:.2f}x" if copy["k"] else "no copy pays even in a long verbatim copy")
+    data_name = COPY_DATA if copy_data is None else copy_data
     auto_row = None
     if picks:
         curve = load_curve(_curve_file(head), "h", head)
+        check_workload(curve, workload)
+        # each configuration's counts at the workload and their tok/s at these costs
+        k_point = lambda k: workload_point(curve, workload, lambda c: _curve_point(c, "k", k))  # noqa: E731
+        h_point = lambda h, cap: workload_point(curve, workload, lambda c: _curve_point(c, "h", h, cap))  # noqa: E731
         kc = picks["k"]
-        K = max(kc["predicted"], key=kc["predicted"].get) if ran is None else ran["k"]
-        r = round_costs(_curve_point(curve, "k", K), coef)
-        tps = kc["predicted"][K]
+        K = max(kc["predicted"], key=lambda k: _rate(k_point(k), coef)) if ran is None else ran["k"]
+        r = round_costs(k_point(K), coef)
+        tps = _rate(k_point(K), coef)
         rows.append(entry(f"fixed K={K}", {"policy": "fixed", "k": K}, tps,
                           f"a {K + 1}-row pass costs {v(K + 1):.2f} steps and a draft step {costs.c:.2f}: "
                           f"{r['steps']:.2f} steps a round for {r['tokens']:.2f} tokens ({r['accepted']:.2f} of "
                           f"candidates accepted): {verdict(tps / ar)}", True, round=r))
         hc = picks["h"]
-        h, cap, best_tps = _best_drafting(hc) if ran is None else (*ran["best"], _priced(hc, *ran["best"]))
-        if ran is None:
-            pick, pick_cap, pick_tps = hc["value"], _cap_of(hc), hc["tokens_per_s"]
-        else:
-            pick, pick_cap = ran["pick"]
-            pick_tps = _priced(hc, pick, pick_cap)
-        r = round_costs(_curve_point(curve, "h", h, cap), coef)
+        # the h (and cap) auto could pick: every h, and the capped points where its model prices them
+        cands = [(h, None) for h in hc["predicted"]] + [(float(label.split("@")[0]), int(label.split("@")[1]))
+                                                        for label in hc.get("predicted_capped") or {}]
+        h, cap = max(cands, key=lambda c: _rate(h_point(*c), coef)) if ran is None else tuple(ran["best"])
+        best_tps = _rate(h_point(h, cap), coef)
+        pick, pick_cap = (hc["value"], _cap_of(hc)) if ran is None else tuple(ran["pick"])
+        pick_tps = ar if pick == AR else _rate(h_point(pick, pick_cap), coef)
+        r = round_costs(h_point(h, cap), coef)
         h_label = f"{h:g}" + (f" with K <= {cap}" if cap is not None else "")
         best = {"h": h, "k_max": cap, "decode_tokens_per_s": best_tps, "speedup": best_tps / ar, "round": r}
         if pick == AR:
             why = (f"runs the target alone: the best h ({h_label}) would take {r['steps']:.2f} steps a round for "
                    f"{r['tokens']:.2f} tokens ({best_tps / ar:.2f}x)")
         else:
-            if (pick, pick_cap) != (h, cap):  # `ran` picked another h than these costs' best
-                r = round_costs(_curve_point(curve, "h", pick, pick_cap), coef)
+            if (pick, pick_cap) != (h, cap):  # auto (or `ran`) picked another h than these counts' best
+                r = round_costs(h_point(pick, pick_cap), coef)
                 h_label = f"{pick:g}" + (f" with K <= {pick_cap}" if pick_cap is not None else "")
             why = (f"h = {h_label}: {r['drafted']:.2f} drafted a round, {r['tokens']:.2f} tokens for {r['steps']:.2f} "
                    f"steps (a draft step {costs.c:.2f}, passes mostly {r['rows']} rows at {v(r['rows']):.2f}): "
                    f"{verdict(pick_tps / ar)}")
         auto_row = entry("SpecDec++ h=auto", {"policy": "learned", "head": head, "threshold": "auto"},
-                         pick_tps, why, pick != AR, pick=pick, pick_k_max=pick_cap, best=best)
+                         pick_tps, why, pick != AR, pick=pick, pick_k_max=pick_cap, best=best, round=r)
         rows.append(auto_row)
-    copies = copy_counts(costs, k_max, copy_data)
+    copies = copy_counts(costs, k_max, copy_data, workload)
     if copies is None:
         lookup, lookup_why = ar, "a plain step where nothing is copied (1.00x); "
     else:
         lookup = _rate(copies, coef)
         rounds = copies["n_target_forwards"]
         copying_rounds = rounds - copies["target_pass_hist"].get("1", 0)
-        lookup_why = (f"on {copies['n_responses']} dev answers ({COPY_DATA if copy_data is None else copy_data}) "
-                      f"{copying_rounds / rounds:.0%} of rounds copy, {copies['n_drafted'] / max(copying_rounds, 1):.1f} "
-                      f"copies each, {copies['n_accepted'] / max(copies['n_drafted'], 1):.2f} of them accepted: "
+        lookup_why = (f"on {copies['n_responses']} dev answers ({data_name}) {copying_rounds / rounds:.0%} of rounds "
+                      f"copy, {copies['n_drafted'] / max(copying_rounds, 1e-9):.1f} copies each, "
+                      f"{copies['n_accepted'] / max(copies['n_drafted'], 1e-9):.2f} of them accepted: "
                       f"{lookup / ar:.2f}x; ")
     rows.append(entry("prompt lookup", {"policy": "ngram"}, lookup, lookup_why + copy_why
                       + (": pays where the answer copies the prompt" if copy["k"] else ""), False, copying=copying,
                       **({"copies": {k: v for k, v in copies.items() if k != "data"}} if copies else {})))
     if auto_row is not None:
-        fallback = "the target alone" if auto_row["pick"] == AR else f"SpecDec++ h = {auto_row['pick']:g}"
-        rows.append(entry("combined", {"policy": "ngram", "fallback": "learned", "head": head, "threshold": "auto"},
-                          auto_row["decode_tokens_per_s"], f"rounds without a copy run {fallback} "
-                          f"({auto_row['speedup']:.2f}x); copying rounds as prompt lookup "
-                          f"({copying['speedup']:.2f}x in a long copy)", auto_row["pick"] != AR,
-                          catch_up=auto_row["pick"] != AR, copying=copying))
+        policy = {"policy": "ngram", "fallback": "learned", "head": head, "threshold": "auto"}
+        joint = None if auto_row["pick"] == AR else combined_counts(
+            costs, head, auto_row["pick"], auto_row["pick_k_max"] or curve["k_max"], k_max, copy_data, workload)
+        if auto_row["pick"] == AR:  # the fallback is the target alone: combined is prompt lookup
+            rate, why = lookup, "rounds without a copy run the target alone: prompt lookup's rounds"
+        elif joint is None:
+            rate, why = auto_row["rate_tokens_per_s"], (f"rounds without a copy run SpecDec++ h = {auto_row['pick']:g} "
+                                                        f"({auto_row['speedup']:.2f}x); copying rounds as prompt lookup "
+                                                        f"({copying['speedup']:.2f}x in a long copy)")
+        else:
+            rate = _rate(joint, coef)
+            why = (f"replayed on {joint['n_responses']} dev answers: SpecDec++ h = {auto_row['pick']:g} where nothing "
+                   f"is copied, {joint['n_tokens'] / joint['n_target_forwards']:.2f} tokens a round, the draft "
+                   f"catching up on what copies "
+                   f"made ({joint['n_fed_extra'] / max(joint['n_all_accepted'], 1e-9):.1f} tokens beyond two a "
+                   f"catch-up); the draft reads the prompt in its first round")
+        rows.append(entry("combined", policy, rate, why, auto_row["pick"] != AR, catch_up=auto_row["pick"] != AR,
+                          copying=copying, **({"joint": {k: v for k, v in joint.items() if k != "data"}}
+                                              if joint else {})))
     return {"engine": pair.engine.name, "time_model": model, "sampling": loop, "temperature": temperature,
-            "head": head if picks else None, "prompt_tokens": prompt_tokens, "max_new_tokens": max_new_tokens,
+            "head": head if picks else None, "workload": list(workload) if workload else MIX,
+            "prompt_tokens": prompt_tokens, "max_new_tokens": max_new_tokens,
             "costs": costs.to_dict(), "configurations": rows}
 
 
@@ -276,7 +429,8 @@ def _curve_file(head):
 # ----------------------------------------------------------------------------- measuring
 
 def run(pair_params, head: str | None = DEFAULT_HEAD, temperature: float = 1.0, prompt_tokens: int = 128,
-        max_new_tokens: int = 128, reps: int | None = None, cache: bool = True, ran: dict | None = None) -> dict:
+        max_new_tokens: int = 128, reps: int | None = None, cache: bool = True, ran: dict | None = None,
+        workload=None) -> dict:
     """Load the pair, measure its costs (or read them from the cache) and predict (see `predict`); with the
     machine, how long loading and measuring took, and where the costs are cached. cache=False: measure
     afresh, reading and writing no cache (a second measurement of the same machine); `ran`: see predict."""
@@ -301,7 +455,7 @@ def run(pair_params, head: str | None = DEFAULT_HEAD, temperature: float = 1.0, 
         measure_costs(pair)
         measured = time.perf_counter()
         out = predict(pair, head if pair.draft is not None else None, temperature, prompt_tokens, max_new_tokens,
-                      ran=ran)
+                      ran=ran, workload=workload)
     return {"machine": describe(), "pair": pair_params.model_dump(exclude_defaults=True), **out,
             "cache": str(path) if cache else None, "cached": cached, "load_s": loaded - t0,
             "measure_s": measured - loaded}
@@ -328,8 +482,9 @@ def render(result: dict) -> str:
              + (f" (of two tokens, after a round all accepted: {c['t_draft_two'] / c['t_target']:.2f})"
                 if c.get("t_draft_two") else "") + "; prefill "
              f"{1e3 * c.get('t_prefill', 0.0):.2f} ms a prompt token (draft {1e3 * c.get('t_prefill_draft', 0.0):.2f})",
-             f"predicted with the {result['time_model']} time model ({result['sampling']} sampling); wall: a "
-             f"{result['prompt_tokens']}-token prompt and {result['max_new_tokens']} new tokens", ""]
+             f"predicted with the {result['time_model']} time model ({result['sampling']} sampling) for "
+             f"{describe_workload(result.get('workload', MIX))}; wall: a {result['prompt_tokens']}-token prompt and "
+             f"{result['max_new_tokens']} new tokens", ""]
     rows = result["configurations"]
     width = max(len(r["name"]) for r in rows)
     lines.append(f"{'configuration':{width}}  decode tok/s  wall tok/s  speed-up  why")
@@ -345,6 +500,14 @@ def render(result: dict) -> str:
     return "\n".join(lines)
 
 
+def describe_workload(workload) -> str:
+    if workload in (None, MIX):
+        return "the heads' dev answers pooled (--workload mix)"
+    parts = [f"{k} ({'+'.join(WORKLOADS[k])})" for k in dict.fromkeys(workload)]
+    return ("prompts of " + ", ".join(parts) + (" in equal parts" if len(workload) > 1 else "")
+            + f" (--workload {','.join(workload)})")
+
+
 def _main(argv) -> int:
     from .. import cli
 
@@ -358,6 +521,10 @@ def _main(argv) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated, for the wall tok/s (128)")
     ap.add_argument("--reps", type=int, default=None,
                     help="timing rounds where nothing is cached (default: auto's own count)")
+    ap.add_argument("--workload", default=MIX,
+                    help=f"what the prompts are: {MIX} (default: the heads' dev answers pooled) or a comma-separated "
+                         f"list of {', '.join(WORKLOADS)} (equal parts): whose acceptance and copying price the "
+                         "configurations")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     try:
         args = ap.parse_args(argv)
@@ -369,13 +536,18 @@ def _main(argv) -> int:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.temperature < 0:
         raise UserError(f"--temperature must be >= 0, got {args.temperature}")
+    workload = parse_workload(args.workload)
     pair = params.pair_params(spell=cli.flag, **cli._set(args, params.PairParams.model_fields))
     head = None if str(args.head).lower() == "none" else args.head
     if head is not None and pair.draft is not None:
         learned = params.policy_params("learned", spell=cli.flag, head=head, threshold="auto")  # the curve exists
         params.check_runs_on(learned, pair.engine)
+        from ..decoding.auto import load_curve
+
+        check_workload(load_curve(_curve_file(head), "h", head), workload)  # before any model loads
     pair.engine.check_available()
-    result = run(pair, head, args.temperature, args.prompt_tokens, args.max_new_tokens, args.reps)
+    result = run(pair, head, args.temperature, args.prompt_tokens, args.max_new_tokens, args.reps,
+                 workload=workload)
     print(json.dumps(result, default=str) if args.json else render(result))
     return 0
 

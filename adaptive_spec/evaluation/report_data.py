@@ -318,6 +318,9 @@ def sum_counts(rows: list[dict]) -> dict:
     too, where every row has one)."""
     out = {k: sum(_f(r, k) for r in rows) for k in ("n_tokens", "n_target_forwards", "n_draft_forwards", "n_drafted",
                                                     "n_accepted")}
+    for k in ("n_all_accepted", "n_fed_extra"):  # where every row counts them (a replay's, a curve point's)
+        if rows and all(k in r for r in rows):
+            out[k] = sum(_f(r, k) for r in rows)
     if rows and all(isinstance(r.get("target_pass_hist"), dict) for r in rows):
         hist = defaultdict(float)
         for r in rows:
