@@ -338,3 +338,7 @@ def test_a_draft_step_that_feeds_copied_tokens_costs_them_at_the_drafts_prefill_
     base = predict_time(row, coef)
     assert predict_time({**row, "n_all_accepted": 2, "n_fed_extra": 5}, coef) == pytest.approx(base + 0.02 + 0.02)
     assert "t_feed" not in coef_of(c, "paper")  # Eq. 3.1 prices every draft step alike
+    # fed tokens cost the prefill rate even where a two-token step measured no dearer than a one-token one
+    c.t_draft_two = c.t_draft
+    assert predict_time({**row, "n_all_accepted": 2, "n_fed_extra": 5}, coef_of(c, "extended")) == \
+        pytest.approx(base + 0.02)

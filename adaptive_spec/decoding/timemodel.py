@@ -36,12 +36,12 @@ about 10 ms on an AVX2-only CPU, near zero where the pass reads the weights once
 
 t_catch_up (measured costs only, not the paper's model) is what a two-token draft step costs beyond
 a one-token one, paid once per round after a round whose candidates were all accepted (the draft
-then feeds y_K and the bonus token): N_all_accepted, a curve point's expected count. Where copying
-rounds run between the draft's rounds (prompt lookup with the draft model elsewhere) its first step
-feeds every token they made: one such step, plus N_fed_extra tokens beyond two at t_feed, the draft's
-prefill rate per token. Without it the
+then feeds y_K and the bonus token): N_all_accepted, a curve point's expected count. Without it the
 models price fixed K = 1 about 8% fast on a 2-core CPU, where a two-row draft pass costs 1.2-1.4
-steps and 0.8 of K = 1 rounds are all accepted (eval/results/bench_probe_*).
+steps and 0.8 of K = 1 rounds are all accepted (eval/results/bench_probe_*). Where copying rounds
+run between the draft's rounds (prompt lookup with the draft model elsewhere) the draft's first step
+feeds every token they made: one such step, plus N_fed_extra tokens beyond two at t_feed, the
+draft's prefill rate per token.
 
 T is the decode time, wall_s - prefill_s: prefill enters as a measured term, not a fitted
 constant, because its cost depends on the prompt's length, which the counts do not carry, and
@@ -123,9 +123,11 @@ def coef_of(costs, model: str = "extended", loop: str | None = None) -> dict:
     ("greedy", "sample") whose measured loop time (Costs.loop) the prediction adds."""
     model = effective_model(costs, _check_model(model))
     coef = {name: getattr(costs, name) for name in MODELS["extended" if model == "table" else model]}
-    if model != "paper" and getattr(costs, "t_catch_up", 0.0):  # Eq. 3.1 prices every draft step alike
-        coef["t_catch_up"] = costs.t_catch_up
-        coef["t_feed"] = getattr(costs, "t_prefill_draft", 0.0)
+    if model != "paper":  # Eq. 3.1 prices every draft step alike
+        if getattr(costs, "t_catch_up", 0.0):
+            coef["t_catch_up"] = costs.t_catch_up
+        if getattr(costs, "t_prefill_draft", 0.0):  # whether or not a two-token step costs more than one
+            coef["t_feed"] = costs.t_prefill_draft
     if loop is not None and getattr(costs, "loop", None):
         coef.update(loop_row=costs.loop_s(loop, "row"), loop_round=costs.loop_s(loop, "round"))
     return {**coef, "verify_s": costs.verify_s} if model == "table" else coef

@@ -166,35 +166,13 @@ def _data_path(data_dir) -> Path | None:
     return path if (path / "manifest.json").is_file() else None
 
 
-def dev_answers(path: Path, head=None):
-    """(source name or None, prompt ids, response ids, P, p̂) per dev response of a datagen run; P (the stored
-    acceptance probabilities) and p̂ (the head's predictions) only with a head (loaded), else None."""
-    from ..datagen.shards import iter_shards
-    from ..runs import read_manifest
-    from ..training.autotune import _predictions
-    from ..training.data import dataset_sources
-
-    names = dataset_sources(read_manifest(path))
-    for shard in iter_shards(path, "dev"):
-        ids, x = shard["input_ids"].tolist(), shard["x_ids"].tolist()
-        starts, lens, offs = shard["input_offsets"].tolist(), shard["prompt_lens"].tolist(), shard["resp_offsets"].tolist()
-        src = shard["source_ids"].tolist() if names and "source_ids" in shard else [None] * len(lens)
-        P = phat = None
-        if head is not None:
-            P, phat = shard["accept_prob"].double().numpy(), _predictions(head, shard)
-        for i, n_prompt in enumerate(lens):
-            a, b = offs[i], offs[i + 1]
-            if b > a:
-                yield (None if src[i] is None else names[src[i]], ids[starts[i]:starts[i] + n_prompt], x[a:b],
-                       None if P is None else P[a:b], None if phat is None else phat[a:b])
-
-
 def copy_counts(costs, k_max: int, data_dir=None, kinds=None) -> dict | None:
     """Prompt lookup's counts (`--policy ngram --k auto` at these costs) over the dev responses of a datagen run
     (ngram.replay_copies; default COPY_DATA, the committed heads' data: ShareGPT, code, GSM8K-train and MBPP
     prompts, none of the benchmark sets), pooled or, for `kinds` (parse_workload), mixed by kind; with how many
     answers. None where the data (or a kind's answers) is absent."""
     from ..decoding.ngram import NgramPolicy, replay_copies, verify_steps_of
+    from ..training.autotune import responses
 
     path = _data_path(data_dir)
     if path is None:
@@ -202,7 +180,7 @@ def copy_counts(costs, k_max: int, data_dir=None, kinds=None) -> dict | None:
     p = params.NgramParams()
     policy = NgramPolicy(p.ngram_min, p.ngram_max, "auto", k_max, verify_steps=verify_steps_of(costs))
     by: dict = {}
-    for src, prompt, response, _, _ in dev_answers(path):
+    for src, _, _, prompt, response in responses(path, "dev"):
         by.setdefault(src, []).append(replay_copies(policy, prompt, response))
     out, used = _grouped(by, kinds)
     return None if out is None else {**out, "n_responses": used, "data": str(path)}
@@ -223,7 +201,7 @@ def combined_counts(costs, head, h: float, cap: int, k_max: int, data_dir=None, 
     from ..decoding.ngram import NgramPolicy, replay_copies, verify_steps_of
     from ..heads import head as heads
     from ..runs import read_manifest
-    from ..training.autotune import stop_lengths, window_products
+    from ..training.autotune import responses, stop_lengths, window_products
 
     path = _data_path(data_dir)
     if path is None:
@@ -238,7 +216,7 @@ def combined_counts(costs, head, h: float, cap: int, k_max: int, data_dir=None, 
                          fallback=StopPolicy(), draft_steps=costs.c)
     rng = np.random.default_rng(seed)
     by: dict = {}
-    for src, prompt, response, P, phat in dev_answers(path, model):
+    for src, P, phat, prompt, response in responses(path, "dev", model):
         K = stop_lengths(window_products(phat, cap), h, cap, lag)
 
         def model_round(s, remaining):

@@ -132,16 +132,20 @@ def _predictions(head, shard: dict) -> np.ndarray:
 
 
 def responses(data_dir: Path, split: str, head=None):
-    """(source name or None, P, p̂ or None) per response of a datagen split."""
+    """(source name or None, P, p̂ or None, prompt ids, response ids) per response of a datagen split (the ids:
+    for replaying a policy that reads the text, as the probe replays prompt lookup)."""
     names = dataset_sources(read_manifest(data_dir))
     for shard in iter_shards(data_dir, split):
         P = shard["accept_prob"].double().numpy()
         phat = _predictions(head, shard) if head is not None else None
         offs = shard["resp_offsets"].long().tolist()
         ids = shard["source_ids"].tolist() if names and "source_ids" in shard else [None] * (len(offs) - 1)
-        for src, a, b in zip(ids, offs[:-1], offs[1:]):
+        tokens, x = shard["input_ids"].tolist(), shard["x_ids"].tolist()
+        starts, lens = shard["input_offsets"].tolist(), shard["prompt_lens"].tolist()
+        for i, (src, a, b) in enumerate(zip(ids, offs[:-1], offs[1:])):
             if b > a:
-                yield (None if src is None else names[src]), P[a:b], (None if phat is None else phat[a:b])
+                yield ((None if src is None else names[src]), P[a:b], (None if phat is None else phat[a:b]),
+                       tokens[starts[i]:starts[i] + lens[i]], x[a:b])
 
 
 def caps_below(k_max: int) -> list[int]:
@@ -156,7 +160,7 @@ def build_curve(head, data_dir, split: str = "dev", k_max: int = 20, h_grid=H_GR
     width = max(k_max, max(k_grid))
     caps = caps_below(k_max)
     tallies = {}
-    for source, P, phat in responses(Path(data_dir), split, head):
+    for source, P, phat, _, _ in responses(Path(data_dir), split, head):
         T = len(P)
         AP = window_products(P, width)
         by_k = [replay(AP, np.full(T, k)) for k in k_grid]
