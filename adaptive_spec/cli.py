@@ -5,13 +5,16 @@ import argparse
 import importlib
 import json
 import sys
-import typing
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
 
 from . import params
 from .backends.paths import resolve_model_path
 from .backends.sampling_params import SamplingParams
+from .cli_args import Parser as _Parser
+from .cli_args import add_fields as _add_fields
+from .cli_args import flag
+from .cli_args import set_fields as _set
 from .errors import UserError, run_main
 
 # torch, transformers and the decoder load only once every check has passed (validate), so a mistake is
@@ -27,14 +30,6 @@ DELEGATED = {
     "probe": ("adaptive_spec.evaluation.probe", "what pays on this machine: its costs measured once (cached), "
               "tok/s predicted per configuration, with the reason"),
 }
-
-
-class _Parser(argparse.ArgumentParser):
-    """Bad arguments get the one `error: ...` line every other mistake gets, not a usage dump."""
-
-    def error(self, message):
-        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
-        sys.exit(2)
 
 
 def version() -> str:
@@ -57,6 +52,11 @@ def _add_generate(sub):
     _add_sampling_args(g)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    g.add_argument("--auto-prompts", default=None, metavar="FILE|SET",
+                   help="--threshold auto / --k auto pick from the acceptance on these prompts (a .jsonl file with a "
+                        "'prompt' field a line, or a prompt set's name; a few short answers are generated on them "
+                        "first, cached as adaptive-spec probe --prompts caches them) instead of the curve's (or "
+                        "--curve's) dev answers")
 
 
 def _policy_name(name: str) -> str:
@@ -64,38 +64,6 @@ def _policy_name(name: str) -> str:
         return params.policy_class(name).name
     except UserError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def flag(key: str) -> str:
-    return "--" + key.replace("_", "-")
-
-
-def _add_fields(g, fields: dict, note) -> None:
-    """One flag per typed field (params.py): its name, help and choices come from the field; the
-    value is left as typed and the params class converts and checks it, once. Unset flags stay None,
-    so the class's defaults apply and a flag that does not apply to a policy can be refused."""
-    for key, f in fields.items():
-        extra = f.json_schema_extra or {}
-        if extra.get("cli", True) is False:
-            continue
-        choices = _literal_choices(f.annotation)
-        text = (f.description or key.replace("_", " ")) + note(key)
-        if f.annotation is bool:
-            g.add_argument(flag(key), dest=key, action="store_true", default=None, help=text)
-        else:
-            g.add_argument(flag(key), dest=key, default=None, choices=choices, help=text,
-                           metavar=None if choices else key.upper())
-
-
-def _literal_choices(annotation) -> list[str] | None:
-    """The values of a Literal field (auto in `int | Literal["auto"]` is not a closed set)."""
-    if typing.get_origin(annotation) is typing.Literal:
-        return list(typing.get_args(annotation))
-    return None
-
-
-def _set(args, fields) -> dict:
-    return {k: getattr(args, k) for k in fields if getattr(args, k, None) is not None}
 
 
 def _add_sampling_args(g):
@@ -115,7 +83,7 @@ def validate(args):
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     pair = params.pair_params(spell=flag, **_set(args, params.PairParams.model_fields))
-    policy = params.policy_params(args.policy, spell=flag, **_set(args, params.policy_fields()))
+    policy = params.policy_params(args.policy, spell=flag, **_auto_checked(args))
     if not policy.needs.draft_model:  # no draft model to load (ar; ngram without a fallback)
         pair = pair.model_copy(update={"draft": None})
     elif pair.draft is None:
@@ -123,20 +91,52 @@ def validate(args):
                         "the default pair's), or use --policy ngram (copies from the context, no draft model)")
     policy.check_sampling(sampling.temperature)
     params.check_runs_on(policy, pair.engine)
-    pair.engine.check_available()
+    pair.engine.check_available(pair.device)  # a GPU this torch cannot reach: refused before the weights
     if pair.draft is not None and pair.engine.model_files == "hf":  # a draft's vocabulary size is in its config.json
         pair.check_draft_vocab_size()
     return pair, policy, sampling
 
 
+# what stands for auto while the rest of the policy is checked: with --auto-prompts its curve is made once the
+# pair has loaded, so no curve exists to check yet
+_AUTO_STAND_IN = {"threshold": 0.5, "k": 1}
+
+
+def _auto_checked(args, curve=None) -> dict:
+    """The policy's settings as given; with --auto-prompts, auto stands in for (or, given `curve`, reads it)."""
+    fields = _set(args, params.policy_fields())
+    if getattr(args, "auto_prompts", None) is None:
+        return fields
+    if curve is not None:
+        return {**fields, "curve": curve}
+    return {k: _AUTO_STAND_IN[k] if v == "auto" and k in _AUTO_STAND_IN else v for k, v in fields.items()}
+
+
+def _auto_texts(args):
+    """--auto-prompts: its prompts (read and checked before any model loads), or None."""
+    if getattr(args, "auto_prompts", None) is None:
+        return None
+    if "auto" not in (getattr(args, "threshold", None), getattr(args, "k", None)):
+        raise UserError("--auto-prompts is read by --threshold auto and --k auto only; pass one of them, or drop it")
+    from .evaluation.probe_prompts import load_texts  # the probe's recording: loaded when it runs
+
+    return load_texts(args.auto_prompts)
+
+
 def _generate(args) -> int:
     pair_params, policy, sampling = validate(args)
+    texts = _auto_texts(args)
     from transformers.utils import logging as hf_logging
 
     from .decoding.pipeline import SpecPair
 
     hf_logging.disable_progress_bar()  # weight-loading bars would drown the streamed text
     pair = SpecPair.load(pair_params)
+    if texts is not None:  # auto reads the curve of these prompts' answers, as it reads --curve
+        from .evaluation.probe_prompts import measure
+
+        own = measure(pair, None, getattr(policy, "head", None), sampling.temperature, texts=texts)["curve_file"]
+        policy = params.policy_params(args.policy, spell=flag, **_auto_checked(args, own))
     stream = None if args.json else (lambda s: print(s, end="", flush=True))
     g = pair.generate(args.prompt, policy=policy, max_new_tokens=args.max_new_tokens,
                       temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=args.seed,

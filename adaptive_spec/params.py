@@ -449,7 +449,10 @@ class PairParams(Params):
         None, description="draft output layer keeps the N most frequent tokens (both engines; shipped list for the default "
         "tokenizer) or those of a list from `adaptive-spec draft-vocab` (N | FILE | FILE:N); default: all",
         **_expects("N >= 1, FILE or FILE:N"))
-    device: str | None = Field(None, description="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    # the form only: whether this machine reaches the device is the engine's check (engines.check_device), made
+    # where a pair is about to load, so a stored config that names a GPU still reads on a CPU machine
+    device: str | None = Field(None, pattern=engines.DEVICE_FORM, description="cpu, cuda, cuda:1 ... (default: cuda "
+                               "if available)", **_expects("cpu, cuda or cuda:N (default: cuda where a GPU is visible)"))
     threads: int | None = Field(None, ge=1, description="CPU threads (default: torch's count)",
                                 **_expects("an integer >= 1"))
     n_ctx: int | None = Field(None, ge=1, description="llama.cpp: context positions (default 4096)",

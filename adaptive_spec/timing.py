@@ -35,3 +35,42 @@ class timed:
         sync(self.device)
         self.s = clock() - self.t0
         return False
+
+
+class PartClock:
+    """Where a generation's time goes, on one clock: `lap(part)` books the time since the previous lap
+    (or the start) to `part`, so the parts add up to the time from the start to the last lap.
+
+    On CUDA a lap is an event recorded on the stream, and every interval is read once, at `totals()`:
+    the parts are spans of the device's timeline. A forward's span is then its device time, and the span
+    of the host work between two forwards is the time the device waited for it, which is what that work
+    costs a decode. Timing forwards with events and the host work around them with the host's clock
+    counted a forward's time twice (the host waits for it inside the work that reads its result). On the
+    CPU the device is the host, and a lap reads perf_counter."""
+
+    def __init__(self, device="cpu"):
+        self.cuda = getattr(device, "type", str(device).split(":")[0]) == "cuda"
+        self._laps: list[tuple[str, object]] = []
+        self._start = self._now()
+
+    def _now(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return clock()
+
+    def lap(self, part: str) -> None:
+        self._laps.append((part, self._now()))
+
+    def totals(self) -> dict[str, float]:
+        """Seconds per part (parts in the order first booked)."""
+        out: dict[str, float] = {}
+        prev = self._start
+        if self.cuda and self._laps:
+            self._laps[-1][1].synchronize()
+        for part, t in self._laps:
+            s = prev.elapsed_time(t) / 1000.0 if self.cuda else t - prev
+            out[part] = out.get(part, 0.0) + s
+            prev = t
+        return out

@@ -121,6 +121,7 @@ def test_version(capsys):
     (["--policy", "entropy", "--k", "auto"], "--k auto is for --policy fixed"),
     (["--k", "two"], "--k must be an integer >= 1 or auto for policy fixed, got 'two'"),
     (["--policy", "tree", "--tree-node-cost", "0"], "--tree-node-cost must be > 0"),
+    (["--device", "gpu"], "--device must be cpu, cuda or cuda:N"),
 ])
 def test_arguments_are_refused_before_any_model_loads(extra, expect, no_model_load, capsys):
     code = main(["generate", "--prompt", "abc", *extra])
@@ -309,3 +310,87 @@ def test_streamed_text_is_the_generated_text(tiny_pair):
         chunks = []
         g = pair.generate("ab cd", policy="fixed", k=3, max_new_tokens=40, seed=seed, on_text=chunks.append)
         assert "".join(chunks) == g.text and len(chunks) >= 1
+
+
+# ---- a GPU this torch cannot reach: one line before any model loads ----------------------------------------
+
+CPU_ONLY = ("2.13.0+cpu", None)  # torch's version file as a CPU-only build writes it (engines._torch_build)
+
+
+@pytest.fixture
+def cpu_only_torch(monkeypatch):
+    from adaptive_spec.backends import engines
+
+    monkeypatch.setattr(engines, "_torch_build", lambda: CPU_ONLY)
+
+
+@pytest.mark.parametrize("argv", [["generate", "--prompt", "abc", "--device", "cuda"],
+                                  ["generate", "--prompt", "abc", "--policy", "ar", "--device", "cuda:0"],
+                                  ["probe", "--head", "none", "--device", "cuda"]])
+def test_a_cuda_device_on_a_cpu_only_torch_is_one_line(argv, cpu_only_torch, no_model_load, capsys):
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith(f"error: --device {argv[-1]}: "), err
+    assert "(2.13.0+cpu) is a CPU-only build" in err and "a CUDA build of torch" in err and "--device cpu" in err
+
+
+def test_a_sweep_config_naming_cuda_is_refused_before_its_models(cpu_only_torch, tmp_path, monkeypatch, capsys):
+    from adaptive_spec.evaluation import sweep
+
+    monkeypatch.setattr(sweep, "_load_pairs", lambda *a: pytest.fail("the sweep loaded its models first"))
+    out = tmp_path / "sweep"
+    code = main(["sweep", "--config", "configs/sweep/smoke.yaml", "pair.device=cuda", f"out_dir={out}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: pair.device='cuda': this torch (2.13.0+cpu)"), err
+    assert "pair.device='cpu'" in err and err.count("\n") == 1 and not out.exists(), err
+
+
+def test_the_python_api_refuses_cuda_before_any_weights(tiny_pair, cpu_only_torch, monkeypatch):
+    from adaptive_spec import SpecPair
+    from adaptive_spec.backends import torch_engine
+
+    monkeypatch.setattr(torch_engine, "load_model", lambda *a, **k: pytest.fail("weights loaded before the check"))
+    draft, target = map(str, tiny_pair)
+    with pytest.raises(UserError, match=r"^device='cuda': this torch \(2.13.0\+cpu\) is a CPU-only build; install "
+                                        r"a CUDA build of torch, or run on the CPU with device='cpu'$"):
+        SpecPair.load(target=target, draft=draft, device="cuda")
+
+
+def test_a_cuda_build_that_sees_no_gpu_or_too_few_is_one_line(monkeypatch, no_model_load, capsys):
+    """A CUDA build of torch where no GPU is visible, and an index past the GPUs it sees; the broken control,
+    a build that sees the GPU asked for, passes the check (and reaches the model load the fixture refuses)."""
+    import torch
+
+    from adaptive_spec.backends import engines
+
+    monkeypatch.setattr(engines, "_torch_build", lambda: ("2.11.0+cu130", "13.0"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["generate", "--prompt", "abc", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "sees no GPU" in err and "CUDA_VISIBLE_DEVICES" in err, err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert main(["generate", "--prompt", "abc", "--device", "cuda:1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --device cuda:1: torch sees 1 GPU (cuda:0..cuda:0)") and err.count("\n") == 1, err
+    engines.check_device("cuda:0")  # the GPU it sees: no refusal
+    with pytest.raises(AssertionError, match="a model was loaded"):
+        main(["generate", "--prompt", "abc", "--device", "cuda:0"])
+
+
+def test_this_torch_refuses_cuda_from_the_command_line_without_importing_torch():
+    """The real torch of this environment, in a fresh process: where it is a CPU-only build the refusal comes
+    from its version file, before torch (or any model) loads."""
+    import subprocess
+    import sys
+
+    from adaptive_spec.backends import engines
+
+    build = engines._torch_build()
+    if build is None or build[1] is not None:
+        pytest.skip(f"torch here is a CUDA build ({build}): this checks the CPU-only case")
+    code = ("import sys; from adaptive_spec.cli import main; c = main(['generate', '--prompt', 'abc', '--device', "
+            "'cuda']); print('torch' in sys.modules, 'transformers' in sys.modules); sys.exit(c)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout.split() == ["False", "False"], (done.stdout, done.stderr)
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: --device cuda: this torch"), done.stderr

@@ -36,3 +36,28 @@ def test_draft_vocab_reads_the_sampling_of_a_sweep_or_a_former_run(tmp_path, row
     if settings is not None:
         (tmp_path / "settings.json").write_text(json.dumps({"settings": settings, "hash": "x"}))
     assert script("bench_draft_vocab").sampling_of(row, tmp_path / "results.jsonl") == want
+
+
+def test_bench_drafter_counts_tau_checks_greedy_equality_and_regenerates(tmp_path):
+    """--tiny: a random feature drafter and, as the draft model, the target itself (every draft accepted, so
+    tau is K + 1 per full round); the report regenerates from the folder alone, and a row whose output differs
+    from the target alone's is reported (the control)."""
+    mod, out = script("bench_drafter"), tmp_path / "run"
+    target, _, _ = mod.make_tiny(out / "tiny_models")
+    assert mod.main(["--tiny", "--prompts", "2", "--max-new-tokens", "12", "--ks", "2,3", "--draft", target,
+                     "--out", str(out)]) == 0
+    rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 * 5 and {r["n_tokens"] for r in rows} == {12}
+    same = [r for r in rows if r["config"].startswith("draft model")]
+    assert all(r["n_accepted"] == r["n_drafted"] > 0 for r in same)
+    k3 = [r for r in same if r["config"] == "draft model K=3"]
+    assert all(r["n_target_forwards"] == 3 and r["accepted_hist"] == {"3": 3} for r in k3)  # 3 rounds of 4
+    md = (out / "report.md").read_text()
+    assert "| HumanEval | 2 | 3 | " in md and "| 4.00 | 1.000 |" in md
+    assert "Greedy equality: 8 of 8 speculative outputs" in md
+    assert mod.main(["--report-only", "--out", str(out)]) == 0 and (out / "report.md").read_text() == md
+    bad = dict(rows[1], token_ids=rows[1]["token_ids"][:5] + [(rows[1]["token_ids"][5] + 1) % 32] + [0] * 6)
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [rows[0], bad, *rows[2:]]))
+    assert mod.main(["--report-only", "--out", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    assert "Greedy equality: 7 of 8" in md and f"| HumanEval | 0 | {bad['config']} | 5 | 12 |" in md

@@ -25,12 +25,49 @@ def resolve(node: ast.ImportFrom, importer: str, is_package: bool) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def imports_of(path: Path, modules: set[str]) -> set[str]:
-    """Every package module `path` imports, at any depth of its syntax tree. `from . import x`
-    counts as importing the submodule x when x is one."""
+def _dynamic_import(node: ast.AST) -> ast.Call | None:
+    """A call of importlib.import_module (or import_module imported by name) or of __import__."""
+    if not isinstance(node, ast.Call):
+        return None
+    f = node.func
+    name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+    return node if name in ("import_module", "__import__") else None
+
+
+def _literal(node) -> str | None:
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+def dynamic_imports(tree: ast.AST, me: str, is_package: bool, modules: set[str]) -> set[str]:
+    """The package modules a module loads by name: import_module("a.b") / __import__("a.b") with a literal
+    name (a relative one, ".b", against the package= argument's __name__); and, where a call's name is not a
+    literal (a table of subcommands' modules), every string constant of the module that spells a package
+    module's full name, which such a table holds."""
+    calls = [c for c in map(_dynamic_import, ast.walk(tree)) if c is not None]
+    out, computed = set(), False
+    for call in calls:
+        name = _literal(call.args[0]) if call.args else None
+        if name is None:
+            computed = True
+            continue
+        if name.startswith("."):
+            level = len(name) - len(name.lstrip("."))
+            base = me.split(".") if is_package else me.split(".")[:-1]
+            name = ".".join(base[:len(base) - (level - 1)] + ([name.lstrip(".")] if name.lstrip(".") else []))
+        out.update({name} & modules)
+    if computed:
+        out.update(s for s in map(_literal, ast.walk(tree)) if s in modules)
+    return out
+
+
+def imports_of(path: Path, modules: set[str], source: str | None = None, by_name: bool = True) -> set[str]:
+    """Every package module `path` (or `source` as if it were that file) imports, at any depth of its syntax
+    tree, and with by_name importlib's loads by name (dynamic_imports). `from . import x` counts as importing
+    the submodule x when x is one."""
     me, is_package = module_name(path), path.name == "__init__.py"
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text() if source is None else source)
+    out = dynamic_imports(tree, me, is_package, modules) if by_name else set()
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name in modules)
         elif isinstance(node, ast.ImportFrom):
@@ -82,6 +119,33 @@ def test_graph_sees_function_level_and_relative_imports():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
+def test_the_graph_follows_importlib_and_catches_a_cycle_through_it():
+    """A cycle closed by importlib (a command line loading a subcommand's module by name, which imports the
+    command line back) is a cycle: a synthetic pair of modules, and the command line's real table."""
+    modules = {f"{PACKAGE}.front", f"{PACKAGE}.sub.tool", f"{PACKAGE}.sub.other"}
+    front = ROOT / "front.py"
+    tool = ROOT / "sub" / "tool.py"
+    literal = "import importlib\ndef main():\n    return importlib.import_module('adaptive_spec.sub.tool')\n"
+    relative = "import importlib\ndef main():\n    return importlib.import_module('.sub.tool', __name__)\n"
+    dunder = "def main():\n    return __import__('adaptive_spec.sub.tool')\n"
+    table = ("from importlib import import_module\nTOOLS = {'tool': 'adaptive_spec.sub.tool'}\n"
+             "def main(n):\n    return import_module(TOOLS[n])\n")
+    back = "def main():\n    from .. import front\n    return front\n"
+    for source in (literal, relative, dunder, table):
+        graph = {f"{PACKAGE}.front": imports_of(front, modules, source),
+                 f"{PACKAGE}.sub.tool": imports_of(tool, modules, back)}
+        assert graph[f"{PACKAGE}.front"] == {f"{PACKAGE}.sub.tool"}, source
+        assert find_cycle(graph) == [f"{PACKAGE}.front", f"{PACKAGE}.sub.tool", f"{PACKAGE}.front"]
+        # the broken control: import statements alone (the check as it was) miss the edge, and the cycle
+        assert find_cycle({f"{PACKAGE}.front": imports_of(front, modules, source, by_name=False),
+                           f"{PACKAGE}.sub.tool": imports_of(tool, modules, back)}) is None
+    assert imports_of(front, modules, "TOOLS = {'tool': 'adaptive_spec.sub.tool'}\n") == set()  # no call: a string
+    # the command line loads its subcommands by name: the probe among them, which must not import it back
+    graph = import_graph()
+    assert "adaptive_spec.evaluation.probe" in graph["adaptive_spec.cli"]
+    assert "adaptive_spec.cli" not in graph["adaptive_spec.evaluation.probe"]
+
+
 def test_package_import_graph_is_acyclic():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
@@ -125,10 +189,10 @@ def test_the_generation_path_imports_no_datagen_training_or_evaluation():
     assert any(m.startswith("adaptive_spec.decoding.") for m in graph)  # the prefixes name real modules
 
 
-# the command-line ends of the package: they print; errors.py is the one handler every main()
+# the command-line ends of the package (and their parser, cli_args.py): they print; errors.py is the one handler every main()
 # ends in and the log handler; fetch.py's main prints machine-readable paths on stdout; llama_build.py
 # is make setup's script, run before the package's dependencies (and so its log handler) exist
-PRINTING = {"cli.py", "evaluation/sweep.py", "evaluation/report.py", "errors.py", "backends/fetch.py",
+PRINTING = {"cli.py", "cli_args.py", "evaluation/sweep.py", "evaluation/report.py", "errors.py", "backends/fetch.py",
             "training/train.py", "backends/llama_build.py", "evaluation/summary.py", "evaluation/probe.py"}
 
 
@@ -157,7 +221,7 @@ def test_no_lower_layer_imports_a_higher_one():
                                        "adaptive_spec.runs", "adaptive_spec.timing", "adaptive_spec.tables",
                                        "adaptive_spec.prompts"),
                                       ("adaptive_spec.heads", "adaptive_spec.params", "adaptive_spec.config",
-                                       "adaptive_spec.registry"),
+                                       "adaptive_spec.registry", "adaptive_spec.drafter"),
                                       ("adaptive_spec.decoding",))):
             if m.startswith(prefixes):
                 return i

@@ -342,3 +342,175 @@ def test_a_draft_step_that_feeds_copied_tokens_costs_them_at_the_drafts_prefill_
     c.t_draft_two = c.t_draft
     assert predict_time({**row, "n_all_accepted": 2, "n_fed_extra": 5}, coef_of(c, "extended")) == \
         pytest.approx(base + 0.02)
+
+
+# ----------------------------------------------------------------------------- --prompts: the user's own acceptance
+
+class _Head:
+    """A context head on MockLM's two-number state: p̂ = sigmoid(0.3 * last token - 0.1 * length)."""
+    feature, inputs, depth = "context", "hidden", 0
+
+    def acceptance_prob(self, h):
+        import torch
+
+        return torch.sigmoid(0.3 * h[0] - 0.1 * h[1])
+
+
+def _mock_pair(eos=()):
+    from tiny import MockLM
+
+    return SimpleNamespace(target=MockLM(12, seed=1, scale=1.5), draft=MockLM(12, seed=2, scale=1.5),
+                           eos_token_ids=list(eos))
+
+
+def _rounds_by_hand(P, K):
+    """Expected (rounds, accepted) over one answer, K[s] candidates from position s (capped at the end): each
+    candidate accepted with probability P[s + j] while the ones before it were, by recursion over the outcomes."""
+    from functools import lru_cache
+
+    T = len(P)
+
+    @lru_cache(None)
+    def f(s):
+        if s >= T:
+            return 0.0, 0.0
+        k = min(K[s], T - s - 1)
+        rounds, accepted, reach = 1.0, 0.0, 1.0
+        for j in range(k + 1):  # exactly j accepted
+            stop = reach * ((1 - P[s + j]) if j < k else 1.0)
+            r, a = f(s + j + 1)
+            rounds, accepted = rounds + stop * r, accepted + stop * (j + a)
+            reach *= P[s + j] if j < k else 0.0
+        return rounds, accepted
+
+    return f(0)
+
+
+def test_the_prompts_curve_is_the_replay_of_what_was_recorded_along_the_targets_answers():
+    """probe_prompts.record on tiny table models: P_i = min(1, p_i(Y_i) / q_i(Y_i)) from the two models' own
+    distributions at the target's answer so far, p̂_i the head on the state that produced q_i; the curve made
+    from them (autotune.curve_of) equals the expectation worked out by hand per fixed K and per h; shuffling the
+    recorded P (the broken control) does not."""
+    import numpy as np
+    import torch
+
+    from adaptive_spec.evaluation import probe_prompts
+
+    pair, head = _mock_pair(), _Head()
+    records = probe_prompts.record(pair, [[1, 2, 3], [4, 5], [6]], head, 1.0, max_new_tokens=7, budget_s=60)
+    assert len(records) == 3 and all(len(r["x"]) == 7 for r in records)
+    for r in records:
+        seq = list(r["prompt"])
+        for i, (x, y) in enumerate(zip(r["x"], r["y"])):
+            a = seq[-2] if len(seq) > 1 else 12
+            p, q = (m.table[a, seq[-1]].softmax(-1) for m in (pair.target, pair.draft))
+            assert r["P"][i] == pytest.approx(min(1.0, float(p[y] / q[y])), rel=1e-5)
+            assert r["phat"][i] == pytest.approx(float(head.acceptance_prob(torch.tensor([seq[-1], len(seq)],
+                                                                                        dtype=torch.float))))
+            seq.append(x)
+    curve = probe_prompts.curve(records, head, "no-head-dir", "tiny", 1.0, k_max=6)
+    assert curve["n_tokens"] == 21 and curve["n_responses"] == 3
+    for K in (1, 2, 4):
+        by_hand = np.sum([_rounds_by_hand(r["P"], [K] * 7) for r in records], axis=0)
+        point = next(p for p in curve["fixed_k"] if p["k"] == K)
+        assert (point["n_target_forwards"], point["n_accepted"]) == pytest.approx(tuple(by_hand))
+    h = 0.5
+    stops = [[next((j for j in range(1, 7) if 1 - np.prod(r["phat"][s:s + j]) > h), 6) for s in range(7)]
+             for r in records]
+    by_hand = np.sum([_rounds_by_hand(r["P"], K) for r, K in zip(records, stops)], axis=0)
+    point = next(p for p in curve["thresholds"] if p["h"] == h)
+    assert (point["n_target_forwards"], point["n_accepted"]) == pytest.approx(tuple(by_hand))
+    shuffled = [{**r, "P": r["P"][::-1]} for r in records]
+    wrong = next(p for p in probe_prompts.curve(shuffled, head, "x", "tiny", 1.0, 6)["fixed_k"] if p["k"] == 4)
+    assert wrong["n_accepted"] != pytest.approx(next(p for p in curve["fixed_k"] if p["k"] == 4)["n_accepted"])
+
+
+def _prompts_measured(tmp_path, P: float):
+    """What probe_prompts.measure gives, for answers whose every candidate is accepted with probability P (and
+    p̂ = P), written as its curve file (with the committed head's weights, as load_curve checks)."""
+    import random
+
+    from adaptive_spec.evaluation import probe_prompts
+    from adaptive_spec.heads import head as heads
+
+    head = heads.load_head(HEAD, inputs=heads.INPUTS)
+    rng = random.Random(0)
+    records = [{"prompt": [rng.randrange(50) for _ in range(20)], "x": [rng.randrange(50) for _ in range(64)],
+                "y": [], "P": [P] * 64, "phat": [P] * 64} for _ in range(4)]
+    path = tmp_path / f"curve_{P}.json"
+    path.write_text(json.dumps(probe_prompts.curve(records, head, HEAD, "mine.jsonl", 1.0)))
+    return probe_prompts._summary("mine.jsonl", records, path)
+
+
+def test_with_prompts_every_configuration_is_priced_at_their_acceptance_and_the_source_is_said(tmp_path):
+    from adaptive_spec.decoding.timemodel import coef_of, predict_time
+
+    dev = probe.predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 128, 128)
+    high = _prompts_measured(tmp_path, 0.97)
+    mine = probe.predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 128, 128, prompts=high)
+    rows, dev_rows = by_name(mine), by_name(dev)
+    assert mine["acceptance"]["source"] == "prompts" and dev["acceptance"]["source"] == "dev answers"
+    text = probe.render(mine)
+    assert "acceptance: your prompts (4 prompts, 256 tokens: mine.jsonl)" in text and high["curve_file"] in text
+    assert "acceptance: the dev answers" in probe.render(dev)
+    # fixed K at the prompts' counts: their curve's point, priced at these costs
+    curve = json.loads(open(high["curve_file"]).read())
+    K = rows["fixed"]["policy"]["k"]
+    point = next(p for p in curve["fixed_k"] if p["k"] == K)
+    coef = coef_of(CHEAP_PASSES, mine["time_model"], "sample")
+    assert rows["fixed"]["rate_tokens_per_s"] == pytest.approx(point["n_tokens"] / predict_time(point, coef))
+    # accepted more often than on the dev answers: more tokens a round, faster, for both drafting rows
+    for name in ("fixed", "SpecDec++ h=auto"):
+        assert rows[name]["round"]["tokens"] > dev_rows[name]["round"]["tokens"]
+        assert rows[name]["decode_tokens_per_s"] > dev_rows[name]["decode_tokens_per_s"]
+    assert "answers to your prompts" in rows["prompt lookup"]["reason"]
+    assert rows["prompt lookup"]["copies"]["n_tokens"] == 256  # replayed along the recorded answers
+    # the broken control: answers accepted as rarely as a coin make drafting slower than on the dev answers
+    low = by_name(probe.predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 128, 128,
+                                prompts=_prompts_measured(tmp_path, 0.5)))
+    assert low["fixed"]["decode_tokens_per_s"] < dev_rows["fixed"]["decode_tokens_per_s"]
+
+
+@pytest.mark.parametrize("text, needle", [
+    (None, "no such file and no such prompt set"),
+    ('{"text": "hello"}\n', "no record with a non-empty 'prompt' field"),
+    ("not json\n", "not JSON lines"),
+])
+def test_prompts_refusals_name_the_known_sets_before_any_model_loads(text, needle, tmp_path, capsys):
+    spec = "no-such-set" if text is None else str(tmp_path / "p.jsonl")
+    if text is not None:
+        (tmp_path / "p.jsonl").write_text(text)
+    assert probe.main(["--prompts", spec, "--target", "no/such/model"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0] and "humaneval" in err[0] and "sharegpt" in err[0], err
+    assert probe.main(["--prompts", spec, "--workload", "chat"]) == 2
+    assert "pass one" in capsys.readouterr().err
+
+
+def test_probe_and_generate_on_tiny_models_read_the_prompts_curve(tmp_path, monkeypatch, capsys):
+    """--prompts on a tiny pair: answers recorded, their curve cached and named; a second probe reads it back,
+    and `generate --threshold auto --auto-prompts` picks h from that same file."""
+    from adaptive_spec import cli
+    from adaptive_spec.backends.toy import save_model
+    from adaptive_spec.decoding.auto import load_curve
+    from adaptive_spec.heads.head import AcceptanceHead
+
+    monkeypatch.setenv("ADAPTIVE_SPEC_CACHE", str(tmp_path / "cache"))
+    models = [str(save_model(tmp_path / n, vocab_size=32, hidden_size=16, seed=s)) for n, s in (("t", 1), ("d", 2))]
+    AcceptanceHead(16, depth=0).save_pretrained(tmp_path / "head")
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": f"w{i} w{i + 1}"}) + "\n" for i in range(3)))
+    pair = ["--target", models[0], "--draft", models[1], "--dtype", "fp32", "--device", "cpu", "--threads", "1"]
+    argv = [*pair, "--reps", "1", "--head", str(tmp_path / "head"), "--prompts", str(tmp_path / "p.jsonl"), "--json"]
+    assert probe.main(argv) == 0
+    first = json.loads(capsys.readouterr().out)["acceptance"]
+    assert first["source"] == "prompts" and first["n_prompts"] == 3 and first["n_tokens"] > 0
+    assert load_curve(first["curve_file"], "h", str(tmp_path / "head"))["n_tokens"] == first["n_tokens"]
+    assert probe.main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["acceptance"] == first  # read from the cache
+    assert cli.main(["generate", *pair, "--prompt", "w1", "--policy", "learned", "--head", str(tmp_path / "head"),
+                     "--threshold", "auto", "--auto-prompts", str(tmp_path / "p.jsonl"), "--max-new-tokens", "4",
+                     "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["auto"]["curve"] == first["curve_file"]
+    assert cli.main(["generate", "--prompt", "w1", "--policy", "fixed", "--k", "2", "--auto-prompts", "x.jsonl"]) == 2
+    assert "--auto-prompts is read by --threshold auto and --k auto only" in capsys.readouterr().err

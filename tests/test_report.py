@@ -286,12 +286,12 @@ def test_the_report_says_in_words_what_was_fastest_and_why(tmp_path, capsys):
     assert top.startswith("# SpecDec++ sweep report: sweep\n\n**In short**")  # under the title
     pp, ar = tps("learned:head=d3-wrej6:h=0.7"), tps("ar")
     # 1.5 x (100 tokens, 88 drafted, 22 passes): 4.55 tokens and 4 drafted a round, (0.88 + 1.1) / 1.1 steps
-    assert (f"- **alpaca (2 prompts)**: the fastest here was learned:head=d3-wrej6:h=0.7, {pp:.2f} tok/s, "
+    assert (f"- **alpaca (2 prompts)**: the fastest here was SpecDec++ d3-wrej6 h=0.7, {pp:.2f} tok/s, "
             f"{pp / ar:.2f}x the target alone. Why: its rounds made 4.55 tokens for 4.00 drafted and took 1.80 "
             "one-row target steps each (the forward times fitted to these rows: a draft step 0.20 target steps): "
             "speculation pays here") in top
     # the command prints the same lines
-    assert "- **gsm8k (2 prompts)**: the fastest here was learned:head=d3-wrej6:h=0.7" in capsys.readouterr().out
+    assert "- **gsm8k (2 prompts)**: the fastest here was SpecDec++ d3-wrej6 h=0.7" in capsys.readouterr().out
 
 
 def test_in_words_beside_another_engine_with_the_measured_costs(tmp_path):
@@ -307,7 +307,7 @@ def test_in_words_beside_another_engine_with_the_measured_costs(tmp_path):
                              "method": method, "k": k, "n_tokens": 64, "n_draft_forwards": nd, "n_target_forwards": nt,
                              "n_drafted": nd, "n_accepted": 64 - nt if nd else 0, "n_discarded": max(0, nd + nt - 64),
                              "target_pass_hist": hist, "wall_s": wall, "prefill_s": 0.5,
-                             **({"auto_value": "ar"} if method == "learned_auto" else {})})
+                             **({"auto_value": "ar", "head": "d3", "h": "auto"} if method == "learned_auto" else {})})
         folder = tmp_path / name
         folder.mkdir()
         (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -325,9 +325,108 @@ def test_in_words_beside_another_engine_with_the_measured_costs(tmp_path):
     (llama / "costs.json").write_text(json.dumps(costs.to_dict()))
     assert report.main(["--sweep-dir", str(llama), "--beside", str(torch)]) == 0
     top = (llama / "report.md").read_text().split("\n## ")[0]
-    assert ("- **humaneval (2 prompts)**: the fastest here was the target alone on llama.cpp, 4.92 tok/s; the best "
-            "speculative configuration, fixed:k=3 on llama.cpp, ran at 0.81x of it; torch's fastest, ar, 0.50x. "
+    assert ("- **humaneval (2 prompts)**: `auto` chose the target alone (SpecDec++ d3 h=auto on llama.cpp), drafting "
+            "nothing; the fastest here was the target alone on llama.cpp, 4.92 tok/s; the fastest configuration that "
+            "speculated, fixed K=3 on llama.cpp, ran at 0.81x of it; torch's fastest, the target alone, 0.50x. "
             "Why: its rounds made 3.20 tokens for 3.00 drafted and took 5.44 one-row target steps each (the costs "
             "measured for auto, costs.json: a draft step 0.88 target steps, a 4-row pass 2.80): speculation does "
-            "not pay here (0.81x its engine's target alone, paired per prompt). `auto` chose the target alone "
-            "(learned:h=auto on llama.cpp).") in top
+            "not pay here (0.81x its engine's target alone, paired per prompt).") in top
+
+
+# ----------------------------------------------------------------------------- a sweep of h = auto only
+
+# `make run`'s sweep: the target alone, fixed K = 3, SpecDec++ at h = auto, prompt lookup and the two combined
+# (`policies` entries: method ngram, under their labels); config -> (method, fields, N_draft, N_target, drafted,
+# wall) of prompt 1 (64 tokens; prompt 2: half of every count and of the wall time)
+QUICK = {"ar": ("ar", {}, 0, 64, 0, 13.0),
+         "fixed:k=3": ("fixed", {"k": 3}, 60, 20, 60, 16.0),
+         "learned:head=d3-wrej6:h=auto": ("learned_auto", {"head": "d3-wrej6", "h": "auto", "auto_value": 0.3},
+                                          50, 18, 50, 11.0),
+         "ngram k=auto": ("ngram", {"k": "auto", "settings": {"k": "auto"}}, 0, 30, 50, 14.0),
+         "combined auto": ("ngram", {"head": "checkpoints/d3-wrej6", "h": "auto",
+                                     "settings": {"fallback": "learned", "threshold": "auto"}}, 20, 25, 60, 14.5)}
+
+
+def quick_rows(**change):
+    """QUICK's rows, with `change`: config -> new (method, fields, N_draft, N_target, drafted, wall)."""
+    rows = []
+    for p, scale in ((0, 1.0), (1, 0.5)):
+        for cfg, (method, fields, nd, nt, drafted, wall) in {**QUICK, **change}.items():
+            accepted = 64 - nt if drafted else 0
+            rows.append({"dataset": "humaneval", "prompt_idx": p, "prompt_sha": str(p), "config": cfg, "method": method,
+                         "k": None, "head": None, "h": None, "tau": None, **fields, "n_tokens": 64 * scale,
+                         "n_draft_forwards": nd * scale, "n_target_forwards": nt * scale, "n_drafted": drafted * scale,
+                         "n_accepted": accepted * scale, "n_discarded": (drafted - accepted) * scale,
+                         "wall_s": wall * scale, "prefill_s": 0.5 * scale})
+    return rows
+
+
+def quick_tps(cfg):
+    return 64 / QUICK[cfg][5]
+
+
+def test_an_auto_only_sweep_fills_table1_table3_and_the_plot(tmp_path):
+    """thresholds: [auto] alone: Table 1's SpecDec++ rows are the h = auto row, labelled with the h auto picked,
+    and Figure 3 holds a point for every configuration, each at its measured rates."""
+    d = write_sweep(tmp_path, quick_rows())
+    out = report.build_report(d)
+    md = out.read_text()
+    t1 = md.split("## Table 1")[1].split("## Table 2")[0]
+    pp = quick_tps("learned:head=d3-wrej6:h=auto")
+    assert f"| SpecDec++, best head and h (speed-up) | {pp:.2f} (d3-wrej6, h=0.3 (auto); " in t1
+    k3 = quick_tps("fixed:k=3")
+    assert f"| relative improvement, SpecDec++ vs best K | {100 * (pp / k3 - 1):+.1f}% |" in t1
+    t3 = md.split("## Table 3")[1].split("## auto:")[0]
+    assert f"| d3-wrej6 | 3 | 6 | 0.617 | 0.582 | **{pp:.2f}** (h=0.3 (auto)) |" in t3
+    assert "the fastest here was SpecDec++ d3-wrej6 h=0.3 (auto)" in md.split("\n## ")[0]
+
+    result = report.analyse(report.load_sweep(d)[0])[0]
+    series = report.pareto_series(result, ["d3-wrej6"])
+    points = {p[0]: (s.label, p) for s in series for p in s.points}
+    assert sorted(points) == sorted(QUICK)  # every configuration once: no draft alone in this sweep
+    assert sum(len(s.points) for s in series) == len(QUICK)
+    for cfg, (method, fields, nd, nt, drafted, _) in QUICK.items():
+        accepted = 64 - nt if drafted else 0
+        _, x, y, _ = points[cfg][1]
+        assert (x, y) == (pytest.approx((drafted - accepted) / 64), pytest.approx(nt / 64)), cfg
+    assert points["learned:head=d3-wrej6:h=auto"][0] == "SpecDec++ d3-wrej6, h = auto"
+    assert points["learned:head=d3-wrej6:h=auto"][1][3] == "h=0.3 (auto)"  # the note beside the point
+    assert points["ngram k=auto"][0] == "ngram k=auto" and points["combined auto"][0] == "combined auto"
+    assert points["ar"][0] == "target alone" and points["fixed:k=3"][1][3] == "K=3"
+    png = out.parent / "pareto_humaneval.png"
+    assert png.is_file() and png.stat().st_size > 1000
+
+    # beside a swept h, Table 1 keeps to the swept values (the auto row reruns one of them), the plot shows both
+    swept = ("learned", {"head": "d3-wrej6", "h": 0.7}, 60, 20, 60, 12.0)
+    result = report.analyse(quick_rows(**{"learned:head=d3-wrej6:h=0.7": swept}))[0]
+    assert f"| SpecDec++, best head and h (speed-up) | {64 / 12:.2f} (d3-wrej6, h=0.7; " in report.table1([result])
+    assert {p[0] for s in report.pareto_series(result, []) for p in s.points} == set(QUICK) | {
+        "learned:head=d3-wrej6:h=0.7"}
+
+
+def test_in_short_when_auto_ran_the_target_alone(tmp_path):
+    """auto picked the target alone and its row, drafting nothing, ran faster than the target alone's by
+    noise: the verdict says first that auto ran the target alone, never names that row the fastest, and then
+    names the fastest configuration that speculated with its ratio."""
+    alone = ("learned_auto", {"head": "d3-wrej6", "h": "auto", "auto_value": "ar"}, 0, 64, 0, 12.9)
+    rows = quick_rows(**{"learned:head=d3-wrej6:h=auto": alone})
+    d = write_sweep(tmp_path, rows)
+    result = report.analyse(report.load_sweep(d)[0])[0]
+    auto, ar = result.get("learned:head=d3-wrej6:h=auto"), result.get("ar")
+    assert auto.tokens_per_s > ar.tokens_per_s  # the control: the fastest row of all is the one that drafted nothing
+    top = report.build_report(d).read_text().split("\n## ")[0]
+    ng = quick_tps("ngram k=auto")
+    assert (f"- **humaneval (2 prompts)**: `auto` chose the target alone (SpecDec++ d3-wrej6 h=auto), drafting "
+            f"nothing; the fastest here was the target alone, {64 / 13:.2f} tok/s; the fastest configuration that "
+            f"speculated, ngram k=auto, ran at {ng / (64 / 13):.2f}x of it.") in top
+    assert "the fastest here was SpecDec++" not in top
+    t1 = report.table1([result])
+    assert f"{auto.tokens_per_s:.2f} (d3-wrej6, h=auto: the target alone; " in t1
+
+    # prompt lookup faster than the target alone: named the fastest, after what auto did
+    faster = ("ngram", {"k": "auto", "settings": {"k": "auto"}}, 0, 30, 50, 10.0)
+    (tmp_path / "faster").mkdir()
+    d2 = write_sweep(tmp_path / "faster", quick_rows(**{"learned:head=d3-wrej6:h=auto": alone, "ngram k=auto": faster}))
+    top = report.build_report(d2).read_text().split("\n## ")[0]
+    assert ("`auto` chose the target alone (SpecDec++ d3-wrej6 h=auto), drafting nothing; the fastest here was "
+            f"ngram k=auto, 6.40 tok/s, {6.4 / (64 / 13):.2f}x the target alone.") in top

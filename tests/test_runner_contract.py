@@ -83,6 +83,28 @@ def test_every_runner_keeps_the_contract(runner):
     assert isinstance(lm, TreeRunner) == tree, name
 
 
+@pytest.mark.parametrize("name", ["dynamic", "static", "fused"])
+def test_forward_hidden_gives_every_rows_state(name, tmp_path):
+    """forward_hidden (what a feature drafter reads): forward's logits, and one final hidden state per fed row,
+    the last of them forward's; a verify pass after a rollback gives the rows of a single pass."""
+    lm, ref = RUNNERS[name][0](tmp_path), RUNNERS[name][0](tmp_path)
+    lm.reset()
+    ref.reset()
+    _, rows = lm.forward_hidden(IDS[:6], n_logits=0)
+    assert tuple(rows.shape) == (6, 16) and lm.length == 6
+    lm.forward(IDS[6:8], n_logits=1)
+    lm.rollback(7)
+    logits, tail = lm.forward_hidden(IDS[7:10], n_logits=2)
+    want, last = ref.forward(IDS[:10], n_logits=2)
+    _, every = RUNNERS[name][0](tmp_path).forward_hidden(IDS[:10], n_logits=0)
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+    assert tuple(tail.shape) == (3, 16)
+    torch.testing.assert_close(rows, every[:6], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(tail, every[7:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(tail[-1], last, rtol=1e-4, atol=1e-4)
+    assert lm.length == 10
+
+
 @pytest.mark.parametrize("name", [n for n, (_, tree) in RUNNERS.items() if tree])
 def test_tree_runners_match_a_plain_pass_on_a_chain(name, tmp_path):
     """A tree pass whose attention pattern is a chain is an ordinary forward; compacting to a path keeps it."""

@@ -85,8 +85,9 @@ def test_config_refuses_unknown_keys_and_bad_values(tmp_path):
         load_config(TrainConfig, None, ["data=x", "target=foo"])
     with pytest.raises(UserError, match="missing required key"):
         load_config(TrainConfig, None, [])
-    for f in sorted((ROOT / "configs" / "train").glob("*.yaml")):  # the shipped configs load
-        load_config(TrainConfig, f, ["data=x"])
+    for f in sorted((ROOT / "configs" / "train").glob("*.yaml")):  # the shipped heads' configs load
+        if not f.name.startswith("drafter_"):  # the feature drafter's: tests/test_configs.py
+            load_config(TrainConfig, f, ["data=x"])
 
 
 def test_bad_datasets_are_refused(tmp_path, dataset):

@@ -17,6 +17,10 @@ suite over all of them.
     max_length         positions the runner can hold (None: unbounded)
     counters           a `Counters`: the runner adds to it, the decoder restarts and reads it
 
+The torch runners also give `forward_hidden(ids, n_logits) -> (logits [n_logits, V], hidden [n, H])`: forward
+with the final hidden state of every fed row, which a feature drafter reads (drafter/source.py wraps the target
+in a HiddenTap that keeps them for the accepted prefix). A runner without it cannot serve a feature drafter.
+
 `TreeRunner` adds the two hooks of tree verification (an arbitrary attention pattern, compaction to the
 accepted path); an engine whose record has the "tree" capability builds runners that implement it, and the
 tree code calls them without probing.

@@ -14,7 +14,10 @@ A leaf: stdlib only, imported by params (so every refusal comes before torch and
 """
 from __future__ import annotations
 
+import importlib.util
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import UserError
@@ -58,14 +61,57 @@ class Engine:
     def load(self, params) -> Loaded:
         return self.loader(params)
 
-    def check_available(self) -> None:
-        """Refuse, naming the fix, an engine whose runtime is missing here (before any model loads)."""
+    def check_available(self, device: str | None = None, name: str = "--device") -> None:
+        """Refuse, naming the fix, an engine whose runtime is missing here, or a device it cannot reach here
+        (`name`: how the user spelled the device setting), before any model loads."""
         why = self.unavailable() if self.unavailable is not None else None
         if why:
             raise UserError(why)
+        if self.devices is None:  # a torch device
+            check_device(device, name)
 
 
 _ENGINES: dict[str, Engine] = {}
+# a device setting: the default (None, or auto: cuda where a GPU is visible), cpu, cuda or cuda:N
+DEVICE_FORM = r"^(auto|cpu|cuda(:[0-9]+)?)$"
+
+
+def check_device(device: str | None, name: str = "--device") -> None:
+    """Refuse a CUDA device this torch cannot reach, naming the fix: torch itself refuses only when the first
+    weights move there, seconds in, with an AssertionError. A CPU-only build is read from torch's version file
+    without importing torch, so the command line's checks stay quick; whether a GPU is visible needs torch,
+    which a CUDA build is about to load anyway."""
+    if device is None or not device.startswith("cuda"):
+        return
+    spell = (lambda v: f"{name} {v}") if name.startswith("--") else (lambda v: f"{name}={v!r}")
+    fix = f"install a CUDA build of torch, or run on the CPU with {spell('cpu')}"
+    build = _torch_build()
+    if build is not None and build[1] is None:
+        raise UserError(f"{spell(device)}: this torch ({build[0]}) is a CPU-only build; {fix}")
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise UserError(f"{spell(device)}: torch {torch.__version__} sees no GPU (no driver loaded, or "
+                        "CUDA_VISIBLE_DEVICES hides them); run where a GPU is visible, or on the CPU with "
+                        f"{spell('cpu')}")
+    index = int(device.partition(":")[2] or 0)
+    if index >= count:
+        raise UserError(f"{spell(device)}: torch sees {count} GPU{'s' if count > 1 else ''} "
+                        f"(cuda:0..cuda:{count - 1}); pick one of them, or {spell('cpu')}")
+
+
+def _torch_build() -> tuple[str, str | None] | None:
+    """(torch's version, its CUDA or ROCm version, None for a CPU-only build), read from torch/version.py
+    without importing torch; None where that file is not found or not understood."""
+    spec = importlib.util.find_spec("torch")
+    file = Path(spec.origin).parent / "version.py" if spec is not None and spec.origin else None
+    text = file.read_text() if file is not None and file.is_file() else ""
+    found = dict(re.findall(r"^(__version__|cuda|hip)\b[^=\n]*=\s*(.+?)\s*$", text, re.M))
+    if "__version__" not in found or "cuda" not in found:
+        return None
+    gpu = [v.strip("'\"") for k, v in found.items() if k in ("cuda", "hip") and v != "None"]
+    return found["__version__"].strip("'\""), (gpu[0] if gpu else None)
 
 
 def register(engine: Engine) -> Engine:
@@ -98,6 +144,7 @@ def engine_settings() -> frozenset:
 
 # the loaders import their engine only when a pair loads: params (and so every refusal) stays free of torch
 def _load_torch(params) -> Loaded:
+    check_device(params.device, "device")  # the Python API's way in (the commands checked it already)
     from . import torch_engine
 
     return torch_engine.load_pair(params)

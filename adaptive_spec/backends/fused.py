@@ -2,29 +2,38 @@
 times fewer kernels per step.
 
 At batch 1 a decode step's time on a GPU is set by how many kernels it launches, not by the bytes it
-reads (Qwen2.5 1.5B on an H200: 1,170 kernels per eager step take 4.1 ms under CUDA graphs, its weights
-stream in 0.64 ms). `FusedDecoder` is the model part, in the style of gpt-fast, built over the loaded
-model's weights; `static_runner.FusedCausalLM` (make_runner(..., fused=True)) is the runner around it:
-positions, rollback by a scalar write, warm-up, CUDA-graph capture, torch.compile and timing are
-StaticCausalLM's.
+reads. `FusedDecoder` is the model part, in the style of gpt-fast, built over the loaded model's weights;
+`static_runner.FusedCausalLM` (make_runner(..., fused=True)) is the runner around it: positions, rollback
+by a scalar write, warm-up, CUDA-graph capture, torch.compile and timing are StaticCausalLM's.
 
-* q/k/v projections are one matrix (and, for Qwen2, one bias), gate and up one matrix: a layer is four
-  matrix multiplications. Residual adds ride in the o / down projections (addmm). The Hugging Face
-  modules' weights become views of the fused matrices, so nothing is duplicated and the modules still
-  compute what they did (a `CausalLM` over the same model agrees with the fused runner).
-* RoPE of q and k together is one small batched matmul per layer: x*cos + rotate_half(x)*sin = x @ R_p,
-  with R_p (two non-zeros per column) built once per step from a cos/sin table of the model's own
-  rotary parameters (inv_freq and attention scaling of the rope types whose frequencies do not depend
-  on the sequence length; others are refused).
-* Attention reads the preallocated cache [1, kv_heads, max_cache_len, head_dim] per layer with GQA by
-  reshaping the queries (kv head j serves q heads j*g..j*g+g-1), never by copying K/V: scores (bmm),
-  scale + mask (one add), softmax, bmm. The mask is built once per step from the position scalar:
-  slot j is visible to a query at position i iff j <= i, so stale slots are never read.
-* RMSNorm is torch's rms_norm (one fused kernel on CUDA); the final norm and the LM head run on the
-  rows a pass needs only.
+A layer of a one-token step is 11 ops that do work, its matrix products plain mm / addmm / bmm:
 
-Per layer, a one-token step dispatches 15 ops that do work (the Hugging Face modules: 38, transformers
-5.24), all shape-static per (n, n_logits), none reading back to the host, so steps are captured or
+1. rms_norm; 2. the q/k/v projection, one matrix (and, for Qwen2, one bias);
+3. RoPE as one batched matmul over q, k and v: the heads in groups of kv_heads, each group times its
+   token's rotation R_p (x*cos + rotate_half(x)*sin = x @ R_p, two non-zeros per column) or, for the v
+   group, the identity, so rotated k and v come out side by side;
+4. one index_copy_ of that k/v pair into the layer's cache [2, kv_heads, max_cache_len, head_dim];
+5. scaled_dot_product_attention over all max_cache_len slots under the step's additive mask, GQA by
+   enable_gqa (kv head j serves q heads j*g..j*g+g-1), reading the cache where it lies: one fused
+   kernel, never the math fallback that repeats K/V per q head (on the CPU a test checks it; on CUDA
+   flash takes no mask, the memory-efficient kernel takes a mask and grouped heads); its output is laid
+   out token-major, so the o projection reads it as a view;
+6. the o projection with the residual add inside (addmm); 7. rms_norm; 8. gate and up, one matrix;
+9. silu; 10. mul; 11. the down projection with the residual add inside (addmm).
+
+A verify pass of n > 1 tokens adds nothing per layer: every reshape above is a view for any n.
+Per step: the embedding, the positions, the mask (slot j is visible to a query at position i iff
+j <= i, so stale slots are never read; its rows 8-element aligned, or the CUDA kernel pads a copy per layer),
+the rotations (built once from a cos/sin table of the model's own rotary parameters: inv_freq and
+attention scaling of the rope types whose frequencies do not depend on the sequence length; others
+are refused), the final norm and the LM head on the rows a pass needs only.
+
+The Hugging Face modules' weights become views of the fused matrices, so nothing is duplicated and the
+modules still compute what they did (a `CausalLM` over the same model agrees with the fused runner).
+The norm weights stay in rms_norm rather than folded into the next matrix: rms_norm with its weight is
+one kernel either way, and a fold would change the shared matrices (or copy them).
+
+Every op is shape-static per (n, n_logits) and none reads back to the host, so steps are captured or
 compiled exactly as StaticCausalLM's are. The tree hooks (contract.TreeRunner) run the same layers with
 an arbitrary mask and position ids.
 
@@ -139,6 +148,10 @@ def _residual_linear(residual: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b
     return out if b is None else out + b
 
 
+# the CUDA attention kernel reads the mask in rows aligned to this many elements (it pads a copy otherwise)
+MASK_ALIGN = 8
+
+
 class FusedDecoder(nn.Module):
     """The decoder layers of a Qwen2 / Llama model, fused (module docstring), over a preallocated KV cache
     of `max_cache_len` slots. Built from the loaded model, whose q/k/v and gate/up weights become views
@@ -162,65 +175,77 @@ class FusedDecoder(nn.Module):
         self.final_norm = base.norm.weight
         self.final_eps = base.norm.variance_epsilon
         d, dtype, dev = attn.head_dim, self.embed.dtype, self.embed.device
-        shape = (1, kv_heads, max_cache_len, d)
-        self.k_cache = [torch.zeros(shape, dtype=dtype, device=dev) for _ in base.layers]
-        self.v_cache = [torch.zeros(shape, dtype=dtype, device=dev) for _ in base.layers]
+        # keys and values of a layer in one buffer, so one index_copy_ writes both
+        self.kv_cache = [torch.zeros(2, kv_heads, max_cache_len, d, dtype=dtype, device=dev) for _ in base.layers]
         self.slots = torch.arange(max_cache_len, device=dev)  # slot ids, and the offsets 0..n-1 of a pass
-        # cos and sign-folded sin per position, as Hugging Face's rotary module computes them (float32
-        # product, cos/sin, attention scaling, cast): rotate_half(x)*sin = swap(x)*[-sin_lo, sin_hi]
-        rotary = base.rotary_emb
-        freqs = self.slots.float()[:, None] * rotary.inv_freq.to(dev, torch.float32)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * rotary.attention_scaling).to(dtype)
-        sin = (emb.sin() * rotary.attention_scaling).to(dtype)
-        sin[:, : d // 2].neg_()
-        self.rope = torch.stack((cos, sin), dim=1)  # [max_cache_len, 2, head_dim]
+        width = -(-max_cache_len // MASK_ALIGN) * MASK_ALIGN
+        self.mask_cols = torch.arange(width, device=dev)  # the mask's columns, padded (sliced off after)
+        self.rope = self._rope_table(base.rotary_emb, max_cache_len, d, dtype, dev)
         self.eye = torch.eye(d, dtype=dtype, device=dev)
         cols = torch.arange(d, device=dev)
         self.swap = torch.zeros(d, d, dtype=dtype, device=dev)  # swap[j, k] = 1 iff j = k +- d/2
         self.swap[(cols + d // 2) % d, cols] = 1
         self.fill = torch.tensor([torch.finfo(dtype).min, 0.0], dtype=dtype, device=dev)  # masked, visible
-        for t in (*self.k_cache, *self.v_cache, self.slots, self.rope, self.eye, self.swap, self.fill):
+        for t in (*self.kv_cache, self.slots, self.mask_cols, self.rope, self.eye, self.swap, self.fill):
             torch._dynamo.mark_static_address(t)
 
+    @staticmethod
+    def _rope_table(rotary, max_cache_len: int, d: int, dtype, dev) -> torch.Tensor:
+        """[max_cache_len, 2, head_dim]: cos and sign-folded sin per position, as Hugging Face's rotary
+        module computes them (float32 product, cos/sin, attention scaling, cast):
+        rotate_half(x)*sin = swap(x)*[-sin_lo, sin_hi]."""
+        freqs = torch.arange(max_cache_len, device=dev).float()[:, None] * rotary.inv_freq.to(dev, torch.float32)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * rotary.attention_scaling).to(dtype)
+        sin = (emb.sin() * rotary.attention_scaling).to(dtype)
+        sin[:, : d // 2].neg_()
+        return torch.stack((cos, sin), dim=1)
+
     def kv_buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(keys, values) per layer, each [1, kv_heads, max_cache_len, head_dim]: slot = dim 2."""
-        return list(zip(self.k_cache, self.v_cache))
+        """(keys, values) per layer, each [1, kv_heads, max_cache_len, head_dim] (views of the layer's
+        buffer): slot = dim 2."""
+        return [(kv[:1], kv[1:]) for kv in self.kv_cache]
 
     def causal_mask(self, positions: torch.Tensor) -> torch.Tensor:
         """Additive mask [n, max_cache_len]: slot j visible to the query at position i iff j <= i."""
-        return torch.where(self.slots > positions[:, None], self.fill[0], self.fill[1])
+        mask = torch.where(self.mask_cols > positions[:, None], self.fill[0], self.fill[1])
+        return mask[:, :self.slots.shape[0]]
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (self.dims.hidden,), self.final_norm, self.final_eps)
 
+    def rotations(self, positions: torch.Tensor) -> torch.Tensor:
+        """[n * (group + 2), head_dim, head_dim]: per token, R_p for each of the group + 1 head groups of q
+        and k (kv_heads heads each), then the identity for v's group: the RoPE matmul's right factors."""
+        c, n = self.dims, positions.shape[0]
+        cs = self.rope.index_select(0, positions)  # [n, 2, head_dim]
+        rot = torch.addcmul(self.eye * cs[:, :1], self.swap, cs[:, 1:])  # R_p = diag(cos) + swap * sin
+        shape = (n, c.group + 1, c.head_dim, c.head_dim)
+        rot = torch.cat((rot[:, None].expand(shape), self.eye.expand(n, 1, c.head_dim, c.head_dim)), dim=1)
+        return rot.view(-1, c.head_dim, c.head_dim)
+
     def forward(self, ids, positions, slots, mask):
         """ids [n] at position ids `positions` [n], K/V written to cache `slots` [n], attention under the
         additive mask [n, max_cache_len]: the residual stream [n, H] before the final norm."""
-        cs = self.rope.index_select(0, positions)  # [n, 2, head_dim]
-        rot = torch.addcmul(self.eye * cs[:, :1], self.swap, cs[:, 1:])  # R_p = diag(cos) + swap * sin
+        if mask.stride(0) % MASK_ALIGN:  # a caller's mask (the tree hooks): aligned once, not per layer
+            mask = F.pad(mask, (0, self.mask_cols.shape[0] - mask.shape[1]))[:, :mask.shape[1]]
+        rot = self.rotations(positions)
         x = F.embedding(ids, self.embed)
-        for w, kc, vc in zip(self.layers, self.k_cache, self.v_cache):
-            x = self._layer(w, x, rot, slots, mask, kc, vc)
+        for w, kv in zip(self.layers, self.kv_cache):
+            x = self._layer(w, x, rot, slots, mask, kv)
         return x
 
-    def _layer(self, w: FusedLayer, x, rot, slots, mask, kc, vc):
+    def _layer(self, w: FusedLayer, x, rot, slots, mask, kv):
         c, n = self.dims, x.shape[0]
         h = F.rms_norm(x, (c.hidden,), w.norm1, c.eps)
         qkv = F.linear(h, w.qkv, w.qkv_b)  # [n, (heads + 2 kv_heads) * head_dim]
-        qk = torch.bmm(qkv[:, :c.qk].view(n, c.heads + c.kv_heads, c.head_dim), rot)  # RoPE, q and k at once
-        k = qk[:, c.heads:].transpose(0, 1).unsqueeze(0)
-        v = qkv[:, c.qk:].view(n, c.kv_heads, c.head_dim).transpose(0, 1).unsqueeze(0)
-        kc.index_copy_(2, slots, k)
-        vc.index_copy_(2, slots, v)
-        # GQA without copying K/V: the q heads of kv head j are rows j*g*n..(j+1)*g*n-1 of one matrix
-        # (a view when n = 1; a verify pass copies q here and the output below)
-        q = qk[:, :c.heads].transpose(0, 1).reshape(c.kv_heads, c.group * n, c.head_dim)
-        s = torch.bmm(q, kc[0].transpose(1, 2)).view(c.kv_heads, c.group, n, -1)
-        p = torch.softmax(torch.add(mask, s, alpha=c.scale), dim=-1)
-        o = torch.bmm(p.view(c.kv_heads, c.group * n, -1), vc[0])  # [kv_heads, g * n, head_dim]
-        o = o.view(c.heads, n, c.head_dim).transpose(0, 1).reshape(n, c.heads * c.head_dim)
-        x = _residual_linear(x, o, w.o, w.o_b)
+        # RoPE on q and k, identity on v: [n, group + 2, kv_heads, head_dim] = q groups, k, v
+        qkv = torch.bmm(qkv.view(-1, c.kv_heads, c.head_dim), rot).view(n, c.group + 2, c.kv_heads, c.head_dim)
+        kv.index_copy_(2, slots, qkv[:, c.group:].permute(1, 2, 0, 3))  # K and V, one write
+        q = qkv[:, :c.group].reshape(n, c.heads, c.head_dim).transpose(0, 1).unsqueeze(0)  # a view
+        o = F.scaled_dot_product_attention(q, kv[:1], kv[1:], attn_mask=mask, scale=c.scale,
+                                           enable_gqa=c.group > 1)  # [1, heads, n, head_dim], token-major
+        x = _residual_linear(x, o[0].transpose(0, 1).reshape(n, c.heads * c.head_dim), w.o, w.o_b)
         h = F.rms_norm(x, (c.hidden,), w.norm2, c.eps)
         gu = F.linear(h, w.gate_up, w.gate_up_b)
         return _residual_linear(x, F.silu(gu[:, :c.inter]) * gu[:, c.inter:], w.down, w.down_b)

@@ -70,17 +70,18 @@ def _sparse_top_k(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor 
     return torch.zeros_like(logits).scatter_(-1, idx, vals.softmax(-1))
 
 
-def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, params: SamplingParams, sync_free: bool = False) -> torch.Tensor:
     """Logits [..., V] -> float32 probabilities after temperature, top-k and top-p.
 
     Top-k keeps every token at least as likely as the k-th (more than k where logits tie there,
     common with bf16 logits); top-p then drops a token when the tokens ranked above it (by value, ties
-    by index) already hold top_p of the mass."""
+    by index) already hold top_p of the mass. sync_free: never read a value back to the host (the CPU's
+    sparse top-k reads one bool), so the call can run inside a captured graph or a round that reads once."""
     logits = logits.float()
     if params.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     if params.top_k and params.top_k < logits.shape[-1]:
-        if logits.device.type == "cpu":
+        if logits.device.type == "cpu" and not sync_free:
             sparse = _sparse_top_k(logits, params)
             if sparse is not None:
                 return sparse

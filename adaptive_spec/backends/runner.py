@@ -97,6 +97,12 @@ class CausalLM:
     def forward(self, ids: torch.Tensor, n_logits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed `ids` [n] after the cached prefix. Returns (logits of the last n_logits
         positions [n_logits, V] float32, final hidden state of the last position [H])."""
+        logits, h = self.forward_hidden(ids, n_logits)
+        return logits, h[-1]
+
+    @torch.inference_mode()
+    def forward_hidden(self, ids: torch.Tensor, n_logits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, with the final hidden state of every fed row [n, H] (a feature drafter reads them)."""
         with timed(self.device) as t:
             n = ids.shape[-1]
             pos = torch.arange(self.length, self.length + n, device=self.device)
@@ -106,7 +112,7 @@ class CausalLM:
             logits = self.logits(h[n - n_logits:]) if n_logits else h.new_empty(0, self.vocab_size)
             self.length += n
         self.counters.add(t.s)
-        return logits, h[-1]
+        return logits, h
 
     def rollback(self, length: int):
         """Forget cached positions >= length (cheap: slices the cache tensors)."""

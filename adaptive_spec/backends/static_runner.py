@@ -244,18 +244,20 @@ class StaticCausalLM(CausalLM):
 
     # ---- the step -------------------------------------------------------------------------
 
-    def _step(self, ids: torch.Tensor, n_logits: int, with_head: bool):
+    def _step(self, ids: torch.Tensor, n_logits: int, with_head: bool, epilogue=None):
         """ids [1, n] fed at positions pos..pos+n-1; every shape depends on (n, n_logits) only,
-        and nothing is read back to the host (so the step can be captured as a graph)."""
+        and nothing is read back to the host (so the step can be captured as a graph). `epilogue`: a
+        function of (logits, hidden, accept) run in the same graph, whose outputs the step returns."""
         n = ids.shape[-1]
         h = self._last_hidden(ids, max(n_logits, 1))
         logits = (self.logits(h[h.shape[0] - n_logits:]) if n_logits
                   else h.new_zeros(0, self.vocab_size, dtype=torch.float32))
         self._pos.add_(n)
         last = h[-1]
-        if with_head:
-            return logits, last, self.head.acceptance_prob(last).float()
-        return logits, last
+        accept = self.head.acceptance_prob(last).float() if with_head else None
+        if epilogue is not None:
+            return (epilogue(logits, last, accept),)
+        return (logits, last) if accept is None else (logits, last, accept)
 
     def _last_hidden(self, ids: torch.Tensor, rows: int) -> torch.Tensor:
         """Feed ids [1, n] at positions pos..pos+n-1 (K/V written there, pos left as it is) and
@@ -285,22 +287,30 @@ class StaticCausalLM(CausalLM):
     def _capture(self, key):
         """Record the eager step of shape `key` into a CUDA graph (after two warm-up runs on a
         side stream, as torch.cuda.graphs asks)."""
-        n, n_logits, wh = key
+        n, n_logits, wh = key[:3]
+        epilogue = key[3] if len(key) > 3 else None
         buf = self._buf(n)
+        pos = self._pos.clone()  # an epilogue's capture runs it: the position is put back after
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._pos.zero_()
-                self._step(buf, n_logits, wh)
+                self._pos.copy_(pos)
+                self._step(buf, n_logits, wh, epilogue)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        self._pos.zero_()
+        self._pos.copy_(pos)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = self._step(buf, n_logits, wh)
+            out = self._step(buf, n_logits, wh, epilogue)
+        self._pos.copy_(pos)
         self._graphs[key] = (graph, out)
 
-    def _run(self, ids: torch.Tensor, n_logits: int, with_head: bool):
+    def _run(self, ids: torch.Tensor, n_logits: int, with_head: bool, epilogue=None):
+        if epilogue is not None and self._graphs is None:
+            # without captured graphs the epilogue runs after the (eager or compiled) step: compiling one per
+            # sampling setting and stop rule would cost tens of seconds inside the decode that first asks
+            out = self._run(ids, n_logits, with_head)
+            return (epilogue(*out) if with_head else epilogue(*out, None),)
         n = ids.shape[-1]
         if not 0 <= n_logits <= n:
             raise ValueError(f"n_logits must be in 0..{n}, got {n_logits}")
@@ -308,7 +318,12 @@ class StaticCausalLM(CausalLM):
             raise UserError(f"the static KV cache holds {self.max_cache_len} positions but {self.length + n} are "
                             "needed; build the runner with a larger max_cache_len")
         t0 = self._tic()
-        key = (n, n_logits, with_head)
+        key = (n, n_logits, with_head) if epilogue is None else (n, n_logits, with_head, epilogue)
+        if epilogue is not None and self._graphs is not None and key not in self._graphs:
+            # captured on first use: a capture costs a forward or three, and the epilogue (its sampling, its
+            # stop rule) is known only once a decode asks for it
+            self._capture(key)
+            self._warm.add(key)
         if key in self._warm:
             # a fixed input buffer per length: one address for the graph, and one tensor kind
             # whatever the caller passes (dynamo's guards would otherwise recompile)
@@ -325,7 +340,7 @@ class StaticCausalLM(CausalLM):
                 if self._cudagraphs:
                     out = tuple(t.clone() for t in out)
         else:
-            out = self._step(ids.reshape(1, n).to(self.device), n_logits, with_head)
+            out = self._step(ids.reshape(1, n).to(self.device), n_logits, with_head, epilogue)
         self.length += n
         self._toc(t0)
         return out
@@ -335,6 +350,31 @@ class StaticCausalLM(CausalLM):
         """Feed `ids` [n] after the cached prefix. Returns (logits of the last n_logits
         positions [n_logits, V] float32, final hidden state of the last position [H])."""
         return self._run(ids, n_logits, False)
+
+    @torch.inference_mode()
+    def forward_hidden(self, ids: torch.Tensor, n_logits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, with the final hidden state of every fed row [n, H] (a feature drafter reads them). Run
+        eagerly: the captured graphs return the last row only."""
+        n = ids.shape[-1]
+        if self.length + n > self.max_cache_len:
+            raise UserError(f"the static KV cache holds {self.max_cache_len} positions but {self.length + n} are "
+                            "needed; build the runner with a larger max_cache_len")
+        t0 = self._tic()
+        h = self._last_hidden(ids.reshape(1, n).to(self.device), n)[-n:]
+        logits = (self.logits(h[n - n_logits:]) if n_logits
+                  else h.new_zeros(0, self.vocab_size, dtype=torch.float32))
+        self._pos.add_(n)
+        self.length += n
+        self._toc(t0)
+        return logits, h
+
+    @torch.inference_mode()
+    def forward_epilogue(self, ids: torch.Tensor, n_logits: int, epilogue, with_head: bool = False):
+        """`forward` (or forward_with_head) followed by epilogue(logits, hidden, accept), in the same graph on a
+        graph runtime; returns the epilogue's output (decoding/graph_round.py)."""
+        if with_head and self.head is None:
+            raise UserError("forward_epilogue(with_head=True) needs an acceptance head: pass head=... to StaticCausalLM")
+        return self._run(ids, n_logits, with_head, epilogue)[0]
 
     @torch.inference_mode()
     def forward_with_head(self, ids: torch.Tensor, n_logits: int = 1):

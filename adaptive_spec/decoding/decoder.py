@@ -24,8 +24,12 @@ import torch
 
 from ..backends.contract import HeadRunner, Runner
 from ..errors import UserError
+from ..timing import PartClock
+from .graph_round import GraphRound, run_epilogue
 from .interfaces import DraftSource, DraftStep, Policy, RoundOwner, RoundState, StopPolicy
 from .sampling import SamplingParams, draw, process_logits, verify, verify_greedy
+
+HOST_READS = ("auto", "token", "round")
 
 
 @dataclass
@@ -58,22 +62,27 @@ class Metrics:
     wall_s: float = 0.0
     draft_s: float = 0.0  # inside draft forward passes
     target_s: float = 0.0  # inside target forward passes
-    policy_s: float = 0.0  # inside the stop policy (e.g. the acceptance head), part of draft_other_s
+    policy_s: float = 0.0  # inside the stop policy's should_stop (e.g. the acceptance head)
     prefill_s: float = 0.0  # prompt forward passes (both models), part of draft_s/target_s
     hindsight_s: float = 0.0  # the oracle's untimed hindsight work (re-deriving X), kept out of wall_s
     draft_prefill_s: float = 0.0  # the parts of prefill_s per model
     target_prefill_s: float = 0.0
     first_token_s: float = 0.0  # from the call to the first round's tokens: prefill and that round (TTFT)
     # where a round's time goes outside the two models' forwards (see `breakdown`)
-    draft_other_s: float = 0.0  # drafting outside draft forwards: sampling q, the stop rule, copying
+    draft_other_s: float = 0.0  # drafting outside draft forwards and the stop rule: sampling q, copying
     verify_other_s: float = 0.0  # verification outside the target pass: processing p, rejection sampling, the read
     rollback_s: float = 0.0  # cropping both caches to the accepted prefix
+    # the parts of wall_s on one clock (timing.PartClock: `lap`), read into the fields above at the end
+    parts: dict = field(default_factory=dict)
+    host_reads: int = 0  # times the decode loop read the device back (one per round, or one per drafted token too)
+    n_past_stop: int = 0  # drafted past the stop by rounds that decided it on the device (never verified)
     # drafted candidates by source ("model": the draft model, "ngram": copied from the context)
     n_drafted_by: dict = field(default_factory=dict)
     n_accepted_by: dict = field(default_factory=dict)
     # rounds by what drafted them ("model", "ngram", "none": a plain target step)
     rounds_by: dict = field(default_factory=dict)
     last_source: str = field(default="", repr=False)  # the last round's source (a cut rebooks it), not reported
+    clock: PartClock | None = field(default=None, repr=False)  # the generation's clock, not reported
     # with Decoder(record_trace=True): per verified round [K, n accepted (after a final cut), source]; None: off
     trace: list | None = None
 
@@ -107,14 +116,29 @@ class Metrics:
         if self.trace:
             self.trace[-1][1] = kept
 
+    def lap(self, part: str) -> None:
+        """Book the time since the last lap to `part` (PartClock; nothing without a clock)."""
+        if self.clock is not None:
+            self.clock.lap(part)
+
+    def close_clock(self) -> None:
+        """Read the clock's parts (one device sync on CUDA) into `parts` and the fields they fill."""
+        if self.clock is None:
+            return
+        self.parts = {k: v for k, v in self.clock.totals().items() if k != "hindsight"}
+        self.clock = None
+        self.draft_other_s = self.parts.get("draft_other", 0.0)
+        self.policy_s = self.parts.get("policy", 0.0)
+        self.verify_other_s = self.parts.get("verify_other", 0.0)
+        self.rollback_s = self.parts.get("rollback", 0.0)
+
     def breakdown(self) -> dict:
-        """Seconds of the generation by where they went: prefill (both models), the draft's and the
-        target's decode forwards, drafting outside the draft forward (sampling q, the stop rule,
-        copying), verification outside the target pass, cache rollback, and the rest (the round loop,
-        streaming, Python). Adds up to wall_s."""
-        parts = {"prefill": self.prefill_s, "draft_forward": max(0.0, self.draft_s - self.draft_prefill_s),
-                 "target_forward": max(0.0, self.target_s - self.target_prefill_s),
-                 "draft_other": self.draft_other_s, "verify_other": self.verify_other_s, "rollback": self.rollback_s}
+        """Seconds of the generation by where they went, all on one clock (timing.PartClock): prefill
+        (both models), the draft's and the target's decode forwards, drafting outside the draft forward
+        (sampling q, copying), the stop rule, verification outside the target pass (processing p, rejection
+        sampling, the read), cache rollback, the rounds of a policy that runs its own (trees, several
+        drafts: `round`), and the rest (the round loop, streaming, Python). Adds up to wall_s."""
+        parts = {k: v for k, v in self.parts.items() if k != "rest"}
         parts["rest"] = max(0.0, self.wall_s - sum(parts.values()))
         return parts
 
@@ -146,8 +170,8 @@ class Metrics:
         return self.n_tokens / self.wall_s if self.wall_s else float("nan")
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        del d["last_source"]
+        d = asdict(self)  # after generate: the clock is read and gone (close_clock)
+        del d["last_source"], d["clock"], d["parts"]  # the parts are `breakdown` below
         if self.trace is None:
             del d["trace"]
         d["accepted_hist"] = {str(k): v for k, v in sorted(self.accepted_hist.items())}
@@ -185,16 +209,25 @@ class Decoder:
     """
 
     def __init__(self, target: Runner, draft: Runner | None = None, eos_token_ids=(),
-                 replay: Iterator[int] | None = None, record_trace: bool = False):
+                 replay: Iterator[int] | None = None, record_trace: bool = False, host_reads: str = "auto"):
         """`record_trace`: Metrics.trace lists every verified round (K, n accepted, source).
         `replay`: accepted counts to impose on the chain rounds, one per round, instead of the
         verifier's (a trace recorded with real weights, replayed on models of the same shapes with
-        random weights: the real loop and kernels, the acceptance borrowed). Never exact: for measuring only."""
+        random weights: the real loop and kernels, the acceptance borrowed). Never exact: for measuring only.
+        `host_reads`: "round" decides a model-drafted chain's stop on the device and reads the device once a
+        round (graph_round.py); "token" asks the stop rule on the host after each drafted token (its
+        decision is read then); "auto": "round" on CUDA, where a read stalls the device's queue, "token"
+        elsewhere, where there is no queue to stall and the CPU's sparse top-k (one read) is the faster one."""
+        if host_reads not in HOST_READS:
+            raise UserError(f"host_reads must be one of {', '.join(HOST_READS)}, got {host_reads!r}")
         self.target = target
         self.draft = draft
         self.eos = set(int(e) for e in eos_token_ids)
         self.replay = replay
         self.record_trace = record_trace
+        self.host_reads = host_reads if host_reads != "auto" else (
+            "round" if getattr(target.device, "type", "cpu") == "cuda" else "token")
+        self.graph_round = GraphRound()
         # once, not per round: a Protocol isinstance reads every member
         self.draft_runs_heads = isinstance(draft, HeadRunner)
         self.device = target.device
@@ -240,12 +273,16 @@ class Decoder:
             m.reset()
         if policy is not None:
             policy.reset()
+        self.graph_round.reset()
+        clock = PartClock(self.device)
         t_start = time.perf_counter()
         seq = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
         # a policy may draft with the model in some rounds only (ngram with a model fallback): its draft
         # catches up on the prompt in its first model round, so a generation that never needs it never pays
         eager = [self.target] + ([self.draft] if uses_draft and needs.prefilled_draft else [])
         met = self._prefill(eager, seq)
+        met.clock = clock
+        met.lap("prefill")
         out: list[int] = []
         tokens = list(prompt_ids)  # seq as a host list, for sources that read the context (n-gram lookup)
         stopped_by = "length"
@@ -261,7 +298,11 @@ class Decoder:
             seq = torch.cat([seq, torch.tensor(new, dtype=torch.long, device=self.device)])
             if on_tokens is not None:
                 on_tokens(new)
+            met.lap("rest")
         met.wall_s = time.perf_counter() - t_start - met.hindsight_s
+        met.close_clock()
+        if not clock.cuda:  # one clock: the parts add up to the wall time exactly
+            met.wall_s = sum(met.parts.values())
         self._count(met, out, policy is not None)
         return Generation(token_ids=out, metrics=met, stopped_by=stopped_by)
 
@@ -285,7 +326,10 @@ class Decoder:
         if policy is None:
             return self.target_step(state)
         if isinstance(policy, RoundOwner):
-            return policy.run_round(state)
+            state.met.lap("rest")
+            new = policy.run_round(state)
+            state.met.lap("round")  # what the owner's chain rounds did not lap themselves
+            return new
         return self.chain_round(state, policy)
 
     def _cut(self, new: list[int], state: RoundState) -> tuple[list[int], bool]:
@@ -310,13 +354,19 @@ class Decoder:
     def target_step(self, state: RoundState) -> list[int]:
         """One plain target step: the next token, no drafting."""
         ids = state.seq[self.target.length:]
+        state.met.lap("rest")
         logits, _ = self.target.forward(ids, n_logits=1)
+        state.met.lap("target_forward")
         _count_pass(state.met, ids.shape[0])
-        t0 = time.perf_counter()
         sp = state.sampling
         # greedy: the argmax, without building the one-hot `process_logits` would give
-        tok = [int(logits[0].argmax() if sp.greedy else draw(process_logits(logits[0], sp), sp, state.gen))]
-        state.met.verify_other_s += time.perf_counter() - t0
+        if sp.greedy:
+            tok = logits[0].argmax()
+        else:
+            tok = draw(process_logits(logits[0], sp, sync_free=self.host_reads == "round"), sp, state.gen)
+        tok = [int(tok)]
+        state.met.host_reads += 1
+        state.met.lap("verify_other")
         return tok
 
     def chain_round(self, state: RoundState, rule: StopPolicy, source: DraftSource | None = None) -> list[int]:
@@ -326,9 +376,12 @@ class Decoder:
         source = source or ModelSource(self.draft, rule.graph_head if self.draft_runs_heads else None)
         # the round adds at most K + 1 tokens: never draft past the length limit
         k_cap = max(0, min(rule.begin_round(state.pos), state.remaining - 1))
-        y, q = self._draft_chain(state, rule, k_cap, source)
-        n, new = self._verify_chain(state, y, q)
-        K = y.shape[0]
+        if k_cap and self.host_reads == "round" and isinstance(source, ModelSource) and rule.decides_on_device:
+            K, n, new = self.graph_round.round(self, state, rule, k_cap, source)
+        else:
+            y, q = self._draft_chain(state, rule, k_cap, source)
+            n, new = self._verify_chain(state, y, q)
+            K = y.shape[0]
         state.book(K, n, source.name)
         rule.end_round(K, n)
         return new
@@ -336,21 +389,21 @@ class Decoder:
     def _draft_chain(self, state: RoundState, rule: StopPolicy, k_cap: int, source: DraftSource):
         """y_1..y_K drafted by `source` from the round's context on, asking `rule` after each; (y [K], q [K, V])."""
         ys, qs = [], []
-        t_round = time.perf_counter()
-        fwd_before = self.draft.counters.seconds if self.draft is not None else 0.0
+        met = state.met
+        met.lap("rest")
         for i in range(1, k_cap + 1):
             step = source.step(state, i, ys)
             if step is None:  # the source has nothing more to propose this round
                 break
             ys.append(step.token)
             qs.append(step.probs)
-            t0 = time.perf_counter()
+            met.lap("draft_other")
             stop = rule.should_stop(step)
-            state.met.policy_s += time.perf_counter() - t0
+            met.host_reads += step.source == "model"  # a copied span's stop is decided on the host's own list
+            met.lap("policy")
             if stop:
                 break
-        fwd = (self.draft.counters.seconds if self.draft is not None else 0.0) - fwd_before
-        state.met.draft_other_s += time.perf_counter() - t_round - fwd
+        met.lap("draft_other")
         if not ys:
             return state.seq.new_empty(0), None
         return torch.stack(ys), torch.stack(qs)
@@ -358,15 +411,16 @@ class Decoder:
     def _verify_chain(self, state: RoundState, y: torch.Tensor, q: torch.Tensor | None) -> tuple[int, list[int]]:
         """The target scores the pending token(s) and all K candidates in one pass; returns
         (n accepted, the new tokens) and crops both caches to the accepted prefix."""
-        target, draft, L, K = self.target, self.draft, state.seq.shape[0], y.shape[0]
+        target, L, K = self.target, state.seq.shape[0], y.shape[0]
         ids = torch.cat([state.seq[target.length:], y])
+        state.met.lap("verify_other")
         logits_p, _ = target.forward(ids, n_logits=K + 1)
+        state.met.lap("target_forward")
         _count_pass(state.met, ids.shape[0])
-        t0 = time.perf_counter()
         if state.sampling.greedy:
             n_t, tok_t, state.p_y = verify_greedy(y, logits_p)
         else:
-            p = process_logits(logits_p, state.sampling)
+            p = process_logits(logits_p, state.sampling, sync_free=self.host_reads == "round")
             if q is None:
                 q = p.new_empty(0, p.shape[-1])
             n_t, tok_t = verify(y, q, p, state.gen)
@@ -374,17 +428,18 @@ class Decoder:
         if self.replay is not None:  # the trace's outcome, not the verifier's (measuring only)
             n_t = torch.tensor(min(next(self.replay), K), device=n_t.device)
         # the round's one host sync: read n, the new token and the candidates together
-        vals = torch.cat([n_t.view(1), tok_t.view(1), y]).tolist()
+        vals = host_read(state.met, torch.cat([n_t.view(1), tok_t.view(1), y]))
         n, tok = vals[0], vals[1]
-        t1 = time.perf_counter()
-        # keep the accepted prefix in both caches; the new token is fed next round
-        target.rollback(L + n)
-        if draft is not None:
-            draft.rollback(min(draft.length, L + n))
-        t2 = time.perf_counter()
-        state.met.verify_other_s += t1 - t0
-        state.met.rollback_s += t2 - t1
+        self._rollback(state, L + n)
         return n, vals[2:2 + n] + [tok]
+
+    def _rollback(self, state: RoundState, length: int) -> None:
+        """Keep the accepted prefix in both caches (the round's new token is fed next round)."""
+        state.met.lap("verify_other")
+        self.target.rollback(length)
+        if self.draft is not None:
+            self.draft.rollback(min(self.draft.length, length))
+        state.met.lap("rollback")
 
 
 class ModelSource(DraftSource):
@@ -405,21 +460,35 @@ class ModelSource(DraftSource):
         if head is not None:
             draft.attach_head(self.head)
 
-    def step(self, state: RoundState, i: int, ys: list) -> DraftStep:
+    def _input(self, state: RoundState, ys) -> torch.Tensor:
+        """What the step feeds: the pending token(s) and the candidates the draft has not seen. ys: the round's
+        candidates so far, a list of 0-d tensors or one tensor [i - 1]."""
         draft, L = self.draft, state.seq.shape[0]
-        if draft.length == L + len(ys) - 1 and ys:
-            inp = ys[-1].view(1)
-        elif draft.length < L:
+        if draft.length == L + len(ys) - 1 and len(ys):
+            return ys[-1].view(1)
+        tail = (torch.stack(ys) if isinstance(ys, list) else ys) if len(ys) else None
+        if draft.length < L:
             inp = state.seq[draft.length:]
-            if ys:
-                inp = torch.cat([inp, torch.stack(ys)])
-        else:
-            inp = torch.stack(ys[draft.length - L:])
+            return inp if tail is None else torch.cat([inp, tail])
+        return tail[draft.length - L:]
+
+    def step_epilogue(self, state: RoundState, i: int, chain) -> None:
+        """Step i of a device round (graph_round.py): the forward and the chain's epilogue, in the draft's graph
+        where it has one; y_i lands in chain.y[i - 1]."""
+        state.met.lap("draft_other")
+        run_epilogue(self.draft, self._input(state, chain.y[:i - 1]), 1, chain, with_head=self.head is not None)
+        state.met.lap("draft_forward")
+
+    def step(self, state: RoundState, i: int, ys: list) -> DraftStep:
+        draft = self.draft
+        inp = self._input(state, ys)
         accept = None
+        state.met.lap("draft_other")
         if self.head is not None:
             logits, hidden, accept = draft.forward_with_head(inp, n_logits=1)
         else:
             logits, hidden = draft.forward(inp, n_logits=1)
+        state.met.lap("draft_forward")
         q_i = process_logits(logits[0], state.sampling)
         y_i = draw(q_i, state.sampling, state.gen)
         return DraftStep(i, y_i, q_i, logits[0], hidden, state.pos + i - 1, state.sampling, accept=accept)
@@ -427,3 +496,9 @@ class ModelSource(DraftSource):
 
 def _count_pass(met: Metrics, n: int) -> None:
     met.target_pass_hist[n] = met.target_pass_hist.get(n, 0) + 1
+
+
+def host_read(met: Metrics, t: torch.Tensor) -> list[int]:
+    """The round's read of the device: `t` as host ints, counted in met.host_reads."""
+    met.host_reads += 1
+    return t.tolist()

@@ -94,6 +94,29 @@ class StopPolicy:
     def should_stop(self, step: DraftStep) -> bool:
         return False
 
+    # A rule that can decide on the device sets decides_on_device and gives `graph_stop(step, i, mem)`:
+    # should_stop's decision as a 0-d bool device tensor (False: it never stops at this step) from the step's
+    # tensors, the step's index i as a device scalar and its running state `mem` (the device buffers
+    # `graph_state` made; `graph_begin` refreshes them before a round), reading nothing back and branching on
+    # no value, so that a captured graph can hold it (graph_round.py). A round then reads the device once
+    # instead of once per drafted token. `graph_key()` names what the graph bakes in (settings that live in
+    # `mem`, like a threshold, are not part of it). stops_mid_chain: whether the rule can stop before its
+    # begin_round cap (fixed K and schedules cannot: their round drafts exactly the cap).
+    decides_on_device: bool = False
+    stops_mid_chain: bool = True
+
+    def graph_key(self) -> tuple:
+        return (type(self).__name__,)
+
+    def graph_state(self, device) -> dict:
+        return {}
+
+    def graph_begin(self, mem: dict) -> None:
+        pass
+
+    def graph_stop(self, step: DraftStep, i, mem: dict):
+        raise NotImplementedError(f"the {self.name} stop rule decides on the host only")
+
     def end_round(self, n_drafted: int, n_accepted: int) -> None:
         pass
 

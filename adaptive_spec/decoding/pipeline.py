@@ -109,7 +109,12 @@ class SpecPair:
             raise UserError(f"pass the settings {', '.join(settings)} inside the PairParams, not beside them")
         engine = params.engine
         engine.check_available()
-        loaded = engine.load(params)
+        if isinstance(params.draft, str) and params.draft.startswith("feature:"):  # drafter/: on the target's states
+            from ..drafter.source import load_feature_pair
+
+            loaded = load_feature_pair(params)
+        else:
+            loaded = engine.load(params)
         draft, config = loaded.draft, loaded.draft_config
         if params.draft_context is not None and draft is not None:  # any engine's draft: window.py says why
             draft, config = WindowedDraft(draft, params.draft_context), {**config, "draft_context": params.draft_context}

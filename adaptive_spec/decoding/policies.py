@@ -26,6 +26,10 @@ class FixedK(StopPolicy):
     """Classic speculative decoding: always K candidates (fewer only at max length)."""
 
     name = "fixed"
+    decides_on_device, stops_mid_chain = True, False
+
+    def graph_stop(self, step: DraftStep, i, mem: dict):
+        return False
 
     def __init__(self, k: int):
         if not isinstance(k, int) or k < 1:
@@ -72,8 +76,10 @@ class LearnedThreshold(StopPolicy):
         self.stats_params = ((getattr(head, "stats_params", None) or SamplingParams()) if reads_stats(self.inputs)
                              else None)
         self.p_all = self.prev_stats = None
-        # a head of the hidden state alone can run inside the draft's graph (DraftStep.accept)
+        # a head of the hidden state alone can run inside the draft's graph (DraftStep.accept), and so can the
+        # rule; a head that reads the draft's statistics decides on the host
         self.graph_head = head if self.inputs == "hidden" and isinstance(head, torch.nn.Module) else None
+        self.decides_on_device = self.stats_params is None
 
     def begin_round(self, pos: int) -> int:
         self.p_all = None  # prod of predicted acceptance probabilities of y_1..y_{i-1}
@@ -94,6 +100,27 @@ class LearnedThreshold(StopPolicy):
         self.p_all = p_hat if self.p_all is None else self.p_all * p_hat
         return bool(1.0 - self.p_all > self.h)
 
+    def graph_key(self) -> tuple:
+        return (self.name, self.feature)
+
+    def graph_state(self, device) -> dict:
+        return {"p_all": torch.ones((), device=device), "h": torch.zeros((), device=device)}
+
+    def graph_begin(self, mem: dict) -> None:
+        mem["h"].fill_(self.h)
+
+    def graph_stop(self, step: DraftStep, i, mem: dict):
+        """should_stop on the device (a hidden-state head): the product restarts at i = 1, and a token head
+        scores nothing there (its state is the round's first input's)."""
+        p_hat = (step.accept if step.accept is not None else self.head.acceptance_prob(step.hidden)).reshape(())
+        first = i == 1
+        if self.feature == "token":
+            p_hat = torch.where(first, torch.ones_like(p_hat), p_hat)
+        p_all = torch.where(first, p_hat, mem["p_all"] * p_hat)
+        mem["p_all"].copy_(p_all)
+        stop = 1.0 - p_all > mem["h"]
+        return stop & ~first if self.feature == "token" else stop
+
     def describe(self) -> dict:
         return {"policy": self.name, "h": self.h, "k_max": self.k_max, "depth": self.head.depth,
                 "feature": self.feature, "inputs": self.inputs}
@@ -105,6 +132,7 @@ class ConfidenceThreshold(StopPolicy):
     so the confidence is read from the softmax of the raw logits."""
 
     name = "confidence"
+    decides_on_device = True
 
     def __init__(self, threshold: float, k_max: int = 20):
         self.tau, self.k_max = float(threshold), k_max  # validated by params.ConfidenceParams
@@ -113,6 +141,16 @@ class ConfidenceThreshold(StopPolicy):
         greedy = bool(step.probs.max() == 1.0)
         conf = (step.logits.float().softmax(-1) if greedy else step.probs)[step.token]
         return bool(conf < self.tau)
+
+    def graph_state(self, device) -> dict:
+        return {"tau": torch.zeros((), device=device)}
+
+    def graph_begin(self, mem: dict) -> None:
+        mem["tau"].fill_(self.tau)
+
+    def graph_stop(self, step: DraftStep, i, mem: dict):
+        conf = (step.logits.float().softmax(-1) if step.sampling.greedy else step.probs).gather(-1, step.token.view(1))
+        return (conf < mem["tau"]).reshape(())
 
     def describe(self) -> dict:
         return {"policy": self.name, "tau": self.tau, "k_max": self.k_max}
@@ -123,12 +161,22 @@ class EntropyThreshold(StopPolicy):
     H(q_i) > tau nats, H from the draft's temperature-1 distribution."""
 
     name = "entropy"
+    decides_on_device = True
 
     def __init__(self, threshold: float, k_max: int = 20):
         self.tau, self.k_max = float(threshold), k_max  # validated by params.EntropyParams
 
     def should_stop(self, step: DraftStep) -> bool:
         return bool(entropy(step.logits) > self.tau)
+
+    def graph_state(self, device) -> dict:
+        return {"tau": torch.zeros((), device=device)}
+
+    def graph_begin(self, mem: dict) -> None:
+        mem["tau"].fill_(self.tau)
+
+    def graph_stop(self, step: DraftStep, i, mem: dict):
+        return (entropy(step.logits) > mem["tau"]).reshape(())
 
     def describe(self) -> dict:
         return {"policy": self.name, "tau": self.tau, "k_max": self.k_max}
@@ -139,6 +187,10 @@ class HeuristicSchedule(StopPolicy):
     accepted, K -= 1 (not below 1) otherwise; starts at K = 5 like transformers."""
 
     name = "heuristic"
+    decides_on_device, stops_mid_chain = True, False
+
+    def graph_stop(self, step: DraftStep, i, mem: dict):
+        return False
 
     def __init__(self, k_start: int = 5, k_max: int = 20):
         self.k_start, self.k_max = k_start, k_max  # validated by params.HeuristicParams

@@ -41,6 +41,7 @@ class TraceStop(StopPolicy):
 
     def __init__(self, inner: StopPolicy | None = None):
         self.inner = inner
+        self.decides_on_device = inner is None or inner.decides_on_device
         self.k = 0
 
     def reset(self) -> None:
@@ -52,10 +53,28 @@ class TraceStop(StopPolicy):
             self.inner.begin_round(pos)
         return self.k
 
+    stops_mid_chain = False
+
     def should_stop(self, step: DraftStep) -> bool:
         if self.inner is not None and step.source == "model":
             self.inner.should_stop(step)
         return step.i >= self.k
+
+    def graph_key(self) -> tuple:
+        return ("trace",) + (self.inner.graph_key() if self.inner is not None else ())
+
+    def graph_state(self, device) -> dict:
+        return self.inner.graph_state(device) if self.inner is not None else {}
+
+    def graph_begin(self, mem: dict) -> None:
+        if self.inner is not None:
+            self.inner.graph_begin(mem)
+
+    def graph_stop(self, step: DraftStep, i, mem: dict):
+        """The round drafts its recorded K (the cap); the inner rule decides on the device too, for its cost."""
+        if self.inner is not None:
+            self.inner.graph_stop(step, i, mem)
+        return False
 
     def end_round(self, n_drafted: int, n_accepted: int) -> None:
         if self.inner is not None:

@@ -35,8 +35,15 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     thread; this: ~0.1 ms, paid per drafted token and per verification). An offset that rounding puts
     past its block's last token is pulled back inside, so a token of probability 0 is still never drawn.
     """
-    V = probs.shape[-1]
     u = torch.rand((*probs.shape[:-1], 1), generator=generator, dtype=torch.float64, device=probs.device)
+    return sample_u(probs, u)
+
+
+def sample_u(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """`sample` with its uniform given: u [..., 1] float64 in [0, 1). A round that draws all its uniforms
+    at once hands each draw its own, so the draws need no generator of their own (a captured graph reads
+    them from a buffer) and `sample(probs, gen)` equals `sample_u(probs, <the same u>)` draw for draw."""
+    V = probs.shape[-1]
     if V < 16 * SAMPLE_BLOCK:
         cdf = probs.double().cumsum(-1)
         return torch.searchsorted(cdf, u * cdf[..., -1:], right=True).squeeze(-1).clamp_max(V - 1)
@@ -60,11 +67,14 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
 SAMPLE_BLOCK = 128
 
 
-def draw(probs: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row of `probs` = process_logits(logits, params). Greedy: the one-hot's token,
-    the one `sample` would draw, taken by argmax without sample's float64 cumulative sum over the
-    vocabulary (1.2 ms of a token's 1.5 ms of sampling at 151,936 tokens on one CPU thread)."""
-    return probs.argmax(-1) if params.greedy else sample(probs, generator)
+def draw(probs: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+         u: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row of `probs` = process_logits(logits, params), from `generator` or from the given
+    uniform `u` (sample_u). Greedy: the one-hot's token, the one `sample` would draw, taken by argmax
+    without sample's float64 cumulative sum over the vocabulary."""
+    if params.greedy:
+        return probs.argmax(-1)
+    return sample(probs, generator) if u is None else sample_u(probs, u)
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -90,29 +100,44 @@ def verify(
     K = y.shape[0]
     if K == 0:
         return torch.zeros((), dtype=torch.long, device=p.device), sample(p[0], generator)
-    rows = torch.arange(K, device=p.device)
-    p_y = p[rows, y]
-    q_y = q[rows, y]
     r = torch.rand(K, generator=generator, device=p.device)
+    u = torch.rand(1, generator=generator, dtype=torch.float64, device=p.device)
+    return verify_u(y, q, p, r, u)
+
+
+def verify_u(y: torch.Tensor, q: torch.Tensor, p: torch.Tensor, r: torch.Tensor, u: torch.Tensor,
+             k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify` with its uniforms given (r [m] for the acceptance tests, u [1] float64 for the one draw)
+    and, optionally, the chain's length k as a device scalar (0 < k <= m): the candidates past k were
+    drafted but never proposed (a round that decided its stop on the device drafts up to its cap and cuts
+    there), so they are rejected unseen and the bonus row is p_{k+1}. Nothing is read back to the host."""
+    m = y.shape[0]
+    rows = torch.arange(m, device=p.device)
     # accept y_i with probability min(1, p/q): r < p/q, written without the division
-    accepted = r * q_y < p_y
+    accepted = r * q[rows, y] < p[rows, y]
+    if k is not None:
+        accepted = accepted & (rows < k)
     n = accepted.long().cumprod(0).sum()
-    # only row n is drawn from: its residual norm(max(p_n - q_n, 0)) after a rejection (n < K), p_{K+1}
-    # when all K were accepted (q_n zeroed), built for that one row, not all K (K x V work a round).
+    # only row n is drawn from: its residual norm(max(p_n - q_n, 0)) after a rejection (n < k), p_{k+1}
+    # when all k were accepted (q_n zeroed), built for that one row, not all m (m x V work a round).
     # index_select, not p[n]: indexing with a 0-d device tensor reads it back to the host
     p_n = p.index_select(0, n.view(1))[0]
-    q_n = q.index_select(0, n.clamp_max(K - 1).view(1))[0] * (n < K)
-    return n, sample(residual(p_n, q_n), generator)
+    q_n = q.index_select(0, n.clamp_max(m - 1).view(1))[0] * (n < (m if k is None else k))
+    return n, sample_u(residual(p_n, q_n), u)
 
 
-def verify_greedy(y: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def verify_greedy(y: torch.Tensor, logits: torch.Tensor,
+                  k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`verify` at temperature 0 from the target's raw logits [K + 1, V], without building the one-hot
     distributions: p is the point mass on each row's argmax, so y_i is accepted exactly when it is that
     argmax (whatever point mass or copy q proposed it), and the residual after a rejection, like the
-    bonus, is the point mass on that row's argmax. Returns (n, token, p(y_i) [K], 0 or 1)."""
+    bonus, is the point mass on that row's argmax. Returns (n, token, p(y_i) [K], 0 or 1). `k`: as in
+    verify_u, the chain's length when candidates past it were drafted but not proposed."""
     amax = logits.argmax(-1)
     K = y.shape[0]
     accepted = y == amax[:K]
+    if k is not None:
+        accepted = accepted & (torch.arange(K, device=y.device) < k)
     n = accepted.long().cumprod(0).sum()
     return n, amax.index_select(0, n.view(1))[0], accepted.float()
 

@@ -5,6 +5,7 @@ costs measured once (cached) and each configuration's tok/s predicted from them,
     adaptive-spec probe --draft-quant int8                           # torch, with the served CPU draft
     adaptive-spec probe --backend llama.cpp --target-quant q8_0 --json
     adaptive-spec probe --backend llama.cpp --workload code          # priced for code prompts
+    adaptive-spec probe --backend llama.cpp --prompts my.jsonl       # priced at the acceptance on your prompts
 
 It loads the pair as `generate` does (the same pair flags) and takes the forward costs through the calls
 `--threshold auto` and `--k auto` make (decoding/auto.resolve_auto over decoding/costs.measure_costs, on
@@ -32,6 +33,12 @@ how often a draft is accepted and how much an answer copies are the workload's, 
 (fixed K = 3 makes 2.7 tokens a round on the ShareGPT answers, 3.4 on GSM8K's). `--threshold auto` still
 picks h from the pooled curve, as a generation does; the probe prices that pick at the workload's counts.
 
+`--prompts FILE|SET` (a .jsonl file with a `prompt` field a line, or a prompt set's name) prices every
+configuration at the acceptance on those prompts instead: the pair answers a few of them first, within
+`--prompts-budget-s` (probe_prompts.py records what datagen records, and autotune's replay makes their curve);
+h and K are then picked from that curve, as `generate --auto-prompts` picks them, and prompt lookup and combined
+are replayed along those answers. The text says whose acceptance priced the rows, and names the curve's file.
+
 Decode tok/s leave prefill out; wall tok/s add it for --prompt-tokens at the measured prefill rates.
 eval/bench_probe.py checks the predictions against measured runs.
 """
@@ -44,6 +51,7 @@ import time
 from pathlib import Path
 
 from .. import params
+from ..cli_args import Parser, add_fields, flag, set_fields
 from ..errors import UserError, run_main
 
 DEFAULT_HEAD = "checkpoints/qwen-coder-0.5b-int8-stats-d3"
@@ -166,35 +174,37 @@ def _data_path(data_dir) -> Path | None:
     return path if (path / "manifest.json").is_file() else None
 
 
-def copy_counts(costs, k_max: int, data_dir=None, kinds=None) -> dict | None:
+def copy_counts(costs, k_max: int, data_dir=None, kinds=None, records=None) -> dict | None:
     """Prompt lookup's counts (`--policy ngram --k auto` at these costs) over the dev responses of a datagen run
     (ngram.replay_copies; default COPY_DATA, the committed heads' data: ShareGPT, code, GSM8K-train and MBPP
     prompts, none of the benchmark sets), pooled or, for `kinds` (parse_workload), mixed by kind; with how many
-    answers. None where the data (or a kind's answers) is absent."""
+    answers. None where the data (or a kind's answers) is absent. `records`: replay these answers instead (the
+    user's prompts': probe_prompts.as_responses)."""
     from ..decoding.ngram import NgramPolicy, replay_copies, verify_steps_of
     from ..training.autotune import responses
 
-    path = _data_path(data_dir)
+    path = _data_path(data_dir) if records is None else "your prompts"
     if path is None:
         return None
     p = params.NgramParams()
     policy = NgramPolicy(p.ngram_min, p.ngram_max, "auto", k_max, verify_steps=verify_steps_of(costs))
     by: dict = {}
-    for src, _, _, prompt, response in responses(path, "dev"):
+    for src, _, _, prompt, response in (responses(path, "dev") if records is None else records):
         by.setdefault(src, []).append(replay_copies(policy, prompt, response))
     out, used = _grouped(by, kinds)
     return None if out is None else {**out, "n_responses": used, "data": str(path)}
 
 
 def combined_counts(costs, head, h: float, cap: int, k_max: int, data_dir=None, kinds=None,
-                    samples: int = COMBINED_SAMPLES, seed: int = 0) -> dict | None:
+                    samples: int = COMBINED_SAMPLES, seed: int = 0, records=None) -> dict | None:
     """The combined configuration's counts (`--policy ngram --fallback learned`, SpecDec++ at h with K <= cap
     where nothing is copied) over the dev responses of a datagen run (default COPY_DATA; pooled, or mixed by
     kind), replayed jointly: NgramPolicy's own rounds (ngram.replay_copies) with the draft's rounds in between,
     each K as autotune's replay stops (stop_lengths over the head's p̂ there) and its accepted count drawn from
     the stored acceptance probabilities (the P_i autotune's replay multiplies), `samples` draws per answer. None
     where the data is absent. Jointly because the two interact: a copy is taken only where it beats the draft's
-    rounds so far, and a draft round can run past where a copy would start."""
+    rounds so far, and a draft round can run past where a copy would start. `records`: these answers, with their
+    p̂, instead (as copy_counts takes them)."""
     import numpy as np
 
     from ..decoding.interfaces import StopPolicy
@@ -203,10 +213,10 @@ def combined_counts(costs, head, h: float, cap: int, k_max: int, data_dir=None, 
     from ..runs import read_manifest
     from ..training.autotune import responses, stop_lengths, window_products
 
-    path = _data_path(data_dir)
+    path = _data_path(data_dir) if records is None else "your prompts"
     if path is None:
         return None
-    man = read_manifest(path)
+    man = read_manifest(path) if records is None else {}
     model = heads.load_head(head, hidden_size=(man.get("models", {}).get("draft") or {}).get("hidden_size"),
                             why="the probe's combined replay",
                             **({"inputs": heads.INPUTS} if hasattr(heads, "INPUTS") else {}))
@@ -216,7 +226,7 @@ def combined_counts(costs, head, h: float, cap: int, k_max: int, data_dir=None, 
                          fallback=StopPolicy(), draft_steps=costs.c)
     rng = np.random.default_rng(seed)
     by: dict = {}
-    for src, P, phat, prompt, response in responses(path, "dev", model):
+    for src, P, phat, prompt, response in (responses(path, "dev", model) if records is None else records):
         K = stop_lengths(window_products(phat, cap), h, cap, lag)
 
         def model_round(s, remaining):
@@ -255,7 +265,7 @@ def picks_of(result: dict) -> dict | None:
 
 def predict(pair, head: str | None, temperature: float, prompt_tokens: int, max_new_tokens: int,
             k_max: int = params.NgramParams().k_max, ran: dict | None = None, copy_data=None,
-            workload=None) -> dict:
+            workload=None, prompts: dict | None = None) -> dict:
     """Every configuration's predicted tok/s on `pair` (loaded; or anything resolve_auto and measure_costs
     take, e.g. a pair with pinned_costs), priced as `auto` prices them; the draft's configurations only
     with a draft and a head. `ran` (picks_of another result): price the K and h that one chose instead of
@@ -264,17 +274,26 @@ def predict(pair, head: str | None, temperature: float, prompt_tokens: int, max_
     COPY_DATA; absent: prompt lookup is priced as the plain steps it falls back to where nothing is copied,
     combined as SpecDec++). `workload` (parse_workload's kinds; None: the dev answers pooled): whose counts
     price every configuration. SpecDec++ h=auto is what `--threshold auto` picks (from the pooled curve, as a
-    generation picks it), priced at the workload's counts; fixed K is the workload's best K."""
+    generation picks it), priced at the workload's counts; fixed K is the workload's best K. `prompts`
+    (probe_prompts.measure: answers recorded on the user's prompts, and their curve): every configuration is
+    priced at those answers' counts instead of the dev answers', h and K picked from their curve as
+    `--auto-prompts` (`--curve` of that file) picks them."""
+    from .probe_prompts import as_responses, describe
     from ..decoding.auto import AR, DEFAULT_TIME_MODEL, load_curve, resolve_auto
     from ..decoding.costs import measure_costs
     from ..decoding.timemodel import coef_of, effective_model
     from .report_data import ONE_STEP, round_costs
 
     costs = measure_costs(pair)
+    if prompts is not None and workload is not None:
+        raise UserError("--prompts and --workload both say whose acceptance prices the configurations; pass one")
+    records = None if prompts is None else as_responses(prompts["records"])
+    own = (prompts or {}).get("curve_file")  # the prompts' curve, where the draft was recorded
+    curve_file = own or _curve_file(head)
     picks = {}
     if pair.draft is not None and head is not None:
-        for need, p in (("h", params.policy_params("learned", head=head, threshold="auto")),
-                        ("k", params.policy_params("fixed", k="auto", curve=str(_curve_file(head))))):
+        for need, p in (("h", params.policy_params("learned", head=head, threshold="auto", curve=own)),
+                        ("k", params.policy_params("fixed", k="auto", curve=str(curve_file)))):
             picks[need] = resolve_auto(pair, p, temperature=temperature)[1]
     # the mode and model resolve_auto priced with (picks' "model"); the same without a draft
     loop = "greedy" if temperature == 0 else "sample"
@@ -302,10 +321,11 @@ def predict(pair, head: str | None, temperature: float, prompt_tokens: int, max_
     copy_why = (f"in a long verbatim copy {copy['k']} copies a round ({copy['accepted']:.2f} accepted each) "
                 f"verify in a {copy['k'] + 1}-row pass of {copy['steps']:.2f} steps for {copy['tokens']:.2f} tokens: "
                 f"{copying['speedup']:.2f}x" if copy["k"] else "no copy pays even in a long verbatim copy")
-    data_name = COPY_DATA if copy_data is None else copy_data
+    data_name = (COPY_DATA if copy_data is None else copy_data) if prompts is None else prompts["label"]
+    answers = "dev answers" if prompts is None else "answers to your prompts"
     auto_row = None
     if picks:
-        curve = load_curve(_curve_file(head), "h", head)
+        curve = load_curve(curve_file, "h", head)
         check_workload(curve, workload)
         # each configuration's counts at the workload and their tok/s at these costs
         k_point = lambda k: workload_point(curve, workload, lambda c: _curve_point(c, "k", k))  # noqa: E731
@@ -342,14 +362,14 @@ def predict(pair, head: str | None, temperature: float, prompt_tokens: int, max_
         auto_row = entry("SpecDec++ h=auto", {"policy": "learned", "head": head, "threshold": "auto"},
                          pick_tps, why, pick != AR, pick=pick, pick_k_max=pick_cap, best=best, round=r)
         rows.append(auto_row)
-    copies = copy_counts(costs, k_max, copy_data, workload)
+    copies = copy_counts(costs, k_max, copy_data, workload, records)
     if copies is None:
         lookup, lookup_why = ar, "a plain step where nothing is copied (1.00x); "
     else:
         lookup = _rate(copies, coef)
         rounds = copies["n_target_forwards"]
         copying_rounds = rounds - copies["target_pass_hist"].get("1", 0)
-        lookup_why = (f"on {copies['n_responses']} dev answers ({data_name}) {copying_rounds / rounds:.0%} of rounds "
+        lookup_why = (f"on {copies['n_responses']} {answers} ({data_name}) {copying_rounds / rounds:.0%} of rounds "
                       f"copy, {copies['n_drafted'] / max(copying_rounds, 1e-9):.1f} copies each, "
                       f"{copies['n_accepted'] / max(copies['n_drafted'], 1e-9):.2f} of them accepted: "
                       f"{lookup / ar:.2f}x; ")
@@ -359,7 +379,8 @@ def predict(pair, head: str | None, temperature: float, prompt_tokens: int, max_
     if auto_row is not None:
         policy = {"policy": "ngram", "fallback": "learned", "head": head, "threshold": "auto"}
         joint = None if auto_row["pick"] == AR else combined_counts(
-            costs, head, auto_row["pick"], auto_row["pick_k_max"] or curve["k_max"], k_max, copy_data, workload)
+            costs, head, auto_row["pick"], auto_row["pick_k_max"] or curve["k_max"], k_max, copy_data, workload,
+            records=records)
         if auto_row["pick"] == AR:  # the fallback is the target alone: combined is prompt lookup
             rate, why = lookup, "rounds without a copy run the target alone: prompt lookup's rounds"
         elif joint is None:
@@ -368,7 +389,7 @@ def predict(pair, head: str | None, temperature: float, prompt_tokens: int, max_
                                                         f"({copying['speedup']:.2f}x in a long copy)")
         else:
             rate = _rate(joint, coef)
-            why = (f"replayed on {joint['n_responses']} dev answers: SpecDec++ h = {auto_row['pick']:g} where nothing "
+            why = (f"replayed on {joint['n_responses']} {answers}: SpecDec++ h = {auto_row['pick']:g} where nothing "
                    f"is copied, {joint['n_tokens'] / joint['n_target_forwards']:.2f} tokens a round, the draft "
                    f"catching up on what copies "
                    f"made ({joint['n_fed_extra'] / max(joint['n_all_accepted'], 1e-9):.1f} tokens beyond two a "
@@ -378,6 +399,8 @@ def predict(pair, head: str | None, temperature: float, prompt_tokens: int, max_
                                               if joint else {})))
     return {"engine": pair.engine.name, "time_model": model, "sampling": loop, "temperature": temperature,
             "head": head if picks else None, "workload": list(workload) if workload else MIX,
+            "acceptance": {"source": "dev answers" if prompts is None else "prompts", "words": describe(prompts),
+                           **({k: v for k, v in prompts.items() if k != "records"} if prompts else {})},
             "prompt_tokens": prompt_tokens, "max_new_tokens": max_new_tokens,
             "costs": costs.to_dict(), "configurations": rows}
 
@@ -408,10 +431,13 @@ def _curve_file(head):
 
 def run(pair_params, head: str | None = DEFAULT_HEAD, temperature: float = 1.0, prompt_tokens: int = 128,
         max_new_tokens: int = 128, reps: int | None = None, cache: bool = True, ran: dict | None = None,
-        workload=None) -> dict:
+        workload=None, prompts=None, prompts_budget_s: float | None = None) -> dict:
     """Load the pair, measure its costs (or read them from the cache) and predict (see `predict`); with the
     machine, how long loading and measuring took, and where the costs are cached. cache=False: measure
-    afresh, reading and writing no cache (a second measurement of the same machine); `ran`: see predict."""
+    afresh, reading and writing no cache (a second measurement of the same machine); `ran`: see predict.
+    `prompts` (probe_prompts.load_texts' (texts, label)): record answers to them first, for `budget_s` at most
+    (probe_prompts.measure, cached as the costs are), and price at their acceptance."""
+    from .probe_prompts import BUDGET_S, measure
     from transformers.utils import logging as hf_logging
 
     from ..backends.cpu import describe
@@ -432,11 +458,14 @@ def run(pair_params, head: str | None = DEFAULT_HEAD, temperature: float = 1.0, 
             measure_costs(pair, reps=reps)  # cached, so that `predict` (and auto after it) reads this one
         measure_costs(pair)
         measured = time.perf_counter()
+        own = None if prompts is None else measure(pair, None, head, temperature, prompts_budget_s or BUDGET_S,
+                                                   cache, texts=prompts)
+        recorded = time.perf_counter()
         out = predict(pair, head if pair.draft is not None else None, temperature, prompt_tokens, max_new_tokens,
-                      ran=ran, workload=workload)
+                      ran=ran, workload=workload, prompts=own)
     return {"machine": describe(), "pair": pair_params.model_dump(exclude_defaults=True), **out,
             "cache": str(path) if cache else None, "cached": cached, "load_s": loaded - t0,
-            "measure_s": measured - loaded}
+            "measure_s": measured - loaded, "prompts_s": recorded - measured}
 
 
 # ----------------------------------------------------------------------------- output
@@ -461,8 +490,8 @@ def render(result: dict) -> str:
                 if c.get("t_draft_two") else "") + "; prefill "
              f"{1e3 * c.get('t_prefill', 0.0):.2f} ms a prompt token (draft {1e3 * c.get('t_prefill_draft', 0.0):.2f})",
              f"predicted with the {result['time_model']} time model ({result['sampling']} sampling) for "
-             f"{describe_workload(result.get('workload', MIX))}; wall: a {result['prompt_tokens']}-token prompt and "
-             f"{result['max_new_tokens']} new tokens", ""]
+             f"{_priced_for(result)}; wall: a {result['prompt_tokens']}-token prompt and "
+             f"{result['max_new_tokens']} new tokens", _acceptance_line(result.get("acceptance")), ""]
     rows = result["configurations"]
     width = max(len(r["name"]) for r in rows)
     lines.append(f"{'configuration':{width}}  decode tok/s  wall tok/s  speed-up  why")
@@ -478,6 +507,22 @@ def render(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _acceptance_line(acceptance: dict | None) -> str:
+    """Whose acceptance priced the configurations: the user's prompts (with the curve file auto can read) or the
+    dev answers."""
+    if not acceptance or acceptance.get("source") != "prompts":
+        return "acceptance: the dev answers (the head's threshold curve; --prompts FILE|SET measures your own)"
+    curve = acceptance.get("curve_file")
+    return (f"acceptance: {acceptance['words']}" + (f"; its curve, for --threshold auto / --k auto: --curve {curve}"
+                                                     if curve else ""))
+
+
+def _priced_for(result: dict) -> str:
+    if (result.get("acceptance") or {}).get("source") == "prompts":
+        return "your prompts (--prompts)"
+    return describe_workload(result.get("workload", MIX))
+
+
 def describe_workload(workload) -> str:
     if workload in (None, MIX):
         return "the heads' dev answers pooled (--workload mix)"
@@ -487,10 +532,8 @@ def describe_workload(workload) -> str:
 
 
 def _main(argv) -> int:
-    from .. import cli
-
-    ap = cli._Parser(prog="adaptive-spec probe", description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    cli._add_fields(ap, params.PairParams.model_fields, lambda key: "")
+    ap = Parser(prog="adaptive-spec probe", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    add_fields(ap, params.PairParams.model_fields, lambda key: "")
     ap.add_argument("--head", default=DEFAULT_HEAD,
                     help=f"acceptance head with its threshold_curve.json (default {DEFAULT_HEAD}; none: no draft "
                          "configurations)")
@@ -503,6 +546,13 @@ def _main(argv) -> int:
                     help=f"what the prompts are: {MIX} (default: the heads' dev answers pooled) or a comma-separated "
                          f"list of {', '.join(WORKLOADS)} (equal parts): whose acceptance and copying price the "
                          "configurations")
+    ap.add_argument("--prompts", default=None, metavar="FILE|SET",
+                    help="price at the acceptance on your own prompts: a .jsonl file with a 'prompt' field a line, or a "
+                         "prompt set's name; a few short answers are generated on them first (their curve is cached, "
+                         "and --threshold auto reads it with --curve)")
+    ap.add_argument("--prompts-budget-s", type=float, default=None,
+                    help="seconds the answers to --prompts may take (default 40: the probe answers in about two "
+                         "minutes on two cores)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     try:
         args = ap.parse_args(argv)
@@ -515,17 +565,27 @@ def _main(argv) -> int:
     if args.temperature < 0:
         raise UserError(f"--temperature must be >= 0, got {args.temperature}")
     workload = parse_workload(args.workload)
-    pair = params.pair_params(spell=cli.flag, **cli._set(args, params.PairParams.model_fields))
+    if args.prompts_budget_s is not None and (args.prompts is None or args.prompts_budget_s <= 0):
+        raise UserError(f"--prompts-budget-s {args.prompts_budget_s:g}: seconds (> 0) for --prompts; pass "
+                        "--prompts FILE|SET with it, or drop it")
+    if args.prompts is not None and workload is not None:
+        raise UserError("--prompts and --workload both say whose acceptance prices the configurations; pass one")
+    from .probe_prompts import load_texts
+
+    prompts = None if args.prompts is None else load_texts(args.prompts)  # refused before any model loads
+    pair = params.pair_params(spell=flag, **set_fields(args, params.PairParams.model_fields))
+    pair.engine.check_available(pair.device)
     head = None if str(args.head).lower() == "none" else args.head
     if head is not None and pair.draft is not None:
-        learned = params.policy_params("learned", spell=cli.flag, head=head, threshold="auto")  # the curve exists
+        # the head's curve must exist unless the prompts make one
+        learned = params.policy_params("learned", spell=flag, head=head, threshold="auto" if prompts is None else 0.5)
         params.check_runs_on(learned, pair.engine)
         from ..decoding.auto import load_curve
 
-        check_workload(load_curve(_curve_file(head), "h", head), workload)  # before any model loads
-    pair.engine.check_available()
+        if prompts is None:
+            check_workload(load_curve(_curve_file(head), "h", head), workload)  # before any model loads
     result = run(pair, head, args.temperature, args.prompt_tokens, args.max_new_tokens, args.reps,
-                 workload=workload)
+                 workload=workload, prompts=prompts, prompts_budget_s=args.prompts_budget_s)
     print(json.dumps(result, default=str) if args.json else render(result))
     return 0
 

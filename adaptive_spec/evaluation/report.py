@@ -6,10 +6,13 @@ Reads <sweep-dir>/results.jsonl (+ heads.json, config.json) written by `adaptive
 writes a markdown report (default <sweep-dir>/report.md) with one Pareto plot per dataset
 (pareto_<dataset>.png beside it):
 
-  Figure 3  verification rate N_target/N (y) vs discard rate N_discarded/N (x): fixed K joined
-            as a curve, SpecDec++ per head (one colour/marker per head, points labelled h), the
-            training-free heuristics, the oracle, transformers' assisted generation.
-  Table 1   best measured tokens/s of SpecDec++ vs the best fixed K vs autoregressive, relative
+  Figure 3  verification rate N_target/N (y) vs discard rate N_discarded/N (x), a point for every
+            configuration but the draft alone: the target alone, fixed K joined as a curve (K = auto
+            beside it), SpecDec++ per head (one colour/marker per head, points labelled h; h = auto
+            labelled with the h it picked), the training-free heuristics, the oracle, transformers'
+            assisted generation, the tree families and every other policy (prompt lookup, combined).
+  Table 1   best measured tokens/s of SpecDec++ (over the swept h; a sweep of h = auto alone: its
+            auto rows, labelled with the h auto picked) vs the best fixed K vs autoregressive, relative
             improvement, SpecDec++ at h = 0.7, the share of the gap to the oracle (greedy sweeps);
             and the same under Eq. (5.1) with fitted times.
   Table 2   fitted t_draft, t_target with R^2: stand-alone, SpecDec, SpecDec++; Eq. (5.1)
@@ -40,28 +43,32 @@ decode time, wall - prefill, because N_draft / N_target count decoding forwards 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
+from ..decoding import timemodel
 from ..decoding.timemodel import comparison_table
 from ..errors import UserError, run_main
 from ..runs import read_json
+from ..tables import fmt
 from .report_data import (Agg, DatasetResult, aggregate, analyse, by_config, complete_rows, ds_label, family,
-                          fit_settings, geomean, head_order, load_sweep, modelled_tps, paired_ratio, rel_errors)
-from .report_plots import accepted_vs_drafted_plot, pareto_plot
-from .report_tables import (H_REF, all_configs_table, auto_table, breakdown_table, cpu_lines, decomposition,
-                            engines_section, ersd_fig3_table, family_table, fmt_t, in_short, pct, peer_table, table1,
-                            table2, table3, tree_comparisons)
+                          fit_settings, geomean, head_order, load_sweep, modelled_tps, paired_ratio, pooled_counts,
+                          rel_errors, round_costs, usable)
+from .report_plots import accepted_vs_drafted_plot, pareto_plot, pareto_series
+from .report_tables import (AUTO_OF, H_REF, all_configs_table, auto_table, breakdown_table, cpu_lines, decomposition,
+                            engines_section, ersd_fig3_table, family_table, fmt_t, pct, peer_table, table1, table2,
+                            table3, tree_comparisons)
 from .sweep import COSTS, stored_pair
 from .tree_calibration import TREE_POLICIES
 
-# The analysis, the tables and the plots live in report_data, report_tables and report_plots; the
-# names scripts and tests reach as `report.X` stay importable from here.
+# The analysis, the tables and the plots live in report_data, report_tables and report_plots (the lines in
+# words at the top, in_short, here); the names scripts and tests reach as `report.X` stay importable from here.
 __all__ = ["Agg", "DatasetResult", "H_REF", "accepted_vs_drafted_plot", "aggregate", "all_configs_table", "analyse",
            "auto_table", "breakdown_table", "build_report", "by_config", "complete_rows", "cpu_lines",
            "decomposition", "ds_label", "engines_section", "family", "fit_settings", "fmt_t", "geomean", "in_short",
-           "load_sweep", "main", "modelled_tps", "paired_ratio", "pareto_plot", "pct", "peer_table", "rel_errors",
-           "table1", "table2", "table3", "tree_sections"]
+           "load_sweep", "main", "modelled_tps", "paired_ratio", "pareto_plot", "pareto_series", "pct", "peer_table",
+           "rel_errors", "table1", "table2", "table3", "tree_sections"]
 
 
 # ----------------------------------------------------------------------------- the report
@@ -211,6 +218,105 @@ def _tables(results: list[DatasetResult], heads_info: dict, trees: list[str]) ->
             if t:
                 md += [f"### {label}", "", t, ""]
     return md
+
+
+# ----------------------------------------------------------------------------- in words, at the top
+
+# where no cost is known, a round's tokens and drafts only (its steps are then left unsaid)
+ONE_STEP_COEF = {"t_target": 1.0}
+# no configuration a user runs: the draft alone, and the hindsight oracle (it knows the output beforehand)
+NOT_A_CHOICE = ("draft_ar", "oracle")
+
+
+def in_short(sweeps: list[tuple[str, list[DatasetResult], object, str]]) -> list[str]:
+    """The report's first lines, generated from the rows: per dataset, the fastest configuration on this
+    machine, by how much against the target alone (the first sweep's engine), and why: a round of the best
+    speculative configuration priced in target steps, with the costs the sweep measured for `auto`
+    (costs.json: Costs, and the engine's time model) or, without them, the forward times fitted to its rows
+    (Table 2). Where `auto` picked the target alone, the line says so first.
+    `sweeps`: (engine, its analysis, its Costs or None, its time model)."""
+    labels = list(dict.fromkeys(d.label for _, results, _, _ in sweeps for d in results))
+    lines = []
+    for label in labels:
+        found = [(engine, d, costs, model) for engine, results, costs, model in sweeps
+                 for d in results if d.label == label]
+        cands = [(engine, d, a) for engine, d, _, _ in found for a in _choices(d)]
+        if cands:
+            lines.append(_verdict(label, found, cands))
+    return ["**In short** (tokens/s end to end; ratios pooled over prompts):", ""] + \
+        [f"- {line}" for line in lines] + [""] if lines else []
+
+
+def _choices(d: DatasetResult) -> list:
+    """What a user runs, as it ran: the target alone and every configuration that drafted. Not the draft alone
+    nor the hindsight oracle, and not a configuration that drafted nothing (an auto pick of the target alone):
+    that is the target alone again, and its edge over it noise."""
+    return [a for a in d.aggs.values() if not math.isnan(a.tokens_per_s) and a.method not in NOT_A_CHOICE
+            and (a.method == "ar" or a.speculated)]
+
+
+def _verdict(label: str, found: list, cands: list) -> str:
+    """One dataset's line of in_short: `auto`'s pick of the target alone first, where it made one; the fastest
+    configuration, or the target alone and then the fastest that speculated; other engines' best; why."""
+    base_engine, base_d = found[0][0], found[0][1]
+    base = base_d.get("ar")
+    several = len(found) > 1
+    on = lambda e: f" on {e}" if several else ""  # noqa: E731
+    x = lambda a: f"{a.tokens_per_s / base.tokens_per_s:.2f}x" if base else "—"  # noqa: E731
+    spec = [c for c in cands if c[2].speculated]
+    engine, d, fastest = max(cands, key=lambda c: c[2].tokens_per_s)
+    text = f"**{label} ({d.n_prompts} prompts)**: "
+    chose_ar = [f"{a.name()}{on(e)}" for e, dd, _, _ in found for a in dd.aggs.values()
+                if a.method in AUTO_OF and a.chose_target_alone]
+    if chose_ar:
+        text += f"`auto` chose the target alone ({', '.join(chose_ar)}), drafting nothing; "
+    if fastest.method == "ar":
+        text += f"the fastest here was the target alone{on(engine)}, {fmt(fastest.tokens_per_s)} tok/s"
+        if spec:
+            e2, _, a2 = max(spec, key=lambda c: c[2].tokens_per_s)
+            text += f"; the fastest configuration that speculated, {a2.name()}{on(e2)}, ran at {x(a2)} of " + \
+                ("it" if engine == base_engine else f"the target alone on {base_engine}")
+    else:
+        text += (f"the fastest here was {fastest.name()}{on(engine)}, {fmt(fastest.tokens_per_s)} tok/s, "
+                 f"{x(fastest)} the target alone{on(base_engine)}")
+    for e, od, _, _ in found[1:]:  # each other engine's best, against the same baseline
+        best = max(_choices(od), key=lambda a: a.tokens_per_s, default=None)
+        if best is not None and od is not d:
+            text += f"; {e}'s fastest, {best.name()}, {x(best)}"
+    why = _why(found, spec)
+    return text + "." + (f" Why: {why}." if why else "")
+
+
+def _why(found, spec) -> str | None:
+    """The best speculative configuration's round in target steps, at the measured costs of its engine
+    (or the times fitted to its rows)."""
+    if not spec:
+        return None
+    engine, d, a = max(spec, key=lambda c: c[2].tokens_per_s)
+    _, _, costs, model = next(f for f in found if f[1] is d)
+    counts = pooled_counts(d, a.config)
+    if not counts["n_target_forwards"] or a.derived:
+        return None
+    fit = d.fits["speculative"]
+    if costs is not None:
+        coef, source, c = timemodel.coef_of(costs, model), "the costs measured for auto, costs.json", costs.c
+    elif usable(fit) and fit.t_draft > 0 and fit.t_target > 0:  # a fit over few rows can come out negative
+        coef, source = {"t_draft": fit.t_draft, "t_target": fit.t_target}, "the forward times fitted to these rows"
+        c = fit.t_draft / fit.t_target
+    else:
+        r = round_costs(counts, ONE_STEP_COEF)
+        return (f"its rounds made {r['tokens']:.2f} tokens a target pass for {r['drafted']:.2f} drafted (no costs "
+                "measured here, and none fitted to these rows)")
+    r = round_costs(counts, coef)
+    parts = [f"a draft step {c:.2f} target steps"] if r["draft_steps"] else []
+    if r["rows"] and "verify_s" in coef:
+        parts.append(f"a {r['rows']}-row pass {coef['verify_s'](r['rows']) / coef['verify_s'](1):.2f}")
+    text = (f"its rounds made {r['tokens']:.2f} tokens for {r['drafted']:.2f} drafted and took {r['steps']:.2f} "
+            f"one-row target steps each ({source}" + (f": {', '.join(parts)})" if parts else ")"))
+    if math.isnan(a.speedup):
+        return text
+    return text + f": speculation {'pays' if a.speedup > 1 else 'does not pay'} here ({a.speedup:.2f}x its engine's " \
+        "target alone, paired per prompt)"
 
 
 def _main(argv) -> int:

@@ -18,6 +18,8 @@ from .sweep import RESULTS
 from .tree_calibration import TREE_POLICIES, tunstall_accepted
 
 SPEC_METHODS = ("fixed", "learned")  # the settings of Table 2's speculative fit (the paper's SpecDec, SpecDec++)
+# SpecDec++ as a user runs it: a swept h, or the h `--threshold auto` picked for the machine
+SPECDECPP = ("learned", "learned_auto")
 HEURISTICS = ("confidence", "entropy", "heuristic")
 
 
@@ -107,13 +109,43 @@ class Agg:
     tree_depth: float = float("nan")
     predicted_per_round: float = float("nan")
     params: dict = field(default_factory=dict)  # a tree configuration's keys (drafting, estimator, budget, ...)
+    picks: tuple = ()  # an auto configuration's picks over its rows ("ar": the target alone), as auto_value holds them
+
+    @property
+    def speculated(self) -> bool:
+        """Drafted something: neither model alone, nor an auto pick of the target alone."""
+        return self.method not in ("ar", "draft_ar") and self.drafted_per_round > 0
+
+    @property
+    def chose_target_alone(self) -> bool:
+        """An auto configuration that picked no drafting on every row: the target alone by another name."""
+        return self.picks == ("ar",)
+
+    def value_label(self) -> str:
+        """The swept value, "h=0.7" or "K=3"; an auto configuration's pick, "h=0.3 (auto)" (several picks,
+        from rows measured apart, joined), or "h=auto: the target alone" where it picked no drafting."""
+        name = "K" if self.method in ("fixed", "fixed_auto") else "h"
+        if self.method in ("fixed", "learned"):
+            return f"{name}={self.k if name == 'K' else format(self.h, 'g')}"
+        if self.chose_target_alone:
+            return f"{name}=auto: the target alone"
+        shown = "/".join("the target alone" if v == "ar" else f"{v:g}" for v in self.picks)
+        return f"{name}={shown} (auto)" if shown else f"{name}=auto"
 
     def label(self) -> str:
-        if self.method == "fixed":
-            return f"K={self.k}"
-        if self.method == "learned":
-            return f"{self.head}, h={self.h:g}"
-        return self.config
+        """Short: "K=3", "HEAD, h=0.3", with "(auto)" where auto picked it; else the config key."""
+        if self.method in ("fixed", "fixed_auto"):
+            return self.value_label()
+        return f"{self.head}, {self.value_label()}" if self.method in SPECDECPP else self.config
+
+    def name(self) -> str:
+        """In words: "SpecDec++ HEAD h=0.3 (auto)", "fixed K=3"; a `policies` entry by its label."""
+        if self.method == "ar":
+            return "the target alone"
+        value = f"{'K' if self.method == 'fixed_auto' else 'h'}=auto" if self.chose_target_alone else self.value_label()
+        if self.method in SPECDECPP:
+            return " ".join(str(v) for v in ("SpecDec++", self.head, value) if v)
+        return f"fixed {value}" if self.method in ("fixed", "fixed_auto") else self.config
 
 
 def geomean(values) -> float:
@@ -154,6 +186,8 @@ def aggregate(rows: list[dict], how: str = "pooled", ar_by_prompt: dict | None =
         setattr(a, attr, _ratio(have, how, lambda r: _f(r, key) * _f(r, "rounds"), lambda r: _f(r, "rounds")))
     if r0["method"] in TREE_POLICIES:
         a.params = {k: r0.get(k) for k in ("drafting", "estimator", "budget", "max_budget", "num_drafts")}
+    picks = {r["auto_value"] for r in rows if r.get("auto_value") is not None}
+    a.picks = tuple(sorted(picks, key=lambda v: (isinstance(v, str), v)))  # values, then "ar"
     return a
 
 
@@ -224,8 +258,10 @@ class DatasetResult:
     n_prompts: int
     dropped_prompts: int
 
-    def of(self, method: str) -> list[Agg]:
-        return [a for a in self.aggs.values() if a.method == method]
+    def of(self, method: str | tuple) -> list[Agg]:
+        """The configurations of a method, or of any of a tuple of them (SPECDECPP)."""
+        methods = (method,) if isinstance(method, str) else method
+        return [a for a in self.aggs.values() if a.method in methods]
 
     def best(self, method: str, key=lambda a: a.tokens_per_s) -> Agg | None:
         c = [a for a in self.of(method) if not math.isnan(key(a))]
@@ -233,6 +269,17 @@ class DatasetResult:
 
     def get(self, config: str) -> Agg | None:
         return self.aggs.get(config)
+
+    def specdecpp(self, head: str | None = None) -> list[Agg]:
+        """SpecDec++ in the paper's tables (of one head, or all): the swept h, or, where none was swept
+        (thresholds: [auto]), the h = auto rows. Not both: an auto row reruns a swept h, and the best of more
+        reruns of one configuration is higher by noise alone (the auto table compares the two)."""
+        mine = lambda m: [a for a in self.of(m) if head is None or a.head == head]  # noqa: E731
+        return mine("learned") or mine("learned_auto")
+
+    def best_specdecpp(self, key=lambda a: a.tokens_per_s) -> Agg | None:
+        c = [a for a in self.specdecpp() if not math.isnan(key(a))]
+        return max(c, key=key) if c else None
 
 
 def analyse(rows: list[dict], how: str = "pooled") -> list[DatasetResult]:
@@ -266,7 +313,7 @@ def head_order(heads_info: dict, results: list[DatasetResult]) -> list[str]:
     """The heads in heads.json's order, then any the rows name that it lacks."""
     names = list(heads_info)
     for d in results:
-        for a in d.of("learned"):
+        for a in d.of(SPECDECPP):
             if a.head not in names:
                 names.append(a.head)
     return names

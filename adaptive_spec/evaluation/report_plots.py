@@ -3,10 +3,11 @@ drafted tokens plot of the tree and multi-draft families, one PNG per dataset.""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from .report_data import FAMILIES, DatasetResult, bound_curve, family
-from .tree_calibration import VERIFICATION
+from .report_data import FAMILIES, SPECDECPP, DatasetResult, bound_curve, family
+from .tree_calibration import TREE_POLICIES, VERIFICATION
 
 
 def _pyplot():
@@ -28,44 +29,98 @@ def _finish(plt, fig, ax, d, how: str, path: Path, **legend):
     plt.close(fig)
 
 
-def pareto_plot(d: DatasetResult, path: Path, heads_order: list[str], agg_how: str):
-    """Figure 3: verification rate vs discard rate, fixed K as a curve, one curve per head over h,
-    the heuristics, the oracle and transformers assisted as points."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 4.8))
+@dataclass
+class Series:
+    """One legend entry of a plot: its points, each (config, x, y, note: the text beside it, "" for none),
+    and how it is drawn (kind "line" joins the points, "points" does not; the rest are matplotlib keywords)."""
+
+    label: str
+    points: list
+    style: dict
+    note_style: dict = field(default_factory=lambda: {"xytext": (4, 3), "color": "dimgray"})
+
+
+def _point(a, note: str = "") -> tuple:
+    return (a.config, a.discard_rate, a.verification_rate, note)
+
+
+# the chain heuristics, the oracle and the peer: (method, marker, colour)
+OTHERS = (("confidence", "P", "tab:olive"), ("entropy", "X", "tab:cyan"), ("heuristic", "d", "tab:brown"),
+          ("oracle", "*", "gold"), ("hf_assisted", "x", "tab:red"))
+OTHER_NAMES = {"hf_assisted": "transformers assisted (derived counts)", "heuristic": "heuristic +2/-1"}
+MARKERS = "s^vD<>ph*"
+# the other policies' colours: none of the heads' (C0, C1, ...) or the heuristics'
+REST_COLORS = ("tab:purple", "tab:pink", "teal", "navy", "maroon", "darkorange", "olive", "slategray")
+
+
+def pareto_series(d: DatasetResult, heads_order: list[str]) -> list[Series]:
+    """Figure 3's series: every configuration of the dataset but the draft alone (it verifies nothing) is a
+    point of one of them: the target alone, fixed K as a curve and K = auto, one curve per head over h with its
+    h = auto point (labelled with the h auto picked), the heuristics, the oracle, transformers assisted, the
+    tree families, and each other policy (prompt lookup, combined, ...) under its own label."""
+    # a ring, not a dot: an auto pick of the target alone lands on it and stays visible inside
+    out = [Series("target alone", [_point(a) for a in d.of("ar")],
+                  {"kind": "points", "marker": "o", "s": 160, "facecolors": "none", "edgecolors": "gray",
+                   "linewidths": 1.5})]
     fixed = sorted(d.of("fixed"), key=lambda a: a.k)
-    if fixed:
-        ax.plot([a.discard_rate for a in fixed], [a.verification_rate for a in fixed], "-o", color="black",
-                ms=4, label="SpecDec (fixed K)")
-        for a in fixed:
-            ax.annotate(f"K={a.k}", (a.discard_rate, a.verification_rate), textcoords="offset points",
-                        xytext=(4, 3), fontsize=7, color="dimgray")
-    markers = "s^vD<>ph*"
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    learned = d.of("learned")
+    out.append(Series("SpecDec (fixed K)", [_point(a, f"K={a.k}") for a in fixed],
+                      {"kind": "line", "linestyle": "-", "marker": "o", "color": "black", "ms": 4}))
+    # auto's notes below the point: it often sits on the swept value it picked, whose note is above
+    out.append(Series("SpecDec, K = auto", [_point(a, a.value_label()) for a in d.of("fixed_auto")],
+                      {"kind": "points", "marker": "o", "facecolors": "none", "edgecolors": "black", "s": 60},
+                      {"xytext": (5, -11), "color": "black"}))
+    learned = d.of(SPECDECPP)
     heads = [h for h in heads_order if any(a.head == h for a in learned)]
     heads += sorted({a.head for a in learned} - set(heads))
     for j, head in enumerate(heads):
-        pts = sorted((a for a in learned if a.head == head), key=lambda a: a.h)
-        c = colors[j % len(colors)]
-        ax.plot([a.discard_rate for a in pts], [a.verification_rate for a in pts], linestyle=":",
-                marker=markers[j % len(markers)], color=c, ms=5, label=f"SpecDec++ {head}")
-        for a in pts:
-            ax.annotate(f"h={a.h:g}", (a.discard_rate, a.verification_rate), textcoords="offset points",
-                        xytext=(4, -8), fontsize=7, color=c)
-    other = [("confidence", "P", "tab:olive"), ("entropy", "X", "tab:cyan"), ("heuristic", "d", "tab:brown"),
-             ("oracle", "*", "gold"), ("hf_assisted", "x", "tab:red")]
-    for method, mk, c in other:
-        pts = d.of(method)
-        if not pts:
-            continue
-        name = {"hf_assisted": "transformers assisted (derived counts)", "heuristic": "heuristic +2/-1"}.get(method, method)
-        ax.scatter([a.discard_rate for a in pts], [a.verification_rate for a in pts], marker=mk, color=c,
-                   s=70 if method == "oracle" else 40, label=name, zorder=3, edgecolors="black" if method == "oracle" else None)
-        if method in ("confidence", "entropy"):
-            for a in pts:
-                ax.annotate(f"τ={a.tau:g}", (a.discard_rate, a.verification_rate), textcoords="offset points",
-                            xytext=(4, 3), fontsize=7, color=c)
+        c, mk = f"C{j % 10}", MARKERS[j % len(MARKERS)]
+        pts = sorted((a for a in learned if a.head == head and a.method == "learned"), key=lambda a: a.h)
+        out.append(Series(f"SpecDec++ {head}", [_point(a, f"h={a.h:g}") for a in pts],
+                          {"kind": "line", "linestyle": ":", "marker": mk, "color": c, "ms": 5},
+                          {"xytext": (4, -8), "color": c}))
+        auto = [a for a in learned if a.head == head and a.method == "learned_auto"]
+        out.append(Series(f"SpecDec++ {head}, h = auto", [_point(a, a.value_label()) for a in auto],
+                          {"kind": "points", "marker": "H", "color": c, "s": 90, "edgecolors": "black"},
+                          {"xytext": (-6, -12), "ha": "right", "color": c}))
+    for method, mk, c in OTHERS:
+        tau = method in ("confidence", "entropy")
+        out.append(Series(OTHER_NAMES.get(method, method), [_point(a, f"τ={a.tau:g}" if tau else "")
+                                                             for a in d.of(method)],
+                          {"kind": "points", "marker": mk, "color": c, "s": 70 if method == "oracle" else 40,
+                           "edgecolors": "black" if method == "oracle" else None}, {"xytext": (4, 3), "color": c}))
+    return [s for s in out if s.points] + _rest(d, {p[0] for s in out for p in s.points})
+
+
+def _rest(d: DatasetResult, shown: set) -> list[Series]:
+    """The configurations no series above holds: the tree and multi-draft families (one series each: their
+    configurations are many, and their own plot names them), and every other policy under its label."""
+    groups = {}
+    for a in d.aggs.values():
+        if a.config not in shown and a.method != "draft_ar":
+            key = family(a) if a.method in TREE_POLICIES else a.config
+            groups.setdefault(key, []).append(a)
+    out = []
+    for i, (name, aggs) in enumerate(groups.items()):
+        out.append(Series(name, [_point(a) for a in sorted(aggs, key=lambda a: a.discard_rate)],
+                          {"kind": "points", "marker": "p8<>^vDsh"[i % 9], "color": REST_COLORS[i % len(REST_COLORS)],
+                           "s": 45, "edgecolors": "black"}))
+    return out
+
+
+def pareto_plot(d: DatasetResult, path: Path, heads_order: list[str], agg_how: str):
+    """Figure 3: verification rate vs discard rate, one point per configuration (pareto_series)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.8))
+    for s in pareto_series(d, heads_order):
+        style = dict(s.style)
+        xs, ys = [p[1] for p in s.points], [p[2] for p in s.points]
+        if style.pop("kind") == "line":
+            ax.plot(xs, ys, label=s.label, **style)
+        else:
+            ax.scatter(xs, ys, label=s.label, zorder=3, **style)
+        for _, x, y, note in s.points:
+            if note:
+                ax.annotate(note, (x, y), textcoords="offset points", fontsize=7, **s.note_style)
     ax.set_xlabel("discard rate  N_discarded / N")
     ax.set_ylabel("verification rate  N_target / N")
     _finish(plt, fig, ax, d, agg_how, path, fontsize=7)

@@ -12,8 +12,7 @@ from collections import Counter, defaultdict
 from ..decoding import timemodel
 from ..tables import fmt, md_table
 from .report_data import (FAMILIES, HEAD_TREE, HEURISTICS, LEARNED_TREE, POS_TREE, DatasetResult, best_of,
-                          bound_curve, by_config, head_order, modelled_tps, paired_ratio, pooled_counts, rel_errors,
-                          round_costs, usable)
+                          bound_curve, by_config, head_order, modelled_tps, paired_ratio, rel_errors, usable)
 from .tree_calibration import TREE_POLICIES, VERIFICATION, zeroth_order_accepted
 
 H_REF = 0.7  # the paper's recommended threshold
@@ -84,7 +83,8 @@ def table1(results: list[DatasetResult]) -> str:
     cols = [d.label for d in results]
     rows = {k: [] for k in ("ar", "k", "pp", "imp", "imp_p", "pp07", "gap", "gap_p", "mk", "mpp", "mimp")}
     for d in results:
-        ar, bk, bp, o = d.get("ar"), d.best("fixed"), d.best("learned"), d.get("oracle")
+        # SpecDec++: a sweep of h = auto alone has its auto rows here, labelled with the h auto picked
+        ar, bk, bp, o = d.get("ar"), d.best("fixed"), d.best_specdecpp(), d.get("oracle")
         # the auto pick's yardstick: how much of the room between the best fixed K and the hindsight
         # oracle SpecDec++ takes, (S - S_K) / (S_O - S_K); pooled tokens/s and paired speed-ups
         for key, attr, unit in (("gap", "tokens_per_s", "{:.2f} tok/s"), ("gap_p", "speedup", "{:.3f}×")):
@@ -92,7 +92,7 @@ def table1(results: list[DatasetResult]) -> str:
             rows[key].append(f"{pct((s - k) / (top - k))} (oracle {unit.format(top)})" if top > k else "—")
         rows["ar"].append(f"{fmt(ar.tokens_per_s)} tok/s" if ar else "—")
         rows["k"].append(f"{fmt(bk.tokens_per_s)} (K={bk.k}; {fmt(bk.speedup)}×)" if bk else "—")
-        rows["pp"].append(f"{fmt(bp.tokens_per_s)} ({bp.head}, h={bp.h:g}; {fmt(bp.speedup)}×)" if bp else "—")
+        rows["pp"].append(f"{fmt(bp.tokens_per_s)} ({bp.label()}; {fmt(bp.speedup)}×)" if bp else "—")
         rows["imp"].append(pct(bp.tokens_per_s / bk.tokens_per_s - 1) if bp and bk else "—")
         rows["imp_p"].append(pct(paired_ratio(d, bp, bk) - 1) if bp and bk else "—")
         at = [a for a in d.of("learned") if a.h is not None and abs(a.h - H_REF) < 1e-9]
@@ -101,9 +101,9 @@ def table1(results: list[DatasetResult]) -> str:
                             if a07 and bp else "—")
         fit = d.fits["speculative"]
         mk = d.best("fixed", key=lambda a: modelled_tps(a, fit))
-        mp = d.best("learned", key=lambda a: modelled_tps(a, fit))
+        mp = d.best_specdecpp(key=lambda a: modelled_tps(a, fit))
         rows["mk"].append(f"{fmt(modelled_tps(mk, fit))} (K={mk.k})" if mk and usable(fit) else "—")
-        rows["mpp"].append(f"{fmt(modelled_tps(mp, fit))} ({mp.head}, h={mp.h:g})" if mp and usable(fit) else "—")
+        rows["mpp"].append(f"{fmt(modelled_tps(mp, fit))} ({mp.label()})" if mp and usable(fit) else "—")
         rows["mimp"].append(pct(modelled_tps(mp, fit) / modelled_tps(mk, fit) - 1) if mk and mp and usable(fit) else "—")
     names = {"ar": "autoregressive (target alone)", "k": "SpecDec, best fixed K (speed-up)",
              "pp": "SpecDec++, best head and h (speed-up)", "imp": "relative improvement, SpecDec++ vs best K",
@@ -172,7 +172,7 @@ def decomposition(results: list[DatasetResult]) -> str:
         fit = d.fits["speculative"]
         if not usable(fit):
             continue
-        bk, bp = d.best("fixed"), d.best("learned")
+        bk, bp = d.best("fixed"), d.best_specdecpp()
         cands = [("best fixed K", bk), ("best SpecDec++", bp)]
         for method in HEURISTICS + ("oracle",):
             b = d.best(method)
@@ -210,7 +210,7 @@ def table3(results: list[DatasetResult], heads_info: dict) -> str:
     best = {}  # (head, dataset) -> Agg
     for d in results:
         for h in names:
-            c = [a for a in d.of("learned") if a.head == h]
+            c = d.specdecpp(h)
             if c:
                 best[(h, d.label)] = max(c, key=lambda a: a.tokens_per_s)
     top = {d.label: max((best[(h, d.label)].tokens_per_s for h in names if (h, d.label) in best), default=None)
@@ -229,7 +229,7 @@ def table3(results: list[DatasetResult], heads_info: dict) -> str:
             s = f"{a.tokens_per_s:.2f}"
             if top[d.label] and a.tokens_per_s >= 0.99 * top[d.label]:
                 s = f"**{s}**"
-            cells.append(f"{s} (h={a.h:g})")
+            cells.append(f"{s} ({a.value_label()})")
         rows.append(cells)
     return md_table(["head", "depth D", "w_rej", "train KL", "dev KL"] + [d.label for d in results], rows)
 
@@ -240,10 +240,10 @@ def peer_table(results: list[DatasetResult]) -> str:
         hf = d.get("hf_assisted")
         if hf is None:
             continue
-        ar, bk, bp = d.get("ar"), d.best("fixed"), d.best("learned")
+        ar, bk, bp = d.get("ar"), d.best("fixed"), d.best_specdecpp()
         rows.append([d.label, fmt(ar.tokens_per_s) if ar else "—", fmt(hf.tokens_per_s),
                      f"{fmt(bk.tokens_per_s)} (K={bk.k})" if bk else "—",
-                     f"{fmt(bp.tokens_per_s)} ({bp.head}, h={bp.h:g})" if bp else "—",
+                     f"{fmt(bp.tokens_per_s)} ({bp.label()})" if bp else "—",
                      f"{fmt(bk.tokens_per_s / hf.tokens_per_s, '.3f')}× ({fmt(paired_ratio(d, bk, hf), '.3f')}×)" if bk else "—",
                      f"{fmt(bp.tokens_per_s / hf.tokens_per_s, '.3f')}× ({fmt(paired_ratio(d, bp, hf), '.3f')}×)" if bp else "—",
                      fmt(hf.verification_rate, ".3f"), fmt(hf.discard_rate, ".3f")])
@@ -299,7 +299,9 @@ def all_configs_table(d: DatasetResult) -> str:
     fit = d.fits["speculative"]
     order = {"ar": 0, "draft_ar": 1, "fixed": 2, "fixed_auto": 2.5, "learned": 3, "learned_auto": 3.5,
              "confidence": 4, "entropy": 5, "heuristic": 6, "oracle": 7, "hf_assisted": 8}
-    aggs = sorted(d.aggs.values(), key=lambda a: (order.get(a.method, 9), a.k or 0, a.head or "", a.h or 0, a.tau or 0))
+    num = lambda v: (1, v) if isinstance(v, str) else (0, v or 0)  # noqa: E731  (k or h may read "auto")
+    aggs = sorted(d.aggs.values(), key=lambda a: (order.get(a.method, 9), num(a.k), str(a.head or ""), num(a.h),
+                                                  num(a.tau)))
     rows = []
     for a in aggs:
         spec = a.method not in ("ar", "draft_ar")
@@ -365,94 +367,3 @@ def engines_section(sweeps: list[tuple[str, list[DatasetResult]]]) -> list[str]:
         md += [f"### {label}", "", md_table(["engine", "config", "prompts", "tok/s", "×ar", "×own ar", "accept"], rows),
                ""]
     return md
-
-
-# ----------------------------------------------------------------------------- in words, at the top
-
-STANDALONE = ("ar", "draft_ar")
-# where no cost is known, a round's tokens and drafts only (its steps are then left unsaid)
-ONE_STEP_COEF = {"t_target": 1.0}
-# no configuration a user runs: the draft alone, and the hindsight oracle (it knows the output beforehand)
-NOT_A_CHOICE = ("draft_ar", "oracle")
-
-
-def in_short(sweeps: list[tuple[str, list[DatasetResult], object, str]]) -> list[str]:
-    """The report's first lines, generated from the rows: per dataset, the fastest configuration on this
-    machine, by how much against the target alone (the first sweep's engine), and why: a round of the best
-    speculative configuration priced in target steps, with the costs the sweep measured for `auto`
-    (costs.json: Costs, and the engine's time model) or, without them, the forward times fitted to its rows
-    (Table 2). The draft alone and the hindsight oracle are no choice a user has: left out.
-    `sweeps`: (engine, its analysis, its Costs or None, its time model)."""
-    labels = list(dict.fromkeys(d.label for _, results, _, _ in sweeps for d in results))
-    lines = []
-    for label in labels:
-        found = [(engine, d, costs, model) for engine, results, costs, model in sweeps
-                 for d in results if d.label == label]
-        cands = [(engine, d, a) for engine, d, _, _ in found for a in d.aggs.values()
-                 if not math.isnan(a.tokens_per_s) and a.method not in NOT_A_CHOICE]
-        if not cands:
-            continue
-        base_engine, base_d = found[0][0], found[0][1]
-        base = base_d.get("ar")
-        several = len(found) > 1
-        on = lambda e: f" on {e}" if several else ""  # noqa: E731
-        x = lambda a: f"{a.tokens_per_s / base.tokens_per_s:.2f}x" if base else "—"  # noqa: E731
-        engine, d, fastest = max(cands, key=lambda c: c[2].tokens_per_s)
-        where = f"{label} ({d.n_prompts} prompts)"
-        # speculative: rows that drafted (an auto row that chose the target alone did not)
-        spec = [c for c in cands if c[2].method not in STANDALONE and c[2].drafted_per_round > 0]
-        if fastest.method == "ar":
-            text = f"**{where}**: the fastest here was the target alone{on(engine)}, {fmt(fastest.tokens_per_s)} tok/s"
-            if spec:
-                e2, _, a2 = max(spec, key=lambda c: c[2].tokens_per_s)
-                text += f"; the best speculative configuration, {a2.config}{on(e2)}, ran at {x(a2)} of " + \
-                    ("it" if engine == base_engine else f"the target alone on {base_engine}")
-        else:
-            text = (f"**{where}**: the fastest here was {fastest.config}{on(engine)}, {fmt(fastest.tokens_per_s)} "
-                    f"tok/s, {x(fastest)} the target alone{on(base_engine)}")
-        for e, od, _, _ in found[1:]:  # each other engine's best, against the same baseline
-            best = max((a for a in od.aggs.values() if not math.isnan(a.tokens_per_s) and a.method not in NOT_A_CHOICE),
-                       key=lambda a: a.tokens_per_s, default=None)
-            if best is not None and od is not d:
-                text += f"; {e}'s fastest, {best.config}, {x(best)}"
-        why = _why(found, spec)
-        text += "." + (f" Why: {why}." if why else "")
-        chose_ar = [f"{a.config}{on(e)}" for e, dd, a in cands if a.method in AUTO_OF
-                    and {r.get("auto_value") for r in dd.rows if r["config"] == a.config} == {"ar"}]
-        if chose_ar:
-            text += f" `auto` chose the target alone ({', '.join(chose_ar)})."
-        lines.append(text)
-    return ["**In short** (tokens/s end to end; ratios pooled over prompts):", ""] + \
-        [f"- {line}" for line in lines] + [""] if lines else []
-
-
-def _why(found, spec) -> str | None:
-    """The best speculative configuration's round in target steps, at the measured costs of its engine
-    (or the times fitted to its rows)."""
-    if not spec:
-        return None
-    engine, d, a = max(spec, key=lambda c: c[2].tokens_per_s)
-    _, _, costs, model = next(f for f in found if f[1] is d)
-    counts = pooled_counts(d, a.config)
-    if not counts["n_target_forwards"] or a.derived:
-        return None
-    fit = d.fits["speculative"]
-    if costs is not None:
-        coef, source, c = timemodel.coef_of(costs, model), "the costs measured for auto, costs.json", costs.c
-    elif usable(fit) and fit.t_draft > 0 and fit.t_target > 0:  # a fit over few rows can come out negative
-        coef, source = {"t_draft": fit.t_draft, "t_target": fit.t_target}, "the forward times fitted to these rows"
-        c = fit.t_draft / fit.t_target
-    else:
-        r = round_costs(counts, ONE_STEP_COEF)
-        return (f"its rounds made {r['tokens']:.2f} tokens a target pass for {r['drafted']:.2f} drafted (no costs "
-                "measured here, and none fitted to these rows)")
-    r = round_costs(counts, coef)
-    parts = [f"a draft step {c:.2f} target steps"] if r["draft_steps"] else []
-    if r["rows"] and "verify_s" in coef:
-        parts.append(f"a {r['rows']}-row pass {coef['verify_s'](r['rows']) / coef['verify_s'](1):.2f}")
-    text = (f"its rounds made {r['tokens']:.2f} tokens for {r['drafted']:.2f} drafted and took {r['steps']:.2f} "
-            f"one-row target steps each ({source}" + (f": {', '.join(parts)})" if parts else ")"))
-    if math.isnan(a.speedup):
-        return text
-    return text + f": speculation {'pays' if a.speedup > 1 else 'does not pay'} here ({a.speedup:.2f}x its engine's " \
-        "target alone, paired per prompt)"

@@ -190,6 +190,7 @@ def _select_prompts(pair, texts: list[str], cfg: SweepConfig, n: int | None = No
 def run(cfg: SweepConfig) -> Path:
     """Run (or resume) the sweep; returns the out_dir."""
     # everything that can be checked without the models, first
+    cfg.pair.engine.check_available(cfg.pair.device, "pair.device")
     texts = {ds: load_prompts(ds, cfg.fields.get(ds), None, cfg.seed, cfg.hf_configs.get(ds), cfg.hf_splits.get(ds))
              for ds in cfg.datasets}
     hidden = draft_hidden_size(cfg.pair.draft)

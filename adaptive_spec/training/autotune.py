@@ -157,10 +157,23 @@ def build_curve(head, data_dir, split: str = "dev", k_max: int = 20, h_grid=H_GR
     docstring), pooled and, for a mix of prompt sources, per source (`by_source`); and per
     (h, cap) for the caps of CAP_GRID below k_max (`capped`)."""
     lag = 0 if getattr(head, "feature", "token") == "context" else 1
+    curve = curve_of(responses(Path(data_dir), split, head), lag, k_max, head is not None, h_grid, k_grid)
+    if curve is None:
+        raise UserError(f"split {split!r} of {data_dir} holds no responses; pass a datagen run with a {split} split "
+                        "(dev_frac > 0) or another --split")
+    return curve
+
+
+def curve_of(records, lag: int, k_max: int = 20, with_head: bool = True, h_grid=H_GRID, k_grid=K_GRID) -> dict | None:
+    """build_curve's counts over any responses given as `responses` yields them, (source, P, p̂, prompt ids,
+    response ids) (the probe's recording on a user's prompts gives the same quantities); `lag` the head's (1 for
+    a token head, 0 for a context head); with_head False: the per-K part only. None where there are none."""
     width = max(k_max, max(k_grid))
     caps = caps_below(k_max)
     tallies = {}
-    for source, P, phat, _, _ in responses(Path(data_dir), split, head):
+    for source, P, phat, _, _ in records:
+        P = np.asarray(P, dtype=np.float64)
+        phat = None if phat is None or not with_head else np.asarray(phat, dtype=np.float64)
         T = len(P)
         AP = window_products(P, width)
         by_k = [replay(AP, np.full(T, k)) for k in k_grid]
@@ -175,20 +188,20 @@ def build_curve(head, data_dir, split: str = "dev", k_max: int = 20, h_grid=H_GR
             t["n_tokens"] += T
             t["h"], t["k"], t["cap"] = t["h"] + np.array(by_h), t["k"] + np.array(by_k), t["cap"] + np.array(by_cap)
     if not tallies:
-        raise UserError(f"split {split!r} of {data_dir} holds no responses; pass a datagen run with a {split} split "
-                        "(dev_frac > 0) or another --split")
+        return None
 
     def section(t: dict) -> dict:
         T = t["n_tokens"]
         grid = [(cap, h) for cap in caps for h in h_grid]
         return {"n_responses": t["n_responses"], "n_tokens": T,
-                "thresholds": [{"h": h, **counts_row(T, c)} for h, c in zip(h_grid, t["h"])] if head is not None else [],
+                "thresholds": [{"h": h, **counts_row(T, c)} for h, c in zip(h_grid, t["h"])] if with_head else [],
                 "capped": [{"h": h, "k_max": cap, **counts_row(T, c)} for (cap, h), c in zip(grid, t["cap"])]
-                if head is not None else [],
+                if with_head else [],
                 "fixed_k": [{"k": k, **counts_row(T, c)} for k, c in zip(k_grid, t["k"])]}
 
     pooled = section(tallies.pop(None))
     return {"format": FORMAT, "k_max": k_max, **pooled, "by_source": {n: section(t) for n, t in tallies.items()}}
+
 
 def make_curve(head_dir: str | None, data_dir: str, split: str = "dev", k_max: int = 20, out: str | None = None):
     """Replay and save; returns (path, curve). The curve goes beside the head unless `out` says otherwise."""

@@ -110,12 +110,35 @@ def resume_command(argv: list[str]) -> str:
     return " ".join([launcher, *(shlex.quote(a) for a in args), "--resume"])
 
 
+def _kind(path: str | None, overrides: list[str]) -> str:
+    """The config's `kind` (a drafter config says `kind: drafter`; a head's says nothing), overrides last."""
+    import yaml
+
+    kind = "head"
+    if path and Path(path).is_file():
+        try:
+            raw = yaml.safe_load(Path(path).read_text())
+        except yaml.YAMLError:
+            raw = None  # load_config reports it
+        kind = raw.get("kind", kind) if isinstance(raw, dict) else kind
+    for item in overrides:
+        if item.startswith("kind="):
+            kind = item.split("=", 1)[1]
+    return kind
+
+
 def main(argv: list[str] | None = None) -> int:
     """`train.py` / `adaptive-spec train`: 0 done, 2 bad input (one `error:` line), 130 Ctrl-C."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
     cfg = None
     try:
+        if _kind(args.config, args.overrides) == "drafter":  # the feature drafter: training/drafter.py
+            from .drafter import DrafterConfig, train_drafter
+
+            cfg = load_config(DrafterConfig, args.config, args.overrides)
+            train_drafter(cfg, resume=args.resume)
+            return 0
         cfg = load_config(TrainConfig, args.config, args.overrides)
         if args.sweep:
             sweep(cfg)

@@ -1,0 +1,2 @@
+"""The feature drafter (EAGLE): one decoder layer on the target's own hidden states (model.py), its training data
+(data.py) and its place in decoding (source.py)."""

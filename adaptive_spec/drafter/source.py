@@ -1,0 +1,241 @@
+"""The feature drafter in decoding: the target's hidden states recorded as it runs (HiddenTap), and the drafter
+on the runner contract (FeatureRunner), so the draft model's source (decoder.ModelSource) drives it and every
+chain policy runs with it unchanged.
+
+Position bookkeeping. Token x_p sits at position p. The drafter's KV slot s holds the pair (f_s, x_{s+1}),
+whose output is f^_{s+1}, read out as the distribution of x_{s+2}; x_0 has no slot. Slot s needs f_s: the
+target's own (HiddenTap) where the target has kept position s, otherwise f^_s, the drafter's output of slot
+s - 1. A slot fed with f^ is re-fed once the target's f_s arrives (after the round that verified x_s), as
+EAGLE does: drafts always start from the target's real states. Which state a slot reads changes only the
+proposals q, never the verification: the output stays exactly the target's.
+
+The target's verify pass already computes the final hidden state of every row it feeds; the tap keeps the
+rows (runner.forward_hidden) and forgets those past a rollback, so what it holds is always the states of the
+accepted prefix, and the decoder is untouched.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from ..backends.contract import Counters
+from ..errors import UserError
+from ..timing import timed
+from .model import FeatureDrafter, Readout
+
+PREFIX = "feature:"
+
+
+class HiddenTap:
+    """A target runner that also keeps the final hidden state of every position it holds (rows [length, H]).
+
+    Everything else is the wrapped runner's (attributes are read through), so the decoder, the cost
+    measurement and the policies see the same target."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self._rows: torch.Tensor | None = None
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    @property
+    def length(self) -> int:
+        return self.runner.length
+
+    def forward(self, ids: torch.Tensor, n_logits: int = 1):
+        start = self.runner.length
+        logits, rows = self.runner.forward_hidden(ids, n_logits)
+        self._keep(start, rows)
+        return logits, rows[-1]
+
+    def forward_hidden(self, ids: torch.Tensor, n_logits: int = 1):
+        start = self.runner.length
+        logits, rows = self.runner.forward_hidden(ids, n_logits)
+        self._keep(start, rows)
+        return logits, rows
+
+    def _keep(self, start: int, rows: torch.Tensor) -> None:
+        end = start + rows.shape[0]
+        if self._rows is None or self._rows.shape[0] < end:
+            grown = rows.new_zeros(max(2 * end, 64), rows.shape[-1])
+            if self._rows is not None:
+                grown[: self._rows.shape[0]] = self._rows
+            self._rows = grown
+        self._rows[start:end] = rows
+
+    def features(self, start: int, end: int) -> torch.Tensor:
+        """The target's final hidden states of positions start..end-1 (all < length)."""
+        if end > self.runner.length:
+            raise ValueError(f"the target holds {self.runner.length} positions, asked for up to {end}")
+        return self._rows[start:end]
+
+    def rollback(self, length: int) -> None:
+        self.runner.rollback(length)  # rows past the target's length are stale: never read (features checks)
+
+    def reset(self) -> None:
+        self.runner.reset()
+
+    def fresh(self) -> "HiddenTap":
+        return HiddenTap(self.runner.fresh())
+
+
+class FeatureRunner:
+    """The feature drafter on the runner contract (backends/contract.py): forward(ids, n_logits) feeds tokens,
+    the features come from the tap (or the drafter's own predictions past the target's length)."""
+
+    def __init__(self, drafter: FeatureDrafter, readout: Readout, tap: HiddenTap | None):
+        self.drafter = drafter.eval()
+        self.readout = readout
+        self.tap = tap
+        self.vocab_size = readout.vocab_size
+        self.hidden_size = drafter.hidden_size
+        self.device = drafter.device
+        self.config = drafter.config_obj
+        self.max_length = getattr(self.config, "max_position_embeddings", None)
+        self.counters = Counters()
+        self.reset()
+
+    def reset(self) -> None:
+        self.tokens: list[int] = []
+        self.cache = DynamicCache(config=self.config)
+        self.slots = 0  # KV slots held (= max(0, len(tokens) - 1))
+        self.real = 0  # the leading slots fed with the target's own states
+        self._outs = torch.zeros(64, self.hidden_size, dtype=self.drafter.dtype, device=self.device)  # f^ per slot
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    def rollback(self, length: int) -> None:
+        if length < len(self.tokens):
+            del self.tokens[length:]
+            self._crop(max(0, length - 1))
+
+    def _crop(self, slots: int) -> None:
+        if slots < self.slots:
+            self.cache.crop(slots - self.slots)  # negative: drop that many trailing slots
+            self.slots = slots
+            self.real = min(self.real, slots)
+
+    def _known(self) -> int:
+        """Positions whose target state the tap holds."""
+        return self.tap.length if self.tap is not None else 0
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, n_logits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        with timed(self.device) as t:
+            self.tokens.extend(int(x) for x in ids.reshape(-1).tolist())
+            if self.real < self.slots and self._known() > self.real:
+                self._crop(self.real)  # slots fed with f^ where the target's f now exists: feed them again
+            self._feed(len(self.tokens) - 1)
+            n = len(self.tokens)
+            rows = [self._outs[p - 1] if p >= 1 else self._outs.new_zeros(self.hidden_size)
+                    for p in range(n - n_logits, n)]
+            f = torch.stack(rows) if rows else self._outs.new_zeros(0, self.hidden_size)
+            logits = self.readout.logits(f) if n_logits else f.new_zeros(0, self.vocab_size, dtype=torch.float32)
+            hidden = self._outs[n - 2] if n >= 2 else self._outs.new_zeros(self.hidden_size)
+        self.counters.add(t.s)
+        return logits, hidden
+
+    def _feed(self, want: int) -> None:
+        """Compute slots self.slots..want-1: a run of slots whose f_s the target holds in one pass, each
+        later one with the previous slot's f^ (a draft step feeds one)."""
+        while self.slots < want:
+            s0, known = self.slots, self._known()
+            if s0 < known:
+                s1 = min(want, known)
+                feats = self.tap.features(s0, s1)
+                real = True
+            else:
+                s1 = s0 + 1
+                feats = self._outs[s0 - 1: s0] if s0 >= 1 else self._outs.new_zeros(1, self.hidden_size)
+                real = False
+            self._run(s0, s1, feats)
+            if real and self.real == s0:
+                self.real = s1
+
+    def _run(self, s0: int, s1: int, feats: torch.Tensor) -> None:
+        toks = torch.tensor(self.tokens[s0 + 1: s1 + 1], device=self.device)
+        emb = self.readout.embed(toks)
+        pos = torch.arange(s0, s1, device=self.device).view(1, -1)
+        out = self.drafter(feats.view(1, s1 - s0, -1).to(self.drafter.dtype), emb.view(1, s1 - s0, -1), pos,
+                           cache=self.cache, use_cache=True)
+        f = self.readout.feature(out[0]).to(self._outs.dtype)
+        if self._outs.shape[0] < s1:
+            grown = self._outs.new_zeros(2 * s1, self.hidden_size)
+            grown[: self._outs.shape[0]] = self._outs
+            self._outs = grown
+        self._outs[s0:s1] = f
+        self.slots = s1
+
+    def fresh(self) -> "FeatureRunner":
+        return FeatureRunner(self.drafter, self.readout, self.tap.fresh() if self.tap is not None else None)
+
+    def fingerprint(self) -> str:
+        from ..backends.runner import model_fingerprint
+
+        return "feature-" + model_fingerprint(self.drafter.base)
+
+    def numeric_path(self) -> dict:
+        return {"dtype": str(self.drafter.dtype), "drafter": "feature"}
+
+
+def is_feature_draft(name) -> bool:
+    return isinstance(name, str) and name.startswith(PREFIX)
+
+
+def feature_pair(target_runner, target_model, drafter: FeatureDrafter, kept_ids=None):
+    """(the tapped target, the drafter's runner) over a loaded target runner and its model."""
+    if drafter.hidden_size != target_model.config.hidden_size:
+        raise UserError(f"feature drafter trained for '{drafter.target_model}' (hidden size {drafter.hidden_size}) "
+                        f"does not fit this target (hidden size {target_model.config.hidden_size}); pass the target it "
+                        "was trained for")
+    if not hasattr(target_runner, "forward_hidden"):
+        raise UserError(f"a feature drafter reads the target's hidden states, which the {type(target_runner).__name__} "
+                        "runner does not return; use --backend torch")
+    tap = HiddenTap(target_runner)
+    p = next(target_model.parameters())
+    readout = Readout(target_model, target_runner.vocab_size, kept_ids)
+    return tap, FeatureRunner(drafter.to(device=p.device, dtype=p.dtype), readout, tap)
+
+
+def load_drafter(spec: str, hidden_size: int | None = None, device=None, dtype=None) -> FeatureDrafter:
+    """`feature:PATH` (a folder or hub id) -> the drafter."""
+    path = spec[len(PREFIX):] if is_feature_draft(spec) else spec
+    if not path:
+        raise UserError("--draft feature: needs the drafter's folder or hub id, e.g. --draft feature:runs/drafter/"
+                        "quick/drafter")
+    return FeatureDrafter.from_pretrained(path, hidden_size=hidden_size, device=device, dtype=dtype)
+
+
+def load_feature_pair(params):
+    """The pair `--draft feature:PATH` names (torch engine): the target's runner behind a HiddenTap, and the
+    drafter over the target's embedding, norm and LM head (`--draft-vocab` reduces its output as for a draft)."""
+    from ..backends import torch_engine
+    from ..backends.contract import Loaded
+    from ..backends.models import load_model, resolve_device
+    from ..backends.static_runner import make_runner
+    from ..backends.vocab import resolve_draft_vocab
+    from ..prompts import eos_token_ids
+
+    if params.backend != "torch":
+        raise UserError(f"a feature drafter reads the target's hidden states, which the {params.backend} backend "
+                        "does not return; use --backend torch")
+    if params.draft_quant != "none":
+        raise UserError(f"--draft-quant {params.draft_quant} quantizes a draft model's layers; a feature drafter is "
+                        "one layer over the target's: drop --draft-quant")
+    device = resolve_device(params.device)
+    kv_cache, runtime = torch_engine.runtime_for(params.kv_cache, params.runtime, device)
+    if runtime != "eager":
+        raise UserError(f"--runtime {runtime}: the target's verify pass returns every row's state for the feature "
+                        "drafter, which the captured graphs do not; use --runtime eager")
+    if params.threads:
+        torch.set_num_threads(params.threads)
+    target_model, tok = load_model(params.target, "target", params.dtype, device, **params.cpu_kernels())
+    target = make_runner(target_model, None, kv_cache, runtime, params.max_cache_len)
+    kept = resolve_draft_vocab(params.draft_vocab, tok, target.vocab_size) if params.draft_vocab is not None else None
+    drafter = load_drafter(params.draft, hidden_size=target_model.config.hidden_size)
+    tap, runner = feature_pair(target, target_model, drafter, kept)
+    config = {"draft_quant": "none", "draft_vocab": params.draft_vocab or "full", "drafter": "feature"}
+    return Loaded(tap, runner, tok, eos_token_ids(tok, target_model), config)

@@ -1,0 +1,349 @@
+"""Training the feature drafter (adaptive_spec/drafter/): `accelerate launch train.py --config
+configs/train/drafter_quick.yaml` (a config with `kind: drafter`; train.py hands it here).
+
+The loss is EAGLE's: a feature loss, smooth L1 between the drafter's f^_{t+1} and the target's f_{t+1},
+plus the cross-entropy of the drafter's next-token distribution against the target's (both read out through
+the target's LM head), weighted `feature_weight` and `ce_weight`. Inputs get uniform noise of width `noise`:
+in decoding the drafter reads its own imperfect f^ after the first step. The target's states come from
+drafter/data.py, computed once into `states_dir` (resumable) before the first step.
+
+Same conventions as the heads' loop (loop.py): accelerate, wandb offline unless configured, checkpoints that
+make --resume continue the run, the best drafter by dev loss exported with save_pretrained to
+<output_dir>/drafter, results.json at the end.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from ..config import config_to_dict
+from ..errors import UserError, get_logger
+from ..runs import check_settings, write_json
+from .data import EpochShuffle
+from .loop import STOP_EXIT_CODE, lr_lambda, make_accelerator
+from .runfiles import CKPT_STATE, RunFiles
+
+log = get_logger(__name__)
+RUNTIME_KEYS = {"stop_after_steps", "report_to", "wandb_project", "run_name", "keep_checkpoints", "threads"}
+
+
+@dataclass
+class DrafterConfig:
+    data: str                          # datagen folder whose sequences the target's states are computed along
+    kind: Literal["drafter"] = "drafter"  # what train.py trains (the heads' configs have no kind)
+    target: str = "default"            # the target the drafter reads: hub id, folder or default
+    target_dtype: str = "auto"         # for the states and the readout: auto = bf16 where the CPU has the kernels
+    states_dir: str = ""               # where the target's states go ("" = <output_dir>/states)
+    output_dir: str = "runs/drafter"   # run folder: log.jsonl, checkpoints/, drafter/, results.json
+    max_train_seqs: int = 0            # 0 = every training sequence of `data`
+    max_dev_seqs: int = 0
+    prompt_tail: int = 128             # prompt tokens kept before each response
+    max_len: int = 512                 # tokens a sequence keeps at most
+    init_from_target: bool = True      # the layer starts as a copy of the target's last one
+    intermediate_size: int = 0         # the drafter's MLP width (0 = the target's); narrower: a smaller file
+    feature_weight: float = 1.0        # smooth L1 on the states
+    ce_weight: float = 0.1             # cross-entropy against the target's next-token distribution
+    noise: float = 0.1                 # uniform noise U(-noise, noise) on the input states
+    epochs: int = 1
+    batch_size: int = 4                # sequences per optimizer step, summed over processes and accumulation
+    grad_accum: int = 1
+    lr: float = 3.0e-5
+    warmup_ratio: float = 0.03
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 0.5
+    seed: int = 0
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    eval_every: int = 200              # steps; also at the end
+    log_every: int = 10
+    save_every: int = 200              # steps between checkpoints (0 = none)
+    keep_checkpoints: int = 2
+    stop_after_steps: int = 0          # testing: exit abruptly after this step, as if killed
+    report_to: Literal["wandb", "none"] = "wandb"
+    wandb_project: str = "adaptive_spec"
+    run_name: str = ""
+    threads: int = 0                   # CPU threads (0 = torch's count)
+
+    def validate(self):
+        checks = [
+            (bool(self.data), "data must name a datagen folder"),
+            (self.feature_weight >= 0 and self.ce_weight >= 0 and self.feature_weight + self.ce_weight > 0,
+             "feature_weight and ce_weight must be >= 0, not both 0"),
+            (self.epochs > 0 and self.batch_size > 0 and self.grad_accum > 0, "epochs, batch_size, grad_accum must be > 0"),
+            (self.lr > 0 and 0 <= self.warmup_ratio < 1, "lr must be > 0 and warmup_ratio in [0, 1)"),
+            (self.prompt_tail >= 0 and self.max_len >= 2, "prompt_tail must be >= 0 and max_len >= 2"),
+            (self.eval_every > 0 and self.log_every > 0 and self.save_every >= 0, "eval_every, log_every must be > 0"),
+            (self.noise >= 0, "noise must be >= 0"),
+            (self.intermediate_size >= 0, "intermediate_size must be >= 0 (0 = the target's MLP width)"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise UserError(f"invalid drafter training config: {msg}")
+
+
+# ----------------------------------------------------------------------------- the loss
+
+def collate(seqs: list[dict]):
+    """Sequences -> (states [B, T, H], ids [B, T], valid [B, T]), right-padded (causal attention never reads
+    the padding of a row's own past)."""
+    T = max(len(s["ids"]) for s in seqs)
+    H = seqs[0]["hidden"].shape[-1]
+    feats = torch.zeros(len(seqs), T, H, dtype=seqs[0]["hidden"].dtype)
+    ids = torch.zeros(len(seqs), T, dtype=torch.long)
+    valid = torch.zeros(len(seqs), T, dtype=torch.bool)
+    for b, s in enumerate(seqs):
+        n = len(s["ids"])
+        feats[b, :n], ids[b, :n], valid[b, :n] = s["hidden"], s["ids"], True
+    return feats, ids, valid
+
+
+def drafter_loss(drafter, readout, feats, ids, valid, cfg: DrafterConfig, noise: float = 0.0):
+    """(loss, {feature, ce, top1, accept}) over every slot t: input (f_t, x_{t+1}), target f_{t+1} and the
+    target's distribution of x_{t+2}. top1: argmax q == argmax p (greedy acceptance); accept: sum min(p, q)
+    (the expected acceptance at T = 1)."""
+    dev = next(drafter.parameters()).device  # `drafter` may be accelerate's wrapper: called, never unwrapped
+    feats, ids, valid = feats.to(dev), ids.to(dev), valid.to(dev)
+    f_in = feats[:, :-1].float()
+    if noise:
+        f_in = f_in + (torch.rand_like(f_in) * 2 - 1) * noise
+    B, T1 = f_in.shape[:2]
+    pos = torch.arange(T1, device=dev).expand(B, T1)
+    fhat = readout.feature(drafter(f_in, readout.embed(ids[:, 1:]), pos))
+    m = valid[:, 1:]
+    tgt = feats[:, 1:].float()[m]
+    fhat = fhat[m].float()
+    feat = F.smooth_l1_loss(fhat, tgt, reduction="none").mean(-1)
+    logq = readout.logits(fhat).log_softmax(-1)
+    with torch.no_grad():
+        p = readout.logits(tgt).softmax(-1)
+    ce = -(p * logq).sum(-1)
+    loss = cfg.feature_weight * feat.mean() + cfg.ce_weight * ce.mean()
+    with torch.no_grad():
+        parts = {"feature": feat.mean().item(), "ce": ce.mean().item(),
+                 "top1": (logq.argmax(-1) == p.argmax(-1)).float().mean().item(),
+                 "accept": torch.minimum(p, logq.exp()).sum(-1).mean().item()}
+    return loss, parts
+
+
+# ----------------------------------------------------------------------------- data and models
+
+def build_states(cfg: DrafterConfig, progress: bool = True, stop_after: int = 0) -> Path:
+    """The target's states along the config's sequences (drafter/data.py), computed where missing."""
+    from ..backends.models import load_model, model_fingerprint
+    from ..drafter import data
+
+    out = Path(cfg.states_dir or Path(cfg.output_dir) / "states")
+
+    def load_target():
+        model, _ = load_model(cfg.target, "target", cfg.target_dtype, "cpu" if not torch.cuda.is_available()
+                              else None, pack=True, fp16=False)
+        return model, {"name": cfg.target, "hidden_size": model.config.hidden_size,
+                       "fingerprint": model_fingerprint(model)}
+
+    data.build(cfg.data, out, load_target, {"target": cfg.target, "target_dtype": cfg.target_dtype},
+               {"train": cfg.max_train_seqs, "dev": cfg.max_dev_seqs}, cfg.prompt_tail, cfg.max_len,
+               progress=progress, stop_after=stop_after)
+    return out
+
+
+def load_readout(cfg: DrafterConfig, device):
+    """(the target's readout, a new drafter for it, the target's fingerprint); the target's layers are
+    dropped once the drafter has copied the last one: only the embedding, final norm and LM head stay."""
+    from ..backends.models import load_model, model_fingerprint
+    from ..drafter.model import FeatureDrafter, Readout
+
+    model, _ = load_model(cfg.target, "target", cfg.target_dtype, device, pack=False)
+    fp = model_fingerprint(model)
+    drafter = FeatureDrafter.for_target(model, cfg.init_from_target, name=cfg.target, fingerprint=fp,
+                                        intermediate_size=cfg.intermediate_size).float()
+    model.base_model.layers = torch.nn.ModuleList()
+    return Readout(model), drafter, fp
+
+
+# ----------------------------------------------------------------------------- the run
+
+def train_drafter(cfg: DrafterConfig, resume: bool = False) -> dict:
+    """One drafter run; returns results (also in <output_dir>/results.json)."""
+    from accelerate.utils import set_seed  # optional: the [train] extra
+
+    from ..drafter import data
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    files = RunFiles(Path(cfg.output_dir), False)
+    _check_output_dir(cfg, files, resume)
+    if resume and files.results_path.is_file():
+        return json.loads(files.results_path.read_text())
+    acc = make_accelerator(cfg)
+    files.main = acc.is_main_process
+    if acc.is_main_process:
+        build_states(cfg)
+    acc.wait_for_everyone()
+    states = Path(cfg.states_dir or Path(cfg.output_dir) / "states")
+    train_set, dev_set = data.load_split(states, "train"), data.load_split(states, "dev")
+    set_seed(cfg.seed)
+    readout, drafter, fp = load_readout(cfg, acc.device)
+    micro = cfg.batch_size // (acc.num_processes * cfg.grad_accum)
+    if micro < 1 or cfg.batch_size % (acc.num_processes * cfg.grad_accum):
+        raise UserError(f"batch_size {cfg.batch_size} is not divisible by processes x grad_accum")
+    sampler = EpochShuffle(len(train_set), cfg.seed)
+    loader = torch.utils.data.DataLoader(train_set, batch_size=micro, sampler=sampler, collate_fn=collate)
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=cfg.lr,
+                            weight_decay=cfg.weight_decay)
+    model, opt, loader = acc.prepare(drafter, opt, loader)
+    per_epoch = math.ceil(len(loader) / cfg.grad_accum)
+    total = per_epoch * cfg.epochs
+    sched = torch.optim.lr_scheduler.LambdaLR(opt.optimizer, lr_lambda(total, int(cfg.warmup_ratio * total),
+                                                                       cfg.min_lr_ratio))
+    acc.register_for_checkpointing(sched)
+    state = _restore(acc, files, cfg, resume)
+    _trackers(acc, cfg, files.out)
+    meta = {"dataset": cfg.data, "target_fingerprint": fp, "n_train_seqs": len(train_set), "epochs": cfg.epochs,
+            "lr": cfg.lr, "feature_weight": cfg.feature_weight, "ce_weight": cfg.ce_weight}
+    run = (cfg, acc, files, model, readout, dev_set or train_set[: max(1, len(train_set) // 8)], meta)
+    if state["step"] == 0:
+        _eval_and_export(run, state, 0)
+    with tqdm(total=total, initial=state["step"], disable=not acc.is_main_process, desc="drafter") as bar:
+        for epoch in range(state["step"] // per_epoch, cfg.epochs):
+            skip = (state["step"] - epoch * per_epoch) * cfg.grad_accum
+            batches = acc.skip_first_batches(loader, skip) if skip > 0 else loader
+            loader.set_epoch(epoch)
+            sampler.set_epoch(epoch)
+            for feats, ids, valid in batches:
+                with acc.accumulate(model), acc.autocast():
+                    loss, parts = drafter_loss(model, readout, feats, ids, valid, cfg, cfg.noise)
+                    acc.backward(loss)
+                    if acc.sync_gradients and cfg.max_grad_norm > 0:
+                        acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                    opt.step()
+                    opt.zero_grad()
+                if acc.sync_gradients:
+                    _after_step(run, state, sched, bar, total, loss.item(), parts)
+    return _finish(run, state, total)
+
+
+def _check_output_dir(cfg: DrafterConfig, files: RunFiles, resume: bool):
+    if not resume and (files.has_run() or files.results_path.exists()):
+        raise UserError(f"output_dir {files.out} already holds a run; pass --resume to continue it or choose "
+                        "another output_dir")
+    saved = files.out / "train_config.json"
+    if resume and saved.is_file():
+        check_settings(files.out, json.loads(saved.read_text()), config_to_dict(cfg), kind="run",
+                       ignore=RUNTIME_KEYS, fix="resume with the same config or choose another output_dir")
+
+
+def _restore(acc, files: RunFiles, cfg: DrafterConfig, resume: bool) -> dict:
+    if resume:
+        files.drop_incomplete()
+        acc.wait_for_everyone()
+    ckpts = files.checkpoints() if resume else []
+    if ckpts:
+        n, path = ckpts[-1]
+        acc.load_state(str(path))
+        acc.project_configuration.iteration = n + 1
+        state = json.loads((path / CKPT_STATE).read_text())
+        files.truncate_log(state["step"])
+        acc.print(f"resuming {files.out} from {path} (step {state['step']})")
+        return state
+    if acc.is_main_process:
+        files.out.mkdir(parents=True, exist_ok=True)
+        files.log_path.unlink(missing_ok=True)
+        write_json(files.out / "train_config.json", config_to_dict(cfg))
+    acc.wait_for_everyone()
+    return {"step": 0, "best_loss": None, "best_step": None}
+
+
+def _trackers(acc, cfg: DrafterConfig, out: Path):
+    if cfg.report_to != "wandb":
+        return
+    id_file = out / "wandb_id.txt"
+    if acc.is_main_process and not id_file.exists():
+        id_file.write_text(uuid.uuid4().hex[:12])
+    acc.wait_for_everyone()
+    acc.init_trackers(cfg.wandb_project, config=config_to_dict(cfg), init_kwargs={"wandb": {
+        "name": cfg.run_name or out.name, "dir": str(out), "id": id_file.read_text().strip(), "resume": "allow"}})
+
+
+def _after_step(run, state: dict, sched, bar, total: int, loss: float, parts: dict):
+    cfg, acc, files = run[0], run[1], run[2]
+    lr = sched.get_last_lr()[0]
+    sched.step()
+    state["step"] = step = state["step"] + 1
+    bar.update(1)
+    last = step == total
+    if step % cfg.log_every == 0 or last:
+        row = {"step": step, "lr": lr, "loss": loss, **{f"train_{k}": v for k, v in parts.items()}}
+        files.log({"kind": "train", **row})
+        acc.log({f"train/{k}": v for k, v in row.items() if k != "step"}, step=step)
+        bar.set_postfix(loss=f"{loss:.4f}", top1=f"{parts['top1']:.3f}")
+    if step % cfg.eval_every == 0 or last:
+        _eval_and_export(run, state, step)
+    if cfg.save_every and (step % cfg.save_every == 0 or last):
+        acc.save_state()
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            write_json(files.ckpt_root / f"checkpoint_{acc.project_configuration.iteration - 1}" / CKPT_STATE, state)
+        acc.wait_for_everyone()
+    if cfg.stop_after_steps and step == cfg.stop_after_steps:
+        bar.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(STOP_EXIT_CODE)
+
+
+@torch.no_grad()
+def evaluate(drafter, readout, seqs: list[dict], cfg: DrafterConfig, batch: int = 4) -> dict:
+    """Mean loss and its parts over `seqs`, weighted by their slots."""
+    drafter.eval()
+    tot, n = {}, 0
+    for i in range(0, len(seqs), batch):
+        feats, ids, valid = collate(seqs[i:i + batch])
+        loss, parts = drafter_loss(drafter, readout, feats, ids, valid, cfg)
+        w = int(valid[:, 1:].sum())
+        for k, v in {"loss": loss.item(), **parts}.items():
+            tot[k] = tot.get(k, 0.0) + v * w
+        n += w
+    drafter.train()
+    return {k: v / max(n, 1) for k, v in tot.items()}
+
+
+def _eval_and_export(run, state: dict, step: int):
+    cfg, acc, files, model, readout, dev, meta = run
+    drafter = acc.unwrap_model(model)
+    row = {"step": step, **{f"dev_{k}": v for k, v in evaluate(drafter, readout, dev, cfg).items()}}
+    files.log({"kind": "eval", **row})
+    acc.log({f"eval/{k}": v for k, v in row.items() if k != "step"}, step=step)
+    if state["best_loss"] is None or row["dev_loss"] < state["best_loss"]:
+        state.update(best_loss=row["dev_loss"], best_step=step)
+        if acc.is_main_process:
+            tmp = files.out / "drafter.tmp"
+            drafter.save_pretrained(tmp, extra={**meta, "step": step, "metrics": row}, dtype=torch.bfloat16)
+            if (files.out / "drafter").exists():
+                os.replace(files.out / "drafter", files.out / "drafter.old")
+            os.replace(tmp, files.out / "drafter")
+            shutil.rmtree(files.out / "drafter.old", ignore_errors=True)
+    return row
+
+
+def _finish(run, state: dict, total: int) -> dict:
+    cfg, acc, files = run[0], run[1], run[2]
+    if acc.is_main_process:
+        best = json.loads((files.out / "drafter" / "config.json").read_text())["metrics"]
+        write_json(files.results_path, {"best_step": state["best_step"], "total_steps": total, "best": best,
+                                        "drafter": str(files.out / "drafter")})
+    acc.wait_for_everyone()
+    acc.end_training()
+    results = json.loads(files.results_path.read_text())
+    acc.print(f"best drafter (step {results['best_step']}) in {files.out / 'drafter'}: " + json.dumps(results["best"]))
+    return results
