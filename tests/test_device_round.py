@@ -275,3 +275,99 @@ def test_breakdown_adds_up_on_one_clock(runners):
 def test_a_bad_host_reads_is_refused(runners):
     with pytest.raises(UserError, match="round"):
         Decoder(runners[0], host_reads="sometimes")
+
+
+def test_generate_with_one_read_a_round_from_the_command_line(tiny_pair, capsys):
+    """--host-reads round on the CPU, through the command line: the same greedy tokens as the target alone,
+    and one read a round (the --json metrics)."""
+    import json
+
+    from adaptive_spec.cli import main
+
+    draft, target = tiny_pair
+    common = ["--prompt", "abc", "--target", str(target), "--dtype", "fp32", "--temperature", "0",
+              "--max-new-tokens", "20", "--json"]
+    outs = {}
+    for name, extra in (("ar", ["--policy", "ar"]),
+                        ("round", ["--draft", str(draft), "--policy", "entropy", "--threshold", "2.0",
+                                   "--host-reads", "round", "--kv-cache", "static"]),
+                        ("token", ["--draft", str(draft), "--policy", "entropy", "--threshold", "2.0",
+                                   "--host-reads", "token"])):
+        assert main(["generate", *common, *extra]) == 0
+        outs[name] = json.loads(capsys.readouterr().out)
+    assert outs["round"]["token_ids"] == outs["token"]["token_ids"] == outs["ar"]["token_ids"]
+    m = outs["round"]["metrics"]
+    assert m["host_reads"] == sum(m["accepted_hist"].values())
+    assert outs["token"]["metrics"]["host_reads"] > m["host_reads"]
+
+
+class _FakeGraph:
+    """A CUDA graph stand-in on the CPU: 'capturing' records the step's call, `replay` runs it again and writes
+    its results into the captured outputs, as a replay writes a graph's static outputs."""
+
+    def replay(self):
+        for o, n in zip(self.out, self.fn()):
+            o.copy_(n)
+
+
+def _fake_cuda_graphs(monkeypatch):
+    active = {}
+
+    @contextlib.contextmanager
+    def graph(g, **kw):
+        active["g"] = g
+        try:
+            yield
+        finally:
+            active.pop("g")
+    step = StaticCausalLM._step
+
+    def recording_step(self, *a):
+        out = step(self, *a)
+        if "g" in active:
+            active["g"].fn, active["g"].out = (lambda: step(self, *a)), out
+        return out
+
+    class _Stream:
+        def __init__(self, *a):
+            pass
+
+        def wait_stream(self, other):
+            pass
+    monkeypatch.setattr(StaticCausalLM, "_step", recording_step)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _Stream())
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0, top_k=8), GREEDY], ids=["t1-topk", "greedy"])
+def test_epilogues_captured_in_graphs_decode_as_eagerly(params, monkeypatch):
+    """The capture path's bookkeeping (the warm-up runs put the position and the epilogue's state back; the
+    epilogue's graph made on first use, only for the shapes warmed up; outputs copied out of a replay) under
+    stand-in graphs on the CPU: seed for seed the tokens and rounds of the eager runners."""
+    _fake_cuda_graphs(monkeypatch)
+
+    def pair(graphs: bool):
+        torch.manual_seed(0)
+        head = AcceptanceHead(16, depth=1)
+        target = StaticCausalLM(make_model(64, hidden_size=16, layers=2, seed=3), max_cache_len=128)
+        draft = StaticCausalLM(make_model(64, hidden_size=16, layers=1, seed=3), max_cache_len=128, head=head)
+        if graphs:
+            target._graphs, draft._graphs = {}, {}
+            target.warmup(range(1, 10))
+            draft.warmup([(1, 1), (2, 1)], with_head=True)
+        return target, draft, head
+
+    got = {}
+    for graphs in (False, True):
+        target, draft, head = pair(graphs)
+        dec = Decoder(target, draft, host_reads="round")
+        got[graphs] = [dec.generate([5, 9, 4], 30, params, rule, seed=s)
+                       for s in range(2) for rule in (LearnedThreshold(head, 0.5, k_max=8), FixedK(3))]
+        if graphs:
+            assert any(len(k) == 4 for k in draft._graphs) and any(len(k) == 4 for k in target._graphs)
+    for a, b in zip(got[False], got[True]):
+        assert a.token_ids == b.token_ids
+        assert a.metrics.accepted_hist == b.metrics.accepted_hist and a.metrics.n_drafted == b.metrics.n_drafted

@@ -20,7 +20,9 @@ unchanged. What differs, in the style of gpt-fast:
   but a capture takes one forward). Shapes that were not warmed up (prefill, odd lengths) run
   eagerly, so nothing compiles or captures in the middle of a timed run.
 * The LM head runs on the last n_logits rows only (static per shape), and optionally the
-  acceptance head of SpecDec++ runs in the same graph (`forward_with_head`).
+  acceptance head of SpecDec++ runs in the same graph (`forward_with_head`), and so does an epilogue
+  (`forward_epilogue`: a device round's sampling and stop rule after the draft's step, its verification
+  after the target's; decoding/graph_round.py), captured on first use for the shapes warmed up.
 * No host synchronisation inside forward: on CUDA, a forward's time is a pair of CUDA events
   that are read (one sync) only when the counters' seconds are read.
 
@@ -29,7 +31,7 @@ is what tests/test_static_runner.py checks against CausalLM.
 
 The step itself is pluggable: `StaticCausalLM` runs the Hugging Face modules over a positioned
 `StaticCache`; `FusedCausalLM` (make_runner(..., fused=True)) replaces the cache and the layers by
-fused.FusedDecoder, a fused Qwen2/Llama decoder (15 instead of 38 ops per layer and step), and
+fused.FusedDecoder, a fused Qwen2/Llama decoder (11 instead of 38 ops per layer and step), and
 keeps everything else: positions, rollback, warm-up, capture, compile, timing, the tree hooks'
 bookkeeping.
 
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import time
 from typing import Iterable
 
@@ -93,6 +96,21 @@ def _raise_recompile_limit(n: int = 64):
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(cfg, name) and getattr(cfg, name) < n:
             setattr(cfg, name, n)
+
+
+def _persist_compile_caches() -> None:
+    """torch.compile's caches (inductor's FX graphs, with Triton's kernels under them) in the project's cache
+    folder, not the temporary one inductor defaults to: a later process then compiles a shape it compiled
+    before in seconds, not tens of seconds. A TORCHINDUCTOR_CACHE_DIR or TORCHINDUCTOR_FX_GRAPH_CACHE the user
+    set wins."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        from .llama_build import cache_dir  # stdlib only: the project's one cache root
+
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
+    if "TORCHINDUCTOR_FX_GRAPH_CACHE" not in os.environ:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.fx_graph_cache = True
 
 
 def verify_shapes(k_max: int) -> list[tuple[int, int]]:
@@ -175,6 +193,8 @@ class StaticCausalLM(CausalLM):
         self._cudagraphs = False  # torch.compile's own CUDA graphs (outputs must be copied out)
         if self.compile:
             _raise_recompile_limit()
+            if compiler == "inductor":
+                _persist_compile_caches()
             mode = compile_mode or ("reduce-overhead" if self.device.type == "cuda" else "default")
             self._cudagraphs = self.device.type == "cuda" and mode in ("reduce-overhead", "max-autotune")
             kw = {"mode": mode} if compiler == "inductor" else {}
@@ -290,7 +310,9 @@ class StaticCausalLM(CausalLM):
         n, n_logits, wh = key[:3]
         epilogue = key[3] if len(key) > 3 else None
         buf = self._buf(n)
-        pos = self._pos.clone()  # an epilogue's capture runs it: the position is put back after
+        # the warm-up runs move the position and an epilogue's state (its `buffers()`): put back after
+        pos = self._pos.clone()
+        kept = [(t, t.clone()) for t in (epilogue.buffers() if epilogue is not None else ())]
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -303,6 +325,8 @@ class StaticCausalLM(CausalLM):
         with torch.cuda.graph(graph):
             out = self._step(buf, n_logits, wh, epilogue)
         self._pos.copy_(pos)
+        for t, saved in kept:
+            t.copy_(saved)
         self._graphs[key] = (graph, out)
 
     def _run(self, ids: torch.Tensor, n_logits: int, with_head: bool, epilogue=None):
@@ -319,9 +343,10 @@ class StaticCausalLM(CausalLM):
                             "needed; build the runner with a larger max_cache_len")
         t0 = self._tic()
         key = (n, n_logits, with_head) if epilogue is None else (n, n_logits, with_head, epilogue)
-        if epilogue is not None and self._graphs is not None and key not in self._graphs:
-            # captured on first use: a capture costs a forward or three, and the epilogue (its sampling, its
-            # stop rule) is known only once a decode asks for it
+        if epilogue is not None and key not in self._graphs and key[:3] in self._warm:
+            # captured on first use, for the shapes warmed up for graphs (a prompt's length runs eagerly): a
+            # capture costs a forward or three, and the epilogue (its sampling, its stop rule) is known only
+            # once a decode asks for it
             self._capture(key)
             self._warm.add(key)
         if key in self._warm:

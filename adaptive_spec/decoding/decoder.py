@@ -399,7 +399,8 @@ class Decoder:
             qs.append(step.probs)
             met.lap("draft_other")
             stop = rule.should_stop(step)
-            met.host_reads += step.source == "model"  # a copied span's stop is decided on the host's own list
+            # a rule that looks at the step reads its decision back; a cap (fixed K) or a copied span does not
+            met.host_reads += step.source == "model" and rule.stops_mid_chain
             met.lap("policy")
             if stop:
                 break

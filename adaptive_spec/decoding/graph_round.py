@@ -89,6 +89,10 @@ class ChainEpilogue:
         i.add_(1)
         return y
 
+    def buffers(self) -> list[torch.Tensor]:
+        """What a call writes (a graph capture's warm-up runs put them back after)."""
+        return [self.ctrl, self.y, self.q, *self.mem.values()]
+
     def stop(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, whether the rule stopped) after m steps: k = the rule's first stop, else m."""
         first = self.ctrl[1]
@@ -101,6 +105,9 @@ class VerifyEpilogue:
 
     def __init__(self, chain: ChainEpilogue, m: int):
         self.chain, self.m = chain, m
+
+    def buffers(self) -> list[torch.Tensor]:
+        return []  # it writes nothing that outlives the call
 
     def __call__(self, logits: torch.Tensor, hidden: torch.Tensor, accept=None) -> torch.Tensor:
         c, m = self.chain, self.m

@@ -75,7 +75,8 @@ class SpecPair:
         self.target, self.draft = target, draft
         self.eos_token_ids = list(eos_token_ids)
         self.engine = engines.get(engine) if isinstance(engine, str) else engine
-        self.decoder = Decoder(self.target, self.draft, eos_token_ids=self.eos_token_ids)
+        self.decoder = Decoder(self.target, self.draft, eos_token_ids=self.eos_token_ids,
+                               host_reads=params.host_reads if params is not None else "auto")
         self.params = params
         self.draft_config = dict(draft_config or {})
         self.auto_picks: dict = {}  # auto.resolve_auto's picks, made once per (curve, need, model, k_max, loop)

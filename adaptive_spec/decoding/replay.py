@@ -138,14 +138,27 @@ def check_trace(trace: list, n_tokens: int) -> list:
     return trace
 
 
+def covering_trace(traces: list) -> list:
+    """One trace that drafts every K the `traces` draft, each once all rejected and once all accepted (so the next
+    round's first draft step feeds two tokens): replayed once, untimed, it makes every graph that replaying those
+    traces captures on first use (a device round's epilogue per K), so none is captured inside a timed replay."""
+    ks = sorted({int(k) for t in traces for k, _, s in t if s == "model" and k > 0})
+    return [[k, n, "model"] for k in ks for n in (0, k)]
+
+
 def replay_generate(target, draft, prompt_ids: list[int], n_tokens: int, trace: list | None = None,
                     inner: StopPolicy | None = None, sampling: SamplingParams = SamplingParams(1.0),
-                    seed: int = 0) -> Generation:
+                    seed: int = 0, host_reads: str = "auto", decoder: Decoder | None = None) -> Generation:
     """Replay one recorded generation on the runners `target` and `draft` (any weights of the recorded
     shapes): no trace (None, or an ar row's empty one) is the target alone for n_tokens; else its rounds,
-    with `inner` (the recorded policy's stop rule, built for these runners) asked at every drafted step."""
+    with `inner` (the recorded policy's stop rule, built for these runners) asked at every drafted step.
+    `host_reads`: the Decoder's (decoder.py). `decoder`: a Decoder(target, draft, eos_token_ids=()) to reuse
+    across replays: a device round's epilogues belong to its decoder, and the graphs a runner captures for
+    them are made once per decoder, so a fresh one per replay would capture them inside every replay."""
+    dec = decoder or Decoder(target, draft if trace else None, eos_token_ids=(), host_reads=host_reads)
     if not trace:
-        return Decoder(target, None).generate(prompt_ids, max_new_tokens=n_tokens, sampling=sampling, seed=seed)
+        dec.replay = None
+        return dec.generate(prompt_ids, max_new_tokens=n_tokens, sampling=sampling, seed=seed)
     policy = TraceReplay(check_trace(trace, n_tokens), inner)
-    dec = Decoder(target, draft, eos_token_ids=(), replay=policy.accepted())
+    dec.replay = policy.accepted()
     return dec.generate(prompt_ids, max_new_tokens=n_tokens, sampling=sampling, policy=policy, seed=seed)
