@@ -371,3 +371,29 @@ def test_epilogues_captured_in_graphs_decode_as_eagerly(params, monkeypatch):
     for a, b in zip(got[False], got[True]):
         assert a.token_ids == b.token_ids
         assert a.metrics.accepted_hist == b.metrics.accepted_hist and a.metrics.n_drafted == b.metrics.n_drafted
+
+
+def test_device_rounds_with_the_feature_drafter():
+    """The feature drafter reads every verified row's state through its tap: a device round's verification runs
+    after the tapped forward (never inside the target's graph, which returns the last row), so greedy output is
+    the target's and the distribution is exact."""
+    from adaptive_spec.drafter.model import FeatureDrafter
+    from adaptive_spec.drafter.source import feature_pair
+
+    for vocab, hidden, seed in ((32, 24, 2), (V, 16, 3)):
+        model = make_model(vocab, hidden_size=hidden, layers=2, seed=seed, logit_scale=4.0 if vocab == 32 else 3.0)
+        torch.manual_seed(1)
+        tap, fr = feature_pair(StaticCausalLM(model, max_cache_len=64), model, FeatureDrafter.for_target(model))
+        dec = Decoder(tap, fr, host_reads="round")
+        if vocab == 32:
+            ref = Decoder(StaticCausalLM(model, max_cache_len=64)).generate([5, 9, 4], 30, GREEDY).token_ids
+            for rule in (FixedK(3), EntropyThreshold(1.5, k_max=6)):
+                g = dec.generate([5, 9, 4], 30, GREEDY, rule)
+                assert g.token_ids == ref and g.metrics.host_reads == sum(g.metrics.accepted_hist.values())
+                # the tap kept a state for every position the target holds (none read as zeros)
+                assert tap.features(0, tap.length).abs().sum(-1).min() > 0
+        else:
+            params = SamplingParams(1.0)
+            probs = exact_sequence_probs(StaticCausalLM(model, max_cache_len=64), [1, 2], params)
+            counts = sample_counts(dec, [1, 2], params, EntropyThreshold(1.0, k_max=3), n=1500)
+            assert chi_square_pvalue(counts, probs, 1500) > 1e-3

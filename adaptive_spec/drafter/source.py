@@ -49,6 +49,12 @@ class HiddenTap:
         self._keep(start, rows)
         return logits, rows[-1]
 
+    def forward_epilogue(self, ids: torch.Tensor, n_logits: int, epilogue, with_head: bool = False):
+        """A device round's verification (decoding/graph_round.py) after the tapped forward, not inside the
+        runner's graph: the graph would return the last row only, and the drafter needs every row."""
+        logits, hidden = self.forward(ids, n_logits)
+        return epilogue(logits, hidden, None)
+
     def forward_hidden(self, ids: torch.Tensor, n_logits: int = 1):
         start = self.runner.length
         logits, rows = self.runner.forward_hidden(ids, n_logits)
