@@ -70,7 +70,11 @@ def test_metrics_are_consistent():
 
 
 def assert_books(m, g):
-    """Metrics' identities, overall and per draft source (Metrics.book_round / book_cut book them)."""
+    """Metrics' identities, overall and per draft source (Metrics.book_round / book_cut book them), and the
+    breakdown's parts, on one clock, adding up to the wall time."""
+    parts = m.breakdown()
+    assert sum(parts.values()) == pytest.approx(m.wall_s, rel=1e-9) and min(parts.values()) >= 0, parts
+    assert parts.get("target_forward", 0) + parts.get("round", 0) > 0 and "hindsight" not in parts
     rounds = sum(m.accepted_hist.values())
     assert m.n_tokens == len(g.token_ids)
     assert m.n_drafted == m.n_accepted + m.n_discarded

@@ -12,7 +12,6 @@ a learned budget stops as soon as the next node is not worth its cost.
 from __future__ import annotations
 
 import heapq
-import time
 
 import torch
 
@@ -188,10 +187,11 @@ def grow_with_head(tree: DraftTree, budget: int, r: list[float], head, depth_cap
         if not fwd:
             continue
         h = tree.forward_nodes(fwd)
-        t0 = time.perf_counter()
+        if met is not None:
+            met.lap("round")
         a = head.acceptance_prob(h).float().clamp(0.0, 1.0).tolist()
         if met is not None:
-            met.policy_s += time.perf_counter() - t0
+            met.lap("policy")
         for j, aj in zip(fwd, a):
             if tree.sib[j] == 0:
                 R[j] = R[tree.parent[j]] * aj
