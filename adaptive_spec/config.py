@@ -93,15 +93,18 @@ def _build_params(cls: type, raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
-def _moved_keys(cls: type, unknown: list[str]) -> None:
-    """Refuse, naming the move, keys that belong to a params field (a flat `draft_quant:` of a config
-    written before the pair's settings moved under `pair:`)."""
+def _unknown_keys(cls: type, unknown: list[str]) -> UserError:
+    """The refusal of keys `cls` does not have: where one is a setting of a nested section (`pair:`), where
+    to write it; then the valid keys."""
+    where = ""
     for name, pcls in params_fields(cls).items():
-        moved = [k for k in unknown if k in pcls.model_fields]
-        if moved:
-            what = f"a {name} setting; write it" if len(moved) == 1 else f"{name} settings; write them"
-            raise UserError(f"{', '.join(moved)}: {what} under {name}: ({name}: {{{moved[0]}: ...}}, or "
-                            f"{name}.{moved[0]}=... on the command line)")
+        nested = [k for k in unknown if k in pcls.model_fields]
+        if nested:
+            where += (f"; {', '.join(nested)} {'is a' if len(nested) == 1 else 'are'} {name} setting"
+                      f"{'s' if len(nested) > 1 else ''}: write {name}: {{{nested[0]}: ...}}, or "
+                      f"{name}.{nested[0]}=... on the command line")
+    return UserError(f"unknown config key(s) {', '.join(repr(k) for k in unknown)} for {cls.__name__}{where}; "
+                     f"valid keys: {', '.join(config_keys(cls))}")
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -146,11 +149,7 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
     valid = config_keys(cls)
     unknown = sorted(set(raw) - set(valid))
     if unknown:
-        _moved_keys(cls, unknown)
-        raise UserError(
-            f"unknown config key(s) {', '.join(repr(k) for k in unknown)} for {cls.__name__}; "
-            f"valid keys: {', '.join(valid)}"
-        )
+        raise _unknown_keys(cls, unknown)
     raw = {k: ([v] if _is_list(cls, k) and not isinstance(v, (list, tuple)) else v) for k, v in raw.items()}
     cfg = _validate(cls, _build_params(cls, raw))
     validate = getattr(cfg, "validate", None)

@@ -45,11 +45,12 @@ def test_trees_sweep_extends_the_final_sweep():
 
 @pytest.mark.parametrize("cls, base", [(SweepConfig, []), (DatagenConfig, ["dataset=gsm8k-train"])])
 def test_pair_settings_live_under_pair(cls, base):
-    """The model pair is one mapping checked by PairParams, as `generate` checks its flags; a flat
-    pair key (a config written before they moved) is refused naming the move."""
-    with pytest.raises(UserError, match=r"^draft_quant: a pair setting; write it under pair: "):
+    """The model pair is one mapping checked by PairParams, as `generate` checks its flags; a pair setting
+    written at the top is refused saying where it goes."""
+    with pytest.raises(UserError, match=r"draft_quant is a pair setting: write pair: \{draft_quant: ...\}, or "
+                                        r"pair\.draft_quant=... on the command line; valid keys: "):
         load_config(cls, None, [*base, "draft_quant=int8"])
-    with pytest.raises(UserError, match=r"^draft, dtype: pair settings; write them under pair: "):
+    with pytest.raises(UserError, match=r"draft, dtype are pair settings: write pair: \{draft: ...\}"):
         load_config(cls, None, [*base, "draft=x", "dtype=fp32"])
     with pytest.raises(UserError, match=r"pair\.draft_qant: not a setting of 'pair' \(its settings: pair\.target, "
                                         r"pair\.draft, "):

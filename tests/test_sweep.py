@@ -253,8 +253,7 @@ def test_sweep_resume_and_report(inputs, tmp_path, monkeypatch, capsys):
 
 def test_settings_keep_their_flat_layout():
     """settings.json spells the pair's settings as sweeps wrote them before they moved under `pair:`
-    (flat; unset ones "" / 0), so a sweep started then is resumed, not refused; a config.json
-    of either layout gives the report its pair."""
+    (flat; unset ones "" / 0), so a sweep started then is resumed, not refused."""
     cfg = load_config(SweepConfig, None, ["pair={draft_quant: int8}", "temperature=0"])
     before = {"backend": "torch", "n_ctx": 0, "draft": "default", "target": "default", "dtype": "auto",
               "draft_quant": "int8", "draft_vocab": "", "device": "cpu", "threads": 0, "max_new_tokens": 128,
@@ -263,9 +262,7 @@ def test_settings_keep_their_flat_layout():
     assert sweep._settings(cfg, "cpu") == before
     static = load_config(SweepConfig, None, ["pair={draft_quant: int8, kv_cache: static}", "temperature=0"])
     assert sweep._settings(static, "cpu") == {**before, "kv_cache": "static"}  # a new setting: only when set
-    flat = {k: v for k, v in before.items() if k != "device"}
-    assert sweep.stored_pair(flat)["draft_quant"] == "int8"
-    assert sweep.stored_pair(config_to_dict(cfg)) == cfg.pair.model_dump()
+    assert config_to_dict(cfg)["pair"] == cfg.pair.model_dump()  # the report reads the pair there
 
 
 def test_greedy_oracle(inputs, tmp_path, monkeypatch):
@@ -486,3 +483,42 @@ def test_a_bad_drafts_entry_is_refused_before_models_load(inputs, tmp_path, caps
 
     assert sweep.main(overrides(inputs, tmp_path / "x", drafts=drafts)) == 2
     assert re.search(match, capsys.readouterr().err)
+
+
+def test_auto_prompts_picks_from_the_curve_of_those_prompts_answers(inputs, tmp_path, monkeypatch, capsys):
+    """auto_prompts: the loaded pair answers the prompts once (the curve cached), every auto row picks what that
+    curve gives at the sweep's pinned costs, and the settings record the prompts. The head has no curve of its own
+    here: without auto_prompts the same config is refused (the control). Refused before models load where the
+    prompts do not load or nothing reads them."""
+    import shutil
+
+    from adaptive_spec.decoding import auto as AU
+    from adaptive_spec.decoding import costs as C
+    from adaptive_spec.decoding.auto import load_curve
+
+    monkeypatch.setenv("ADAPTIVE_SPEC_CACHE", str(tmp_path / "cache"))
+    head = tmp_path / "dd" / "head"
+    shutil.copytree(Path(inputs["head"]) / "head", head)
+    out = tmp_path / "out"
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in A_TEXTS[:2]))
+    argv = overrides(inputs, out, heads=f"[{head.parent}]", ks="[auto]", thresholds="[auto]", confidence_taus="[]",
+                     heuristic="false", hf_assisted="false", include_draft_ar="false", include_ar="false",
+                     n_prompts=1, auto_prompts=str(prompts))
+    assert sweep.main(argv[:-1]) == 2 and "config key 'ks' lists auto" in capsys.readouterr().err
+    assert sweep.main(argv[:-1] + ["auto_prompts=no-such-set"]) == 2
+    assert "config key 'auto_prompts': --prompts 'no-such-set'" in capsys.readouterr().err
+    assert sweep.main(argv[:-1] + ["ks=[2]", "thresholds=[0.5]", f"auto_prompts={prompts}"]) == 2
+    assert "'auto_prompts' is read by auto" in capsys.readouterr().err
+    assert sweep.main(argv) == 0
+    rows = read_rows(out)
+    assert {r["method"] for r in rows} == {"fixed_auto", "learned_auto"} and len(rows) == 2 * 2
+    curves = list((tmp_path / "cache" / "prompt_curves").glob("*.json"))
+    assert len(curves) == 1  # one recording, shared by K and h (the first head's)
+    made = load_curve(str(curves[0]), "h", str(head))
+    assert made["data"]["prompts"] == str(prompts)
+    costs = C.costs_from_json(json.loads((out / "costs.json").read_text()))
+    for method, need in (("fixed_auto", "k"), ("learned_auto", "h")):
+        want = AU.pick(made, need, costs, model="extended", loop="sample")["value"]
+        assert {r["auto_value"] for r in rows if r["method"] == method} == {want}
+    assert json.loads((out / "settings.json").read_text())["settings"]["auto_prompts"] == str(prompts)

@@ -147,8 +147,6 @@ class Metrics:
         """Decode time outside both models' forwards (the loop's own cost)."""
         return max(0.0, self.wall_s - self.draft_s - self.target_s)
 
-    other_s = outside_forwards_s  # the rows' older name for it
-
     @property
     def discard_rate(self) -> float:
         return self.n_discarded / max(self.n_tokens, 1)
@@ -177,14 +175,14 @@ class Metrics:
         d["accepted_hist"] = {str(k): v for k, v in sorted(self.accepted_hist.items())}
         d["target_pass_hist"] = {str(k): v for k, v in sorted(self.target_pass_hist.items())}
         for k in ("discard_rate", "verification_rate", "acceptance_rate", "tokens_per_target_forward",
-                  "tokens_per_s", "other_s", "outside_forwards_s"):
+                  "tokens_per_s", "outside_forwards_s"):
             d[k] = getattr(self, k)
         d["breakdown"] = self.breakdown()
         return d
 
     def summary(self) -> str:
         s = (f"N={self.n_tokens} tok  {self.tokens_per_s:.2f} tok/s  wall {self.wall_s:.2f}s "
-             f"(draft {self.draft_s:.2f}s, target {self.target_s:.2f}s, other {self.other_s:.2f}s)  "
+             f"(draft {self.draft_s:.2f}s, target {self.target_s:.2f}s, other {self.outside_forwards_s:.2f}s)  "
              f"N_target/N={self.verification_rate:.3f}")
         if self.n_drafted:
             s += (f"  N_discarded/N={self.discard_rate:.3f}  accept={self.acceptance_rate:.3f}  "

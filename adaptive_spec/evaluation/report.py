@@ -59,7 +59,7 @@ from .report_plots import accepted_vs_drafted_plot, pareto_plot, pareto_series
 from .report_tables import (AUTO_OF, H_REF, all_configs_table, auto_table, breakdown_table, cpu_lines, decomposition,
                             engines_section, ersd_fig3_table, family_table, fmt_t, pct, peer_table, table1, table2,
                             table3, tree_comparisons)
-from .sweep import COSTS, stored_pair
+from .sweep import COSTS
 from .tree_calibration import TREE_POLICIES
 
 # The analysis, the tables and the plots live in report_data, report_tables and report_plots (the lines in
@@ -126,7 +126,7 @@ def build_report(sweep_dir: Path, out: Path | None = None, how: str = "pooled", 
 
 
 def _backend(cfg_info: dict) -> str:
-    return stored_pair(cfg_info.get("config") or {}).get("backend", "torch")
+    return (cfg_info.get("config") or {}).get("pair", {}).get("backend", "torch")
 
 
 def _costs(sweep_dir: Path, cfg_info: dict) -> tuple:
@@ -142,7 +142,7 @@ def _intro(name: str, cfg_info: dict, how: str, results: list[DatasetResult], cp
     """Title, the CPU (cpu_lines), the sweep's settings, how prompts are aggregated, notes, and
     what each dataset holds."""
     cfg = cfg_info.get("config", {})
-    pair = stored_pair(cfg)
+    pair = cfg.get("pair", {})
     md = [f"# SpecDec++ sweep report: {name}", "", *cpu]
     if cfg:
         md.append(f"Target `{pair.get('target')}`, draft `{pair.get('draft')}`, {pair.get('dtype')}, device "

@@ -87,7 +87,6 @@ from ..decoding.decoder import Decoder
 from ..decoding.pipeline import SpecPair, torch_threads
 from ..decoding.sampling import SamplingParams
 from ..errors import UserError, run_main
-from ..params import PairParams
 from ..prompts import load_prompts
 from ..runs import append_jsonl, lock_dir, read_json, read_jsonl, settings_problem, write_json
 # the sweep's parts, split by job; their names stay importable from here
@@ -119,14 +118,10 @@ def _settings(cfg: SweepConfig, device: str) -> dict:
         d["drafts"] = list(cfg.drafts)
     if cfg.record_trace:  # likewise; and a resume must not mix rows with and without traces
         d["record_trace"] = True
+    if cfg.auto_prompts:  # likewise: auto's picks come from those prompts' curve
+        d["auto_prompts"] = cfg.auto_prompts
     d["device"] = device
     return d
-
-
-def stored_pair(config: dict) -> dict:
-    """The pair's settings of a config.json's config: its `pair`, or, where a sweep wrote them before
-    they moved there, its top-level keys of the same names."""
-    return config.get("pair") or {k: config[k] for k in PairParams.model_fields if k in config}
 
 
 def settings_hash(settings: dict) -> str:
