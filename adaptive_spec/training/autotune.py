@@ -113,13 +113,8 @@ def counts_row(T: int, totals: np.ndarray) -> dict:
 
 
 def head_inputs(head, shard: dict):
-    """The head's input row at every response position of a datagen shard, as training builds
-    them (heads.shard_inputs); the stored features where that does not exist (a token head's rows)."""
-    if hasattr(heads, "shard_inputs"):
-        return heads.shard_inputs(head, shard)
-    if "features" not in shard:
-        raise UserError("the datagen run has no stored draft features; regenerate it with store_features=true")
-    return shard["features"]
+    """The head's input row at every response position of a datagen shard, as training builds them."""
+    return heads.shard_inputs(head, shard)
 
 
 def _predictions(head, shard: dict) -> np.ndarray:
@@ -214,9 +209,8 @@ def make_curve(head_dir: str | None, data_dir: str, split: str = "dev", k_max: i
     man = read_manifest(data, hint="pass --data a folder written by `adaptive-spec datagen`")
     head = None
     if head_dir is not None:
-        every_input = {"inputs": heads.INPUTS} if hasattr(heads, "INPUTS") else {}  # the replay builds any rows
         head = heads.load_head(head_dir, hidden_size=(man.get("models", {}).get("draft") or {}).get("hidden_size"),
-                               why="autotune", **every_input)
+                               why="autotune", inputs=heads.INPUTS)  # the replay builds any head's rows
         _warn_other_draft(head, man)
     curve = build_curve(head, data, split, k_max)
     cfg = man.get("config", {})
