@@ -4,7 +4,7 @@ STAMP   := .venv/.installed-stamp
 export PYTHONUNBUFFERED := 1
 # llama-cpp-python (the llama.cpp backend) is source-only on PyPI: llama.cpp is compiled once per
 # kind of CPU, with the instruction sets named from /proc/cpuinfo and AMX off (a -march=native build
-# dies with SIGILL on an AMX Xeon), and the wheel is kept under a name listing them
+# can die with SIGILL on a CPU with AMX), and the wheel is kept under a name listing them
 # (adaptive_spec/backends/llama_build.py says why; `python3 adaptive_spec/backends/llama_build.py`
 # prints this CPU's flags).
 LLAMA_TIER := $(shell python3 adaptive_spec/backends/llama_build.py tier 2>/dev/null)
@@ -37,16 +37,16 @@ models: setup
 PHASES := runs/make_run_phases.tsv
 phase = echo "== $(1)"; start=$$(date +%s); $(2) || exit $$?; \
 	printf '%s\t%s\n' "$(1)" $$(( $$(date +%s) - start )) >> $(PHASES)
-# the torch half sized to the CPU: where torch has no bf16 kernels (AVX2) the target runs in fp32 (359 ms a
-# step on a 2-core AVX2 EPYC) and the half takes one prompt (the rule is cpu.auto_dtype's, asked of the package)
+# the torch half sized to the CPU: where torch has no bf16 kernels (AVX2) the target runs in fp32, streaming
+# twice the bytes a step, and the half takes one prompt (the rule is cpu.auto_dtype's, asked of the package)
 TORCH_SIZE = $$(.venv/bin/python -c "from adaptive_spec.backends.cpu import native_bf16; print('' if native_bf16() else 'n_prompts=1')")
 
 # the main job on the default pair, timed phase by phase (the breakdown prints at the end): set-up, the
 # fetch, then on llama.cpp the target alone vs fixed K vs SpecDec++ (committed head, h = auto) vs prompt
 # lookup vs both combined, on torch the target alone vs fixed K vs SpecDec++ vs transformers' assisted
 # generation, and the report (runs/sweep/quick_llama_cpp/report.md, what won and why in words at its top).
-# llama.cpp's first build is the one part that does not fit in minutes on 2 cores: it says how long it takes
-# while it compiles, and a rerun (or another checkout on the same kind of CPU) skips it
+# llama.cpp's first build is the one long part: it says how long it takes while it compiles, and a rerun
+# (or another checkout on the same kind of CPU) skips it
 run:
 	@mkdir -p runs && rm -f $(PHASES)
 	@$(call phase,packages,$(MAKE) --no-print-directory $(STAMP))
@@ -78,8 +78,8 @@ clean:
 	rm -rf .venv .pytest_cache
 
 # the one prepared GPU check (eval/gpu_check.py, docs/gpu.md): one report under $OUT (else runs/gpu_check)
-# in at most 8 minutes. On a lent GPU machine (python3 with torch, no .venv, no pydantic) the wheels carried
-# in .whl/ (`python eval/gpu_check.py --fetch-wheels` here) are installed into /tmp/site first
+# in at most 8 minutes. On a GPU machine without the .venv (python3 with torch, no pydantic) the wheels
+# carried in .whl/ (`python eval/gpu_check.py --fetch-wheels` where pip works) are installed into /tmp/site first
 GPU_PY := $(if $(wildcard .venv/bin/python),.venv/bin/python,python3)
 .PHONY: gpu-check
 gpu-check:

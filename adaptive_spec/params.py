@@ -473,11 +473,12 @@ class PairParams(Params):
         "supported", **_expects("auto, true or false"))
     max_cache_len: int | None = Field(None, ge=1, description="static KV cache: preallocated positions",
                                       **_expects("an integer >= 1"))
-    host_reads: Literal["auto", "round", "token"] = Field(
+    host_reads: PositiveInt | Literal["auto", "round", "token"] = Field(
         "auto", description="when the decode loop reads the device: once a round (round: the stop rule and the "
         "sampling run on the device, in the draft step's graph, and a round drafts up to a cap learned from the "
-        "rule's recent stops) or after every drafted token too (token: the rule decides on the host); auto: "
-        "round on a GPU, token on the CPU", **_expects("auto, round or token"))
+        "rule's recent stops), every N drafted tokens (N: the same on the device, reading whether the rule "
+        "stopped), or after every drafted token (token: the rule decides on the host); auto: round on a GPU, "
+        "token on the CPU", **_expects("auto, round, token or an integer N >= 1"))
     # torch's CPU kernels (backends/packed.py): chosen by timing once per CPU and model shape, then cached;
     # these fix the choice (a benchmark of one path, or a CPU where the timing misleads)
     cpu_stock: bool = Field(False, description="torch on CPU: stock torch kernels (default: the linear layers "

@@ -109,8 +109,8 @@ def bench_model(name: str, args, lens: list[int]) -> list[dict]:
 def measure_kernels(args) -> tuple[dict, dict]:
     """What one forward of each model costs on this CPU, per numeric path.
 
-    For each model of the default pair and each path (bf16 stock kernels, the pre-AVX2-fix default
-    on every CPU; fp32 stock; fp32 oneDNN-packed; fp32 oneDNN-packed with FBGEMM fp16 copies for
+    For each model of the default pair and each path (bf16 stock kernels, what a bf16 model runs
+    unpacked on any CPU; fp32 stock; fp32 oneDNN-packed; fp32 oneDNN-packed with FBGEMM fp16 copies for
     short inputs, the `auto` path on AVX2-only CPUs; bf16 oneDNN-packed, the `auto` path where bf16
     kernels exist), side by side in one process:
     - ms per forward of 1 token (a decode step) and of K + 1 tokens (a verification of K candidates),

@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--temperatures", default="1,0", help="1 = T 1 top-k 50; 0 = greedy")
     ap.add_argument("--torch-temperatures", default="1", help="temperatures of the torch rows ('' = none): the "
-                    "torch engine is 3-4x slower here, and the engine ratio is what they are for")
+                    "torch engine is several times slower on a CPU, and the engine ratio is what they are for")
     ap.add_argument("--out", default="eval/results/bench_llama_cpp_peer")
     ap.add_argument("--drafts", default=f"none,{QUANT}",
                     help="llama.cpp draft files, each QUANT or QUANT:N (--draft-quant, and --draft-vocab N): the first "
@@ -306,7 +306,7 @@ def _file_label(spec: str) -> str:
     return ("fetched" if quant == "none" else quant) + (f" with a {vocab}-token vocabulary" if vocab else "")
 
 
-# issue 39's bar for SpecDec++ auto against llama.cpp alone on the same target file (decode and wall)
+# the speed-up SpecDec++ auto is asked for against llama.cpp alone on the same target file (decode and wall)
 AUTO_BAR = {"humaneval": 1.2, "gsm8k": 1.2, "alpaca": 1.05}
 
 

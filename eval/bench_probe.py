@@ -18,6 +18,12 @@ round against the curve's (the workload: the head's dev answers are not these se
 their own counts at the same costs (the time model alone). The probe is told what the sets are (--workload: each
 set's kind, KIND, in equal parts), as a user would tell it of their prompts. GSM8K and
 AlpacaEval come from ../shared/data or ADAPTIVE_SPEC_DATA. `--report-only` rebuilds the report from the folder.
+
+`--prompts FILE|SET` (instead of a number a set) prices at the acceptance on those prompts (probe --prompts: the
+pair answers a few of them first) and runs the sweep on the same prompts (<out>/prompts.jsonl, all of them), so
+the report sets predictions from held-out prompts beside runs on them, e.g. AlpacaEval's second half:
+
+    python eval/bench_probe.py --prompts alpaca:402: --out eval/results/bench_probe_heldout_<cpu>
 """
 from __future__ import annotations
 
@@ -197,6 +203,7 @@ def report(results: dict, sweeps: dict, run: dict, afters: dict | None = None) -
                       f"Largest error: {100 * worst:.1f}%.", ""]
             continue
         before_ms, after_ms = _step_ms(result), _step_ms(after)
+        source, short = _counts_source(result)
         lines += [f"The costs measured again after the runs (uncached, the same configurations priced): a step "
                   f"{after_ms:.1f} ms against {before_ms:.1f} ms before them ({100 * (after_ms / before_ms - 1):+.1f}%"
                   f"), a draft step {after['costs']['t_draft'] / after['costs']['t_target']:.2f} steps against "
@@ -208,18 +215,52 @@ def report(results: dict, sweeps: dict, run: dict, afters: dict | None = None) -
                             "error", f"within {100 * GOAL:.0f}%"], table), "",
                   f"Largest error of the mean of both: {100 * worst:.1f}% (of the probe before the runs alone: "
                   f"{100 * worst_before:.1f}%).", "",
-                  "Where the error comes from: a prediction is the machine's costs times the counts of the head's dev "
-                  f"answers (not these sets; {probe.describe_workload(result.get('workload', probe.MIX))}). Tokens a "
-                  "round as the runs had them and as the dev answers have them (the curve; prompt lookup and combined "
-                  "replayed on them), and the runs priced from their own counts at the same costs (the time model "
-                  "alone; the mean of both measurements):", "",
-                  md_table(["configuration", "tokens a round: runs", "dev answers", "error", "decode tok/s from the "
+                  f"Where the error comes from: a prediction is the machine's costs times the counts of {source}. "
+                  f"Tokens a round as the runs had them and as the {short} have them (the curve; prompt lookup and "
+                  "combined replayed on them), and the runs priced from their own counts at the same costs (the time "
+                  "model alone; the mean of both measurements):", "",
+                  md_table(["configuration", "tokens a round: runs", short, "error", "decode tok/s from the "
                             "runs' counts", "error"], split), "",
                   "Speed-ups over the target alone, measured side by side in the same runs and predicted at the "
                   "same costs (the machine's speed cancels in both):", "",
                   md_table(["configuration", "measured", "predicted before", "error", "after", "error"], ratios), ""]
     lines.append(f"Written {run['written']} by `python eval/bench_probe.py`.")
     return "\n".join(lines) + "\n"
+
+
+def _counts_source(result: dict) -> tuple[str, str]:
+    """(whose counts the predictions took, in words; the split table's column for them): the head's dev answers
+    (the workload's kinds) or the answers the probe recorded on the runs' own prompts (--prompts FILE|SET)."""
+    acceptance = result.get("acceptance") or {}
+    if acceptance.get("source") == "prompts":
+        return (f"the answers the probe recorded on these prompts ({acceptance.get('words', acceptance.get('label'))}"
+                "; the runs answer them afresh, to full length)", "probe's answers")
+    return (f"the head's dev answers (not these sets; {probe.describe_workload(result.get('workload', probe.MIX))})",
+            "dev answers")
+
+
+def prompts_arg(value: str) -> tuple[int | None, str | None]:
+    """--prompts: (a number of prompts a set, None) or (None, FILE|SET: the probe's and the runs' prompts)."""
+    text = str(value).strip()
+    if text.isdigit():
+        if int(text) < 1:
+            raise UserError(f"--prompts {text}: a number of prompts a set must be >= 1")
+        return int(text), None
+    return None, text
+
+
+def own_prompts(spec: str, out: Path) -> tuple[list, str]:
+    """The probe's prompts of --prompts FILE|SET (probe_prompts.load_texts), kept in <out>/prompts.jsonl, from
+    which the sweep runs them and a rerun reads them back (the same prompts, whatever a set's shuffle does)."""
+    from adaptive_spec.evaluation.probe_prompts import FIELD, load_texts
+
+    path = out / "prompts.jsonl"
+    if path.is_file():
+        return [json.loads(line)[FIELD] for line in path.read_text().splitlines() if line.strip()], spec
+    texts, label = load_texts(spec)
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({FIELD: t}) + "\n" for t in texts))
+    return texts, label
 
 
 def _load(out: Path, engines: list[str]) -> tuple[dict, dict, dict]:
@@ -240,7 +281,9 @@ def _main(argv) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engines", default="llama.cpp,torch")
     ap.add_argument("--datasets", default="humaneval,gsm8k,alpaca")
-    ap.add_argument("--prompts", type=int, default=5, help="per set")
+    ap.add_argument("--prompts", default="5", metavar="N|FILE|SET",
+                    help="prompts a set (5), or FILE|SET: the probe prices at the acceptance on these prompts and the "
+                         "runs run on them (a .jsonl with a 'prompt' field, a set's name, or SET:START:STOP)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--head", default=probe.DEFAULT_HEAD)
@@ -250,10 +293,15 @@ def _main(argv) -> int:
     ap.add_argument("--report-only", action="store_true", help="run nothing: the report of what <out> holds")
     args = ap.parse_args(argv)
     out = Path(args.out)
+    args.prompts, own = prompts_arg(args.prompts)
     unknown = [d for d in args.datasets.split(",") if d not in KIND]
-    if unknown and not args.report_only:
+    if unknown and not args.report_only and own is None:
         raise UserError(f"no workload kind for set {unknown[0]!r}: the probe prices one of {', '.join(KIND)}")
-    workload = probe.parse_workload([KIND[d] for d in args.datasets.split(",") if d in KIND])
+    workload = probe.parse_workload([KIND[d] for d in args.datasets.split(",") if d in KIND]) if own is None else None
+    texts = None
+    if own is not None and not args.report_only:  # refused before any model loads
+        texts = own_prompts(own, out)
+        args.datasets, args.prompts = str(out / "prompts.jsonl"), len(texts[0])
     if args.report_only:
         run = run_header(out, report_only=True)
         results, sweeps, afters = _load(out, run["engines"])
@@ -274,7 +322,7 @@ def _main(argv) -> int:
                            **({"draft_quant": args.torch_draft_quant} if engine == "torch" else {}))
         if not path.is_file():  # a rerun keeps the first probe: its predictions are what the rows are checked against
             write_json(path, probe.run(pair, args.head, 1.0, 128, args.max_new_tokens, args.reps,
-                                       workload=workload), indent=1, default=str)
+                                       workload=workload, prompts=texts), indent=1, default=str)
             gc.collect()  # the probe's pair, before the sweep loads its own
         result = json.loads(path.read_text())
         config = out / f"sweep_{engine}.yaml"
@@ -285,13 +333,15 @@ def _main(argv) -> int:
         after = out / f"probe_{engine}_after.json"
         if not after.is_file():  # the machine's speed after the runs: the same configurations, measured afresh
             write_json(after, probe.run(pair, args.head, 1.0, 128, args.max_new_tokens, args.reps, cache=False,
-                                        ran=probe.picks_of(result),
-                                        workload=probe.parse_workload(result.get("workload", probe.MIX))),
+                                        ran=probe.picks_of(result), prompts=texts, prompts_cache=True,
+                                        workload=None if texts else probe.parse_workload(result.get("workload",
+                                                                                                    probe.MIX))),
                        indent=1, default=str)
             gc.collect()
     header = run_header(out, report_only=False, measure=lambda: {
-        "script": f"eval/{Path(__file__).name}", "engines": engines, "datasets": args.datasets,
-        "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "threads": args.threads, "cpu": flags_line()})
+        "script": f"eval/{Path(__file__).name}", "engines": engines, "datasets": own or args.datasets,
+        "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "threads": args.threads, "cpu": flags_line(),
+        **({"acceptance": own} if own else {})})
     results, sweeps, afters = _load(out, engines)
     md = report(results, sweeps, header, afters)
     (out / "report.md").write_text(md)

@@ -7,20 +7,24 @@ Random weights with the real shapes (backends/presets.py), batch 1; on CUDA bf16
      tiny models, vocabulary 5, 3 tokens: evaluation/exactness.py, the tests' check); fp32 greedy speculative
      == greedy target-alone at the real shapes (a difference is counted where the top two logits nearly tie);
   2. per model and runtime (eager, cudagraph, fused, compile): ms per one-token step and per verify pass of
-     1..9 rows, % of the memory-bandwidth roofline, kernels per step (fused.step_launches: the profiler's
-     CUDA kernels; on CPU the aten ops), and transformers' `generate` (StaticCache, compiled on CUDA);
-  3. replay ("measured, not modelled"): the committed traces (a sweep with record_trace: real weights on a
-     CPU) replayed per pair and policy (the target alone, each fixed K, SpecDec++) through the real decoder on
-     the fastest graph runtime (decoding/replay.py: the recorded K per round, the recorded acceptance), the
-     counts checked against the recorded ones; beside each, Eq. 5.1's estimate from the step times of 2. A
-     pair other than the traces' replays BORROWED acceptance, and says so;
-  4. transformers' assisted generation on the same models (random weights: its acceptance is theirs).
+     1..9 rows, % of the memory-bandwidth roofline, kernels per step, the top kernels of a fused step by device
+     time (on CPU: aten ops), and transformers' `generate` (StaticCache, compiled on CUDA);
+  3. replay ("measured, not modelled"): a trace sweep (a sweep with record_trace: real weights on a CPU; --traces)
+     replayed per pair and policy through the real decoder on the fastest graph runtime (decoding/replay.py),
+     the counts checked against the recorded ones, beside Eq. 5.1's estimate; per policy the host reads a round,
+     one generation under torch.profiler (syncs, copies, eager and graph launches per round and per drafted
+     token: evaluation/round_profile.py) and the time outside the forwards; where the traces hold several h or
+     K, the best replayed ones and auto's pick from the step times measured here. A pair other than the traces'
+     replays BORROWED acceptance, and says so;
+  4. transformers' assisted generation on the same models (random weights: its acceptance is theirs);
+  5. the first token: a fresh process's time to its first token (the default target alone), cold and warm;
+  6. torch.compile (fused-compile) of what a decode feeds, the replays again on it, compiled generate.
 
-Everything optional (torch.compile, transformers' compiled generate) runs last and only while the time
-budget (--budget-s) allows; each phase prints a progress line and its elapsed seconds.
+Optional work runs only while the time budget (--budget-s) allows (--skip leaves phases out); each phase
+prints a progress line and its elapsed seconds.
 
     make gpu-check                                   # on the GPU machine: python3, wheels from .whl/
-    python eval/gpu_check.py --tiny --device cpu     # the whole check on tiny shapes: under a minute on 2 cores
+    python eval/gpu_check.py --tiny --device cpu     # the whole check on tiny shapes: about a minute on 2 cores
     python eval/gpu_check.py --fetch-wheels          # here, once: the wheels a GPU machine lacks (pydantic)
     python eval/gpu_check.py --report-only --out DIR # report.md again from DIR/gpu_check.json
 
@@ -34,7 +38,6 @@ import gc
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -48,23 +51,24 @@ import torch  # noqa: E402
 try:
     from adaptive_spec.backends import presets  # noqa: E402
     from adaptive_spec.backends.models import CausalLM  # noqa: E402
-    from adaptive_spec.backends import static_runner  # noqa: E402
-    from adaptive_spec.backends.static_runner import DRAFT_SHAPES, StaticCausalLM, verify_shapes  # noqa: E402
+    from adaptive_spec.backends.static_runner import DRAFT_SHAPES, verify_shapes  # noqa: E402
     from adaptive_spec.backends.toy import make_model  # noqa: E402
     from adaptive_spec.decoding.decoder import Decoder  # noqa: E402
-    from adaptive_spec.decoding.policies import FixedK, LearnedThreshold  # noqa: E402
-    from adaptive_spec.decoding.replay import replay_generate  # noqa: E402
+    from adaptive_spec.decoding.policies import FixedK  # noqa: E402
+    from adaptive_spec.decoding.replay import covering_trace, replay_generate  # noqa: E402
     from adaptive_spec.decoding.sampling import SamplingParams  # noqa: E402
     from adaptive_spec.evaluation.exactness import chi_square_pvalue, exact_sequence_probs, sample_counts  # noqa: E402
     from adaptive_spec.evaluation.gpu_bench import (estimate, fmt, lookup_bandwidth, measure_hf_generate,  # noqa: E402
-                                                    model_bytes, stats_of, sync, time_loop)
-    from adaptive_spec.heads.head import AcceptanceHead, load_head  # noqa: E402
+                                                    acceptance_label, inner_policy, measured_costs, model_bytes, picks_md, replay_picks, stats_of, sync,
+                                                    time_loop)
+    from adaptive_spec.evaluation import gpu_bench, round_profile as rp_  # noqa: E402
+    from adaptive_spec.evaluation.round_profile import make_runner  # noqa: E402
+    from adaptive_spec.decoding.costs import loop_times  # noqa: E402
 except ModuleNotFoundError as e:  # a lent GPU machine: the checkout, torch and transformers, no pydantic
     sys.exit(f"error: {e.name} is not importable; on a GPU machine install the carried wheels first "
              "(`make gpu-check` does; make them here with `python eval/gpu_check.py --fetch-wheels`), or run from "
              "the checkout's root as `PYTHONPATH=. python eval/gpu_check.py`")
 from adaptive_spec.backends import fused  # noqa: E402
-from adaptive_spec.backends.static_runner import FusedCausalLM  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = "eval/results/sweep_gpu_traces"  # configs/sweep/gpu_traces.yaml: the default pair, on a CPU
@@ -72,6 +76,9 @@ JSON, REPORT = "gpu_check.json", "report.md"
 VERIFY_ROWS = range(1, 10)  # the table's verify passes: 1..9 rows (K = 0..8)
 WHEELS = ("pydantic", "pydantic_core", "annotated_types", "typing_inspection", "typing_extensions")
 NEAR_TIE = 1e-3  # fp32 logits closer than this may order differently in a 1-row and a K+1-row pass
+OPTIONAL = ("profile", "assisted", "first-token", "compile")  # phases --skip leaves out
+# seconds a phase's step is expected to take where nothing measured says better (CUDA; a --tiny CPU run is quicker)
+PROFILE_S, FIRST_TOKEN_S = 8.0, 60.0
 
 
 def say(phase: str, msg: str) -> None:
@@ -105,6 +112,11 @@ def parse_args(argv=None):
     ap.add_argument("--iters", type=int, default=None, help="timed iterations per number (default 20; --tiny 2)")
     ap.add_argument("--samples", type=int, default=None, help="generations per chi-square (default 2000; --tiny 400)")
     ap.add_argument("--compile-lengths", default="1,2,4", help="verify lengths torch.compile compiles (and times)")
+    ap.add_argument("--host-reads", default="auto", help="the replays' Decoder(host_reads=...): auto (round on "
+                    "CUDA, token on a CPU), token, round, or N (the stop read every N drafted tokens)")
+    ap.add_argument("--replay-rows", type=int, default=6,
+                    help="generations replayed per policy: the same prompts for each, round-robin over the datasets")
+    ap.add_argument("--skip", default="", help=f"optional phases to leave out ({', '.join(OPTIONAL)})")
     ap.add_argument("--bandwidth-tbs", type=float, default=None, help="memory bandwidth in TB/s (default: by device)")
     ap.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu_check")
     ap.add_argument("--report-only", action="store_true", help="rewrite report.md from the folder's gpu_check.json")
@@ -117,6 +129,13 @@ def parse_args(argv=None):
     if args.samples < 300:  # fewer, and every cell's expected count is under 5: all pooled, no test left
         ap.error(f"--samples must be >= 300 for the chi-square test, got {args.samples}")
     args.dtype = torch.bfloat16 if args.device.type == "cuda" else torch.float32
+    if args.host_reads.isdigit() and int(args.host_reads) >= 1:
+        args.host_reads = int(args.host_reads)
+    elif args.host_reads not in ("auto", "token", "round"):
+        ap.error(f"--host-reads must be auto, token, round or an integer N >= 1, got {args.host_reads!r}")
+    args.skip = {p for p in args.skip.split(",") if p}
+    if args.skip - set(OPTIONAL):
+        ap.error(f"--skip: unknown phase {sorted(args.skip - set(OPTIONAL))[0]!r}; valid: {', '.join(OPTIONAL)}")
     return args
 
 
@@ -143,24 +162,8 @@ def environment(args, bw, bw_src) -> dict:
             "time": time.strftime("%Y-%m-%d %H:%M")}
 
 
-def load_traces(folder: Path) -> dict:
-    """The trace sweep: its rows by config (in grid order), sampling, head folders and the pair that made it."""
-    cfg = json.loads((folder / "config.json").read_text())
-    rows = [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if "trace" in r]
-    if not rows:
-        raise SystemExit(f"error: {folder} holds no traces; record them with a sweep with record_trace: true "
-                         "(configs/sweep/gpu_traces.yaml)")
-    by_config: dict = {}
-    for r in rows:
-        by_config.setdefault(r["config"], []).append(r)
-    c = cfg["config"]
-    shown = folder.relative_to(ROOT) if folder.is_relative_to(ROOT) else folder  # the report reads the same anywhere
-    return {"folder": str(shown), "pair": cfg.get("trace_pair", {}), "by_config": by_config,
-            "sampling": SamplingParams(c["temperature"], c["top_k"], c["top_p"]), "heads": c.get("heads", []),
-            "k_max": c.get("k_max", 20), "max_k": max((k for r in rows for k, _, _ in r["trace"]), default=1),
-            "max_len": max(r["n_prompt_tokens"] + r["n_tokens"] for r in rows),
-            "context": int(statistics.median(r["n_prompt_tokens"] + r["n_tokens"] // 2 for r in rows))}
+def load_traces(folder: Path, n_rows: int | None = None) -> dict:
+    return gpu_bench.load_traces(folder, ROOT, n_rows)
 
 
 def free() -> None:
@@ -176,15 +179,6 @@ def runtimes(device: torch.device) -> list[str]:
     """The runtimes this device runs without compiling ("fused": FusedCausalLM, captured with CUDA graphs on
     CUDA); torch.compile is timed apart (phase 5)."""
     return ["eager"] + (["cudagraph"] if device.type == "cuda" else []) + ["fused"]
-
-
-def make_runner(model, runtime: str, vocab: int, max_cache: int, shapes) -> tuple:
-    """(runner, warm-up seconds) of `model` on `runtime`, every shape in `shapes` captured or compiled."""
-    cuda = next(model.parameters()).device.type == "cuda"
-    kw = dict(max_cache_len=max_cache, cuda_graphs=cuda and runtime in ("cudagraph", "fused"),
-              compile=runtime.endswith("compile"))
-    lm = (FusedCausalLM if runtime.startswith("fused") else StaticCausalLM)(model, vocab, **kw)
-    return lm, lm.warmup(shapes)
 
 
 def time_runner(lm, ctx: int, iters: int, device, lengths=VERIFY_ROWS) -> dict:
@@ -321,6 +315,11 @@ def time_models(args, res, budget, pairs, bw, ctx, max_cache, shapes) -> dict:
             except Exception as e:
                 entry["rows"][rt] = {"error": f"{type(e).__name__}: {e}"}
                 say("2 runtimes", f"{shape.hub_id} {rt}: failed: {e}")
+        if "fused" in made and budget.allows(15):  # where a fused step's device time goes
+            try:
+                entry["top_kernels"] = rp_.top_kernels(made["fused"], steps=3 if args.tiny else 10)
+            except Exception as e:
+                res["notes"].append(f"{shape.hub_id}: top kernels failed: {type(e).__name__}: {e}")
         # the replays run on the fastest one-token step (eager only where nothing else runs)
         graphs = [rt for rt in made if rt != "eager"] or list(made)
         best = min(graphs, key=lambda rt: entry["rows"][rt]["step_ms"], default=None)
@@ -334,64 +333,31 @@ def time_models(args, res, budget, pairs, bw, ctx, max_cache, shapes) -> dict:
 
 # ----------------------------------------------------------------------------- 3. replay
 
-def inner_policy(row: dict, traces: dict, draft_lm, device):
-    """The recorded policy's stop rule for these runners (asked at every drafted step, for its cost): the
-    trace's own head where the draft has its hidden size, else a random head of the same depth."""
-    if row["method"] == "fixed":
-        return FixedK(int(row["k"]))
-    if row["method"] != "learned":
-        return None
-    path = next((h for h in traces["heads"] if Path(h).name == row["head"] or row["head"] in h), None)
-    info = json.loads((ROOT / path / "config.json").read_text()) if path else {}
-    if info.get("hidden_size") == draft_lm.hidden_size:
-        head = load_head(str(ROOT / path), hidden_size=draft_lm.hidden_size, device=device)
-    else:
-        head = AcceptanceHead(draft_lm.hidden_size, depth=info.get("depth", 3)).to(device).eval()
-    return LearnedThreshold(head, row["h"], traces["k_max"])
-
-
-def acceptance_label(pair: str, source: str | None) -> str:
-    """What a replay on preset `pair` measures, given the preset that recorded the traces (`source`)."""
-    base, tiny = pair.split(":")[0], pair.endswith(":tiny")
-    shapes = " (on tiny shapes of it)" if tiny else ""
-    if base == source:
-        return f"measured acceptance: the traces' own pair{shapes}"
-    return f"BORROWED acceptance: traces of {source or 'a pair of no preset'} replayed on {pair}'s shapes"
-
-
-def replay_pair(args, res, budget, pair, kept, traces) -> None:
-    """Every trace row replayed on the pair's fastest runners; per policy tok/s, speed-up, counts check."""
-    draft, target = kept[pair.draft.hub_id][1], kept[pair.target.hub_id][1]
-    label = acceptance_label(pair.name, traces["pair"].get("preset"))
-    out = {"pair": pair.name, "hub_ids": list(pair.hub_ids), "label": label, "policies": []}
-    res["replay"].append(out)
+def replay_pair(args, res, budget, pair, draft, target, traces, runtime: str | None, configs=None) -> dict:
+    """The trace rows of `configs` (default: every config) replayed on the pair's runners of `runtime` (None:
+    each model's replay_runtime, phase 2's fastest), one
+    Decoder for all (its device rounds' graphs are captured once); per policy tok/s, speed-up, counts check, host
+    reads a round, the time outside the forwards and, unless skipped, one generation under the profiler."""
+    runtime_shown = runtime or res["models"][pair.target.hub_id].get("replay_runtime")
+    out = {"pair": pair.name, "hub_ids": list(pair.hub_ids), "runtime": runtime_shown,
+           "label": acceptance_label(pair.name, traces["pair"].get("preset")), "policies": []}
+    dec = Decoder(target, draft, eos_token_ids=(), host_reads=args.host_reads)
     for config, rows in traces["by_config"].items():
-        if not budget.allows(15):
-            res["notes"].append(f"replay {pair.name} {config}: skipped (time budget)")
+        if configs is not None and config not in configs:
             continue
-        inner = inner_policy(rows[0], traces, draft, args.device)
-        sampling = traces["sampling"]
-        tokens, decode_s, reproduced = 0, 0.0, True
-        for i, r in enumerate([rows[0]] + rows):  # the first, once untimed: allocation and first replays
-            g = torch.Generator().manual_seed(r["seed"])
-            prompt = torch.randint(0, pair.vocab_size, (r["n_prompt_tokens"],), generator=g).tolist()
-            m = replay_generate(target, draft, prompt, r["n_tokens"], r["trace"] or None, inner, sampling,
-                                seed=r["seed"]).metrics
-            if i == 0:
-                continue
-            tokens += m.n_tokens
-            decode_s += m.wall_s - m.prefill_s
-            got = m.to_dict()
-            reproduced &= all(got[k] == r[k] for k in ("n_tokens", "n_drafted", "n_accepted", "accepted_hist"))
-        stats = next(iter(stats_of(rows).values()), None)  # None for the target alone: nothing to model
-        out["policies"].append({"config": config, "method": rows[0]["method"], "rows": len(rows), "tokens": tokens,
-                                "decode_s": decode_s, "tok_s": tokens / decode_s if decode_s else None,
-                                "counts_reproduced": reproduced, "stats": stats})
-        say("3 replay", f"{pair.name} {config}: {tokens / max(decode_s, 1e-9):.1f} tok/s, counts reproduced "
-            f"{reproduced}")
+        if not budget.allows(15):
+            res["notes"].append(f"replay {pair.name} {config} on {runtime_shown}: skipped (time budget)")
+            continue
+        p, again = replay_config(args, pair, dec, traces, config, rows)
+        if "profile" not in args.skip and budget.allows(PROFILE_S + 15):
+            m, counts = rp_.profile_calls(again, args.device)
+            p["profile"] = rp_.per_round(m, counts)
+        out["policies"].append(p)
+        say("3 replay", f"{pair.name} {config} ({runtime_shown}): {p['tok_s'] or 0:.1f} tok/s, counts reproduced "
+            f"{p['counts_reproduced']}, {p['host_reads_per_round']:.2f} host reads a round")
     ar = next((p["tok_s"] for p in out["policies"] if p["method"] == "ar"), None)
     tables = (res["models"][pair.draft.hub_id], res["models"][pair.target.hub_id])
-    d_row, t_row = (tab["rows"].get(tab.get("replay_runtime"), {}) for tab in tables)
+    d_row, t_row = (tab["rows"].get(runtime or tab.get("replay_runtime"), {}) for tab in tables)
     for p in out["policies"]:
         p["speedup"] = p["tok_s"] / ar if ar and p["tok_s"] else None
         if p["stats"] and "step_ms" in d_row and "verify_ms" in t_row:  # Eq. 5.1 from phase 2's step times
@@ -400,6 +366,51 @@ def replay_pair(args, res, budget, pair, kept, traces) -> None:
             p.update(est_speedup=e["est_speedup"], k_mean=e["k_mean"])
     fixed = [p for p in out["policies"] if p["method"] == "fixed" and p["tok_s"]]
     out["best_fixed"] = max(fixed, key=lambda p: p["tok_s"])["config"] if fixed else None
+    costs = None
+    if "step_ms" in d_row and "verify_ms" in t_row:
+        if "loop_times" not in res:  # what auto adds per row and round for the decode loop itself, measured once
+            res["loop_times"] = loop_times(pair.vocab_size, args.device)
+        costs = measured_costs(d_row, t_row, res["loop_times"])
+    mode = "greedy" if traces["sampling"].greedy else "sample"
+    out["picks"] = replay_picks(out["policies"], traces["curve"], costs, mode, traces["k_max"])
+    return out
+
+
+def replay_config(args, pair, dec, traces, config, rows) -> tuple[dict, object]:
+    """One config's rows replayed through `dec` (after an untimed replay of every graph they capture, and of
+    the first row); (its entry, a function replaying its first row again, for the profiler)."""
+    inner = inner_policy(rows[0], traces, dec.draft, args.device, ROOT)
+
+    def replay(r, trace=None, n_tokens=None):
+        g = torch.Generator().manual_seed(r["seed"])
+        prompt = torch.randint(0, pair.vocab_size, (r["n_prompt_tokens"],), generator=g).tolist()
+        return replay_generate(dec.target, dec.draft, prompt, n_tokens or r["n_tokens"],
+                               r["trace"] or None if trace is None else trace, inner, traces["sampling"],
+                               seed=r["seed"], decoder=dec).metrics
+
+    room = min(dec.target.max_length, dec.draft.max_length) - 8 - 2 * (traces["max_k"] + 1)
+    chunk: list = []
+    for rnd in covering_trace([r["trace"] for r in rows]) + [None]:  # in generations that fit the caches
+        if chunk and (rnd is None or sum(n + 1 for _, n, _ in chunk) + rnd[1] + 1 > room):
+            replay({"seed": 0, "n_prompt_tokens": 8}, chunk, sum(n + 1 for _, n, _ in chunk))
+            chunk = []
+        if rnd is not None:
+            chunk.append(rnd)
+    replay(rows[0])  # untimed: allocation and first replays
+    mets, reproduced = [], True
+    for r in rows:
+        m = replay(r)
+        mets.append(m)
+        got = m.to_dict()
+        reproduced &= all(got[k] == r[k] for k in ("n_tokens", "n_drafted", "n_accepted", "accepted_hist"))
+    tokens, decode_s = sum(m.n_tokens for m in mets), sum(m.wall_s - m.prefill_s for m in mets)
+    method = rows[0]["method"]
+    return {"config": config, "method": method, "value": rows[0].get({"learned": "h", "fixed": "k"}.get(method, "-")),
+            "rows": len(rows), "tokens": tokens, "decode_s": decode_s, "tok_s": tokens / decode_s if decode_s else None,
+            "counts_reproduced": reproduced, "stats": next(iter(stats_of(rows).values()), None),
+            "host_reads_per_round": sum(m.host_reads for m in mets) / max(sum(m.n_target_forwards for m in mets), 1),
+            "n_past_stop": sum(m.n_past_stop for m in mets), "outside": rp_.outside_forwards(mets)}, \
+        lambda: replay(rows[0])
 
 
 # ----------------------------------------------------------------------------- 4. assisted generation
@@ -447,44 +458,79 @@ def assisted(args, res, budget, pair, kept) -> None:
 
 # ----------------------------------------------------------------------------- 5. compile (optional)
 
-def compiled(args, res, budget, kept, vocab, ctx, max_cache, pairs) -> None:
-    """While the budget allows, targets first: torch.compile ("reduce-overhead": inductor kernels in CUDA
-    graphs) of the one-token step and the --compile-lengths verify passes, one shape at a time, each only when
-    the last one's compile time is still left; transformers' compiled generate; the chi-square through it."""
-    lengths = [1] + [int(n) for n in args.compile_lengths.split(",") if int(n) > 1]
-    per_shape = 45.0  # seconds one shape is expected to compile, until one is measured
-    for hub in dict.fromkeys([p.target.hub_id for p in pairs] + [p.draft.hub_id for p in pairs]):
+def compiled(args, res, budget, kept, traces, vocab, ctx, max_cache, pairs) -> None:
+    """While the budget allows, the first pair's models first: torch.compile ("reduce-overhead": inductor kernels
+    in CUDA graphs) of what a decode feeds, one shape at a time, each only while the last one's compile time is
+    left (a target: its one-token step and the --compile-lengths verify passes; a draft: its one- and two-token
+    steps); the traces replayed on a pair once both its models compiled (the policies whose passes all did);
+    transformers' compiled generate; the chi-square through it."""
+    lengths = [int(n) for n in args.compile_lengths.split(",") if int(n) > 1]
+    drafts, targets = {p.draft.hub_id for p in pairs}, {p.target.hub_id for p in pairs}
+    per_shape = [45.0]  # seconds one shape is expected to compile, until one is measured
+    runners, replayed = {}, set()
+    for hub in dict.fromkeys(s.hub_id for p in pairs for s in (p.target, p.draft)):
         if hub not in kept:
             continue
-        model, entry = kept[hub][0], res["models"][hub]
-        lm, done_n, warm = None, [], 0.0
-        try:
-            for n in lengths:
-                if not budget.allows(per_shape + 30):
-                    break
-                say("5 compile", f"{hub}: torch.compile of the {n}-token pass")
-                # the GPU default (--runtime auto --fused auto): the fused decoder, compiled
-                lm = lm or make_runner(model, "fused-compile", vocab, max_cache, [])[0]
-                t = lm.warmup([(1, 1)] if n == 1 else [(n, n)])
-                per_shape, warm, done_n = max(t, 5.0), warm + t, done_n + [n]
-            if done_n:
-                entry["rows"]["fused-compile"] = {"warmup_s": warm,
-                                                  **time_runner(lm, ctx, args.iters, args.device, done_n)}
-        except Exception as e:
-            entry["rows"]["fused-compile"] = {"error": f"{type(e).__name__}: {e}"}
-        del lm
-        free()
-        if budget.allows(per_shape + 30):
-            say("5 compile", f"{hub}: transformers' generate (StaticCache, compiled)")
+        shapes = [(1, 1)] + ([(2, 1)] if hub in drafts else []) + ([(n, n) for n in lengths] if hub in targets else [])
+        runners[hub] = compile_model(args, res, budget, kept[hub][0], hub, shapes, per_shape, vocab, ctx, max_cache)
+        for p in pairs:
+            if p.name not in replayed and runners.get(p.draft.hub_id) and runners.get(p.target.hub_id):
+                replayed.add(p.name)
+                replay_compiled(args, res, budget, p, runners, traces)
+        if budget.allows(per_shape[0] + 30):
+            say("6 compile", f"{hub}: transformers' generate (StaticCache, compiled)")
             try:
-                entry["hf_generate"] = measure_hf_generate(model, [ctx], 32, 2, args.device)
+                res["models"][hub]["hf_generate"] = measure_hf_generate(kept[hub][0], [ctx], 32, 2, args.device)
             except Exception as e:
-                entry["hf_generate"] = {"error": f"{type(e).__name__}: {e}"}
+                res["models"][hub]["hf_generate"] = {"error": f"{type(e).__name__}: {e}"}
         write(res, Path(args.out))
-    if budget.allows(per_shape * 5 + 30):
+    del runners
+    free()
+    if budget.allows(per_shape[0] * 5 + 30):
         check_distribution(args, res, budget, ["fused-compile"])
     else:
         res["notes"].append("chi-square through torch.compile: skipped (time budget)")
+
+
+def compile_model(args, res, budget, model, hub, shapes, per_shape, vocab, ctx, max_cache):
+    """(the fused-compile runner, the shapes compiled) of `model`, its step table in the model's rows; None where
+    nothing compiled. `per_shape` [seconds]: the last shape's compile time, updated."""
+    entry, lm, done, warm = res["models"][hub], None, [], 0.0
+    try:
+        for shape in shapes:
+            if not budget.allows(per_shape[0] + 30):
+                break
+            say("6 compile", f"{hub}: torch.compile of the {shape[0]}-token pass ({shape[1]} rows of logits)")
+            # the GPU default (--runtime auto --fused auto): the fused decoder, compiled
+            lm = lm or make_runner(model, "fused-compile", vocab, max_cache, [])[0]
+            t = lm.warmup([shape])
+            per_shape[0], warm, done = max(t, 5.0), warm + t, done + [shape]
+        if done:
+            n_done = [n for n, rows in done if n == rows]
+            entry["rows"]["fused-compile"] = {"warmup_s": warm, "compiled": [list(s) for s in done],
+                                              **time_runner(lm, ctx, args.iters, args.device, n_done)}
+    except Exception as e:
+        entry["rows"]["fused-compile"] = {"error": f"{type(e).__name__}: {e}"}
+        return None
+    return (lm, set(done)) if done else None
+
+
+def replay_compiled(args, res, budget, pair, runners, traces) -> None:
+    """The pair's replays on fused-compile, beside phase 3's: the policies whose every pass compiled."""
+    (d, d_done), (t, t_done) = runners[pair.draft.hub_id], runners[pair.target.hub_id]
+    ok = []
+    for config, rows in traces["by_config"].items():
+        lack = sorted({k + 1 for r in rows for k, _, _ in r["trace"]} - {n for n, m in t_done if n == m})
+        drafted = any(k for r in rows for k, _, _ in r["trace"])
+        if lack or (drafted and not {(1, 1), (2, 1)} <= d_done) or (not drafted and (1, 1) not in t_done):
+            res["notes"].append(f"replay {pair.name} {config} on fused-compile: not run (not compiled: target passes "
+                                f"of {lack or '-'} rows, or the draft's 1- and 2-token steps)")
+        else:
+            ok.append(config)
+    if ok and budget.allows(20):
+        say("6 compile", f"{pair.name}: replaying {len(ok)} policies on fused-compile")
+        res.setdefault("replay_compiled", []).append(
+            replay_pair(args, res, budget, pair, d, t, traces, "fused-compile", configs=ok))
 
 
 # ----------------------------------------------------------------------------- report
@@ -519,7 +565,7 @@ def markdown(res: dict) -> str:
                        f"({'a near tie' if g.get('near_tie') else 'FAIL: not a near tie'})")
             out.append(f"| {g['runtime']} | {verdict} |")
     out.append("")
-    out += _models_md(res) + _replay_md(res) + _assisted_md(res)
+    out += _models_md(res) + _replay_md(res) + _assisted_md(res) + rp_.first_token_section(res.get("first_token"))
     if res["notes"]:
         out += ["## Notes", ""] + [f"- {n}" for n in res["notes"]] + [""]
     return "\n".join(out)
@@ -550,6 +596,8 @@ def _models_md(res: dict) -> list[str]:
             tok = next((v for k, v in hf.items() if k not in ("compiled", "error")), None)
             got = f"{fmt(1000 / tok, 3)} ms per token ({fmt(tok, 1)} tok/s)" if tok else f"failed: {hf.get('error')}"
             out += ["", f"transformers' generate (StaticCache{', compiled' if hf.get('compiled') else ''}): {got}"]
+        if m.get("top_kernels"):
+            out += [""] + rp_.kernels_md(m["top_kernels"])
         out.append("")
     return out
 
@@ -564,8 +612,11 @@ def _replay_md(res: dict) -> list[str]:
            "rule asked at every step for its cost, EOS off, the recorded length): speed-ups are measured against "
            "the replayed target alone. Eq. 5.1 (SpecDec++: T = t_draft N_draft + t_target(L) N_target) prices the "
            "same counts with phase 2's step times: a model, not a measurement.", ""]
-    for rp in res["replay"]:
-        out += [f"### {rp['pair']} ({rp['hub_ids'][0]} / {rp['hub_ids'][1]})", "", f"**{rp['label']}**.", "",
+    cuda = res["env"]["device"] == "cuda"
+    for rp in res["replay"] + res.get("replay_compiled", []):
+        on = f" on `{rp['runtime']}`" if rp.get("runtime") else ""
+        out += [f"### {rp['pair']} ({rp['hub_ids'][0]} / {rp['hub_ids'][1]}){on}", "",
+                f"**{rp['label']}**.", "",
                 "| policy | generations | tokens | counts reproduced | K_mean (N_draft / N_target) | replay tok/s | "
                 "**replay speed-up** | Eq. 5.1 est. speed-up |", "|---|---|---|---|---|---|---|---|"]
         for p in rp["policies"]:
@@ -574,6 +625,8 @@ def _replay_md(res: dict) -> list[str]:
             out.append(f"| {p['config']}{tag} | {p['rows']} | {p['tokens']} | {same} | "
                        f"{fmt(p.get('k_mean'))} | {fmt(p['tok_s'], 1)} | **{fmt(p.get('speedup'))}** | "
                        f"{fmt(p.get('est_speedup'))} |")
+        out += rp_.host_work_section(rp["policies"], cuda)
+        out += [""] + picks_md(rp.get("picks") or {})
         out.append("")
     return out
 
@@ -625,16 +678,19 @@ def main(argv=None) -> int:
     except Exception as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    traces = load_traces(ROOT / args.traces if not Path(args.traces).is_absolute() else Path(args.traces))
+    traces = load_traces(ROOT / args.traces if not Path(args.traces).is_absolute() else Path(args.traces),
+                         args.replay_rows)
     bw, bw_src = lookup_bandwidth(dev, args.bandwidth_tbs)
     res = {"env": environment(args, bw, bw_src), "elapsed_s": {}, "exactness": {"distribution": [], "greedy": []},
-           "models": {}, "replay": [], "assisted": [], "notes": []}
+           "models": {}, "replay": [], "replay_compiled": [], "assisted": [], "first_token": [],
+           "notes": [traces["curve_note"]] if traces["curve_note"] else []}
     tp = traces["pair"]
     res["traces"] = {"folder": traces["folder"], "preset": tp.get("preset"),
                      "pair_line": f"{tp.get('draft', {}).get('hub_id')} / {tp.get('target', {}).get('hub_id')} "
                                   f"(preset {tp.get('preset')})",
                      "sampling": f"T = {traces['sampling'].temperature:g}, top-k {traces['sampling'].top_k}, "
-                                 f"top-p {traces['sampling'].top_p:g}"}
+                                 f"top-p {traces['sampling'].top_p:g}", "datasets": traces["datasets"],
+                     "host_reads": args.host_reads}
     quant = tp.get("draft", {}).get("draft_quant")
     if quant not in (None, "none"):
         res["notes"].append(f"the traces were recorded with a {quant} draft; these runs use an unquantized one")
@@ -663,17 +719,26 @@ def main(argv=None) -> int:
     for p in ready:
         if budget.allows(20):
             say("3 replay", f"{p.name}: {sum(len(r) for r in traces['by_config'].values())} generations")
-            replay_pair(args, res, budget, p, kept, traces)
+            d, t = kept[p.draft.hub_id][1], kept[p.target.hub_id][1]
+            res["replay"].append(replay_pair(args, res, budget, p, d, t, traces, None))
     done("3 replay")
     for p in ready:
-        if budget.allows(30):
+        if "assisted" not in args.skip and budget.allows(30):
             assisted(args, res, budget, p, kept)
     done("4 assisted")
-    if dev.type == "cuda":
-        compiled(args, res, budget, kept, pairs[0].vocab_size, ctx, max_cache, pairs)
-    else:  # inductor on a CPU compiles for minutes, and says nothing of the GPU's graphs
+    if "first-token" not in args.skip:  # a fresh process each: the phase's time is theirs
+        rts = ["fused-compile", "fused"] if dev.type == "cuda" else ["eager"]
+        say("5 first token", f"{pairs[0].name}'s target alone in a fresh process: {', '.join(rts)}, cold and warm")
+        res["first_token"], notes = rp_.first_tokens(rts, dev.type, args.tiny, budget.left,
+                                                     FIRST_TOKEN_S if dev.type == "cuda" else 15.0,
+                                                     pairs[0].name.split(":")[0])
+        res["notes"] += notes
+    done("5 first token")
+    if dev.type == "cuda" and "compile" not in args.skip:
+        compiled(args, res, budget, kept, traces, pairs[0].vocab_size, ctx, max_cache, pairs)
+    elif dev.type != "cuda":  # inductor on a CPU compiles for minutes, and says nothing of the GPU's graphs
         res["notes"].append("torch.compile and transformers' compiled generate: CUDA only (skipped on CPU)")
-    done("5 compile")
+    done("6 compile")
     print(markdown(res))
     say("end", f"wrote {out / REPORT} and {out / JSON}")
     return 0

@@ -52,11 +52,14 @@ def test_verification_fit(monkeypatch):
 
     runners = SimpleNamespace(draft=object(), target=SimpleNamespace(vocab_size=50, device=torch.device("cpu")))
     lengths = C.VERIFY_LENGTHS + C.LONG_LENGTHS
+    # the one-row pass is the decode's step (decode_step_time), here the line's own value
+    monkeypatch.setattr(C, "decode_step_time", lambda lm, reps: 0.1)
     monkeypatch.setattr(C, "interleaved_times", fake({n: 0.1 + 0.01 * (n - 1) for n in lengths}))
     c = C._measure(runners, 3, "k")
     assert (c.t_draft, c.t_target, c.t_cand) == pytest.approx((0.03, 0.1, 0.01))
     assert c.verify_s(16) == pytest.approx(0.25) and c.verify_s(20) == pytest.approx(0.29)  # measured, interpolated
     monkeypatch.setattr(C, "interleaved_times", fake({n: 0.2 - 0.001 * n for n in lengths}))
+    monkeypatch.setattr(C, "decode_step_time", lambda lm, reps: 0.2 - 0.001)
     c = C._measure(runners, 3, "k")
     assert c.t_cand == 0.0 and c.t_target == pytest.approx(0.2 - 0.005)
     flat = sum(0.2 - 0.001 * n for n in lengths) / len(lengths)  # a falling table, long passes included, pools flat
@@ -101,6 +104,77 @@ def test_rounds_interleave_every_cell():
     cells = [(draft, 1, False), (target, 1, True), (target, 3, True)]
     out = C.interleaved_times(cells, reps=2)
     assert fed == [("d", 1), ("t", 1), ("t", 3)] * 3 and len(out) == 3
+
+
+class _Clock:
+    """A fake clock the runner below advances by what each forward costs (costs.timed reads it)."""
+    now = 0.0
+
+    @classmethod
+    def timed(cls, device=None):
+        import contextlib
+
+        @contextlib.contextmanager
+        def span():
+            t = SimpleNamespace(s=0.0)
+            start = cls.now
+            yield t
+            t.s = cls.now - start
+        return span()
+
+
+class _RebuildingLM:
+    """A runner whose forward costs 10 ms where the last call fed as many tokens at the next position (llama.cpp
+    reuses its compute graph for a batch of the last one's shape) and 30 ms otherwise (a graph built again)."""
+
+    def __init__(self):
+        from tiny import MockLM
+
+        self.lm = MockLM(32, seed=3, max_length=400)
+        self.device, self.vocab_size, self.max_length = self.lm.device, 32, 400
+        self.counters, self.last = Counters(), None
+
+    @property
+    def length(self):
+        return self.lm.length
+
+    def reset(self):
+        self.lm.reset()
+        self.last = None
+
+    def rollback(self, n):
+        self.lm.rollback(n)
+
+    def forward(self, ids, n_logits=1):
+        shape = (len(ids), n_logits, self.lm.length)
+        same = self.last is not None and shape[:2] == self.last[:2] and shape[2] == self.last[2] + self.last[0]
+        cost = 0.010 if same else 0.030
+        self.last = shape
+        _Clock.now += cost
+        self.counters.add(cost)
+        return self.lm.forward(ids, n_logits)
+
+
+def test_the_one_row_step_is_timed_in_the_decoders_own_loop_not_as_an_interleaved_cell(monkeypatch):
+    """decode_step_time runs the target-alone loop (one step after another, no rollback): a runner that is
+    cheaper for a call of the last one's shape reads its cheap step there; the interleaved cell (the broken
+    control: the measurement before v6) reads the dear one. _measure prices the one-row pass at the decode's
+    step and keeps the cell beside it; the runner is left as it was."""
+    monkeypatch.setattr(C, "timed", _Clock.timed)
+    lm = _RebuildingLM()
+    lm.counters.restore((2.0, 3, 0.5))
+    assert C.decode_step_time(lm, reps=2) == pytest.approx(0.010)
+    assert lm.length == 0 and lm.counters.saved() == (2.0, 3, 0.5)
+    cells = [(lm, n, True) for n in (1, 2)]
+    assert C.interleaved_times(cells, reps=2)[0] == pytest.approx(0.030)
+    c = C._measure(SimpleNamespace(draft=None, target=lm), 2, "k")
+    assert c.t_verify[0] == pytest.approx(0.010) and c.t_step_cell == pytest.approx(0.030)
+    assert C.costs_from_json(json.loads(json.dumps(c.to_dict()))).t_step_cell == c.t_step_cell
+    # a context too short for the loop's steps is refused with its reason
+    short = _RebuildingLM()
+    short.max_length = short.lm.max_length = 6
+    with pytest.raises(UserError, match="too short to time a step"):
+        C.decode_step_time(short, reps=2)
 
 
 def test_cache_hit_miss_and_corrupt_file(pair, cache, monkeypatch, capsys):

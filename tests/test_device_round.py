@@ -273,8 +273,9 @@ def test_breakdown_adds_up_on_one_clock(runners):
 
 
 def test_a_bad_host_reads_is_refused(runners):
-    with pytest.raises(UserError, match="round"):
-        Decoder(runners[0], host_reads="sometimes")
+    for bad in ("sometimes", 0, True):
+        with pytest.raises(UserError, match="round or an integer N >= 1"):
+            Decoder(runners[0], host_reads=bad)
 
 
 def test_generate_with_one_read_a_round_from_the_command_line(tiny_pair, capsys):
@@ -397,3 +398,36 @@ def test_device_rounds_with_the_feature_drafter():
             probs = exact_sequence_probs(StaticCausalLM(model, max_cache_len=64), [1, 2], params)
             counts = sample_counts(dec, [1, 2], params, EntropyThreshold(1.0, k_max=3), n=1500)
             assert chi_square_pvalue(counts, probs, 1500) > 1e-3
+
+
+@pytest.mark.parametrize("every", [1, 2, 3])
+def test_chunked_device_rounds_read_once_a_chunk(runners, every):
+    """host_reads=N: the stop is read after every N drafted tokens (and verification once): reads per round
+    = the chunks that ended short of the cap + 1; greedy output is the target's, and at most N - 1 steps run
+    past the rule's stop in a round."""
+    target, draft = runners
+    ref = Decoder(target).generate([5, 9, 4], 30, GREEDY).token_ids
+    host = Decoder(target, draft, host_reads="token").generate([5, 9, 4], 30, GREEDY, _rules(draft)["learned"])
+    dec = Decoder(target, draft, host_reads=every)
+    with host_reads() as reads:
+        g = generate(dec, [5, 9, 4], 30, GREEDY, _rules(draft)["learned"], seed=0)
+    m = g.metrics
+    rounds = sum(m.accepted_hist.values())
+    assert g.token_ids == ref
+    # the rule's own stops (no cap): the host rule's rounds
+    assert m.accepted_hist == host.metrics.accepted_hist and m.n_drafted == host.metrics.n_drafted
+    steps = m.n_drafted + m.n_past_stop  # drafted steps: a read after each chunk of them, one verify read a round
+    assert rounds < reads["n"] == m.host_reads <= 2 * rounds + steps / every
+    assert m.n_past_stop <= (every - 1) * rounds
+    if every == 1:
+        assert m.n_past_stop == 0
+
+
+@pytest.mark.parametrize("rule", ["learned", "confidence"])
+def test_chunked_device_round_distribution_is_exact(rule):
+    draft, target = exact_pair()
+    params = SamplingParams(1.0, top_k=4)
+    policy = {"learned": LearnedThreshold(_MockHead(), 0.3, k_max=4), "confidence": ConfidenceThreshold(0.5, k_max=4)}
+    probs = exact_sequence_probs(target, [1, 2], params)
+    counts = sample_counts(Decoder(target, draft, host_reads=2), [1, 2], params, policy[rule])
+    assert chi_square_pvalue(counts, probs, N_SAMPLES) > 1e-3

@@ -61,3 +61,40 @@ def test_bench_drafter_counts_tau_checks_greedy_equality_and_regenerates(tmp_pat
     assert mod.main(["--report-only", "--out", str(out)]) == 0
     md = (out / "report.md").read_text()
     assert "Greedy equality: 7 of 8" in md and f"| HumanEval | 0 | {bad['config']} | 5 | 12 |" in md
+
+
+def test_bench_llama_step_times_every_row_and_the_report_reads_them(tmp_path):
+    """--tiny on tiny GGUF files: every row of the probe's one-row step is timed each round (the old cell, the
+    decode's loop, the decoder's own runs and the cause rows), and the report regenerates from the folder alone;
+    a cell made twice as dear in the data shows as +100% against the decoder's steps (the control: the report
+    reads the samples, not fixed text)."""
+    from adaptive_spec.backends.llamacpp import available
+
+    if available() is not None:
+        pytest.skip(available())
+    from tiny import make_model, make_tokenizer, save_gguf
+
+    models = tmp_path / "models"
+    models.mkdir()
+    make_tokenizer(32).save_pretrained(models)  # the pair's tokenizer, beside the files
+    target = save_gguf(make_model(32, hidden_size=32, layers=2, seed=3, logit_scale=3.0), models / "t.gguf")
+    draft = save_gguf(make_model(32, hidden_size=16, layers=1, seed=4, logit_scale=3.0), models / "d.gguf")
+    mod, out = script("bench_llama_step"), tmp_path / "run"
+    assert mod.main(["--tiny", "--target", str(target), "--draft", str(draft), "--threads", "1",
+                     "--datasets", "humaneval", "--out", str(out)]) == 0
+    data = json.loads((out / "steps.json").read_text())
+    names = [name for name, _, _ in mod.ROWS if not name.startswith("decoder")]
+    assert set(data["rows"]) == {*names, *mod.FOUR}
+    assert all(len(rounds) == 2 and all(s > 0 for rnd in rounds for s in rnd) for rounds in data["rows"].values())
+    assert all(len(rnd) == 2 for rnd in data["rows"]["cell alone"])  # --cells 2 a round
+    assert len(data["runs"]) == 2 and all(r["n_tokens"] > 0 and r["forward_s"] > 0 for r in data["runs"])
+    run = json.loads((out / "run.json").read_text())
+    assert run["target"] == "t.gguf" and "flags:" in run["cpu"] and run["tiny"]
+    md = (out / "report.md").read_text()
+    assert "| probe cell (v5) | 2 |" in md and "| decoder, target alone: forward | 2 |" in md
+    assert mod.main(["--report-only", "--out", str(out)]) == 0 and (out / "report.md").read_text() == md
+    ref = mod.medians(data)["decoder, target alone: forward"]
+    data["rows"]["probe cell (v5)"] = [[2 * ref], [2 * ref]]
+    (out / "steps.json").write_text(json.dumps(data))
+    assert mod.main(["--report-only", "--out", str(out)]) == 0
+    assert f"| probe cell (v5) | 2 | {2e3 * ref:.2f} | +100.0% |" in (out / "report.md").read_text()

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+TRACES = "eval/results/sweep_gpu_traces"
 
 
 def load_check():
@@ -17,12 +18,27 @@ def load_check():
     return mod
 
 
+def multi_h_traces(folder: Path) -> Path:
+    """The committed trace sweep with its SpecDec++ rows again as h = 0.5 (the same rounds): a trace set of two h
+    and three K, as configs/sweep/gpu_traces_dev.yaml records."""
+    folder.mkdir()
+    cfg = json.loads((ROOT / TRACES / "config.json").read_text())
+    cfg["config"]["thresholds"] = [0.5, 0.7]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    rows = [json.loads(line) for line in (ROOT / TRACES / "results.jsonl").read_text().splitlines() if line.strip()]
+    extra = [{**r, "h": 0.5, "config": r["config"].replace("h=0.7", "h=0.5")} for r in rows if r["method"] == "learned"]
+    (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows + extra))
+    return folder
+
+
 def test_the_tiny_check_writes_every_section(tmp_path):
-    """About 10 s on 2 idle cores (40 s on busy ones): two chi-squares of 400 generations, 3 models, 2 pairs."""
+    """About 30 s on 2 idle cores (a minute on busy ones): two chi-squares of 400 generations, 3 models, 2 pairs
+    replayed with one host read a round, a profiled generation per policy, two fresh processes' first token."""
     check = load_check()
     out = tmp_path / "check"
+    traces_dir = multi_h_traces(tmp_path / "traces")
     assert check.main(["--tiny", "--device", "cpu", "--pairs", "default,coder-0.5b-7b", "--iters", "1",
-                       "--out", str(out)]) == 0
+                       "--host-reads", "round", "--traces", str(traces_dir), "--out", str(out)]) == 0
     res = json.loads((out / "gpu_check.json").read_text())
     ex = res["exactness"]
     runtimes = ["eager", "fused"]
@@ -34,28 +50,81 @@ def test_the_tiny_check_writes_every_section(tmp_path):
         for r in m["rows"].values():
             assert r["step_ms"] > 0 and sorted(map(int, r["verify_ms"])) == list(range(1, 10))
             assert r["kernels"] is None or r["kernels"] > 0
+        top = m["top_kernels"]["top"]
+        assert top and top[0]["us_per_step"] > 0 and 0 < sum(t["share"] for t in top) <= 1 + 1e-9
     default, borrowed = res["replay"]
     assert default["label"].startswith("measured acceptance") and borrowed["label"].startswith("BORROWED")
-    traces = check.load_traces(ROOT / check.TRACES)
+    traces = check.load_traces(traces_dir)
     for rp in (default, borrowed):
         assert [p["config"] for p in rp["policies"]] == list(traces["by_config"])
         assert {p["method"] for p in rp["policies"]} == {"ar", "fixed", "learned"}
         assert all(p["counts_reproduced"] and p["tok_s"] > 0 for p in rp["policies"])
         assert all(p["est_speedup"] > 0 for p in rp["policies"] if p["method"] != "ar")
         assert rp["best_fixed"].startswith("fixed:")
+        for p in rp["policies"]:  # one read of the device a round, device-decided stops included
+            assert p["host_reads_per_round"] == 1.0
+            prof, o = p["profile"], p["outside"]
+            assert prof["per_round"]["aten_ops"] > 0 and prof["rounds"] > 0
+            assert (prof["per_drafted"] is None) == (p["method"] == "ar")
+            assert 0 < o["share"] < 1 and o["ms_per_round"] > 0
+            assert (o["ms_per_drafted"] or 0) > 0 or p["method"] == "ar"
+        h, k = rp["picks"]["h"], rp["picks"]["k"]
+        assert h["best"] in (0.5, 0.7) and set(h["replayed"]) == {"0.5", "0.7"} and k["best"] in (1, 2, 3)
+        for e in (h, k):  # auto priced the curve's points at the replayed values with the costs measured here
+            assert e["auto"] == "ar" or e["auto"] in map(float, e["replayed"])
+            assert 0 < e["auto_ratio"] <= 1 and e["within_3pct"] == (e["auto_ratio"] >= 0.97)
+    assert res["loop_times"]["sample"]["row"] > 0
+    assert [(f["runtime"], f["cache"]) for f in res["first_token"]] == [("eager", "cold"), ("eager", "warm")]
+    for f in res["first_token"]:
+        assert f["tokens"] == 1 and 0 < f["generate_s"] < f["first_token_s"] <= f["process_s"]
     assert [a["pair"] for a in res["assisted"]] == ["default:tiny", "coder-0.5b-7b:tiny"]
     assert all(a["assisted_tok_s"] > 0 for a in res["assisted"]) and "padded" in res["assisted"][1]["note"]
-    assert set(res["elapsed_s"]) == {"start-up", "1 exactness", "2 runtimes", "3 replay", "4 assisted", "5 compile"}
+    assert set(res["elapsed_s"]) == {"start-up", "1 exactness", "2 runtimes", "3 replay", "4 assisted",
+                                     "5 first token", "6 compile"}
     md = (out / "report.md").read_text()
     for section in ("## 1. Exactness", "## 2. Step times per model and runtime", "## 3. Replayed traces",
-                    "## 4. transformers' assisted generation", "CPU smoke run", "**measured acceptance",
-                    "**BORROWED acceptance: traces of default replayed on coder-0.5b-7b:tiny's shapes**",
-                    "(best fixed K)", "Elapsed per phase"):
+                    "## 4. transformers' assisted generation", "## 5. The first token", "CPU smoke run",
+                    "**measured acceptance", "**BORROWED acceptance: traces of default replayed on coder-0.5b-7b:tiny's "
+                    "shapes**", "(best fixed K)", "Elapsed per phase", "Top of one fused one-token step",
+                    "Host work per round", "best replayed h:", "best replayed K:", "auto's pick from these costs"):
         assert section in md, section
     assert json.loads((out / "run.json").read_text()) == {"script": "eval/gpu_check.py", "report": "report.md"}
     copy = shutil.copytree(out, tmp_path / "copy", ignore=shutil.ignore_patterns("report.md"))
     assert check.main(["--report-only", "--out", str(copy)]) == 0
     assert (copy / "report.md").read_text() == md
+
+
+def test_replay_picks_check_auto_against_the_best_replayed():
+    from adaptive_spec.decoding.costs import Costs
+    from adaptive_spec.evaluation.gpu_bench import replay_picks
+
+    point = lambda h, tgt: {"h": h, "n_tokens": 100, "n_target_forwards": tgt, "n_draft_forwards": 300 - 2 * tgt,
+                            "n_drafted": 300 - 2 * tgt, "n_accepted": 100 - tgt, "n_discarded": 200 - tgt}
+    curve = {"k_max": 20, "thresholds": [point(0.3, 60), point(0.5, 40), point(0.9, 30)], "fixed_k": []}
+    costs = Costs(0.001, 0.010, 0.0, "k", "now")  # a cheap draft: the fewest target passes win (h = 0.9)
+    pols = [{"method": "ar", "tok_s": 50.0}, {"method": "learned", "value": 0.3, "tok_s": 60.0},
+            {"method": "learned", "value": 0.5, "tok_s": 70.0}, {"method": "learned", "value": 0.9, "tok_s": 69.0}]
+    e = replay_picks(pols, curve, costs, "sample", 20)["h"]
+    assert e["best"] == 0.5 and e["auto"] == 0.9 and e["within_3pct"] and e["unrestricted"] == 0.9
+    pols[3]["tok_s"] = 60.0  # the control: auto's pick replays 14% below the best
+    e = replay_picks(pols, curve, costs, "sample", 20)["h"]
+    assert e["auto"] == 0.9 and not e["within_3pct"] and abs(e["auto_ratio"] - 60 / 70) < 1e-12
+    assert "k" not in replay_picks(pols, curve, costs, "sample", 20)  # one K or none replayed: nothing to pick
+
+
+def test_profiles_count_outermost_ops_and_rows_share_prompts():
+    from adaptive_spec.decoding.replay import check_trace, covering_trace
+    from adaptive_spec.evaluation.gpu_bench import select_rows
+    from adaptive_spec.evaluation.round_profile import _outermost
+
+    assert _outermost([(0, 10), (1, 5), (2, 3), (10, 12), (11, 12), (20, 21)]) == 3
+    rows = lambda c: [{"config": c, "dataset": d, "prompt_idx": i} for d in ("a", "b") for i in range(3)]
+    picked = select_rows({"x": rows("x"), "y": rows("y")}, 3)
+    assert [(r["dataset"], r["prompt_idx"]) for r in picked["x"]] == [("a", 0), ("a", 1), ("b", 0)]
+    assert [(r["dataset"], r["prompt_idx"]) for r in picked["y"]] == [("a", 0), ("a", 1), ("b", 0)]
+    cover = covering_trace([[[3, 1, "model"], [0, 0, "none"]], [[1, 1, "model"], [2, 0, "ngram"]]])
+    assert cover == [[1, 0, "model"], [1, 1, "model"], [3, 0, "model"], [3, 3, "model"]]
+    check_trace(cover, sum(n + 1 for _, n, _ in cover))
 
 
 def test_the_committed_traces_name_their_pair_and_replay_as_chains():
@@ -75,3 +144,25 @@ def test_too_few_samples_are_refused(capsys):
     with pytest.raises(SystemExit):
         load_check().main(["--tiny", "--samples", "100"])
     assert "--samples must be >= 300" in capsys.readouterr().err
+
+
+def test_a_compiling_runner_keeps_the_compile_caches_in_the_project_cache(tmp_path, monkeypatch):
+    import os
+
+    import torch._inductor.config as inductor_config
+
+    from adaptive_spec.backends.static_runner import StaticCausalLM
+    from adaptive_spec.backends.toy import make_model
+
+    monkeypatch.setenv("ADAPTIVE_SPEC_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_FX_GRAPH_CACHE", raising=False)
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
+    model = make_model(5, hidden_size=16, layers=1)
+    # torch.compile writes inductor's default folder into the environment: not the user's choice, replaced
+    StaticCausalLM(model, 5, max_cache_len=8, compile=True, compiler="eager")
+    StaticCausalLM(model, 5, max_cache_len=8, compile=True)  # nothing compiles before a warm-up
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor") and inductor_config.fx_graph_cache
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the user's folder wins
+    StaticCausalLM(model, 5, max_cache_len=8, compile=True)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")

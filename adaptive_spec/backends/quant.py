@@ -25,7 +25,7 @@ class QuantLinear(torch.nn.Module):
     exactly as the target's whatever q is, so a cheaper q costs acceptance, never correctness.
     Why it pays: a decode step streams the weights, and int8 is a quarter of fp32's bytes, int4
     an eighth. Activations enter the kernels in bf16 (the int8 kernel's fp32-activation path is
-    6x slower on an AVX2 CPU); the draft's logits come out in the model's dtype.
+    several times slower on a CPU); the draft's logits come out in the model's dtype.
     """
 
     act_dtype = torch.bfloat16
@@ -46,11 +46,11 @@ class QuantLinear(torch.nn.Module):
     def densify(self, dtype: torch.dtype):
         """Keep a dense copy of the dequantized weight in `dtype` (oneDNN-packed where the CPU has a
         kernel for it) and compute every input with it: for batched work only (datagen), where
-        every pass has many rows and the kernels' per-row cost dominates (twelve 4864x896 layers,
-        2 threads, AVX2: 43.6 ms int8 against 28.7 ms packed fp32 at 32 rows, even at ~8 rows,
-        int8 ahead only below that). The weights keep their quantized values; what changes is the
-        activations' precision (the model's dtype instead of bf16 into the kernel), a
-        rounding-level difference in q. Costs 4 (fp32) or 2 (bf16) bytes a weight; state_dict and
+        every pass has many rows and the kernels' per-row cost dominates: from a handful of rows on,
+        a kept dense copy beats the int8 kernel (docs/datagen.md has the figures). The weights keep
+        their quantized values; what changes is the activations' precision (the model's dtype
+        instead of bf16 into the kernel), a rounding-level difference in q. Costs 4 (fp32) or 2
+        (bf16) bytes a weight; state_dict and
         named_parameters are unchanged (the copy is neither a parameter nor a buffer), so
         fingerprints and checkpoints do not see it."""
         device = next(self.buffers()).device
@@ -80,13 +80,14 @@ class QuantLinear(torch.nn.Module):
 
 class Int8Linear(QuantLinear):
     """Weight-only int8 linear layer: symmetric per-output-channel scales, run by torch's
-    maintained `_weight_int8pack_mm` kernel (CPU and CUDA), not a GEMM of our own. Measured on an
-    AVX2 CPU, twelve 4864x896 layers, one row: 3.96 ms against 7.92 ms for fp32 oneDNN-packed."""
+    maintained `_weight_int8pack_mm` kernel (CPU and CUDA), not a GEMM of our own. On one row it
+    reads a quarter of fp32's bytes, which is what a draft step waits for where the models compute
+    in fp32 (docs/cpu-runtime.md)."""
 
     # From this many input rows on, dequantize and run a dense GEMM: `_weight_int8pack_mm` costs a
-    # fixed ~0.11 ms a row on an AVX2 CPU (a 4864x896 layer), twice fp32 GEMM's cost at 2048 rows
-    # (datagen's batched feature pass), while the dequantization is paid once per call; at 512
-    # rows the two are even, below that int8 wins (measured on an AVX2 EPYC, 2 threads).
+    # fixed time per row, so at datagen's batched feature pass (thousands of rows) it loses to a
+    # dense GEMM, while the dequantization is paid once per call; at a few hundred rows the two are
+    # even, below that int8 wins.
     dense_rows = 1024
 
     def __init__(self, linear: torch.nn.Linear, act_dtype: torch.dtype = torch.bfloat16):
@@ -113,9 +114,10 @@ class Int8Linear(QuantLinear):
 class Int4Linear(QuantLinear):
     """Weight-only int4 linear layer: asymmetric, a scale and zero point per group of
     `group_size` input channels, run by torch's maintained `_weight_int4pack_mm_for_cpu` (the
-    kernel torchao's CPU int4 path calls). Weight w = (q - 8) * scale + zero, q in 0..15. Measured
-    on an AVX2 CPU, twelve 4864x896 layers, 2 threads, one row: 3.83 ms against 4.5-5.7 ms int8
-    in the same runs (`make bench`, a sweep over draft configurations, measures the whole draft and its acceptance)."""
+    kernel torchao's CPU int4 path calls). Weight w = (q - 8) * scale + zero, q in 0..15. Half
+    int8's bytes, but where the kernels are compute-bound it saves little of a draft step
+    (docs/cpu-runtime.md; `make bench`, a sweep over draft configurations, measures the whole draft
+    and its acceptance)."""
 
     def __init__(self, linear: torch.nn.Linear, group_size: int = 64):
         super().__init__()

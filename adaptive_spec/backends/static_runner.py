@@ -102,8 +102,15 @@ def _persist_compile_caches() -> None:
     """torch.compile's caches (inductor's FX graphs, with Triton's kernels under them) in the project's cache
     folder, not the temporary one inductor defaults to: a later process then compiles a shape it compiled
     before in seconds, not tens of seconds. A TORCHINDUCTOR_CACHE_DIR or TORCHINDUCTOR_FX_GRAPH_CACHE the user
-    set wins."""
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    set wins; inductor's own default, which it writes into the environment once it has used it, does not."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        default = os.path.abspath(default_cache_dir())
+    except ImportError:  # an older torch: only an unset variable is replaced
+        default = None
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or (default is not None and os.path.abspath(current) == default):
         from .llama_build import cache_dir  # stdlib only: the project's one cache root
 
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")

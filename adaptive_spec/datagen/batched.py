@@ -91,7 +91,7 @@ def _prefill(model, prompts: list[list[int]], vocab: int, dev):
     Why not one forward padded to the batch's longest prompt: a prefill is compute-bound, and on
     the mix's prompts (median 71 tokens, a tail to 1024) pad rows were 40% of the rows of
     length-sorted batches of 8, more for larger batches. (Prefilling runs of similar-length
-    prompts together, with a little padding, measured no faster: a forward's fixed cost, the
+    prompts together, with a little padding, is no faster: a forward's fixed cost, the
     weights read once, about equals the pad rows it adds.) The pad slots of the cache stay zero;
     the attention mask hides them, as it hid the pad rows' KV before."""
     caches, logits = [], []

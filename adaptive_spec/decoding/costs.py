@@ -12,7 +12,10 @@ T = t_draft N_draft + t_target N_target, has no term for (timemodel.py has the o
 
 `measure_costs(pair)` runs a few forwards through the pair's own runners (a warm-up round, then the
 median of `reps` rounds, each timing the draft step and every length once), after a PREFIX-token
-context (256: a typical decode's, see PREFIX). The result is cached as JSON in
+context (256: a typical decode's, see PREFIX). The target's one-row pass, the step the target alone
+decodes with, is timed instead as the decode runs it (`decode_step_time`: the decoder's own target-alone
+loop, one step after another around that context); the interleaved cell of one row is kept beside it
+(t_step_cell). The result is cached as JSON in
 <cache>/costs/<key>.json ($ADAPTIVE_SPEC_CACHE or ~/.cache/adaptive_spec), the key hashing
 everything that moves these times: the CPU and its flags, torch threads and version, the device,
 both models' fingerprints, dtypes and CPU kernels (cpu_path), the draft's quantization and
@@ -53,8 +56,13 @@ PREFIX = 256
 # How the times are taken, in the cache key: times taken another way are measured again. v2: the
 # draft step and every length timed round-robin over 5 rounds, t_verify made monotone; v3: with the
 # prefill rate of both models and the decode loop's own time per row and per round (`loop`); v4: and
-# the LONG_LENGTHS passes; v5: and the draft's two-token pass (t_draft_two).
-METHOD = "interleaved-monotone-v5"
+# the LONG_LENGTHS passes; v5: and the draft's two-token pass (t_draft_two); v6: the target's one-row pass
+# timed as the decode runs it (decode_step_time), the interleaved one-row cell kept as t_step_cell.
+METHOD = "interleaved-monotone-v6"
+# The decode's one-row step (decode_step_time): untimed steps first (the first steps after a prefill pay
+# for allocation and a graph of another shape), then DECODE_STEPS_PER_REP timed ones per timing round.
+DECODE_WARMUP = 4
+DECODE_STEPS_PER_REP = 6
 # the sampling modes the loop's own time is measured for (by name: "greedy" at temperature 0, "sample" else)
 LOOP_SAMPLING = {"greedy": dict(temperature=0.0), "sample": dict(temperature=1.0, top_k=50)}
 
@@ -78,6 +86,10 @@ class Costs:
     # accepted feeds y_K (never fed to the draft) and the bonus token (decoder.py's cache invariant); on a
     # 2-core CPU it costs 1.2-1.4 one-row steps, and fixed K = 1 runs it in most rounds (0: not measured)
     t_draft_two: float = 0.0
+    # the target's one-row pass timed as an interleaved cell (rolled back to PREFIX, between passes of other
+    # lengths and the draft's): what t_verify[0] was before it was timed in the decode's own loop; beside it,
+    # how far the two ways of timing one step differ on this machine (0: not measured)
+    t_step_cell: float = 0.0
 
     def loop_s(self, mode: str, part: str) -> float:
         return float(((self.loop or {}).get(mode) or {}).get(part, 0.0))
@@ -215,7 +227,7 @@ def costs_from_json(d: dict) -> Costs:
                  tuple(float(t) for t in d.get("t_verify") or ()), float(d.get("t_prefill", 0.0)),
                  float(d.get("t_prefill_draft", 0.0)), d.get("loop"),
                  {int(k): float(v) for k, v in (d.get("t_verify_long") or {}).items()} or None,
-                 float(d.get("t_draft_two", 0.0)))
+                 float(d.get("t_draft_two", 0.0)), float(d.get("t_step_cell", 0.0)))
 
 
 def _read_cached(path: Path, key: str) -> Costs | None:
@@ -245,13 +257,14 @@ def _read_costs_file(path: Path, what: str, key: str | None = None) -> tuple[dic
 def _measure(pair, reps: int, key: str) -> Costs:
     if reps < 1:
         raise UserError(f"reps must be >= 1, got {reps}")
-    cells = ([(pair.draft, 1, False), (pair.draft, 2, False)] if pair.draft is not None else []) + [
-        (pair.target, n, True) for n in VERIFY_LENGTHS]
+    cells = measured_cells(pair)
     prefill: dict = {}
     times = interleaved_times(cells, reps, prefill)
     # a two-token step never costs less than a one-token one (timing noise where they are alike)
     t_draft, t_draft_two = (times[0], max(times[0], times[1])) if pair.draft is not None else (0.0, 0.0)
-    measured = times[-len(VERIFY_LENGTHS):]
+    # the one-row pass is the target alone's step: timed as its loop runs it, the interleaved cell kept beside
+    cell = times[-len(VERIFY_LENGTHS)]
+    measured = [decode_step_time(pair.target, reps)] + list(times[-len(VERIFY_LENGTHS) + 1:])
     limit = getattr(pair.target, "max_length", None)
     longs = [n for n in LONG_LENGTHS if not limit or n <= limit // 2]  # after a context of at least as many
     long_times = interleaved_times([(pair.target, n, True) for n in longs], max(1, (reps + 1) // 2)) if longs else []
@@ -265,7 +278,52 @@ def _measure(pair, reps: int, key: str) -> Costs:
                  tuple(float(t) for t in table[:len(VERIFY_LENGTHS)]), prefill.get(id(pair.target), 0.0),
                  prefill.get(id(pair.draft), 0.0) if pair.draft is not None else 0.0,
                  loop_times(pair.target.vocab_size, pair.target.device),
-                 {n: float(t) for n, t in zip(longs, table[len(VERIFY_LENGTHS):])} or None, float(t_draft_two))
+                 {n: float(t) for n, t in zip(longs, table[len(VERIFY_LENGTHS):])} or None, float(t_draft_two),
+                 float(cell))
+
+
+def measured_cells(pair) -> list[tuple]:
+    """The interleaved cells (runner, tokens, all rows' logits) of one timing round: the draft's one- and
+    two-token steps (with a draft), then the target's passes of every VERIFY_LENGTHS length."""
+    return ([(pair.draft, 1, False), (pair.draft, 2, False)] if pair.draft is not None else []) + [
+        (pair.target, n, True) for n in VERIFY_LENGTHS]
+
+
+def decode_step_time(lm, reps: int, steps: int | None = None, warmup: int = DECODE_WARMUP,
+                     context: int | None = None) -> float:
+    """Median seconds of `lm`'s one-row step as the target-alone decode runs it: the decoder's own loop
+    (decoder.Decoder without a policy, T = 1 top-k 50) from a prompt that centres the timed steps on the
+    PREFIX-token context, each step feeding the token the last one drew, with the loop's sampling between
+    steps and no other pass, rollback or reset among them. Each step's time is its forward's, read from the
+    runner's counters (the loop's own time is Costs.loop's). Why not a cell rolled back to PREFIX between
+    passes of other lengths and models (interleaved_times): a runner may do per call what a run of
+    same-shaped calls skips (llama.cpp rebuilds its compute graph when the batch shape changes and reuses
+    it otherwise), so such a cell can cost more than the decode's step; the verification passes keep their
+    interleaved cells, as a speculative round runs them between the draft's steps. `steps` timed steps
+    (default DECODE_STEPS_PER_REP a rep) after `warmup` untimed ones, centred on `context` (default PREFIX;
+    less where the context is shorter). The runner is left reset, its counters as they were."""
+    from .decoder import Decoder  # the decoder imports the sampling this module does: only where timed
+
+    steps = max(1, DECODE_STEPS_PER_REP * reps if steps is None else steps)
+    n = warmup + steps
+    limit = getattr(lm, "max_length", None)
+    centre = PREFIX if context is None else int(context)
+    prompt = max(1, (min(centre, limit - n) if limit else centre) - warmup - steps // 2)
+    ids = ((torch.arange(prompt) * 7 + 5) % lm.vocab_size).tolist()
+    saved = lm.counters.saved()
+    marks = []  # (the prompt's prefill seconds, the counters' seconds) after each step
+    try:
+        Decoder(lm, None).generate(ids, max_new_tokens=n, sampling=SamplingParams(**LOOP_SAMPLING["sample"]),
+                                   seed=0, on_tokens=lambda _: marks.append((lm.counters.prefill_s,
+                                                                             lm.counters.seconds)))
+    finally:
+        lm.reset()
+        lm.counters.restore(saved)
+    if len(marks) < n:
+        raise UserError(f"the target-alone loop stopped after {len(marks)} of {n} steps; its context "
+                        f"({getattr(lm, 'max_length', None)} positions) is too short to time a step")
+    seconds = np.diff([marks[0][0]] + [s for _, s in marks])
+    return float(statistics.median(seconds[warmup:]))
 
 
 def loop_times(vocab_size: int, device, reps: int = 20) -> dict:
@@ -338,7 +396,22 @@ def interleaved_times(cells, reps: int, prefill: dict | None = None) -> list[flo
     1.5x between runs) slows every cell alike instead of whichever length was timed during it;
     round 0 is a warm-up (allocation, kernel selection). Each runner is left reset and its counters
     as they were, so measuring never shows up in a generation's metrics."""
-    # per runner: its context length and the token ids (context, then the longest pass it feeds)
+    ctx = prefilled(cells, prefill)
+    samples: list[list[float]] = [[] for _ in cells]
+    try:
+        for r in range(reps + 1):
+            for i, t in enumerate(interleaved_round(cells, ctx)):
+                if r:
+                    samples[i].append(t)
+    finally:
+        release(ctx)
+    return [statistics.median(s) for s in samples]
+
+
+def prefilled(cells, prefill: dict | None = None) -> dict:
+    """Per runner of `cells` (by id): (runner, its context length, the token ids: the context, then the
+    longest pass it feeds, its counters as they were), its cache holding the context. `prefill` gets each
+    runner's seconds per prompt token (the second prefill: the first pays for allocation)."""
     ctx = {}
     for lm, _, _ in cells:
         if id(lm) not in ctx:
@@ -347,22 +420,29 @@ def interleaved_times(cells, reps: int, prefill: dict | None = None) -> list[flo
             ctx[id(lm)] = (lm, prefix, (torch.arange(prefix + longest, device=lm.device) * 7 + 5) % lm.vocab_size,
                            lm.counters.saved())
     for lm, prefix, ids, _ in ctx.values():
-        for rep in range(2):  # the second time is the prefill rate's (the first pays for allocation)
+        for _ in range(2):
             lm.reset()
             with timed(lm.device) as t:
                 lm.forward(ids[:prefix], n_logits=0)
         if prefill is not None:
             prefill[id(lm)] = t.s / prefix
-    samples: list[list[float]] = [[] for _ in cells]
-    for r in range(reps + 1):
-        for i, (lm, n, all_logits) in enumerate(cells):
-            _, prefix, ids, _ = ctx[id(lm)]
-            lm.rollback(prefix)
-            with timed(lm.device) as t:
-                lm.forward(ids[prefix:prefix + n], n_logits=n if all_logits else 1)
-            if r:
-                samples[i].append(t.s)
+    return ctx
+
+
+def interleaved_round(cells, ctx: dict) -> list[float]:
+    """Seconds of each cell once, in order: its runner rolled back to its context, then n tokens fed."""
+    out = []
+    for lm, n, all_logits in cells:
+        _, prefix, ids, _ = ctx[id(lm)]
+        lm.rollback(prefix)
+        with timed(lm.device) as t:
+            lm.forward(ids[prefix:prefix + n], n_logits=n if all_logits else 1)
+        out.append(t.s)
+    return out
+
+
+def release(ctx: dict) -> None:
+    """Every runner of a `prefilled` context reset, its counters as they were."""
     for lm, _, _, saved in ctx.values():
         lm.reset()
         lm.counters.restore(saved)
-    return [statistics.median(s) for s in samples]

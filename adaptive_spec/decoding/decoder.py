@@ -29,7 +29,7 @@ from .graph_round import GraphRound, run_epilogue
 from .interfaces import DraftSource, DraftStep, Policy, RoundOwner, RoundState, StopPolicy
 from .sampling import SamplingParams, draw, process_logits, verify, verify_greedy
 
-HOST_READS = ("auto", "token", "round")
+HOST_READS = ("auto", "token", "round")  # or an integer N: a device round that reads its stop every N tokens
 
 
 @dataclass
@@ -207,7 +207,7 @@ class Decoder:
     """
 
     def __init__(self, target: Runner, draft: Runner | None = None, eos_token_ids=(),
-                 replay: Iterator[int] | None = None, record_trace: bool = False, host_reads: str = "auto"):
+                 replay: Iterator[int] | None = None, record_trace: bool = False, host_reads: str | int = "auto"):
         """`record_trace`: Metrics.trace lists every verified round (K, n accepted, source).
         `replay`: accepted counts to impose on the chain rounds, one per round, instead of the
         verifier's (a trace recorded with real weights, replayed on models of the same shapes with
@@ -215,9 +215,12 @@ class Decoder:
         `host_reads`: "round" decides a model-drafted chain's stop on the device and reads the device once a
         round (graph_round.py); "token" asks the stop rule on the host after each drafted token (its
         decision is read then); "auto": "round" on CUDA, where a read stalls the device's queue, "token"
-        elsewhere, where there is no queue to stall and the CPU's sparse top-k (one read) is the faster one."""
-        if host_reads not in HOST_READS:
-            raise UserError(f"host_reads must be one of {', '.join(HOST_READS)}, got {host_reads!r}")
+        elsewhere, where there is no queue to stall and the CPU's sparse top-k (one read) is the faster one.
+        An integer N: a device round that reads whether the rule has stopped after every N drafted tokens (no
+        cap to learn, at most N - 1 steps drafted past the stop, a read per N tokens)."""
+        if not (host_reads in HOST_READS or (type(host_reads) is int and host_reads >= 1)):
+            raise UserError(f"host_reads must be one of {', '.join(HOST_READS)} or an integer N >= 1 (read the "
+                            f"stop every N drafted tokens), got {host_reads!r}")
         self.target = target
         self.draft = draft
         self.eos = set(int(e) for e in eos_token_ids)
@@ -361,7 +364,7 @@ class Decoder:
         if sp.greedy:
             tok = logits[0].argmax()
         else:
-            tok = draw(process_logits(logits[0], sp, sync_free=self.host_reads == "round"), sp, state.gen)
+            tok = draw(process_logits(logits[0], sp, sync_free=self.host_reads != "token"), sp, state.gen)
         tok = [int(tok)]
         state.met.host_reads += 1
         state.met.lap("verify_other")
@@ -374,8 +377,9 @@ class Decoder:
         source = source or ModelSource(self.draft, rule.graph_head if self.draft_runs_heads else None)
         # the round adds at most K + 1 tokens: never draft past the length limit
         k_cap = max(0, min(rule.begin_round(state.pos), state.remaining - 1))
-        if k_cap and self.host_reads == "round" and isinstance(source, ModelSource) and rule.decides_on_device:
-            K, n, new = self.graph_round.round(self, state, rule, k_cap, source)
+        if k_cap and self.host_reads != "token" and isinstance(source, ModelSource) and rule.decides_on_device:
+            every = self.host_reads if isinstance(self.host_reads, int) else None
+            K, n, new = self.graph_round.round(self, state, rule, k_cap, source, every)
         else:
             y, q = self._draft_chain(state, rule, k_cap, source)
             n, new = self._verify_chain(state, y, q)
@@ -419,7 +423,7 @@ class Decoder:
         if state.sampling.greedy:
             n_t, tok_t, state.p_y = verify_greedy(y, logits_p)
         else:
-            p = process_logits(logits_p, state.sampling, sync_free=self.host_reads == "round")
+            p = process_logits(logits_p, state.sampling, sync_free=self.host_reads != "token")
             if q is None:
                 q = p.new_empty(0, p.shape[-1])
             n_t, tok_t = verify(y, q, p, state.gen)

@@ -144,17 +144,26 @@ class GraphRound:
             verify = self._verifies[(id(chain), m)] = VerifyEpilogue(chain, m)
         return chain, verify
 
-    def round(self, dec, state, rule: StopPolicy, k_cap: int, source) -> tuple[int, int, list[int]]:
-        """One chain round drafted by `source` (a decoder.ModelSource): (K, n accepted, new tokens)."""
+    def round(self, dec, state, rule: StopPolicy, k_cap: int, source, every: int | None = None):
+        """One chain round drafted by `source` (a decoder.ModelSource): (K, n accepted, new tokens). every=N:
+        draft in chunks of N and read whether the rule stopped after each, instead of up to a learned cap."""
         from .decoder import _count_pass, host_read
 
         met, target = state.met, dec.target
-        m = self.caps.cap(k_cap) if rule.stops_mid_chain else k_cap
-        chain, verify = self._epilogues(rule, state.sampling, m, target.vocab_size, dec.device)
-        chain.begin(rule, m, state.gen)
+        capped = every is None and rule.stops_mid_chain
+        m = self.caps.cap(k_cap) if capped else k_cap
+        chain, _ = self._epilogues(rule, state.sampling, m, target.vocab_size, dec.device)
+        chain.begin(rule, m, state.gen)  # uniforms for up to m steps; a chunked round may use fewer
         met.lap("rest")
-        for i in range(1, m + 1):
-            source.step_epilogue(state, i, chain)
+        drafted = 0
+        while drafted < m:
+            for i in range(drafted + 1, min(m, drafted + (every or m)) + 1):
+                source.step_epilogue(state, i, chain)
+            drafted = i
+            if drafted < m and rule.stops_mid_chain and host_read(met, chain.ctrl[1:])[0]:
+                break  # the rule stopped inside this chunk
+        m = drafted
+        _, verify = self._epilogues(rule, state.sampling, m, target.vocab_size, dec.device)
         L = state.seq.shape[0]
         ids = torch.cat([state.seq[target.length:], chain.y[:m]])
         met.lap("draft_other")
@@ -166,7 +175,8 @@ class GraphRound:
         if dec.replay is not None:  # the trace's outcome (a replayed rule never stops mid-chain: K = m)
             n = min(next(dec.replay), m)
         dec._rollback(state, L + n)
-        self.caps.update(K, bool(stopped), m)
+        if capped:
+            self.caps.update(K, bool(stopped), m)
         met.n_past_stop += m - K
         state.p_y = None  # the model's candidates: nothing learns from p(y) here (prompt lookup's copies do)
         return K, n, vals[4:4 + n] + [tok]

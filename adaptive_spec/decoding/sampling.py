@@ -26,14 +26,14 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     of probability 0 owns an empty interval of the CDF, so it is never drawn. The cumulative sum
     runs in float64, so the intervals' rounding (~1e-16 of the mass) is far below anything a
     test or a run could see. Why not the exponential race argmax(p / E): it needs V random
-    numbers a row, and on a CPU drawing them dominated sampling (151,936 tokens: 3.5 ms a row
-    against 0.2 ms here; 126 ms against 31 ms for datagen's 32 rows).
+    numbers a row, and on a CPU drawing them costs more than the rest of sampling (this needs one;
+    docs/datagen.md has the figures).
 
     On a large vocabulary the CDF is walked in two levels, the same inverse CDF: the blocks' masses
     (blocks of `SAMPLE_BLOCK` tokens) locate u's block, then that block's own cumulative sum its token,
-    instead of a float64 cumulative sum over the whole row (0.3-1 ms a row of 151,936 on one CPU
-    thread; this: ~0.1 ms, paid per drafted token and per verification). An offset that rounding puts
-    past its block's last token is pulled back inside, so a token of probability 0 is still never drawn.
+    instead of a float64 cumulative sum over the whole row, the slow part of sampling a large vocabulary
+    on a CPU, paid per drafted token and per verification. An offset that rounding puts past its
+    block's last token is pulled back inside, so a token of probability 0 is still never drawn.
     """
     u = torch.rand((*probs.shape[:-1], 1), generator=generator, dtype=torch.float64, device=probs.device)
     return sample_u(probs, u)

@@ -26,19 +26,21 @@ The models fitted to sweep rows and compared:
 
 N_pass(n) counts the target passes of n tokens (a row's target_pass_hist; a curve point's
 expected one). On a CPU t_verify(n) is a step function, not a line: oneDNN's packed GEMM blocks
-rows, so a pass of 6 tokens costs what one of 3 does and one of 7 some 20% more. The table model
+rows, so passes of several lengths cost the same and the next length jumps (per-length times in
+eval/results/bench_verify_lengths_avx512/table.md). The table model
 takes the measured t_verify(n) of costs.py as they are; it has too many coefficients to fit
 from sweep rows, so it is scored with measured costs only. A row or point without a pass
 histogram falls back to the extended model's terms.
 
 t_cand is the extra target time per candidate in a verification pass (costs.py measures it:
-about 10 ms on an AVX2-only CPU, near zero where the pass reads the weights once whatever K is).
+sizeable where each input row adds compute, as in fp32 on an AVX2-only CPU, near zero where the
+pass reads the weights once whatever K is).
 
 t_catch_up (measured costs only, not the paper's model) is what a two-token draft step costs beyond
 a one-token one, paid once per round after a round whose candidates were all accepted (the draft
 then feeds y_K and the bonus token): N_all_accepted, a curve point's expected count. Without it the
-models price fixed K = 1 about 8% fast on a 2-core CPU, where a two-row draft pass costs 1.2-1.4
-steps and 0.8 of K = 1 rounds are all accepted (eval/results/bench_probe_*). Where copying rounds
+models price small fixed K too fast where a two-row draft pass costs clearly more than a one-row
+step and most short rounds are all accepted (eval/results/bench_probe_* say by how much). Where copying rounds
 run between the draft's rounds (prompt lookup with the draft model elsewhere) the draft's first step
 feeds every token they made: one such step, plus N_fed_extra tokens beyond two at t_feed, the
 draft's prefill rate per token.

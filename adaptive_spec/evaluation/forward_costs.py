@@ -5,7 +5,8 @@ Imports no torch itself (a script's --report-only path reads its labels from her
   LlamaCppLM), every configuration interleaved round by round: the measurement `auto` prices rounds
   with (decoding/costs.py, whose `interleaved_times` this is) and the one
   `eval/bench_forward_costs.py llama-cpp` reports, so a benchmark's v(N) and auto's are the same
-  numbers taken the same way;
+  numbers taken the same way (but for auto's one-row step, timed in the decode's own loop:
+  costs.decode_step_time; eval/bench_llama_step.py sets the two side by side);
 - `timed_runs`: the one timing loop of the torch benchmarks (untimed warm-ups, a reset before every
   call); over it `read_bandwidth_gbps`, `time_forward` (one runner's pass of n tokens after a given
   prompt, with the logits: the torch kernel benchmarks compare numeric paths by them), `time_prefill`

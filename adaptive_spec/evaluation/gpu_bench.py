@@ -1,7 +1,9 @@
 """What the GPU benchmarks share (eval/bench_gpu.py, eval/gpu_check.py): the memory-bandwidth roofline,
-timing loops with no host sync inside, transformers' compiled `generate` as a baseline, and Eq. 5.1 of
+timing loops with no host sync inside, transformers' compiled `generate` as a baseline, Eq. 5.1 of
 SpecDec++ turning measured step times and acceptance statistics into ESTIMATED speed-ups (a model, not a
-measurement: eval/gpu_check.py sets replayed traces beside it).
+measurement: eval/gpu_check.py sets replayed traces beside it), and for those replays the trace sweep read
+(its rows, the recorded policies' stop rules, the head's curve) and the best replayed h and K set beside
+`--threshold auto`'s and `--k auto`'s picks from the step times measured on the device.
 """
 from __future__ import annotations
 
@@ -237,3 +239,160 @@ def fmt(x, nd=2):
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return "-"
     return f"{x:.{nd}f}"
+
+
+# ----------------------------------------------------------------------------- replayed picks of h and K
+
+def load_traces(folder: Path, root: Path, n_rows: int | None = None) -> dict:
+    """The trace sweep: its rows by config (in grid order; n_rows of each, on the same prompts: select_rows),
+    sampling, head folders (relative to `root`, as the sweep names them), the head's threshold curve (None where it
+    has none) and the pair that made it."""
+    from ..decoding.sampling import SamplingParams
+    from ..errors import UserError
+    from ..heads.curve import load_curve
+
+    cfg = json.loads((folder / "config.json").read_text())
+    rows = [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "trace" in r]
+    if not rows:
+        raise SystemExit(f"error: {folder} holds no traces; record them with a sweep with record_trace: true "
+                         "(configs/sweep/gpu_traces.yaml)")
+    by_config: dict = {}
+    for r in rows:
+        by_config.setdefault(r["config"], []).append(r)
+    by_config = select_rows(by_config, n_rows)
+    rows = [r for rs in by_config.values() for r in rs]
+    c = cfg["config"]
+    shown = folder.relative_to(root) if folder.is_relative_to(root) else folder  # the report reads the same anywhere
+    curve, curve_note = None, None
+    if c.get("heads"):  # what auto reads: the curve beside the (first) head
+        try:
+            curve = load_curve(root / c["heads"][0], "k")
+        except UserError as e:
+            curve_note = f"auto's picks: no threshold curve ({e})"
+    return {"folder": str(shown), "pair": cfg.get("trace_pair", {}), "by_config": by_config,
+            "sampling": SamplingParams(c["temperature"], c["top_k"], c["top_p"]), "heads": c.get("heads", []),
+            "k_max": c.get("k_max", 20), "max_k": max((k for r in rows for k, _, _ in r["trace"]), default=1),
+            "max_len": max(r["n_prompt_tokens"] + r["n_tokens"] for r in rows), "curve": curve,
+            "curve_note": curve_note, "datasets": sorted({str(r.get("dataset")) for r in rows}),
+            "context": int(statistics.median(r["n_prompt_tokens"] + r["n_tokens"] // 2 for r in rows))}
+
+
+def acceptance_label(pair: str, source: str | None) -> str:
+    """What a replay on preset `pair` measures, given the preset that recorded the traces (`source`)."""
+    base, tiny = pair.split(":")[0], pair.endswith(":tiny")
+    shapes = " (on tiny shapes of it)" if tiny else ""
+    if base == source:
+        return f"measured acceptance: the traces' own pair{shapes}"
+    return f"BORROWED acceptance: traces of {source or 'a pair of no preset'} replayed on {pair}'s shapes"
+
+
+def inner_policy(row: dict, traces: dict, draft_lm, device, root: Path):
+    """The recorded policy's stop rule for these runners (asked at every drafted step, for its cost): the
+    trace's own head where the draft has its hidden size, else a random head of the same depth (head folders
+    relative to `root`)."""
+    from ..decoding.policies import FixedK, LearnedThreshold
+    from ..heads.head import AcceptanceHead, load_head
+
+    if row["method"] == "fixed":
+        return FixedK(int(row["k"]))
+    if row["method"] != "learned":
+        return None
+    path = next((h for h in traces["heads"] if Path(h).name == row["head"] or row["head"] in h), None)
+    info = json.loads((root / path / "config.json").read_text()) if path else {}
+    if info.get("hidden_size") == draft_lm.hidden_size:
+        head = load_head(str(root / path), hidden_size=draft_lm.hidden_size, device=device)
+    else:
+        head = AcceptanceHead(draft_lm.hidden_size, depth=info.get("depth", 3)).to(device).eval()
+    return LearnedThreshold(head, row["h"], traces["k_max"])
+
+
+def select_rows(by_config: dict, n: int | None) -> dict:
+    """Each config's rows on the same n prompts (None: all), taken round-robin over the datasets in the order the
+    sweep ran them, so every config replays the same prompts and a dataset is not left out."""
+    if not n:
+        return by_config
+    keys: dict = {}
+    for rows in by_config.values():
+        for r in rows:
+            keys.setdefault(r.get("dataset"), {}).setdefault((r.get("dataset"), r.get("prompt_idx")), None)
+    queues = [list(k) for k in keys.values()]
+    chosen = []
+    while len(chosen) < n and any(queues):
+        for q in queues:
+            if q and len(chosen) < n:
+                chosen.append(q.pop(0))
+    keep = set(chosen)
+    return {c: [r for r in rows if (r.get("dataset"), r.get("prompt_idx")) in keep] for c, rows in by_config.items()}
+
+
+def measured_costs(draft_row: dict, target_row: dict, loop: dict | None):
+    """costs.Costs from a check's step table (ms per one-token step, per verify pass of n rows) and loop times:
+    what `--threshold auto` measures at load, measured here on the check's runners."""
+    from ..decoding.costs import Costs, monotone
+
+    v = {int(k): float(x) / 1000 for k, x in target_row["verify_ms"].items()}
+    ns = list(range(1, max(v) + 1))  # Costs.t_verify holds every length from 1: the unmeasured ones interpolated
+    table = monotone([interp(v, n) for n in ns])
+    mx, my = sum(ns) / len(ns), sum(table) / len(ns)
+    slope = max(0.0, sum((n - mx) * (t - my) for n, t in zip(ns, table)) / (sum((n - mx) ** 2 for n in ns) or 1))
+    two = {int(k): x for k, x in draft_row.get("verify_ms", {}).items()}.get(2)
+    return Costs(draft_row["step_ms"] / 1000, table[0], slope, "gpu_check", time.strftime("%Y-%m-%d %H:%M"),
+                 tuple(table), loop=loop, t_draft_two=max(draft_row["step_ms"], two or 0.0) / 1000)
+
+
+def replay_picks(policies: list[dict], curve: dict | None, costs, loop: str, k_max: int) -> dict:
+    """Per kind ("h": SpecDec++, "k": fixed K) with two or more values replayed: the value of the best replayed
+    tok/s, and auto's pick (decoding/auto.pick, the engine's time model, these costs) from the curve's points at
+    the replayed values (and at all of them, `unrestricted`), with its replayed tok/s over the best's (the target
+    alone competes in both, as in auto)."""
+    from ..decoding.auto import AR, DEFAULT_TIME_MODEL, pick
+
+    kinds, by = {"learned": "h", "fixed": "k"}, {"h": {}, "k": {}}
+    for p in policies:
+        kind = kinds.get(p["method"])
+        if kind and p.get("tok_s") and p.get("value") is not None:
+            by[kind][p["value"]] = p["tok_s"]
+    ar = next((p["tok_s"] for p in policies if p["method"] == "ar" and p.get("tok_s")), None)
+    out = {}
+    for kind, seen in by.items():
+        if len(seen) < 2:
+            continue
+        best = max(seen, key=seen.get)
+        entry = out[kind] = {"replayed": {str(v): t for v, t in sorted(seen.items())}, "best": best,
+                             "best_tok_s": seen[best]}
+        if curve is None or costs is None:
+            entry["auto"] = None
+            continue
+        field = "thresholds" if kind == "h" else "fixed_k"
+        sub = {**curve, field: [pt for pt in curve.get(field, []) if any(abs(pt[kind] - v) < 1e-9 for v in seen)]}
+        if not sub[field]:
+            entry["auto"] = None
+            entry["note"] = f"the curve has no points at the replayed {kind} values"
+            continue
+        got = pick(sub, kind, costs, DEFAULT_TIME_MODEL, k_max, loop)
+        value = got["value"]
+        tok = ar if value == AR else next((t for v, t in seen.items() if abs(v - value) < 1e-9), None)
+        top = max(seen[best], ar or 0.0)
+        entry.update(auto=value, auto_tok_s=tok, auto_ratio=tok / top if tok else None,
+                     within_3pct=bool(tok and tok >= 0.97 * top), predicted=got["predicted"],
+                     unrestricted=pick(curve, kind, costs, DEFAULT_TIME_MODEL, k_max, loop)["value"])
+    return out
+
+
+def picks_md(picks: dict) -> list[str]:
+    """The report's lines for replay_picks."""
+    out = []
+    for kind, e in picks.items():
+        name = "h" if kind == "h" else "K"
+        line = (f"- best replayed {name}: **{e['best']:g}** ({fmt(e['best_tok_s'], 1)} tok/s; replayed: "
+                + ", ".join(f"{v} {fmt(t, 1)}" for v, t in e["replayed"].items()) + ")")
+        if e.get("auto") is None:
+            line += f"; auto's pick: - ({e.get('note', 'no curve or costs')})"
+        else:
+            auto = e["auto"] if isinstance(e["auto"], str) else f"{e['auto']:g}"
+            line += (f"; auto's pick from these costs: **{auto}** ({fmt(e['auto_tok_s'], 1)} tok/s, "
+                     f"{fmt(100 * e['auto_ratio'] if e['auto_ratio'] else None, 1)}% of the best: "
+                     f"{'within 3%' if e['within_3pct'] else 'NOT within 3%'}; from the whole curve: {e['unrestricted']})")
+        out.append(line)
+    return out

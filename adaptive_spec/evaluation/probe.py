@@ -431,12 +431,13 @@ def _curve_file(head):
 
 def run(pair_params, head: str | None = DEFAULT_HEAD, temperature: float = 1.0, prompt_tokens: int = 128,
         max_new_tokens: int = 128, reps: int | None = None, cache: bool = True, ran: dict | None = None,
-        workload=None, prompts=None, prompts_budget_s: float | None = None) -> dict:
+        workload=None, prompts=None, prompts_budget_s: float | None = None, prompts_cache: bool | None = None) -> dict:
     """Load the pair, measure its costs (or read them from the cache) and predict (see `predict`); with the
     machine, how long loading and measuring took, and where the costs are cached. cache=False: measure
     afresh, reading and writing no cache (a second measurement of the same machine); `ran`: see predict.
     `prompts` (probe_prompts.load_texts' (texts, label)): record answers to them first, for `budget_s` at most
-    (probe_prompts.measure, cached as the costs are), and price at their acceptance."""
+    (probe_prompts.measure, cached as the costs are, or as `prompts_cache` says: a second measurement of the
+    machine prices at the answers the first one recorded), and price at their acceptance."""
     from .probe_prompts import BUDGET_S, measure
     from transformers.utils import logging as hf_logging
 
@@ -459,7 +460,7 @@ def run(pair_params, head: str | None = DEFAULT_HEAD, temperature: float = 1.0, 
         measure_costs(pair)
         measured = time.perf_counter()
         own = None if prompts is None else measure(pair, None, head, temperature, prompts_budget_s or BUDGET_S,
-                                                   cache, texts=prompts)
+                                                   cache if prompts_cache is None else prompts_cache, texts=prompts)
         recorded = time.perf_counter()
         out = predict(pair, head if pair.draft is not None else None, temperature, prompt_tokens, max_new_tokens,
                       ran=ran, workload=workload, prompts=own)
@@ -483,7 +484,9 @@ def render(result: dict) -> str:
     lines = [f"{m.get('cpu', 'this machine')} ({m.get('isa', '?')}, {m.get('threads', '?')} threads), engine "
              f"{result['engine']}" + (f", pair {json.dumps(result['pair'])}" if result.get("pair") else "")
              + (f", head {result['head']}" if result.get("head") else ""),
-             f"costs ({how}{'; ' + result['cache'] if result.get('cache') else ''}): a step {1e3 * t1:.1f} ms; "
+             f"costs ({how}{'; ' + result['cache'] if result.get('cache') else ''}): a step {1e3 * t1:.1f} ms"
+             + (f" (in the target-alone loop; a one-row pass between passes of other lengths: "
+                f"{1e3 * c['t_step_cell']:.1f} ms)" if c.get("t_step_cell") else "") + "; "
              f"a pass of 1..{len(c.get('t_verify') or ())} rows costs v = {v or '-'} steps"
              + (f", {longs}" if longs else "") + f"; a draft step {c['t_draft'] / c['t_target']:.2f} steps"
              + (f" (of two tokens, after a round all accepted: {c['t_draft_two'] / c['t_target']:.2f})"

@@ -28,14 +28,20 @@ FIELD = "prompt"
 
 
 def load_texts(spec) -> tuple[list, str]:
-    """(prompt texts, a label) of --prompts / --auto-prompts: a known set's name, or a .json/.jsonl file whose
-    records have a `prompt` field. Every refusal is one UserError naming the known sets, before a model loads."""
+    """(prompt texts, a label) of --prompts / --auto-prompts: a known set's name, a slice of one (SET:START:STOP,
+    python's slice of the set in file order, either end may be empty: `alpaca:402:` is AlpacaEval's second half,
+    prompts held out from runs that take the first half), or a .json/.jsonl file whose records have a `prompt`
+    field. A set's prompts are shuffled and MAX_PROMPTS taken. Every refusal is one UserError naming the known
+    sets, before a model loads."""
     from ..prompts import BUILTIN, known_names, load_prompts, resolve_path
 
     name = str(spec or "").strip()
-    usage = f"pass a .jsonl file with a {FIELD!r} field on each line, or one of the prompt sets {known_names()}"
+    usage = (f"pass a .jsonl file with a {FIELD!r} field on each line, or one of the prompt sets {known_names()} "
+             "(a slice of one as SET:START:STOP)")
     if name in BUILTIN:
         return load_prompts(name, n=MAX_PROMPTS), name
+    if name.split(":")[0] in BUILTIN and name.count(":") == 2:
+        return _set_slice(name, usage), name
     path = resolve_path(name) if name else None
     if path is None:
         raise UserError(f"--prompts {name!r}: no such file and no such prompt set; {usage}")
@@ -49,6 +55,27 @@ def load_texts(spec) -> tuple[list, str]:
     if not texts:
         raise UserError(f"--prompts {path}: no record with a non-empty {FIELD!r} field; {usage}")
     return texts[:MAX_PROMPTS], str(path)
+
+
+def _set_slice(name: str, usage: str) -> list:
+    """SET:START:STOP: the set's prompts [START:STOP] in file order, shuffled as load_prompts shuffles a set,
+    the first MAX_PROMPTS."""
+    import random
+
+    from ..prompts import prompt_texts
+
+    base, *ends = name.split(":")
+    try:
+        start, stop = (int(e) if e.strip() else None for e in ends)
+    except ValueError:
+        raise UserError(f"--prompts {name!r}: START and STOP of SET:START:STOP are prompt indices (either may be "
+                        f"empty); {usage}") from None
+    every = prompt_texts(base)
+    texts = every[start:stop]
+    if not texts:
+        raise UserError(f"--prompts {name!r}: the slice holds no prompt ({base} has {len(every)}); {usage}")
+    random.Random(0).shuffle(texts)
+    return texts[:MAX_PROMPTS]
 
 
 def _sampling(head, temperature: float):
@@ -152,10 +179,11 @@ def curve(records: list[dict], head, head_dir, label: str, temperature: float, k
 
 
 def measure(pair, spec, head_dir, temperature: float = 1.0, budget_s: float = BUDGET_S, cache: bool = True,
-            texts: tuple[list, str] | None = None) -> dict:
+            texts: tuple[list, str] | None = None, k_max: int = 20) -> dict:
     """Record on the prompts `spec` names (load_texts) and write their curve to the cache: {"label", "n_prompts",
     "n_tokens", "curve_file" (None without a draft), "records"}. A second call with the same pair, head, prompts
-    and temperature reads the file instead (cache=False: record afresh and write nothing)."""
+    and temperature reads the file instead (cache=False: record afresh and write nothing). `k_max`: the curve's cap
+    on candidates a round (a sweep's k_max; auto refuses a curve of another)."""
     from ..decoding.costs import config_key, cost_config, costs_dir
     from ..heads import head as heads
     from ..heads.curve import weights_hash
@@ -166,7 +194,8 @@ def measure(pair, spec, head_dir, temperature: float = 1.0, budget_s: float = BU
     if head_dir is not None and pair.draft is not None:
         head = heads.load_head(head_dir, why="the probe's --prompts", inputs=heads.INPUTS)
     key = config_key({"pair": cost_config(pair), "prompts": ids, "temperature": temperature,
-                      "head": None if head is None else [str(head_dir), weights_hash(head_dir)]})
+                      "head": None if head is None else [str(head_dir), weights_hash(head_dir)],
+                      **({} if k_max == 20 else {"k_max": k_max})})  # keys of the default cap stay as they were
     path = costs_dir().parent / "prompt_curves" / f"{key}.json"
     if cache and path.is_file():
         saved = json.loads(path.read_text())
@@ -175,7 +204,7 @@ def measure(pair, spec, head_dir, temperature: float = 1.0, budget_s: float = BU
     if not records:
         raise UserError(f"--prompts {label}: no answer was generated within --prompts-budget-s {budget_s:g}; "
                         "raise the budget")
-    made = curve(records, head, head_dir, label, temperature) if pair.draft is not None else None
+    made = curve(records, head, head_dir, label, temperature, k_max) if pair.draft is not None else None
     if cache:
         from ..runs import write_json
 

@@ -59,6 +59,10 @@ class SweepConfig:
     heads: list[str] = field(default_factory=list)  # head folders (or training output dirs with head/); globs ok
     thresholds: list[float | str] = field(default_factory=lambda: [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
     curve: str = ""  # threshold_curve.json for `ks: [auto]` (default: the one beside the first head)
+    # auto's curve from the acceptance on these prompts instead (a .jsonl with a `prompt` field, a prompt set, or
+    # SET:START:STOP): the loaded pair answers a few of them first, as `generate --auto-prompts` does; every auto in
+    # ks, thresholds and policies then picks from that curve (one per head, made once and cached)
+    auto_prompts: str = ""
     k_max: int = 20  # hard cap on candidates per round for the adaptive policies (paper: 20)
     confidence_taus: list[float] = field(default_factory=list)
     entropy_taus: list[float] = field(default_factory=list)
@@ -121,7 +125,8 @@ class SweepConfig:
                                    ("confidence_taus", "confidence", "threshold"),
                                    ("entropy_taus", "entropy", "threshold")):
             _check_setting(getattr(self, key), key, name, setting)
-        if AUTO in self.ks and not (self.curve or self.heads):
+        self._check_auto_prompts(typed)
+        if AUTO in self.ks and not (self.curve or self.heads or self.auto_prompts):
             raise UserError("ks lists auto but neither curve nor heads is given: set curve to a threshold_curve.json "
                             "(made by `adaptive-spec autotune`), or list a head that has one")
         if self.heads and not self.thresholds:
@@ -133,6 +138,21 @@ class SweepConfig:
                     check_runs_on(spec.params["settings_obj"], engine)
                 except UserError as e:
                     raise UserError(f"{key}: {e}") from None
+
+    def _check_auto_prompts(self, typed: list) -> None:
+        """auto_prompts is read by some auto and names prompts that load (before any model does)."""
+        if not self.auto_prompts:
+            return
+        if not (AUTO in self.ks or AUTO in self.thresholds or any(
+                AUTO in (s.params["settings"].get("threshold"), s.params["settings"].get("k")) for s in typed)):
+            raise UserError("config key 'auto_prompts' is read by auto in ks, thresholds or a policies entry only; "
+                            "list auto there, or drop auto_prompts")
+        from .probe_prompts import load_texts  # noqa: PLC0415 (the prompt sets: only where asked)
+
+        try:
+            load_texts(self.auto_prompts)
+        except UserError as e:
+            raise UserError(f"config key 'auto_prompts': {e}") from None
 
     def draft_pairs(self) -> dict[str, PairParams]:
         """`drafts` entry -> the pair's settings with that draft configuration, each checked as generate's

@@ -14,7 +14,7 @@ from ..errors import UserError
 from ..heads.curve import load_curve
 from ..params import policy_params
 from ..timing import timed
-from .sweep_grid import RunSpec, SweepConfig, tree_params
+from .sweep_grid import AUTO, RunSpec, SweepConfig, tree_params
 from .tree_calibration import VERIFICATION
 
 HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented prompt-lookup setting (it has no default)
@@ -83,7 +83,7 @@ def run_one(pair, spec: RunSpec, ids: list[int], cfg: SweepConfig, seed: int, he
     if tree_params(spec) is not None:
         return _run_tree(pair, spec, ids, samp, heads, tree_ctx or {})
     if "settings_obj" in spec.params:  # a `policies` entry: the settings generate takes
-        g = pair.generate(ids, policy=spec.params["settings_obj"], **samp)
+        g = pair.generate(ids, policy=_policy_entry(pair, spec, cfg), **samp)
         pick = getattr(g, "auto", None)
         extra = {"auto_value": pick["value"], "auto_predicted_tokens_per_s": pick["tokens_per_s"]} if pick else {}
         return g.metrics, g.stopped_by, g.token_ids, extra
@@ -96,7 +96,11 @@ def run_one(pair, spec: RunSpec, ids: list[int], cfg: SweepConfig, seed: int, he
         m.n_draft_forwards, m.draft_s = m.n_target_forwards, m.target_s
         m.n_target_forwards, m.target_s = 0, 0.0
         return m, g.stopped_by, g.token_ids, {}
-    g = pair.generate(ids, policy=chain_params(spec, cfg, heads, target_output), **samp)
+    own = None
+    if cfg.auto_prompts and spec.method in ("fixed_auto", "learned_auto"):
+        label = spec.params["head"] if spec.method == "learned_auto" else next(iter(heads), None)
+        own = prompts_curve(pair, cfg, heads[label][1]["path"] if label is not None else None)
+    g = pair.generate(ids, policy=chain_params(spec, cfg, heads, target_output, own), **samp)
     pick = getattr(g, "auto", None)
     extra = {"auto_value": pick["value"], "auto_predicted_tokens_per_s": pick["tokens_per_s"],
              "auto_predicted_wall_tokens_per_s": pick.get("wall_tokens_per_s"),
@@ -119,11 +123,41 @@ _SETTINGS = {
 }
 
 
-def chain_params(spec: RunSpec, cfg: SweepConfig, heads: dict, target_output: list[int] | None = None):
+def chain_params(spec: RunSpec, cfg: SweepConfig, heads: dict, target_output: list[int] | None = None,
+                 curve: str | None = None):
     """The typed settings of a chain configuration, built and checked by its policy's registered
-    params class: the sweep reaches policies by the names and settings generate uses."""
-    return policy_params(spec.method.removesuffix("_auto"), **_SETTINGS[spec.method](spec.params, cfg, heads,
-                                                                                       target_output))
+    params class: the sweep reaches policies by the names and settings generate uses. `curve`: the
+    curve an auto configuration picks from instead (auto_prompts')."""
+    settings = _SETTINGS[spec.method](spec.params, cfg, heads, target_output)
+    if curve is not None:
+        settings["curve"] = curve
+    return policy_params(spec.method.removesuffix("_auto"), **settings)
+
+
+def prompts_curve(pair, cfg: SweepConfig, head_dir: str | None) -> str:
+    """The curve of auto_prompts' answers for a head (probe_prompts.measure: recorded by the loaded pair once,
+    cached, and remembered on the pair, so every run of the sweep reads the same file)."""
+    from .probe_prompts import load_texts, measure
+
+    memo = getattr(pair, "prompts_curves", None)
+    if memo is None:
+        memo = pair.prompts_curves = {}
+    key = (cfg.auto_prompts, head_dir, cfg.temperature, cfg.k_max)
+    if key not in memo:
+        made = measure(pair, None, head_dir, cfg.temperature, texts=load_texts(cfg.auto_prompts), k_max=cfg.k_max)
+        if made["curve_file"] is None:
+            raise UserError(f"auto_prompts {cfg.auto_prompts}: no curve was made (no draft model recorded)")
+        memo[key] = made["curve_file"]
+    return memo[key]
+
+
+def _policy_entry(pair, spec: RunSpec, cfg: SweepConfig):
+    """A `policies` entry's settings; where one reads auto and the sweep has auto_prompts, with their curve."""
+    obj, settings = spec.params["settings_obj"], spec.params["settings"]
+    if not cfg.auto_prompts or AUTO not in (settings.get("threshold"), settings.get("k")):
+        return obj
+    head = settings.get("head")
+    return policy_params(obj.name, **{**settings, "curve": prompts_curve(pair, cfg, str(head) if head else None)})
 
 
 def auto_curve(cfg: SweepConfig, heads: dict) -> str:
@@ -133,7 +167,10 @@ def auto_curve(cfg: SweepConfig, heads: dict) -> str:
 
 def check_auto_curves(cfg: SweepConfig, heads: dict, specs: list[RunSpec]):
     """Every curve an auto configuration needs exists and fits, checked before the models load;
-    the error names the config key and the command that makes the curve."""
+    the error names the config key and the command that makes the curve. With auto_prompts the curves are
+    made once the pair has loaded (run_one), from those prompts' answers: there is nothing to check yet."""
+    if cfg.auto_prompts:
+        return
     for spec in specs:
         key, need, source = (("thresholds", "h", heads[spec.params["head"]][1]["path"])
                              if spec.method == "learned_auto" else ("ks", "k", auto_curve(cfg, heads))

@@ -1,0 +1,236 @@
+"""Tokens per target pass (tau) of the feature drafter beside the 0.5B draft model, greedy, fixed K, chains,
+on the torch engine: what drafting from the target's own states buys in acceptance, before any timing.
+
+Rows, per prompt (the first --prompts of HumanEval, GSM8K and AlpacaEval, chat-encoded as the other
+benchmarks encode them): the target alone (ar), then fixed K for each K of --ks with the feature drafter
+(`--draft feature:PATH`) and with the draft model (`--draft default`), all sharing one loaded target. tau is
+new tokens over the target's passes as the decoder counts them (Metrics.n_target_forwards: the target alone
+scores 1.00), pooled over a set's prompts. Greedy speculative output must equal the target alone's token for
+token: exactly in fp32; in bf16 a K + 1-row pass and a 1-row step may round a near-tie apart, after which the
+outputs differ. The report counts the rows that differ and where. Nothing is timed: the counts do not depend
+on the cores' load, so this runs beside other work.
+
+    python eval/bench_drafter.py --out eval/results/drafter_tau_<cpu>    # ADAPTIVE_SPEC_DATA or --data for
+                                                                         # GSM8K and AlpacaEval
+    python eval/bench_drafter.py --tiny --prompts 2 --max-new-tokens 16 --out /tmp/t   # smoke test
+
+Resumable: each row goes to <out>/results.jsonl as it finishes (paired.record); a rerun skips the rows it has,
+so a larger --prompts extends a run.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from adaptive_spec.errors import UserError, run_main
+from adaptive_spec.evaluation.paired import record, run_header, start
+from adaptive_spec.runs import read_jsonl
+from adaptive_spec.tables import md_table
+
+DRAFTER = "checkpoints/drafter-qwen-coder-1.5b-cpu"
+SETS = "humaneval,gsm8k,alpaca"
+NAMES = {"humaneval": "HumanEval", "gsm8k": "GSM8K", "alpaca": "AlpacaEval"}
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", type=int, default=10, help="per set")
+    ap.add_argument("--sets", default=SETS, help="prompt sets (prompts.py names)")
+    ap.add_argument("--ks", default="2,3,4,6", help="fixed K values")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--drafter", default=DRAFTER, help="the feature drafter's folder or hub id")
+    ap.add_argument("--draft", default="default", help="the draft model it is compared with")
+    ap.add_argument("--drafts", default="feature,draft", help="which rows to run beside ar: feature (the drafter), "
+                    "draft (the draft model); the draft model's rows need no drafter, so they can run first")
+    ap.add_argument("--target", default="default")
+    ap.add_argument("--dtype", default="fp32", help="fp32: greedy equality holds exactly; bf16: up to near-ties")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--data", default=None, help="folder of the offline prompt sets (sets ADAPTIVE_SPEC_DATA)")
+    ap.add_argument("--tiny", action="store_true", help="tiny random models and a random drafter (smoke test)")
+    ap.add_argument("--out", default="eval/results/drafter_tau")
+    ap.add_argument("--report-only", action="store_true", help="run nothing: the report of the rows <out> holds")
+    return ap.parse_args(argv)
+
+
+def make_tiny(folder: Path) -> tuple[str, str, str]:
+    """(target, draft, drafter) folders: tiny random Qwen2 models sharing a 32-token tokenizer and a random
+    feature drafter over the target."""
+    from transformers import AutoModelForCausalLM
+
+    from adaptive_spec.backends.toy import save_model
+    from adaptive_spec.drafter.model import FeatureDrafter
+
+    t, d, f = folder / "target", folder / "draft", folder / "drafter"
+    if not (t / "config.json").is_file():
+        save_model(t, vocab_size=32, hidden_size=24, seed=2, logit_scale=4.0, max_positions=512)
+    if not (d / "config.json").is_file():
+        save_model(d, vocab_size=32, hidden_size=16, seed=1, logit_scale=4.0, max_positions=512)
+    if not (f / "config.json").is_file():
+        torch.manual_seed(0)
+        FeatureDrafter.for_target(AutoModelForCausalLM.from_pretrained(t), name="tiny").save_pretrained(f)
+    return str(t), str(d), str(f)
+
+
+def load_pairs(args, feature: bool) -> dict:
+    """{"draft model": the target with the draft model, "feature drafter" (when `feature`): the same target
+    runner behind a HiddenTap with the drafter}: one target in memory, each generation resets the caches it
+    uses."""
+    from adaptive_spec.decoding.pipeline import SpecPair
+    from adaptive_spec.drafter.source import feature_pair, load_drafter
+
+    pair = SpecPair.load(target=args.target, draft=args.draft, dtype=args.dtype, threads=args.threads,
+                         backend="torch", device="cpu")
+    if not feature:
+        return {"draft model": pair}
+    model = getattr(pair.target, "model", None)
+    if model is None:
+        raise UserError(f"the target's runner ({type(pair.target).__name__}) holds no Hugging Face model for the "
+                        "drafter to read through; run on a CPU (the eager torch runner)")
+    drafter = load_drafter(args.drafter, hidden_size=model.config.hidden_size)
+    tap, runner = feature_pair(pair.target, model, drafter)
+    feature = SpecPair(tap, runner, pair.tokenizer, pair.eos_token_ids, pair.engine, pair.params,
+                       {"drafter": "feature"})
+    return {"draft model": pair, "feature drafter": feature}
+
+
+def prompt_ids(pair, args) -> dict:
+    """{set: [ids]}: the first --prompts of each set, chat-encoded (tiny: raw, the last 32 tokens)."""
+    from adaptive_spec.prompts import load_prompts
+
+    out = {}
+    for name in args.sets.split(","):
+        texts = load_prompts(name, n=args.prompts)
+        out[name] = [pair.encode(t, chat=False)[-32:] if args.tiny else pair.encode(t, chat=True) for t in texts]
+    return out
+
+
+def measure(pair, ids, k: int | None, n: int) -> dict:
+    g = pair.generate(ids, policy="ar" if k is None else "fixed", temperature=0, max_new_tokens=n,
+                      **({} if k is None else {"k": k}))
+    m = g.metrics
+    return {"n_tokens": m.n_tokens, "n_target_forwards": m.n_target_forwards, "n_drafted": m.n_drafted,
+            "n_accepted": m.n_accepted, "accepted_hist": {str(a): c for a, c in m.accepted_hist.items()},
+            "threads": torch.get_num_threads(), "token_ids": list(g.token_ids)}
+
+
+def run(args, out: Path, results: Path, done: set) -> dict:
+    """Every missing row; returns what run.json records of the run."""
+    from adaptive_spec.backends.cpu import flags_line
+
+    drafts = {"feature": "feature drafter", "draft": "draft model"}
+    wanted = [drafts[d] for d in args.drafts.split(",") if d in drafts]
+    if not wanted or len(wanted) != len(args.drafts.split(",")):
+        raise UserError(f"--drafts {args.drafts}: name feature, draft or both (comma-separated)")
+    pairs = load_pairs(args, "feature drafter" in wanted)
+    ks = [int(k) for k in args.ks.split(",") if k]
+    sets = prompt_ids(pairs["draft model"], args)
+    # prompt i of every set before prompt i + 1 of any: a run cut short still covers every set
+    order = sorted(((i, name, ids) for name, prompts in sets.items() for i, ids in enumerate(prompts)),
+                   key=lambda t: t[0])
+    for i, name, ids in order:
+        configs = [("ar", pairs["draft model"], None)] + [
+            (f"{label} K={k}", pairs[label], k) for label in wanted for k in ks]
+        for config, pair, k in configs:
+            record(results, done, {"dataset": name, "prompt_idx": i, "temperature": 0.0, "engine": "torch",
+                                   "config": config, "prompt_tokens": len(ids)},
+                   lambda pair=pair, ids=ids, k=k: measure(pair, ids, k, args.max_new_tokens))
+    extra = pairs["feature drafter"].draft.drafter.extra if "feature drafter" in pairs else {}
+    return {"script": f"eval/{Path(__file__).name}", "cpu": flags_line(), "threads": torch.get_num_threads(),
+            "dtype": args.dtype, "target": args.target, "draft": args.draft, "drafter": args.drafter,
+            "drafter_metrics": extra.get("metrics", {}), "max_new_tokens": args.max_new_tokens, "ks": ks,
+            "sets": list(sets), "prompts": args.prompts, "drafts": wanted, "tiny": args.tiny}
+
+
+def _main(argv) -> int:
+    args = parse_args(argv)
+    if args.data:
+        os.environ["ADAPTIVE_SPEC_DATA"] = str(Path(args.data).resolve())
+    out, results, done = start(args.out, args.threads)
+    if args.report_only:  # from the folder alone: its rows and run.json
+        (out / "report.md").write_text(report(list(read_jsonl(results)), run_header(out, report_only=True)))
+        return 0
+    if args.tiny:  # a --draft given is kept (a test drafts with the tiny target itself)
+        target, draft, args.drafter = make_tiny(out / "tiny_models")
+        args.target, args.draft = target, draft if args.draft == "default" else args.draft
+        args.sets = "humaneval"
+    settings = run(args, out, results, done)
+    md = report(list(read_jsonl(results)), run_header(out, report_only=False, measure=lambda: settings))
+    (out / "report.md").write_text(md)
+    print(md)
+    return 0
+
+
+def _pooled(rows: list[dict]) -> tuple[str, str]:
+    """(tau, acceptance) pooled over rows."""
+    passes, drafted = sum(r["n_target_forwards"] for r in rows), sum(r["n_drafted"] for r in rows)
+    tau = f"{sum(r['n_tokens'] for r in rows) / passes:.2f}" if passes else "—"
+    return tau, (f"{sum(r['n_accepted'] for r in rows) / drafted:.3f}" if drafted else "—")
+
+
+def _first_diff(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def report(rows: list[dict], run: dict) -> str:
+    """The report of the rows, with what run.json says of the run (paired.run_header). Each set is pooled
+    over the prompts that have every row, so both drafts are compared on the same prompts."""
+    ks, drafts = run["ks"], run.get("drafts", ["feature drafter", "draft model"])
+    configs = ["ar"] + [f"{d} K={k}" for d in drafts for k in ks]
+    by = {(r["dataset"], r["prompt_idx"], r["config"]): r for r in rows}
+    complete = defaultdict(list)
+    for ds, i in dict.fromkeys((r["dataset"], r["prompt_idx"]) for r in rows):
+        if all((ds, i, c) in by for c in configs):
+            complete[ds].append(i)
+    m = run.get("drafter_metrics", {})
+    dev = (f" (dev: top-1 {m['dev_top1']:.3f}, expected acceptance at T = 1 {m['dev_accept']:.3f}, at step "
+           f"{m['step']})" if "dev_top1" in m else "")
+    lines = [f"# Tokens per target pass: the feature drafter beside the draft model, greedy, torch {run['dtype']}, "
+             f"{run['max_new_tokens']} tokens", "", run["cpu"], "",
+             f"Feature drafter: `{run['drafter']}`{dev}. Draft model: `{run['draft']}`. Target: `{run['target']}`. "
+             "tau: new tokens over the target's passes (the decoder's count: the target alone scores 1.00), "
+             "pooled over a set's prompts; acceptance: accepted over drafted tokens. Fixed K, chains, "
+             f"{run['threads']} threads; nothing timed.", ""]
+    head = ["set", "prompts", "K", "feature drafter tau", "acceptance", "draft model tau", "acceptance"]
+    table, every = [], defaultdict(list)
+    for ds, idx in complete.items():
+        for k in ks:
+            feat, draft = ([by[(ds, i, f"{d} K={k}")] for i in idx if (ds, i, f"{d} K={k}") in by]
+                           for d in ("feature drafter", "draft model"))
+            every[k] += [feat, draft]
+            table.append([NAMES.get(ds, ds), str(len(idx)), str(k), *_pooled(feat), *_pooled(draft)])
+    for k in ks:
+        if len(complete) > 1:
+            feat = [r for pair in every[k][0::2] for r in pair]
+            draft = [r for pair in every[k][1::2] for r in pair]
+            table.append(["all", str(sum(map(len, complete.values()))), str(k), *_pooled(feat), *_pooled(draft)])
+    lines += [md_table(head, table), ""] if table else ["No prompt has every row yet.", ""]
+    lines += _equality(rows, by) + [f"Written {run['written']} by `python eval/bench_drafter.py`."]
+    return "\n".join(lines) + "\n"
+
+
+def _equality(rows: list[dict], by: dict) -> list[str]:
+    """Greedy equality with the target alone: every speculative row against its prompt's ar row."""
+    spec = [r for r in rows if r["config"] != "ar" and (r["dataset"], r["prompt_idx"], "ar") in by]
+    bad = [(r, _first_diff(r["token_ids"], by[(r["dataset"], r["prompt_idx"], "ar")]["token_ids"])) for r in spec
+           if r["token_ids"] != by[(r["dataset"], r["prompt_idx"], "ar")]["token_ids"]]
+    out = [f"Greedy equality: {len(spec) - len(bad)} of {len(spec)} speculative outputs equal the target alone's "
+           "token for token.", ""]
+    if bad:
+        out += [md_table(["set", "prompt", "configuration", "first differing token", "tokens"],
+                         [[NAMES.get(r["dataset"], r["dataset"]), str(r["prompt_idx"]), r["config"], str(d),
+                           str(r["n_tokens"])] for r, d in bad]), ""]
+    return out
+
+
+def main(argv=None) -> int:
+    return run_main(_main, sys.argv[1:] if argv is None else argv,
+                    "finished rows are kept in results.jsonl; rerun the same command to resume")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
