@@ -58,9 +58,9 @@ try:
     from adaptive_spec.decoding.replay import covering_trace, replay_generate  # noqa: E402
     from adaptive_spec.decoding.sampling import SamplingParams  # noqa: E402
     from adaptive_spec.evaluation.exactness import chi_square_pvalue, exact_sequence_probs, sample_counts  # noqa: E402
-    from adaptive_spec.evaluation.gpu_bench import (estimate, fmt, lookup_bandwidth, measure_hf_generate,  # noqa: E402
-                                                    acceptance_label, inner_policy, measured_costs, model_bytes, picks_md, replay_picks, stats_of, sync,
-                                                    time_loop)
+    from adaptive_spec.evaluation.gpu_bench import (acceptance_label, estimate, fmt, inner_policy,  # noqa: E402
+                                                    lookup_bandwidth, measure_hf_generate, measured_costs,
+                                                    model_bytes, picks_md, replay_picks, stats_of, sync, time_loop)
     from adaptive_spec.evaluation import gpu_bench, round_profile as rp_  # noqa: E402
     from adaptive_spec.evaluation.round_profile import make_runner  # noqa: E402
     from adaptive_spec.decoding.costs import loop_times  # noqa: E402
@@ -626,8 +626,8 @@ def _replay_md(res: dict) -> list[str]:
                        f"{fmt(p.get('k_mean'))} | {fmt(p['tok_s'], 1)} | **{fmt(p.get('speedup'))}** | "
                        f"{fmt(p.get('est_speedup'))} |")
         out += rp_.host_work_section(rp["policies"], cuda)
-        out += [""] + picks_md(rp.get("picks") or {})
-        out.append("")
+        picks = picks_md(rp.get("picks") or {})
+        out += ([""] + picks if picks else []) + [""]
     return out
 
 

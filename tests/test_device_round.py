@@ -20,7 +20,9 @@ from adaptive_spec.decoding.policies import ConfidenceThreshold, EntropyThreshol
 from adaptive_spec.decoding.sampling import SamplingParams
 from adaptive_spec.errors import UserError
 from adaptive_spec.heads.head import AcceptanceHead
-from test_decoding import L, N_SAMPLES, V, chi_square_pvalue, exact_pair, exact_sequence_probs, sample_counts
+from test_decoding import L, V, chi_square_pvalue, exact_pair, exact_sequence_probs, sample_counts
+
+N_SAMPLES = 1500  # seeded generations a distribution check draws (the controls fail far below 1e-3 at this count)
 from tiny import make_model
 
 GREEDY = SamplingParams(temperature=0)
@@ -222,7 +224,7 @@ def test_device_round_distribution_is_exact(params, rule):
     dec = Decoder(target, draft, host_reads="round")
     # past the rule's stop in some rounds, short of it in others; or always past it
     dec.graph_round.caps = RoundCaps(start=4, window=0) if rule == "learned-past-stop" else RoundCaps(start=3)
-    counts = sample_counts(dec, [1, 2], params, policy)
+    counts = sample_counts(dec, [1, 2], params, policy, n=N_SAMPLES)
     assert chi_square_pvalue(counts, probs, N_SAMPLES) > 1e-3
 
 
@@ -245,7 +247,7 @@ def test_device_round_distribution_test_catches_a_wrong_bonus_row(monkeypatch):
     monkeypatch.setattr("adaptive_spec.decoding.graph_round.verify_u", _bonus_as_rejection)
     dec = Decoder(target, draft, host_reads="round")
     dec.graph_round.caps = RoundCaps(start=4, window=0)  # every round drafts past the rule's stop
-    counts = sample_counts(dec, [1, 2], params, LearnedThreshold(_MockHead(), 0.3, k_max=4))
+    counts = sample_counts(dec, [1, 2], params, LearnedThreshold(_MockHead(), 0.3, k_max=4), n=N_SAMPLES)
     assert chi_square_pvalue(counts, probs, N_SAMPLES) < 1e-3
 
 
@@ -396,8 +398,8 @@ def test_device_rounds_with_the_feature_drafter():
         else:
             params = SamplingParams(1.0)
             probs = exact_sequence_probs(StaticCausalLM(model, max_cache_len=64), [1, 2], params)
-            counts = sample_counts(dec, [1, 2], params, EntropyThreshold(1.0, k_max=3), n=1500)
-            assert chi_square_pvalue(counts, probs, 1500) > 1e-3
+            counts = sample_counts(dec, [1, 2], params, EntropyThreshold(1.0, k_max=3), n=1000)
+            assert chi_square_pvalue(counts, probs, 1000) > 1e-3
 
 
 @pytest.mark.parametrize("every", [1, 2, 3])
@@ -429,5 +431,5 @@ def test_chunked_device_round_distribution_is_exact(rule):
     params = SamplingParams(1.0, top_k=4)
     policy = {"learned": LearnedThreshold(_MockHead(), 0.3, k_max=4), "confidence": ConfidenceThreshold(0.5, k_max=4)}
     probs = exact_sequence_probs(target, [1, 2], params)
-    counts = sample_counts(Decoder(target, draft, host_reads=2), [1, 2], params, policy[rule])
+    counts = sample_counts(Decoder(target, draft, host_reads=2), [1, 2], params, policy[rule], n=N_SAMPLES)
     assert chi_square_pvalue(counts, probs, N_SAMPLES) > 1e-3

@@ -84,8 +84,8 @@ def test_the_tiny_check_writes_every_section(tmp_path):
     md = (out / "report.md").read_text()
     for section in ("## 1. Exactness", "## 2. Step times per model and runtime", "## 3. Replayed traces",
                     "## 4. transformers' assisted generation", "## 5. The first token", "CPU smoke run",
-                    "**measured acceptance", "**BORROWED acceptance: traces of default replayed on coder-0.5b-7b:tiny's "
-                    "shapes**", "(best fixed K)", "Elapsed per phase", "Top of one fused one-token step",
+                    "**measured acceptance", "(best fixed K)", "Elapsed per phase", "Top of one fused one-token step",
+                    "**BORROWED acceptance: traces of default replayed on coder-0.5b-7b:tiny's shapes**",
                     "Host work per round", "best replayed h:", "best replayed K:", "auto's pick from these costs"):
         assert section in md, section
     assert json.loads((out / "run.json").read_text()) == {"script": "eval/gpu_check.py", "report": "report.md"}

@@ -402,7 +402,7 @@ class Decoder:
             met.lap("draft_other")
             stop = rule.should_stop(step)
             # a rule that looks at the step reads its decision back; a cap (fixed K) or a copied span does not
-            met.host_reads += step.source == "model" and rule.stops_mid_chain
+            met.host_reads += step.source == "model" and rule.reads_steps
             met.lap("policy")
             if stop:
                 break

@@ -105,6 +105,11 @@ class StopPolicy:
     decides_on_device: bool = False
     stops_mid_chain: bool = True
 
+    @property
+    def reads_steps(self) -> bool:
+        """Whether should_stop reads a step's tensors back (a rule that only counts to a cap does not)."""
+        return self.stops_mid_chain
+
     def graph_key(self) -> tuple:
         return (type(self).__name__,)
 

@@ -55,6 +55,10 @@ class TraceStop(StopPolicy):
 
     stops_mid_chain = False
 
+    @property
+    def reads_steps(self) -> bool:  # the recorded rule is asked at every step, for its cost: its reads too
+        return self.inner is not None and self.inner.reads_steps
+
     def should_stop(self, step: DraftStep) -> bool:
         if self.inner is not None and step.source == "model":
             self.inner.should_stop(step)

@@ -393,6 +393,7 @@ def picks_md(picks: dict) -> list[str]:
             auto = e["auto"] if isinstance(e["auto"], str) else f"{e['auto']:g}"
             line += (f"; auto's pick from these costs: **{auto}** ({fmt(e['auto_tok_s'], 1)} tok/s, "
                      f"{fmt(100 * e['auto_ratio'] if e['auto_ratio'] else None, 1)}% of the best: "
-                     f"{'within 3%' if e['within_3pct'] else 'NOT within 3%'}; from the whole curve: {e['unrestricted']})")
+                     f"{'within 3%' if e['within_3pct'] else 'NOT within 3%'}; "
+                     f"from the whole curve: {e['unrestricted']})")
         out.append(line)
     return out

@@ -149,7 +149,8 @@ def top_kernels(lm, steps: int = 10, top: int = 12, ctx: int = 64) -> dict:
         per[e.name] = (n + 1, us + t)
     total = sum(us for _, us in per.values()) or 1.0
     rows = sorted(per.items(), key=lambda kv: -kv[1][1])[:top]
-    return {"clock": "device" if cuda else "host: top-level ops, CPU time with what they call", "us_per_step": total / steps,
+    return {"clock": "device" if cuda else "host: top-level ops, CPU time with what they call",
+            "us_per_step": total / steps,
             "kernels_per_step": sum(n for n, _ in per.values()) / steps,
             "top": [{"name": name, "calls_per_step": n / steps, "us_per_step": us / steps, "share": us / total}
                     for name, (n, us) in rows]}
@@ -204,14 +205,16 @@ def first_token_section(rows: list[dict] | None) -> list[str]:
         return []
     out = ["## 5. The first token", "", "A fresh Python process: imports, the default preset's target alone with "
            "random weights (its real shapes), its runtime's one-token step prepared, a 128-token prompt's prefill and "
-           "the first step. Cold: an empty inductor cache folder; warm: the same folder again.", "","| runtime | inductor cache | first token, s from the process's start | imports s | build s | "
+           "the first step. Cold: an empty inductor cache folder; warm: the same folder again.", "",
+           "| runtime | inductor cache | first token, s from the process's start | imports s | build s | "
            "prepare s (capture / compile) | prefill + first step s |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             out.append(f"| {r['runtime']} | {r['cache']} | failed: {r['error']} |")
             continue
-        out.append(f"| {r['runtime']} | {r['cache']} | **{_f(r['first_token_s'])}** | {_f(r['start_s'] + r['import_s'])}"
-                   f" | {_f(r['build_s'])} | {_f(r['prepare_s'])} | {_f(r['generate_s'])} |")
+        out.append(f"| {r['runtime']} | {r['cache']} | **{_f(r['first_token_s'])}** | "
+                   f"{_f(r['start_s'] + r['import_s'])} | {_f(r['build_s'])} | {_f(r['prepare_s'])} | "
+                   f"{_f(r['generate_s'])} |")
     return out + [""]
 
 
