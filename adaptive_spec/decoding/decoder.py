@@ -116,6 +116,15 @@ class Metrics:
         if self.trace:
             self.trace[-1][1] = kept
 
+    def count_pass(self, n: int) -> None:
+        """One decode-time target pass of n tokens (target_pass_hist)."""
+        self.target_pass_hist[n] = self.target_pass_hist.get(n, 0) + 1
+
+    def read(self, t) -> list[int]:
+        """The decode loop's read of the device: `t` as host ints, counted in host_reads."""
+        self.host_reads += 1
+        return t.tolist()
+
     def lap(self, part: str) -> None:
         """Book the time since the last lap to `part` (PartClock; nothing without a clock)."""
         if self.clock is not None:
@@ -358,7 +367,7 @@ class Decoder:
         state.met.lap("rest")
         logits, _ = self.target.forward(ids, n_logits=1)
         state.met.lap("target_forward")
-        _count_pass(state.met, ids.shape[0])
+        state.met.count_pass(ids.shape[0])
         sp = state.sampling
         # greedy: the argmax, without building the one-hot `process_logits` would give
         if sp.greedy:
@@ -419,7 +428,7 @@ class Decoder:
         state.met.lap("verify_other")
         logits_p, _ = target.forward(ids, n_logits=K + 1)
         state.met.lap("target_forward")
-        _count_pass(state.met, ids.shape[0])
+        state.met.count_pass(ids.shape[0])
         if state.sampling.greedy:
             n_t, tok_t, state.p_y = verify_greedy(y, logits_p)
         else:
@@ -431,7 +440,7 @@ class Decoder:
         if self.replay is not None:  # the trace's outcome, not the verifier's (measuring only)
             n_t = torch.tensor(min(next(self.replay), K), device=n_t.device)
         # the round's one host sync: read n, the new token and the candidates together
-        vals = host_read(state.met, torch.cat([n_t.view(1), tok_t.view(1), y]))
+        vals = state.met.read(torch.cat([n_t.view(1), tok_t.view(1), y]))
         n, tok = vals[0], vals[1]
         self._rollback(state, L + n)
         return n, vals[2:2 + n] + [tok]
@@ -495,13 +504,3 @@ class ModelSource(DraftSource):
         q_i = process_logits(logits[0], state.sampling)
         y_i = draw(q_i, state.sampling, state.gen)
         return DraftStep(i, y_i, q_i, logits[0], hidden, state.pos + i - 1, state.sampling, accept=accept)
-
-
-def _count_pass(met: Metrics, n: int) -> None:
-    met.target_pass_hist[n] = met.target_pass_hist.get(n, 0) + 1
-
-
-def host_read(met: Metrics, t: torch.Tensor) -> list[int]:
-    """The round's read of the device: `t` as host ints, counted in met.host_reads."""
-    met.host_reads += 1
-    return t.tolist()

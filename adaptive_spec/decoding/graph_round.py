@@ -147,8 +147,6 @@ class GraphRound:
     def round(self, dec, state, rule: StopPolicy, k_cap: int, source, every: int | None = None):
         """One chain round drafted by `source` (a decoder.ModelSource): (K, n accepted, new tokens). every=N:
         draft in chunks of N and read whether the rule stopped after each, instead of up to a learned cap."""
-        from .decoder import _count_pass, host_read
-
         met, target = state.met, dec.target
         capped = every is None and rule.stops_mid_chain
         m = self.caps.cap(k_cap) if capped else k_cap
@@ -160,7 +158,7 @@ class GraphRound:
             for i in range(drafted + 1, min(m, drafted + (every or m)) + 1):
                 source.step_epilogue(state, i, chain)
             drafted = i
-            if drafted < m and rule.stops_mid_chain and host_read(met, chain.ctrl[1:])[0]:
+            if drafted < m and rule.stops_mid_chain and met.read(chain.ctrl[1:])[0]:
                 break  # the rule stopped inside this chunk
         m = drafted
         _, verify = self._epilogues(rule, state.sampling, m, target.vocab_size, dec.device)
@@ -169,8 +167,8 @@ class GraphRound:
         met.lap("draft_other")
         out = run_epilogue(target, ids, m + 1, verify)
         met.lap("target_forward")
-        _count_pass(met, ids.shape[0])
-        vals = host_read(met, out)
+        met.count_pass(ids.shape[0])
+        vals = met.read(out)
         n, tok, K, stopped = vals[:4]
         if dec.replay is not None:  # the trace's outcome (a replayed rule never stops mid-chain: K = m)
             n = min(next(dec.replay), m)
