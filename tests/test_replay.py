@@ -82,7 +82,7 @@ def test_replay_asks_the_inner_policy_at_every_drafted_step_and_records_again():
     m = Decoder(target, draft, record_trace=True).generate([3, 4], 30, SamplingParams(1.0), FixedK(2), seed=0).metrics
     inner = Counting(5)  # its own K is ignored: the trace decides
     policy = TraceReplay(check_trace(m.trace, m.n_tokens), inner)
-    dec = Decoder(*pair(3)[::-1], replay=policy.accepted(), record_trace=True)
+    dec = Decoder(*pair(3)[::-1], record_trace=True)
     r = dec.generate([3, 4], m.n_tokens, SamplingParams(1.0), policy, seed=1).metrics
     assert inner.asked == m.n_drafted == r.n_drafted
     assert r.trace == m.trace  # a replay's own trace is the one it replayed
@@ -102,7 +102,7 @@ def test_replay_of_copied_and_empty_rounds():
             sources |= {s for _, _, s in m.trace}
             other_draft, other_target = pair(5)
             policy = TraceReplay(check_trace(m.trace, m.n_tokens), fallback, needs=pol.needs)
-            r = Decoder(other_target, other_draft, replay=policy.accepted()).generate(
+            r = Decoder(other_target, other_draft).generate(
                 prompt, m.n_tokens, SamplingParams(1.0), policy, seed=seed).metrics
             assert counts(r) == counts(m)
     assert sources == {"model", "ngram", "none"}
@@ -134,7 +134,7 @@ def test_bad_traces_are_refused(trace, n, match):
 def test_a_replay_longer_than_its_trace_is_refused():
     draft, target = pair(1)
     policy = TraceReplay([[2, 2, "model"]])
-    dec = Decoder(target, draft, replay=policy.accepted())
+    dec = Decoder(target, draft)
     with pytest.raises(UserError, match="the trace has 1 rounds but the replay needs more"):
         dec.generate([1, 2], 10, SamplingParams(1.0), policy)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
@@ -216,11 +216,8 @@ class Decoder:
     """
 
     def __init__(self, target: Runner, draft: Runner | None = None, eos_token_ids=(),
-                 replay: Iterator[int] | None = None, record_trace: bool = False, host_reads: str | int = "auto"):
+                 record_trace: bool = False, host_reads: str | int = "auto"):
         """`record_trace`: Metrics.trace lists every verified round (K, n accepted, source).
-        `replay`: accepted counts to impose on the chain rounds, one per round, instead of the
-        verifier's (a trace recorded with real weights, replayed on models of the same shapes with
-        random weights: the real loop and kernels, the acceptance borrowed). Never exact: for measuring only.
         `host_reads`: "round" decides a model-drafted chain's stop on the device and reads the device once a
         round (graph_round.py); "token" asks the stop rule on the host after each drafted token (its
         decision is read then); "auto": "round" on CUDA, where a read stalls the device's queue, "token"
@@ -233,7 +230,6 @@ class Decoder:
         self.target = target
         self.draft = draft
         self.eos = set(int(e) for e in eos_token_ids)
-        self.replay = replay
         self.record_trace = record_trace
         self.host_reads = host_reads if host_reads != "auto" else (
             "round" if getattr(target.device, "type", "cpu") == "cuda" else "token")
@@ -437,8 +433,8 @@ class Decoder:
                 q = p.new_empty(0, p.shape[-1])
             n_t, tok_t = verify(y, q, p, state.gen)
             state.p_y = p[torch.arange(K, device=p.device), y]
-        if self.replay is not None:  # the trace's outcome, not the verifier's (measuring only)
-            n_t = torch.tensor(min(next(self.replay), K), device=n_t.device)
+        if state.imposed_n is not None:  # a replayed trace's outcome, not the verifier's (measuring only)
+            n_t = torch.tensor(min(state.imposed_n, K), device=n_t.device)
         # the round's one host sync: read n, the new token and the candidates together
         vals = state.met.read(torch.cat([n_t.view(1), tok_t.view(1), y]))
         n, tok = vals[0], vals[1]

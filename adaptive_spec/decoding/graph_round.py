@@ -170,8 +170,8 @@ class GraphRound:
         met.count_pass(ids.shape[0])
         vals = met.read(out)
         n, tok, K, stopped = vals[:4]
-        if dec.replay is not None:  # the trace's outcome (a replayed rule never stops mid-chain: K = m)
-            n = min(next(dec.replay), m)
+        if state.imposed_n is not None:  # a replayed trace's outcome (its rule never stops mid-chain: K = m)
+            n = min(state.imposed_n, m)
         dec._rollback(state, L + n)
         if capped:
             self.caps.update(K, bool(stopped), m)

@@ -5,7 +5,7 @@ A trace (`Decoder(record_trace=True)`: `Metrics.trace`, a sweep's rows with `rec
 every verified chain round of one generation as [K, n accepted, source]. Replayed on models of the same
 shapes (random weights on a GPU, say), every round drafts exactly the recorded K (the inner policy's
 `should_stop` still runs on each step, for its cost: the learned head's forward) and its verification is
-told the recorded n (`Decoder(replay=...)`). So the replay does the recorded work (the same rounds, the
+told the recorded n (`RoundState.imposed_n`). So the replay does the recorded work (the same rounds, the
 same forwards of the same lengths) and reproduces the recorded counts (n_tokens, rounds, n_drafted,
 n_accepted, accepted_hist, n_final_cut); its wall time is what that work costs on this machine. The
 tokens are the other weights' own: EOS is off and the length is the recorded n_tokens.
@@ -22,8 +22,6 @@ Chain traces only: a tree round's K counts nodes, which no chain reproduces (`ch
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Iterator
-
 from ..errors import UserError
 from .decoder import Decoder, Generation
 from .interfaces import DraftStep, RoundOwner, RoundState, StopPolicy
@@ -86,8 +84,8 @@ class TraceStop(StopPolicy):
 
 
 class TraceReplay(RoundOwner):
-    """Runs the rounds of `trace` (check_trace'd), one chain round each; pair it with a Decoder whose
-    `replay` is `accepted()` (replay_generate does both)."""
+    """Runs the rounds of `trace` (check_trace'd), one chain round each, its verification told the recorded n
+    (RoundState.imposed_n)."""
 
     name = "replay"
 
@@ -104,22 +102,18 @@ class TraceReplay(RoundOwner):
         self.i = 0
         self.rule.reset()
 
-    def accepted(self) -> Iterator[int]:
-        """The recorded n of each round, in order: the Decoder's `replay`."""
-        return iter([n for _, n, _ in self.trace])
-
     def run_round(self, state: RoundState) -> list[int]:
         if self.i >= len(self.trace):
             raise UserError(f"the trace has {len(self.trace)} rounds but the replay needs more; replay it with the "
                             "n_tokens it was recorded with")
-        k, _, source = self.trace[self.i]
+        k, n, source = self.trace[self.i]
         self.i += 1
         self.rule.k = k
         drafter = None
         if source == "ngram":  # a copy costs no model forward: copy the last token, as a span would be copied
             drafter = SpanSource([state.tokens[-1]] * k, state.decoder.target.vocab_size, state.seq.device)
         # the recorded K, not capped at the tokens left (module doc); the decoder's cut does the rest
-        lifted = replace(state, remaining=max(state.remaining, k + 1))
+        lifted = replace(state, remaining=max(state.remaining, k + 1), imposed_n=n)
         return state.decoder.chain_round(lifted, self.rule, drafter)
 
     def describe(self) -> dict:
@@ -161,8 +155,6 @@ def replay_generate(target, draft, prompt_ids: list[int], n_tokens: int, trace: 
     them are made once per decoder, so a fresh one per replay would capture them inside every replay."""
     dec = decoder or Decoder(target, draft if trace else None, eos_token_ids=(), host_reads=host_reads)
     if not trace:
-        dec.replay = None
         return dec.generate(prompt_ids, max_new_tokens=n_tokens, sampling=sampling, seed=seed)
     policy = TraceReplay(check_trace(trace, n_tokens), inner)
-    dec.replay = policy.accepted()
     return dec.generate(prompt_ids, max_new_tokens=n_tokens, sampling=sampling, policy=policy, seed=seed)
