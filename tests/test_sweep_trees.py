@@ -20,8 +20,9 @@ from test_sweep import interrupt_after, overrides, read_rows
 
 inputs, keep_threads = test_sweep.inputs, test_sweep.keep_threads  # the sweep tests' fixtures, shared
 
-TREES = ("[{budget: 3}, {estimator: head, head: d1-wrej6, budget: 3}, {policy: ersd, drafting: sequence, budget: 2}, "
-         "{drafting: batch, budget: 2}, {policy: spectr, num_drafts: 2, k: 2}, "
+TREES = ("[{tree_budget: 3, adapt_rates: false}, {tree_estimator: head, head: d1-wrej6, tree_budget: 3, adapt_rates: false}, "
+         "{policy: ersd, drafting: sequence, tree_budget: 2, adapt_rates: false}, "
+         "{drafting: batch, tree_budget: 2, adapt_rates: false}, {policy: spectr, num_drafts: 2, k: 2}, "
          "{policy: batch-sd, num_drafts: 2, k: 2}]")
 TREE_KEYS = ["tree:tree:positional:b=3", "tree:tree:head=d1-wrej6:b=3", "ersd:sequence:positional:b=2",
              "tree:batch:positional:b=2", "spectr:n=2:k=2", "batch-sd:n=2:k=2"]
@@ -58,34 +59,26 @@ def cfg_of(inp, out, **kw) -> SweepConfig:
     ("[{tree_rates: [0.5, 0.2]}]", r"trees\[0\]\.tree_rates: the sweep measures the acceptance rates itself"),
     ("[{tree_budget: 4, widht: 2}]",
      r"trees\[0\]\.widht: not a setting of policy tree; its settings: policy, tree_budget, tree_estimator"),
-    # entries in the sweep's old names: the same checks, naming the keys as written
-    ("[{budget: 0}]", r"trees\[0\]\.budget must be an integer >= 1 for policy tree, got 0"),
-    ("[{budget: 2}, {budget: 2, estimator: foo}]",
-     r"trees\[1\]\.estimator must be positional or head for policy tree, got 'foo'"),
-    ("[{estimator: head, budget: 4}]",
-     r"trees\[0\]\.head: estimator head needs an acceptance head; set head to a label of heads \(d1-wrej6\)"),
-    ("[{estimator: head, head: nowhere}]", r"trees\[0\]\.head: 'nowhere' is neither a label of heads \(d1-wrej6\) nor"),
-    ("[{estimator: head, head: d1-wrej6, drafting: batch}]",
-     r"trees\[0\]\.estimator: the head estimator builds the optimal"),
+    ("[{tree_estimator: head, head: nowhere}]",
+     r"trees\[0\]\.head: 'nowhere' is neither a label of heads \(d1-wrej6\) nor"),
     ("[{policy: sequoia}]", r"trees\[0\]\.policy: unknown policy 'sequoia'; use tree, ersd, spectr or batch-sd"),
     ("[{drafting: star}]",
      r"trees\[0\]\.drafting must be tree, sequence, batch or specinfer for policy tree, got 'star'"),
-    ("[{budget: 4, widht: 2}]", r"trees\[0\]\.widht: not a setting of policy tree; its settings: policy, "),
-    ("[{policy: spectr, budget: 4}]",
-     r"trees\[0\]\.budget: not a setting of policy spectr; its settings: policy, num_drafts, k"),
+    ("[{policy: spectr, tree_budget: 4}]",
+     r"trees\[0\]\.tree_budget: not a setting of policy spectr; its settings: policy, num_drafts, k"),
     ("[{policy: batch-sd, k: 0}]", r"trees\[0\]\.k must be an integer >= 1 for policy batch-sd, got 0"),
-    ("[{budget: learned, node_cost: -1}]", r"trees\[0\]\.node_cost must be > 0 and finite"),
-    ("[{budget: learned, max_budget: 0}]", r"trees\[0\]\.max_budget must be an integer >= 1"),
-    ("[{budget: learned, drafting: specinfer}]", r"trees\[0\]\.budget: a learned budget grows the tree node by node"),
-    ("[{budget: 4, max_budget: 8}]", r"trees\[0\]\.max_budget: only used with budget: learned"),
-    ("[{budget: 4, adapt: maybe}]", r"trees\[0\]\.adapt must be true or false for policy tree, got 'maybe'"),
-    ("[{budget: 2}, {policy: tree, budget: 2}]", r"trees\[1\] repeats trees\[0\] \(tree:tree:positional:b=2\)"),
-    # an old entry and its conversion name one configuration
-    ("[{budget: 2}, {tree_budget: 2, adapt_rates: false}]",
-     r"trees\[1\] repeats trees\[0\] \(tree:tree:positional:b=2\)"),
-    ("[{budget: 4, tree_learned: true}]",
-     r"trees\[0\]: budget \(the sweep's old names\) beside tree_learned; write the entry in the names generate "
-     r"takes: budget: N -> tree_budget: N; "),
+    ("[{tree_learned: true, tree_node_cost: -1}]", r"trees\[0\]\.tree_node_cost must be > 0 and finite"),
+    ("[{tree_learned: true, tree_budget: 0}]", r"trees\[0\]\.tree_budget must be an integer >= 1"),
+    ("[{tree_budget: 2}, {policy: tree, tree_budget: 2}]",
+     r"trees\[1\] repeats trees\[0\] \(tree:tree:positional:b=2:adapt\)"),
+    # the sweep's old names are refused, each naming what to write instead
+    ("[{budget: 4}]", r"trees\[0\]\.budget: not a setting of policy tree \(the sweep's old name: write tree_budget "
+                      r"\(budget: learned -> tree_learned: true\)\); its settings: policy, tree_budget, "),
+    ("[{tree_budget: 4, adapt: true}]",
+     r"trees\[0\]\.adapt: not a setting of policy tree \(the sweep's old name: write adapt_rates \(the old "
+     r"default was adapt_rates: false\)\)"),
+    ("[{tree_estimator: head, head: d1-wrej6, max_budget: 4}]",
+     r"trees\[0\]\.max_budget: not a setting of policy tree \(the sweep's old name: write tree_budget\)"),
     ("[3]", r"trees\[0\] must be a mapping"),
 ])
 
@@ -100,16 +93,16 @@ def test_bad_input_errors_are_one_line_before_models_load(inputs, tmp_path, monk
         raise AssertionError("models were loaded before the input was checked")
 
     monkeypatch.setattr("adaptive_spec.decoding.pipeline.SpecPair.load", no_load)
-    assert sweep.main(tree_args(inputs, tmp_path / "o", trees="[{budget: 0}]")) == 2
+    assert sweep.main(tree_args(inputs, tmp_path / "o", trees="[{tree_budget: 0}]")) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: trees[0].budget must be ") and err.count("\n") == 1
+    assert err.startswith("error: trees[0].tree_budget must be ") and err.count("\n") == 1
     assert sweep.main(tree_args(inputs, tmp_path / "o", tree_calibration_prompts=0)) == 2
     assert "tree_calibration_prompts must be >= 1" in capsys.readouterr().err
     # a context head cannot tell siblings apart: refused when the heads load, still before the models
     ctx = tmp_path / "ctx"
     AcceptanceHead(16, depth=0, feature="context").save_pretrained(ctx)
     with pytest.raises(UserError, match=r"head .*ctx reads feature=context.*needs a head trained with feature=token"):
-        sweep.run(cfg_of(inputs, tmp_path / "o", trees=f"[{{estimator: head, head: {ctx}}}]"))
+        sweep.run(cfg_of(inputs, tmp_path / "o", trees=f"[{{tree_estimator: head, head: {ctx}}}]"))
     assert not (tmp_path / "o" / "results.jsonl").exists()
 
 
@@ -119,21 +112,20 @@ def specs_of(trees):
     return sweep.tree_specs(SweepConfig(heads=[], trees=trees))
 
 
-@pytest.mark.parametrize("old, new", [
-    ({"budget": 4}, {"tree_budget": 4, "adapt_rates": False}),
-    ({"estimator": "positional", "adapt": True}, {"tree_budget": 8}),  # the old default budget: 8
-    ({"policy": "ersd", "drafting": "sequence", "budget": 8}, {"policy": "ersd", "drafting": "sequence",
-                                                               "tree_budget": 8, "adapt_rates": False}),
-    ({"budget": "learned", "max_budget": 6, "node_cost": 0.5},
-     {"tree_learned": True, "tree_budget": 6, "tree_node_cost": 0.5, "adapt_rates": False}),
-    ({"budget": "learned", "node_cost": "auto", "adapt": True}, {"tree_learned": True, "tree_budget": 20}),  # k_max
+@pytest.mark.parametrize("entry, key", [
+    ({"tree_budget": 4, "adapt_rates": False}, "tree:tree:positional:b=4"),
+    ({"tree_estimator": "positional", "tree_budget": 8}, "tree:tree:positional:b=8:adapt"),
+    ({"policy": "ersd", "drafting": "sequence", "tree_budget": 8, "adapt_rates": False}, "ersd:sequence:positional:b=8"),
+    ({"tree_learned": True, "tree_budget": 6, "tree_node_cost": 0.5, "adapt_rates": False},
+     "tree:tree:positional:b=learned<=6:c=0.5"),
+    ({"tree_learned": True, "tree_budget": 20}, "tree:tree:positional:b=learned<=20:c=auto:adapt"),
 ])
-def test_an_entry_in_the_old_names_is_its_conversion(old, new):
-    """The sweep's old names (budget, max_budget, node_cost, estimator, adapt) read as they were meant,
-    old defaults included: the same configuration, key and row fields as generate's names spell it."""
-    (a,), (b,) = specs_of([old]), specs_of([new])
-    assert (a.key, a.row_fields()) == (b.key, b.row_fields())
-    assert a.params["settings_obj"] == b.params["settings_obj"]
+def test_an_entry_s_key_is_the_one_stored_results_have(entry, key):
+    """Stored tree rows were written by entries in the sweep's old names; written in generate's names (frozen
+    rates: adapt_rates false, the old default), the same configuration has the same key, so a rerun resumes them."""
+    (conf,) = specs_of([entry])
+    assert conf.key == key
+    assert conf.row_fields()["adapt"] is entry.get("adapt_rates", True)
 
 
 def test_an_entry_takes_generate_s_names_and_defaults():
@@ -146,7 +138,7 @@ def test_an_entry_takes_generate_s_names_and_defaults():
                {"policy": "spectr"}]
     specs = specs_of(entries)
     for e, spec in zip(entries, specs):
-        assert spec.params["settings_obj"] == policy_params(e.get("policy", "tree"),
+        assert spec.policy == policy_params(e.get("policy", "tree"),
                                                             **{k: v for k, v in e.items() if k != "policy"})
     assert [s.key for s in specs] == ["tree:tree:positional:b=8:adapt", "ersd:sequence:positional:b=4:adapt",
                                       "tree:tree:positional:b=learned<=8:c=auto:adapt",
@@ -165,8 +157,8 @@ def test_the_budget_in_key_and_row_is_the_one_the_policy_drafts(entry):
     from adaptive_spec.decoding.trees.policy import round_budget
 
     (spec,) = specs_of([entry])
-    drafted = make_policy(spec.params["settings_obj"]).budget
-    assert round_budget(spec.params["settings_obj"]) == spec.row_fields()["budget"] == drafted
+    drafted = make_policy(spec.policy).budget
+    assert round_budget(spec.policy) == spec.row_fields()["budget"] == drafted
     assert f":b={drafted}:" in spec.key
 
 
@@ -252,7 +244,7 @@ def test_tree_sweep_rows_calibration_resume_and_report(inputs, tmp_path, monkeyp
         check_tree_row(r)
     assert {r["tree_calibration"] for r in tree_rows if r["method"] in ("tree", "ersd")} == \
         {sweep.settings_hash(cal["settings"])}
-    # every tree policy got the calibrated rates, frozen (the entries are in the old names: adapt false)
+    # every tree policy got the calibrated rates, frozen (the entries say adapt_rates: false)
     for p in made:
         if p.name in ("tree", "ersd"):
             assert p.tree_rates == cal[{"tree": "gsd", "ersd": "ersd"}[p.name]]["cond_rates"]
@@ -305,8 +297,9 @@ def test_learned_budget_node_cost_measured_once(inputs, tmp_path, monkeypatch):
     monkeypatch.setattr(sweep_run, "make_policy",
                         lambda params, ctx=None, **kw: made.append(params) or real_make(params, ctx, **kw))
     cfg = cfg_of(inputs, tmp_path / "l", heads="[]", thresholds="[0.5]", ks="[]",
-                 trees="[{budget: learned, max_budget: 4}, {budget: learned, max_budget: 4, node_cost: 0.5}, "
-                       "{budget: learned, max_budget: 4, adapt: true}]")
+                 trees="[{tree_learned: true, tree_budget: 4, adapt_rates: false}, "
+                       "{tree_learned: true, tree_budget: 4, tree_node_cost: 0.5, adapt_rates: false}, "
+                       "{tree_learned: true, tree_budget: 4}]")
     rows = read_rows(sweep.run(cfg))
     assert len(calls) == 1  # once per sweep, not per run
     by_key = {}

@@ -35,9 +35,9 @@ CAPABILITIES = {
 CPU_BASELINE = "llama.cpp"
 # PairParams settings that only some engines read (each engine's record lists its own; `devices` says where
 # it runs); the others apply to all
-TORCH_SETTINGS = frozenset({"dtype", "kv_cache", "runtime", "fused", "max_cache_len", "cpu_stock", "cpu_pad_rows",
+TORCH_PAIR_KEYS = frozenset({"dtype", "kv_cache", "runtime", "fused", "max_cache_len", "cpu_stock", "cpu_pad_rows",
                             "cpu_fp16_rows"})
-LLAMA_CPP_SETTINGS = frozenset({"n_ctx"})
+LLAMA_CPP_PAIR_KEYS = frozenset({"n_ctx"})
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class Engine:
     capabilities: frozenset = frozenset()
     draft_quants: tuple = ("none",)
     target_quants: tuple = ("none",)
-    settings: frozenset = frozenset()  # the engine-specific PairParams settings it reads (TORCH_SETTINGS, ...)
+    settings: frozenset = frozenset()  # the engine-specific PairParams settings it reads (TORCH_PAIR_KEYS, ...)
     devices: tuple | None = None  # the devices it runs on (None: any torch device)
     model_files: str = "hf"  # what a model name points at: "hf" (config.json + weights) or "gguf"
     time_model: str = "extended"  # the time model `auto` prices it with (decoding/timemodel.py)
@@ -165,13 +165,13 @@ def _llama_cpp_unavailable() -> str | None:
 register(Engine(
     "torch", _load_torch,
     capabilities=frozenset({"hidden", "tree", "multi_draft", "hf_generate"}),
-    draft_quants=("none", *TORCH_DRAFT_QUANTS), settings=TORCH_SETTINGS,
+    draft_quants=("none", *TORCH_DRAFT_QUANTS), settings=TORCH_PAIR_KEYS,
     description="Hugging Face weights, the default pair dequantized to bf16"))
 register(Engine(
     "llama.cpp", _load_llama_cpp,
     capabilities=frozenset(),
     draft_quants=("none", *GGUF_QUANTS), target_quants=("none", *GGUF_QUANTS),
-    settings=LLAMA_CPP_SETTINGS, devices=("cpu",), model_files="gguf",
+    settings=LLAMA_CPP_PAIR_KEYS, devices=("cpu",), model_files="gguf",
     # its pass time is far from linear in its length (its CPU kernels change at 4 rows: a 4-token pass
     # can cost less than a 3-token one), so the per-length table is the model that fits
     time_model="table",

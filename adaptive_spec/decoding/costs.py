@@ -301,7 +301,8 @@ def decode_step_time(lm, reps: int, steps: int | None = None, warmup: int = DECO
     it otherwise), so such a cell can cost more than the decode's step; the verification passes keep their
     interleaved cells, as a speculative round runs them between the draft's steps. `steps` timed steps
     (default DECODE_STEPS_PER_REP a rep) after `warmup` untimed ones, centred on `context` (default PREFIX;
-    less where the context is shorter). The runner is left reset, its counters as they were."""
+    less where the context is shorter). A runner whose counters book no time (a table in tests) is timed by
+    the clock between steps instead. The runner is left reset, its counters as they were."""
     from .decoder import Decoder  # the decoder imports the sampling this module does: only where timed
 
     steps = max(1, DECODE_STEPS_PER_REP * reps if steps is None else steps)
@@ -311,19 +312,22 @@ def decode_step_time(lm, reps: int, steps: int | None = None, warmup: int = DECO
     prompt = max(1, (min(centre, limit - n) if limit else centre) - warmup - steps // 2)
     ids = ((torch.arange(prompt) * 7 + 5) % lm.vocab_size).tolist()
     saved = lm.counters.saved()
-    marks = []  # (the prompt's prefill seconds, the counters' seconds) after each step
+    marks = []  # (the prompt's prefill seconds, the counters' seconds, the clock) after each step
     try:
         Decoder(lm, None).generate(ids, max_new_tokens=n, sampling=SamplingParams(**LOOP_SAMPLING["sample"]),
                                    seed=0, on_tokens=lambda _: marks.append((lm.counters.prefill_s,
-                                                                             lm.counters.seconds)))
+                                                                             lm.counters.seconds,
+                                                                             time.perf_counter())))
     finally:
         lm.reset()
         lm.counters.restore(saved)
     if len(marks) < n:
         raise UserError(f"the target-alone loop stopped after {len(marks)} of {n} steps; its context "
                         f"({getattr(lm, 'max_length', None)} positions) is too short to time a step")
-    seconds = np.diff([marks[0][0]] + [s for _, s in marks])
-    return float(statistics.median(seconds[warmup:]))
+    seconds = np.diff([marks[0][0]] + [s for _, s, _ in marks])[warmup:]
+    if not seconds.any():
+        seconds = np.diff([t for _, _, t in marks])[warmup - 1:] if warmup else np.diff([t for _, _, t in marks])
+    return float(statistics.median(seconds))
 
 
 def loop_times(vocab_size: int, device, reps: int = 20) -> dict:

@@ -62,17 +62,12 @@ class Metrics:
     wall_s: float = 0.0
     draft_s: float = 0.0  # inside draft forward passes
     target_s: float = 0.0  # inside target forward passes
-    policy_s: float = 0.0  # inside the stop policy's should_stop (e.g. the acceptance head)
     prefill_s: float = 0.0  # prompt forward passes (both models), part of draft_s/target_s
     hindsight_s: float = 0.0  # the oracle's untimed hindsight work (re-deriving X), kept out of wall_s
     draft_prefill_s: float = 0.0  # the parts of prefill_s per model
     target_prefill_s: float = 0.0
     first_token_s: float = 0.0  # from the call to the first round's tokens: prefill and that round (TTFT)
-    # where a round's time goes outside the two models' forwards (see `breakdown`)
-    draft_other_s: float = 0.0  # drafting outside draft forwards and the stop rule: sampling q, copying
-    verify_other_s: float = 0.0  # verification outside the target pass: processing p, rejection sampling, the read
-    rollback_s: float = 0.0  # cropping both caches to the accepted prefix
-    # the parts of wall_s on one clock (timing.PartClock: `lap`), read into the fields above at the end
+    # where the wall time went, per part, on one clock (timing.PartClock: `lap`; `breakdown` reports them)
     parts: dict = field(default_factory=dict)
     host_reads: int = 0  # times the decode loop read the device back (one per round, or one per drafted token too)
     n_past_stop: int = 0  # drafted past the stop by rounds that decided it on the device (never verified)
@@ -131,15 +126,10 @@ class Metrics:
             self.clock.lap(part)
 
     def close_clock(self) -> None:
-        """Read the clock's parts (one device sync on CUDA) into `parts` and the fields they fill."""
-        if self.clock is None:
-            return
-        self.parts = {k: v for k, v in self.clock.totals().items() if k != "hindsight"}
-        self.clock = None
-        self.draft_other_s = self.parts.get("draft_other", 0.0)
-        self.policy_s = self.parts.get("policy", 0.0)
-        self.verify_other_s = self.parts.get("verify_other", 0.0)
-        self.rollback_s = self.parts.get("rollback", 0.0)
+        """Read the clock's parts (one device sync on CUDA) into `parts`."""
+        if self.clock is not None:
+            self.parts = {k: v for k, v in self.clock.totals().items() if k != "hindsight"}
+            self.clock = None
 
     def breakdown(self) -> dict:
         """Seconds of the generation by where they went, all on one clock (timing.PartClock): prefill

@@ -186,7 +186,8 @@ GPU_CHECK = PROJECT_ROOT / "eval" / "results" / "gpu_check_h200"
 
 def _short(hub_id: str) -> str:
     """Qwen/Qwen2.5-Coder-7B-Instruct -> Coder-7B."""
-    return hub_id.split("/")[-1].removeprefix("Qwen2.5-").removesuffix("-Instruct")
+    name = hub_id.split("/")[-1].removeprefix("Qwen2.5-")
+    return name[:-len("-Instruct")] if name.endswith("-Instruct") else name
 
 
 def _policy_label(config: str) -> str:

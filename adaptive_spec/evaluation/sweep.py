@@ -35,9 +35,8 @@ dataset and entry its own column:
                     {policy: spectr | batch-sd, num_drafts: N, k: K}
                   e.g. trees: [{tree_budget: 4}, {tree_estimator: head, head: d3-wrej6, tree_budget: 8},
                                {policy: ersd, tree_budget: 8}, {policy: spectr, num_drafts: 2, k: 3}].
-                  Entries in the sweep's old names (budget: N | learned, max_budget, node_cost: C | auto,
-                  estimator, adapt) still read as they did, old defaults included (frozen rates, budget 8,
-                  a learned budget capped at k_max), so their rows keep their config keys.
+                  The sweep's old names (budget, max_budget, node_cost, estimator, adapt) are refused, each
+                  naming its new one; written with adapt_rates: false (their default) they keep their keys.
                   Their rows add tokens_per_target_forward, drafted_per_round, tree_depth (mean
                   depth of a round's drafted tree) and predicted_accepted (sum of R per round).
                   tree/ersd shapes use per-sibling acceptance rates measured ONCE per sweep on
@@ -73,6 +72,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import transformers
@@ -87,14 +87,15 @@ from ..decoding.decoder import Decoder
 from ..decoding.pipeline import SpecPair, torch_threads
 from ..decoding.sampling import SamplingParams
 from ..errors import UserError, run_main
+from ..params import ARParams, OracleParams
 from ..prompts import load_prompts
 from ..runs import append_jsonl, lock_dir, read_json, read_jsonl, settings_problem, write_json
 # the sweep's parts, split by job; their names stay importable from here
-from .sweep_grid import (AUTO, MULTI_DRAFT, RunSpec, SweepConfig, build_grid, policy_specs,  # noqa: F401
-                         tree_params, tree_specs)
+from .sweep_grid import (AUTO, MULTI_DRAFT, Baseline, Configuration, Source, SweepConfig, build_grid,  # noqa: F401
+                         policy_specs, tree_specs)
 from .sweep_heads import draft_hidden_size, load_heads, load_tree_heads, resolve_heads  # noqa: F401
-from .sweep_run import (auto_node_cost, chain_params, check_auto_curves, hf_generate,  # noqa: F401
-                        hf_schedule_note, run_one, tree_stats)
+from .sweep_run import (Sweep, auto_node_cost, check_auto_curves, hf_generate, hf_schedule_note,  # noqa: F401
+                        reads_costs, run_one, tree_stats, verification)
 from .tree_calibration import TREE_POLICIES, VERIFICATION, load_or_calibrate, measure_rates  # noqa: F401
 
 RESULTS = "results.jsonl"
@@ -188,39 +189,51 @@ def run(cfg: SweepConfig) -> Path:
     cfg.pair.engine.check_available(cfg.pair.device, "pair.device")
     texts = {ds: load_prompts(ds, cfg.fields.get(ds), None, cfg.seed, cfg.hf_configs.get(ds), cfg.hf_splits.get(ds))
              for ds in cfg.datasets}
+    sweep, heads = _prepare(cfg)
+    sweep.out.mkdir(parents=True, exist_ok=True)
+    lock = lock_dir(sweep.out, "sweep")  # noqa: F841 (held until this process exits)
+    check_out_dir(sweep.out, sweep.settings, cfg.overwrite)
+
+    sweep.pairs = _load_pairs(cfg, sweep.heads)
+    pair = sweep.first_pair()
+    for p, _ in sweep.pairs.values():
+        p.decoder.record_trace = cfg.record_trace  # Metrics.trace, which the rows keep (Metrics.to_dict)
+    if any(c.policy is Baseline.HF_ASSISTED for c in sweep.grid):
+        sweep.notes += _note([hf_schedule_note(pair.draft.model)])
+    selected = {ds: _select_dataset(pair, ds, texts[ds], cfg, sweep.notes) for ds in cfg.datasets}
+    costs = [_pinned_costs(sweep, p, d, i == 0) for i, (d, (p, _)) in enumerate(sweep.pairs.items())][0]
+    sweep.tree_ctx = _tree_context(sweep, texts, selected, costs)
+    runtime = {d: p.runtime_info() for d, (p, _) in sweep.pairs.items()}
+    _write_run_files(sweep, heads, selected, runtime)
+    context = _row_context(sweep, runtime)
+    todo, n_jobs = _todo(sweep, selected)
+    if todo and cfg.warmup:
+        _warmup(sweep, todo[0].ids)
+    _run_jobs(sweep, todo, n_jobs, context)
+    return sweep.out
+
+
+def _prepare(cfg: SweepConfig) -> tuple[Sweep, dict]:
+    """The sweep before any model loads: its heads (loaded on the CPU and checked), grid, notes and settings;
+    and the heads of `heads` alone (heads.json's)."""
     hidden = draft_hidden_size(cfg.pair.draft)
     heads = load_heads(cfg, hidden)
-    specs, notes = build_grid(cfg, list(heads))
-    check_auto_curves(cfg, heads, specs)
-    all_heads = load_tree_heads(cfg, heads, specs, hidden)
-    _note(notes)
-    settings = _settings(cfg, _device_name(cfg.pair.device))
-    out = cfg.resolved_out_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    lock = lock_dir(out, "sweep")  # noqa: F841 (held until this process exits)
-    check_out_dir(out, settings, cfg.overwrite)
+    grid, notes = build_grid(cfg, list(heads))
+    check_auto_curves(cfg, heads, grid)
+    all_heads = load_tree_heads(cfg, heads, [c.head for c in grid if c.source is Source.TREES and c.head], hidden)
+    sweep = Sweep(cfg, grid, _note(notes), all_heads)
+    sweep.settings = _settings(cfg, _device_name(cfg.pair.device))
+    sweep.out = cfg.resolved_out_dir()
+    return sweep, heads
 
-    pairs = _load_pairs(cfg, all_heads)  # drafts entry ("" without a drafts axis) -> (pair, draft decoder)
-    pair = next(iter(pairs.values()))[0]
-    for p, _ in pairs.values():
-        p.decoder.record_trace = cfg.record_trace  # Metrics.trace, which the rows keep (Metrics.to_dict)
-    if any(s.method == "hf_assisted" for s in specs):
-        notes += _note([hf_schedule_note(pair.draft.model)])
-    selected = {ds: _select_dataset(pair, ds, texts[ds], cfg, notes) for ds in cfg.datasets}
-    costs = [_pinned_costs(p, out, specs, notes, d, i == 0) for i, (d, (p, _)) in enumerate(pairs.items())][0]
-    tree_ctx = _tree_context(pair, cfg, out, texts, selected, settings, specs, notes, costs)
-    cpu_pad_to = _cpu_pad_to(pair)
-    runtime = {d: p.runtime_info() for d, (p, _) in pairs.items()}
-    _write_run_files(out, cfg, settings, heads, selected, specs, notes, cpu_pad_to, runtime, pair)
-    todo, n_jobs = _todo(out / RESULTS, cfg, selected, specs)
-    if todo and cfg.warmup:
-        _warmup(pairs, todo[0][3], specs, cfg, all_heads, tree_ctx)
-    # every row carries the machine and the numeric paths it ran on: "auto" resolves per CPU
-    context = {d: {"settings_hash": settings_hash(settings), "cpu_pad_to": cpu_pad_to, "isa": r["machine"]["isa"],
-                   "cpu_flags": r["machine"]["cpu_flags"], "paths": {m: r.get(f"{m}_path") for m in ("target", "draft")}}
-               for d, r in runtime.items()}
-    _run_jobs(pairs, todo, n_jobs, cfg, all_heads, out / RESULTS, context, tree_ctx)
-    return out
+
+def _row_context(sweep: Sweep, runtime: dict) -> dict:
+    """drafts entry -> what every row of its pair carries: the machine and the numeric paths it ran on ("auto"
+    resolves per CPU)."""
+    cpu_pad_to = _cpu_pad_to(sweep.first_pair())
+    return {d: {"settings_hash": settings_hash(sweep.settings), "cpu_pad_to": cpu_pad_to, "isa": r["machine"]["isa"],
+                "cpu_flags": r["machine"]["cpu_flags"], "paths": {m: r.get(f"{m}_path") for m in ("target", "draft")}}
+            for d, r in runtime.items()}
 
 
 def _note(notes: list[str]) -> list[str]:
@@ -270,35 +283,34 @@ def _select_dataset(pair, ds: str, texts: list[str], cfg: SweepConfig, notes: li
     return chosen
 
 
-def _pinned_costs(pair, out: Path, specs, notes: list[str], draft: str = "", first: bool = True):
+def _pinned_costs(sweep: Sweep, pair, draft: str = "", first: bool = True):
     """The one measurement of t_draft, t_target and t_cand that every auto pick of the sweep reads
     (ks / thresholds auto, a learned tree budget's node_cost auto), pinned in out_dir/costs.json:
     a resumed sweep reuses it, so its auto rows mean the same before and after an interruption; a
     `drafts` entry other than the first pins its own (costs@ENTRY.json). None where no configuration needs it."""
-    if not any(s.method in ("fixed_auto", "learned_auto") or auto_node_cost(s) or "settings" in s.params
-               for s in specs):
+    if not any(reads_costs(c) for c in sweep.grid):
         return None
 
     name = COSTS if first else f"costs@{draft.replace(':', '-')}.json"
     # on the threads the decode has (the engine's decode_torch_threads), as generate's auto measures: one
     # measurement, one cache key, per machine
     with torch_threads(pair.engine.decode_torch_threads):
-        costs = measure_costs(pair, pin=out / name)
+        costs = measure_costs(pair, pin=sweep.out / name)
     table = getattr(costs, "t_verify", ())
     v = f", v(1..{len(table)}) = {' '.join(f'{t / table[0]:.2f}' for t in table)} target steps" if table else ""
-    notes += _note([f"auto picks{f' with draft {draft}' if draft else ''} read the forward times pinned in {name}: "
-                    f"t_draft/t_target = {costs.c:.4g}{v} (measured {costs.measured})"])
+    sweep.notes += _note([f"auto picks{f' with draft {draft}' if draft else ''} read the forward times pinned in "
+                          f"{name}: t_draft/t_target = {costs.c:.4g}{v} (measured {costs.measured})"])
     return costs
 
 
-def _tree_context(pair, cfg: SweepConfig, out: Path, texts: dict, selected: dict, settings: dict, specs,
-                  notes: list[str], costs=None) -> dict:
+def _tree_context(sweep: Sweep, texts: dict, selected: dict, costs=None) -> dict:
     """What every tree run shares: {"rates": {gsd|ersd: c_i}, "calibration": its hash, "node_cost"}.
     The rates are measured once (tree_calibration.measure_rates) on prompts no configuration is
     evaluated on: per dataset, tree_calibration_prompts from the END of the shuffled set, so they
     stay the same when n_prompts grows. A learned budget's node_cost auto comes from `costs` (the
     sweep's pinned forward times, _pinned_costs)."""
-    methods = sorted({VERIFICATION[s.method] for s in specs if s.method in VERIFICATION and tree_params(s)})
+    cfg, pair = sweep.cfg, sweep.first_pair()
+    methods = sorted({verification(c) for c in sweep.grid if verification(c) is not None})
     ctx = {"rates": {}, "calibration": None, "node_cost": None}
     if methods:
         prompts = []
@@ -309,20 +321,20 @@ def _tree_context(pair, cfg: SweepConfig, out: Path, texts: dict, selected: dict
         if not prompts:
             raise UserError("no prompt is left to calibrate the tree policies on: every prompt that fits is "
                             "evaluated; lower n_prompts or add a dataset with more prompts")
-        cal_settings = {"sweep": settings_hash(settings), "width": cfg.tree_calibration_width,
+        cal_settings = {"sweep": settings_hash(sweep.settings), "width": cfg.tree_calibration_width,
                         "prompts": [prompt_sha(t) for _, t, _ in prompts], "vocab_size": pair.target.vocab_size}
-        _check_calibration(out, cal_settings)
+        _check_calibration(sweep.out, cal_settings)
         sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
-        cal = load_or_calibrate(out / TREE_CALIBRATION, cal_settings, methods, lambda m: measure_rates(
+        cal = load_or_calibrate(sweep.out / TREE_CALIBRATION, cal_settings, methods, lambda m: measure_rates(
             pair, [ids for _, _, ids in prompts], sampling, cfg.max_new_tokens, m, cfg.tree_calibration_width,
             progress=cfg.progress))
         ctx.update(rates={m: cal[m]["cond_rates"] for m in methods}, calibration=settings_hash(cal_settings))
-        notes += _note([f"tree acceptance rates c_i ({m}, {len(prompts)} calibration prompts): "
-                        f"{[round(c, 3) for c in cal[m]['cond_rates'][:6]]}" for m in methods])
-    if any(auto_node_cost(s) for s in specs):
+        sweep.notes += _note([f"tree acceptance rates c_i ({m}, {len(prompts)} calibration prompts): "
+                              f"{[round(c, 3) for c in cal[m]['cond_rates'][:6]]}" for m in methods])
+    if any(auto_node_cost(c) for c in sweep.grid):
         ctx["node_cost"] = costs.node_cost
-        notes += _note([f"tree node_cost auto = (t_draft + t_cand) / t_target = {costs.node_cost:.4g} "
-                        f"(t_draft/t_target = {costs.c:.4g}; {costs.measured})"])
+        sweep.notes += _note([f"tree node_cost auto = (t_draft + t_cand) / t_target = {costs.node_cost:.4g} "
+                              f"(t_draft/t_target = {costs.c:.4g}; {costs.measured})"])
     return ctx
 
 
@@ -346,19 +358,21 @@ def _cpu_pad_to(pair) -> dict:
             (("target", pair.target), ("draft", pair.draft)) if m is not None}
 
 
-def _write_run_files(out: Path, cfg: SweepConfig, settings: dict, heads: dict, selected: dict, specs, notes,
-                     cpu_pad_to: dict, pair_runtime: dict, pair=None):
-    """settings.json, heads.json, prompts.json and config.json (see the module doc); `pair_runtime`:
-    drafts entry -> its pair's runtime_info; `pair`: the (first) pair, whose models a trace names."""
+def _write_run_files(sweep: Sweep, heads: dict, selected: dict, pair_runtime: dict):
+    """settings.json, heads.json (`heads`: those of the config's `heads`), prompts.json and config.json (see the
+    module doc); `pair_runtime`: drafts entry -> its pair's runtime_info."""
+    cfg, out, settings = sweep.cfg, sweep.out, sweep.settings
+    pair = sweep.first_pair()  # whose models a trace names
     write_json(out / "settings.json", {"settings": settings, "hash": settings_hash(settings)})
     write_json(out / "heads.json", {k: v[1] for k, v in heads.items()}, default=str)
     write_json(out / "prompts.json", {ds: [{"prompt_idx": i, "prompt_sha": prompt_sha(t), "n_prompt_tokens": len(ids),
                                             "text": t} for i, t, ids in chosen] for ds, chosen in selected.items()},
                indent=1)
     write_json(out / "config.json", {
-        "config": config_to_dict(cfg), "grid": [s.key for s in specs], "notes": notes, "device": settings["device"],
-        "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
-        "cpu_pad_to": cpu_pad_to, "runtime": next(iter(pair_runtime.values())),
+        "config": config_to_dict(cfg), "grid": [c.key for c in sweep.grid], "notes": sweep.notes,
+        "device": settings["device"], "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "transformers": transformers.__version__, "cpu_pad_to": _cpu_pad_to(pair),
+        "runtime": next(iter(pair_runtime.values())),
         **({"drafts_runtime": pair_runtime} if cfg.drafts else {}),
         **({"trace_pair": trace_pair(cfg, pair)} if cfg.record_trace else {}),
         "written": time.strftime("%Y-%m-%d %H:%M:%S")}, default=str)
@@ -384,63 +398,63 @@ def trace_pair(cfg: SweepConfig, pair) -> dict:
     return out
 
 
-def _todo(rpath: Path, cfg: SweepConfig, selected: dict, specs) -> tuple[list[tuple], int]:
-    """The (dataset, prompt_idx, text, ids, spec) runs not yet in results.jsonl, and the number of
-    runs in all. Prompt-major and round-robin over datasets: a sweep stopped early (or still
-    running) has every config on the same prompts and every dataset about equally far along, so
-    its partial results already compare side by side."""
+class Job(NamedTuple):
+    dataset: str
+    prompt_idx: int  # in the shuffled set
+    text: str
+    ids: list[int]
+    conf: Configuration
+
+
+def _todo(sweep: Sweep, selected: dict) -> tuple[list[Job], int]:
+    """The runs not yet in results.jsonl, and the number of runs in all. Prompt-major and round-robin over
+    datasets: a sweep stopped early (or still running) has every config on the same prompts and every dataset
+    about equally far along, so its partial results already compare side by side."""
     done = {(r.get("dataset"), r.get("prompt_idx"), r.get("prompt_sha"), r.get("config"))
-            for r in read_jsonl(rpath, repair=True)}
-    jobs = [(ds, *selected[ds][rank], s) for rank in range(max(len(v) for v in selected.values()))
-            for ds in cfg.datasets if rank < len(selected[ds]) for s in specs]
-    return [j for j in jobs if (j[0], j[1], prompt_sha(j[2]), j[4].key) not in done], len(jobs)
+            for r in read_jsonl(sweep.out / RESULTS, repair=True)}
+    jobs = [Job(ds, *selected[ds][rank], c) for rank in range(max(len(v) for v in selected.values()))
+            for ds in sweep.cfg.datasets if rank < len(selected[ds]) for c in sweep.grid]
+    return [j for j in jobs if (j.dataset, j.prompt_idx, prompt_sha(j.text), j.conf.key) not in done], len(jobs)
 
 
-def _run_jobs(pairs: dict, todo: list[tuple], n_jobs: int, cfg: SweepConfig, heads: dict, rpath: Path,
-              context: dict, tree_ctx: dict | None = None):
-    """Run each job on its draft configuration's pair (`pairs`, _load_pairs') and append its row to
-    results.jsonl as soon as it is done."""
-    first = next(iter(pairs))
+def _run_jobs(sweep: Sweep, todo: list[Job], n_jobs: int, context: dict):
+    """Run each job on its draft configuration's pair and append its row to results.jsonl as soon as it is
+    done; `context`: drafts entry -> the fields every row of its pair carries (_row_context)."""
+    cfg, first = sweep.cfg, next(iter(sweep.pairs))
     bar = tqdm(total=n_jobs, initial=n_jobs - len(todo), desc="sweep", unit="run", dynamic_ncols=True,
                disable=not cfg.progress, file=sys.stderr)
-    greedy_x = {}  # (dataset, prompt) -> the target-alone greedy output, the oracle's X (Theorem 4.1)
-    keep_x = any(j[4].method == "oracle" for j in todo)  # build_grid adds the oracle only when greedy
+    keep_x = any(isinstance(j.conf.policy, OracleParams) for j in todo)  # build_grid adds the oracle only when greedy
     try:
-        for ds, i, text, ids, spec in todo:
+        for ds, i, text, ids, conf in todo:
             seed = cfg.seed * 100_003 + i
-            x = greedy_x.get((ds, i)) if spec.method == "oracle" else None
-            draft = spec.params.get("draft", first)
-            pair, draft_decoder = pairs[draft]
-            m, stopped, new, extra = run_one(pair, spec, ids, cfg, seed, heads, draft_decoder, target_output=x,
-                                             tree_ctx=tree_ctx)
-            if spec.method == "ar":
-                if keep_x:
-                    greedy_x[(ds, i)] = new
+            m, stopped, new, extra = run_one(sweep, conf, ids, seed)
+            if isinstance(conf.policy, ARParams):
+                if keep_x:  # the oracle's X (Theorem 4.1), for its run on this prompt
+                    sweep.greedy[tuple(ids)] = new
                 # the target's own response, for scoring other drafts on it (eval/bench_draft_vocab.py)
                 extra = {**extra, "prompt_ids": list(ids), "token_ids": list(new)}
-            append_jsonl(rpath, {"dataset": ds, "prompt_idx": i, "prompt_sha": prompt_sha(text),
-                                 "n_prompt_tokens": len(ids), **spec.row_fields(), "seed": seed, "stopped_by": stopped,
-                                 "output_sha": prompt_sha(json.dumps(new)), **m.to_dict(), **extra,
-                                 "counts_derived": spec.method in ("hf_assisted", "hf_prompt_lookup"), **context[draft],
-                                 "time": time.time()})
+            peer = conf.policy in (Baseline.HF_ASSISTED, Baseline.HF_PROMPT_LOOKUP)
+            append_jsonl(sweep.out / RESULTS, {
+                "dataset": ds, "prompt_idx": i, "prompt_sha": prompt_sha(text), "n_prompt_tokens": len(ids),
+                **conf.row_fields(), "seed": seed, "stopped_by": stopped, "output_sha": prompt_sha(json.dumps(new)),
+                **m.to_dict(), **extra, "counts_derived": peer, **context[first if conf.draft is None else conf.draft],
+                "time": time.time()})
             bar.update(1)
-            bar.set_postfix_str(f"{Path(ds).stem} #{i} {spec.key} {m.tokens_per_s:.1f} tok/s", refresh=False)
+            bar.set_postfix_str(f"{Path(ds).stem} #{i} {conf.key} {m.tokens_per_s:.1f} tok/s", refresh=False)
     finally:
         bar.close()
 
 
-def _warmup(pairs: dict, ids, specs, cfg, heads, tree_ctx=None):
-    """Untimed short generations, one per kind and draft configuration: the first forwards pay for
-    allocation and kernel selection."""
-    n = min(8, cfg.max_new_tokens)
-    first, seen = next(iter(pairs)), set()
-    for spec in specs:
-        draft = spec.params.get("draft", first)
-        if (spec.method, draft) in seen or spec.method == "oracle":
+def _warmup(sweep: Sweep, ids):
+    """Untimed short generations, one per kind (a row's method) and draft configuration: the first forwards pay
+    for allocation and kernel selection."""
+    n, seen = min(8, sweep.cfg.max_new_tokens), set()
+    for conf in sweep.grid:
+        kind = (conf.row["method"], conf.draft)
+        if kind in seen or isinstance(conf.policy, OracleParams):
             continue
-        seen.add((spec.method, draft))
-        pair, draft_decoder = pairs[draft]
-        run_one(pair, spec, ids, cfg, 0, heads, draft_decoder, max_new_tokens=n, tree_ctx=tree_ctx)
+        seen.add(kind)
+        run_one(sweep, conf, ids, 0, max_new_tokens=n)
 
 
 INTERRUPTED = "finished runs are kept in results.jsonl; rerun the same command to resume"

@@ -1,16 +1,18 @@
 """A sweep's config and the configurations it runs: SweepConfig (checked before anything loads),
-RunSpec and build_grid. Part of `adaptive-spec sweep` (sweep.py: the module doc has the keys).
+Configuration and build_grid. Part of `adaptive-spec sweep` (sweep.py: the module doc has the keys).
 
-Every policy setting is checked by its params class (params.py), the one `generate` takes: a
-`policies` or `trees` entry is spelled and defaulted as generate's keywords are, and ks, thresholds
-and the taus are each checked as the setting of their policy. `trees` entries written with the
-sweep's old names (budget, max_budget, node_cost, estimator, adapt) are read as they were meant
-(_from_old_names), so the committed configs and the stored results keep their grid keys.
+The grid is a list of Configurations, each holding its policy: the typed settings `generate` takes
+(params.py, built through the policy registry), or a Baseline that is no registered policy. The
+shorthands expand to that list (ks: [2, 3] is two fixed policies; heads x thresholds learned ones;
+the taus confidence and entropy ones), and a `policies` or `trees` entry is spelled and defaulted as
+generate's keywords are. What runs a configuration is chosen by its policy's type and its Source,
+never by a name.
 """
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -21,7 +23,8 @@ from ..decoding.sampling import SamplingParams
 from ..decoding.trees.policy import round_budget
 from ..decoding.trees.shapes import NESTED
 from ..errors import UserError
-from ..params import PairParams, build, check_runs_on, policy_class, policy_names, policy_params
+from ..params import PairParams, PolicyParams, build, check_runs_on, policy_class, policy_names, policy_params
+from ..registry import Needs
 from ..runs import project_path
 from .forward_costs import parse_draft
 from .sweep_heads import find_head_folder, resolve_heads
@@ -132,10 +135,10 @@ class SweepConfig:
         if self.heads and not self.thresholds:
             raise UserError("heads are given but thresholds is empty; list the h values to sweep")
         self.draft_pairs()
-        for key, specs in (("policies", typed), ("trees", tree_specs(self))):
-            for spec in specs:
+        for key, confs in (("policies", typed), ("trees", tree_specs(self))):
+            for conf in confs:
                 try:
-                    check_runs_on(spec.params["settings_obj"], engine)
+                    check_runs_on(conf.policy, engine)
                 except UserError as e:
                     raise UserError(f"{key}: {e}") from None
 
@@ -143,8 +146,7 @@ class SweepConfig:
         """auto_prompts is read by some auto and names prompts that load (before any model does)."""
         if not self.auto_prompts:
             return
-        if not (AUTO in self.ks or AUTO in self.thresholds or any(
-                AUTO in (s.params["settings"].get("threshold"), s.params["settings"].get("k")) for s in typed)):
+        if not (AUTO in self.ks or AUTO in self.thresholds or any(c.reads_auto() for c in typed)):
             raise UserError("config key 'auto_prompts' is read by auto in ks, thresholds or a policies entry only; "
                             "list auto there, or drop auto_prompts")
         from .probe_prompts import load_texts  # noqa: PLC0415 (the prompt sets: only where asked)
@@ -178,10 +180,10 @@ class SweepConfig:
         return out
 
     def needs_draft(self, typed: list | None = None) -> bool:
-        """Whether some configuration of the grid drafts with the draft model (RunSpec.drafts_with_model)."""
+        """Whether some configuration of the grid drafts with the draft model (its policy's needs)."""
         return bool(self.include_draft_ar or self.ks or self.heads or self.confidence_taus or self.entropy_taus
                     or self.heuristic or self.oracle or self.hf_assisted or self.trees
-                    or any(s.drafts_with_model() for s in (typed if typed is not None else policy_specs(self))))
+                    or any(c.policy.needs.draft_model for c in (typed if typed is not None else policy_specs(self))))
 
     def resolved_out_dir(self) -> Path:
         return project_path(self.out_dir or f"runs/sweep/{self.name or 'sweep'}")
@@ -214,12 +216,12 @@ def _check_setting(values: list, key: str, name: str, setting: str) -> None:
                             f"{expects}") from None
 
 
-def _as_keys(msg: str, cls, written: dict | None = None) -> str:
+def _as_keys(msg: str, cls) -> str:
     """A params error in the config's spelling: the settings its cross-field checks name as generate's
-    flags (--tree-learned) named as the entry's keys (tree_learned, or the old name it wrote)."""
+    flags (--tree-learned) named as the entry's keys (tree_learned)."""
     def key(m):
         k = m[1].replace("-", "_")
-        return (written or {}).get(k, k) if k in cls.model_fields else m[0]
+        return k if k in cls.model_fields else m[0]
     return re.sub(r"--([a-z][a-z0-9-]*)", key, msg)
 
 
@@ -229,108 +231,140 @@ def _fmt(v) -> str:
 
 # ----------------------------------------------------------------------------- the grid
 
-@dataclass
-class RunSpec:
-    key: str  # unique within a sweep, e.g. "fixed:k=4", "learned:head=d3-wrej6:h=0.7"
-    method: str  # ar | draft_ar | fixed | learned | confidence | entropy | heuristic | oracle | hf_assisted,
-    #              or a policy name (a `policies` or `trees` entry)
-    # k, head, h, tau; a `policies` entry's settings (settings, settings_obj); a `trees` entry's
-    # (tree: its settings, head by label; settings_obj) and its row fields (tree_row_fields)
-    params: dict = field(default_factory=dict)
+class Baseline(Enum):
+    """A configuration that is no registered policy: each runs by code of its own (sweep_run)."""
 
-    def drafts_with_model(self) -> bool:
-        """What its policy declares (registry.Needs.draft_model); the target alone and transformers' prompt
-        lookup draft with none."""
-        obj = self.params.get("settings_obj")
-        return obj.needs.draft_model if obj is not None else self.method not in ("ar", "hf_prompt_lookup")
+    DRAFT_AR = "draft_ar"  # the draft alone (stand-alone t_draft)
+    HF_ASSISTED = "hf_assisted"  # transformers' assisted generation with the draft
+    HF_PROMPT_LOOKUP = "hf_prompt_lookup"  # transformers' prompt lookup: no draft model
+
+    @property
+    def needs(self) -> Needs:
+        return Needs(draft_model=self is not Baseline.HF_PROMPT_LOOKUP)
+
+
+class Source(Enum):
+    """The part of the config a configuration comes from: what run_one adds to its policy, and what its rows carry."""
+
+    SHORTHAND = "shorthand"  # include_ar, ks, heads x thresholds, the taus, heuristic, oracle and the baselines
+    POLICIES = "policies"  # a `policies` entry: complete as given
+    TREES = "trees"  # a `trees` entry: run with the sweep's calibrated rates (and measured node cost)
+
+
+ROW_KEYS = ("method", "k", "head", "h", "tau")  # every row has them, in this order (the report reads them)
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """One configuration of the grid: its key, its policy, and its fields in result rows."""
+
+    key: str  # unique within a sweep (rows' `config`), e.g. "fixed:k=4", "learned:head=d3-wrej6:h=0.7"
+    policy: PolicyParams | Baseline  # the settings `generate` takes (params.py), or a baseline
+    source: Source
+    row: dict  # its fields in rows as stored results name them: ROW_KEYS, then `settings` or tree_row_fields
+    head: str | None = None  # the loaded head run_one puts in the policy: a label of `heads` or a trees entry's folder
+    draft: str | None = None  # its `drafts` entry (None: the pair's own draft)
+
+    def reads_auto(self) -> bool:
+        """Whether it picks K or h per machine: auto written for k or threshold (a default auto, ngram's k, is no
+        pick from a curve)."""
+        p = self.policy
+        return isinstance(p, PolicyParams) and AUTO in [getattr(p, k) for k in ("k", "threshold")
+                                                        if k in p.model_fields_set]
 
     def row_fields(self) -> dict:
-        row = {"config": self.key, "method": self.method, "k": self.params.get("k"),
-               "head": self.params.get("head"), "h": self.params.get("h"), "tau": self.params.get("tau")}
-        if "draft" in self.params:  # a `drafts` entry: the draft configuration it ran with
-            row["draft"] = self.params["draft"]
-        if "settings" in self.params:  # a `policies` entry: its settings as given
-            row["settings"] = self.params["settings"]
-        if "tree" in self.params:  # node_cost: the value used goes in the row (auto is measured)
-            row.update({k: v for k, v in self.params.items() if k not in ("tree", "settings_obj")})
-        return row
+        base = {"config": self.key, **{k: self.row.get(k) for k in ROW_KEYS}}
+        if self.draft is not None:  # a `drafts` entry: the draft configuration it ran with
+            base["draft"] = self.draft
+        return {**base, **self.row}
 
 
-def tree_params(spec: RunSpec):
-    """The typed settings of a `trees` configuration (None for any other), head as a folder."""
-    return spec.params["settings_obj"] if "tree" in spec.params else None
+def completed(policy: PolicyParams, **more) -> PolicyParams:
+    """`policy` with settings only the loaded sweep knows (a head object, a curve), checked whole by its class."""
+    given = {k: getattr(policy, k) for k in policy.model_fields_set}
+    return policy_params(policy.name, **{**given, **more})
 
 
-def build_grid(cfg: SweepConfig, head_labels: list[str]) -> tuple[list[RunSpec], list[str]]:
+def _row(method: str, **values) -> dict:
+    return {k: values.get(k) for k in ROW_KEYS} | {"method": method}
+
+
+def _shorthand(key: str, policy, row: dict, head: str | None = None) -> Configuration:
+    return Configuration(key, policy, Source.SHORTHAND, row, head)
+
+
+def _unchecked(name: str, **values) -> PolicyParams:
+    """A shorthand policy that lacks what only the loaded sweep knows (a head, an auto's curve): each value is
+    checked as its field by SweepConfig.validate, the whole by its class once run_one completes it."""
+    return policy_class(name).model_construct(**values)
+
+
+def build_grid(cfg: SweepConfig, head_labels: list[str]) -> tuple[list[Configuration], list[str]]:
     """The configurations run on every prompt, in run order, and notes on what was left out."""
-    specs, notes = [], []
+    grid, notes = [], []
     if cfg.include_ar:
-        specs.append(RunSpec("ar", "ar"))
+        grid.append(_shorthand("ar", policy_params("ar"), _row("ar")))
     if cfg.include_draft_ar:
-        specs.append(RunSpec("draft_ar", "draft_ar"))
-    specs += [RunSpec(f"fixed:k={k}", "fixed_auto" if k == AUTO else "fixed", {"k": k}) for k in dict.fromkeys(cfg.ks)]
-    for label in head_labels:
-        specs += [RunSpec(f"learned:head={label}:h={_fmt(h)}", "learned_auto" if h == AUTO else "learned",
-                          {"head": label, "h": h}) for h in dict.fromkeys(cfg.thresholds)]
-    specs += [RunSpec(f"confidence:tau={t:g}", "confidence", {"tau": float(t)}) for t in dict.fromkeys(cfg.confidence_taus)]
-    specs += [RunSpec(f"entropy:tau={t:g}", "entropy", {"tau": float(t)}) for t in dict.fromkeys(cfg.entropy_taus)]
+        grid.append(_shorthand("draft_ar", Baseline.DRAFT_AR, _row("draft_ar")))
+    grid += [_shorthand(f"fixed:k={k}", _unchecked("fixed", k=k), _row("fixed_auto" if k == AUTO else "fixed", k=k))
+             for k in dict.fromkeys(cfg.ks)]
+    grid += [_shorthand(f"learned:head={label}:h={_fmt(h)}", _unchecked("learned", threshold=h, k_max=cfg.k_max),
+                        _row("learned_auto" if h == AUTO else "learned", head=label, h=h), label)
+             for label in head_labels for h in dict.fromkeys(cfg.thresholds)]
+    for name, taus in (("confidence", cfg.confidence_taus), ("entropy", cfg.entropy_taus)):
+        grid += [_shorthand(f"{name}:tau={t:g}", policy_params(name, threshold=float(t), k_max=cfg.k_max),
+                            _row(name, tau=float(t))) for t in dict.fromkeys(taus)]
     if cfg.heuristic:
-        specs.append(RunSpec("heuristic", "heuristic"))
-    if cfg.oracle:
-        if cfg.temperature > 0:
-            notes.append(f"oracle skipped: the hindsight oracle is defined for greedy decoding and this sweep "
-                         f"samples at temperature {cfg.temperature:g}")
-        else:
-            specs.append(RunSpec("oracle", "oracle"))
-    if cfg.hf_assisted:
-        specs.append(RunSpec("hf_assisted", "hf_assisted"))
-    if cfg.hf_prompt_lookup:
-        specs.append(RunSpec("hf_prompt_lookup", "hf_prompt_lookup"))
-    specs += tree_specs(cfg)
-    specs += policy_specs(cfg)
-    if not specs:
+        grid.append(_shorthand("heuristic", policy_params("heuristic", k_max=cfg.k_max), _row("heuristic")))
+    if cfg.oracle and cfg.temperature > 0:
+        notes.append(f"oracle skipped: the hindsight oracle is defined for greedy decoding and this sweep "
+                     f"samples at temperature {cfg.temperature:g}")
+    elif cfg.oracle:
+        grid.append(_shorthand("oracle", policy_params("oracle"), _row("oracle")))
+    for on, baseline in ((cfg.hf_assisted, Baseline.HF_ASSISTED), (cfg.hf_prompt_lookup, Baseline.HF_PROMPT_LOOKUP)):
+        if on:
+            grid.append(_shorthand(baseline.value, baseline, _row(baseline.value)))
+    grid += tree_specs(cfg) + policy_specs(cfg)
+    if not grid:
         raise UserError("the sweep grid is empty; enable include_ar, list ks, heads, ... in the config")
-    return per_draft(specs, cfg.drafts), notes
+    return per_draft(grid, cfg.drafts), notes
 
 
-def per_draft(specs: list[RunSpec], drafts: list[str]) -> list[RunSpec]:
+def per_draft(grid: list[Configuration], drafts: list[str]) -> list[Configuration]:
     """Each configuration that drafts with the draft model once per `drafts` entry (key KEY@ENTRY),
     the others (the target alone, prompt lookup) once; prompt-major, so one prompt runs them all."""
     if not drafts:
-        return specs
+        return grid
     out = []
-    for s in specs:
-        if not s.drafts_with_model():
-            out.append(s)
-        else:
-            out += [RunSpec(f"{s.key}@{d}", s.method, {**s.params, "draft": d}) for d in drafts]
+    for c in grid:
+        out += [replace(c, key=f"{c.key}@{d}", draft=d) for d in drafts] if c.policy.needs.draft_model else [c]
     return out
 
 
-def policy_specs(cfg: SweepConfig) -> list[RunSpec]:
-    """One RunSpec per `policies` entry, its settings checked by the policy's params class (a problem
+def policy_specs(cfg: SweepConfig) -> list[Configuration]:
+    """One Configuration per `policies` entry, its settings checked by the policy's params class (a problem
     names the entry: policies[i])."""
     if not isinstance(cfg.policies, list):
         raise UserError(f"config key 'policies' must be a list of mappings such as {{policy: ngram, k: 3}}, "
                         f"got {cfg.policies!r}")
-    specs, seen = [], {}
+    grid, seen = [], {}
     for i, e in enumerate(cfg.policies):
         if not isinstance(e, dict) or not isinstance(e.get("policy"), str):
             raise UserError(f"policies[{i}] must be a mapping with a policy name, e.g. {{policy: ngram, k: 3}}, "
                             f"got {e!r}")
         settings = {k: v for k, v in e.items() if k not in ("policy", "label")}
         try:
-            obj = policy_params(e["policy"], **settings)
+            policy = policy_params(e["policy"], **settings)
         except UserError as err:
             msg = _as_keys(str(err), policy_class(e["policy"])) if e["policy"] in policy_names() else str(err)
             raise UserError(f"policies[{i}]: {msg}") from None
-        key = str(e.get("label") or ":".join([obj.name] + [f"{k}={v}" for k, v in sorted(settings.items())]))
+        key = str(e.get("label") or ":".join([policy.name] + [f"{k}={v}" for k, v in sorted(settings.items())]))
         if key in seen:
             raise UserError(f"policies[{i}] repeats policies[{seen[key]}] ({key}); drop one or give it a label")
         seen[key] = i
-        specs.append(RunSpec(key, obj.name, {"settings": settings, "settings_obj": obj, **{
-            k: settings.get(k) for k in ("k", "head")}, "h": settings.get("threshold")}))
-    return specs
+        row = _row(policy.name, k=settings.get("k"), head=settings.get("head"), h=settings.get("threshold"))
+        grid.append(Configuration(key, policy, Source.POLICIES, {**row, "settings": settings}))
+    return grid
 
 
 # ----------------------------------------------------------------------------- `trees` entries
@@ -338,48 +372,14 @@ def policy_specs(cfg: SweepConfig) -> list[RunSpec]:
 MULTI_DRAFT = ("spectr", "batch-sd")
 # set by the sweep itself: the rates are measured once per sweep on calibration prompts (tree_calibration)
 SWEEP_SETS = ("tree_rates",)
-# the sweep's names before its entries took generate's (kept readable: _from_old_names)
-OLD_NAMES = ("budget", "max_budget", "node_cost", "estimator", "adapt")
-RENAMED = ("tree_budget", "tree_learned", "tree_node_cost", "tree_estimator", "adapt_rates")
-CONVERT = ("budget: N -> tree_budget: N; budget: learned, max_budget: M -> tree_learned: true, tree_budget: M "
-           "(node_cost: C -> tree_node_cost: C; auto: leave it out); estimator -> tree_estimator; adapt -> "
-           "adapt_rates (default true: write adapt_rates: false for the old frozen rates)")
+# the sweep's names before its entries took generate's: refused, naming what to write instead
+RENAMED = {"budget": "tree_budget (budget: learned -> tree_learned: true)", "max_budget": "tree_budget",
+           "node_cost": "tree_node_cost (auto: leave it out)", "estimator": "tree_estimator",
+           "adapt": "adapt_rates (the old default was adapt_rates: false)"}
 
 
 def _one_of(values) -> str:
     return ", ".join(values[:-1]) + " or " + values[-1]
-
-
-def _from_old_names(e: dict, at: str, k_max: int) -> tuple[dict, dict]:
-    """An entry's settings in generate's names, and {name: the key the entry wrote it as}, for errors.
-    An entry in the old names means what it meant, old defaults included (budget 8, a learned budget
-    capped at k_max, node_cost auto, rates frozen): an old config reruns, and resumes, what it ran."""
-    values = {k: v for k, v in e.items() if k != "policy"}
-    old = [k for k in OLD_NAMES if k in e]
-    if not old:
-        return values, {}
-    new = [k for k in RENAMED if k in e]
-    if new:
-        raise UserError(f"{at}: {', '.join(old)} (the sweep's old names) beside {', '.join(new)}; write the entry in "
-                        f"the names generate takes: {CONVERT}")
-    budget = e.get("budget", 8)
-    if budget != "learned":
-        for key in ("max_budget", "node_cost"):
-            if key in e:
-                raise UserError(f"{at}.{key}: only used with budget: learned; drop it or set budget: learned")
-    values = {k: v for k, v in values.items() if k not in OLD_NAMES}
-    written = {"tree_budget": "budget", "adapt_rates": "adapt", "tree_estimator": "estimator"}
-    if budget == "learned":
-        values.update(tree_learned=True, tree_budget=e.get("max_budget", k_max))
-        written.update(tree_learned="budget", tree_budget="max_budget", tree_node_cost="node_cost")
-        if e.get("node_cost", AUTO) != AUTO:
-            values["tree_node_cost"] = e["node_cost"]
-    else:
-        values["tree_budget"] = budget
-    if "estimator" in e:
-        values["tree_estimator"] = e["estimator"]
-    values["adapt_rates"] = e.get("adapt", False)
-    return values, written
 
 
 class _Labels:
@@ -397,10 +397,10 @@ class _Labels:
         return [label for label, _ in self.resolved()]
 
 
-def _tree_entry(cfg: SweepConfig, e, at: str, labels: _Labels) -> tuple[dict, Any]:
-    """One `trees` entry: (its settings in generate's names, head as written; its params object, head
-    as a folder), checked by its policy's params class. A problem names the entry's key as written
-    (at.key). `labels()`: the labels of `heads`, looked up only when an entry names a head."""
+def _tree_entry(cfg: SweepConfig, e, at: str, labels: _Labels) -> tuple[str | None, Any]:
+    """One `trees` entry: (its head as written, or None; its params object, head as a folder), checked by
+    its policy's params class. A problem names the entry's key (at.key). `labels()`: the labels of `heads`,
+    looked up only when an entry names a head."""
     if not isinstance(e, dict):
         raise UserError(f"{at} must be a mapping such as {{policy: tree, tree_budget: 8}}, got {e!r}")
     policy = e.get("policy", "tree")
@@ -412,38 +412,38 @@ def _tree_entry(cfg: SweepConfig, e, at: str, labels: _Labels) -> tuple[dict, An
         if key in SWEEP_SETS:
             raise UserError(f"{at}.{key}: the sweep measures the acceptance rates itself, once, on calibration "
                             "prompts (tree_calibration_prompts, tree_calibration_width); drop it")
-        if key not in valid and (policy in MULTI_DRAFT or key not in OLD_NAMES):
-            raise UserError(f"{at}.{key}: not a setting of policy {policy}; its settings: {', '.join(valid)}")
-    values, written = _from_old_names(e, at, cfg.k_max) if policy not in MULTI_DRAFT else (dict(e), {})
-    values.pop("policy", None)
-    spell = lambda key: f"{at}.{written.get(key, key)}"  # noqa: E731
-    checked = dict(values)
+        if key not in valid:
+            renamed = f" (the sweep's old name: write {RENAMED[key]})" if key in RENAMED else ""
+            raise UserError(f"{at}.{key}: not a setting of policy {policy}{renamed}; its settings: {', '.join(valid)}")
+    values = {k: v for k, v in e.items() if k != "policy"}
+    spell = lambda key: f"{at}.{key}"  # noqa: E731
     if values.get("head") is not None:  # a label of heads or a folder: the params class checks the folder
-        checked["head"] = _tree_head(values, spell, labels)
+        values["head"] = _tree_head(e["head"], spell, labels)
     elif values.get("tree_estimator") == "head":
-        raise UserError(f"{at}.head: {written.get('tree_estimator', 'tree_estimator')} head needs an acceptance "
-                        f"head; set head to a label of heads ({', '.join(labels()) or 'none listed'}) or a head "
-                        f"folder, or use {written.get('tree_estimator', 'tree_estimator')} positional")
+        raise UserError(f"{at}.head: tree_estimator head needs an acceptance head; set head to a label of heads "
+                        f"({', '.join(labels()) or 'none listed'}) or a head folder, or use tree_estimator positional")
     try:
-        obj = build(cls, checked, f"policy {policy}", spell)
+        obj = build(cls, values, f"policy {policy}", spell)
     except UserError as err:
-        msg = _as_keys(str(err), cls, written)
+        msg = _as_keys(str(err), cls)
         raise UserError(msg if msg.startswith(at) else f"{at}: {msg}") from None
-    if policy in MULTI_DRAFT:
-        return values, obj
-    # what the policy would refuse only once built (decoding/trees/policy.py), refused before anything loads
+    if policy not in MULTI_DRAFT:  # what the policy would refuse only once built (decoding/trees/policy.py)
+        _check_tree_shape(obj, spell)
+    return e.get("head"), obj
+
+
+def _check_tree_shape(obj, spell) -> None:
+    """A tree entry's estimator and budget against its drafting, refused before anything loads."""
     if obj.tree_estimator == "head" and obj.drafting != "tree":
         raise UserError(f"{spell('tree_estimator')}: the head estimator builds the optimal tree; use it with "
-                        f"drafting tree, or {written.get('tree_estimator', 'tree_estimator')} positional")
+                        "drafting tree, or tree_estimator positional")
     if obj.tree_learned and obj.drafting not in NESTED:
         raise UserError(f"{spell('tree_learned')}: a learned budget grows the tree node by node, which drafting "
                         f"{obj.drafting} cannot; use drafting {_one_of(NESTED)}, or a fixed budget")
-    return values, obj
 
 
-def _tree_head(values: dict, spell, labels: _Labels) -> str:
+def _tree_head(h, spell, labels: _Labels) -> str:
     """The folder of an entry's head: a label of `heads`, or a head folder (as written)."""
-    h = values["head"]
     if not isinstance(h, str) or not h:
         raise UserError(f"{spell('head')}: must be a label of heads or a head folder, got {h!r}")
     if h in labels():
@@ -477,19 +477,19 @@ def _tree_key(p, head: str | None) -> str:
     return f"{p.name}:{p.drafting}:{est}:b={b}" + (":adapt" if p.adapt_rates else "")
 
 
-def tree_specs(cfg: SweepConfig) -> list[RunSpec]:
-    """One RunSpec per `trees` entry (checked: a problem raises a UserError naming trees[i].key).
+def tree_specs(cfg: SweepConfig) -> list[Configuration]:
+    """One Configuration per `trees` entry (checked: a problem raises a UserError naming trees[i].key).
     A head is named by its label in `heads`, or by its folder (then the folder, as written, is its label)."""
     if not isinstance(cfg.trees, list):
         raise UserError(f"config key 'trees' must be a list of mappings, got {cfg.trees!r}")
     labels = _Labels(cfg.heads)
-    specs, seen = [], {}
+    grid, seen = [], {}
     for i, e in enumerate(cfg.trees):
-        values, obj = _tree_entry(cfg, e, f"trees[{i}]", labels)
-        head = values.get("head")
-        key = _tree_key(obj, head)
+        head, policy = _tree_entry(cfg, e, f"trees[{i}]", labels)
+        key = _tree_key(policy, head)
         if key in seen:
             raise UserError(f"trees[{i}] repeats trees[{seen[key]}] ({key}); drop one")
         seen[key] = i
-        specs.append(RunSpec(key, obj.name, {"tree": values, "settings_obj": obj, **tree_row_fields(obj, head)}))
-    return specs
+        grid.append(Configuration(key, policy, Source.TREES, {**_row(policy.name), **tree_row_fields(policy, head)},
+                                  head))
+    return grid

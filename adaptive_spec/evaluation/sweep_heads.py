@@ -12,7 +12,6 @@ from ..backends.models import resolve_model_path
 from ..errors import UserError
 from ..heads.head import AcceptanceHead
 from ..runs import PROJECT_ROOT
-from .tree_calibration import TREE_POLICIES
 
 
 def head_folder(p: Path) -> Path | None:
@@ -81,14 +80,11 @@ def load_heads(cfg, hidden_size: int | None, patterns: list[str] | None = None) 
     return heads
 
 
-def load_tree_heads(cfg, heads: dict, specs, hidden_size: int | None) -> dict:
-    """`heads` plus the heads the tree configurations name by folder (labelled by the folder as
-    written), each checked to be a token head before any model loads."""
+def load_tree_heads(cfg, heads: dict, names: list[str], hidden_size: int | None) -> dict:
+    """`heads` plus the heads the tree configurations name (`names`: a label of heads, or a folder, then
+    labelled as written), each checked to be a token head before any model loads."""
     out = dict(heads)
-    for spec in specs:
-        h = spec.params.get("head") if spec.method in TREE_POLICIES else None
-        if h is None:
-            continue
+    for h in names:
         if h not in out:
             (head, info), = load_heads(cfg, hidden_size, [h]).values()
             out[h] = (head, {**info, "label": h})

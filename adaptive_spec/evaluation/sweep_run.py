@@ -1,6 +1,9 @@
-"""One configuration of a sweep on one prompt: its policy built from the typed settings `generate`
-takes (params.py), run and counted. Part of `adaptive-spec sweep` (sweep.py runs the grid)."""
+"""One configuration of a sweep on one prompt: its policy, completed with what only the loaded sweep knows,
+run and counted. Part of `adaptive-spec sweep` (sweep.py runs the grid)."""
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers.utils import is_sklearn_available
@@ -12,12 +15,35 @@ from ..decoding.pipeline import make_policy
 from ..decoding.sampling import SamplingParams
 from ..errors import UserError
 from ..heads.curve import load_curve
-from ..params import policy_params
+from ..params import LearnedParams, OracleParams
 from ..timing import timed
-from .sweep_grid import AUTO, RunSpec, SweepConfig, tree_params
+from .sweep_grid import Baseline, Configuration, Source, SweepConfig, completed
 from .tree_calibration import VERIFICATION
 
 HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented prompt-lookup setting (it has no default)
+
+
+@dataclass
+class Sweep:
+    """A sweep as it runs: what its steps and every run share, held in one place instead of passed along."""
+
+    cfg: SweepConfig
+    grid: list[Configuration]
+    notes: list[str]
+    heads: dict  # label (or a trees entry's folder as written) -> (AcceptanceHead, info)
+    out: Path | None = None
+    settings: dict = field(default_factory=dict)  # what the results depend on (sweep._settings)
+    pairs: dict = field(default_factory=dict)  # drafts entry ("" without a drafts axis) -> (pair, draft-alone decoder)
+    tree_ctx: dict = field(default_factory=dict)  # the trees' calibrated rates and node cost (sweep._tree_context)
+    greedy: dict = field(default_factory=dict)  # prompt ids -> the target alone's greedy output: the oracle's X
+
+    def first_pair(self):
+        """The first `drafts` entry's pair: every pair shares its target."""
+        return next(iter(self.pairs.values()))[0]
+
+    def pair_of(self, conf: Configuration) -> tuple:
+        """(pair, draft-alone decoder) of the configuration's `drafts` entry (the first without one)."""
+        return self.pairs[next(iter(self.pairs)) if conf.draft is None else conf.draft]
 
 
 def hf_generate(pair, ids: list[int], cfg, seed: int, max_new_tokens: int, lookup: bool = False):
@@ -73,65 +99,73 @@ def hf_schedule_note(draft_model) -> str:
             f"{get('assistant_confidence_threshold')}, threshold adaptation {adapt}")
 
 
-def run_one(pair, spec: RunSpec, ids: list[int], cfg: SweepConfig, seed: int, heads: dict, draft_decoder,
-            max_new_tokens: int | None = None, target_output: list[int] | None = None, tree_ctx: dict | None = None):
-    """(Metrics, stopped_by, new token ids, extra row fields) of one configuration on one prompt.
-    `target_output`: the target's greedy output on this prompt, when known, for the oracle (saves a
-    decode); `tree_ctx`: the calibrated rates and node cost of the tree policies (sweep._tree_context)."""
-    mnt = max_new_tokens or cfg.max_new_tokens
-    samp = dict(max_new_tokens=mnt, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed)
-    if tree_params(spec) is not None:
-        return _run_tree(pair, spec, ids, samp, heads, tree_ctx or {})
-    if "settings_obj" in spec.params:  # a `policies` entry: the settings generate takes
-        g = pair.generate(ids, policy=_policy_entry(pair, spec, cfg), **samp)
-        pick = getattr(g, "auto", None)
-        extra = {"auto_value": pick["value"], "auto_predicted_tokens_per_s": pick["tokens_per_s"]} if pick else {}
-        return g.metrics, g.stopped_by, g.token_ids, extra
-    if spec.method in ("hf_assisted", "hf_prompt_lookup"):
-        return (*hf_generate(pair, ids, cfg, seed, mnt, lookup=spec.method == "hf_prompt_lookup"), {})
-    if spec.method == "draft_ar":
-        g = draft_decoder.generate(ids, max_new_tokens=mnt, seed=seed,
-                                   sampling=SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p))
-        m = g.metrics  # the draft ran as the decoder's "target": move its counts to the draft's fields
-        m.n_draft_forwards, m.draft_s = m.n_target_forwards, m.target_s
-        m.n_target_forwards, m.target_s = 0, 0.0
-        return m, g.stopped_by, g.token_ids, {}
-    own = None
-    if cfg.auto_prompts and spec.method in ("fixed_auto", "learned_auto"):
-        label = spec.params["head"] if spec.method == "learned_auto" else next(iter(heads), None)
-        own = prompts_curve(pair, cfg, heads[label][1]["path"] if label is not None else None)
-    g = pair.generate(ids, policy=chain_params(spec, cfg, heads, target_output, own), **samp)
+def run_one(sweep: Sweep, conf: Configuration, ids: list[int], seed: int, max_new_tokens: int | None = None):
+    """(Metrics, stopped_by, new token ids, extra row fields) of one configuration on one prompt; the oracle's
+    X is the target alone's greedy output on this prompt where it ran first (sweep.greedy)."""
+    cfg = sweep.cfg
+    pair, draft_decoder = sweep.pair_of(conf)
+    samp = dict(max_new_tokens=max_new_tokens or cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
+                top_p=cfg.top_p, seed=seed)
+    if conf.policy is Baseline.DRAFT_AR:
+        return _run_draft_alone(draft_decoder, ids, samp)
+    if isinstance(conf.policy, Baseline):
+        return _run_peer(pair, conf.policy, ids, cfg, samp)
+    if conf.source is Source.TREES:
+        return _run_tree(sweep, conf, pair, ids, samp)
+    g = pair.generate(ids, policy=_policy(sweep, conf, pair, ids), **samp)
     pick = getattr(g, "auto", None)
-    extra = {"auto_value": pick["value"], "auto_predicted_tokens_per_s": pick["tokens_per_s"],
-             "auto_predicted_wall_tokens_per_s": pick.get("wall_tokens_per_s"),
-             "auto_time_model": pick["model"], "auto_k_max": pick.get("k_max")} if pick else {}
+    extra = {"auto_value": pick["value"], "auto_predicted_tokens_per_s": pick["tokens_per_s"]} if pick else {}
+    if pick and conf.source is Source.SHORTHAND:
+        extra.update(auto_predicted_wall_tokens_per_s=pick.get("wall_tokens_per_s"), auto_time_model=pick["model"],
+                     auto_k_max=pick.get("k_max"))
     return g.metrics, g.stopped_by, g.token_ids, extra
 
 
-# a chain configuration's sweep keys -> its policy's settings (params.py); `_auto` reads a curve
-_SETTINGS = {
-    "ar": lambda p, cfg, heads, x: {},
-    "heuristic": lambda p, cfg, heads, x: {"k_max": cfg.k_max},
-    "oracle": lambda p, cfg, heads, x: {"target_output": x},
-    "fixed": lambda p, cfg, heads, x: {"k": p["k"]},
-    "fixed_auto": lambda p, cfg, heads, x: {"k": p["k"], "curve": auto_curve(cfg, heads)},
-    "learned": lambda p, cfg, heads, x: {"head": heads[p["head"]][0], "threshold": p["h"], "k_max": cfg.k_max},
-    "learned_auto": lambda p, cfg, heads, x: {"head": heads[p["head"]][0], "threshold": p["h"], "k_max": cfg.k_max,
-                                              "curve": heads[p["head"]][1]["path"]},
-    "confidence": lambda p, cfg, heads, x: {"threshold": p["tau"], "k_max": cfg.k_max},
-    "entropy": lambda p, cfg, heads, x: {"threshold": p["tau"], "k_max": cfg.k_max},
-}
+def _run_peer(pair, baseline: Baseline, ids: list[int], cfg: SweepConfig, samp: dict):
+    """transformers' own assisted generation or prompt lookup."""
+    lookup = baseline is Baseline.HF_PROMPT_LOOKUP
+    return (*hf_generate(pair, ids, cfg, samp["seed"], samp["max_new_tokens"], lookup=lookup), {})
 
 
-def chain_params(spec: RunSpec, cfg: SweepConfig, heads: dict, target_output: list[int] | None = None,
-                 curve: str | None = None):
-    """The typed settings of a chain configuration, built and checked by its policy's registered
-    params class: the sweep reaches policies by the names and settings generate uses. `curve`: the
-    curve an auto configuration picks from instead (auto_prompts')."""
-    settings = _SETTINGS[spec.method](spec.params, cfg, heads, target_output)
-    if curve is not None:
-        settings["curve"] = curve
-    return policy_params(spec.method.removesuffix("_auto"), **settings)
+def _run_draft_alone(draft_decoder, ids: list[int], samp: dict):
+    """The draft model alone, as the decoder's target: its forwards counted as the draft's."""
+    g = draft_decoder.generate(ids, max_new_tokens=samp["max_new_tokens"], seed=samp["seed"],
+                               sampling=SamplingParams(samp["temperature"], samp["top_k"], samp["top_p"]))
+    m = g.metrics  # the draft ran as the decoder's "target": move its counts to the draft's fields
+    m.n_draft_forwards, m.draft_s = m.n_target_forwards, m.target_s
+    m.n_target_forwards, m.target_s = 0, 0.0
+    return m, g.stopped_by, g.token_ids, {}
+
+
+def _policy(sweep: Sweep, conf: Configuration, pair, ids: list[int]):
+    """The configuration's policy as generate takes it: a `policies` entry as given (with auto_prompts' curve where
+    it reads auto); a shorthand with its loaded head, its auto's curve and the oracle's X."""
+    if conf.source is Source.POLICIES:
+        if sweep.cfg.auto_prompts and conf.reads_auto():
+            return completed(conf.policy, curve=_curve(sweep, conf, pair))
+        return conf.policy
+    more = {}
+    if conf.head is not None:
+        more["head"] = sweep.heads[conf.head][0]
+    if isinstance(conf.policy, OracleParams):
+        more["target_output"] = sweep.greedy.get(tuple(ids))
+    if conf.reads_auto():
+        more["curve"] = _curve(sweep, conf, pair)
+    return completed(conf.policy, **more)
+
+
+def _curve(sweep: Sweep, conf: Configuration, pair) -> str:
+    """The curve an auto configuration picks from: with auto_prompts, the one of those prompts' answers (for its
+    head: a policies entry's folder, a learned shorthand's, or for ks the first head's); else its head's, and for
+    ks `curve` or the first head's (auto_curve)."""
+    cfg, heads = sweep.cfg, sweep.heads
+    if conf.source is Source.POLICIES:
+        head = getattr(conf.policy, "head", None)
+        return prompts_curve(pair, cfg, str(head) if head else None)
+    label = conf.head if conf.head is not None else next(iter(heads), None)
+    if cfg.auto_prompts:
+        return prompts_curve(pair, cfg, heads[label][1]["path"] if label is not None else None)
+    return heads[conf.head][1]["path"] if conf.head is not None else auto_curve(cfg, heads)
 
 
 def prompts_curve(pair, cfg: SweepConfig, head_dir: str | None) -> str:
@@ -151,64 +185,66 @@ def prompts_curve(pair, cfg: SweepConfig, head_dir: str | None) -> str:
     return memo[key]
 
 
-def _policy_entry(pair, spec: RunSpec, cfg: SweepConfig):
-    """A `policies` entry's settings; where one reads auto and the sweep has auto_prompts, with their curve."""
-    obj, settings = spec.params["settings_obj"], spec.params["settings"]
-    if not cfg.auto_prompts or AUTO not in (settings.get("threshold"), settings.get("k")):
-        return obj
-    head = settings.get("head")
-    return policy_params(obj.name, **{**settings, "curve": prompts_curve(pair, cfg, str(head) if head else None)})
-
-
 def auto_curve(cfg: SweepConfig, heads: dict) -> str:
     """The curve `ks: [auto]` picks from: `curve`, else the one beside the first head."""
     return cfg.curve or next(iter(heads.values()))[1]["path"]
 
 
-def check_auto_curves(cfg: SweepConfig, heads: dict, specs: list[RunSpec]):
-    """Every curve an auto configuration needs exists and fits, checked before the models load;
+def check_auto_curves(cfg: SweepConfig, heads: dict, grid: list[Configuration]):
+    """Every curve a shorthand auto needs exists and fits, checked before the models load;
     the error names the config key and the command that makes the curve. With auto_prompts the curves are
     made once the pair has loaded (run_one), from those prompts' answers: there is nothing to check yet."""
     if cfg.auto_prompts:
         return
-    for spec in specs:
-        key, need, source = (("thresholds", "h", heads[spec.params["head"]][1]["path"])
-                             if spec.method == "learned_auto" else ("ks", "k", auto_curve(cfg, heads))
-                             if spec.method == "fixed_auto" else (None, None, None))
-        if key:
-            try:
-                curve = load_curve(source, need, source if need == "h" else None)
-            except UserError as e:
-                raise UserError(f"config key '{key}' lists auto: {e}") from None
-            if need == "h" and curve["k_max"] != cfg.k_max:
-                raise UserError(f"config key 'thresholds' lists auto, but the curve beside {source} was made with "
-                                f"k_max {curve['k_max']}, not the sweep's k_max {cfg.k_max}; set k_max: "
-                                f"{curve['k_max']}, or rerun autotune with --k-max {cfg.k_max}")
+    for conf in grid:
+        if conf.source is not Source.SHORTHAND or not conf.reads_auto():
+            continue
+        learned = isinstance(conf.policy, LearnedParams)
+        key, need = ("thresholds", "h") if learned else ("ks", "k")
+        source = heads[conf.head][1]["path"] if learned else auto_curve(cfg, heads)
+        try:
+            curve = load_curve(source, need, source if learned else None)
+        except UserError as e:
+            raise UserError(f"config key '{key}' lists auto: {e}") from None
+        if learned and curve["k_max"] != cfg.k_max:
+            raise UserError(f"config key 'thresholds' lists auto, but the curve beside {source} was made with "
+                            f"k_max {curve['k_max']}, not the sweep's k_max {cfg.k_max}; set k_max: "
+                            f"{curve['k_max']}, or rerun autotune with --k-max {cfg.k_max}")
 
 
-def auto_node_cost(spec: RunSpec) -> bool:
+def verification(conf: Configuration) -> str | None:
+    """The verification whose calibrated rates a `trees` configuration starts from (None: it reads none)."""
+    return VERIFICATION.get(conf.policy.name) if conf.source is Source.TREES else None
+
+
+def auto_node_cost(conf: Configuration) -> bool:
     """A `trees` configuration with a learned budget whose node cost the sweep measures (unset)."""
-    p = tree_params(spec)
-    return p is not None and spec.method in VERIFICATION and p.tree_learned and p.tree_node_cost is None
+    return verification(conf) is not None and conf.policy.tree_learned and conf.policy.tree_node_cost is None
 
 
-def _run_tree(pair, spec: RunSpec, ids: list[int], samp: dict, heads: dict, ctx: dict):
+def reads_costs(conf: Configuration) -> bool:
+    """Whether it reads the sweep's pinned forward times: an auto shorthand, a measured node cost, any
+    `policies` entry (its policy may pick per machine)."""
+    shorthand_auto = conf.source is Source.SHORTHAND and conf.reads_auto()
+    return conf.source is Source.POLICIES or auto_node_cost(conf) or shorthand_auto
+
+
+def _run_tree(sweep: Sweep, conf: Configuration, pair, ids: list[int], samp: dict):
     """run_one for a `trees` configuration: its settings, as generate takes them, with the head loaded
     and the sweep's calibrated rates (and measured node cost). A fresh policy per run, starting from
     those rates, which adapt within the run only where adapt_rates says so: no run depends on
     what ran before it."""
-    settings = dict(spec.params["tree"])
-    extra = {}
-    if spec.method in VERIFICATION:
-        if settings.get("head") is not None:
-            settings["head"] = heads[settings["head"]][0]
-        settings["tree_rates"] = ctx["rates"][VERIFICATION[spec.method]]
+    more, extra, ctx = {}, {}, sweep.tree_ctx
+    if verification(conf) is not None:
+        if conf.head is not None:
+            more["head"] = sweep.heads[conf.head][0]
+        more["tree_rates"] = ctx["rates"][verification(conf)]
         extra["tree_calibration"] = ctx.get("calibration")
-        if auto_node_cost(spec):
-            settings["tree_node_cost"] = ctx.get("node_cost")
-        if tree_params(spec).tree_learned:
-            extra["node_cost"] = float(settings["tree_node_cost"])
-    pol = make_policy(policy_params(spec.method, **settings), PolicyContext(pair))
+        if auto_node_cost(conf):
+            more["tree_node_cost"] = ctx.get("node_cost")
+        if conf.policy.tree_learned:
+            extra["node_cost"] = float(more.get("tree_node_cost", conf.policy.tree_node_cost))
+    pol = make_policy(completed(conf.policy, **more), PolicyContext(pair))
     sampling = SamplingParams(samp["temperature"], samp["top_k"], samp["top_p"])
     g = pair.decoder.generate(ids, max_new_tokens=samp["max_new_tokens"], sampling=sampling, policy=pol,
                               seed=samp["seed"])

@@ -13,7 +13,7 @@ policy recomputes q from the step's raw logits with those same parameters (the h
 them as `stats_sampling`) rather than using the decoder's q: at temperature 0 the decoder's q
 is a point mass, whose statistics (0, 0, 1) training never saw. With the same logits and y the
 two paths give the same rows (sums in float64, rounded once to float32), so a batched datagen
-step and a one-row decode step agree. Cost per draft step (counted in policy_s): where the
+step and a one-row decode step agree. Cost per draft step (the breakdown's `policy` part): where the
 decoder samples with the head's own parameters (the usual case) its q is reused, and a top-k q
 is read through one partial sort (truncated_stats), not two passes over the vocabulary.
 
