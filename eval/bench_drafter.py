@@ -121,6 +121,7 @@ def measure(pair, ids, k: int | None, n: int) -> dict:
 def run(args, out: Path, results: Path, done: set) -> dict:
     """Every missing row; returns what run.json records of the run."""
     from adaptive_spec.backends.cpu import flags_line
+    from adaptive_spec.drafter.source import load_drafter
 
     drafts = {"feature": "feature drafter", "draft": "draft model"}
     wanted = [drafts[d] for d in args.drafts.split(",") if d in drafts]
@@ -139,7 +140,7 @@ def run(args, out: Path, results: Path, done: set) -> dict:
             record(results, done, {"dataset": name, "prompt_idx": i, "temperature": 0.0, "engine": "torch",
                                    "config": config, "prompt_tokens": len(ids)},
                    lambda pair=pair, ids=ids, k=k: measure(pair, ids, k, args.max_new_tokens))
-    extra = pairs["feature drafter"].draft.drafter.extra if "feature drafter" in pairs else {}
+    extra = load_drafter(args.drafter).extra  # its training metadata, for the report, whichever rows ran
     return {"script": f"eval/{Path(__file__).name}", "cpu": flags_line(), "threads": torch.get_num_threads(),
             "dtype": args.dtype, "target": args.target, "draft": args.draft, "drafter": args.drafter,
             "drafter_metrics": extra.get("metrics", {}), "max_new_tokens": args.max_new_tokens, "ks": ks,
@@ -177,15 +178,14 @@ def _first_diff(a: list[int], b: list[int]) -> int:
 
 
 def report(rows: list[dict], run: dict) -> str:
-    """The report of the rows, with what run.json says of the run (paired.run_header). Each set is pooled
-    over the prompts that have every row, so both drafts are compared on the same prompts."""
-    ks, drafts = run["ks"], run.get("drafts", ["feature drafter", "draft model"])
-    configs = ["ar"] + [f"{d} K={k}" for d in drafts for k in ks]
+    """The report of the rows, with what run.json says of the run (paired.run_header). Each (set, K) is pooled
+    over the prompts that have both drafts' rows at that K, so the drafts are compared on the same prompts
+    (the K values are the rows': runs of some K each make one report)."""
+    ks = sorted({int(r["config"].rsplit("=", 1)[1]) for r in rows if "K=" in r["config"]})
     by = {(r["dataset"], r["prompt_idx"], r["config"]): r for r in rows}
-    complete = defaultdict(list)
+    prompts = defaultdict(list)
     for ds, i in dict.fromkeys((r["dataset"], r["prompt_idx"]) for r in rows):
-        if all((ds, i, c) in by for c in configs):
-            complete[ds].append(i)
+        prompts[ds].append(i)
     m = run.get("drafter_metrics", {})
     dev = (f" (dev: top-1 {m['dev_top1']:.3f}, expected acceptance at T = 1 {m['dev_accept']:.3f}, at step "
            f"{m['step']})" if "dev_top1" in m else "")
@@ -197,18 +197,18 @@ def report(rows: list[dict], run: dict) -> str:
              f"{run['threads']} threads; nothing timed.", ""]
     head = ["set", "prompts", "K", "feature drafter tau", "acceptance", "draft model tau", "acceptance"]
     table, every = [], defaultdict(list)
-    for ds, idx in complete.items():
+    for ds, idx in prompts.items():
         for k in ks:
-            feat, draft = ([by[(ds, i, f"{d} K={k}")] for i in idx if (ds, i, f"{d} K={k}") in by]
-                           for d in ("feature drafter", "draft model"))
-            every[k] += [feat, draft]
-            table.append([NAMES.get(ds, ds), str(len(idx)), str(k), *_pooled(feat), *_pooled(draft)])
+            both = [i for i in idx if all((ds, i, f"{d} K={k}") in by for d in ("feature drafter", "draft model"))]
+            if both:
+                feat, draft = ([by[(ds, i, f"{d} K={k}")] for i in both] for d in ("feature drafter", "draft model"))
+                every[k].append((len(both), feat, draft))
+                table.append([NAMES.get(ds, ds), str(len(both)), str(k), *_pooled(feat), *_pooled(draft)])
     for k in ks:
-        if len(complete) > 1:
-            feat = [r for pair in every[k][0::2] for r in pair]
-            draft = [r for pair in every[k][1::2] for r in pair]
-            table.append(["all", str(sum(map(len, complete.values()))), str(k), *_pooled(feat), *_pooled(draft)])
-    lines += [md_table(head, table), ""] if table else ["No prompt has every row yet.", ""]
+        if len(every[k]) > 1:
+            feat, draft = ([r for part in every[k] for r in part[j]] for j in (1, 2))
+            table.append(["all", str(sum(part[0] for part in every[k])), str(k), *_pooled(feat), *_pooled(draft)])
+    lines += [md_table(head, table), ""] if table else ["No prompt has both drafts' rows at some K yet.", ""]
     lines += _equality(rows, by) + [f"Written {run['written']} by `python eval/bench_drafter.py`."]
     return "\n".join(lines) + "\n"
 
