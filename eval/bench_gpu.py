@@ -48,7 +48,7 @@ import torch
 
 try:
     from adaptive_spec.decoding.decoder import Decoder
-except ImportError:  # a bare machine (a lent GPU) with the checkout but no `pip install -e .`
+except ImportError:  # a GPU machine with the checkout but no `pip install -e .`
     sys.exit("error: the adaptive_spec package is not importable; run `pip install -e .` in the checkout, "
              "or run this from its root as `PYTHONPATH=. python eval/bench_gpu.py ...`")
 from adaptive_spec.backends import presets

@@ -1,4 +1,4 @@
-"""The one prepared GPU check (issue 47): ONE call of at most 8 minutes on a lent GPU writes ONE report.
+"""The one prepared GPU check: ONE call of at most 8 minutes on a GPU machine writes ONE report.
 
 Random weights with the real shapes (backends/presets.py), batch 1; on CUDA bf16, except where named:
 
@@ -64,7 +64,7 @@ try:
     from adaptive_spec.evaluation import gpu_bench, round_profile as rp_  # noqa: E402
     from adaptive_spec.evaluation.round_profile import make_runner  # noqa: E402
     from adaptive_spec.decoding.costs import loop_times  # noqa: E402
-except ModuleNotFoundError as e:  # a lent GPU machine: the checkout, torch and transformers, no pydantic
+except ModuleNotFoundError as e:  # a GPU machine with the checkout, torch and transformers, no pydantic
     sys.exit(f"error: {e.name} is not importable; on a GPU machine install the carried wheels first "
              "(`make gpu-check` does; make them here with `python eval/gpu_check.py --fetch-wheels`), or run from "
              "the checkout's root as `PYTHONPATH=. python eval/gpu_check.py`")
