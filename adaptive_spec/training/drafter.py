@@ -31,7 +31,7 @@ from ..config import config_to_dict
 from ..errors import UserError, get_logger
 from ..runs import check_settings, write_json
 from .data import EpochShuffle
-from .loop import STOP_EXIT_CODE, lr_lambda, make_accelerator
+from .loop import STOP_EXIT_CODE, lr_lambda, make_accelerator, restore_checkpoint
 from .runfiles import CKPT_STATE, RunFiles
 
 log = get_logger(__name__)
@@ -244,24 +244,7 @@ def _check_output_dir(cfg: DrafterConfig, files: RunFiles, resume: bool):
 
 
 def _restore(acc, files: RunFiles, cfg: DrafterConfig, resume: bool) -> dict:
-    if resume:
-        files.drop_incomplete()
-        acc.wait_for_everyone()
-    ckpts = files.checkpoints() if resume else []
-    if ckpts:
-        n, path = ckpts[-1]
-        acc.load_state(str(path))
-        acc.project_configuration.iteration = n + 1
-        state = json.loads((path / CKPT_STATE).read_text())
-        files.truncate_log(state["step"])
-        acc.print(f"resuming {files.out} from {path} (step {state['step']})")
-        return state
-    if acc.is_main_process:
-        files.out.mkdir(parents=True, exist_ok=True)
-        files.log_path.unlink(missing_ok=True)
-        write_json(files.out / "train_config.json", config_to_dict(cfg))
-    acc.wait_for_everyone()
-    return {"step": 0, "best_loss": None, "best_step": None}
+    return restore_checkpoint(acc, files, cfg, resume) or {"step": 0, "best_loss": None, "best_step": None}
 
 
 def _trackers(acc, cfg: DrafterConfig, out: Path):

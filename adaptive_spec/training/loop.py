@@ -241,7 +241,16 @@ def setup_run(cfg: TrainConfig, manifest: dict, acc) -> Run:
 
 def restore_or_start(run: Run, resume: bool):
     """--resume: load the newest complete checkpoint; otherwise start the run folder afresh."""
-    acc, files = run.acc, run.files
+    state = restore_checkpoint(run.acc, run.files, run.cfg, resume, f"/{run.total}")
+    if state is not None:
+        run.state = state
+
+
+def restore_checkpoint(acc, files: RunFiles, cfg, resume: bool, of: str = "") -> dict | None:
+    """--resume: load the newest complete checkpoint and return its state; otherwise (None) start the run folder
+    afresh, writing `cfg` beside it. The heads' loop and the feature drafter's share it. `of`: after the step in
+    the line that says so."""
+    state = None
     if resume:
         files.drop_incomplete()
         acc.wait_for_everyone()
@@ -251,14 +260,15 @@ def restore_or_start(run: Run, resume: bool):
         acc.load_state(str(path))
         # load_state does not advance the automatic naming: the next save is checkpoint_{n+1}.
         acc.project_configuration.iteration = n + 1
-        run.state = json.loads((path / CKPT_STATE).read_text())
-        files.truncate_log(run.state["step"])
-        acc.print(f"resuming {files.out} from {path} (step {run.state['step']}/{run.total})")
+        state = json.loads((path / CKPT_STATE).read_text())
+        files.truncate_log(state["step"])
+        acc.print(f"resuming {files.out} from {path} (step {state['step']}{of})")
     elif acc.is_main_process:
         files.out.mkdir(parents=True, exist_ok=True)
         files.log_path.unlink(missing_ok=True)  # --resume without a checkpoint starts over
-        write_json(files.out / "train_config.json", config_to_dict(run.cfg))
+        write_json(files.out / "train_config.json", config_to_dict(cfg))
     acc.wait_for_everyone()
+    return state
 
 
 def start_trackers(run: Run):
