@@ -10,6 +10,7 @@ from adaptive_spec.backends.contract import Counters
 from adaptive_spec.decoding import costs as C
 from adaptive_spec.errors import UserError
 from adaptive_spec.decoding.pipeline import SpecPair
+from adaptive_spec.decoding.timemodel import coef_of
 from tiny import make_model, make_tokenizer
 
 
@@ -53,13 +54,13 @@ def test_verification_fit(monkeypatch):
     runners = SimpleNamespace(draft=object(), target=SimpleNamespace(vocab_size=50, device=torch.device("cpu")))
     lengths = C.VERIFY_LENGTHS + C.LONG_LENGTHS
     # the one-row pass is the decode's step (decode_step_time), here the line's own value
-    monkeypatch.setattr(C, "decode_step_time", lambda lm, reps: 0.1)
+    monkeypatch.setattr(C, "decode_loop_times", lambda lm, reps: (0.1, 0.0))
     monkeypatch.setattr(C, "interleaved_times", fake({n: 0.1 + 0.01 * (n - 1) for n in lengths}))
     c = C._measure(runners, 3, "k")
     assert (c.t_draft, c.t_target, c.t_cand) == pytest.approx((0.03, 0.1, 0.01))
     assert c.verify_s(16) == pytest.approx(0.25) and c.verify_s(20) == pytest.approx(0.29)  # measured, interpolated
     monkeypatch.setattr(C, "interleaved_times", fake({n: 0.2 - 0.001 * n for n in lengths}))
-    monkeypatch.setattr(C, "decode_step_time", lambda lm, reps: 0.2 - 0.001)
+    monkeypatch.setattr(C, "decode_loop_times", lambda lm, reps: (0.2 - 0.001, 0.0))
     c = C._measure(runners, 3, "k")
     assert c.t_cand == 0.0 and c.t_target == pytest.approx(0.2 - 0.005)
     flat = sum(0.2 - 0.001 * n for n in lengths) / len(lengths)  # a falling table, long passes included, pools flat
@@ -175,6 +176,32 @@ def test_the_one_row_step_is_timed_in_the_decoders_own_loop_not_as_an_interleave
     short.max_length = short.lm.max_length = 6
     with pytest.raises(UserError, match="too short to time a step"):
         C.decode_step_time(short, reps=2)
+
+
+class _SlowLoopLM(_RebuildingLM):
+    """The runner above, with 4 ms a step spent outside its counted forward (the loop's bookkeeping)."""
+
+    def forward(self, ids, n_logits=1):
+        _Clock.now += 0.004
+        return super().forward(ids, n_logits)
+
+
+def test_the_loops_own_time_a_row_is_timed_in_the_decoders_loop(monkeypatch):
+    """decode_loop_times reads the loop's own time a step as the clock between steps less the counted forward;
+    _measure adds what it has beyond the sampling micro-benchmark to every row of both modes (the time model's
+    loop_row). Control: a runner spending nothing outside its forward reads none."""
+    monkeypatch.setattr(C, "timed", _Clock.timed)
+    monkeypatch.setattr(C.time, "perf_counter", lambda: _Clock.now)
+    step, own = C.decode_loop_times(_SlowLoopLM(), reps=2)
+    assert step == pytest.approx(0.010) and own == pytest.approx(0.004)
+    assert C.decode_loop_times(_RebuildingLM(), reps=2)[1] == pytest.approx(0.0)
+    micro = {"greedy": {"row": 0.0005, "round": 0.001}, "sample": {"row": 0.001, "round": 0.002}}
+    monkeypatch.setattr(C, "loop_times", lambda vocab, device: micro)
+    c = C._measure(SimpleNamespace(draft=None, target=_SlowLoopLM()), 2, "k")
+    assert c.loop_s("sample", "row") == pytest.approx(0.004) and c.loop_s("greedy", "row") == pytest.approx(0.0035)
+    assert c.loop_s("sample", "round") == pytest.approx(0.002)
+    coef = coef_of(c, "table", "sample")
+    assert coef["loop_row"] == pytest.approx(0.004)
 
 
 def test_cache_hit_miss_and_corrupt_file(pair, cache, monkeypatch, capsys):

@@ -57,8 +57,9 @@ PREFIX = 256
 # draft step and every length timed round-robin over 5 rounds, t_verify made monotone; v3: with the
 # prefill rate of both models and the decode loop's own time per row and per round (`loop`); v4: and
 # the LONG_LENGTHS passes; v5: and the draft's two-token pass (t_draft_two); v6: the target's one-row pass
-# timed as the decode runs it (decode_step_time), the interleaved one-row cell kept as t_step_cell.
-METHOD = "interleaved-monotone-v6"
+# timed as the decode runs it (decode_step_time), the interleaved one-row cell kept as t_step_cell; v7:
+# the loop's own time a row includes its bookkeeping, timed in that same loop (with_loop_own).
+METHOD = "interleaved-monotone-v7"
 # The decode's one-row step (decode_step_time): untimed steps first (the first steps after a prefill pay
 # for allocation and a graph of another shape), then DECODE_STEPS_PER_REP timed ones per timing round.
 DECODE_WARMUP = 4
@@ -264,7 +265,8 @@ def _measure(pair, reps: int, key: str) -> Costs:
     t_draft, t_draft_two = (times[0], max(times[0], times[1])) if pair.draft is not None else (0.0, 0.0)
     # the one-row pass is the target alone's step: timed as its loop runs it, the interleaved cell kept beside
     cell = times[-len(VERIFY_LENGTHS)]
-    measured = [decode_step_time(pair.target, reps)] + list(times[-len(VERIFY_LENGTHS) + 1:])
+    step, own = decode_loop_times(pair.target, reps)
+    measured = [step] + list(times[-len(VERIFY_LENGTHS) + 1:])
     limit = getattr(pair.target, "max_length", None)
     longs = [n for n in LONG_LENGTHS if not limit or n <= limit // 2]  # after a context of at least as many
     long_times = interleaved_times([(pair.target, n, True) for n in longs], max(1, (reps + 1) // 2)) if longs else []
@@ -277,7 +279,7 @@ def _measure(pair, reps: int, key: str) -> Costs:
     return Costs(float(t_draft), float(intercept), float(slope), key, stamp,
                  tuple(float(t) for t in table[:len(VERIFY_LENGTHS)]), prefill.get(id(pair.target), 0.0),
                  prefill.get(id(pair.draft), 0.0) if pair.draft is not None else 0.0,
-                 loop_times(pair.target.vocab_size, pair.target.device),
+                 with_loop_own(loop_times(pair.target.vocab_size, pair.target.device), own),
                  {n: float(t) for n, t in zip(longs, table[len(VERIFY_LENGTHS):])} or None, float(t_draft_two),
                  float(cell))
 
@@ -291,11 +293,18 @@ def measured_cells(pair) -> list[tuple]:
 
 def decode_step_time(lm, reps: int, steps: int | None = None, warmup: int = DECODE_WARMUP,
                      context: int | None = None) -> float:
-    """Median seconds of `lm`'s one-row step as the target-alone decode runs it: the decoder's own loop
+    """The one-row step's median seconds (decode_loop_times' first)."""
+    return decode_loop_times(lm, reps, steps, warmup, context)[0]
+
+
+def decode_loop_times(lm, reps: int, steps: int | None = None, warmup: int = DECODE_WARMUP,
+                      context: int | None = None) -> tuple[float, float]:
+    """(the step, the loop's own time a step): median seconds of `lm`'s one-row step as the target-alone decode runs it: the decoder's own loop
     (decoder.Decoder without a policy, T = 1 top-k 50) from a prompt that centres the timed steps on the
     PREFIX-token context, each step feeding the token the last one drew, with the loop's sampling between
     steps and no other pass, rollback or reset among them. Each step's time is its forward's, read from the
-    runner's counters (the loop's own time is Costs.loop's). Why not a cell rolled back to PREFIX between
+    runner's counters; the loop's own time is the clock's between steps less the forward's (sampling and the
+    loop's bookkeeping, which a micro-benchmark of sampling alone leaves out: with_loop_own). Why not a cell rolled back to PREFIX between
     passes of other lengths and models (interleaved_times): a runner may do per call what a run of
     same-shaped calls skips (llama.cpp rebuilds its compute graph when the batch shape changes and reuses
     it otherwise), so such a cell can cost more than the decode's step; the verification passes keep their
@@ -325,9 +334,21 @@ def decode_step_time(lm, reps: int, steps: int | None = None, warmup: int = DECO
         raise UserError(f"the target-alone loop stopped after {len(marks)} of {n} steps; its context "
                         f"({getattr(lm, 'max_length', None)} positions) is too short to time a step")
     seconds = np.diff([marks[0][0]] + [s for _, s, _ in marks])[warmup:]
+    clock = np.diff([t for _, _, t in marks])[warmup - 1:] if warmup else np.diff([t for _, _, t in marks])
     if not seconds.any():
-        seconds = np.diff([t for _, _, t in marks])[warmup - 1:] if warmup else np.diff([t for _, _, t in marks])
-    return float(statistics.median(seconds))
+        return float(statistics.median(clock)), 0.0
+    n = min(len(seconds), len(clock))
+    own = clock[-n:] - seconds[-n:]
+    return float(statistics.median(seconds)), max(0.0, float(statistics.median(own)))
+
+
+def with_loop_own(loop: dict, own: float) -> dict:
+    """Costs.loop with the loop's bookkeeping added to every row: `own` (decode_loop_times: the loop's
+    seconds a target-alone step beyond its forward, sampling as LOOP_SAMPLING["sample"]) less the sampled
+    row's micro-benchmark is what a row costs beyond processing and drawing (the clock's laps, the metrics,
+    reading the logits, the stop checks); both modes pay it."""
+    extra = max(0.0, own - loop["sample"]["row"]) if "sample" in loop else 0.0
+    return {mode: {**parts, "row": parts["row"] + extra, "bookkeeping": extra} for mode, parts in loop.items()}
 
 
 def loop_times(vocab_size: int, device, reps: int = 20) -> dict:

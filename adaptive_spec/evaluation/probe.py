@@ -314,7 +314,7 @@ def predict(pair, head: str | None, temperature: float, prompt_tokens: int, max_
 
     loop_ms = 1e3 * coef.get("loop_row", 0.0)
     rows = [entry("target alone", {"policy": "ar"}, ar, f"one step: {1e3 / ar:.1f} ms (the target's pass "
-                  f"{1e3 / ar - loop_ms:.1f} ms, sampling {loop_ms:.1f} ms)", False)]
+                  f"{1e3 / ar - loop_ms:.1f} ms, the loop's own {loop_ms:.1f} ms)", False)]
     copy = copy_round(costs, coef, k_max)
     copying = {"k": copy["k"], "decode_tokens_per_s": max(copy["tokens_per_s"], ar),
                "speedup": max(copy["tokens_per_s"], ar) / ar}
