@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 
 from adaptive_spec.errors import UserError, run_main
-from adaptive_spec.evaluation import probe
+from adaptive_spec.evaluation import pricing, probe
 from adaptive_spec.evaluation.paired import run_header
 from adaptive_spec.runs import read_jsonl, write_json
 from adaptive_spec.tables import md_table
@@ -103,7 +103,7 @@ def compare(result: dict, rows: list[dict], after: dict | None = None) -> list[d
         wall = sum(r["wall_s"] for r in rs)
         decode = sum(r["wall_s"] - r["prefill_s"] for r in rs)
         prompt = sum(r["n_prompt_tokens"] for r in rs) / len(rs)
-        predicted = lambda res, pr: probe.timed(res["costs"], pr["rate_tokens_per_s"], pr["drafts"],  # noqa: E731
+        predicted = lambda res, pr: pricing.timed(res["costs"], pr["rate_tokens_per_s"], pr["drafts"],  # noqa: E731
                                                 pr["catch_up"], prompt, n / len(rs))
         p_decode, p_wall = predicted(result, pred)
         c = {"name": name, "runs": len(rs), "prompt_tokens": prompt, "predicted_decode": p_decode,

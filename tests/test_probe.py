@@ -8,7 +8,7 @@ import pytest
 from adaptive_spec.backends import engines
 from adaptive_spec.decoding.auto import resolve_auto
 from adaptive_spec.decoding.costs import Costs
-from adaptive_spec.evaluation import probe
+from adaptive_spec.evaluation import pricing, probe
 from adaptive_spec.params import policy_params
 
 HEAD = probe.DEFAULT_HEAD  # committed, with its threshold_curve.json
@@ -110,11 +110,11 @@ def test_a_second_measurement_prices_the_configurations_the_first_one_chose():
 
 def test_prompt_lookup_pays_in_a_long_copy_only_where_a_many_row_pass_is_cheap():
     coef = lambda c: {"t_draft": c.t_draft, "t_target": c.t_target, "t_cand": 0.0, "verify_s": c.verify_s}  # noqa: E731
-    cheap = probe.copy_round(CHEAP_PASSES, coef(CHEAP_PASSES), 48)
+    cheap = pricing.copy_round(CHEAP_PASSES, coef(CHEAP_PASSES), 48)
     assert cheap["k"] >= 8 and cheap["tokens_per_s"] * 0.1 > 3  # > 3x a 0.1 s step
     # every row a step (v(n) = n): no copy pays for its row
     linear = costs(0.1, tuple(range(1, 10)), 0.3, {n: n for n in (12, 16, 24, 32, 48)})
-    none = probe.copy_round(linear, coef(linear), 48)
+    none = pricing.copy_round(linear, coef(linear), 48)
     assert none["k"] == 0 and none["tokens_per_s"] == pytest.approx(10.0)
     rows = by_name(probe.predict(fake_pair(linear, draft=False), None, 1.0, 128, 128))
     assert set(rows) == {"target alone", "prompt lookup"}  # no draft: no draft configurations

@@ -53,13 +53,13 @@ from pathlib import Path
 from .. import params
 from ..cli_args import Parser, add_fields, flag, set_fields
 from ..errors import UserError, run_main
+from .pricing import (book_for, copy_round, curve_point, price_ar, price_auto, price_combined, price_fixed,
+                      price_lookup, rate_of, row_of)
 
 DEFAULT_HEAD = "checkpoints/qwen-coder-0.5b-int8-stats-d3"
 # the answers prompt lookup is priced on: the committed heads' dev responses (a workload's copying is the
 # workload's, not the machine's; this mix stands for a general one, as it does for the head's curve)
 COPY_DATA = "data/datagen/mix"
-# a long verbatim copy: a match this long is CopyAcceptance's top bucket (its prior: 0.97 of copies accepted)
-COPY_MATCH = 16
 # draws per answer of the combined replay's draft rounds (their accepted counts are sampled; copies are not)
 COMBINED_SAMPLES = 4
 # what a user can say their prompts are (--workload): the prompt sources of the heads' dev answers that stand
@@ -131,40 +131,10 @@ def _grouped(answers_by_source: dict, kinds) -> tuple[dict | None, int]:
     return (mixed(groups) if all(groups) else None), used
 
 
-def _rate(point: dict, coef: dict) -> float:
-    from ..decoding.timemodel import predict_time
-
-    return point["n_tokens"] / predict_time(point, coef)
 
 
-def _curve_point(curve: dict, need: str, value, cap=None) -> dict:
-    if need == "k":
-        return next(p for p in curve["fixed_k"] if p["k"] == value)
-    if cap is not None:
-        for p in curve.get("capped", []):
-            if p["h"] == value and p["k_max"] == cap:
-                return p
-    return next(p for p in curve["thresholds"] if p["h"] == value)
 
 
-def copy_round(costs, coef: dict, k_max: int) -> dict:
-    """A round of a long verbatim copy under `--policy ngram --k auto`: the K copies ngram.best_k takes
-    (a match of COPY_MATCH tokens, CopyAcceptance's prior, v(n) as measured) at the rate it settles to
-    (Dinkelbach's rule: lambda the tokens per step so far); with its expected tokens and its tok/s."""
-    from ..decoding.ngram import CopyAcceptance, best_k, verify_steps_of
-
-    a = CopyAcceptance().predict(COPY_MATCH, min(k_max, COPY_MATCH))  # at most as many copies as match
-    v = verify_steps_of(costs)
-    lam, K, expected = 1.0, 0, 1.0
-    for _ in range(100):
-        K, value = best_k(a, v, lam)
-        expected = value + lam * v(K + 1)
-        if abs(expected / v(K + 1) - lam) < 1e-12:
-            break
-        lam = expected / v(K + 1)
-    point = {"n_tokens": expected, "n_target_forwards": 1.0, "n_draft_forwards": 0.0, "n_drafted": float(K),
-             "n_accepted": expected - 1.0, "target_pass_hist": {str(K + 1): 1.0}}
-    return {"k": K, "tokens": expected, "steps": v(K + 1), "accepted": a[0], "tokens_per_s": _rate(point, coef)}
 
 
 def _data_path(data_dir) -> Path | None:
@@ -241,10 +211,6 @@ def combined_counts(costs, head, h: float, cap: int, k_max: int, data_dir=None, 
     return None if out is None else {**out, "n_responses": used // samples, "data": str(path)}
 
 
-def _cap_of(choice: dict):
-    """The cap of an auto choice's pick: None unless a capped point won (its k_max is the limit otherwise)."""
-    cap = choice.get("k_max")
-    return cap if cap is not None and f"{choice['value']:g}@{cap}" in choice.get("predicted_capped", {}) else None
 
 
 def by_name(result: dict) -> dict:
@@ -279,10 +245,8 @@ def predict(pair, head: str | None, temperature: float, prompt_tokens: int, max_
     priced at those answers' counts instead of the dev answers', h and K picked from their curve as
     `--auto-prompts` (`--curve` of that file) picks them."""
     from .probe_prompts import as_responses, describe
-    from ..decoding.auto import AR, DEFAULT_TIME_MODEL, load_curve, resolve_auto
+    from ..decoding.auto import AR, load_curve
     from ..decoding.costs import measure_costs
-    from ..decoding.timemodel import coef_of, effective_model
-    from .report_data import ONE_STEP, round_costs
 
     costs = measure_costs(pair)
     if prompts is not None and workload is not None:
@@ -290,135 +254,71 @@ def predict(pair, head: str | None, temperature: float, prompt_tokens: int, max_
     records = None if prompts is None else as_responses(prompts["records"])
     own = (prompts or {}).get("curve_file")  # the prompts' curve, where the draft was recorded
     curve_file = own or _curve_file(head)
-    picks = {}
-    if pair.draft is not None and head is not None:
-        for need, p in (("h", params.policy_params("learned", head=head, threshold="auto", curve=own)),
-                        ("k", params.policy_params("fixed", k="auto", curve=str(curve_file)))):
-            picks[need] = resolve_auto(pair, p, temperature=temperature)[1]
-    # the mode and model resolve_auto priced with (picks' "model"); the same without a draft
-    loop = "greedy" if temperature == 0 else "sample"
-    model = next(iter(picks.values()))["model"] if picks else effective_model(
-        costs, getattr(pair.engine, "time_model", DEFAULT_TIME_MODEL))
-    coef = coef_of(costs, model, loop)
-    ar = _rate(ONE_STEP, coef)
-    v = lambda n: costs.verify_s(n) / costs.verify_s(1)  # noqa: E731
-
-    def entry(name, policy, rate, reason, drafts, catch_up=False, **extra):
-        decode, wall = timed(costs.to_dict(), rate, drafts, catch_up, prompt_tokens, max_new_tokens)
-        return {"name": name, "policy": policy, "rate_tokens_per_s": rate, "drafts": drafts, "catch_up": catch_up,
-                "decode_tokens_per_s": decode, "wall_tokens_per_s": wall, "speedup": decode / ar, "reason": reason,
-                **extra}
-
-    def verdict(x):
-        return "drafting pays" if x > 1 else "drafting does not pay"
-
-    loop_ms = 1e3 * coef.get("loop_row", 0.0)
-    rows = [entry("target alone", {"policy": "ar"}, ar, f"one step: {1e3 / ar:.1f} ms (the target's pass "
-                  f"{1e3 / ar - loop_ms:.1f} ms, the loop's own {loop_ms:.1f} ms)", False)]
-    copy = copy_round(costs, coef, k_max)
-    copying = {"k": copy["k"], "decode_tokens_per_s": max(copy["tokens_per_s"], ar),
-               "speedup": max(copy["tokens_per_s"], ar) / ar}
-    copy_why = (f"in a long verbatim copy {copy['k']} copies a round ({copy['accepted']:.2f} accepted each) "
-                f"verify in a {copy['k'] + 1}-row pass of {copy['steps']:.2f} steps for {copy['tokens']:.2f} tokens: "
-                f"{copying['speedup']:.2f}x" if copy["k"] else "no copy pays even in a long verbatim copy")
-    data_name = (COPY_DATA if copy_data is None else copy_data) if prompts is None else prompts["label"]
-    answers = "dev answers" if prompts is None else "answers to your prompts"
-    auto_row = None
+    picks, loop, model, book = book_for(pair, head, temperature, costs, own, curve_file)
+    book.answers = "dev answers" if prompts is None else "answers to your prompts"
+    book.data_name = (COPY_DATA if copy_data is None else copy_data) if prompts is None else prompts["label"]
+    priced, auto = [price_ar(book)], None
     if picks:
         curve = load_curve(curve_file, "h", head)
         check_workload(curve, workload)
         # each configuration's counts at the workload and their tok/s at these costs
-        k_point = lambda k: workload_point(curve, workload, lambda c: _curve_point(c, "k", k))  # noqa: E731
-        h_point = lambda h, cap: workload_point(curve, workload, lambda c: _curve_point(c, "h", h, cap))  # noqa: E731
-        kc = picks["k"]
-        K = max(kc["predicted"], key=lambda k: _rate(k_point(k), coef)) if ran is None else ran["k"]
-        r = round_costs(k_point(K), coef)
-        tps = _rate(k_point(K), coef)
-        rows.append(entry(f"fixed K={K}", {"policy": "fixed", "k": K}, tps,
-                          f"a {K + 1}-row pass costs {v(K + 1):.2f} steps and a draft step {costs.c:.2f}: "
-                          f"{r['steps']:.2f} steps a round for {r['tokens']:.2f} tokens ({r['accepted']:.2f} of "
-                          f"candidates accepted): {verdict(tps / ar)}", True, round=r))
-        hc = picks["h"]
-        # the h (and cap) auto could pick: every h, and the capped points where its model prices them
-        cands = [(h, None) for h in hc["predicted"]] + [(float(label.split("@")[0]), int(label.split("@")[1]))
-                                                        for label in hc.get("predicted_capped") or {}]
-        h, cap = max(cands, key=lambda c: _rate(h_point(*c), coef)) if ran is None else tuple(ran["best"])
-        best_tps = _rate(h_point(h, cap), coef)
-        pick, pick_cap = (hc["value"], _cap_of(hc)) if ran is None else tuple(ran["pick"])
-        pick_tps = ar if pick == AR else _rate(h_point(pick, pick_cap), coef)
-        r = round_costs(h_point(h, cap), coef)
-        h_label = f"{h:g}" + (f" with K <= {cap}" if cap is not None else "")
-        best = {"h": h, "k_max": cap, "decode_tokens_per_s": best_tps, "speedup": best_tps / ar, "round": r}
-        if pick == AR:
-            why = (f"runs the target alone: the best h ({h_label}) would take {r['steps']:.2f} steps a round for "
-                   f"{r['tokens']:.2f} tokens ({best_tps / ar:.2f}x)")
-        else:
-            if (pick, pick_cap) != (h, cap):  # auto (or `ran`) picked another h than these counts' best
-                r = round_costs(h_point(pick, pick_cap), coef)
-                h_label = f"{pick:g}" + (f" with K <= {pick_cap}" if pick_cap is not None else "")
-            why = (f"h = {h_label}: {r['drafted']:.2f} drafted a round, {r['tokens']:.2f} tokens for {r['steps']:.2f} "
-                   f"steps (a draft step {costs.c:.2f}, passes mostly {r['rows']} rows at {v(r['rows']):.2f}): "
-                   f"{verdict(pick_tps / ar)}")
-        auto_row = entry("SpecDec++ h=auto", {"policy": "learned", "head": head, "threshold": "auto"},
-                         pick_tps, why, pick != AR, pick=pick, pick_k_max=pick_cap, best=best, round=r)
-        rows.append(auto_row)
-    copies = copy_counts(costs, k_max, copy_data, workload, records)
-    if copies is None:
-        lookup, lookup_why = ar, "a plain step where nothing is copied (1.00x); "
-    else:
-        lookup = _rate(copies, coef)
-        rounds = copies["n_target_forwards"]
-        copying_rounds = rounds - copies["target_pass_hist"].get("1", 0)
-        lookup_why = (f"on {copies['n_responses']} {answers} ({data_name}) {copying_rounds / rounds:.0%} of rounds "
-                      f"copy, {copies['n_drafted'] / max(copying_rounds, 1e-9):.1f} copies each, "
-                      f"{copies['n_accepted'] / max(copies['n_drafted'], 1e-9):.2f} of them accepted: "
-                      f"{lookup / ar:.2f}x; ")
-    rows.append(entry("prompt lookup", {"policy": "ngram"}, lookup, lookup_why + copy_why
-                      + (": pays where the answer copies the prompt" if copy["k"] else ""), False, copying=copying,
-                      **({"copies": {k: v for k, v in copies.items() if k != "data"}} if copies else {})))
-    if auto_row is not None:
-        policy = {"policy": "ngram", "fallback": "learned", "head": head, "threshold": "auto"}
-        joint = None if auto_row["pick"] == AR else combined_counts(
-            costs, head, auto_row["pick"], auto_row["pick_k_max"] or curve["k_max"], k_max, copy_data, workload,
-            records=records)
-        if auto_row["pick"] == AR:  # the fallback is the target alone: combined is prompt lookup
-            rate, why = lookup, "rounds without a copy run the target alone: prompt lookup's rounds"
-        elif joint is None:
-            rate, why = auto_row["rate_tokens_per_s"], (f"rounds without a copy run SpecDec++ h = {auto_row['pick']:g} "
-                                                        f"({auto_row['speedup']:.2f}x); copying rounds as prompt lookup "
-                                                        f"({copying['speedup']:.2f}x in a long copy)")
-        else:
-            rate = _rate(joint, coef)
-            why = (f"replayed on {joint['n_responses']} {answers}: SpecDec++ h = {auto_row['pick']:g} where nothing "
-                   f"is copied, {joint['n_tokens'] / joint['n_target_forwards']:.2f} tokens a round, the draft "
-                   f"catching up on what copies "
-                   f"made ({joint['n_fed_extra'] / max(joint['n_all_accepted'], 1e-9):.1f} tokens beyond two a "
-                   f"catch-up); the draft reads the prompt in its first round")
-        rows.append(entry("combined", policy, rate, why, auto_row["pick"] != AR, catch_up=auto_row["pick"] != AR,
-                          copying=copying, **({"joint": {k: v for k, v in joint.items() if k != "data"}}
-                                              if joint else {})))
+        k_point = lambda k: workload_point(curve, workload, lambda c: curve_point(c, "k", k))  # noqa: E731
+        h_point = lambda h, cap: workload_point(curve, workload, lambda c: curve_point(c, "h", h, cap))  # noqa: E731
+        K = max(picks["k"]["predicted"], key=lambda k: rate_of(k_point(k), book.coef)) if ran is None else ran["k"]
+        auto = price_auto(book, h_point, picks["h"], ran, head)
+        priced += [price_fixed(book, k_point(K), K), auto]
+    lookup = price_lookup(book, copy_counts(costs, k_max, copy_data, workload, records), copy_round(costs, book.coef,
+                                                                                                  k_max))
+    priced.append(lookup)
+    if auto is not None:
+        pick = auto.extra["pick"]
+        joint = None if pick == AR else combined_counts(
+            costs, head, pick, auto.extra["pick_k_max"] or curve["k_max"], k_max, copy_data, workload, records=records)
+        priced.append(price_combined(book, auto, lookup, joint, head))
     return {"engine": pair.engine.name, "time_model": model, "sampling": loop, "temperature": temperature,
             "head": head if picks else None, "workload": list(workload) if workload else MIX,
             "acceptance": {"source": "dev answers" if prompts is None else "prompts", "words": describe(prompts),
                            **({k: v for k, v in prompts.items() if k != "records"} if prompts else {})},
             "prompt_tokens": prompt_tokens, "max_new_tokens": max_new_tokens,
-            "costs": costs.to_dict(), "configurations": rows}
+            "costs": costs.to_dict(), "configurations": [row_of(book, p, prompt_tokens, max_new_tokens) for p in priced]}
 
 
-def timed(costs: dict, rate: float, drafts: bool, catch_up: bool, prompt_tokens: float,
-          n_tokens: float) -> tuple[float, float | None]:
-    """(decode, wall) tok/s of n_tokens after a prompt of prompt_tokens, decoded at `rate`: wall adds the prompt's
-    prefill at the measured rates, the draft's too where it drafts, as a generation's auto pick states it
-    (pipeline.predicted_wall; None without measured prefill rates). `catch_up`: the draft reads the prompt in
-    its first round instead (the n-gram policy's fallback), so its prefill falls in decode time."""
-    from ..decoding.auto import AR
-    from ..decoding.pipeline import predicted_wall
+# ----------------------------------------------------------------------------- pricing, one configuration each
 
-    wall = predicted_wall({"costs": costs, "value": 1 if drafts else AR, "tokens_per_s": rate}, prompt_tokens,
-                           n_tokens).get("wall_tokens_per_s")
-    if not catch_up:
-        return rate, wall
-    return n_tokens / (n_tokens / rate + costs.get("t_prefill_draft", 0.0) * max(prompt_tokens - 1, 0)), wall
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+# ----------------------------------------------------------------------------- the reasons, in words
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
 
 
 def _curve_file(head):

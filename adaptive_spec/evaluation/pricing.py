@@ -1,0 +1,242 @@
+"""The probe's prices: each configuration's decode tok/s at the measured costs, from the counts of a curve or
+a replay (`price_*`, each returning a Priced), and the reason in words rendered apart from the numbers (WHY).
+
+probe.predict chooses what to price (auto's picks, the workload's counts, the answers replayed) and calls these;
+`row_of` turns a Priced into the result row the probe prints and eval/bench_probe.py checks."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .. import params
+
+# a long verbatim copy: a match this long is CopyAcceptance's top bucket (its prior: 0.97 of copies accepted)
+COPY_MATCH = 16
+
+
+def rate_of(point: dict, coef: dict) -> float:
+    from ..decoding.timemodel import predict_time
+
+    return point["n_tokens"] / predict_time(point, coef)
+
+
+def curve_point(curve: dict, need: str, value, cap=None) -> dict:
+    if need == "k":
+        return next(p for p in curve["fixed_k"] if p["k"] == value)
+    if cap is not None:
+        for p in curve.get("capped", []):
+            if p["h"] == value and p["k_max"] == cap:
+                return p
+    return next(p for p in curve["thresholds"] if p["h"] == value)
+
+
+def copy_round(costs, coef: dict, k_max: int) -> dict:
+    """A round of a long verbatim copy under `--policy ngram --k auto`: the K copies ngram.best_k takes
+    (a match of COPY_MATCH tokens, CopyAcceptance's prior, v(n) as measured) at the rate it settles to
+    (Dinkelbach's rule: lambda the tokens per step so far); with its expected tokens and its tok/s."""
+    from ..decoding.ngram import CopyAcceptance, best_k, verify_steps_of
+
+    a = CopyAcceptance().predict(COPY_MATCH, min(k_max, COPY_MATCH))  # at most as many copies as match
+    v = verify_steps_of(costs)
+    lam, K, expected = 1.0, 0, 1.0
+    for _ in range(100):
+        K, value = best_k(a, v, lam)
+        expected = value + lam * v(K + 1)
+        if abs(expected / v(K + 1) - lam) < 1e-12:
+            break
+        lam = expected / v(K + 1)
+    point = {"n_tokens": expected, "n_target_forwards": 1.0, "n_draft_forwards": 0.0, "n_drafted": float(K),
+             "n_accepted": expected - 1.0, "target_pass_hist": {str(K + 1): 1.0}}
+    return {"k": K, "tokens": expected, "steps": v(K + 1), "accepted": a[0], "tokens_per_s": rate_of(point, coef)}
+
+
+def cap_of(choice: dict):
+    """The cap of an auto choice's pick: None unless a capped point won (its k_max is the limit otherwise)."""
+    cap = choice.get("k_max")
+    return cap if cap is not None and f"{choice['value']:g}@{cap}" in choice.get("predicted_capped", {}) else None
+
+
+@dataclass
+class Priced:
+    """One configuration priced at the measured costs, before its reason is worded (WHY renders it)."""
+    kind: str  # WHY's key
+    name: str
+    policy: dict
+    rate: float  # decode tok/s at the costs, prefill left out
+    drafts: bool
+    catch_up: bool = False
+    facts: dict = field(default_factory=dict)  # what only its reason quotes
+    extra: dict = field(default_factory=dict)  # the fields its row carries beside the common ones
+
+
+@dataclass
+class Book:
+    """What every configuration is priced with: the costs, the time model's coefficients, the target alone's
+    rate, and whose answers the replayed counts come from (for the reasons)."""
+    costs: object
+    coef: dict
+    ar: float
+    answers: str = "dev answers"
+    data_name: str = ""
+
+    def v(self, n: int) -> float:
+        return self.costs.verify_s(n) / self.costs.verify_s(1)
+
+
+def book_for(pair, head, temperature: float, costs, own, curve_file):
+    """(auto's picks {"h", "k"} where there is a draft and a head, the sampling mode, the time model, the Book)."""
+    from ..decoding.auto import DEFAULT_TIME_MODEL, resolve_auto
+    from ..decoding.timemodel import coef_of, effective_model
+    from .report_data import ONE_STEP
+
+    picks = {}
+    if pair.draft is not None and head is not None:
+        for need, p in (("h", params.policy_params("learned", head=head, threshold="auto", curve=own)),
+                        ("k", params.policy_params("fixed", k="auto", curve=str(curve_file)))):
+            picks[need] = resolve_auto(pair, p, temperature=temperature)[1]
+    # the mode and model resolve_auto priced with (picks' "model"); the same without a draft
+    loop = "greedy" if temperature == 0 else "sample"
+    model = next(iter(picks.values()))["model"] if picks else effective_model(
+        costs, getattr(pair.engine, "time_model", DEFAULT_TIME_MODEL))
+    coef = coef_of(costs, model, loop)
+    return picks, loop, model, Book(costs, coef, rate_of(ONE_STEP, coef))
+
+
+def price_ar(book: Book) -> Priced:
+    return Priced("ar", "target alone", {"policy": "ar"}, book.ar, False,
+                  facts={"loop_ms": 1e3 * book.coef.get("loop_row", 0.0)})
+
+
+def price_fixed(book: Book, point: dict, K: int) -> Priced:
+    from .report_data import round_costs
+
+    return Priced("fixed", f"fixed K={K}", {"policy": "fixed", "k": K}, rate_of(point, book.coef), True,
+                  facts={"k": K}, extra={"round": round_costs(point, book.coef)})
+
+
+def price_auto(book: Book, h_point, choice: dict, ran: dict | None, head) -> Priced:
+    """auto's pick (or `ran`'s), with the best h of these counts beside it."""
+    from ..decoding.auto import AR
+    from .report_data import round_costs
+
+    # the h (and cap) auto could pick: every h, and the capped points where its model prices them
+    cands = [(h, None) for h in choice["predicted"]] + [(float(label.split("@")[0]), int(label.split("@")[1]))
+                                                        for label in choice.get("predicted_capped") or {}]
+    h, cap = max(cands, key=lambda c: rate_of(h_point(*c), book.coef)) if ran is None else tuple(ran["best"])
+    best_tps = rate_of(h_point(h, cap), book.coef)
+    pick, pick_cap = (choice["value"], cap_of(choice)) if ran is None else tuple(ran["pick"])
+    pick_tps = book.ar if pick == AR else rate_of(h_point(pick, pick_cap), book.coef)
+    r = round_costs(h_point(h, cap), book.coef)
+    best = {"h": h, "k_max": cap, "decode_tokens_per_s": best_tps, "speedup": best_tps / book.ar, "round": r}
+    if pick != AR and (pick, pick_cap) != (h, cap):  # auto (or `ran`) picked another h than these counts' best
+        r, h, cap = round_costs(h_point(pick, pick_cap), book.coef), pick, pick_cap
+    return Priced("auto", "SpecDec++ h=auto", {"policy": "learned", "head": head, "threshold": "auto"}, pick_tps,
+                  pick != AR, facts={"label": f"{h:g}" + (f" with K <= {cap}" if cap is not None else "")},
+                  extra={"pick": pick, "pick_k_max": pick_cap, "best": best, "round": r})
+
+
+def price_lookup(book: Book, copies: dict | None, copy: dict) -> Priced:
+    """Prompt lookup replayed on the answers (a plain step a token without them), and a long copy's round."""
+    rate = book.ar if copies is None else rate_of(copies, book.coef)
+    fast = max(copy["tokens_per_s"], book.ar)
+    copying = {"k": copy["k"], "decode_tokens_per_s": fast, "speedup": fast / book.ar}
+    return Priced("lookup", "prompt lookup", {"policy": "ngram"}, rate, False, facts={"copies": copies, "copy": copy},
+                  extra={"copying": copying, **({"copies": {k: v for k, v in copies.items() if k != "data"}}
+                                                if copies else {})})
+
+
+def price_combined(book: Book, auto: Priced, lookup: Priced, joint: dict | None, head) -> Priced:
+    """Prompt lookup with SpecDec++ at auto's h where nothing is copied: replayed jointly where it drafts."""
+    from ..decoding.auto import AR
+
+    pick = auto.extra["pick"]
+    rate = lookup.rate if pick == AR else auto.rate if joint is None else rate_of(joint, book.coef)
+    policy = {"policy": "ngram", "fallback": "learned", "head": head, "threshold": "auto"}
+    return Priced("combined", "combined", policy, rate, pick != AR, catch_up=pick != AR,
+                  facts={"joint": joint, "auto": auto, "copying": lookup.extra["copying"]},
+                  extra={"copying": lookup.extra["copying"],
+                         **({"joint": {k: v for k, v in joint.items() if k != "data"}} if joint else {})})
+
+
+def row_of(book: Book, p: Priced, prompt_tokens: float, max_new_tokens: float) -> dict:
+    decode, wall = timed(book.costs.to_dict(), p.rate, p.drafts, p.catch_up, prompt_tokens, max_new_tokens)
+    return {"name": p.name, "policy": p.policy, "rate_tokens_per_s": p.rate, "drafts": p.drafts,
+            "catch_up": p.catch_up, "decode_tokens_per_s": decode, "wall_tokens_per_s": wall,
+            "speedup": decode / book.ar, "reason": WHY[p.kind](p, book), **p.extra}
+
+
+def _verdict(x: float) -> str:
+    return "drafting pays" if x > 1 else "drafting does not pay"
+
+
+def _why_ar(p: Priced, book: Book) -> str:
+    loop_ms = p.facts["loop_ms"]
+    return (f"one step: {1e3 / book.ar:.1f} ms (the target's pass {1e3 / book.ar - loop_ms:.1f} ms, the loop's own "
+            f"{loop_ms:.1f} ms)")
+
+
+def _why_fixed(p: Priced, book: Book) -> str:
+    K, r = p.facts["k"], p.extra["round"]
+    return (f"a {K + 1}-row pass costs {book.v(K + 1):.2f} steps and a draft step {book.costs.c:.2f}: "
+            f"{r['steps']:.2f} steps a round for {r['tokens']:.2f} tokens ({r['accepted']:.2f} of candidates "
+            f"accepted): {_verdict(p.rate / book.ar)}")
+
+
+def _why_auto(p: Priced, book: Book) -> str:
+    r, label = p.extra["round"], p.facts["label"]
+    if not p.drafts:
+        return (f"runs the target alone: the best h ({label}) would take {r['steps']:.2f} steps a round for "
+                f"{r['tokens']:.2f} tokens ({p.extra['best']['speedup']:.2f}x)")
+    return (f"h = {label}: {r['drafted']:.2f} drafted a round, {r['tokens']:.2f} tokens for {r['steps']:.2f} steps "
+            f"(a draft step {book.costs.c:.2f}, passes mostly {r['rows']} rows at {book.v(r['rows']):.2f}): "
+            f"{_verdict(p.rate / book.ar)}")
+
+
+def _why_lookup(p: Priced, book: Book) -> str:
+    copies, copy = p.facts["copies"], p.facts["copy"]
+    if copies is None:
+        why = "a plain step where nothing is copied (1.00x); "
+    else:
+        rounds = copies["n_target_forwards"]
+        copying_rounds = rounds - copies["target_pass_hist"].get("1", 0)
+        why = (f"on {copies['n_responses']} {book.answers} ({book.data_name}) {copying_rounds / rounds:.0%} of rounds "
+               f"copy, {copies['n_drafted'] / max(copying_rounds, 1e-9):.1f} copies each, "
+               f"{copies['n_accepted'] / max(copies['n_drafted'], 1e-9):.2f} of them accepted: "
+               f"{p.rate / book.ar:.2f}x; ")
+    if not copy["k"]:
+        return why + "no copy pays even in a long verbatim copy"
+    return (why + f"in a long verbatim copy {copy['k']} copies a round ({copy['accepted']:.2f} accepted each) verify "
+            f"in a {copy['k'] + 1}-row pass of {copy['steps']:.2f} steps for {copy['tokens']:.2f} tokens: "
+            f"{p.extra['copying']['speedup']:.2f}x: pays where the answer copies the prompt")
+
+
+def _why_combined(p: Priced, book: Book) -> str:
+    joint, auto = p.facts["joint"], p.facts["auto"]
+    if not p.drafts:  # the fallback is the target alone: combined is prompt lookup
+        return "rounds without a copy run the target alone: prompt lookup's rounds"
+    pick = auto.extra["pick"]
+    if joint is None:
+        return (f"rounds without a copy run SpecDec++ h = {pick:g} ({auto.rate / book.ar:.2f}x); copying rounds as "
+                f"prompt lookup ({p.facts['copying']['speedup']:.2f}x in a long copy)")
+    return (f"replayed on {joint['n_responses']} {book.answers}: SpecDec++ h = {pick:g} where nothing is copied, "
+            f"{joint['n_tokens'] / joint['n_target_forwards']:.2f} tokens a round, the draft catching up on what "
+            f"copies made ({joint['n_fed_extra'] / max(joint['n_all_accepted'], 1e-9):.1f} tokens beyond two a "
+            f"catch-up); the draft reads the prompt in its first round")
+
+
+WHY = {"ar": _why_ar, "fixed": _why_fixed, "auto": _why_auto, "lookup": _why_lookup, "combined": _why_combined}
+
+
+def timed(costs: dict, rate: float, drafts: bool, catch_up: bool, prompt_tokens: float,
+          n_tokens: float) -> tuple[float, float | None]:
+    """(decode, wall) tok/s of n_tokens after a prompt of prompt_tokens, decoded at `rate`: wall adds the prompt's
+    prefill at the measured rates, the draft's too where it drafts, as a generation's auto pick states it
+    (pipeline.predicted_wall; None without measured prefill rates). `catch_up`: the draft reads the prompt in
+    its first round instead (the n-gram policy's fallback), so its prefill falls in decode time."""
+    from ..decoding.auto import AR
+    from ..decoding.pipeline import predicted_wall
+
+    wall = predicted_wall({"costs": costs, "value": 1 if drafts else AR, "tokens_per_s": rate}, prompt_tokens,
+                           n_tokens).get("wall_tokens_per_s")
+    if not catch_up:
+        return rate, wall
+    return n_tokens / (n_tokens / rate + costs.get("t_prefill_draft", 0.0) * max(prompt_tokens - 1, 0)), wall
