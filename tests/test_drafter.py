@@ -305,3 +305,40 @@ def test_the_pair_loads_a_feature_drafter_by_path(tmp_path):
     other = save_model(tmp_path / "other", vocab_size=40, hidden_size=32, layers=1, seed=1)
     with pytest.raises(UserError, match=r"\(hidden size 24\) but the target in use has hidden size 32"):
         SpecPair.load(target=str(other), draft=f"feature:{tmp_path / 'd'}", dtype="fp32", device="cpu")
+
+
+def test_the_second_drafted_step_reads_the_first_steps_outputs():
+    """rollout 2 (drafter_loss steps=2): the layer runs again with slot t + 1 reading step 1's f^_{t+1} (slot t's
+    output, detached) and slot 0 keeping f_0, the same tokens and positions; its parts carry the suffix _2.
+    Control: step 1 reads the target's own states."""
+    from adaptive_spec.training.drafter import DrafterConfig, collate, drafter_loss
+
+    model = tiny_target()
+    d = FeatureDrafter.for_target(model, init_from_target=True).float()
+    readout = Readout(model)
+    g = torch.Generator().manual_seed(0)
+    seqs = []
+    for n in (7, 5):
+        ids = torch.randint(0, 32, (n,), generator=g)
+        seqs.append({"ids": ids, "hidden": model.base_model(input_ids=ids.view(1, -1)).last_hidden_state[0].detach()})
+    feats, ids, valid = collate(seqs)
+    calls = []
+    forward = d.forward
+
+    def spy(f, e, pos, **kw):
+        out = forward(f, e, pos, **kw)
+        calls.append((f.detach().clone(), out.detach().clone()))
+        return out
+
+    d.forward = spy
+    cfg = DrafterConfig(data="x", rollout=2)
+    loss, parts = drafter_loss(d, readout, feats, ids, valid, cfg)
+    assert len(calls) == 2 and {"top1", "top1_2", "accept_2", "ce_2"} <= set(parts)
+    (f1, out1), (f2, _) = calls
+    assert torch.equal(f1, feats[:, :-1].float())  # step 1: the target's own states
+    assert torch.equal(f2[:, 0], f1[:, 0])
+    assert torch.allclose(f2[:, 1:], readout.feature(out1)[:, :-1])
+    loss.backward()  # one graph through both steps
+    calls.clear()
+    drafter_loss(d, readout, feats, ids, valid, DrafterConfig(data="x"))
+    assert len(calls) == 1

@@ -4,7 +4,8 @@ configs/train/drafter_quick.yaml` (a config with `kind: drafter`; train.py hands
 The loss is EAGLE's: a feature loss, smooth L1 between the drafter's f^_{t+1} and the target's f_{t+1},
 plus the cross-entropy of the drafter's next-token distribution against the target's (both read out through
 the target's LM head), weighted `feature_weight` and `ce_weight`. Inputs get uniform noise of width `noise`:
-in decoding the drafter reads its own imperfect f^ after the first step. The target's states come from
+in decoding the drafter reads its own imperfect f^ after the first step, and `rollout: 2` trains that second
+step on the drafter's own f^ (drafter_loss). The target's states come from
 drafter/data.py, computed once into `states_dir` (resumable) before the first step.
 
 Same conventions as the heads' loop (loop.py): accelerate, wandb offline unless configured, checkpoints that
@@ -55,6 +56,7 @@ class DrafterConfig:
     feature_weight: float = 1.0        # smooth L1 on the states
     ce_weight: float = 0.1             # cross-entropy against the target's next-token distribution
     noise: float = 0.1                 # uniform noise U(-noise, noise) on the input states
+    rollout: int = 1                   # drafted steps trained: 2 also trains on the drafter's own f^ input
     epochs: int = 1
     batch_size: int = 4                # sequences per optimizer step, summed over processes and accumulation
     grad_accum: int = 1
@@ -85,6 +87,7 @@ class DrafterConfig:
             (self.prompt_tail >= 0 and self.max_len >= 2, "prompt_tail must be >= 0 and max_len >= 2"),
             (self.eval_every > 0 and self.log_every > 0 and self.save_every >= 0, "eval_every, log_every must be > 0"),
             (self.noise >= 0, "noise must be >= 0"),
+            (self.rollout in (1, 2), "rollout must be 1 (EAGLE's loss) or 2 (also the second drafted step)"),
             (self.intermediate_size >= 0, "intermediate_size must be >= 0 (0 = the target's MLP width)"),
         ]
         for ok, msg in checks:
@@ -108,31 +111,47 @@ def collate(seqs: list[dict]):
     return feats, ids, valid
 
 
-def drafter_loss(drafter, readout, feats, ids, valid, cfg: DrafterConfig, noise: float = 0.0):
-    """(loss, {feature, ce, top1, accept}) over every slot t: input (f_t, x_{t+1}), target f_{t+1} and the
-    target's distribution of x_{t+2}. top1: argmax q == argmax p (greedy acceptance); accept: sum min(p, q)
-    (the expected acceptance at T = 1)."""
+def drafter_loss(drafter, readout, feats, ids, valid, cfg: DrafterConfig, noise: float = 0.0,
+                 steps: int | None = None, scores: bool = True):
+    """(loss, parts) over every slot t: input (f_t, x_{t+1}), target f_{t+1} and the target's distribution of
+    x_{t+2}; parts: feature, ce, top1 (argmax q == argmax p: greedy acceptance), accept (sum min(p, q): the
+    expected acceptance at T = 1).
+
+    `steps` (default cfg.rollout) drafted steps are trained, as decoding drafts them: a draft's second token is
+    read from the drafter's own f^_{t+1} in place of the target's f_{t+1}, which decoding does not have yet.
+    Step 2 runs the layer again on the inputs (f_0, f^_1, ..., f^_{T-2}) (step 1's outputs, detached) with the
+    same tokens and targets; its parts carry the suffix _2. Step 2 reads f^ at every earlier slot where
+    decoding reads the target's own f there: a harder task than decoding's, never an easier one.
+    scores=False leaves top1 and accept out (two passes over every position's full-vocabulary rows, a
+    fifth of a training step: the loop scores only the steps it logs)."""
     dev = next(drafter.parameters()).device  # `drafter` may be accelerate's wrapper: called, never unwrapped
     feats, ids, valid = feats.to(dev), ids.to(dev), valid.to(dev)
+    steps = cfg.rollout if steps is None else steps
     f_in = feats[:, :-1].float()
-    if noise:
-        f_in = f_in + (torch.rand_like(f_in) * 2 - 1) * noise
     B, T1 = f_in.shape[:2]
     pos = torch.arange(T1, device=dev).expand(B, T1)
-    fhat = readout.feature(drafter(f_in, readout.embed(ids[:, 1:]), pos))
+    emb = readout.embed(ids[:, 1:])
     m = valid[:, 1:]
     tgt = feats[:, 1:].float()[m]
-    fhat = fhat[m].float()
-    feat = F.smooth_l1_loss(fhat, tgt, reduction="none").mean(-1)
-    logq = readout.logits(fhat).log_softmax(-1)
     with torch.no_grad():
         p = readout.logits(tgt).softmax(-1)
-    ce = -(p * logq).sum(-1)
-    loss = cfg.feature_weight * feat.mean() + cfg.ce_weight * ce.mean()
-    with torch.no_grad():
-        parts = {"feature": feat.mean().item(), "ce": ce.mean().item(),
-                 "top1": (logq.argmax(-1) == p.argmax(-1)).float().mean().item(),
-                 "accept": torch.minimum(p, logq.exp()).sum(-1).mean().item()}
+    loss, parts = 0.0, {}
+    for j in range(steps):
+        x = f_in + (torch.rand_like(f_in) * 2 - 1) * noise if noise else f_in
+        fhat_all = readout.feature(drafter(x, emb, pos))
+        fhat = fhat_all[m].float()
+        feat = F.smooth_l1_loss(fhat, tgt, reduction="none").mean(-1)
+        logq = readout.logits(fhat).log_softmax(-1)
+        ce = -(p * logq).sum(-1)
+        loss = loss + (cfg.feature_weight * feat.mean() + cfg.ce_weight * ce.mean()) / steps
+        with torch.no_grad():
+            sfx = "" if j == 0 else f"_{j + 1}"
+            parts.update({"feature" + sfx: feat.mean().item(), "ce" + sfx: ce.mean().item()})
+            if scores:
+                parts.update({"top1" + sfx: (logq.argmax(-1) == p.argmax(-1)).float().mean().item(),
+                              "accept" + sfx: torch.minimum(p, logq.exp()).sum(-1).mean().item()})
+        # the next step's inputs: slot t + 1 reads this step's f^_{t+1} (slot t's output); slot 0 keeps f_0
+        f_in = torch.cat([f_in[:, :1], fhat_all[:, :-1].detach().float()], 1)
     return loss, parts
 
 
@@ -221,8 +240,9 @@ def train_drafter(cfg: DrafterConfig, resume: bool = False) -> dict:
             loader.set_epoch(epoch)
             sampler.set_epoch(epoch)
             for feats, ids, valid in batches:
+                logged = (state["step"] + 1) % cfg.log_every == 0 or state["step"] + 1 == total
                 with acc.accumulate(model), acc.autocast():
-                    loss, parts = drafter_loss(model, readout, feats, ids, valid, cfg, cfg.noise)
+                    loss, parts = drafter_loss(model, readout, feats, ids, valid, cfg, cfg.noise, scores=logged)
                     acc.backward(loss)
                     if acc.sync_gradients and cfg.max_grad_norm > 0:
                         acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
@@ -287,14 +307,17 @@ def _after_step(run, state: dict, sched, bar, total: int, loss: float, parts: di
 
 @torch.no_grad()
 def evaluate(drafter, readout, seqs: list[dict], cfg: DrafterConfig, batch: int = 4) -> dict:
-    """Mean loss and its parts over `seqs`, weighted by their slots."""
+    """Mean loss and its parts over `seqs`, weighted by their slots: both drafted steps' parts (the second
+    with the suffix _2) whatever the run trains, and the loss of the steps it trains."""
     drafter.eval()
     tot, n = {}, 0
     for i in range(0, len(seqs), batch):
         feats, ids, valid = collate(seqs[i:i + batch])
-        loss, parts = drafter_loss(drafter, readout, feats, ids, valid, cfg)
+        _, parts = drafter_loss(drafter, readout, feats, ids, valid, cfg, steps=2)
+        loss = sum(cfg.feature_weight * parts["feature" + sfx] + cfg.ce_weight * parts["ce" + sfx]
+                   for sfx in ("", "_2")[:cfg.rollout]) / cfg.rollout  # the loss the run trains
         w = int(valid[:, 1:].sum())
-        for k, v in {"loss": loss.item(), **parts}.items():
+        for k, v in {"loss": loss, **parts}.items():
             tot[k] = tot.get(k, 0.0) + v * w
         n += w
     drafter.train()
