@@ -21,7 +21,7 @@ from adaptive_spec.datagen import generate as datagen
 from adaptive_spec.training.data import load_split, read_manifest
 from adaptive_spec.training.settings import TrainConfig
 from adaptive_spec.config import load_config
-from adaptive_spec.datagen.generate import DatagenConfig
+from adaptive_spec.datagen.config import DatagenConfig, config_hash
 from adaptive_spec.params import PairParams
 from adaptive_spec.prompts import encode_prompt
 from adaptive_spec.runs import PROJECT_ROOT
@@ -576,7 +576,7 @@ def test_the_committed_token_data_still_reads():
     # its flat config reads into the pair and back unchanged, and so does the YAML that made it: a
     # rerun resumes it, and features and heads keyed by its hash still match
     cfg = DatagenConfig.from_stored(man["config"])
-    assert cfg.stored() == man["config"] and datagen.config_hash(cfg) == man["config_hash"]
+    assert cfg.stored() == man["config"] and config_hash(cfg) == man["config_hash"]
     assert cfg.pair.draft_quant == "int8" and cfg.pair.draft_vocab is None and cfg.pair.threads == 2
     shipped = load_config(DatagenConfig, PROJECT_ROOT / "configs" / "datagen" / "mix.yaml")
-    assert datagen.config_hash(shipped) == man["config_hash"]
+    assert config_hash(shipped) == man["config_hash"]

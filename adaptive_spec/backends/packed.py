@@ -16,7 +16,7 @@ import torch
 from ..errors import UserError
 from ..runs import write_json
 from .cpu import cpu_name, fbgemm_fp16, onednn_packed
-from .llama_build import cache_dir, cpu_flags
+from ..setup.llama_build import cache_dir, cpu_flags
 
 # torch marks the FBGEMM fp16 ops deprecated; cpu.fbgemm_fp16 checks they still run before any is used
 warnings.filterwarnings("ignore", message=r"fbgemm_\w+ is deprecated")

@@ -14,7 +14,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..datagen.features import load_draft, response_features
-from ..datagen.generate import FORMAT, DatagenConfig
+from ..datagen.config import DatagenConfig
+from ..datagen.shards import FORMAT
 from ..errors import UserError
 from ..heads.features import CONTEXT_KEY, N_STATS, position_map, state_key
 from ..heads.head import join_inputs, reads_stats
