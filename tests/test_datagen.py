@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 
-from adaptive_spec import cli, prompts
+from adaptive_spec import cli, prompt_archives, prompts
 
 from adaptive_spec.datagen import generate as datagen
 
@@ -292,9 +292,9 @@ def test_chat_template_is_applied(tiny_pair):
 
 def test_json_array_parser_stops_at_truncated_tail():
     text = '[{"id": 1, "conversations": [{"from": "human", "value": "hi"}]},\n {"id": 2}, {"id": 3, "conv'
-    got = list(prompts._iter_json_array(io.BytesIO(text.encode()), chunk_chars=7))
+    got = list(prompt_archives._iter_json_array(io.BytesIO(text.encode()), chunk_chars=7))
     assert [o["id"] for o in got] == [1, 2]
-    assert [o["id"] for o in prompts._iter_json_array(io.BytesIO(b'[{"id": 1}, {"id": 2}]'))] == [1, 2]
+    assert [o["id"] for o in prompt_archives._iter_json_array(io.BytesIO(b'[{"id": 1}, {"id": 2}]'))] == [1, 2]
 
 
 @pytest.mark.parametrize("name", ["gsm8k", "alpaca", "sharegpt", "mix"])
@@ -355,7 +355,7 @@ def mix_sets(tmp_path, monkeypatch):
         (tmp_path / rel).write_text("".join(json.dumps({fld: t}) + "\n" for t in texts[name]))
     monkeypatch.setenv("ADAPTIVE_SPEC_DATA", str(tmp_path / "data"))
     monkeypatch.setenv("ADAPTIVE_SPEC_DATA_CACHE", str(tmp_path / "cache"))
-    texts["sharegpt-code"] = [t for t in texts["sharegpt"] if prompts.is_code_prompt(t)]
+    texts["sharegpt-code"] = [t for t in texts["sharegpt"] if prompt_archives.is_code_prompt(t)]
     assert len(texts["sharegpt-code"]) == 14
     return texts
 

@@ -19,7 +19,7 @@ multi-draft policies are refused on this engine: its record in engines.py lists 
 reads only the draft's own distribution, so it runs here; `hidden` is a constant zero vector of
 the model's width, which such a head ignores.
 
-The binding is an optional dependency, compiled once per kind of CPU (llama_build.py: which
+The binding is an optional dependency, compiled once per kind of CPU (setup/llama_build.py: which
 instruction sets, and why not -march=native): `import_llama_cpp` names the install command when
 it is missing, and `init_library` refuses a build this CPU cannot run.
 """
