@@ -59,7 +59,6 @@ CURVE = Field(None, description="threshold_curve.json (or its folder) for auto; 
                                 "(made by `adaptive-spec autotune`)")
 
 
-
 def _check_auto(value, curve, head, need: str) -> None:
     """auto reads a curve: it must exist now, before any model loads; a curve without auto is a mistake."""
     if value == AUTO:
@@ -273,7 +272,6 @@ class SpecTrParams(_MultiDraft):
 @policy("batch-sd")
 class BatchSDParams(_MultiDraft):
     """Batch speculative decoding: num_drafts i.i.d. drafts of k tokens."""
-
 
 
 # ---- the model pair --------------------------------------------------------------------------

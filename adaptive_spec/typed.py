@@ -2,8 +2,8 @@
 registry (registry.py) under their `--policy` name; the settings themselves are params.py's. Nothing here
 imports torch: every refusal comes before the weights.
 
-    from adaptive_spec.typed import policy_params
-    policy_params("learned", head="checkpoints/qwen-coder-0.5b-d3-wrej6", threshold=0.3)
+    from adaptive_spec.typed import policy_class
+    list(policy_class("learned").model_fields)    # ['head', 'threshold', 'k_max', 'curve']
 """
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ def build(cls: type[Params], values: dict, where: str, spell=lambda key: key) ->
 def explain(err: ValidationError, cls: type[Params], where: str, spell=lambda key: key) -> str:
     errors = err.errors()
     auto = [str(x["loc"][0]) for x in errors if x["loc"] and x.get("input") == AUTO]
-    if auto and auto_owners(auto[0]):  # auto given to a policy whose setting takes none
-        return (f"{spell(auto[0])} auto is for --policy {' or '.join(auto_owners(auto[0]))}; {where} takes a "
+    if auto and _auto_owners(auto[0]):  # auto given to a policy whose setting takes none
+        return (f"{spell(auto[0])} auto is for --policy {' or '.join(_auto_owners(auto[0]))}; {where} takes a "
                 "number (or drop it for the default)")
     unknown = [str(x["loc"][0]) for x in errors if x["type"] == "extra_forbidden"]
     if unknown:
@@ -64,10 +64,9 @@ def policy_classes() -> dict[str, type["PolicyParams"]]:
     return {e.name: e.params for e in registry.entries() if e.params is not None}
 
 
-def auto_owners(key: str) -> list[str]:
+def _auto_owners(key: str) -> list[str]:
     return [n for n, cls in policy_classes().items()
             if key in cls.model_fields and "'auto'" in str(cls.model_fields[key].annotation)]
-
 
 
 PositiveInt = Annotated[int, Field(ge=1)]
@@ -110,8 +109,6 @@ def policy_class(name: str) -> type[PolicyParams]:
 
 
 policy_names = registry.names  # every name, "ar" first
-
-
 
 
 def policy_fields() -> dict[str, Any]:
