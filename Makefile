@@ -5,9 +5,9 @@ export PYTHONUNBUFFERED := 1
 # llama-cpp-python (the llama.cpp backend) is source-only on PyPI: llama.cpp is compiled once per
 # kind of CPU, with the instruction sets named from /proc/cpuinfo and AMX off (a -march=native build
 # can die with SIGILL on a CPU with AMX), and the wheel is kept under a name listing them
-# (adaptive_spec/backends/llama_build.py says why; `python3 adaptive_spec/backends/llama_build.py`
+# (adaptive_spec/setup/llama_build.py says why; `python3 adaptive_spec/setup/llama_build.py`
 # prints this CPU's flags).
-LLAMA_TIER := $(shell python3 adaptive_spec/backends/llama_build.py tier 2>/dev/null)
+LLAMA_TIER := $(shell python3 adaptive_spec/setup/llama_build.py tier 2>/dev/null)
 
 .PHONY: setup models run test test-fast bench clean
 
@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml constraints.txt
 # installs nothing): a .venv or a cache carried to another CPU gets a build that runs there
 LLAMA_STAMP := .venv/.llama-cpp-python-0.3.36-$(LLAMA_TIER)
 $(LLAMA_STAMP): $(STAMP)
-	$(PY) adaptive_spec/backends/llama_build.py install -c constraints.txt
+	$(PY) adaptive_spec/setup/llama_build.py install -c constraints.txt
 	touch $@
 
 setup: $(STAMP) $(LLAMA_STAMP)

@@ -8,7 +8,7 @@ import sys
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
 
-from . import params
+from . import params, typed
 from .backends.paths import resolve_model_path
 from .backends.sampling_params import SamplingParams
 from .cli_args import Parser as _Parser
@@ -22,7 +22,7 @@ from .errors import UserError, run_main
 
 # subcommands with their own argument parsers: everything after the name is theirs
 DELEGATED = {
-    "fetch-models": ("adaptive_spec.backends.fetch", "build the default model pair into the local cache"),
+    "fetch-models": ("adaptive_spec.setup.fetch", "build the default model pair into the local cache"),
     "datagen": ("adaptive_spec.datagen.generate", "generate token-mixed acceptance data for training heads"),
     "train": ("adaptive_spec.training.train", "train acceptance heads on datagen output (also: train.py)"),
     "sweep": ("adaptive_spec.evaluation.sweep", "threshold / K sweeps over prompt sets"),
@@ -43,12 +43,12 @@ def _add_generate(sub):
     # allow_abbrev off: --thresh must not quietly stand for --threshold (nor a misspelling for something else)
     g = sub.add_parser("generate", help="generate text with a draft/target pair", allow_abbrev=False,
                        description="Generate from the target, speculatively drafting with the draft model.")
-    names = params.policy_names()
+    names = typed.policy_names()
     _add_fields(g, params.PairParams.model_fields, lambda key: "")
     g.add_argument("--prompt", required=True, help="prompt text")
     g.add_argument("--policy", default="fixed", type=_policy_name, metavar="POLICY",
                    help=f"stop policy: {', '.join(names)} (ar = target only; default fixed)")
-    _add_fields(g, params.policy_fields(), lambda key: f" (policies: {', '.join(params.policies_with(key))})")
+    _add_fields(g, typed.policy_fields(), lambda key: f" (policies: {', '.join(typed.policies_with(key))})")
     _add_sampling_args(g)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
@@ -61,7 +61,7 @@ def _add_generate(sub):
 
 def _policy_name(name: str) -> str:
     try:
-        return params.policy_class(name).name
+        return typed.policy_class(name).name
     except UserError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -104,7 +104,7 @@ _AUTO_STAND_IN = {"threshold": 0.5, "k": 1}
 
 def _auto_checked(args, curve=None) -> dict:
     """The policy's settings as given; with --auto-prompts, auto stands in for (or, given `curve`, reads it)."""
-    fields = _set(args, params.policy_fields())
+    fields = _set(args, typed.policy_fields())
     if getattr(args, "auto_prompts", None) is None:
         return fields
     if curve is not None:

@@ -22,7 +22,7 @@ import yaml
 from pydantic import TypeAdapter, ValidationError
 
 from .errors import UserError
-from .params import Params, build
+from .typed import Params, build
 
 T = TypeVar("T")
 

@@ -12,122 +12,29 @@ users and scripts already have, which tyro or draccus would nest (`--policy.k`).
 
     from adaptive_spec.params import policy_params
     policy_params("learned", head="checkpoints/qwen-coder-0.5b-d3-wrej6", threshold=0.3)
+
+How a class is built, refused in one line and registered as a policy's settings: typed.py.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from .backends import engines, presets
-from . import registry
-from .registry import Needs
 from .errors import UserError
 from .heads.curve import load_curve
-
-AUTO = "auto"
-
-
-class Params(BaseModel):
-    """Frozen, typed, unknown keys refused. `expects` in a field's json_schema_extra words what it
-    takes, for the one-line error."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
-
-
-def _expects(text: str) -> dict:
-    return {"json_schema_extra": {"expects": text}}
-
-
-def build(cls: type[Params], values: dict, where: str, spell=lambda key: key) -> Params:
-    """cls(**values), or one UserError line: `where` names the object (e.g. "policy learned"),
-    `spell` how a key is written where the user wrote it (a flag, a YAML key)."""
-    try:
-        return cls(**values)
-    except ValidationError as e:
-        raise UserError(explain(e, cls, where, spell)) from None
-
-
-def explain(err: ValidationError, cls: type[Params], where: str, spell=lambda key: key) -> str:
-    errors = err.errors()
-    auto = [str(x["loc"][0]) for x in errors if x["loc"] and x.get("input") == AUTO]
-    if auto and _auto_owners(auto[0]):  # auto given to a policy whose setting takes none
-        return (f"{spell(auto[0])} auto is for --policy {' or '.join(_auto_owners(auto[0]))}; {where} takes a "
-                "number (or drop it for the default)")
-    unknown = [str(x["loc"][0]) for x in errors if x["type"] == "extra_forbidden"]
-    if unknown:
-        valid = ", ".join(spell(k) for k in cls.model_fields) or "none"
-        return (f"{', '.join(spell(k) for k in unknown)}: not a setting of {where} (its settings: {valid})")
-    first = errors[0]
-    if not first["loc"]:  # a model validator: its message is the whole story
-        return first["msg"].removeprefix("Value error, ")
-    key = str(first["loc"][0])
-    field = cls.model_fields.get(key)
-    expects = ((field.json_schema_extra or {}).get("expects") if field is not None else None)
-    if first["type"] == "missing":
-        return f"{where} needs {spell(key)}" + (f" ({expects})" if expects else "")
-    what = expects or first["msg"].removeprefix("Value error, ").lower()
-    return f"{spell(key)} must be {what} for {where}, got {first['input']!r}"
-
-
-def _policy_classes() -> dict[str, type["PolicyParams"]]:
-    return {e.name: e.params for e in registry.entries() if e.params is not None}
-
-
-def _auto_owners(key: str) -> list[str]:
-    return [n for n, cls in _policy_classes().items()
-            if key in cls.model_fields and "'auto'" in str(cls.model_fields[key].annotation)]
-
-
-# ---- stop policies ---------------------------------------------------------------------------
-
-PositiveInt = Annotated[int, Field(ge=1)]
-NonNegativeInt = Annotated[int, Field(ge=0)]
-UnitOpen = Annotated[float, Field(gt=0, lt=1)]
-
-
-class PolicyParams(Params):
-    """A policy's settings. Subclasses register under their `--policy` name (`policy`), in the decoding
-    layer's registry (decoding/registry.py), which the policy's factory joins."""
-
-    name: ClassVar[str] = ""
-    # what the policy needs of an engine whatever its settings (backends/engines.py CAPABILITIES)
-    static_needs: ClassVar[frozenset] = frozenset()
-
-    @property
-    def needs(self) -> Needs:
-        """What the policy needs with these settings: a draft model, a prefilled draft, engine capabilities
-        (read by check_runs_on, the command line, the sweep, and through the built policy by the decoder)."""
-        return Needs(engine=self.static_needs)
-
-    def check_sampling(self, temperature: float) -> None:
-        """Refuse a decode mode the policy is not defined for (the oracle: greedy only)."""
-
-
-def policy(name: str):
-    """Declare a params class as policy `name`'s settings in the registry (its factory joins it through
-    interfaces.register)."""
-
-    def deco(cls):
-        cls.name = name
-        registry.declare(name, params=cls)
-        return cls
-
-    return deco
-
-
-def policy_class(name: str) -> type[PolicyParams]:
-    return registry.entry(name).params
+from .heads.folder import check_head_folder, head_needs
+from .registry import Needs
+from .typed import (AUTO, NonNegativeInt, Params, PolicyParams, PositiveInt, UnitOpen, build, expecting, explain,
+                    policy, policy_class, policy_classes)
 
 
 def policy_params(name: str, spell=lambda key: key, **values) -> PolicyParams:
     """Policy `name`'s settings from keywords; unset ones take the policy's defaults."""
     return build(policy_class(name), values, f"policy {name}", spell)
-
-
-policy_names = registry.names  # every name, "ar" first
 
 
 def check_runs_on(policy: PolicyParams, engine: "engines.Engine | str") -> None:
@@ -138,7 +45,7 @@ def check_runs_on(policy: PolicyParams, engine: "engines.Engine | str") -> None:
     missing = sorted(need - set(engine.capabilities))
     if not missing:
         return
-    fits = [n for n, cls in _policy_classes().items() if set(cls.static_needs) <= set(engine.capabilities)]
+    fits = [n for n, cls in policy_classes().items() if set(cls.static_needs) <= set(engine.capabilities)]
     why = "; ".join(engines.CAPABILITIES.get(m, m) for m in missing)
     others = [n for n in engines.names() if need <= set(engines.get(n).capabilities)]
     raise UserError(f"policy {policy.name!r} does not run on the {engine.name} backend: it needs {why}, which "
@@ -147,39 +54,9 @@ def check_runs_on(policy: PolicyParams, engine: "engines.Engine | str") -> None:
                     + (f"; or use --backend {' or '.join(others)}" if others else ""))
 
 
-K_MAX = Field(20, ge=1, description="hard cap on candidates per round", **_expects("an integer >= 1"))
+K_MAX = Field(20, ge=1, description="hard cap on candidates per round", **expecting("an integer >= 1"))
 CURVE = Field(None, description="threshold_curve.json (or its folder) for auto; default: the one beside the head "
                                 "(made by `adaptive-spec autotune`)")
-
-
-def _check_head_folder(head: Any, who: str) -> None:
-    """A head named by path must be a folder with weights; owner/name may be a hub repo."""
-    if head is None or head == "":
-        raise ValueError(f"{who} needs a trained acceptance head: pass --head PATH (a folder written by "
-                         "`adaptive-spec train`, e.g. checkpoints/qwen-coder-0.5b-d3-wrej6)")
-    if not isinstance(head, (str, Path)):
-        return  # a head object (Python API, sweeps): checked against the draft when built
-    text, p = str(head), Path(head).expanduser()
-    looks_like_repo = text.count("/") == 1 and not text.startswith((".", "/", "~"))
-    if p.is_dir():
-        missing = [f for f in ("config.json", "model.safetensors") if not (p / f).is_file()]
-        if missing:
-            raise ValueError(f"acceptance head folder {head} has no {' or '.join(missing)}; pass a folder written "
-                             "by `adaptive-spec train` (or retrain it: its training command is in its README.md)")
-    elif not looks_like_repo:
-        raise ValueError(f"acceptance head folder {head} does not exist; pass a folder written by `adaptive-spec "
-                         "train`")
-
-
-def head_needs(head: Any) -> frozenset:
-    """{"hidden"} where `head` reads the draft's hidden states: a head folder by its config.json (no weights
-    read), a head object by its `inputs`; a hub id is checked when it loads."""
-    if head is None:
-        return frozenset()
-    inputs = getattr(head, "inputs", None)
-    if inputs is None and isinstance(head, (str, Path)) and (Path(head).expanduser() / "config.json").is_file():
-        inputs = json.loads((Path(head).expanduser() / "config.json").read_text()).get("inputs", "hidden")
-    return frozenset() if inputs is None or inputs == "stats" else frozenset({"hidden"})
 
 
 def _check_auto(value, curve, head, need: str) -> None:
@@ -207,7 +84,7 @@ class FixedParams(PolicyParams):
 
     k: PositiveInt | Literal["auto"] = Field(4, description="candidates per round (auto: the K of best predicted "
                                      "throughput on this machine, from a curve)",
-                                     **_expects("an integer >= 1 or auto"))
+                                     **expecting("an integer >= 1 or auto"))
     curve: str | None = CURVE
 
     @model_validator(mode="after")
@@ -223,7 +100,7 @@ class LearnedParams(PolicyParams):
     head: Any = Field(None, description="acceptance head folder (or hub id)")
     threshold: UnitOpen | Literal["auto"] | None = Field(
         None, description="h in (0, 1) (auto: the h of best predicted throughput on this machine, from "
-        "the head's threshold_curve.json)", **_expects("h in (0, 1) or auto"))
+        "the head's threshold_curve.json)", **expecting("h in (0, 1) or auto"))
     k_max: int = K_MAX
     curve: str | None = CURVE
 
@@ -236,7 +113,7 @@ class LearnedParams(PolicyParams):
         if self.threshold is None:
             raise ValueError("the learned policy needs --threshold h in (0, 1) (the paper's best is about 0.7), or "
                              "--threshold auto")
-        _check_head_folder(self.head, "the learned policy")
+        check_head_folder(self.head, "the learned policy")
         _check_auto(self.threshold, self.curve, self.head, "h")
         return self
 
@@ -245,7 +122,7 @@ class LearnedParams(PolicyParams):
 class ConfidenceParams(PolicyParams):
     """Stop after a candidate with q(y_i) < tau (transformers' assisted-generation rule)."""
 
-    threshold: float = Field(0.4, gt=0, lt=1, description="tau in (0, 1)", **_expects("tau in (0, 1)"))
+    threshold: float = Field(0.4, gt=0, lt=1, description="tau in (0, 1)", **expecting("tau in (0, 1)"))
     k_max: int = K_MAX
 
 
@@ -253,7 +130,7 @@ class ConfidenceParams(PolicyParams):
 class EntropyParams(PolicyParams):
     """Stop after a candidate drawn from a distribution with entropy > tau nats (AdaEDL, SVIP)."""
 
-    threshold: float = Field(1.0, gt=0, description="tau > 0 nats", **_expects("tau > 0 nats"))
+    threshold: float = Field(1.0, gt=0, description="tau > 0 nats", **expecting("tau > 0 nats"))
     k_max: int = K_MAX
 
 
@@ -261,7 +138,7 @@ class EntropyParams(PolicyParams):
 class HeuristicParams(PolicyParams):
     """transformers' schedule: K += 2 after a fully accepted round, K -= 1 otherwise."""
 
-    k: int = Field(5, ge=1, description="the starting K", **_expects("an integer >= 1"))
+    k: int = Field(5, ge=1, description="the starting K", **expecting("an integer >= 1"))
     k_max: int = K_MAX
 
 
@@ -269,7 +146,7 @@ class HeuristicParams(PolicyParams):
 class OracleParams(PolicyParams):
     """The hindsight oracle of Theorem 4.1 (greedy only)."""
 
-    k_max: int = Field(10_000, ge=1, **_expects("an integer >= 1"))
+    k_max: int = Field(10_000, ge=1, **expecting("an integer >= 1"))
     target_output: list[int] | None = Field(None, description="the target's greedy output, where known",
                                             json_schema_extra={"cli": False})
 
@@ -286,16 +163,16 @@ class NgramParams(PolicyParams):
 
     k: PositiveInt | Literal["auto"] = Field(
         "auto", description="ngram: copied tokens per round (auto: as many as pay for their verification "
-        "rows on this machine)", **_expects("an integer >= 1 or auto"))
-    ngram_max: int = Field(4, ge=1, description="ngram: longest context suffix looked up", **_expects("an integer >= 1"))
+        "rows on this machine)", **expecting("an integer >= 1 or auto"))
+    ngram_max: int = Field(4, ge=1, description="ngram: longest context suffix looked up", **expecting("an integer >= 1"))
     ngram_min: int = Field(2, ge=1, description="ngram: shortest context suffix looked up",
-                           **_expects("an integer >= 1"))
-    k_max: int = Field(48, ge=1, description="hard cap on candidates per round", **_expects("an integer >= 1"))
+                           **expecting("an integer >= 1"))
+    k_max: int = Field(48, ge=1, description="hard cap on candidates per round", **expecting("an integer >= 1"))
     fallback: Literal["none", "learned"] = Field(
         "none", description="ngram: rounds without a copy: none (a plain target step) or learned (the draft "
-        "model under SpecDec++, --head and --threshold)", **_expects("none or learned"))
+        "model under SpecDec++, --head and --threshold)", **expecting("none or learned"))
     head: Any = Field(None, description="acceptance head folder (or hub id)")
-    threshold: UnitOpen | Literal["auto"] | None = Field(None, **_expects("h in (0, 1) or auto"))
+    threshold: UnitOpen | Literal["auto"] | None = Field(None, **expecting("h in (0, 1) or auto"))
     curve: str | None = CURVE
 
     @model_validator(mode="after")
@@ -329,23 +206,23 @@ ESTIMATOR = Literal["positional", "head"]
 class _TreeBase(PolicyParams):
     static_needs: ClassVar[frozenset] = frozenset({"tree"})
     tree_budget: int | None = Field(None, ge=1, description="drafted tokens per round (default: k, else 8)",
-                                    **_expects("an integer >= 1"))
+                                    **expecting("an integer >= 1"))
     tree_estimator: ESTIMATOR = Field("positional", description="acceptance estimates: positional rates or a "
-                                      "trained head (--head)", **_expects("positional or head"))
+                                      "trained head (--head)", **expecting("positional or head"))
     head: Any = Field(None, description="acceptance head folder for --tree-estimator head")
     k: int | None = Field(None, ge=1, description="tokens per round where no budget is given",
-                          **_expects("an integer >= 1"))
+                          **expecting("an integer >= 1"))
     tree_rates: Any = Field(None, description="calibration.json of per-sibling acceptance rates for tree policies "
                             "(bench_trees writes one)")
     adapt_rates: bool = Field(True, description="the rates follow the generation's own rounds (false: frozen at "
                               "tree_rates)", json_schema_extra={"cli": False, "expects": "true or false"})
     tree_learned: bool = Field(False, description="draft as many tokens per round as are worth their cost (at "
-                               "most tree_budget)", **_expects("true or false"))
+                               "most tree_budget)", **expecting("true or false"))
     tree_node_cost: float | None = Field(None, gt=0, allow_inf_nan=False, description="with tree_learned: the cost "
                                          "of one drafted token in target steps (default: measured)",
-                                         **_expects("> 0 and finite (target steps per drafted token)"))
+                                         **expecting("> 0 and finite (target steps per drafted token)"))
     drafting: DRAFTING = Field("tree", description="draft shape (tree = the optimal one)",
-                               **_expects("tree, sequence, batch or specinfer"))
+                               **expecting("tree, sequence, batch or specinfer"))
 
     @property
     def needs(self) -> Needs:
@@ -354,7 +231,7 @@ class _TreeBase(PolicyParams):
     @model_validator(mode="after")
     def _consistent(self):
         if self.tree_estimator == "head":
-            _check_head_folder(self.head, "--tree-estimator head")
+            check_head_folder(self.head, "--tree-estimator head")
         elif self.head is not None:
             raise ValueError("--head is read by the tree policies only with --tree-estimator head")
         if self.tree_node_cost is not None and not self.tree_learned:
@@ -372,7 +249,7 @@ class ErsdParams(_TreeBase):
     """Exponential-race SD over a draft of the given shape."""
 
     num_drafts: int | None = Field(None, ge=1, description="alternatives for the next token (drafting batch)",
-                                   **_expects("an integer >= 1"))
+                                   **expecting("an integer >= 1"))
 
     @model_validator(mode="after")
     def _drafts(self):
@@ -383,8 +260,8 @@ class ErsdParams(_TreeBase):
 
 class _MultiDraft(PolicyParams):
     static_needs: ClassVar[frozenset] = frozenset({"multi_draft"})
-    num_drafts: int = Field(4, ge=1, description="drafts per round", **_expects("an integer >= 1"))
-    k: int = Field(4, ge=1, description="tokens per draft", **_expects("an integer >= 1"))
+    num_drafts: int = Field(4, ge=1, description="drafts per round", **expecting("an integer >= 1"))
+    k: int = Field(4, ge=1, description="tokens per draft", **expecting("an integer >= 1"))
 
 
 @policy("spectr")
@@ -397,23 +274,10 @@ class BatchSDParams(_MultiDraft):
     """Batch speculative decoding: num_drafts i.i.d. drafts of k tokens."""
 
 
-def policy_fields() -> dict[str, Any]:
-    """Every policy setting by name (the first declaration's field): the command line's flags."""
-    out: dict[str, Any] = {}
-    for cls in _policy_classes().values():
-        for key, f in cls.model_fields.items():
-            out.setdefault(key, f)
-    return out
-
-
-def policies_with(key: str) -> list[str]:
-    return [n for n, cls in _policy_classes().items() if key in cls.model_fields]
-
-
 # ---- the model pair --------------------------------------------------------------------------
 
 # each engine's quantizations are its record's (backends/engines.py): torch quantizes the draft's layers at
-# load; llama.cpp re-quantizes a GGUF file once (llamacpp.requantized_gguf), the target's too, which makes it
+# load; llama.cpp re-quantizes a GGUF file once (llamacpp_pair.requantized_gguf), the target's too, which makes it
 # another model whose distribution the output then follows exactly
 _GGUF = ", ".join(engines.GGUF_QUANTS)
 # every engine's names (engines.quant_names); which engine takes which is checked by PairParams._engine.
@@ -432,65 +296,65 @@ class PairParams(Params):
     backend: str = Field(
         "torch", description="engine: torch (Hugging Face weights; the default pair dequantized to bf16) or "
         "llama.cpp (the GGUF files as they are, through llama-cpp-python; CPU)",
-        **_expects("a registered engine (backends/engines.py): torch or llama.cpp"))
+        **expecting("a registered engine (backends/engines.py): torch or llama.cpp"))
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(
         "auto", description="weights' dtype (auto: bf16 on GPUs and on CPUs with bf16 kernels, fp32 on AVX2-only "
-        "CPUs, where bf16 matrix products are several times slower)", **_expects("auto, bf16, fp16 or fp32"))
+        "CPUs, where bf16 matrix products are several times slower)", **expecting("auto, bf16, fp16 or fp32"))
     draft_quant: DraftQuant = Field(
         "none", description="draft weights, exactness unchanged: torch: none, int8 (weight-only, per-channel) or "
         "int4 (weight-only, groups of 64; CPU); llama.cpp: none (the GGUF as it is) or " + _GGUF
         + " (the draft GGUF re-quantized once by llama.cpp and cached; -pure: every matrix, output included, "
-        "in that type)", **_expects("none, " + ", ".join(engines.TORCH_DRAFT_QUANTS) + " (torch), or " + _GGUF + " (llama.cpp)"))
+        "in that type)", **expecting("none, " + ", ".join(engines.TORCH_DRAFT_QUANTS) + " (torch), or " + _GGUF + " (llama.cpp)"))
     target_quant: TargetQuant = Field(
         "none", description="llama.cpp: the target GGUF re-quantized once (cached), e.g. q4_0-pure, whose matrices "
         "all have multi-row CPU kernels (cheaper verification); the output then follows that file exactly",
-        **_expects("none or " + _GGUF + " (llama.cpp)"))
+        **expecting("none or " + _GGUF + " (llama.cpp)"))
     draft_vocab: str | None = Field(
         None, description="draft output layer keeps the N most frequent tokens (both engines; shipped list for the default "
         "tokenizer) or those of a list from `adaptive-spec draft-vocab` (N | FILE | FILE:N); default: all",
-        **_expects("N >= 1, FILE or FILE:N"))
+        **expecting("N >= 1, FILE or FILE:N"))
     # the form only: whether this machine reaches the device is the engine's check (engines.check_device), made
     # where a pair is about to load, so a stored config that names a GPU still reads on a CPU machine
     device: str | None = Field(None, pattern=engines.DEVICE_FORM, description="cpu, cuda, cuda:1 ... (default: cuda "
-                               "if available)", **_expects("cpu, cuda or cuda:N (default: cuda where a GPU is visible)"))
+                               "if available)", **expecting("cpu, cuda or cuda:N (default: cuda where a GPU is visible)"))
     threads: int | None = Field(None, ge=1, description="CPU threads (default: torch's count)",
-                                **_expects("an integer >= 1"))
+                                **expecting("an integer >= 1"))
     n_ctx: int | None = Field(None, ge=1, description="llama.cpp: context positions (default 4096)",
-                              **_expects("an integer >= 1"))
+                              **expecting("an integer >= 1"))
     draft_context: int | None = Field(None, ge=1, description="the draft sees only the last N prompt tokens (a "
                                       "shorter prefill before the first token; costs acceptance, never exactness)",
-                                      **_expects("an integer >= 1"))
+                                      **expecting("an integer >= 1"))
     kv_cache: Literal["auto", "dynamic", "static"] = Field(
         "auto", description="torch: KV caches dynamic (grow and crop) or static (preallocated, indexed by "
-        "position); auto: static on a GPU, dynamic on the CPU", **_expects("auto, dynamic or static"))
+        "position); auto: static on a GPU, dynamic on the CPU", **expecting("auto, dynamic or static"))
     runtime: Literal["auto", "eager", "cudagraph", "compile"] = Field(
         "auto", description="torch with the static KV cache: one captured graph per input length, by torch.compile "
         "(compile) or by capturing the eager step (cudagraph; GPU); auto: compile on a GPU (cudagraph where "
-        "compile fails), eager on the CPU", **_expects("auto, eager, cudagraph or compile"))
+        "compile fails), eager on the CPU", **expecting("auto, eager, cudagraph or compile"))
     fused: bool | Literal["auto"] = Field(
         "auto", description="torch with the static KV cache: the fused decoder (q/k/v and gate/up one matrix each, "
         "several times fewer kernels a step: backends/fused.py); auto: on a GPU where the architecture is "
-        "supported", **_expects("auto, true or false"))
+        "supported", **expecting("auto, true or false"))
     max_cache_len: int | None = Field(None, ge=1, description="static KV cache: preallocated positions",
-                                      **_expects("an integer >= 1"))
+                                      **expecting("an integer >= 1"))
     host_reads: PositiveInt | Literal["auto", "round", "token"] = Field(
         "auto", description="when the decode loop reads the device: once a round (round: the stop rule and the "
         "sampling run on the device, in the draft step's graph, and a round drafts up to a cap learned from the "
         "rule's recent stops), every N drafted tokens (N: the same on the device, reading whether the rule "
         "stopped), or after every drafted token (token: the rule decides on the host); auto: round on a GPU, "
-        "token on the CPU", **_expects("auto, round, token or an integer N >= 1"))
+        "token on the CPU", **expecting("auto, round, token or an integer N >= 1"))
     # torch's CPU kernels (backends/packed.py): chosen by timing once per CPU and model shape, then cached;
     # these fix the choice (a benchmark of one path, or a CPU where the timing misleads)
     cpu_stock: bool = Field(False, description="torch on CPU: stock torch kernels (default: the linear layers "
-                            "pre-packed for oneDNN where it has a kernel for the dtype)", **_expects("true or false"))
+                            "pre-packed for oneDNN where it has a kernel for the dtype)", **expecting("true or false"))
     cpu_pad_rows: NonNegativeInt | Literal["auto"] = Field(
         "auto", description="torch on CPU: pad every input of fewer than N rows to N (0: never; auto: the row "
-        "counts timed fastest on this CPU)", **_expects("auto or a row count >= 0"))
+        "counts timed fastest on this CPU)", **expecting("auto or a row count >= 0"))
     cpu_fp16_rows: NonNegativeInt | Literal["auto"] = Field(
         "auto", description="torch on CPU, fp32 models: run inputs of at most N rows on an fp16 weight copy (0: "
-        "never; auto: the row counts timed faster on this CPU)", **_expects("auto or a row count >= 0"))
+        "never; auto: the row counts timed faster on this CPU)", **expecting("auto or a row count >= 0"))
     pair: str | None = Field(None, description="a named pair by hub ids (backends/presets.py), e.g. coder-0.5b-7b "
-                             "for a GPU: sets --draft and --target; default: the default pair", **_expects(
+                             "for a GPU: sets --draft and --target; default: the default pair", **expecting(
                                  "one of " + ", ".join(presets.PRESETS)))
 
     @model_validator(mode="before")
@@ -546,7 +410,9 @@ class PairParams(Params):
         if self.draft_context is not None and self.draft is None:
             raise ValueError("draft_context (--draft-context) sets the draft's window; there is no draft (--draft none)")
         if self.draft_vocab is not None:
-            _check_draft_vocab(self.draft_vocab)
+            from .backends.paths import check_draft_vocab_spec  # stdlib only
+
+            check_draft_vocab_spec(self.draft_vocab)
         return self
 
     def cpu_kernels(self) -> dict:
@@ -574,17 +440,6 @@ class PairParams(Params):
             size = json.loads(config.read_text()).get("vocab_size")
             if size is not None and parsed[1] > size:
                 raise UserError(f"--draft-vocab must be in 1..{size} (the draft's vocabulary size), got {parsed[1]}")
-
-
-def _check_draft_vocab(spec: str) -> None:
-    """N must be a positive count; a FILE must exist."""
-    from .backends.paths import parse_draft_vocab
-
-    path, n = parse_draft_vocab(spec)
-    if n is not None and n < 1:
-        raise ValueError(f"--draft-vocab must be a token count >= 1 or a token-list file, got {spec}")
-    if path and not Path(path).is_file():
-        raise ValueError(f"--draft-vocab file {path} does not exist; build one with `adaptive-spec draft-vocab`")
 
 
 def pair_params(spell=lambda key: key, **values) -> PairParams:

@@ -3,7 +3,7 @@
 The decoding layer fills it and builds policies from it; it sits below both the settings and the decoder (a
 leaf at the package's top), so the settings can read it before torch loads without importing decoding/.
 
-The settings class (a `params.PolicyParams`) is declared when params is imported, so the command line, the
+The settings class (a `typed.PolicyParams`) is declared when params is imported, so the command line, the
 sweep and every refusal know all names and settings before torch loads; the factory `(settings, context) ->
 policy` is declared by the policy's own module (`interfaces.register`), imported when a pair decodes. What a
 policy needs (`Needs`) is declared by its settings class, read by the settings (which engine runs it), the
@@ -33,7 +33,7 @@ class Needs:
 @dataclass
 class Entry:
     name: str
-    params: Any = None  # its settings class (params.PolicyParams subclass)
+    params: Any = None  # its settings class (typed.PolicyParams subclass)
     factory: Callable[..., Any] | None = None  # (settings, context) -> Policy; None for "ar" (no policy)
 
 

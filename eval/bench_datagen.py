@@ -110,13 +110,14 @@ def main(argv=None) -> int:
     from adaptive_spec.backends.cpu import flags_line
     from adaptive_spec.config import load_config
     from adaptive_spec.datagen import generate as datagen
+    from adaptive_spec.datagen.config import DatagenConfig, config_hash
 
-    cfg = load_config(datagen.DatagenConfig, project_path(args.config))
+    cfg = load_config(DatagenConfig, project_path(args.config))
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
     out.mkdir(parents=True, exist_ok=True)
     # a row is only reused for the same prompts and settings: a changed config gives new rows
-    setting = {"config_hash": datagen.config_hash(cfg), "n_prompts_asked": args.prompts}
+    setting = {"config_hash": config_hash(cfg), "n_prompts_asked": args.prompts}
     grid = []
     for concrete, label in dtype_names(args.dtypes.split(",")).items():
         done = {(r["batch_size"], r["threads"]) for r in read_jsonl(results, repair=True)

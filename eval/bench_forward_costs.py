@@ -388,7 +388,7 @@ def measure_llama_cpp(args) -> tuple[dict, dict]:
     import torch
 
     from adaptive_spec.backends.cpu import flags_line
-    from adaptive_spec.backends.llama_build import VERSION, X86_SETS, cmake_args
+    from adaptive_spec.setup.llama_build import VERSION, X86_SETS, cmake_args
     from adaptive_spec.backends.llamacpp import GGUFModel, LlamaCppLM
     from adaptive_spec.decoding.costs import PREFIX
     from adaptive_spec.evaluation.forward_costs import (draft_acceptance, draft_runner, gguf_file, held_sequences,

@@ -33,11 +33,11 @@ import statistics
 from collections import defaultdict
 
 from adaptive_spec.backends.cpu import flags_line
-from adaptive_spec.backends.fetch import default_gguf
-from adaptive_spec.backends.llama_build import VERSION
-from adaptive_spec.backends.llamacpp import requantized_gguf
+from adaptive_spec.setup.wheels import default_gguf
+from adaptive_spec.setup.llama_build import VERSION
+from adaptive_spec.backends.llamacpp_pair import requantized_gguf
 from adaptive_spec.decoding.costs import measure_costs
-from adaptive_spec.backends.llama_tools import bench_tg, build, build_flags, spec_example
+from adaptive_spec.setup.llama_tools import bench_tg, build, build_flags, spec_example
 from adaptive_spec.evaluation.forward_costs import parse_draft
 from adaptive_spec.evaluation.paired import pooled_tok_s, record, run_header, start
 from adaptive_spec.runs import read_jsonl
@@ -48,7 +48,7 @@ HEAD = "checkpoints/qwen-coder-0.5b-int8-stats-d3"
 H_GRID = (0.2, 0.3)
 K_GRID = (3,)
 DRAFT_MAX = (2, 3, 4)  # llama.cpp's default draft-max is 3 in this version
-QUANT = "q4_0"  # the re-quantized draft's rows (llamacpp.requantized_gguf says why)
+QUANT = "q4_0"  # the re-quantized draft's rows (llamacpp_pair.requantized_gguf says why)
 QUANT_K, QUANT_H = (2, 3), (0.3,)
 TEMPERATURES = (1.0, 0.0)
 

@@ -23,7 +23,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from adaptive_spec.backends.llama_build import cpu_flags, tier
+from adaptive_spec.setup.llama_build import cpu_flags, tier
 from adaptive_spec.evaluation.paired import run_header
 from adaptive_spec.runs import write_json
 from adaptive_spec.tables import md_table
@@ -41,7 +41,7 @@ def builds() -> dict[str, frozenset | None]:
 
 
 def bench(bins: Path, gguf: Path, depth: int, threads: int, reps: int) -> dict:
-    from adaptive_spec.backends.llama_tools import run
+    from adaptive_spec.setup.llama_tools import run
 
     out = run([str(bins / "llama-bench"), "-m", str(gguf), "-p", ",".join(map(str, LENGTHS)), "-n", "32",
                "-d", str(depth), "-t", str(threads), "-r", str(reps), "-o", "json"])
@@ -67,10 +67,10 @@ def main(argv=None) -> int:
         return 0
 
     from adaptive_spec.backends.cpu import flags_line
-    from adaptive_spec.backends.fetch import default_gguf
-    from adaptive_spec.backends.llama_build import VERSION, cmake_args, enabled_sets
-    from adaptive_spec.backends.llama_tools import build
-    from adaptive_spec.backends.llamacpp import requantized_gguf
+    from adaptive_spec.setup.wheels import default_gguf
+    from adaptive_spec.setup.llama_build import VERSION, cmake_args, enabled_sets
+    from adaptive_spec.setup.llama_tools import build
+    from adaptive_spec.backends.llamacpp_pair import requantized_gguf
 
     out.mkdir(parents=True, exist_ok=True)
     bins = {name: build(args.threads, flags, tools=("llama-bench",)) for name, flags in builds().items()}

@@ -255,7 +255,7 @@ def _header(args, data: dict) -> dict:
 
 
 def _cpu_flags() -> frozenset:
-    from adaptive_spec.backends.llama_build import cpu_flags
+    from adaptive_spec.setup.llama_build import cpu_flags
 
     return cpu_flags()
 

@@ -33,13 +33,13 @@ from types import SimpleNamespace
 import torch
 
 from adaptive_spec.backends.cpu import flags_line
-from adaptive_spec.backends.fetch import default_gguf
-from adaptive_spec.backends.llama_build import VERSION
+from adaptive_spec.setup.wheels import default_gguf
+from adaptive_spec.setup.llama_build import VERSION
 from adaptive_spec.decoding.costs import measure_costs
 from adaptive_spec.decoding.ngram import NgramIndex
 from adaptive_spec.decoding.pipeline import SpecPair
 from adaptive_spec.errors import UserError, run_main
-from adaptive_spec.backends.llama_tools import build, build_flags, spec_example
+from adaptive_spec.setup.llama_tools import build, build_flags, spec_example
 from adaptive_spec.evaluation.paired import pooled_tok_s, record, run_header, start
 from adaptive_spec.evaluation.sweep import hf_generate
 from adaptive_spec.prompts import load_prompts

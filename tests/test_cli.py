@@ -134,7 +134,7 @@ def test_policy_choices_come_from_the_registry(capsys):
 
     assert main(["generate", "--help"]) == 0
     out = capsys.readouterr().out
-    names = cli.params.policy_names()
+    names = cli.typed.policy_names()
     assert {"ar", "fixed", "learned"} <= set(names) and all(n in out for n in names)
 
 
@@ -178,7 +178,7 @@ def test_train_subcommand_delegates(monkeypatch):
 @pytest.mark.parametrize("cmd, module, says", [("datagen", "datagen.generate", "finished shards are kept"),
                                                ("sweep", "evaluation.sweep", "finished runs are kept"),
                                                ("report", "evaluation.report", "no report was written"),
-                                               ("fetch-models", "backends.fetch", "rerun the same command")])
+                                               ("fetch-models", "setup.fetch", "rerun the same command")])
 def test_ctrl_c_prints_one_line(cmd, module, says, monkeypatch, capsys):
     import importlib
 

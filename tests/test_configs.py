@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from adaptive_spec.config import config_help, config_to_dict, load_config
-from adaptive_spec.datagen.generate import DatagenConfig
+from adaptive_spec.datagen.config import DatagenConfig
 from adaptive_spec.errors import UserError
 from adaptive_spec.evaluation.sweep import SweepConfig
 from adaptive_spec.training.drafter import DrafterConfig

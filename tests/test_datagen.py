@@ -14,14 +14,14 @@ import shutil
 import pytest
 import torch
 
-from adaptive_spec import cli, prompts
+from adaptive_spec import cli, prompt_archives, prompts
 
 from adaptive_spec.datagen import generate as datagen
 
 from adaptive_spec.training.data import load_split, read_manifest
 from adaptive_spec.training.settings import TrainConfig
 from adaptive_spec.config import load_config
-from adaptive_spec.datagen.generate import DatagenConfig
+from adaptive_spec.datagen.config import DatagenConfig, config_hash
 from adaptive_spec.params import PairParams
 from adaptive_spec.prompts import encode_prompt
 from adaptive_spec.runs import PROJECT_ROOT
@@ -292,9 +292,9 @@ def test_chat_template_is_applied(tiny_pair):
 
 def test_json_array_parser_stops_at_truncated_tail():
     text = '[{"id": 1, "conversations": [{"from": "human", "value": "hi"}]},\n {"id": 2}, {"id": 3, "conv'
-    got = list(prompts._iter_json_array(io.BytesIO(text.encode()), chunk_chars=7))
+    got = list(prompt_archives._iter_json_array(io.BytesIO(text.encode()), chunk_chars=7))
     assert [o["id"] for o in got] == [1, 2]
-    assert [o["id"] for o in prompts._iter_json_array(io.BytesIO(b'[{"id": 1}, {"id": 2}]'))] == [1, 2]
+    assert [o["id"] for o in prompt_archives._iter_json_array(io.BytesIO(b'[{"id": 1}, {"id": 2}]'))] == [1, 2]
 
 
 @pytest.mark.parametrize("name", ["gsm8k", "alpaca", "sharegpt", "mix"])
@@ -355,7 +355,7 @@ def mix_sets(tmp_path, monkeypatch):
         (tmp_path / rel).write_text("".join(json.dumps({fld: t}) + "\n" for t in texts[name]))
     monkeypatch.setenv("ADAPTIVE_SPEC_DATA", str(tmp_path / "data"))
     monkeypatch.setenv("ADAPTIVE_SPEC_DATA_CACHE", str(tmp_path / "cache"))
-    texts["sharegpt-code"] = [t for t in texts["sharegpt"] if prompts.is_code_prompt(t)]
+    texts["sharegpt-code"] = [t for t in texts["sharegpt"] if prompt_archives.is_code_prompt(t)]
     assert len(texts["sharegpt-code"]) == 14
     return texts
 
@@ -576,7 +576,7 @@ def test_the_committed_token_data_still_reads():
     # its flat config reads into the pair and back unchanged, and so does the YAML that made it: a
     # rerun resumes it, and features and heads keyed by its hash still match
     cfg = DatagenConfig.from_stored(man["config"])
-    assert cfg.stored() == man["config"] and datagen.config_hash(cfg) == man["config_hash"]
+    assert cfg.stored() == man["config"] and config_hash(cfg) == man["config_hash"]
     assert cfg.pair.draft_quant == "int8" and cfg.pair.draft_vocab is None and cfg.pair.threads == 2
     shipped = load_config(DatagenConfig, PROJECT_ROOT / "configs" / "datagen" / "mix.yaml")
-    assert datagen.config_hash(shipped) == man["config_hash"]
+    assert config_hash(shipped) == man["config_hash"]

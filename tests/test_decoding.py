@@ -11,7 +11,7 @@ from adaptive_spec.decoding.decoder import Decoder
 from adaptive_spec.heads.head import AcceptanceHead
 from adaptive_spec.backends.models import CausalLM
 from adaptive_spec.decoding.interfaces import PolicyContext
-from adaptive_spec.params import policy_class
+from adaptive_spec.typed import policy_class
 from adaptive_spec.decoding.pipeline import make_policy, policy_names
 from adaptive_spec.decoding.policies import FixedK
 from adaptive_spec.decoding.sampling import SamplingParams

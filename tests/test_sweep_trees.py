@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from adaptive_spec.evaluation import report
-from adaptive_spec.evaluation import sweep
+from adaptive_spec.evaluation import sweep, sweep_files
 from adaptive_spec.evaluation import sweep_run
 from adaptive_spec.evaluation import tree_calibration
 from adaptive_spec.config import load_config
@@ -243,7 +243,7 @@ def test_tree_sweep_rows_calibration_resume_and_report(inputs, tmp_path, monkeyp
     for r in tree_rows:
         check_tree_row(r)
     assert {r["tree_calibration"] for r in tree_rows if r["method"] in ("tree", "ersd")} == \
-        {sweep.settings_hash(cal["settings"])}
+        {sweep_files.settings_hash(cal["settings"])}
     # every tree policy got the calibrated rates, frozen (the entries say adapt_rates: false)
     for p in made:
         if p.name in ("tree", "ersd"):

@@ -3,7 +3,7 @@
 An engine builds runners to the runner contract (contract.py: forward with the logits of the last n rows,
 rollback, reset, the counters it owns) and has an `Engine` record: the capabilities it offers, its
 quantization choices, which settings apply to it, the time model `auto` prices it with, and how to load
-a pair on it. Policies declare what they need (`params.PolicyParams.needs`); `params.check_runs_on` matches
+a pair on it. Policies declare what they need (`typed.PolicyParams.needs`); `params.check_runs_on` matches
 the two before any model loads and refuses a mismatch in one line naming what does run. No module outside
 backends/ compares an engine's name: they read its record; params.check_runs_on matches a policy
 with one. A third engine (an ONNX, MLX or GPU runner)
@@ -151,9 +151,9 @@ def _load_torch(params) -> Loaded:
 
 
 def _load_llama_cpp(params) -> Loaded:
-    from . import llamacpp
+    from . import llamacpp_pair
 
-    return llamacpp.load_pair(params)
+    return llamacpp_pair.load_pair(params)
 
 
 def _llama_cpp_unavailable() -> str | None:

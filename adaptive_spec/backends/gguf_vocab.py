@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UserError, get_logger
-from .llama_build import cache_dir
+from ..setup.llama_build import cache_dir
 from .paths import file_fingerprint
 
 log = get_logger(__name__)

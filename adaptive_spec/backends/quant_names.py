@@ -5,7 +5,7 @@ A leaf: stdlib only, so the engine records need no engine module and no engine m
 """
 # torch's weight-only draft quantizations (backends/quant.py makes the layers)
 TORCH_DRAFT_QUANTS = ("int8", "int4")
-# llama.cpp's re-quantizations of a GGUF file (llamacpp.requantized_gguf): name -> (llama.cpp file type, the
+# llama.cpp's re-quantizations of a GGUF file (llamacpp_pair.requantized_gguf): name -> (llama.cpp file type, the
 # one tensor type of every matrix or None). Without a type llama.cpp mixes types as its file type says (the
 # output matrix stays Q6_K); a "-pure" one puts every matrix, the output and the embedding included, in that
 # one type (`pure` plus output_tensor_type / token_embedding_type).

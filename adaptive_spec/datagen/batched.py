@@ -21,7 +21,7 @@ from ..heads.features import draft_stats
 
 def generate_shard(draft, target, prompts, cfg, vocab, eos_ids, pad_id, gen, on_batch) -> list[dict]:
     """The sequences of one shard, in file order; batches hold prompts of similar length (less
-    padding in the prefill). `cfg` is the run's DatagenConfig (generate.py); this module reads
+    padding in the prefill). `cfg` is the run's DatagenConfig (config.py); this module reads
     its sampling(), batch_size, max_new_tokens, stop_at_eos, mix_ratio and store_features."""
     order = sorted(range(len(prompts)), key=lambda j: len(prompts[j]))
     seqs: list = [None] * len(prompts)

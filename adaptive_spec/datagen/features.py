@@ -38,7 +38,8 @@ from ..backends.models import densify_quantized, load_model, model_fingerprint, 
 from ..errors import UserError, get_logger
 from ..heads.features import CONTEXT_KEY, PREFIXES
 from ..runs import project_path, read_manifest
-from .generate import WORK_ORDER, DatagenConfig, build_manifest
+from .config import WORK_ORDER, DatagenConfig
+from .generate import build_manifest
 from .shards import FORMAT, _write_shard, load_shard, shard_meta, write_manifest
 
 log = get_logger(__name__)

@@ -1,6 +1,7 @@
 """The decoder's two extension points, and how a policy joins the registry.
 
-Near a leaf: it imports only the policy registry (a leaf) and params (which imports nothing of decoding), so
+Near a leaf: it imports only the policy registry (a leaf) and the typed settings (params, typed; they import
+nothing of decoding), so
 every policy module can import it and the decoder can dispatch on it without any module
 importing a policy module back.
 
@@ -37,7 +38,7 @@ importing a policy module back.
 
 Both hold per-generation state: the decoder calls `reset()` at the start of each generation, and
 both carry `needs` (registry.Needs: a draft model, a prefilled draft), which the decoder reads.
-A policy's settings are a `params.PolicyParams` class declared under its name (`@params.policy`);
+A policy's settings are a `typed.PolicyParams` class declared under its name (`@typed.policy`);
 its factory joins the same registry entry (registry.py) with `@register("name")` and is called as
 `factory(params, context)`; `adaptive_spec.decoding.pipeline.make_policy` builds policies by name and
 gives each the `needs` its settings declare.
@@ -47,7 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .. import params, registry
+from .. import params, registry, typed  # noqa: F401  (params: importing it declares the built-in policies' settings)
 from ..registry import Needs
 
 
@@ -206,7 +207,7 @@ def register(name: str):
     same name (an extension without one gets an empty settings class: it takes no keywords)."""
     def deco(factory: Callable[..., Policy]):
         if registry.entry_params(name) is None:
-            params.policy(name)(type(f"Params_{name}", (params.PolicyParams,), {}))
+            typed.policy(name)(type(f"Params_{name}", (typed.PolicyParams,), {}))
         registry.declare(name, factory=factory)
         return factory
     return deco

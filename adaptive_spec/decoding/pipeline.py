@@ -17,11 +17,13 @@ from ..backends import engines, torch_engine
 from ..backends.cpu import describe
 from ..backends.window import WindowedDraft
 from ..errors import UserError
-from ..params import ARParams, PairParams, PolicyParams, check_runs_on, pair_params, policy_params
+from ..params import ARParams, PairParams, check_runs_on, pair_params, policy_params
+from ..typed import PolicyParams
 from ..prompts import encode_prompt
 from . import multidraft, ngram, policies  # noqa: F401  (importing them registers their policies)
 from .auto import resolve_auto
-from .decoder import Decoder, Generation
+from .decoder import Decoder
+from .metrics import Generation
 from .. import registry
 from .interfaces import Policy, PolicyContext
 from .sampling import SamplingParams

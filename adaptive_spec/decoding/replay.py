@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 from ..errors import UserError
-from .decoder import Decoder, Generation
+from .decoder import Decoder
+from .metrics import Generation
 from .interfaces import DraftStep, RoundOwner, RoundState, StopPolicy
 from .ngram import SpanSource
 from ..registry import Needs

@@ -204,8 +204,8 @@ def parse_draft(spec: str) -> tuple[str, str | None]:
 
 def gguf_file(role: str, quant: str) -> Path:
     """The default pair's fetched GGUF file of `role` ("target" / "draft"), re-quantized to `quant` unless "none"."""
-    from ..backends.fetch import default_gguf
-    from ..backends.llamacpp import requantized_gguf
+    from ..setup.wheels import default_gguf
+    from ..backends.llamacpp_pair import requantized_gguf
 
     src = default_gguf(role)
     return src if quant == "none" else requantized_gguf(src, quant)
@@ -214,7 +214,8 @@ def gguf_file(role: str, quant: str) -> Path:
 def draft_runner(spec: str, threads: int, n_ctx: int = 1024) -> LlamaCppLM:
     """A llama.cpp draft named QUANT or QUANT:N (N: --draft-vocab, the draft's GGUF cut to the N most frequent
     tokens)."""
-    from ..backends.llamacpp import GGUFModel, LlamaCppLM, gguf_tokens_digest, reduced_vocab_draft
+    from ..backends.llamacpp import GGUFModel, LlamaCppLM
+    from ..backends.llamacpp_pair import gguf_tokens_digest, reduced_vocab_draft
 
     quant, vocab = parse_draft(spec)
     path, maps = gguf_file("draft", quant), {}

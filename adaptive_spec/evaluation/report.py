@@ -59,7 +59,7 @@ from .report_plots import accepted_vs_drafted_plot, pareto_plot, pareto_series
 from .report_tables import (AUTO_OF, H_REF, all_configs_table, auto_table, breakdown_table, cpu_lines, decomposition,
                             engines_section, ersd_fig3_table, family_table, fmt_t, pct, peer_table, table1, table2,
                             table3, tree_comparisons)
-from .sweep import COSTS
+from .sweep_files import COSTS
 from .tree_calibration import TREE_POLICIES
 
 # The analysis, the tables and the plots live in report_data, report_tables and report_plots (the lines in

@@ -14,7 +14,7 @@ from pathlib import Path
 from ..decoding import timemodel
 from ..errors import UserError
 from ..runs import read_json, read_jsonl
-from .sweep import RESULTS
+from .sweep_files import RESULTS
 from .tree_calibration import TREE_POLICIES, tunstall_accepted
 
 SPEC_METHODS = ("fixed", "learned")  # the settings of Table 2's speculative fit (the paper's SpecDec, SpecDec++)

@@ -67,21 +67,17 @@ Then `adaptive-spec report --sweep-dir DIR` writes the tables and Pareto plots.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
 
-import torch
-import transformers
 from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
-from ..backends import fetch, presets
 from ..backends.models import resolve_device
-from ..config import config_from_argv, config_to_dict
+from ..config import config_from_argv
 from ..decoding.costs import measure_costs
 from ..decoding.decoder import Decoder
 from ..decoding.pipeline import SpecPair, torch_threads
@@ -89,79 +85,17 @@ from ..decoding.sampling import SamplingParams
 from ..errors import UserError, run_main
 from ..params import ARParams, OracleParams
 from ..prompts import load_prompts
-from ..runs import append_jsonl, lock_dir, read_json, read_jsonl, settings_problem, write_json
+from ..runs import append_jsonl, lock_dir, read_jsonl
+from .sweep_config import SweepConfig
+from .sweep_files import (COSTS, RESULTS, TREE_CALIBRATION, check_calibration, check_out_dir, cpu_pad_to,
+                          prompt_sha, settings_hash, settings_of, write_run_files)
 # the sweep's parts, split by job; their names stay importable from here
-from .sweep_grid import (AUTO, MULTI_DRAFT, Baseline, Configuration, Source, SweepConfig, build_grid,  # noqa: F401
+from .sweep_grid import (AUTO, MULTI_DRAFT, Baseline, Configuration, Source, build_grid,  # noqa: F401
                          policy_specs, tree_specs)
 from .sweep_heads import draft_hidden_size, load_heads, load_tree_heads, resolve_heads  # noqa: F401
 from .sweep_run import (Sweep, auto_node_cost, check_auto_curves, hf_generate, hf_schedule_note,  # noqa: F401
                         reads_costs, run_one, tree_stats, verification)
 from .tree_calibration import TREE_POLICIES, VERIFICATION, load_or_calibrate, measure_rates  # noqa: F401
-
-RESULTS = "results.jsonl"
-# config keys that change the numbers in results.jsonl; a resume must keep them (with the pair's, _settings)
-RESULT_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "chat", "seed", "k_max", "max_prompt_tokens")
-# the pair's settings in settings.json, which keeps them flat and spells unset ones as it always has
-PAIR_RESULT_KEYS = ("backend", "n_ctx", "draft", "target", "dtype", "draft_quant", "draft_vocab", "threads")
-UNSET = {"n_ctx": 0, "draft_vocab": "", "threads": 0}
-# torch settings a sweep may set: recorded only when set, so an existing sweep's settings hash holds
-PAIR_IF_SET = ("kv_cache", "runtime", "max_cache_len", "target_quant", "draft_context")
-
-
-# ----------------------------------------------------------------------------- results file
-
-def _settings(cfg: SweepConfig, device: str) -> dict:
-    p = cfg.pair
-    d = {k: UNSET[k] if k in UNSET and getattr(p, k) is None else getattr(p, k) for k in PAIR_RESULT_KEYS}
-    d.update(p.model_dump(include=set(PAIR_IF_SET), exclude_defaults=True))
-    d.update({k: getattr(cfg, k) for k in RESULT_KEYS})
-    if cfg.drafts:  # recorded only when set, so an existing sweep's settings hash holds
-        d["drafts"] = list(cfg.drafts)
-    if cfg.record_trace:  # likewise; and a resume must not mix rows with and without traces
-        d["record_trace"] = True
-    if cfg.auto_prompts:  # likewise: auto's picks come from those prompts' curve
-        d["auto_prompts"] = cfg.auto_prompts
-    d["device"] = device
-    return d
-
-
-def settings_hash(settings: dict) -> str:
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
-
-
-TREE_CALIBRATION = "tree_calibration.json"
-COSTS = "costs.json"
-RUN_FILES = (RESULTS, "settings.json", "config.json", "heads.json", "prompts.json", TREE_CALIBRATION, COSTS)
-
-
-def check_out_dir(out: Path, settings: dict, overwrite: bool):
-    """Refuse to mix results of different settings in one out_dir; with `overwrite`, discard results of
-    other (or unknown) settings instead. Results of the same settings are always resumed."""
-    saved = read_json(out / "settings.json", required=False, hint="delete it, or use another out_dir")
-    rfile = out / RESULTS
-    if saved is not None:
-        problem = settings_problem(out, saved.get("settings", {}), settings, "sweep")
-    elif rfile.is_file() and rfile.stat().st_size:
-        problem = f"{out} holds a {RESULTS} without settings.json, so its settings are unknown"
-    else:
-        problem = None
-    if problem is None:
-        return
-    if not overwrite:
-        raise UserError(f"{problem}; use another out_dir, or overwrite=true to discard them")
-    print(f"note: {problem}; overwrite=true: discarding them", file=sys.stderr)
-    for name in RUN_FILES:
-        (out / name).unlink(missing_ok=True)
-    for pin in out.glob("costs@*.json"):  # the other drafts entries' pinned costs (_pinned_costs)
-        pin.unlink()
-
-
-def prompt_sha(text) -> str:
-    """A prompt's id: its text's hash (a conversation's: its messages' JSON)."""
-    text = text if isinstance(text, str) else json.dumps(text, sort_keys=True)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
-
-
 
 # ----------------------------------------------------------------------------- the sweep
 
@@ -204,7 +138,7 @@ def run(cfg: SweepConfig) -> Path:
     costs = [_pinned_costs(sweep, p, d, i == 0) for i, (d, (p, _)) in enumerate(sweep.pairs.items())][0]
     sweep.tree_ctx = _tree_context(sweep, texts, selected, costs)
     runtime = {d: p.runtime_info() for d, (p, _) in sweep.pairs.items()}
-    _write_run_files(sweep, heads, selected, runtime)
+    write_run_files(sweep, heads, selected, runtime)
     context = _row_context(sweep, runtime)
     todo, n_jobs = _todo(sweep, selected)
     if todo and cfg.warmup:
@@ -222,7 +156,7 @@ def _prepare(cfg: SweepConfig) -> tuple[Sweep, dict]:
     check_auto_curves(cfg, heads, grid)
     all_heads = load_tree_heads(cfg, heads, [c.head for c in grid if c.source is Source.TREES and c.head], hidden)
     sweep = Sweep(cfg, grid, _note(notes), all_heads)
-    sweep.settings = _settings(cfg, _device_name(cfg.pair.device))
+    sweep.settings = settings_of(cfg, _device_name(cfg.pair.device))
     sweep.out = cfg.resolved_out_dir()
     return sweep, heads
 
@@ -230,8 +164,8 @@ def _prepare(cfg: SweepConfig) -> tuple[Sweep, dict]:
 def _row_context(sweep: Sweep, runtime: dict) -> dict:
     """drafts entry -> what every row of its pair carries: the machine and the numeric paths it ran on ("auto"
     resolves per CPU)."""
-    cpu_pad_to = _cpu_pad_to(sweep.first_pair())
-    return {d: {"settings_hash": settings_hash(sweep.settings), "cpu_pad_to": cpu_pad_to, "isa": r["machine"]["isa"],
+    pad_to = cpu_pad_to(sweep.first_pair())
+    return {d: {"settings_hash": settings_hash(sweep.settings), "cpu_pad_to": pad_to, "isa": r["machine"]["isa"],
                 "cpu_flags": r["machine"]["cpu_flags"], "paths": {m: r.get(f"{m}_path") for m in ("target", "draft")}}
             for d, r in runtime.items()}
 
@@ -323,7 +257,7 @@ def _tree_context(sweep: Sweep, texts: dict, selected: dict, costs=None) -> dict
                             "evaluated; lower n_prompts or add a dataset with more prompts")
         cal_settings = {"sweep": settings_hash(sweep.settings), "width": cfg.tree_calibration_width,
                         "prompts": [prompt_sha(t) for _, t, _ in prompts], "vocab_size": pair.target.vocab_size}
-        _check_calibration(sweep.out, cal_settings)
+        check_calibration(sweep.out, cal_settings)
         sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
         cal = load_or_calibrate(sweep.out / TREE_CALIBRATION, cal_settings, methods, lambda m: measure_rates(
             pair, [ids for _, _, ids in prompts], sampling, cfg.max_new_tokens, m, cfg.tree_calibration_width,
@@ -336,66 +270,6 @@ def _tree_context(sweep: Sweep, texts: dict, selected: dict, costs=None) -> dict
         sweep.notes += _note([f"tree node_cost auto = (t_draft + t_cand) / t_target = {costs.node_cost:.4g} "
                               f"(t_draft/t_target = {costs.c:.4g}; {costs.measured})"])
     return ctx
-
-
-def _check_calibration(out: Path, cal_settings: dict) -> None:
-    """Tree rows already in results.jsonl ran with the rates of tree_calibration.json: measuring new
-    ones under other settings would mix two calibrations in one comparison."""
-    saved = read_json(out / TREE_CALIBRATION, required=False, hint="delete it to recalibrate")
-    if not saved or saved.get("settings") == cal_settings:
-        return
-    if settings_hash(saved.get("settings", {})) not in {r.get("tree_calibration") for r in read_jsonl(out / RESULTS)}:
-        return  # no row used the saved calibration: it is simply replaced
-    problem = settings_problem(out / TREE_CALIBRATION, saved.get("settings", {}), cal_settings, "tree calibration")
-    raise UserError(f"{problem}, and the tree rows in {RESULTS} used it; restore datasets, tree_calibration_prompts "
-                    "and tree_calibration_width, or use another out_dir")
-
-
-def _cpu_pad_to(pair) -> dict:
-    # the CPU padding is measured at each load, so a resumed sweep may run with another one:
-    # config.json has this run's, and every row carries the one it ran with
-    return {role: list(getattr(m.model, "cpu_pad_to", ())) for role, m in
-            (("target", pair.target), ("draft", pair.draft)) if m is not None}
-
-
-def _write_run_files(sweep: Sweep, heads: dict, selected: dict, pair_runtime: dict):
-    """settings.json, heads.json (`heads`: those of the config's `heads`), prompts.json and config.json (see the
-    module doc); `pair_runtime`: drafts entry -> its pair's runtime_info."""
-    cfg, out, settings = sweep.cfg, sweep.out, sweep.settings
-    pair = sweep.first_pair()  # whose models a trace names
-    write_json(out / "settings.json", {"settings": settings, "hash": settings_hash(settings)})
-    write_json(out / "heads.json", {k: v[1] for k, v in heads.items()}, default=str)
-    write_json(out / "prompts.json", {ds: [{"prompt_idx": i, "prompt_sha": prompt_sha(t), "n_prompt_tokens": len(ids),
-                                            "text": t} for i, t, ids in chosen] for ds, chosen in selected.items()},
-               indent=1)
-    write_json(out / "config.json", {
-        "config": config_to_dict(cfg), "grid": [c.key for c in sweep.grid], "notes": sweep.notes,
-        "device": settings["device"], "threads": torch.get_num_threads(), "torch": torch.__version__,
-        "transformers": transformers.__version__, "cpu_pad_to": _cpu_pad_to(pair),
-        "runtime": next(iter(pair_runtime.values())),
-        **({"drafts_runtime": pair_runtime} if cfg.drafts else {}),
-        **({"trace_pair": trace_pair(cfg, pair)} if cfg.record_trace else {}),
-        "written": time.strftime("%Y-%m-%d %H:%M:%S")}, default=str)
-
-
-def trace_pair(cfg: SweepConfig, pair) -> dict:
-    """Which models recorded the traces: per role the name the config gave, its hub id (the default pair's
-    from fetch.py; a hub id as given; None for a folder), the weights' fingerprint and the vocabulary, and the
-    GPU preset (backends/presets.py) of those hub ids, so a replay on another pair's shapes is labelled as
-    borrowed acceptance."""
-    out = {}
-    for role in ("draft", "target"):
-        lm, name = getattr(pair, role), getattr(cfg.pair, role)
-        if lm is None:
-            continue
-        hub = (fetch.DEFAULT_PAIR[role].hub_id if name in (None, "", "default")
-               else None if Path(str(name)).expanduser().exists() else str(name))
-        out[role] = {"name": name, "hub_id": hub, "vocab_size": lm.vocab_size,
-                     "fingerprint": lm.fingerprint() if hasattr(lm, "fingerprint") else None,
-                     "draft_quant": cfg.pair.draft_quant if role == "draft" else None}
-    match = presets.by_hub_ids(*(out.get(r, {}).get("hub_id") for r in ("draft", "target")))
-    out["preset"] = match.name if match else None
-    return out
 
 
 class Job(NamedTuple):

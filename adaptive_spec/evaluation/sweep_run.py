@@ -9,7 +9,7 @@ import torch
 from transformers.utils import is_sklearn_available
 from transformers.utils import logging as hf_logging
 
-from ..decoding.decoder import Metrics
+from ..decoding.metrics import Metrics
 from ..decoding.interfaces import PolicyContext
 from ..decoding.pipeline import make_policy
 from ..decoding.sampling import SamplingParams
@@ -17,7 +17,8 @@ from ..errors import UserError
 from ..heads.curve import load_curve
 from ..params import LearnedParams, OracleParams
 from ..timing import timed
-from .sweep_grid import Baseline, Configuration, Source, SweepConfig, completed
+from .sweep_config import SweepConfig
+from .sweep_grid import Baseline, Configuration, Source, completed
 from .tree_calibration import VERIFICATION
 
 HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented prompt-lookup setting (it has no default)

@@ -14,7 +14,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..datagen.features import load_draft, response_features
-from ..datagen.generate import FORMAT, DatagenConfig
+from ..datagen.config import DatagenConfig
+from ..datagen.shards import FORMAT
 from ..errors import UserError
 from ..heads.features import CONTEXT_KEY, N_STATS, position_map, state_key
 from ..heads.head import join_inputs, reads_stats
@@ -140,6 +141,25 @@ class PositionSet(torch.utils.data.Dataset):
             yield self.gather(torch.arange(start, min(start + size, len(self))))
 
 
+def _check_shards(cfg: TrainConfig, root: Path, shards: list, smalls: list, stats_wanted: bool) -> tuple[bool, bool]:
+    """(whether every shard stores draft features, whether their states are on the target prefix), refusing
+    a split whose shards disagree or lack what `cfg` reads."""
+    has_features = all(bool(s["_has_features"]) for s in smalls)
+    clean = {bool(s["_clean"]) for s in smalls}
+    if len(clean) > 1:
+        raise UserError(f"{root} mixes shards with states on the target prefix and on the mixed one; derive the "
+                        "folder again with one `adaptive-spec datagen-features --prefix ...`")
+    if cfg.feature == "context" and not has_features and cfg.inputs != "stats":
+        raise UserError(f"feature=context needs stored draft features, and {root} has none; regenerate it "
+                        "with store_features=true (or train feature=token)")
+    no_stats = [s["file"] for s, small in zip(shards, smalls) if stats_wanted and "draft_stats" not in small]
+    if no_stats:
+        raise UserError(f"inputs={cfg.inputs} needs the draft statistics (shard tensor draft_stats) that the current "
+                        f"datagen stores, and {root / no_stats[0]} has none; regenerate the dataset with the current "
+                        "`adaptive-spec datagen` (or train inputs=hidden)")
+    return has_features, clean.pop()
+
+
 def load_split(cfg: TrainConfig, manifest: dict, split: str, accelerator) -> PositionSet | None:
     """The split's loss positions; None if the dataset has no such split or it is empty."""
     info = (manifest.get("splits") or {}).get(split) or {}
@@ -151,21 +171,8 @@ def load_split(cfg: TrainConfig, manifest: dict, split: str, accelerator) -> Pos
     stats_wanted = reads_stats(cfg.inputs)
     smalls = [read_small(root / s["file"], ["loss_mask", "resp_offsets", cfg.target],
                          optional=("draft_stats",) if stats_wanted else ()) for s in shards]
-    has_features = all(bool(s["_has_features"]) for s in smalls)
-    clean = {bool(s["_clean"]) for s in smalls}
-    if len(clean) > 1:
-        raise UserError(f"{root} mixes shards with states on the target prefix and on the mixed one; derive the "
-                        "folder again with one `adaptive-spec datagen-features --prefix ...`")
-    clean = clean.pop()
+    has_features, clean = _check_shards(cfg, root, shards, smalls, stats_wanted)
     no_hidden = cfg.inputs == "stats"  # a stats head reads no state: the token data alone trains it
-    if cfg.feature == "context" and not has_features and not no_hidden:
-        raise UserError(f"feature=context needs stored draft features, and {root} has none; regenerate it "
-                        "with store_features=true (or train feature=token)")
-    no_stats = [s["file"] for s, small in zip(shards, smalls) if stats_wanted and "draft_stats" not in small]
-    if no_stats:
-        raise UserError(f"inputs={cfg.inputs} needs the draft statistics (shard tensor draft_stats) that the current "
-                        f"datagen stores, and {root / no_stats[0]} has none; regenerate the dataset with the current "
-                        "`adaptive-spec datagen` (or train inputs=hidden)")
     targets, shard_ids, rows, feats, stats = [], [], [], [], []
     for i, (s, small) in enumerate(zip(shards, smalls)):
         mask = small["loss_mask"].bool()

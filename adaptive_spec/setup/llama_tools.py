@@ -14,8 +14,7 @@ import tarfile
 from pathlib import Path
 
 from ..errors import get_logger
-from .fetch import cache_dir
-from .llama_build import VERSION, X86_SETS, cmake_args, tier
+from .llama_build import VERSION, X86_SETS, cache_dir, cmake_args, tier
 
 log = get_logger(__name__)
 

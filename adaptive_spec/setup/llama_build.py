@@ -18,8 +18,8 @@ and `missing_instructions` (checked when llamacpp.py first loads the library) na
 library was built for that this CPU lacks (a virtual environment copied between machines), so it
 is refused with the rebuild command before it can die on one.
 
-    python adaptive_spec/backends/llama_build.py            # this CPU's tier, cmake flags and wheel folder
-    python adaptive_spec/backends/llama_build.py install    # build (once) and install into this Python
+    python adaptive_spec/setup/llama_build.py            # this CPU's tier, cmake flags and wheel folder
+    python adaptive_spec/setup/llama_build.py install    # build (once) and install into this Python
 (stdlib only, so set-up runs it as a file before the package's dependencies are installed)
 """
 from __future__ import annotations
@@ -109,7 +109,7 @@ def tier(flags: frozenset | set | None = None) -> str:
 
 def install_command() -> str:
     """What a user runs to get the binding built for this CPU."""
-    return f"{Path(sys.executable).name} -m adaptive_spec.backends.llama_build install (or `make setup`)"
+    return f"{Path(sys.executable).name} -m adaptive_spec.setup.llama_build install (or `make setup`)"
 
 
 def missing_instructions(system_info: str, flags: frozenset | set | None = None) -> list[str]:

@@ -1,0 +1,163 @@
+"""The static runner's graphs, one per input shape: captured (CUDA graphs) or compiled (torch.compile) up front
+by `warmup`, replayed by `_run` for the shapes warmed up, every other shape run eagerly; and torch.compile's
+settings for one graph per shape (its recompile limit, its caches kept in the project's cache folder).
+
+`ShapeGraphs` is StaticCausalLM's half that owns the graphs: it reads the runner's step (`_step`), position
+(`_pos`), counters and cache size, and keeps `_warm`, `_ids_buf`, `_graphs`, `_compiled` and `_cudagraphs`,
+which StaticCausalLM.__init__ sets up.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Iterable
+
+import torch
+
+from ..errors import UserError
+
+
+def raise_recompile_limit(n: int = 64):
+    """One graph per shape: K_max + 3 specialisations of one function, more than dynamo's
+    default recompile limit (8) allows."""
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name) and getattr(cfg, name) < n:
+            setattr(cfg, name, n)
+
+
+def persist_compile_caches() -> None:
+    """torch.compile's caches (inductor's FX graphs, with Triton's kernels under them) in the project's cache
+    folder, not the temporary one inductor defaults to: a later process then compiles a shape it compiled
+    before in seconds, not tens of seconds. A TORCHINDUCTOR_CACHE_DIR or TORCHINDUCTOR_FX_GRAPH_CACHE the user
+    set wins; inductor's own default, which it writes into the environment once it has used it, does not."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        default = os.path.abspath(default_cache_dir())
+    except ImportError:  # an older torch: only an unset variable is replaced
+        default = None
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or (default is not None and os.path.abspath(current) == default):
+        from ..setup.llama_build import cache_dir  # stdlib only: the project's one cache root
+
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
+    if "TORCHINDUCTOR_FX_GRAPH_CACHE" not in os.environ:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.fx_graph_cache = True
+
+
+class ShapeGraphs:
+    """Capture, compile, replay and warm up the runner's step per (n, n_logits, with_head[, epilogue]) shape."""
+
+    def _buf(self, n: int) -> torch.Tensor:
+        buf = self._ids_buf.get(n)
+        if buf is None:
+            buf = self._ids_buf[n] = torch.zeros(1, n, dtype=torch.long, device=self.device)
+            torch._dynamo.mark_static_address(buf)
+        return buf
+
+    def _capture(self, key):
+        """Record the eager step of shape `key` into a CUDA graph (after two warm-up runs on a
+        side stream, as torch.cuda.graphs asks)."""
+        n, n_logits, wh = key[:3]
+        epilogue = key[3] if len(key) > 3 else None
+        buf = self._buf(n)
+        # the warm-up runs move the position and an epilogue's state (its `buffers()`): put back after
+        pos = self._pos.clone()
+        kept = [(t, t.clone()) for t in (epilogue.buffers() if epilogue is not None else ())]
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._pos.copy_(pos)
+                self._step(buf, n_logits, wh, epilogue)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self._pos.copy_(pos)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self._step(buf, n_logits, wh, epilogue)
+        self._pos.copy_(pos)
+        for t, saved in kept:
+            t.copy_(saved)
+        self._graphs[key] = (graph, out)
+
+    def _run(self, ids: torch.Tensor, n_logits: int, with_head: bool, epilogue=None):
+        if epilogue is not None and self._graphs is None:
+            # without captured graphs the epilogue runs after the (eager or compiled) step: compiling one per
+            # sampling setting and stop rule would cost tens of seconds inside the decode that first asks
+            out = self._run(ids, n_logits, with_head)
+            return (epilogue(*out) if with_head else epilogue(*out, None),)
+        n = ids.shape[-1]
+        if not 0 <= n_logits <= n:
+            raise ValueError(f"n_logits must be in 0..{n}, got {n_logits}")
+        if self.length + n > self.max_cache_len:
+            raise UserError(f"the static KV cache holds {self.max_cache_len} positions but {self.length + n} are "
+                            "needed; build the runner with a larger max_cache_len")
+        t0 = self._tic()
+        key = (n, n_logits, with_head) if epilogue is None else (n, n_logits, with_head, epilogue)
+        if epilogue is not None and key not in self._graphs and key[:3] in self._warm:
+            # captured on first use, for the shapes warmed up for graphs (a prompt's length runs eagerly): a
+            # capture costs a forward or three, and the epilogue (its sampling, its stop rule) is known only
+            # once a decode asks for it
+            self._capture(key)
+            self._warm.add(key)
+        if key in self._warm:
+            # a fixed input buffer per length: one address for the graph, and one tensor kind
+            # whatever the caller passes (dynamo's guards would otherwise recompile)
+            buf = self._buf(n)
+            buf.copy_(ids.reshape(1, n))
+            if self._graphs is not None:
+                graph, static_out = self._graphs[key]
+                graph.replay()
+                out = tuple(t.clone() for t in static_out)  # the next replay overwrites them
+            else:
+                if self._cudagraphs:
+                    torch.compiler.cudagraph_mark_step_begin()
+                out = self._compiled(buf, n_logits, with_head)
+                if self._cudagraphs:
+                    out = tuple(t.clone() for t in out)
+        else:
+            out = self._step(ids.reshape(1, n).to(self.device), n_logits, with_head, epilogue)
+        self.length += n
+        self._toc(t0)
+        return out
+
+    @contextlib.contextmanager
+    def eager(self):
+        """Within it, every forward runs the eager step (no graph replay, no compiled call): for
+        counting the ops a step dispatches (fused.step_launches)."""
+        warm, self._warm = self._warm, set()
+        try:
+            yield self
+        finally:
+            self._warm = warm
+
+    @torch.inference_mode()
+    def warmup(self, shapes: Iterable = (), with_head: bool | None = None, iters: int = 3) -> float:
+        """Compile / capture every (n, n_logits) shape up front (an int n means (n, n)) so that
+        no compile or capture happens in timed code; without a graph runtime it only warms the
+        kernels. with_head (default: whether a head is set) also does the forward_with_head
+        variant. Leaves the runner reset with zeroed counters. Returns the seconds spent."""
+        t0 = time.perf_counter()
+        heads = [False] + ([True] if (self.head is not None if with_head is None else with_head) else [])
+        for s in shapes:
+            n, n_logits = (s, s) if isinstance(s, int) else (int(s[0]), int(s[1]))
+            if n > self.max_cache_len or not 0 <= n_logits <= n:
+                raise UserError(f"bad warm-up shape ({n}, {n_logits}) for max_cache_len {self.max_cache_len}")
+            for wh in heads:
+                key = (n, n_logits, wh)
+                if self._graphs is not None and key not in self._graphs:
+                    self._capture(key)
+                if self._graphs is not None or self._compiled is not None:
+                    self._warm.add(key)
+                for _ in range(iters):
+                    self.reset()
+                    self._run(torch.zeros(n, dtype=torch.long, device=self.device), n_logits, wh)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.reset()
+        self.counters.restart()
+        return time.perf_counter() - t0

@@ -1,0 +1,144 @@
+"""A sweep's out_dir: the files it writes (the module doc of sweep.py lists them), the settings its results
+depend on, and the checks that keep one out_dir to one set of settings, so a rerun resumes what is done."""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import transformers
+
+from ..backends import presets
+from ..config import config_to_dict
+from ..errors import UserError
+from ..runs import read_json, read_jsonl, settings_problem, write_json
+from ..setup.pair import DEFAULT_PAIR
+
+if TYPE_CHECKING:
+    from .sweep_config import SweepConfig
+    from .sweep_run import Sweep
+
+RESULTS = "results.jsonl"
+# config keys that change the numbers in results.jsonl; a resume must keep them (with the pair's, _settings)
+RESULT_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "chat", "seed", "k_max", "max_prompt_tokens")
+# the pair's settings in settings.json, which keeps them flat and spells unset ones as it always has
+PAIR_RESULT_KEYS = ("backend", "n_ctx", "draft", "target", "dtype", "draft_quant", "draft_vocab", "threads")
+UNSET = {"n_ctx": 0, "draft_vocab": "", "threads": 0}
+# torch settings a sweep may set: recorded only when set, so an existing sweep's settings hash holds
+PAIR_IF_SET = ("kv_cache", "runtime", "max_cache_len", "target_quant", "draft_context")
+
+
+def settings_of(cfg: SweepConfig, device: str) -> dict:
+    p = cfg.pair
+    d = {k: UNSET[k] if k in UNSET and getattr(p, k) is None else getattr(p, k) for k in PAIR_RESULT_KEYS}
+    d.update(p.model_dump(include=set(PAIR_IF_SET), exclude_defaults=True))
+    d.update({k: getattr(cfg, k) for k in RESULT_KEYS})
+    if cfg.drafts:  # recorded only when set, so an existing sweep's settings hash holds
+        d["drafts"] = list(cfg.drafts)
+    if cfg.record_trace:  # likewise; and a resume must not mix rows with and without traces
+        d["record_trace"] = True
+    if cfg.auto_prompts:  # likewise: auto's picks come from those prompts' curve
+        d["auto_prompts"] = cfg.auto_prompts
+    d["device"] = device
+    return d
+
+
+def settings_hash(settings: dict) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+TREE_CALIBRATION = "tree_calibration.json"
+COSTS = "costs.json"
+RUN_FILES = (RESULTS, "settings.json", "config.json", "heads.json", "prompts.json", TREE_CALIBRATION, COSTS)
+
+
+def check_out_dir(out: Path, settings: dict, overwrite: bool):
+    """Refuse to mix results of different settings in one out_dir; with `overwrite`, discard results of
+    other (or unknown) settings instead. Results of the same settings are always resumed."""
+    saved = read_json(out / "settings.json", required=False, hint="delete it, or use another out_dir")
+    rfile = out / RESULTS
+    if saved is not None:
+        problem = settings_problem(out, saved.get("settings", {}), settings, "sweep")
+    elif rfile.is_file() and rfile.stat().st_size:
+        problem = f"{out} holds a {RESULTS} without settings.json, so its settings are unknown"
+    else:
+        problem = None
+    if problem is None:
+        return
+    if not overwrite:
+        raise UserError(f"{problem}; use another out_dir, or overwrite=true to discard them")
+    print(f"note: {problem}; overwrite=true: discarding them", file=sys.stderr)
+    for name in RUN_FILES:
+        (out / name).unlink(missing_ok=True)
+    for pin in out.glob("costs@*.json"):  # the other drafts entries' pinned costs (_pinned_costs)
+        pin.unlink()
+
+
+def prompt_sha(text) -> str:
+    """A prompt's id: its text's hash (a conversation's: its messages' JSON)."""
+    text = text if isinstance(text, str) else json.dumps(text, sort_keys=True)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def check_calibration(out: Path, cal_settings: dict) -> None:
+    """Tree rows already in results.jsonl ran with the rates of tree_calibration.json: measuring new
+    ones under other settings would mix two calibrations in one comparison."""
+    saved = read_json(out / TREE_CALIBRATION, required=False, hint="delete it to recalibrate")
+    if not saved or saved.get("settings") == cal_settings:
+        return
+    if settings_hash(saved.get("settings", {})) not in {r.get("tree_calibration") for r in read_jsonl(out / RESULTS)}:
+        return  # no row used the saved calibration: it is simply replaced
+    problem = settings_problem(out / TREE_CALIBRATION, saved.get("settings", {}), cal_settings, "tree calibration")
+    raise UserError(f"{problem}, and the tree rows in {RESULTS} used it; restore datasets, tree_calibration_prompts "
+                    "and tree_calibration_width, or use another out_dir")
+
+
+def cpu_pad_to(pair) -> dict:
+    # the CPU padding is measured at each load, so a resumed sweep may run with another one:
+    # config.json has this run's, and every row carries the one it ran with
+    return {role: list(getattr(m.model, "cpu_pad_to", ())) for role, m in
+            (("target", pair.target), ("draft", pair.draft)) if m is not None}
+
+
+def write_run_files(sweep: Sweep, heads: dict, selected: dict, pair_runtime: dict):
+    """settings.json, heads.json (`heads`: those of the config's `heads`), prompts.json and config.json (see the
+    module doc); `pair_runtime`: drafts entry -> its pair's runtime_info."""
+    cfg, out, settings = sweep.cfg, sweep.out, sweep.settings
+    pair = sweep.first_pair()  # whose models a trace names
+    write_json(out / "settings.json", {"settings": settings, "hash": settings_hash(settings)})
+    write_json(out / "heads.json", {k: v[1] for k, v in heads.items()}, default=str)
+    write_json(out / "prompts.json", {ds: [{"prompt_idx": i, "prompt_sha": prompt_sha(t), "n_prompt_tokens": len(ids),
+                                            "text": t} for i, t, ids in chosen] for ds, chosen in selected.items()},
+               indent=1)
+    write_json(out / "config.json", {
+        "config": config_to_dict(cfg), "grid": [c.key for c in sweep.grid], "notes": sweep.notes,
+        "device": settings["device"], "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "transformers": transformers.__version__, "cpu_pad_to": cpu_pad_to(pair),
+        "runtime": next(iter(pair_runtime.values())),
+        **({"drafts_runtime": pair_runtime} if cfg.drafts else {}),
+        **({"trace_pair": trace_pair(cfg, pair)} if cfg.record_trace else {}),
+        "written": time.strftime("%Y-%m-%d %H:%M:%S")}, default=str)
+
+
+def trace_pair(cfg: SweepConfig, pair) -> dict:
+    """Which models recorded the traces: per role the name the config gave, its hub id (the default pair's
+    from setup/pair.py; a hub id as given; None for a folder), the weights' fingerprint and the vocabulary, and the
+    GPU preset (backends/presets.py) of those hub ids, so a replay on another pair's shapes is labelled as
+    borrowed acceptance."""
+    out = {}
+    for role in ("draft", "target"):
+        lm, name = getattr(pair, role), getattr(cfg.pair, role)
+        if lm is None:
+            continue
+        hub = (DEFAULT_PAIR[role].hub_id if name in (None, "", "default")
+               else None if Path(str(name)).expanduser().exists() else str(name))
+        out[role] = {"name": name, "hub_id": hub, "vocab_size": lm.vocab_size,
+                     "fingerprint": lm.fingerprint() if hasattr(lm, "fingerprint") else None,
+                     "draft_quant": cfg.pair.draft_quant if role == "draft" else None}
+    match = presets.by_hub_ids(*(out.get(r, {}).get("hub_id") for r in ("draft", "target")))
+    out["preset"] = match.name if match else None
+    return out

