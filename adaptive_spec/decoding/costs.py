@@ -131,7 +131,7 @@ class Costs:
 
 
 def costs_dir() -> Path:
-    from ..backends.fetch import cache_dir  # the downloader: a generation that measures nothing never loads it
+    from ..setup.llama_build import cache_dir  # stdlib only: the project's one cache root
 
     return cache_dir() / "costs"
 
