@@ -258,7 +258,7 @@ def lengths_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--draft-quant", default="int8", help="the draft's weights: none, int8, int4")
     ap.add_argument("--lengths", default="1-12", help="target pass lengths n, e.g. 1-12")
     ap.add_argument("--draft-lengths", default="1-8", help="draft pass widths (rows in one wave), e.g. 1-8")
-    ap.add_argument("--short", type=int, default=32, help="short cached context (costs.py's PREFIX)")
+    ap.add_argument("--short", type=int, default=32, help="short cached context (cost_timing.py's PREFIX)")
     ap.add_argument("--long", type=int, default=256, help="realistic cached context (prompt + half a response)")
 
 
@@ -274,7 +274,7 @@ def measure_lengths(args) -> tuple[dict, dict]:
 
     The `table` time model (adaptive_spec/decoding/timemodel.py) prices each verification pass of K + 1 tokens
     at its measured time. This times that pass per length n (and the draft's one-token step) after
-    a --short (costs.py's PREFIX) and a --long cached context, so one can see (a) the step shape of
+    a --short (cost_timing.py's PREFIX) and a --long cached context, so one can see (a) the step shape of
     t_verify(n) on this CPU and (b) how far times at load, taken after a short prefix, are from the
     contexts a sweep decodes at. Also the draft's pass over n rows (--draft-lengths): a tree drafts a
     wave of sibling nodes in one draft pass, so this is what a tree's width costs. Then the per-draft-step
@@ -370,7 +370,7 @@ def measure_llama_cpp(args) -> tuple[dict, dict]:
     every row, for the fetched target and its re-quantizations (--targets), the draft's step for each draft
     file, and what each re-quantized target costs in quality.
 
-    A pass of N rows is timed after a PREFIX-token context (costs.py's), all configurations interleaved
+    A pass of N rows is timed after a PREFIX-token context (cost_timing.py's), all configurations interleaved
     round by round (a slow spell of the machine hits them alike), medians over --reps rounds:
     - `all rows`: logits for every row (what verification asks for);
     - `last row`: logits for the last row only (what `llama-bench -p N` asks for): the difference is the
@@ -390,7 +390,7 @@ def measure_llama_cpp(args) -> tuple[dict, dict]:
     from adaptive_spec.backends.cpu import flags_line
     from adaptive_spec.setup.llama_build import VERSION, X86_SETS, cmake_args
     from adaptive_spec.backends.llamacpp import GGUFModel, LlamaCppLM
-    from adaptive_spec.decoding.costs import PREFIX
+    from adaptive_spec.decoding.cost_timing import PREFIX
     from adaptive_spec.evaluation.forward_costs import (draft_acceptance, draft_runner, gguf_file, held_sequences,
                                                          pass_times, target_quality)
 

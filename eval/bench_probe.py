@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 
 from adaptive_spec.errors import UserError, run_main
-from adaptive_spec.evaluation import pricing, probe
+from adaptive_spec.evaluation import pricing, probe, probe_counts
 from adaptive_spec.evaluation.paired import run_header
 from adaptive_spec.runs import read_jsonl, write_json
 from adaptive_spec.tables import md_table
@@ -235,7 +235,7 @@ def _counts_source(result: dict) -> tuple[str, str]:
     if acceptance.get("source") == "prompts":
         return (f"the answers the probe recorded on these prompts ({acceptance.get('words', acceptance.get('label'))}"
                 "; the runs answer them afresh, to full length)", "probe's answers")
-    return (f"the head's dev answers (not these sets; {probe.describe_workload(result.get('workload', probe.MIX))})",
+    return (f"the head's dev answers (not these sets; {probe_counts.describe_workload(result.get('workload', probe_counts.MIX))})",
             "dev answers")
 
 
@@ -297,7 +297,7 @@ def _main(argv) -> int:
     unknown = [d for d in args.datasets.split(",") if d not in KIND]
     if unknown and not args.report_only and own is None:
         raise UserError(f"no workload kind for set {unknown[0]!r}: the probe prices one of {', '.join(KIND)}")
-    workload = probe.parse_workload([KIND[d] for d in args.datasets.split(",") if d in KIND]) if own is None else None
+    workload = probe_counts.parse_workload([KIND[d] for d in args.datasets.split(",") if d in KIND]) if own is None else None
     texts = None
     if own is not None and not args.report_only:  # refused before any model loads
         texts = own_prompts(own, out)
@@ -334,8 +334,8 @@ def _main(argv) -> int:
         if not after.is_file():  # the machine's speed after the runs: the same configurations, measured afresh
             write_json(after, probe.run(pair, args.head, 1.0, 128, args.max_new_tokens, args.reps, cache=False,
                                         ran=probe.picks_of(result), prompts=texts, prompts_cache=True,
-                                        workload=None if texts else probe.parse_workload(result.get("workload",
-                                                                                                    probe.MIX))),
+                                        workload=None if texts else probe_counts.parse_workload(result.get("workload",
+                                                                                                    probe_counts.MIX))),
                        indent=1, default=str)
             gc.collect()
     header = run_header(out, report_only=False, measure=lambda: {

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from adaptive_spec.backends.contract import Counters
+from adaptive_spec.decoding import cost_timing as CT
 from adaptive_spec.decoding import costs as C
 from adaptive_spec.errors import UserError
 from adaptive_spec.decoding.pipeline import SpecPair
@@ -69,12 +70,12 @@ def test_verification_fit(monkeypatch):
 
 def test_monotone_pools_dips_and_keeps_steps():
     """Pool adjacent violators: a dip is averaged with what it undercuts, a rising step is kept."""
-    assert C.monotone([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
-    assert C.monotone([0.150, 0.130, 0.14, 0.19, 0.18]) == pytest.approx([0.14, 0.14, 0.14, 0.185, 0.185])
-    assert C.monotone([3.0, 2.0, 1.0]) == pytest.approx([2.0, 2.0, 2.0])
-    assert C.monotone([]) == []
+    assert CT.monotone([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    assert CT.monotone([0.150, 0.130, 0.14, 0.19, 0.18]) == pytest.approx([0.14, 0.14, 0.14, 0.185, 0.185])
+    assert CT.monotone([3.0, 2.0, 1.0]) == pytest.approx([2.0, 2.0, 2.0])
+    assert CT.monotone([]) == []
     measured = [0.133, 0.120, 0.150, 0.120, 0.127, 0.139, 0.190, 0.175, 0.184]
-    out = C.monotone(measured)
+    out = CT.monotone(measured)
     assert all(a <= b for a, b in zip(out, out[1:])) and sum(out) == pytest.approx(sum(measured))
 
 
@@ -95,7 +96,7 @@ def test_rounds_interleave_every_cell():
             pass
 
         def rollback(self, n):
-            assert n == C.PREFIX
+            assert n == CT.PREFIX
 
         def forward(self, ids, n_logits):
             if n_logits:
@@ -103,7 +104,7 @@ def test_rounds_interleave_every_cell():
 
     draft, target = Lm("d"), Lm("t")
     cells = [(draft, 1, False), (target, 1, True), (target, 3, True)]
-    out = C.interleaved_times(cells, reps=2)
+    out = CT.interleaved_times(cells, reps=2)
     assert fed == [("d", 1), ("t", 1), ("t", 3)] * 3 and len(out) == 3
 
 
@@ -161,13 +162,13 @@ def test_the_one_row_step_is_timed_in_the_decoders_own_loop_not_as_an_interleave
     cheaper for a call of the last one's shape reads its cheap step there; the interleaved cell (the broken
     control: the measurement before v6) reads the dear one. _measure prices the one-row pass at the decode's
     step and keeps the cell beside it; the runner is left as it was."""
-    monkeypatch.setattr(C, "timed", _Clock.timed)
+    monkeypatch.setattr(CT, "timed", _Clock.timed)
     lm = _RebuildingLM()
     lm.counters.restore((2.0, 3, 0.5))
-    assert C.decode_step_time(lm, reps=2) == pytest.approx(0.010)
+    assert CT.decode_step_time(lm, reps=2) == pytest.approx(0.010)
     assert lm.length == 0 and lm.counters.saved() == (2.0, 3, 0.5)
     cells = [(lm, n, True) for n in (1, 2)]
-    assert C.interleaved_times(cells, reps=2)[0] == pytest.approx(0.030)
+    assert CT.interleaved_times(cells, reps=2)[0] == pytest.approx(0.030)
     c = C._measure(SimpleNamespace(draft=None, target=lm), 2, "k")
     assert c.t_verify[0] == pytest.approx(0.010) and c.t_step_cell == pytest.approx(0.030)
     assert C.costs_from_json(json.loads(json.dumps(c.to_dict()))).t_step_cell == c.t_step_cell
@@ -175,7 +176,7 @@ def test_the_one_row_step_is_timed_in_the_decoders_own_loop_not_as_an_interleave
     short = _RebuildingLM()
     short.max_length = short.lm.max_length = 6
     with pytest.raises(UserError, match="too short to time a step"):
-        C.decode_step_time(short, reps=2)
+        CT.decode_step_time(short, reps=2)
 
 
 class _SlowLoopLM(_RebuildingLM):
@@ -190,11 +191,11 @@ def test_the_loops_own_time_a_row_is_timed_in_the_decoders_loop(monkeypatch):
     """decode_loop_times reads the loop's own time a step as the clock between steps less the counted forward;
     _measure adds what it has beyond the sampling micro-benchmark to every row of both modes (the time model's
     loop_row). Control: a runner spending nothing outside its forward reads none."""
-    monkeypatch.setattr(C, "timed", _Clock.timed)
-    monkeypatch.setattr(C.time, "perf_counter", lambda: _Clock.now)
-    step, own = C.decode_loop_times(_SlowLoopLM(), reps=2)
+    monkeypatch.setattr(CT, "timed", _Clock.timed)
+    monkeypatch.setattr(CT.time, "perf_counter", lambda: _Clock.now)
+    step, own = CT.decode_loop_times(_SlowLoopLM(), reps=2)
     assert step == pytest.approx(0.010) and own == pytest.approx(0.004)
-    assert C.decode_loop_times(_RebuildingLM(), reps=2)[1] == pytest.approx(0.0)
+    assert CT.decode_loop_times(_RebuildingLM(), reps=2)[1] == pytest.approx(0.0)
     micro = {"greedy": {"row": 0.0005, "round": 0.001}, "sample": {"row": 0.001, "round": 0.002}}
     monkeypatch.setattr(C, "loop_times", lambda vocab, device: micro)
     c = C._measure(SimpleNamespace(draft=None, target=_SlowLoopLM()), 2, "k")
@@ -303,7 +304,7 @@ def test_a_pin_fixes_one_measurement_across_loads_of_the_same_machine(cache, tmp
 def test_the_loop_time_and_prefill_rate_are_measured_and_enter_the_prediction(pair, cache):
     c = C.measure_costs(pair, reps=1)
     assert c.t_prefill > 0 and c.t_prefill_draft > 0
-    assert set(c.loop) == set(C.LOOP_SAMPLING) and all(c.loop_s(m, "row") > 0 for m in C.LOOP_SAMPLING)
+    assert set(c.loop) == set(CT.LOOP_SAMPLING) and all(c.loop_s(m, "row") > 0 for m in CT.LOOP_SAMPLING)
     again = C.costs_from_json(json.loads((cache / f"{c.key}.json").read_text()))
     assert again.loop == c.loop and again.t_prefill == c.t_prefill
     from adaptive_spec.decoding.timemodel import coef_of, predict_time

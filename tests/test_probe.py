@@ -8,7 +8,7 @@ import pytest
 from adaptive_spec.backends import engines
 from adaptive_spec.decoding.auto import resolve_auto
 from adaptive_spec.decoding.costs import Costs
-from adaptive_spec.evaluation import pricing, probe
+from adaptive_spec.evaluation import pricing, probe, probe_counts
 from adaptive_spec.params import policy_params
 
 HEAD = probe.DEFAULT_HEAD  # committed, with its threshold_curve.json
@@ -292,7 +292,7 @@ def test_where_no_copy_pays_the_combined_replay_samples_specdec_rounds_as_autotu
 
     curve = _json.loads((probe._curve_file(HEAD)).read_text())
     point = next(p for p in curve["thresholds"] if p["h"] == 0.3)
-    joint = probe.combined_counts(CHEAP_PASSES, HEAD, 0.3, curve["k_max"], 0)
+    joint = probe_counts.combined_counts(CHEAP_PASSES, HEAD, 0.3, curve["k_max"], 0)
     assert joint["n_responses"] == curve["n_responses"] and joint["n_tokens"] == 4 * curve["n_tokens"]
     assert joint["n_fed_extra"] == 0 and joint["target_pass_hist"].get("1", 0) < 0.01 * joint["n_target_forwards"]
     assert joint["n_tokens"] / joint["n_target_forwards"] == pytest.approx(point["tokens_per_round"], rel=0.02)
@@ -322,11 +322,11 @@ def test_a_workload_prices_its_kinds_counts_in_equal_parts():
     chat_only = by_name(probe.predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 128, 128, workload=("chat",)))
     assert math["prompt lookup"]["copies"]["n_accepted"] / math["prompt lookup"]["copies"]["n_tokens"] > \
         chat_only["prompt lookup"]["copies"]["n_accepted"] / chat_only["prompt lookup"]["copies"]["n_tokens"]
-    assert probe.parse_workload("mix") is None and probe.parse_workload("code, math") == ("code", "math")
+    assert probe_counts.parse_workload("mix") is None and probe_counts.parse_workload("code, math") == ("code", "math")
     with pytest.raises(Exception, match="unknown kind 'poetry'.*chat, code, math"):
-        probe.parse_workload("code,poetry")
+        probe_counts.parse_workload("code,poetry")
     with pytest.raises(Exception, match="no counts for prompt source 'sharegpt'"):
-        probe.check_workload({"by_source": {}}, ("chat",))
+        probe_counts.check_workload({"by_source": {}}, ("chat",))
 
 
 def test_a_draft_step_that_feeds_copied_tokens_costs_them_at_the_drafts_prefill_rate():

@@ -38,7 +38,7 @@ def pick(curve: dict, need: str, costs, model: str = DEFAULT_TIME_MODEL, k_max: 
     N / T under `model` with the measured `costs`; with every candidate's prediction. For h under
     the table model (with per-length verification times measured), the curve's capped rounds
     (`capped`, K <= cap < k_max) compete too, and the pick says its cap as "k_max". `loop`: the
-    sampling mode whose measured loop time is added (costs.LOOP_SAMPLING; None: forwards only)."""
+    sampling mode whose measured loop time is added (cost_timing.LOOP_SAMPLING; None: forwards only)."""
     coef = coef_of(costs, model, loop)
     model = effective_model(costs, model)
     points = curve["thresholds"] if need == "h" else curve["fixed_k"]

@@ -36,8 +36,7 @@ import torch
 from ..backends.cpu import describe
 from ..errors import UserError, get_logger
 from ..runs import write_json
-from ..timing import timed
-from .sampling import SamplingParams, draw, process_logits, verify, verify_greedy
+from .cost_timing import PREFIX, decode_loop_times, interleaved_times, loop_times, monotone, with_loop_own
 
 log = get_logger(__name__)
 
@@ -47,12 +46,6 @@ VERIFY_LENGTHS = tuple(range(1, 10))  # K + 1 for K = 0..8
 # thread: on a 2-core EPYC a 16-row pass cost 8 one-row steps, a 9-row one 7), so neither the line
 # through 1..9 nor its last step prices them
 LONG_LENGTHS = (12, 16, 24, 32, 48)
-# The cached context the passes are timed after: that of a typical decode (a prompt and half a
-# response), not a short one. Time grows with context, the draft's faster than the target's: on
-# the AVX-512 box c = t_draft / t_target was 0.29 after 32 tokens and 0.41 after 256
-# (eval/results/bench_verify_lengths_avx512), and a sweep there decoded at c = 0.37; timed after
-# 32 tokens, `auto` took the draft for cheaper than it is and drafted too much.
-PREFIX = 256
 # How the times are taken, in the cache key: times taken another way are measured again. v2: the
 # draft step and every length timed round-robin over 5 rounds, t_verify made monotone; v3: with the
 # prefill rate of both models and the decode loop's own time per row and per round (`loop`); v4: and
@@ -60,12 +53,6 @@ PREFIX = 256
 # timed as the decode runs it (decode_step_time), the interleaved one-row cell kept as t_step_cell; v7:
 # the loop's own time a row includes its bookkeeping, timed in that same loop (with_loop_own).
 METHOD = "interleaved-monotone-v7"
-# The decode's one-row step (decode_step_time): untimed steps first (the first steps after a prefill pay
-# for allocation and a graph of another shape), then DECODE_STEPS_PER_REP timed ones per timing round.
-DECODE_WARMUP = 4
-DECODE_STEPS_PER_REP = 6
-# the sampling modes the loop's own time is measured for (by name: "greedy" at temperature 0, "sample" else)
-LOOP_SAMPLING = {"greedy": dict(temperature=0.0), "sample": dict(temperature=1.0, top_k=50)}
 
 
 @dataclass
@@ -291,183 +278,23 @@ def measured_cells(pair) -> list[tuple]:
         (pair.target, n, True) for n in VERIFY_LENGTHS]
 
 
-def decode_step_time(lm, reps: int, steps: int | None = None, warmup: int = DECODE_WARMUP,
-                     context: int | None = None) -> float:
-    """The one-row step's median seconds (decode_loop_times' first)."""
-    return decode_loop_times(lm, reps, steps, warmup, context)[0]
 
 
-def decode_loop_times(lm, reps: int, steps: int | None = None, warmup: int = DECODE_WARMUP,
-                      context: int | None = None) -> tuple[float, float]:
-    """(the step, the loop's own time a step): median seconds of `lm`'s one-row step as the target-alone decode runs it: the decoder's own loop
-    (decoder.Decoder without a policy, T = 1 top-k 50) from a prompt that centres the timed steps on the
-    PREFIX-token context, each step feeding the token the last one drew, with the loop's sampling between
-    steps and no other pass, rollback or reset among them. Each step's time is its forward's, read from the
-    runner's counters; the loop's own time is the clock's between steps less the forward's (sampling and the
-    loop's bookkeeping, which a micro-benchmark of sampling alone leaves out: with_loop_own). Why not a cell rolled back to PREFIX between
-    passes of other lengths and models (interleaved_times): a runner may do per call what a run of
-    same-shaped calls skips (llama.cpp rebuilds its compute graph when the batch shape changes and reuses
-    it otherwise), so such a cell can cost more than the decode's step; the verification passes keep their
-    interleaved cells, as a speculative round runs them between the draft's steps. `steps` timed steps
-    (default DECODE_STEPS_PER_REP a rep) after `warmup` untimed ones, centred on `context` (default PREFIX;
-    less where the context is shorter). A runner whose counters book no time (a table in tests) is timed by
-    the clock between steps instead. The runner is left reset, its counters as they were."""
-    from .decoder import Decoder  # the decoder imports the sampling this module does: only where timed
-
-    steps = max(1, DECODE_STEPS_PER_REP * reps if steps is None else steps)
-    n = warmup + steps
-    limit = getattr(lm, "max_length", None)
-    centre = PREFIX if context is None else int(context)
-    prompt = max(1, (min(centre, limit - n) if limit else centre) - warmup - steps // 2)
-    ids = ((torch.arange(prompt) * 7 + 5) % lm.vocab_size).tolist()
-    saved = lm.counters.saved()
-    marks = []  # (the prompt's prefill seconds, the counters' seconds, the clock) after each step
-    try:
-        Decoder(lm, None).generate(ids, max_new_tokens=n, sampling=SamplingParams(**LOOP_SAMPLING["sample"]),
-                                   seed=0, on_tokens=lambda _: marks.append((lm.counters.prefill_s,
-                                                                             lm.counters.seconds,
-                                                                             time.perf_counter())))
-    finally:
-        lm.reset()
-        lm.counters.restore(saved)
-    if len(marks) < n:
-        raise UserError(f"the target-alone loop stopped after {len(marks)} of {n} steps; its context "
-                        f"({getattr(lm, 'max_length', None)} positions) is too short to time a step")
-    seconds = np.diff([marks[0][0]] + [s for _, s, _ in marks])[warmup:]
-    clock = np.diff([t for _, _, t in marks])[warmup - 1:] if warmup else np.diff([t for _, _, t in marks])
-    if not seconds.any():
-        return float(statistics.median(clock)), 0.0
-    n = min(len(seconds), len(clock))
-    own = clock[-n:] - seconds[-n:]
-    return float(statistics.median(seconds)), max(0.0, float(statistics.median(own)))
 
 
-def with_loop_own(loop: dict, own: float) -> dict:
-    """Costs.loop with the loop's bookkeeping added to every row: `own` (decode_loop_times: the loop's
-    seconds a target-alone step beyond its forward, sampling as LOOP_SAMPLING["sample"]) less the sampled
-    row's micro-benchmark is what a row costs beyond processing and drawing (the clock's laps, the metrics,
-    reading the logits, the stop checks); both modes pay it."""
-    extra = max(0.0, own - loop["sample"]["row"]) if "sample" in loop else 0.0
-    return {mode: {**parts, "row": parts["row"] + extra, "bookkeeping": extra} for mode, parts in loop.items()}
 
 
-def loop_times(vocab_size: int, device, reps: int = 20) -> dict:
-    """The decode loop's own seconds per sampling mode (Costs.loop): "row", processing a row of logits
-    and drawing a token from it; "round", a verification's part beyond its rows (rejection sampling
-    over 3 candidates, the round's host read). Timed on random logits of the vocabulary's size, on the
-    torch threads the decode will have (one, on the llama.cpp engine)."""
-    g = torch.Generator(device=device).manual_seed(0)
-    logits = torch.randn(4, vocab_size, generator=g, device=device) * 3
-    y = torch.randint(0, vocab_size, (3,), generator=g, device=device)
-    out = {}
-    for mode, kw in LOOP_SAMPLING.items():
-        sp = SamplingParams(**kw)
-
-        def row():
-            p = process_logits(logits[0], sp)
-            return draw(p, sp, g)
-
-        def round_():
-            if sp.greedy:
-                n, tok, _ = verify_greedy(y, logits)
-            else:
-                p = process_logits(logits, sp)
-                n, tok = verify(y, p[:3], p, g)
-            return torch.cat([n.view(1), tok.view(1), y]).tolist()
-
-        t_row = _median_time(row, reps, device)
-        t_rows4 = _median_time(lambda: process_logits(logits, sp), reps, device)
-        t_round = _median_time(round_, reps, device)
-        # a round's time beyond processing its 4 rows
-        out[mode] = {"row": t_row, "round": max(0.0, t_round - t_rows4)}
-    return out
 
 
-def _median_time(fn, reps: int, device) -> float:
-    fn()
-    samples = []
-    for _ in range(reps):
-        with timed(device) as t:
-            fn()
-        samples.append(t.s)
-    return statistics.median(samples)
 
 
-def monotone(values) -> list[float]:
-    """The non-decreasing sequence closest to `values` in least squares (pool adjacent violators).
-
-    A pass of more tokens never costs less once the runner has picked its kernels: where oneDNN
-    runs M rows slower than M' > M, models.choose_padding already pads M up to M'. So a
-    measured dip (e.g. 150 ms for 3 tokens, 130 ms for 4, both run as 6 padded rows) is timing
-    noise, and pooling the two gives each a time from twice the samples."""
-    blocks: list[list[float]] = []  # [mean, count]
-    for v in values:
-        blocks.append([float(v), 1.0])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (m1, c1), (m2, c2) = blocks[-2], blocks.pop()
-            blocks[-1] = [(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2]
-    return [m for m, c in blocks for _ in range(int(c))]
 
 
-def context_length(lm, longest: int) -> int:
-    """PREFIX, or less where the model's context cannot hold PREFIX + the longest pass."""
-    limit = getattr(lm, "max_length", None)
-    return PREFIX if not limit else max(1, min(PREFIX, limit - longest))
 
 
-def interleaved_times(cells, reps: int, prefill: dict | None = None) -> list[float]:
-    """Median seconds per cell (lm, n tokens, all_logits) of feeding n tokens after a PREFIX-token
-    context. Each round times every cell once, so a slow spell of the machine (these boxes vary
-    1.5x between runs) slows every cell alike instead of whichever length was timed during it;
-    round 0 is a warm-up (allocation, kernel selection). Each runner is left reset and its counters
-    as they were, so measuring never shows up in a generation's metrics."""
-    ctx = prefilled(cells, prefill)
-    samples: list[list[float]] = [[] for _ in cells]
-    try:
-        for r in range(reps + 1):
-            for i, t in enumerate(interleaved_round(cells, ctx)):
-                if r:
-                    samples[i].append(t)
-    finally:
-        release(ctx)
-    return [statistics.median(s) for s in samples]
 
 
-def prefilled(cells, prefill: dict | None = None) -> dict:
-    """Per runner of `cells` (by id): (runner, its context length, the token ids: the context, then the
-    longest pass it feeds, its counters as they were), its cache holding the context. `prefill` gets each
-    runner's seconds per prompt token (the second prefill: the first pays for allocation)."""
-    ctx = {}
-    for lm, _, _ in cells:
-        if id(lm) not in ctx:
-            longest = max(n for m, n, _ in cells if m is lm)
-            prefix = context_length(lm, longest)
-            ctx[id(lm)] = (lm, prefix, (torch.arange(prefix + longest, device=lm.device) * 7 + 5) % lm.vocab_size,
-                           lm.counters.saved())
-    for lm, prefix, ids, _ in ctx.values():
-        for _ in range(2):
-            lm.reset()
-            with timed(lm.device) as t:
-                lm.forward(ids[:prefix], n_logits=0)
-        if prefill is not None:
-            prefill[id(lm)] = t.s / prefix
-    return ctx
 
 
-def interleaved_round(cells, ctx: dict) -> list[float]:
-    """Seconds of each cell once, in order: its runner rolled back to its context, then n tokens fed."""
-    out = []
-    for lm, n, all_logits in cells:
-        _, prefix, ids, _ = ctx[id(lm)]
-        lm.rollback(prefix)
-        with timed(lm.device) as t:
-            lm.forward(ids[prefix:prefix + n], n_logits=n if all_logits else 1)
-        out.append(t.s)
-    return out
 
 
-def release(ctx: dict) -> None:
-    """Every runner of a `prefilled` context reset, its counters as they were."""
-    for lm, _, _, saved in ctx.values():
-        lm.reset()
-        lm.counters.restore(saved)

@@ -329,7 +329,8 @@ def select_rows(by_config: dict, n: int | None) -> dict:
 def measured_costs(draft_row: dict, target_row: dict, loop: dict | None):
     """costs.Costs from a check's step table (ms per one-token step, per verify pass of n rows) and loop times:
     what `--threshold auto` measures at load, measured here on the check's runners."""
-    from ..decoding.costs import Costs, monotone
+    from ..decoding.cost_timing import monotone
+    from ..decoding.costs import Costs
 
     v = {int(k): float(x) / 1000 for k, x in target_row["verify_ms"].items()}
     ns = list(range(1, max(v) + 1))  # Costs.t_verify holds every length from 1: the unmeasured ones interpolated
