@@ -41,7 +41,7 @@ from adaptive_spec.decoding.pipeline import SpecPair
 from adaptive_spec.errors import UserError, run_main
 from adaptive_spec.setup.llama_tools import build, build_flags, spec_example
 from adaptive_spec.evaluation.paired import pooled_tok_s, record, run_header, start
-from adaptive_spec.evaluation.sweep import hf_generate
+from adaptive_spec.evaluation.sweep_run import hf_generate
 from adaptive_spec.prompts import load_prompts
 from adaptive_spec.runs import project_path, read_jsonl
 from adaptive_spec.tables import md_table

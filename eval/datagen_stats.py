@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from adaptive_spec.datagen.generate import SPLITS, load_shard
+from adaptive_spec.datagen.shards import SPLITS, load_shard
 from adaptive_spec.errors import run_main
 from adaptive_spec.evaluation.paired import run_header
 from adaptive_spec.runs import atomic_write, project_path, read_manifest

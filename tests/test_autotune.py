@@ -9,6 +9,7 @@ import torch
 
 from adaptive_spec.training import autotune as A
 from adaptive_spec.decoding import auto as AU
+from adaptive_spec.heads import curve as CV
 from adaptive_spec.decoding.costs import Costs, measure_costs
 from adaptive_spec.errors import UserError
 from adaptive_spec.heads.head import AcceptanceHead
@@ -175,14 +176,14 @@ def head_and_data(tmp_path):
 def test_curve_is_saved_beside_the_head_and_checked(head_and_data):
     head_dir, data = head_and_data
     path, curve = A.make_curve(str(head_dir), str(data))
-    assert path == head_dir / AU.CURVE_NAME and json.loads(path.read_text()) == json.loads(json.dumps(curve))
+    assert path == head_dir / CV.CURVE_NAME and json.loads(path.read_text()) == json.loads(json.dumps(curve))
     man = json.loads((data / "manifest.json").read_text())
     assert curve["n_tokens"] == man["splits"]["dev"]["n_tokens"] and curve["n_responses"] == 12
     assert [p["h"] for p in curve["thresholds"]] == list(A.H_GRID)
     assert [p["k"] for p in curve["fixed_k"]] == list(A.K_GRID)
     for p in curve["thresholds"] + curve["fixed_k"]:
         assert p["n_accepted"] + p["n_target_forwards"] == pytest.approx(curve["n_tokens"])
-    assert curve["head"]["weights"] == AU.weights_hash(head_dir) and curve["data"]["split"] == "dev"
+    assert curve["head"]["weights"] == CV.weights_hash(head_dir) and curve["data"]["split"] == "dev"
     assert AU.load_curve(head_dir, "h", str(head_dir))["k_max"] == 20
     AcceptanceHead(16, depth=0).save_pretrained(head_dir)  # retrained: the curve is stale
     with pytest.raises(UserError, match="other weights"):
@@ -193,14 +194,14 @@ def test_missing_curve_names_the_command(head_and_data):
     head_dir, _ = head_and_data
     with pytest.raises(UserError) as e:
         AU.load_curve(head_dir, "h", str(head_dir))
-    assert AU.CURVE_NAME in str(e.value) and f"adaptive-spec autotune --head {head_dir} --data" in str(e.value)
+    assert CV.CURVE_NAME in str(e.value) and f"adaptive-spec autotune --head {head_dir} --data" in str(e.value)
 
 
 def test_auto_through_specpair(head_and_data, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("ADAPTIVE_SPEC_CACHE", str(tmp_path / "cache"))
     head_dir, data = head_and_data
     A.make_curve(str(head_dir), str(data))
-    path = head_dir / AU.CURVE_NAME
+    path = head_dir / CV.CURVE_NAME
     saved = json.loads(path.read_text())
     saved["data"]["sampling"] = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}  # as datagen at T = 1 records
     path.write_text(json.dumps(saved))
@@ -228,7 +229,7 @@ def test_auto_through_specpair(head_and_data, tmp_path, monkeypatch, capsys):
     again = pair.generate([5, 6, 7], policy="learned", head=str(head_dir), threshold=best["value"], temperature=0,
                           max_new_tokens=12)
     assert again.token_ids == g.token_ids
-    g = pair.generate([5, 6, 7], policy="fixed", k="auto", curve=str(head_dir / AU.CURVE_NAME), temperature=0,
+    g = pair.generate([5, 6, 7], policy="fixed", k="auto", curve=str(head_dir / CV.CURVE_NAME), temperature=0,
                       max_new_tokens=12)
     k = AU.pick(curve, "k", measure_costs(pair))["value"]
     assert g.auto["value"] == k and max(map(int, g.metrics.accepted_hist)) <= k

@@ -16,6 +16,7 @@ import torch
 
 from adaptive_spec import cli, prompt_archives, prompts
 
+from adaptive_spec.datagen import batched, shards
 from adaptive_spec.datagen import generate as datagen
 
 from adaptive_spec.training.data import load_split, read_manifest
@@ -81,7 +82,7 @@ def _models(tiny_pair):
 
 def _all_seqs(out):
     for split in datagen.SPLITS:
-        for sh in datagen.iter_shards(out, split):
+        for sh in shards.iter_shards(out, split):
             io_, ro = sh["input_offsets"], sh["resp_offsets"]
             for i in range(len(sh["prompt_lens"])):
                 pl = int(sh["prompt_lens"][i])
@@ -107,7 +108,7 @@ def test_manifest_and_shard_format(ref_run, tiny_pair):
         total += s["n_prompts"]
         assert s["n_prompts"] == sum(sh["n_seqs"] for sh in s["shards"])
         assert s["n_tokens"] == sum(sh["n_tokens"] for sh in s["shards"])
-        for sh_entry, sh in zip(s["shards"], datagen.iter_shards(out, split)):
+        for sh_entry, sh in zip(s["shards"], shards.iter_shards(out, split)):
             assert sh_entry["file"].startswith(f"{split}/shard-")
             T, n = sh["z_ids"].numel(), sh["prompt_lens"].numel()
             assert (T, n) == (sh_entry["n_tokens"], sh_entry["n_seqs"])
@@ -124,7 +125,7 @@ def test_manifest_and_shard_format(ref_run, tiny_pair):
     assert total == 24  # every (distinct) prompt lands in exactly one split
     (src,) = man["sources"]  # `dataset` is a one-source mix taking all
     assert (src["name"], src["n"], src["field"]) == (str(prompts), -1, "question")
-    assert src["splits"] == {s: {k: man["splits"][s][k] for k in datagen.COUNTS} for s in datagen.SPLITS}
+    assert src["splits"] == {s: {k: man["splits"][s][k] for k in shards.COUNTS} for s in datagen.SPLITS}
 
 
 def test_targets_and_features_match_teacher_forced_recompute(ref_run, tiny_pair):
@@ -171,7 +172,7 @@ def test_mix_share_is_r():
     gen = torch.Generator().manual_seed(0)
     x, y = torch.zeros(200_000, dtype=torch.long), torch.ones(200_000, dtype=torch.long)
     for r in (0.0, 0.15, 0.5, 1.0):
-        z, mask = datagen.mix_tokens(x, y, r, gen)
+        z, mask = batched.mix_tokens(x, y, r, gen)
         assert abs(float((z == 0).float().mean()) - r) < 0.005
         assert torch.equal(mask.bool(), z == 1)
 
@@ -270,7 +271,7 @@ def test_out_dir_with_another_config_is_refused(ref_run, tiny_pair, tmp_path, ca
                           max_dev_prompts=0, max_test_prompts=0, store_features="false"))
     assert man["complete"] and man["splits"]["train"]["n_prompts"] == 2 and man["splits"]["dev"]["shards"] == []
     assert not (out / "dev" / "shard-00000.safetensors").exists()
-    assert "features" not in datagen.load_shard(out / "train" / "shard-00000.safetensors")
+    assert "features" not in shards.load_shard(out / "train" / "shard-00000.safetensors")
 
 
 def test_split_by_prompt_hash_is_stable():
@@ -380,7 +381,7 @@ def test_mix_draws_counts_per_source_with_own_dev_splits(tiny_pair, mix_sets, tm
     seqs = list(_all_seqs(out))
     seen = [text_of[tuple(q["prompt"].tolist())] for q in seqs]
     assert len(set(seen)) == len(seen) == 29  # no text twice, though sharegpt and sharegpt-code overlap
-    counted = {(n, sp): dict.fromkeys(datagen.COUNTS, 0) for n in names for sp in datagen.SPLITS}
+    counted = {(n, sp): dict.fromkeys(shards.COUNTS, 0) for n in names for sp in datagen.SPLITS}
     for q, text in zip(seqs, seen):
         name = names[q["source"]]
         assert text in mix_sets[name] and q["split"] == datagen.split_of(text, 0.5, 0.3)
@@ -450,10 +451,10 @@ def test_features_derived_later_equal_stored_ones(ref_run, tiny_pair, tmp_path, 
     assert man["complete"] and man["config_hash"] == man_bare["config_hash"]
     assert man["splits"] == man_bare["splits"] and man["features"]["from"] == str(bare)
     for sh in (e["file"] for s in man["splits"].values() for e in s["shards"]):
-        assert datagen.shard_meta(out / sh) == datagen.shard_meta(bare / sh)  # the source shard's metadata kept
+        assert shards.shard_meta(out / sh) == shards.shard_meta(bare / sh)  # the source shard's metadata kept
     n = 0
     for split in datagen.SPLITS:
-        for a, b in zip(datagen.iter_shards(ref, split), datagen.iter_shards(out, split), strict=True):
+        for a, b in zip(shards.iter_shards(ref, split), shards.iter_shards(out, split), strict=True):
             assert a.keys() == b.keys()
             for k in a:
                 if k != "features":
@@ -487,7 +488,7 @@ def test_target_prefix_states_are_the_decoders_inputs(ref_run, tiny_pair, tmp_pa
     params = SamplingParams(1.0, TOP_K, TOP_P)
     n = 0
     for split in datagen.SPLITS:
-        for sh in datagen.iter_shards(out, split):
+        for sh in shards.iter_shards(out, split):
             io_, ro, pls = sh["input_offsets"], sh["resp_offsets"], sh["prompt_lens"]
             for s in range(len(pls)):
                 prompt = sh["input_ids"][int(io_[s]):int(io_[s]) + int(pls[s])].long()
@@ -521,10 +522,10 @@ def test_features_resume_after_a_lost_shard_and_refuse_another_draft(ref_run, ti
     _run(_overrides(tiny_pair, prompts, bare, store_features="false", max_train_prompts=4))
     datagen_features.run(str(bare), str(out), dtype="fp32", device="cpu", progress=False)
     f = out / "dev" / "shard-00000.safetensors"
-    before = datagen.load_shard(f)
+    before = shards.load_shard(f)
     f.unlink()  # as a kill before its atomic write would leave it
     man = datagen_features.run(str(bare), str(out), dtype="fp32", device="cpu", progress=False)
-    assert man["complete"] and torch.equal(datagen.load_shard(f)["features"], before["features"])
+    assert man["complete"] and torch.equal(shards.load_shard(f)["features"], before["features"])
     # the data names a draft whose weights are not the ones that generated it
     m = json.loads((bare / "manifest.json").read_text())
     m["models"]["draft"]["fingerprint"] = "0" * 16
@@ -553,9 +554,9 @@ def test_datagen_stats_adds_up_to_the_manifest(ref_run, tmp_path, capsys):
         (total,) = total
         for key, name in (("n_prompts", "responses"), ("n_tokens", "tokens"), ("n_loss_tokens", "loss positions")):
             assert int(total[col[name]]) == man["splits"][split][key]
-        P = torch.cat([sh["accept_prob"][sh["loss_mask"].bool()] for sh in datagen.iter_shards(out, split)])
+        P = torch.cat([sh["accept_prob"][sh["loss_mask"].bool()] for sh in shards.iter_shards(out, split)])
         assert total[col["mean P"]] == f"{P.double().mean():.3f}"
-        logq = torch.cat([sh["draft_stats"][sh["loss_mask"].bool(), 0] for sh in datagen.iter_shards(out, split)])
+        logq = torch.cat([sh["draft_stats"][sh["loss_mask"].bool(), 0] for sh in shards.iter_shards(out, split)])
         assert total[col["AUC log q(Y)"]] == fmt(auc(logq, P), ".3f")
     assert mod.main(["--data", str(out), "--goal", "1000", "--out", str(tmp_path / "new" / "s.md")]) == 0
     text = (tmp_path / "new" / "s.md").read_text()
@@ -566,7 +567,7 @@ def test_datagen_stats_adds_up_to_the_manifest(ref_run, tmp_path, capsys):
 def test_the_committed_token_data_still_reads():
     """data/datagen/mix was written by an earlier version: its manifest format and its shards'
     metadata key are a file format, kept when modules move."""
-    from adaptive_spec.datagen.generate import load_shard
+    from adaptive_spec.datagen.shards import load_shard
 
     root = PROJECT_ROOT / "data" / "datagen" / "mix"
     man = read_manifest(root, partial=True)

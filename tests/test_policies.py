@@ -396,15 +396,15 @@ def test_policy_stats_equal_the_stats_datagen_stored(tiny_pair, tmp_path):
     the draft_stats datagen stored (up to fp32 noise: datagen runs batched and left padded)."""
     from transformers import AutoModelForCausalLM
 
-    from adaptive_spec.datagen import generate as datagen
+    from adaptive_spec.datagen import shards
     from test_datagen import TOP_K, TOP_P, _overrides, _run, _write_prompts
 
     _run(_overrides(tiny_pair, _write_prompts(tmp_path / "prompts.jsonl"), tmp_path / "dg"))
     params = SamplingParams(1.0, TOP_K, TOP_P)
     lm = CausalLM(AutoModelForCausalLM.from_pretrained(tiny_pair[0], dtype=torch.float32).eval())
     n = 0
-    for split in datagen.SPLITS:
-        for sh in datagen.iter_shards(tmp_path / "dg", split):
+    for split in shards.SPLITS:
+        for sh in shards.iter_shards(tmp_path / "dg", split):
             io_, ro = sh["input_offsets"], sh["resp_offsets"]
             for s in range(len(sh["prompt_lens"])):
                 pl, r = int(sh["prompt_lens"][s]), slice(int(ro[s]), int(ro[s + 1]))

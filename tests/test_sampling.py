@@ -10,7 +10,8 @@ import torch
 
 from adaptive_spec.backends import logits as logits_mod
 from adaptive_spec.decoding import sampling
-from adaptive_spec.decoding.sampling import SamplingParams, process_logits, top_k, verify, verify_greedy
+from adaptive_spec.backends.logits import top_k
+from adaptive_spec.decoding.sampling import SamplingParams, process_logits, verify, verify_greedy
 
 V = 151_936
 

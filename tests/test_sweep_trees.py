@@ -10,7 +10,7 @@ import pytest
 from adaptive_spec.evaluation import report
 from adaptive_spec.evaluation import sweep, sweep_files
 from adaptive_spec.evaluation import sweep_run
-from adaptive_spec.evaluation import tree_calibration
+from adaptive_spec.evaluation import sweep_grid, tree_calibration
 from adaptive_spec.config import load_config
 from adaptive_spec.errors import UserError
 from adaptive_spec.heads.head import AcceptanceHead
@@ -109,7 +109,7 @@ def test_bad_input_errors_are_one_line_before_models_load(inputs, tmp_path, monk
 # ----------------------------------------------------------------------------- one schema with generate
 
 def specs_of(trees):
-    return sweep.tree_specs(SweepConfig(heads=[], trees=trees))
+    return sweep_grid.tree_specs(SweepConfig(heads=[], trees=trees))
 
 
 @pytest.mark.parametrize("entry, key", [
@@ -180,7 +180,7 @@ def test_shipped_tree_configs_keep_their_keys(name):
     from pathlib import Path
 
     cfg = load_config(SweepConfig, str(Path(__file__).resolve().parents[1] / "configs" / "sweep" / name), [])
-    assert [s.key for s in sweep.tree_specs(cfg)] == SHIPPED_KEYS[name]
+    assert [s.key for s in sweep_grid.tree_specs(cfg)] == SHIPPED_KEYS[name]
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -238,7 +238,7 @@ def test_tree_sweep_rows_calibration_resume_and_report(inputs, tmp_path, monkeyp
     cal = json.loads(cal_file.read_text())
     evaluated = {p["prompt_sha"] for ps in json.loads((out / "prompts.json").read_text()).values() for p in ps}
     assert len(cal["settings"]["prompts"]) == 2 and not set(cal["settings"]["prompts"]) & evaluated
-    tree_rows = [r for r in rows if r["method"] in sweep.TREE_POLICIES]
+    tree_rows = [r for r in rows if r["method"] in tree_calibration.TREE_POLICIES]
     assert {r["config"] for r in tree_rows} == set(TREE_KEYS)
     for r in tree_rows:
         check_tree_row(r)
@@ -280,7 +280,7 @@ def test_greedy_trees_give_the_target_output(inputs, tmp_path):
     assert set(TREE_KEYS) <= set(by)
     assert {r["output_sha"] for r in rows} == {by["ar"]["output_sha"]}
     for r in rows:
-        if r["method"] in sweep.TREE_POLICIES:
+        if r["method"] in tree_calibration.TREE_POLICIES:
             check_tree_row(r)
 
 

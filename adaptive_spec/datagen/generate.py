@@ -50,12 +50,9 @@ from ..config import config_from_argv
 from ..errors import UserError, get_logger, run_main
 from ..prompts import encode_prompt, eos_token_ids, prompt_texts
 from ..runs import read_manifest, settings_problem
-# The batched decoder and the shard format live in their own modules; the names other code reads
-# from here (tests, eval/, training/, features.py) are re-exported (noqa: F401).
-from .batched import _input_device, generate_shard, mix_tokens  # noqa: F401
+from .batched import _input_device, generate_shard
 from .config import DRAFT_KEYS, UNHASHED_KEYS, WORK_ORDER, DatagenConfig, config_hash
-from .shards import (COUNTS, FORMAT, SPLITS, _n_shards, _write_shard, folder_manifest, iter_shards,  # noqa: F401
-                     load_shard, pack_shard, shard_file, shard_meta, write_manifest)
+from .shards import FORMAT, SPLITS, _n_shards, _write_shard, folder_manifest, pack_shard, shard_file, write_manifest
 
 log = get_logger(__name__)
 

@@ -20,8 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import UserError, get_logger
-from ..heads.curve import (CURVE_NAME, FORMAT, autotune_command, curve_path, load_curve,  # noqa: F401 (re-exported)
-                           sampling_mismatch, weights_hash)
+from ..heads.curve import curve_path, load_curve, sampling_mismatch
 from .costs import measure_costs
 from .timemodel import coef_of, effective_model, predict_time
 

@@ -186,7 +186,7 @@ class MultiDraftPolicy(RoundOwner):
         self.reset()
 
     def reset(self):
-        # per-generation counts for the sweep's rows (sweep.tree_stats): rounds and the drafted
+        # per-generation counts for the sweep's rows (sweep_run.tree_stats): rounds and the drafted
         # tries' depths (k, less where a draft ended early or the length limit cut the round)
         self.rounds = 0
         self.depth_sum = 0

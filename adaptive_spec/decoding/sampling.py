@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 # the distribution a token is drawn from (temperature, top-k, top-p): below the decoder and the heads
-from ..backends.logits import SamplingParams, process_logits, top_k  # noqa: F401 (re-exported)
+from ..backends.logits import SamplingParams, process_logits  # noqa: F401 (the sampling API: processing the logits is its first step)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

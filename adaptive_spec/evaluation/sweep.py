@@ -89,13 +89,10 @@ from ..runs import append_jsonl, lock_dir, read_jsonl
 from .sweep_config import SweepConfig
 from .sweep_files import (COSTS, RESULTS, TREE_CALIBRATION, check_calibration, check_out_dir, cpu_pad_to,
                           prompt_sha, settings_hash, settings_of, write_run_files)
-# the sweep's parts, split by job; their names stay importable from here
-from .sweep_grid import (AUTO, MULTI_DRAFT, Baseline, Configuration, Source, build_grid,  # noqa: F401
-                         policy_specs, tree_specs)
-from .sweep_heads import draft_hidden_size, load_heads, load_tree_heads, resolve_heads  # noqa: F401
-from .sweep_run import (Sweep, auto_node_cost, check_auto_curves, hf_generate, hf_schedule_note,  # noqa: F401
-                        reads_costs, run_one, tree_stats, verification)
-from .tree_calibration import TREE_POLICIES, VERIFICATION, load_or_calibrate, measure_rates  # noqa: F401
+from .sweep_grid import Baseline, Configuration, Source, build_grid
+from .sweep_heads import draft_hidden_size, load_heads, load_tree_heads
+from .sweep_run import Sweep, auto_node_cost, check_auto_curves, hf_schedule_note, reads_costs, run_one, verification
+from .tree_calibration import load_or_calibrate, measure_rates
 
 # ----------------------------------------------------------------------------- the sweep
 

@@ -382,7 +382,7 @@ def join_inputs(hidden: torch.Tensor, stats: torch.Tensor | None = None) -> torc
 
 def shard_inputs(head, shard: dict) -> torch.Tensor:
     """[T, in_dim] input rows of `head` for every response position of a datagen shard (the dict of
-    datagen.load_shard), built as training builds them: row i scores Y_i, from the state training
+    shards.load_shard), built as training builds them: row i scores Y_i, from the state training
     pairs with it (token: features[i]; context: features[i - 1]) and, for inputs=hidden+stats, the
     stored draft_stats[i]. Rows equal training's where `shard_positions` is True; elsewhere a token
     head's row holds the state after X_i (Z_i was the target's token) and a context head's row at a

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..datagen.generate import iter_shards
+from ..datagen.shards import iter_shards
 from ..heads.curve import FORMAT, autotune_command, curve_path, weights_hash
 from ..errors import UserError, get_logger
 from ..heads import head as heads
