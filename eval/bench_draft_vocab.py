@@ -41,7 +41,8 @@ def measure(args) -> tuple[list[dict], dict]:
     import torch
 
     from adaptive_spec.backends.cpu import flags_line
-    from adaptive_spec.backends.models import CausalLM, load_model
+    from adaptive_spec.backends.models import load_model
+    from adaptive_spec.backends.runner import CausalLM
     from adaptive_spec.decoding.sampling import SamplingParams
     from adaptive_spec.evaluation.forward_costs import linear_bytes, time_forward
 

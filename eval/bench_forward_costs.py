@@ -36,7 +36,7 @@ from adaptive_spec.evaluation.paired import rebuild_report, write_run
 from adaptive_spec.tables import md_table
 
 if TYPE_CHECKING:  # torch, llama.cpp and the models are imported where a measuring run needs them
-    from adaptive_spec.backends.models import CausalLM
+    from adaptive_spec.backends.runner import CausalLM
 
 SCRIPT = f"eval/{Path(__file__).name}"
 
@@ -59,7 +59,8 @@ def kernels_args(ap: argparse.ArgumentParser) -> None:
 
 
 def load_path(name: str, role: str, dtype: str, packed: bool, fp16: bool) -> CausalLM:
-    from adaptive_spec.backends.models import CausalLM, load_model
+    from adaptive_spec.backends.models import load_model
+    from adaptive_spec.backends.runner import CausalLM
 
     model, _ = load_model(name, role, dtype, "cpu", pack=packed, fp16=fp16)
     return CausalLM(model)
@@ -197,7 +198,7 @@ def measure_linear_rows(args) -> tuple[dict, dict]:
     for 1 and for K + 1 rows; this measures how close each available kernel gets, on random weights
     of the model's own shapes (no checkpoint is read: only its config), so the floor that the
     kernels set under the `kernels` subcommand's whole-forward ratio is visible:
-    - oneDNN packed (the runtime's path: models.PackedLinear), in fp32 and, where the CPU has bf16
+    - oneDNN packed (the runtime's path: packed.PackedLinear), in fp32 and, where the CPU has bf16
       kernels, bf16;
     - MKL packed sgemm (`torch.ops.mkl._mkl_linear`), fp32;
     - FBGEMM fp16 weights with fp32 activations (`torch.fbgemm_linear_fp16_weight_fp32_activation`;

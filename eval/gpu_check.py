@@ -50,7 +50,7 @@ import torch  # noqa: E402
 
 try:
     from adaptive_spec.backends import presets  # noqa: E402
-    from adaptive_spec.backends.models import CausalLM  # noqa: E402
+    from adaptive_spec.backends.runner import CausalLM  # noqa: E402
     from adaptive_spec.backends.static_runner import DRAFT_SHAPES, verify_shapes  # noqa: E402
     from adaptive_spec.backends.toy import make_model  # noqa: E402
     from adaptive_spec.decoding.decoder import Decoder  # noqa: E402

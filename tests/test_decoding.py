@@ -9,7 +9,7 @@ import torch
 from adaptive_spec.decoding import sampling
 from adaptive_spec.decoding.decoder import Decoder
 from adaptive_spec.heads.head import AcceptanceHead
-from adaptive_spec.backends.models import CausalLM
+from adaptive_spec.backends.runner import CausalLM
 from adaptive_spec.decoding.interfaces import PolicyContext
 from adaptive_spec.typed import policy_class
 from adaptive_spec.decoding.pipeline import make_policy, policy_names

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from adaptive_spec.backends.fused import FusedDecoder, OpCounter, step_launches, unsupported_reason
-from adaptive_spec.backends.models import CausalLM
+from adaptive_spec.backends.runner import CausalLM
 from adaptive_spec.backends.static_runner import (DRAFT_SHAPES, FusedCausalLM, StaticCausalLM, make_runner,
                                                   verify_shapes)
 from adaptive_spec.backends.vocab import reduce_output_layer

@@ -21,7 +21,7 @@ from adaptive_spec.decoding.costs import Costs
 from adaptive_spec.decoding.decoder import Decoder
 from adaptive_spec.errors import UserError
 from adaptive_spec.heads.head import AcceptanceHead
-from adaptive_spec.backends.models import CausalLM
+from adaptive_spec.backends.runner import CausalLM
 from adaptive_spec.decoding.policies import FixedK, LearnedThreshold
 from adaptive_spec.decoding.sampling import SamplingParams
 import exact

@@ -5,7 +5,7 @@ import torch
 from adaptive_spec.decoding import multidraft as MD
 from adaptive_spec.decoding.decoder import Decoder
 from adaptive_spec.errors import UserError
-from adaptive_spec.backends.models import CausalLM
+from adaptive_spec.backends.runner import CausalLM
 from adaptive_spec.decoding.pipeline import make_policy
 from adaptive_spec.decoding.sampling import SamplingParams
 from tiny import make_model

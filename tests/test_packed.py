@@ -1,4 +1,4 @@
-"""The CPU pre-packed linear layers (models.PackedLinear) change kernels, never results.
+"""The CPU pre-packed linear layers (packed.PackedLinear) change kernels, never results.
 
 Every test runs in fp32 (oneDNN packs fp32 on any x86 CPU: the AVX2 path) and in bf16, which
 skips where oneDNN has no packed bf16 kernel, naming the missing CPU feature.
@@ -9,7 +9,9 @@ import torch
 from adaptive_spec.backends.cpu import auto_dtype, describe, fbgemm_fp16, onednn_packed
 from adaptive_spec.decoding.decoder import Decoder
 from adaptive_spec.errors import UserError
-from adaptive_spec.backends.models import CausalLM, PackedLinear, choose_padding, load_model, pack_cpu_linears
+from adaptive_spec.backends.models import load_model
+from adaptive_spec.backends.packed import PackedLinear, choose_padding, pack_cpu_linears
+from adaptive_spec.backends.runner import CausalLM
 from adaptive_spec.decoding.policies import FixedK
 from adaptive_spec.decoding.sampling import SamplingParams
 from exact import chi_square_pvalue, exact_sequence_probs, sample_counts

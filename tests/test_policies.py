@@ -9,7 +9,7 @@ from adaptive_spec.decoding.decoder import Decoder
 from adaptive_spec.errors import UserError
 from adaptive_spec.heads.features import draft_stats, step_stats
 from adaptive_spec.heads.head import AcceptanceHead
-from adaptive_spec.backends.models import CausalLM
+from adaptive_spec.backends.runner import CausalLM
 from adaptive_spec.decoding.pipeline import SpecPair
 from adaptive_spec import registry
 from adaptive_spec.decoding.interfaces import RoundOwner, RoundState, StopPolicy, register

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from adaptive_spec.backends.models import CausalLM
+from adaptive_spec.backends.runner import CausalLM
 from adaptive_spec.backends.presets import PRESETS, TINY_VOCAB, build_model, build_pair, by_hub_ids, preset
 from adaptive_spec.backends.static_runner import StaticCausalLM
 from adaptive_spec.decoding.decoder import Decoder

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from adaptive_spec.backends.models import CausalLM
+from adaptive_spec.backends.runner import CausalLM
 from adaptive_spec.backends.static_runner import StaticCausalLM
 from adaptive_spec.decoding.decoder import Decoder
 from adaptive_spec.decoding.ngram import NgramPolicy

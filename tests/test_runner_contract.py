@@ -10,7 +10,7 @@ import torch
 
 from adaptive_spec.backends import engines, llamacpp
 from adaptive_spec.backends.contract import Counters, Runner, TreeRunner
-from adaptive_spec.backends.models import CausalLM
+from adaptive_spec.backends.runner import CausalLM
 from adaptive_spec.backends.static_runner import FusedCausalLM, StaticCausalLM
 from adaptive_spec.backends.window import WindowedDraft
 from tiny import MockLM, make_model, save_gguf

@@ -16,7 +16,7 @@ import torch
 from adaptive_spec.decoding.decoder import Decoder
 from adaptive_spec.errors import UserError
 from adaptive_spec.heads.head import AcceptanceHead
-from adaptive_spec.backends.models import CausalLM
+from adaptive_spec.backends.runner import CausalLM
 from adaptive_spec.decoding.policies import FixedK
 from adaptive_spec.decoding.sampling import SamplingParams
 from adaptive_spec.backends.static_runner import DRAFT_SHAPES, StaticCausalLM, make_runner

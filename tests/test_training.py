@@ -229,7 +229,7 @@ def test_features_from_the_draft_when_the_dataset_has_none(tmp_path, tiny_pair, 
     # the features come from the draft that made the data, checked by its weights' fingerprint
     with pytest.raises(UserError, match="fingerprint"):
         load_split(cfg, m, "train", acc)
-    from adaptive_spec.backends.models import model_fingerprint
+    from adaptive_spec.backends.runner import model_fingerprint
     from adaptive_spec.backends.models import load_model
 
     model, _ = load_model(str(draft_dir), "draft", dtype="fp32")

@@ -16,7 +16,7 @@ from adaptive_spec.decoding.trees import verify as TV
 from adaptive_spec.decoding.decoder import Decoder
 from adaptive_spec.heads.head import AcceptanceHead
 from adaptive_spec.decoding.interfaces import PolicyContext
-from adaptive_spec.backends.models import CausalLM
+from adaptive_spec.backends.runner import CausalLM
 from adaptive_spec.decoding.pipeline import make_policy
 from adaptive_spec.decoding.sampling import SamplingParams
 from tiny import make_model

@@ -17,7 +17,7 @@ from adaptive_spec.decoding.decoder import Decoder
 from adaptive_spec.errors import UserError
 from adaptive_spec.heads.head import AcceptanceHead
 from adaptive_spec.decoding.interfaces import PolicyContext
-from adaptive_spec.backends.models import CausalLM
+from adaptive_spec.backends.runner import CausalLM
 from adaptive_spec.decoding.pipeline import make_policy
 from adaptive_spec.decoding.sampling import SamplingParams
 from exact import chi_square_pvalue, exact_sequence_probs, sample_counts

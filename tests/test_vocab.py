@@ -7,7 +7,8 @@ import torch
 
 from adaptive_spec.decoding.decoder import Decoder
 from adaptive_spec.errors import UserError
-from adaptive_spec.backends.models import CausalLM, check_vocab, load_model
+from adaptive_spec.backends.models import check_vocab, load_model
+from adaptive_spec.backends.runner import CausalLM
 from adaptive_spec.decoding.policies import FixedK
 from adaptive_spec.decoding.sampling import SamplingParams, entropy
 from adaptive_spec.backends.vocab import SHIPPED, reduce_output_layer, resolve_draft_vocab, save_token_list

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from adaptive_spec.backends.models import CausalLM
+from adaptive_spec.backends.runner import CausalLM
 from tiny import MockLM, make_model
 
 MOCK_V = 5  # vocabulary of mock_pair: small enough to enumerate every continuation

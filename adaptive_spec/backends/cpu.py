@@ -11,7 +11,7 @@ CPUs differ between machines, and the difference decides whether speculative dec
   and, since fp32 doubles the bytes a one-row step streams, each layer also keeps an fp16 copy
   of its weight (exact for weights from bf16 checkpoints) that FBGEMM reads for short inputs,
   the decode steps and short verifications where that is measured faster (fbgemm_fp16,
-  models.pack_cpu_linears). Prefill and batched work stay on oneDNN fp32.
+  packed.pack_cpu_linears). Prefill and batched work stay on oneDNN fp32.
 
 `resolve_dtype("auto")` (the default everywhere) applies that rule; an explicit dtype is
 always honoured. `describe()` is what benchmarks, sweep rows and `--json` metrics record, so a

@@ -1,4 +1,4 @@
-"""The llama.cpp engine: a GGUF model behind the same runner interface as `models.CausalLM`.
+"""The llama.cpp engine: a GGUF model behind the same runner interface as `runner.CausalLM`.
 
 The decoder, the sampler, the stop rules and the metrics never see which engine runs: a runner
 feeds tokens after its cached prefix and returns logits (`forward`), crops its cache
@@ -138,7 +138,7 @@ class GGUFModel:
 
 
 class LlamaCppLM:
-    """A llama.cpp context with the `CausalLM` runner interface (see models.CausalLM).
+    """A llama.cpp context with the `CausalLM` runner interface (see runner.CausalLM).
 
     Invariant kept by the decoders, as for CausalLM: the cache covers seq[:length] and the next
     forward feeds seq[length:].

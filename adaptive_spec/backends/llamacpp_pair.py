@@ -189,7 +189,7 @@ def _gguf_tokenizer(name, gguf_path):
     from transformers import AutoTokenizer, GenerationConfig  # heavy: the tokenizer registry, for this engine only
 
     from ..prompts import eos_token_ids  # noqa: PLC0415 (a pair's, once)
-    from .models import resolve_model_path  # noqa: PLC0415 (the downloader: kept off other pairs' paths)
+    from .paths import resolve_model_path
 
     folder = (resolve_model_path("default", "target") if name in (None, "default")
               else str(gguf_path.parent) if (gguf_path.parent / "tokenizer_config.json").is_file() else None)

@@ -7,20 +7,17 @@ the PyPI GGUF packages by `adaptive-spec fetch-models` (see setup/fetch.py).
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 
 from ..errors import UserError, first_line
 from .cpu import auto_dtype
-from .paths import resolve_model_path  # noqa: F401 (re-exported)
+from .paths import resolve_model_path
 from .vocab import reduce_output_layer, resolve_draft_vocab
 
-from .packed import PackedLinear, choose_fp16_rows, choose_padding, pack_cpu_linears  # noqa: F401 (re-exported)
-from .quant import (QUANT_LAYERS, QUANTS, Int4Linear, Int8Linear, QuantLinear, check_quant,  # noqa: F401
-                    densify_quantized, int4_kernel, int8_kernel, quantize_linears)
-from .runner import (CausalLM, _vocab_rows, kv, model_fingerprint, model_kv, resolve_device,  # noqa: F401
-                     spread_kept_logits)
+from .packed import pack_cpu_linears
+from .quant import QUANT_LAYERS, check_quant, quantize_linears
+from .runner import _vocab_rows, resolve_device
 
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,

@@ -51,7 +51,7 @@ from transformers.cache_utils import StaticLayer
 from ..errors import UserError
 from .fused import FusedDecoder, unsupported_reason
 from .graphs import ShapeGraphs, persist_compile_caches, raise_recompile_limit
-from .models import CausalLM, kv, model_kv
+from .runner import CausalLM, kv, model_kv
 
 DEFAULT_MAX_CACHE_LEN = 2048
 

@@ -1,5 +1,5 @@
 """The torch engine's loader: Hugging Face weights (the default pair: the fetched GGUFs dequantized to
-bf16) on KV runners (models.CausalLM, or static_runner's static cache), as engines.Loaded.
+bf16) on KV runners (runner.CausalLM, or static_runner's static cache), as engines.Loaded.
 
 dtype "auto": bf16, or fp32 on a CPU without bf16 kernels (cpu.py). The draft may be made cheaper
 without touching exactness: draft_quant "int8" / "int4" (weight-only), draft_vocab N | FILE | FILE:N
@@ -13,7 +13,9 @@ from ..errors import UserError, get_logger
 from ..prompts import eos_token_ids
 from .contract import Loaded
 from .fused import unsupported_reason
-from .models import check_quant, check_vocab, load_model, resolve_device
+from .models import check_vocab, load_model
+from .quant import check_quant
+from .runner import resolve_device
 from .static_runner import DRAFT_SHAPES, make_runner, verify_shapes
 
 log = get_logger(__name__)

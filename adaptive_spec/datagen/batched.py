@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from ..backends.models import model_kv, spread_kept_logits
+from ..backends.runner import model_kv, spread_kept_logits
 from ..decoding.sampling import process_logits, sample
 from ..heads.features import draft_stats
 

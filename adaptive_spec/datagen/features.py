@@ -34,7 +34,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..backends.models import densify_quantized, load_model, model_fingerprint, resolve_device
+from ..backends.models import load_model
+from ..backends.quant import densify_quantized
+from ..backends.runner import model_fingerprint, resolve_device
 from ..errors import UserError, get_logger
 from ..heads.features import CONTEXT_KEY, PREFIXES
 from ..runs import project_path, read_manifest

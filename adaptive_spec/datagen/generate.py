@@ -44,8 +44,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..backends.models import (check_vocab, densify_quantized, load_model, model_fingerprint, resolve_device,
-                               resolve_dtype, resolve_model_path)
+from ..backends.models import check_vocab, load_model, resolve_dtype
+from ..backends.paths import resolve_model_path
+from ..backends.quant import densify_quantized
+from ..backends.runner import model_fingerprint, resolve_device
 from ..config import config_from_argv
 from ..errors import UserError, get_logger, run_main
 from ..prompts import encode_prompt, eos_token_ids, prompt_texts

@@ -135,7 +135,7 @@ def monotone(values) -> list[float]:
     """The non-decreasing sequence closest to `values` in least squares (pool adjacent violators).
 
     A pass of more tokens never costs less once the runner has picked its kernels: where oneDNN
-    runs M rows slower than M' > M, models.choose_padding already pads M up to M'. So a
+    runs M rows slower than M' > M, packed.choose_padding already pads M up to M'. So a
     measured dip (e.g. 150 ms for 3 tokens, 130 ms for 4, both run as 6 padded rows) is timing
     noise, and pooling the two gives each a time from twice the samples."""
     blocks: list[list[float]] = []  # [mean, count]

@@ -220,7 +220,8 @@ def load_feature_pair(params):
     drafter over the target's embedding, norm and LM head (`--draft-vocab` reduces its output as for a draft)."""
     from ..backends import torch_engine
     from ..backends.contract import Loaded
-    from ..backends.models import load_model, resolve_device
+    from ..backends.models import load_model
+    from ..backends.runner import resolve_device
     from ..backends.static_runner import make_runner
     from ..backends.vocab import resolve_draft_vocab
     from ..prompts import eos_token_ids

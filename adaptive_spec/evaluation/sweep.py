@@ -76,7 +76,7 @@ from typing import NamedTuple
 from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
-from ..backends.models import resolve_device
+from ..backends.runner import resolve_device
 from ..config import config_from_argv
 from ..decoding.costs import measure_costs
 from ..decoding.decoder import Decoder

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..backends.models import resolve_model_path
+from ..backends.paths import resolve_model_path
 from ..errors import UserError
 from ..heads.head import AcceptanceHead
 from ..runs import PROJECT_ROOT

@@ -159,7 +159,8 @@ def drafter_loss(drafter, readout, feats, ids, valid, cfg: DrafterConfig, noise:
 
 def build_states(cfg: DrafterConfig, progress: bool = True, stop_after: int = 0) -> Path:
     """The target's states along the config's sequences (drafter/data.py), computed where missing."""
-    from ..backends.models import load_model, model_fingerprint
+    from ..backends.models import load_model
+    from ..backends.runner import model_fingerprint
     from ..drafter import data
 
     out = Path(cfg.states_dir or Path(cfg.output_dir) / "states")
@@ -179,7 +180,8 @@ def build_states(cfg: DrafterConfig, progress: bool = True, stop_after: int = 0)
 def load_readout(cfg: DrafterConfig, device):
     """(the target's readout, a new drafter for it, the target's fingerprint); the target's layers are
     dropped once the drafter has copied the last one: only the embedding, final norm and LM head stay."""
-    from ..backends.models import load_model, model_fingerprint
+    from ..backends.models import load_model
+    from ..backends.runner import model_fingerprint
     from ..drafter.model import FeatureDrafter, Readout
 
     model, _ = load_model(cfg.target, "target", cfg.target_dtype, device, pack=False)
