@@ -23,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..errors import UserError
-from .paths import parse_draft_vocab  # noqa: F401 (re-exported)
+from .paths import parse_draft_vocab
 
 SHIPPED = Path(__file__).resolve().parents[1] / "data" / "token_freq_qwen2.5.safetensors"
 
