@@ -72,11 +72,11 @@ def decode_loop_times(lm, reps: int, steps: int | None = None, warmup: int = DEC
         raise UserError(f"the target-alone loop stopped after {len(marks)} of {n} steps; its context "
                         f"({getattr(lm, 'max_length', None)} positions) is too short to time a step")
     seconds = np.diff([marks[0][0]] + [s for _, s, _ in marks])[warmup:]
-    clock = np.diff([t for _, _, t in marks])[warmup - 1:] if warmup else np.diff([t for _, _, t in marks])
+    clock = np.diff([t for _, _, t in marks])[max(warmup - 1, 0):]  # no mark before the first step
     if not seconds.any():
         return float(statistics.median(clock)), 0.0
-    n = min(len(seconds), len(clock))
-    own = clock[-n:] - seconds[-n:]
+    m = min(len(seconds), len(clock))
+    own = clock[-m:] - seconds[-m:]
     return float(statistics.median(seconds)), max(0.0, float(statistics.median(own)))
 
 

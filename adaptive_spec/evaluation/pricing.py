@@ -75,14 +75,14 @@ class Book:
     costs: object
     coef: dict
     ar: float
-    answers: str = "dev answers"
-    data_name: str = ""
+    answers: str  # whose answers the replays ran on, in words
+    data_name: str  # and where they came from
 
     def v(self, n: int) -> float:
         return self.costs.verify_s(n) / self.costs.verify_s(1)
 
 
-def book_for(pair, head, temperature: float, costs, own, curve_file):
+def book_for(pair, head, temperature: float, costs, own, curve_file, answers: str, data_name: str):
     """(auto's picks {"h", "k"} where there is a draft and a head, the sampling mode, the time model, the Book)."""
     from ..decoding.auto import DEFAULT_TIME_MODEL, resolve_auto
     from ..decoding.timemodel import coef_of, effective_model
@@ -98,7 +98,7 @@ def book_for(pair, head, temperature: float, costs, own, curve_file):
     model = next(iter(picks.values()))["model"] if picks else effective_model(
         costs, getattr(pair.engine, "time_model", DEFAULT_TIME_MODEL))
     coef = coef_of(costs, model, loop)
-    return picks, loop, model, Book(costs, coef, rate_of(ONE_STEP, coef))
+    return picks, loop, model, Book(costs, coef, rate_of(ONE_STEP, coef), answers, data_name)
 
 
 def price_ar(book: Book) -> Priced:

@@ -129,9 +129,9 @@ def predict(pair, head: str | None, temperature: float, prompt_tokens: int, max_
     records = None if prompts is None else as_responses(prompts["records"])
     own = (prompts or {}).get("curve_file")  # the prompts' curve, where the draft was recorded
     curve_file = own or _curve_file(head)
-    picks, loop, model, book = book_for(pair, head, temperature, costs, own, curve_file)
-    book.answers = "dev answers" if prompts is None else "answers to your prompts"
-    book.data_name = (COPY_DATA if copy_data is None else copy_data) if prompts is None else prompts["label"]
+    answers = "dev answers" if prompts is None else "answers to your prompts"
+    data_name = (COPY_DATA if copy_data is None else copy_data) if prompts is None else prompts["label"]
+    picks, loop, model, book = book_for(pair, head, temperature, costs, own, curve_file, answers, data_name)
     priced, auto = [price_ar(book)], None
     if picks:
         curve = load_curve(curve_file, "h", head)

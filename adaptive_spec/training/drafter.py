@@ -143,15 +143,17 @@ def drafter_loss(drafter, readout, feats, ids, valid, cfg: DrafterConfig, noise:
         feat = F.smooth_l1_loss(fhat, tgt, reduction="none").mean(-1)
         logq = readout.logits(fhat).log_softmax(-1)
         ce = -(p * logq).sum(-1)
-        loss = loss + (cfg.feature_weight * feat.mean() + cfg.ce_weight * ce.mean()) / steps
+        step_loss = cfg.feature_weight * feat.mean() + cfg.ce_weight * ce.mean()
+        loss = loss + step_loss / steps
         with torch.no_grad():
             sfx = "" if j == 0 else f"_{j + 1}"
-            parts.update({"feature" + sfx: feat.mean().item(), "ce" + sfx: ce.mean().item()})
+            parts.update({"loss" + sfx: step_loss.item(), "feature" + sfx: feat.mean().item(),
+                          "ce" + sfx: ce.mean().item()})
             if scores:
                 parts.update({"top1" + sfx: (logq.argmax(-1) == p.argmax(-1)).float().mean().item(),
                               "accept" + sfx: torch.minimum(p, logq.exp()).sum(-1).mean().item()})
-        # the next step's inputs: slot t + 1 reads this step's f^_{t+1} (slot t's output); slot 0 keeps f_0
-        f_in = torch.cat([f_in[:, :1], fhat_all[:, :-1].detach().float()], 1)
+        if j + 1 < steps:  # the next step's inputs: slot t + 1 reads this step's f^_{t+1} (slot t's output)
+            f_in = torch.cat([f_in[:, :1], fhat_all[:, :-1].detach().float()], 1)
     return loss, parts
 
 
@@ -316,10 +318,9 @@ def evaluate(drafter, readout, seqs: list[dict], cfg: DrafterConfig, batch: int 
     for i in range(0, len(seqs), batch):
         feats, ids, valid = collate(seqs[i:i + batch])
         _, parts = drafter_loss(drafter, readout, feats, ids, valid, cfg, steps=2)
-        loss = sum(cfg.feature_weight * parts["feature" + sfx] + cfg.ce_weight * parts["ce" + sfx]
-                   for sfx in ("", "_2")[:cfg.rollout]) / cfg.rollout  # the loss the run trains
+        parts["loss"] = sum(parts[k] for k in ("loss", "loss_2")[:cfg.rollout]) / cfg.rollout  # the run's loss
         w = int(valid[:, 1:].sum())
-        for k, v in {"loss": loss, **parts}.items():
+        for k, v in parts.items():
             tot[k] = tot.get(k, 0.0) + v * w
         n += w
     drafter.train()
