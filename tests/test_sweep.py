@@ -442,17 +442,17 @@ def test_a_drafts_axis_runs_each_draft_configuration_against_one_target(inputs, 
                      confidence_taus="[]", heuristic="false", hf_assisted="false", include_draft_ar="true",
                      drafts=f"[{', '.join(drafts)}]", policies="[{policy: ngram, k: 2, ngram_min: 1}]")
     loads = []
-    real_load = sweep.SpecPair.load
+    real_load = sweep_run.SpecPair.load
 
     def counting_load(params):
         pair = real_load(params)
         loads.append(pair)
         return pair
 
-    real_pairs, built = sweep._load_pairs, []
+    real_pairs, built = sweep_run.load_pairs, []
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(sweep.SpecPair, "load", counting_load)
-        mp.setattr(sweep, "_load_pairs", lambda *a: built.append(real_pairs(*a)) or built[-1])
+        mp.setattr(sweep_run.SpecPair, "load", counting_load)
+        mp.setattr(sweep_run, "load_pairs", lambda *a: built.append(real_pairs(*a)) or built[-1])
         assert sweep.main(argv) == 0
     assert len(loads) == 2 and list(built[0]) == drafts
     pairs = [p for p, _ in built[0].values()]

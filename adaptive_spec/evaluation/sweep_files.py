@@ -20,7 +20,6 @@ from ..setup.pair import DEFAULT_PAIR
 
 if TYPE_CHECKING:
     from .sweep_config import SweepConfig
-    from .sweep_run import Sweep
 
 RESULTS = "results.jsonl"
 # config keys that change the numbers in results.jsonl; a resume must keep them (with the pair's, _settings)
@@ -74,7 +73,7 @@ def check_out_dir(out: Path, settings: dict, overwrite: bool):
     print(f"note: {problem}; overwrite=true: discarding them", file=sys.stderr)
     for name in RUN_FILES:
         (out / name).unlink(missing_ok=True)
-    for pin in out.glob("costs@*.json"):  # the other drafts entries' pinned costs (_pinned_costs)
+    for pin in out.glob("costs@*.json"):  # the other drafts entries' pinned costs (Runner.pin_costs)
         pin.unlink()
 
 
@@ -104,24 +103,38 @@ def cpu_pad_to(pair) -> dict:
             (("target", pair.target), ("draft", pair.draft)) if m is not None}
 
 
-def write_run_files(sweep: Sweep, heads: dict, selected: dict, pair_runtime: dict):
-    """settings.json, heads.json (`heads`: those of the config's `heads`), prompts.json and config.json (see the
-    module doc); `pair_runtime`: drafts entry -> its pair's runtime_info."""
-    cfg, out, settings = sweep.cfg, sweep.out, sweep.settings
-    pair = sweep.first_pair()  # whose models a trace names
+def row_context(settings: dict, pair, runtime: dict) -> dict:
+    """drafts entry -> what every row of its pair carries: the machine and the numeric paths it ran on ("auto"
+    resolves per CPU); `pair`: the first, whose CPU padding every pair shares; `runtime`: entry -> runtime_info."""
+    pad_to = cpu_pad_to(pair)
+    return {d: {"settings_hash": settings_hash(settings), "cpu_pad_to": pad_to, "isa": r["machine"]["isa"],
+                "cpu_flags": r["machine"]["cpu_flags"], "paths": {m: r.get(f"{m}_path") for m in ("target", "draft")}}
+            for d, r in runtime.items()}
+
+
+def config_record(cfg: SweepConfig, grid: list, notes: list[str], runtime: dict, pair) -> dict:
+    """config.json's content: the full config, the grid and notes, and what ran it; `runtime`: drafts entry ->
+    its pair's runtime_info; `pair`: the first, whose models a trace names."""
+    return {
+        "config": config_to_dict(cfg), "grid": [c.key for c in grid], "notes": notes,
+        "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "transformers": transformers.__version__, "cpu_pad_to": cpu_pad_to(pair),
+        "runtime": next(iter(runtime.values())),
+        **({"drafts_runtime": runtime} if cfg.drafts else {}),
+        **({"trace_pair": trace_pair(cfg, pair)} if cfg.record_trace else {})}
+
+
+def write_run_files(out: Path, settings: dict, heads: dict, selected: dict, config: dict):
+    """settings.json, heads.json (`heads`: those of the config's `heads`), prompts.json and config.json
+    (config_record's, with the device and when: see the module doc)."""
     write_json(out / "settings.json", {"settings": settings, "hash": settings_hash(settings)})
     write_json(out / "heads.json", {k: v[1] for k, v in heads.items()}, default=str)
     write_json(out / "prompts.json", {ds: [{"prompt_idx": i, "prompt_sha": prompt_sha(t), "n_prompt_tokens": len(ids),
                                             "text": t} for i, t, ids in chosen] for ds, chosen in selected.items()},
                indent=1)
-    write_json(out / "config.json", {
-        "config": config_to_dict(cfg), "grid": [c.key for c in sweep.grid], "notes": sweep.notes,
-        "device": settings["device"], "threads": torch.get_num_threads(), "torch": torch.__version__,
-        "transformers": transformers.__version__, "cpu_pad_to": cpu_pad_to(pair),
-        "runtime": next(iter(pair_runtime.values())),
-        **({"drafts_runtime": pair_runtime} if cfg.drafts else {}),
-        **({"trace_pair": trace_pair(cfg, pair)} if cfg.record_trace else {}),
-        "written": time.strftime("%Y-%m-%d %H:%M:%S")}, default=str)
+    first = {k: config.pop(k) for k in ("config", "grid", "notes")}  # config.json's keys in their order
+    write_json(out / "config.json", {**first, "device": settings["device"], **config,
+                                     "written": time.strftime("%Y-%m-%d %H:%M:%S")}, default=str)
 
 
 def trace_pair(cfg: SweepConfig, pair) -> dict:

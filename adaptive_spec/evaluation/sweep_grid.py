@@ -55,7 +55,7 @@ class Baseline(Enum):
 
 
 class Source(Enum):
-    """The part of the config a configuration comes from: what run_one adds to its policy, and what its rows carry."""
+    """The part of the config a configuration comes from: what Runner.run adds to its policy, and what its rows carry."""
 
     SHORTHAND = "shorthand"  # include_ar, ks, heads x thresholds, the taus, heuristic, oracle and the baselines
     POLICIES = "policies"  # a `policies` entry: complete as given
@@ -73,7 +73,7 @@ class Configuration:
     policy: PolicyParams | Baseline  # the settings `generate` takes (params.py), or a baseline
     source: Source
     row: dict  # its fields in rows as stored results name them: ROW_KEYS, then `settings` or tree_row_fields
-    head: str | None = None  # the loaded head run_one puts in the policy: a label of `heads` or a trees entry's folder
+    head: str | None = None  # the loaded head Runner.run puts in the policy: a label of `heads` or a trees entry's folder
     draft: str | None = None  # its `drafts` entry (None: the pair's own draft)
 
     def reads_auto(self) -> bool:
@@ -106,7 +106,7 @@ def _shorthand(key: str, policy, row: dict, head: str | None = None) -> Configur
 
 def _unchecked(name: str, **values) -> PolicyParams:
     """A shorthand policy that lacks what only the loaded sweep knows (a head, an auto's curve): each value is
-    checked as its field by SweepConfig.validate, the whole by its class once run_one completes it."""
+    checked as its field by SweepConfig.validate, the whole by its class once Runner.run completes it."""
     return policy_class(name).model_construct(**values)
 
 

@@ -1,42 +1,52 @@
-"""One configuration of a sweep on one prompt: its policy, completed with what only the loaded sweep knows,
-run and counted. Part of `adaptive-spec sweep` (sweep.py runs the grid)."""
+"""The sweep's loaded pairs, and one configuration on one prompt: its policy, completed with what only the loaded
+sweep knows (heads, curves, calibrated rates, pinned costs), run and counted. Part of `adaptive-spec sweep`
+(sweep.py runs the grid)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from transformers.utils import is_sklearn_available
 from transformers.utils import logging as hf_logging
 
-from ..decoding.metrics import Metrics
+from ..decoding.costs import measure_costs
+from ..decoding.decoder import Decoder
 from ..decoding.interfaces import PolicyContext
-from ..decoding.pipeline import make_policy
+from ..decoding.metrics import Metrics
+from ..decoding.pipeline import SpecPair, make_policy, torch_threads
 from ..decoding.sampling import SamplingParams
 from ..errors import UserError
 from ..heads.curve import load_curve
-from ..params import LearnedParams, OracleParams
+from ..params import LearnedParams, OracleParams, PairParams
 from ..timing import timed
 from .sweep_config import SweepConfig
+from .sweep_files import COSTS, TREE_CALIBRATION, check_calibration, prompt_sha, settings_hash
 from .sweep_grid import Baseline, Configuration, Source, completed
-from .tree_calibration import VERIFICATION
+from .tree_calibration import VERIFICATION, load_or_calibrate, measure_rates
 
 HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented prompt-lookup setting (it has no default)
 
 
-@dataclass
-class Sweep:
-    """A sweep as it runs: what its steps and every run share, held in one place instead of passed along."""
+class Runner:
+    """The sweep's loaded pairs and what every run shares. `run` runs one configuration on one prompt, by its
+    policy's type: a Baseline by code of its own, a `trees` entry with the calibrated rates, any other
+    PolicyParams through generate."""
 
-    cfg: SweepConfig
-    grid: list[Configuration]
-    notes: list[str]
-    heads: dict  # label (or a trees entry's folder as written) -> (AcceptanceHead, info)
-    out: Path | None = None
-    settings: dict = field(default_factory=dict)  # what the results depend on (sweep._settings)
-    pairs: dict = field(default_factory=dict)  # drafts entry ("" without a drafts axis) -> (pair, draft-alone decoder)
-    tree_ctx: dict = field(default_factory=dict)  # the trees' calibrated rates and node cost (sweep._tree_context)
-    greedy: dict = field(default_factory=dict)  # prompt ids -> the target alone's greedy output: the oracle's X
+    def __init__(self, cfg: SweepConfig, heads: dict, note):
+        """Load one pair per `drafts` entry (sharing the first one's target) and move every head to its draft;
+        `note(*lines)` takes the sweep's notes (config.json's), the runner's on what it measures among them."""
+        self.heads = heads  # label (or a trees entry's folder as written) -> (AcceptanceHead, info)
+        self.note = note
+        self.sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
+        self.max_new_tokens, self.k_max = cfg.max_new_tokens, cfg.k_max
+        self.auto_prompts, self.curve = cfg.auto_prompts, cfg.curve  # where an auto's curve comes from
+        self.width, self.progress = cfg.tree_calibration_width, cfg.progress
+        self.pairs = load_pairs(cfg.draft_pairs(), heads)  # drafts entry -> (pair, draft-alone decoder)
+        for p, _ in self.pairs.values():
+            p.decoder.record_trace = cfg.record_trace  # Metrics.trace, which the rows keep (Metrics.to_dict)
+        self.tree_ctx = {"rates": {}, "calibration": None, "node_cost": None}  # set by calibrate
+        self.greedy = {}  # prompt ids -> the target alone's greedy output: the oracle's X
+        self.prompt_curves = {}  # (head folder) -> the curve of auto_prompts' answers (prompts_curve)
 
     def first_pair(self):
         """The first `drafts` entry's pair: every pair shares its target."""
@@ -46,11 +56,172 @@ class Sweep:
         """(pair, draft-alone decoder) of the configuration's `drafts` entry (the first without one)."""
         return self.pairs[next(iter(self.pairs)) if conf.draft is None else conf.draft]
 
+    def pin_costs(self, grid: list[Configuration], out: Path):
+        """The one measurement of t_draft, t_target and t_cand that every auto pick of the sweep reads
+        (ks / thresholds auto, a learned tree budget's node_cost auto), pinned in out/costs.json: a resumed
+        sweep reuses it, so its auto rows mean the same before and after an interruption; a `drafts` entry
+        other than the first pins its own (costs@ENTRY.json). The first pair's; None where nothing reads it."""
+        if not any(reads_costs(c) for c in grid):
+            return None
+        pinned = []
+        for draft, (pair, _) in self.pairs.items():
+            name = COSTS if not pinned else f"costs@{draft.replace(':', '-')}.json"
+            # on the threads the decode has (the engine's decode_torch_threads), as generate's auto measures:
+            # one measurement, one cache key, per machine
+            with torch_threads(pair.engine.decode_torch_threads):
+                costs = measure_costs(pair, pin=out / name)
+            table = getattr(costs, "t_verify", ())
+            v = f", v(1..{len(table)}) = {' '.join(f'{t / table[0]:.2f}' for t in table)} target steps" if table else ""
+            self.note(f"auto picks{f' with draft {draft}' if draft else ''} read the forward times pinned in "
+                      f"{name}: t_draft/t_target = {costs.c:.4g}{v} (measured {costs.measured})")
+            pinned.append(costs)
+        return pinned[0]
 
-def hf_generate(pair, ids: list[int], cfg, seed: int, max_new_tokens: int, lookup: bool = False):
+    def calibrate(self, grid: list[Configuration], prompts: list, out: Path, sweep_hash: str, costs=None) -> None:
+        """What every tree run shares (self.tree_ctx): the rates, measured once (tree_calibration.measure_rates)
+        on `prompts`, (i, text, ids) no configuration is evaluated on, and their hash; a learned budget's node
+        cost auto from `costs` (the sweep's pinned forward times, pin_costs)."""
+        methods = sorted({verification(c) for c in grid if verification(c) is not None})
+        pair = self.first_pair()
+        if methods:
+            if not prompts:
+                raise UserError("no prompt is left to calibrate the tree policies on: every prompt that fits is "
+                                "evaluated; lower n_prompts or add a dataset with more prompts")
+            cal_settings = {"sweep": sweep_hash, "width": self.width, "prompts": [prompt_sha(t) for _, t, _ in prompts],
+                            "vocab_size": pair.target.vocab_size}
+            check_calibration(out, cal_settings)
+            ids = [ids for _, _, ids in prompts]
+            cal = load_or_calibrate(out / TREE_CALIBRATION, cal_settings, methods, lambda m: measure_rates(
+                pair, ids, self.sampling, self.max_new_tokens, m, self.width, progress=self.progress))
+            self.tree_ctx.update(rates={m: cal[m]["cond_rates"] for m in methods},
+                                 calibration=settings_hash(cal_settings))
+            self.note(*(f"tree acceptance rates c_i ({m}, {len(prompts)} calibration prompts): "
+                        f"{[round(c, 3) for c in cal[m]['cond_rates'][:6]]}" for m in methods))
+        if any(auto_node_cost(c) for c in grid):
+            self.tree_ctx["node_cost"] = costs.node_cost
+            self.note(f"tree node_cost auto = (t_draft + t_cand) / t_target = {costs.node_cost:.4g} "
+                      f"(t_draft/t_target = {costs.c:.4g}; {costs.measured})")
+
+    def run(self, conf: Configuration, ids: list[int], seed: int, max_new_tokens: int | None = None):
+        """(Metrics, stopped_by, new token ids, extra row fields) of one configuration on one prompt; the
+        oracle's X is the target alone's greedy output on this prompt where it ran first (self.greedy)."""
+        pair, draft_decoder = self.pair_of(conf)
+        n = max_new_tokens or self.max_new_tokens
+        if conf.policy is Baseline.DRAFT_AR:
+            return _run_draft_alone(draft_decoder, ids, self.sampling, n, seed)
+        if isinstance(conf.policy, Baseline):
+            lookup = conf.policy is Baseline.HF_PROMPT_LOOKUP
+            return (*hf_generate(pair, ids, self.sampling, seed, n, lookup=lookup), {})
+        if conf.source is Source.TREES:
+            return self._run_tree(conf, pair, ids, n, seed)
+        s = self.sampling
+        g = pair.generate(ids, policy=self._policy(conf, pair, ids), max_new_tokens=n, temperature=s.temperature,
+                          top_k=s.top_k, top_p=s.top_p, seed=seed)
+        pick = getattr(g, "auto", None)
+        extra = {"auto_value": pick["value"], "auto_predicted_tokens_per_s": pick["tokens_per_s"]} if pick else {}
+        if pick and conf.source is Source.SHORTHAND:
+            extra.update(auto_predicted_wall_tokens_per_s=pick.get("wall_tokens_per_s"),
+                         auto_time_model=pick["model"], auto_k_max=pick.get("k_max"))
+        return g.metrics, g.stopped_by, g.token_ids, extra
+
+    def _policy(self, conf: Configuration, pair, ids: list[int]):
+        """The configuration's policy as generate takes it: a `policies` entry as given (with auto_prompts' curve
+        where it reads auto); a shorthand with its loaded head, its auto's curve and the oracle's X."""
+        if conf.source is Source.POLICIES:
+            if self.auto_prompts and conf.reads_auto():
+                return completed(conf.policy, curve=self._curve(conf, pair))
+            return conf.policy
+        more = {}
+        if conf.head is not None:
+            more["head"] = self.heads[conf.head][0]
+        if isinstance(conf.policy, OracleParams):
+            more["target_output"] = self.greedy.get(tuple(ids))
+        if conf.reads_auto():
+            more["curve"] = self._curve(conf, pair)
+        return completed(conf.policy, **more)
+
+    def _curve(self, conf: Configuration, pair) -> str:
+        """The curve an auto configuration picks from: with auto_prompts, the one of those prompts' answers (for
+        its head: a policies entry's folder, a learned shorthand's, or for ks the first head's); else its head's,
+        and for ks `curve` or the first head's (auto_curve)."""
+        heads = self.heads
+        if conf.source is Source.POLICIES:
+            head = getattr(conf.policy, "head", None)
+            return self._prompts_curve(pair, str(head) if head else None)
+        label = conf.head if conf.head is not None else next(iter(heads), None)
+        if self.auto_prompts:
+            return self._prompts_curve(pair, heads[label][1]["path"] if label is not None else None)
+        return heads[conf.head][1]["path"] if conf.head is not None else auto_curve(self.curve, heads)
+
+    def _prompts_curve(self, pair, head_dir: str | None) -> str:
+        """The curve of auto_prompts' answers for a head (probe_prompts.measure: recorded by the loaded pair
+        once, cached, and remembered, so every run of the sweep reads the same file)."""
+        from .probe_prompts import load_texts, measure  # noqa: PLC0415 (the prompt sets: only where asked)
+
+        if head_dir not in self.prompt_curves:
+            made = measure(pair, None, head_dir, self.sampling.temperature, texts=load_texts(self.auto_prompts),
+                           k_max=self.k_max)
+            if made["curve_file"] is None:
+                raise UserError(f"auto_prompts {self.auto_prompts}: no curve was made (no draft model recorded)")
+            self.prompt_curves[head_dir] = made["curve_file"]
+        return self.prompt_curves[head_dir]
+
+    def _run_tree(self, conf: Configuration, pair, ids: list[int], max_new_tokens: int, seed: int):
+        """A `trees` configuration: its settings, as generate takes them, with the head loaded and the sweep's
+        calibrated rates (and measured node cost). A fresh policy per run, starting from those rates, which
+        adapt within the run only where adapt_rates says so: no run depends on what ran before it."""
+        more, extra, ctx = {}, {}, self.tree_ctx
+        if verification(conf) is not None:
+            if conf.head is not None:
+                more["head"] = self.heads[conf.head][0]
+            more["tree_rates"] = ctx["rates"][verification(conf)]
+            extra["tree_calibration"] = ctx.get("calibration")
+            if auto_node_cost(conf):
+                more["tree_node_cost"] = ctx.get("node_cost")
+            if conf.policy.tree_learned:
+                extra["node_cost"] = float(more.get("tree_node_cost", conf.policy.tree_node_cost))
+        pol = make_policy(completed(conf.policy, **more), PolicyContext(pair))
+        g = pair.decoder.generate(ids, max_new_tokens=max_new_tokens, sampling=self.sampling, policy=pol, seed=seed)
+        return g.metrics, g.stopped_by, g.token_ids, {**tree_stats(pol, g.metrics), **extra}
+
+
+def load_pairs(draft_pairs: dict[str, PairParams], heads: dict) -> dict:
+    """drafts entry ("" without a drafts axis) -> (its pair, a decoder running its draft alone: the
+    draft_ar baseline), every head checked against the draft and moved to its device. The pairs share the
+    first one's target, so the target alone and every draft configuration run on the same weights and
+    kernels; another entry's own target load is dropped at once."""
+    hf_logging.disable_progress_bar()
+    pairs, first = {}, None
+    for d, params in draft_pairs.items():
+        pair = SpecPair.load(params)
+        if first is None:
+            first = pair
+        else:
+            pair = SpecPair(first.target, pair.draft, first.tokenizer, first.eos_token_ids, pair.engine, params,
+                            pair.draft_config)
+        for label, (head, info) in heads.items():
+            if head.hidden_size != pair.draft.hidden_size:
+                raise UserError(f"head {label} at {info['path']} was trained for a draft of hidden size "
+                                f"{head.hidden_size} but the draft in use has hidden size {pair.draft.hidden_size}; "
+                                "pass the draft it was trained for or train a head for this draft")
+            head.to(pair.draft.device)
+        pairs[d] = pair, (Decoder(pair.draft, None, eos_token_ids=pair.eos_token_ids) if pair.draft else None)
+    return pairs
+
+
+def _run_draft_alone(draft_decoder, ids: list[int], sampling: SamplingParams, max_new_tokens: int, seed: int):
+    """The draft model alone, as the decoder's target: its forwards counted as the draft's."""
+    g = draft_decoder.generate(ids, max_new_tokens=max_new_tokens, seed=seed, sampling=sampling)
+    m = g.metrics  # the draft ran as the decoder's "target": move its counts to the draft's fields
+    m.n_draft_forwards, m.draft_s = m.n_target_forwards, m.target_s
+    m.n_target_forwards, m.target_s = 0, 0.0
+    return m, g.stopped_by, g.token_ids, {}
+
+
+def hf_generate(pair, ids: list[int], sampling, seed: int, max_new_tokens: int, lookup: bool = False):
     """transformers' assisted generation (its default candidate schedule), or with `lookup` its prompt
     lookup (n-gram candidates, no draft model), timed like ours: (Metrics, stopped_by, new ids).
-    `cfg`: anything with temperature, top_k, top_p (a SweepConfig)."""
+    `sampling`: anything with temperature, top_k, top_p (SamplingParams)."""
     tm = pair.target.model
     counts = {"target": 0, "draft": 0}
     hooks = [tm.register_forward_pre_hook(lambda m, a: counts.__setitem__("target", counts["target"] + 1))]
@@ -58,12 +229,12 @@ def hf_generate(pair, ids: list[int], cfg, seed: int, max_new_tokens: int, looku
         hooks.append(pair.draft.model.register_forward_pre_hook(
             lambda m, a: counts.__setitem__("draft", counts["draft"] + 1)))
     x = torch.tensor([ids], dtype=torch.long, device=pair.target.device)
-    kw = dict(max_new_tokens=max_new_tokens, do_sample=cfg.temperature > 0, repetition_penalty=1.0,
+    kw = dict(max_new_tokens=max_new_tokens, do_sample=sampling.temperature > 0, repetition_penalty=1.0,
               eos_token_id=list(pair.eos_token_ids),
               pad_token_id=pair.tokenizer.pad_token_id if pair.tokenizer.pad_token_id is not None
               else pair.eos_token_ids[0])
-    if cfg.temperature > 0:
-        kw.update(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+    if sampling.temperature > 0:
+        kw.update(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
@@ -100,101 +271,16 @@ def hf_schedule_note(draft_model) -> str:
             f"{get('assistant_confidence_threshold')}, threshold adaptation {adapt}")
 
 
-def run_one(sweep: Sweep, conf: Configuration, ids: list[int], seed: int, max_new_tokens: int | None = None):
-    """(Metrics, stopped_by, new token ids, extra row fields) of one configuration on one prompt; the oracle's
-    X is the target alone's greedy output on this prompt where it ran first (sweep.greedy)."""
-    cfg = sweep.cfg
-    pair, draft_decoder = sweep.pair_of(conf)
-    samp = dict(max_new_tokens=max_new_tokens or cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
-                top_p=cfg.top_p, seed=seed)
-    if conf.policy is Baseline.DRAFT_AR:
-        return _run_draft_alone(draft_decoder, ids, samp)
-    if isinstance(conf.policy, Baseline):
-        return _run_peer(pair, conf.policy, ids, cfg, samp)
-    if conf.source is Source.TREES:
-        return _run_tree(sweep, conf, pair, ids, samp)
-    g = pair.generate(ids, policy=_policy(sweep, conf, pair, ids), **samp)
-    pick = getattr(g, "auto", None)
-    extra = {"auto_value": pick["value"], "auto_predicted_tokens_per_s": pick["tokens_per_s"]} if pick else {}
-    if pick and conf.source is Source.SHORTHAND:
-        extra.update(auto_predicted_wall_tokens_per_s=pick.get("wall_tokens_per_s"), auto_time_model=pick["model"],
-                     auto_k_max=pick.get("k_max"))
-    return g.metrics, g.stopped_by, g.token_ids, extra
 
-
-def _run_peer(pair, baseline: Baseline, ids: list[int], cfg: SweepConfig, samp: dict):
-    """transformers' own assisted generation or prompt lookup."""
-    lookup = baseline is Baseline.HF_PROMPT_LOOKUP
-    return (*hf_generate(pair, ids, cfg, samp["seed"], samp["max_new_tokens"], lookup=lookup), {})
-
-
-def _run_draft_alone(draft_decoder, ids: list[int], samp: dict):
-    """The draft model alone, as the decoder's target: its forwards counted as the draft's."""
-    g = draft_decoder.generate(ids, max_new_tokens=samp["max_new_tokens"], seed=samp["seed"],
-                               sampling=SamplingParams(samp["temperature"], samp["top_k"], samp["top_p"]))
-    m = g.metrics  # the draft ran as the decoder's "target": move its counts to the draft's fields
-    m.n_draft_forwards, m.draft_s = m.n_target_forwards, m.target_s
-    m.n_target_forwards, m.target_s = 0, 0.0
-    return m, g.stopped_by, g.token_ids, {}
-
-
-def _policy(sweep: Sweep, conf: Configuration, pair, ids: list[int]):
-    """The configuration's policy as generate takes it: a `policies` entry as given (with auto_prompts' curve where
-    it reads auto); a shorthand with its loaded head, its auto's curve and the oracle's X."""
-    if conf.source is Source.POLICIES:
-        if sweep.cfg.auto_prompts and conf.reads_auto():
-            return completed(conf.policy, curve=_curve(sweep, conf, pair))
-        return conf.policy
-    more = {}
-    if conf.head is not None:
-        more["head"] = sweep.heads[conf.head][0]
-    if isinstance(conf.policy, OracleParams):
-        more["target_output"] = sweep.greedy.get(tuple(ids))
-    if conf.reads_auto():
-        more["curve"] = _curve(sweep, conf, pair)
-    return completed(conf.policy, **more)
-
-
-def _curve(sweep: Sweep, conf: Configuration, pair) -> str:
-    """The curve an auto configuration picks from: with auto_prompts, the one of those prompts' answers (for its
-    head: a policies entry's folder, a learned shorthand's, or for ks the first head's); else its head's, and for
-    ks `curve` or the first head's (auto_curve)."""
-    cfg, heads = sweep.cfg, sweep.heads
-    if conf.source is Source.POLICIES:
-        head = getattr(conf.policy, "head", None)
-        return prompts_curve(pair, cfg, str(head) if head else None)
-    label = conf.head if conf.head is not None else next(iter(heads), None)
-    if cfg.auto_prompts:
-        return prompts_curve(pair, cfg, heads[label][1]["path"] if label is not None else None)
-    return heads[conf.head][1]["path"] if conf.head is not None else auto_curve(cfg, heads)
-
-
-def prompts_curve(pair, cfg: SweepConfig, head_dir: str | None) -> str:
-    """The curve of auto_prompts' answers for a head (probe_prompts.measure: recorded by the loaded pair once,
-    cached, and remembered on the pair, so every run of the sweep reads the same file)."""
-    from .probe_prompts import load_texts, measure
-
-    memo = getattr(pair, "prompts_curves", None)
-    if memo is None:
-        memo = pair.prompts_curves = {}
-    key = (cfg.auto_prompts, head_dir, cfg.temperature, cfg.k_max)
-    if key not in memo:
-        made = measure(pair, None, head_dir, cfg.temperature, texts=load_texts(cfg.auto_prompts), k_max=cfg.k_max)
-        if made["curve_file"] is None:
-            raise UserError(f"auto_prompts {cfg.auto_prompts}: no curve was made (no draft model recorded)")
-        memo[key] = made["curve_file"]
-    return memo[key]
-
-
-def auto_curve(cfg: SweepConfig, heads: dict) -> str:
+def auto_curve(curve: str, heads: dict) -> str:
     """The curve `ks: [auto]` picks from: `curve`, else the one beside the first head."""
-    return cfg.curve or next(iter(heads.values()))[1]["path"]
+    return curve or next(iter(heads.values()))[1]["path"]
 
 
 def check_auto_curves(cfg: SweepConfig, heads: dict, grid: list[Configuration]):
     """Every curve a shorthand auto needs exists and fits, checked before the models load;
     the error names the config key and the command that makes the curve. With auto_prompts the curves are
-    made once the pair has loaded (run_one), from those prompts' answers: there is nothing to check yet."""
+    made once the pair has loaded (Runner.run), from those prompts' answers: there is nothing to check yet."""
     if cfg.auto_prompts:
         return
     for conf in grid:
@@ -202,7 +288,7 @@ def check_auto_curves(cfg: SweepConfig, heads: dict, grid: list[Configuration]):
             continue
         learned = isinstance(conf.policy, LearnedParams)
         key, need = ("thresholds", "h") if learned else ("ks", "k")
-        source = heads[conf.head][1]["path"] if learned else auto_curve(cfg, heads)
+        source = heads[conf.head][1]["path"] if learned else auto_curve(cfg.curve, heads)
         try:
             curve = load_curve(source, need, source if learned else None)
         except UserError as e:
@@ -228,28 +314,6 @@ def reads_costs(conf: Configuration) -> bool:
     `policies` entry (its policy may pick per machine)."""
     shorthand_auto = conf.source is Source.SHORTHAND and conf.reads_auto()
     return conf.source is Source.POLICIES or auto_node_cost(conf) or shorthand_auto
-
-
-def _run_tree(sweep: Sweep, conf: Configuration, pair, ids: list[int], samp: dict):
-    """run_one for a `trees` configuration: its settings, as generate takes them, with the head loaded
-    and the sweep's calibrated rates (and measured node cost). A fresh policy per run, starting from
-    those rates, which adapt within the run only where adapt_rates says so: no run depends on
-    what ran before it."""
-    more, extra, ctx = {}, {}, sweep.tree_ctx
-    if verification(conf) is not None:
-        if conf.head is not None:
-            more["head"] = sweep.heads[conf.head][0]
-        more["tree_rates"] = ctx["rates"][verification(conf)]
-        extra["tree_calibration"] = ctx.get("calibration")
-        if auto_node_cost(conf):
-            more["tree_node_cost"] = ctx.get("node_cost")
-        if conf.policy.tree_learned:
-            extra["node_cost"] = float(more.get("tree_node_cost", conf.policy.tree_node_cost))
-    pol = make_policy(completed(conf.policy, **more), PolicyContext(pair))
-    sampling = SamplingParams(samp["temperature"], samp["top_k"], samp["top_p"])
-    g = pair.decoder.generate(ids, max_new_tokens=samp["max_new_tokens"], sampling=sampling, policy=pol,
-                              seed=samp["seed"])
-    return g.metrics, g.stopped_by, g.token_ids, {**tree_stats(pol, g.metrics), **extra}
 
 
 def tree_stats(pol, m) -> dict:
