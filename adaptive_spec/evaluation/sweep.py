@@ -127,8 +127,6 @@ def run(cfg: SweepConfig) -> Path:
 
     sweep.pairs = _load_pairs(cfg, sweep.heads)
     pair = sweep.first_pair()
-    for p, _ in sweep.pairs.values():
-        p.decoder.record_trace = cfg.record_trace  # Metrics.trace, which the rows keep (Metrics.to_dict)
     if any(c.policy is Baseline.HF_ASSISTED for c in sweep.grid):
         sweep.notes += _note([hf_schedule_note(pair.draft.model)])
     selected = {ds: _select_dataset(pair, ds, texts[ds], cfg, sweep.notes) for ds in cfg.datasets}

@@ -12,6 +12,7 @@ from transformers.utils import logging as hf_logging
 from ..decoding.metrics import Metrics
 from ..decoding.interfaces import PolicyContext
 from ..decoding.pipeline import make_policy
+from ..decoding.replay import TraceRecorder
 from ..decoding.sampling import SamplingParams
 from ..errors import UserError
 from ..heads.curve import load_curve
@@ -113,13 +114,18 @@ def run_one(sweep: Sweep, conf: Configuration, ids: list[int], seed: int, max_ne
         return _run_peer(pair, conf.policy, ids, cfg, samp)
     if conf.source is Source.TREES:
         return _run_tree(sweep, conf, pair, ids, samp)
-    g = pair.generate(ids, policy=_policy(sweep, conf, pair, ids), **samp)
+    g = pair.generate(ids, policy=_policy(sweep, conf, pair, ids), extras=_extras(cfg), **samp)
     pick = getattr(g, "auto", None)
     extra = {"auto_value": pick["value"], "auto_predicted_tokens_per_s": pick["tokens_per_s"]} if pick else {}
     if pick and conf.source is Source.SHORTHAND:
         extra.update(auto_predicted_wall_tokens_per_s=pick.get("wall_tokens_per_s"), auto_time_model=pick["model"],
                      auto_k_max=pick.get("k_max"))
     return g.metrics, g.stopped_by, g.token_ids, extra
+
+
+def _extras(cfg: SweepConfig) -> list:
+    """A generation's extras: with record_trace its trace, which its row keeps (Metrics.to_dict)."""
+    return [TraceRecorder()] if cfg.record_trace else []
 
 
 def _run_peer(pair, baseline: Baseline, ids: list[int], cfg: SweepConfig, samp: dict):
@@ -248,7 +254,7 @@ def _run_tree(sweep: Sweep, conf: Configuration, pair, ids: list[int], samp: dic
     pol = make_policy(completed(conf.policy, **more), PolicyContext(pair))
     sampling = SamplingParams(samp["temperature"], samp["top_k"], samp["top_p"])
     g = pair.decoder.generate(ids, max_new_tokens=samp["max_new_tokens"], sampling=sampling, policy=pol,
-                              seed=samp["seed"])
+                              seed=samp["seed"], extras=_extras(sweep.cfg))
     return g.metrics, g.stopped_by, g.token_ids, {**tree_stats(pol, g.metrics), **extra}
 
 
