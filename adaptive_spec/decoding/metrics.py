@@ -95,6 +95,18 @@ class Counts:
         return d
 
 
+class GenerationClock(PartClock):
+    """A generation's PartClock, with its start on the host's clock and the seconds of its untimed work."""
+
+    def __init__(self, device):
+        super().__init__(device)
+        self.t0, self.untimed_s = time.perf_counter(), 0.0
+
+    def elapsed(self) -> float:
+        """Host seconds since the start, less the untimed work's."""
+        return time.perf_counter() - self.t0 - self.untimed_s
+
+
 @dataclass
 class Timing:
     """Where one generation's wall time went, on one clock (timing.PartClock: `lap`; `breakdown` reports it)."""
@@ -107,17 +119,13 @@ class Timing:
     target_prefill_s: float = 0.0
     first_token_s: float = 0.0  # from the call to the first round's tokens: prefill and that round (TTFT)
     parts: dict = field(default_factory=dict)  # seconds per part of the clock, read at the end (`breakdown`)
-    clock: PartClock | None = field(default=None, repr=False)  # the running generation's clock
-    t0: float = field(default=0.0, repr=False)  # its start on the host's clock
-    untimed_s: float = field(default=0.0, repr=False)  # host seconds of `untimed` work so far
+    clock: GenerationClock | None = field(default=None, repr=False)  # the running generation's clock
 
     def start_clock(self, device) -> None:
-        self.clock = PartClock(device)
-        self.t0 = time.perf_counter()
+        self.clock = GenerationClock(device)
 
     def elapsed(self) -> float:
-        """Host seconds since start_clock, less the untimed work's."""
-        return time.perf_counter() - self.t0 - self.untimed_s
+        return self.clock.elapsed()
 
     def lap(self, part: str) -> None:
         """Book the time since the last lap to `part` (PartClock; nothing without a clock)."""
@@ -131,14 +139,13 @@ class Timing:
         self.lap("rest")
         with timed() as block:
             yield block
-        self.untimed_s += block.s
+        if self.clock is not None:
+            self.clock.untimed_s += block.s
         self.lap(UNTIMED)
 
     def stop_clock(self) -> None:
         """wall_s, and the clock's parts read (one device sync on CUDA) into `parts`."""
         self.wall_s = self.elapsed()
-        if self.clock is None:
-            return
         self.parts = {k: v for k, v in self.clock.totals().items() if k != UNTIMED}
         if not self.clock.cuda:  # one clock: the parts add up to the wall time exactly
             self.wall_s = sum(self.parts.values())
