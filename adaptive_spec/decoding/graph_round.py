@@ -145,9 +145,10 @@ class GraphRound:
         return chain, verify
 
     def round(self, dec, state, rule: StopPolicy, k_cap: int, source, every: int | None = None):
-        """One chain round drafted by `source` (a decoder.ModelSource), verified and read, nothing kept yet: (K, n
-        accepted, the m candidates drafted as host ints, the token drawn after the n) as Decoder.verified_chain. every=N:
-        draft in chunks of N and read whether the rule stopped after each, instead of up to a learned cap."""
+        """One chain round drafted by `source` (a decoder.ModelSource), verified and read, nothing kept yet, as
+        Decoder.verified_chain: (K, n accepted, the m candidates drafted as host ints, the token drawn after the
+        n). every=N: draft in chunks of N and read whether the rule stopped after each, instead of up to a learned
+        cap."""
         met, target = state.met, dec.target
         capped = every is None and rule.stops_mid_chain
         m = self.caps.cap(k_cap) if capped else k_cap
