@@ -45,7 +45,8 @@ class TraceRecorder(Extra):
         self.rounds.append([n_drafted, n_accepted, source])
 
     def book_cut(self, n: int, kept: int) -> None:
-        self.rounds[-1][1] = kept
+        if self.rounds:
+            self.rounds[-1][1] = kept
 
     def to_dict(self) -> dict:
         return {"trace": [list(r) for r in self.rounds]}
