@@ -84,8 +84,9 @@ def row_of(pair, ids, policy: str, kw: dict, temperature: float, n: int) -> dict
     decode_s = m.wall_s - m.prefill_s
     return {"n_tokens": m.n_tokens, "wall_s": m.wall_s, "prefill_s": m.prefill_s, "decode_s": decode_s,
             "decode_tok_s": m.n_tokens / decode_s, "tok_s": m.tokens_per_s, "n_target_forwards": m.n_target_forwards,
-            "n_drafted": m.n_drafted, "n_accepted": m.n_accepted, "rounds_by": m.rounds_by,
-            "n_drafted_by": m.n_drafted_by, "n_accepted_by": m.n_accepted_by, "breakdown": m.breakdown(),
+            "n_drafted": m.n_drafted, "n_accepted": m.n_accepted, "rounds_by": m.by_source.rounds_by,
+            "n_drafted_by": m.by_source.n_drafted_by, "n_accepted_by": m.by_source.n_accepted_by,
+            "breakdown": m.breakdown(),
             "target_pass_hist": m.target_pass_hist, "token_ids": new,
             "auto": None if auto is None else auto["value"],
             "auto_predicted_decode_tok_s": None if auto is None else auto["tokens_per_s"],

@@ -80,10 +80,11 @@ def assert_books(m, g):
     assert m.n_drafted == m.n_accepted + m.n_discarded
     assert m.n_tokens == m.n_accepted + rounds - m.n_final_cut
     assert m.n_final_cut in ((0, 1) if g.stopped_by == "eos" else (0,))  # only a round ending at EOS
-    assert sum(m.n_drafted_by.values()) == m.n_drafted and sum(m.n_accepted_by.values()) == m.n_accepted
-    assert sum(m.rounds_by.values()) == rounds
-    for source, n in m.n_drafted_by.items():
-        assert 0 <= m.n_accepted_by[source] <= n, (source, m.n_accepted_by, m.n_drafted_by)
+    by = m.by_source
+    assert sum(by.n_drafted_by.values()) == m.n_drafted and sum(by.n_accepted_by.values()) == m.n_accepted
+    assert sum(by.rounds_by.values()) == rounds
+    for source, n in by.n_drafted_by.items():
+        assert 0 <= by.n_accepted_by[source] <= n, (source, by.n_accepted_by, by.n_drafted_by)
 
 
 POLICY_CASES = [(n, {}) for n in policy_names() if n != "ar"] + [("ngram", {"fallback": "learned"})]

@@ -117,8 +117,8 @@ def test_copies_and_model_rounds_both_run_in_the_combined_policy():
     g = Decoder(target, draft).generate([1, 2, 3, 4, 1, 2, 0], max_new_tokens=30, sampling=SamplingParams(1.0),
                                         policy=pol, seed=3)
     m = g.metrics
-    assert m.rounds_by.get("ngram", 0) > 0 and m.rounds_by.get("model", 0) > 0
-    assert m.n_drafted == sum(m.n_drafted_by.values()) == m.n_accepted + m.n_discarded
+    assert m.by_source.rounds_by.get("ngram", 0) > 0 and m.by_source.rounds_by.get("model", 0) > 0
+    assert m.n_drafted == sum(m.by_source.n_drafted_by.values()) == m.n_accepted + m.n_discarded
 
 
 def test_the_check_fails_on_a_wrong_residual_with_copied_drafts(monkeypatch):
@@ -151,7 +151,7 @@ def test_a_copied_token_of_probability_zero_is_never_emitted(params):
     for s in range(200):
         g = dec.generate(prompt, max_new_tokens=6, sampling=params, policy=NgramPolicy(1, 2, k=3), seed=s)
         assert Banned.banned not in g.token_ids
-        drafted += g.metrics.n_drafted_by.get("ngram", 0)
+        drafted += g.metrics.by_source.n_drafted_by.get("ngram", 0)
     assert drafted > 0  # the banned token was proposed, and always rejected
 
 
@@ -165,7 +165,7 @@ def test_greedy_with_copies_equals_greedy_target(k):
                                                                        fallback=FixedK(2), draft_steps=0.3)):
         g = dec.generate(prompt, max_new_tokens=40, sampling=SamplingParams(0.0), policy=pol)
         assert g.token_ids == ref
-        assert g.metrics.n_drafted_by.get("ngram", 0) > 0
+        assert g.metrics.by_source.n_drafted_by.get("ngram", 0) > 0
 
 
 def test_a_policy_without_a_draft_model_runs_without_one_and_one_that_needs_it_is_refused():
@@ -182,7 +182,7 @@ def test_the_draft_catches_up_on_the_prompt_only_when_a_model_round_comes():
     pol = NgramPolicy(1, 2, k=2, fallback=FixedK(2))
     g = Decoder(target, draft).generate(PROMPT, max_new_tokens=10, sampling=SamplingParams(1.0), policy=pol)
     assert g.metrics.draft_prefill_s == 0.0  # not prefilled up front
-    if g.metrics.rounds_by.get("model"):
+    if g.metrics.by_source.rounds_by.get("model"):
         assert draft.length >= len(PROMPT)
 
 

@@ -62,4 +62,4 @@ def test_greedy_prompt_lookup_equals_greedy_target(pair, k):
     ref = pair.generate(EDIT, policy="ar", temperature=0, max_new_tokens=64, chat=True)
     spec = pair.generate(EDIT, policy="ngram", k=k, temperature=0, max_new_tokens=64, chat=True)
     assert spec.token_ids == ref.token_ids, (ref.text, spec.text)
-    assert spec.metrics.n_accepted_by.get("ngram", 0) > 0
+    assert spec.metrics.by_source.n_accepted_by.get("ngram", 0) > 0

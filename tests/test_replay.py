@@ -10,7 +10,7 @@ from adaptive_spec.backends.static_runner import StaticCausalLM
 from adaptive_spec.decoding.decoder import Decoder
 from adaptive_spec.decoding.ngram import NgramPolicy
 from adaptive_spec.decoding.policies import FixedK, HeuristicSchedule, LearnedThreshold
-from adaptive_spec.decoding.replay import TraceReplay, check_trace, replay_generate
+from adaptive_spec.decoding.replay import TraceRecorder, TraceReplay, check_trace, replay_generate
 from adaptive_spec.decoding.sampling import SamplingParams
 from adaptive_spec.errors import UserError
 from adaptive_spec.evaluation import sweep
@@ -53,6 +53,12 @@ def policies(draft):
             "learned": lambda: LearnedThreshold(head(draft.hidden_size), threshold=0.5, k_max=8)}
 
 
+def traced(dec, *args, **kw):
+    """dec.generate(*args, **kw) with a TraceRecorder attached: (the Generation, its trace)."""
+    rec = TraceRecorder()
+    return dec.generate(*args, extras=[rec], **kw), rec.rounds
+
+
 def counts(m):
     d = m.to_dict()
     return {k: d[k] for k in COUNTS}
@@ -62,30 +68,30 @@ def counts(m):
 def test_replay_on_other_weights_reproduces_the_counts(name):
     draft, target = pair(1)
     other_draft, other_target = pair(7)  # same shapes, other weights
-    rec = Decoder(target, draft, eos_token_ids=[EOS], record_trace=True)
+    rec = Decoder(target, draft, eos_token_ids=[EOS])
     cuts = 0
     for seed in range(6):
-        g = rec.generate([5, 9, 4, 7], 40, SamplingParams(1.0), policies(draft)[name](), seed=seed)
+        g, trace = traced(rec, [5, 9, 4, 7], 40, SamplingParams(1.0), policies(draft)[name](), seed=seed)
         m = g.metrics
-        assert len(m.trace) == sum(m.accepted_hist.values())
+        assert len(trace) == sum(m.accepted_hist.values()) and m.to_dict()["trace"] == trace
         cuts += m.n_final_cut
         inner = policies(other_draft)[name]()
-        r = replay_generate(other_target, other_draft, [5, 9, 4, 7], m.n_tokens, m.trace, inner,
+        r = replay_generate(other_target, other_draft, [5, 9, 4, 7], m.n_tokens, trace, inner,
                             SamplingParams(1.0), seed=seed + 100)
-        assert counts(r.metrics) == counts(m), (seed, m.trace)
+        assert counts(r.metrics) == counts(m), (seed, trace)
         assert len(r.token_ids) == m.n_tokens
     assert cuts, "no recorded generation ended on an EOS among accepted candidates: the final cut went untested"
 
 
 def test_replay_asks_the_inner_policy_at_every_drafted_step_and_records_again():
     draft, target = pair(1)
-    m = Decoder(target, draft, record_trace=True).generate([3, 4], 30, SamplingParams(1.0), FixedK(2), seed=0).metrics
+    g, trace = traced(Decoder(target, draft), [3, 4], 30, SamplingParams(1.0), FixedK(2), seed=0)
+    m = g.metrics
     inner = Counting(5)  # its own K is ignored: the trace decides
-    policy = TraceReplay(check_trace(m.trace, m.n_tokens), inner)
-    dec = Decoder(*pair(3)[::-1], record_trace=True)
-    r = dec.generate([3, 4], m.n_tokens, SamplingParams(1.0), policy, seed=1).metrics
-    assert inner.asked == m.n_drafted == r.n_drafted
-    assert r.trace == m.trace  # a replay's own trace is the one it replayed
+    policy = TraceReplay(check_trace(trace, m.n_tokens), inner)
+    g, again = traced(Decoder(*pair(3)[::-1]), [3, 4], m.n_tokens, SamplingParams(1.0), policy, seed=1)
+    assert inner.asked == m.n_drafted == g.metrics.n_drafted
+    assert again == trace  # a replay's own trace is the one it replayed
 
 
 def test_replay_of_copied_and_empty_rounds():
@@ -97,11 +103,11 @@ def test_replay_of_copied_and_empty_rounds():
     for seed in range(4):
         for fallback in (None, FixedK(2)):
             pol = NgramPolicy(ngram_min=1, ngram_max=3, k=3, fallback=fallback)
-            m = Decoder(target, draft, record_trace=True).generate(prompt, 24, SamplingParams(1.0), pol,
-                                                                   seed=seed).metrics
-            sources |= {s for _, _, s in m.trace}
+            g, trace = traced(Decoder(target, draft), prompt, 24, SamplingParams(1.0), pol, seed=seed)
+            m = g.metrics
+            sources |= {s for _, _, s in trace}
             other_draft, other_target = pair(5)
-            policy = TraceReplay(check_trace(m.trace, m.n_tokens), fallback, needs=pol.needs)
+            policy = TraceReplay(check_trace(trace, m.n_tokens), fallback, needs=pol.needs)
             r = Decoder(other_target, other_draft).generate(
                 prompt, m.n_tokens, SamplingParams(1.0), policy, seed=seed).metrics
             assert counts(r) == counts(m)
@@ -110,10 +116,10 @@ def test_replay_of_copied_and_empty_rounds():
 
 def test_replay_through_static_runners():
     draft, target = pair(1)
-    m = Decoder(target, draft, eos_token_ids=[EOS], record_trace=True).generate(
-        [2, 3], 30, SamplingParams(0.0), FixedK(4), seed=0).metrics
+    g, trace = traced(Decoder(target, draft, eos_token_ids=[EOS]), [2, 3], 30, SamplingParams(0.0), FixedK(4), seed=0)
+    m = g.metrics
     d, t = (StaticCausalLM(make_model(V, hidden_size=h, layers=2, seed=9 + h), max_cache_len=64) for h in (16, 24))
-    r = replay_generate(t, d, [2, 3], m.n_tokens, m.trace, FixedK(4), SamplingParams(0.0))
+    r = replay_generate(t, d, [2, 3], m.n_tokens, trace, FixedK(4), SamplingParams(0.0))
     assert counts(r.metrics) == counts(m)
     ar = replay_generate(t, d, [2, 3], 17, None)  # an ar row: the target alone, no trace
     assert ar.metrics.n_tokens == ar.metrics.n_target_forwards == 17 and ar.metrics.n_draft_forwards == 0

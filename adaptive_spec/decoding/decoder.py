@@ -16,17 +16,15 @@ token, or two when all candidates were accepted: y_K, never fed to the draft, an
 """
 from __future__ import annotations
 
-import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from ..backends.contract import HeadRunner, Runner
 from ..errors import UserError
-from ..timing import PartClock
 from .graph_round import GraphRound, run_epilogue
 from .interfaces import DraftSource, DraftStep, Policy, RoundOwner, RoundState, StopPolicy
-from .metrics import Generation, Metrics
+from .metrics import Extra, Generation, Metrics
 from .sampling import SamplingParams, draw, process_logits, verify, verify_greedy
 
 HOST_READS = ("auto", "token", "round")  # or an integer N: a device round that reads its stop every N tokens
@@ -40,10 +38,8 @@ class Decoder:
     runs. Either way the output distribution is exactly the target's (for the same SamplingParams).
     """
 
-    def __init__(self, target: Runner, draft: Runner | None = None, eos_token_ids=(),
-                 record_trace: bool = False, host_reads: str | int = "auto"):
-        """`record_trace`: Metrics.trace lists every verified round (K, n accepted, source).
-        `host_reads`: "round" decides a model-drafted chain's stop on the device and reads the device once a
+    def __init__(self, target: Runner, draft: Runner | None = None, eos_token_ids=(), host_reads: str | int = "auto"):
+        """`host_reads`: "round" decides a model-drafted chain's stop on the device and reads the device once a
         round (graph_round.py); "token" asks the stop rule on the host after each drafted token (its
         decision is read then); "auto": "round" on CUDA, where a read stalls the device's queue, "token"
         elsewhere, where there is no queue to stall and the CPU's sparse top-k (one read) is the faster one.
@@ -55,7 +51,6 @@ class Decoder:
         self.target = target
         self.draft = draft
         self.eos = set(int(e) for e in eos_token_ids)
-        self.record_trace = record_trace
         self.host_reads = host_reads if host_reads != "auto" else (
             "round" if getattr(target.device, "type", "cpu") == "cuda" else "token")
         self.graph_round = GraphRound()
@@ -90,7 +85,9 @@ class Decoder:
         policy: Policy | None = None,
         seed: int | None = 0,
         on_tokens: Callable[[list[int]], None] | None = None,
+        extras: Sequence[Extra] = (),
     ) -> Generation:
+        """`extras`: bookkeeping to attach to the generation's Metrics (metrics.Extra: replay.TraceRecorder)."""
         needs = policy.needs if policy is not None else None
         uses_draft = needs is not None and needs.draft_model
         if uses_draft and self.draft is None:
@@ -105,14 +102,13 @@ class Decoder:
         if policy is not None:
             policy.reset()
         self.graph_round.reset()
-        clock = PartClock(self.device)
-        t_start = time.perf_counter()
+        met = Metrics(extras=list(extras))
+        met.start_clock(self.device)
         seq = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
         # a policy may draft with the model in some rounds only (ngram with a model fallback): its draft
         # catches up on the prompt in its first model round, so a generation that never needs it never pays
         eager = [self.target] + ([self.draft] if uses_draft and needs.prefilled_draft else [])
-        met = self._prefill(eager, seq)
-        met.clock = clock
+        self._prefill(eager, seq, met)
         met.lap("prefill")
         out: list[int] = []
         tokens = list(prompt_ids)  # seq as a host list, for sources that read the context (n-gram lookup)
@@ -124,22 +120,18 @@ class Decoder:
             stopped_by = "eos" if eos else stopped_by
             out.extend(new)
             tokens.extend(new)
-            if not met.first_token_s:
-                met.first_token_s = time.perf_counter() - t_start - met.hindsight_s
+            met.first_token_s = met.first_token_s or met.elapsed()
             seq = torch.cat([seq, torch.tensor(new, dtype=torch.long, device=self.device)])
             if on_tokens is not None:
                 on_tokens(new)
             met.lap("rest")
-        met.wall_s = time.perf_counter() - t_start - met.hindsight_s
-        met.close_clock()
-        if not clock.cuda:  # one clock: the parts add up to the wall time exactly
-            met.wall_s = sum(met.parts.values())
+        met.stop_clock()
         self._count(met, out, policy is not None)
         return Generation(token_ids=out, metrics=met, stopped_by=stopped_by)
 
-    def _prefill(self, models, seq: torch.Tensor) -> Metrics:
-        """Feed everything but the last prompt token (the first round feeds it); the Metrics with the
-        time it took, per model. Counters then restart, so they count decoding forwards."""
+    def _prefill(self, models, seq: torch.Tensor, met: Metrics) -> None:
+        """Feed everything but the last prompt token (the first round feeds it); `met` books the time it
+        took, per model. Counters then restart, so they count decoding forwards."""
         for m in (self.target, self.draft):
             if m is not None:
                 m.counters.restart()
@@ -150,8 +142,7 @@ class Decoder:
             m.counters.end_prefill()
         t_prefill = self.target.counters.prefill_s
         d_prefill = self.draft.counters.prefill_s if self.draft is not None and self.draft in models else 0.0
-        return Metrics(prefill_s=t_prefill + d_prefill, target_prefill_s=t_prefill, draft_prefill_s=d_prefill,
-                       trace=[] if self.record_trace else None)
+        met.prefill_s, met.target_prefill_s, met.draft_prefill_s = t_prefill + d_prefill, t_prefill, d_prefill
 
     def _round(self, state: RoundState, policy: Policy | None) -> list[int]:
         if policy is None:
@@ -203,20 +194,35 @@ class Decoder:
     def chain_round(self, state: RoundState, rule: StopPolicy, source: DraftSource | None = None) -> list[int]:
         """One speculation round of a chain drafted by `source` (default: the draft model) under the
         stop rule; returns the new tokens (accepted candidates + one). Leaves both caches covering
-        exactly the accepted prefix."""
-        source = source or ModelSource(self.draft, rule.graph_head if self.draft_runs_heads else None)
+        exactly the accepted prefix. Its two halves, `verified_chain` and `keep`, are the round's parts a
+        replay (replay.py) runs with the recorded outcome in between."""
+        source = source or self.model_source(rule)
         # the round adds at most K + 1 tokens: never draft past the length limit
         k_cap = max(0, min(rule.begin_round(state.pos), state.remaining - 1))
+        K, n, ys, tok = self.verified_chain(state, rule, k_cap, source)
+        return self.keep(state, rule, source.name, K, n, ys, tok)
+
+    def model_source(self, rule: StopPolicy) -> "ModelSource":
+        """The draft model as the round's source, its rule's head inside the draft's forward where it can run one."""
+        return ModelSource(self.draft, rule.graph_head if self.draft_runs_heads else None)
+
+    def verified_chain(self, state: RoundState, rule: StopPolicy, k_cap: int, source: DraftSource):
+        """A chain of at most k_cap candidates drafted by `source` under the rule and verified, nothing kept yet:
+        (K drafted, n accepted, the candidates as host ints, the token the target drew after the n)."""
         if k_cap and self.host_reads != "token" and isinstance(source, ModelSource) and rule.decides_on_device:
             every = self.host_reads if isinstance(self.host_reads, int) else None
-            K, n, new = self.graph_round.round(self, state, rule, k_cap, source, every)
-        else:
-            y, q = self._draft_chain(state, rule, k_cap, source)
-            n, new = self._verify_chain(state, y, q)
-            K = y.shape[0]
-        state.book(K, n, source.name)
+            return self.graph_round.round(self, state, rule, k_cap, source, every)
+        y, q = self._draft_chain(state, rule, k_cap, source)
+        n, ys, tok = self._verify_chain(state, y, q)
+        return y.shape[0], n, ys, tok
+
+    def keep(self, state: RoundState, rule: StopPolicy, source: str, K: int, n: int, ys: list[int], tok: int):
+        """Keep a verified chain's first n candidates and the token after them: both caches cropped to them, the
+        round booked and told to the rule; returns the round's new tokens."""
+        self._rollback(state, state.seq.shape[0] + n)
+        state.book(K, n, source)
         rule.end_round(K, n)
-        return new
+        return ys[:n] + [tok]
 
     def _draft_chain(self, state: RoundState, rule: StopPolicy, k_cap: int, source: DraftSource):
         """y_1..y_K drafted by `source` from the round's context on, asking `rule` after each; (y [K], q [K, V])."""
@@ -241,10 +247,10 @@ class Decoder:
             return state.seq.new_empty(0), None
         return torch.stack(ys), torch.stack(qs)
 
-    def _verify_chain(self, state: RoundState, y: torch.Tensor, q: torch.Tensor | None) -> tuple[int, list[int]]:
+    def _verify_chain(self, state: RoundState, y: torch.Tensor, q: torch.Tensor | None):
         """The target scores the pending token(s) and all K candidates in one pass; returns
-        (n accepted, the new tokens) and crops both caches to the accepted prefix."""
-        target, L, K = self.target, state.seq.shape[0], y.shape[0]
+        (n accepted, the K candidates as host ints, the token drawn after the n)."""
+        target, K = self.target, y.shape[0]
         ids = torch.cat([state.seq[target.length:], y])
         state.met.lap("verify_other")
         logits_p, _ = target.forward(ids, n_logits=K + 1)
@@ -258,13 +264,9 @@ class Decoder:
                 q = p.new_empty(0, p.shape[-1])
             n_t, tok_t = verify(y, q, p, state.gen)
             state.p_y = p[torch.arange(K, device=p.device), y]
-        if state.imposed_n is not None:  # a replayed trace's outcome, not the verifier's (measuring only)
-            n_t = torch.tensor(min(state.imposed_n, K), device=n_t.device)
         # the round's one host sync: read n, the new token and the candidates together
         vals = state.met.read(torch.cat([n_t.view(1), tok_t.view(1), y]))
-        n, tok = vals[0], vals[1]
-        self._rollback(state, L + n)
-        return n, vals[2:2 + n] + [tok]
+        return vals[0], vals[2:], vals[1]
 
     def _rollback(self, state: RoundState, length: int) -> None:
         """Keep the accepted prefix in both caches (the round's new token is fed next round)."""

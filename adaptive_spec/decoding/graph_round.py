@@ -145,8 +145,10 @@ class GraphRound:
         return chain, verify
 
     def round(self, dec, state, rule: StopPolicy, k_cap: int, source, every: int | None = None):
-        """One chain round drafted by `source` (a decoder.ModelSource): (K, n accepted, new tokens). every=N:
-        draft in chunks of N and read whether the rule stopped after each, instead of up to a learned cap."""
+        """One chain round drafted by `source` (a decoder.ModelSource), verified and read, nothing kept yet, as
+        Decoder.verified_chain: (K, n accepted, the m candidates drafted as host ints, the token drawn after the
+        n). every=N: draft in chunks of N and read whether the rule stopped after each, instead of up to a learned
+        cap."""
         met, target = state.met, dec.target
         capped = every is None and rule.stops_mid_chain
         m = self.caps.cap(k_cap) if capped else k_cap
@@ -162,7 +164,6 @@ class GraphRound:
                 break  # the rule stopped inside this chunk
         m = drafted
         _, verify = self._epilogues(rule, state.sampling, m, target.vocab_size, dec.device)
-        L = state.seq.shape[0]
         ids = torch.cat([state.seq[target.length:], chain.y[:m]])
         met.lap("draft_other")
         out = run_epilogue(target, ids, m + 1, verify)
@@ -170,14 +171,11 @@ class GraphRound:
         met.count_pass(ids.shape[0])
         vals = met.read(out)
         n, tok, K, stopped = vals[:4]
-        if state.imposed_n is not None:  # a replayed trace's outcome (its rule never stops mid-chain: K = m)
-            n = min(state.imposed_n, m)
-        dec._rollback(state, L + n)
         if capped:
             self.caps.update(K, bool(stopped), m)
         met.n_past_stop += m - K
         state.p_y = None  # the model's candidates: nothing learns from p(y) here (prompt lookup's copies do)
-        return K, n, vals[4:4 + n] + [tok]
+        return K, n, vals[4:4 + m], tok
 
 
 def run_epilogue(runner, ids: torch.Tensor, n_logits: int, epilogue, with_head: bool = False):

@@ -142,8 +142,6 @@ class RoundState:
     tokens     seq as a host list (read it, never change it)
     p_y        after a chain round's verification: the target's probability of each of its K candidates
                [K] (the processed p; 0 or 1 when greedy), for sources that learn from them
-    imposed_n  a replayed trace's accepted count for this round, which verification reports instead of its own
-               (replay.py: the real loop and kernels with a recorded acceptance; measuring only, never exact)
     """
 
     decoder: Any
@@ -155,7 +153,6 @@ class RoundState:
     met: Any
     tokens: list
     p_y: Any = None
-    imposed_n: int | None = None
 
     @property
     def target(self):

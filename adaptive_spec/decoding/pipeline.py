@@ -136,14 +136,14 @@ class SpecPair:
 
     def generate(self, prompt: str | list[int], policy: str | PolicyParams = "fixed", max_new_tokens: int = 128,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = 0,
-                 chat: bool = False, on_text=None, **settings) -> Generation:
+                 chat: bool = False, on_text=None, extras=(), **settings) -> Generation:
         """Generate from a prompt (text, or token ids). policy: a PolicyParams (params.py), or a
         name ("ar" for target-only decoding, "fixed", "learned", ...) with its settings as keywords
         (k=4; head=..., threshold=0.7), checked against the policy's PolicyParams.
 
         threshold="auto" (learned) / k="auto" (fixed): the h / K of best predicted throughput on
         this machine, from the head's threshold_curve.json (or curve=PATH; auto.py); the pick
-        is printed once per pair and kept as `Generation.auto`."""
+        is printed once per pair and kept as `Generation.auto`. `extras`: as Decoder.generate's."""
         params = as_policy_params(policy, settings)
         sampling = SamplingParams(temperature, top_k, top_p)
         ids = self.encode(prompt, chat) if isinstance(prompt, str) or _is_messages(prompt) else list(prompt)
@@ -158,7 +158,7 @@ class SpecPair:
             if self.prepare is not None:
                 self.prepare(pol.k_max if pol is not None else 0, pol.graph_head if pol is not None else None)
             g = self.decoder.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, policy=pol,
-                                      seed=seed, on_tokens=on_tokens)
+                                      seed=seed, on_tokens=on_tokens, extras=extras)
         if on_tokens is not None:
             on_tokens.end()
         g.text = self.tokenizer.decode(g.token_ids, skip_special_tokens=True)

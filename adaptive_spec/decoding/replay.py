@@ -1,36 +1,55 @@
-"""Replaying a recorded trace: the real decode loop, runners and kernels, with the acceptance a run of
-the real weights measured ("measured, not modelled").
+"""Recording a trace and replaying it: the real decode loop, runners and kernels, with the acceptance a run
+of the real weights measured ("measured, not modelled").
 
-A trace (`Decoder(record_trace=True)`: `Metrics.trace`, a sweep's rows with `record_trace: true`) lists
-every verified chain round of one generation as [K, n accepted, source]. Replayed on models of the same
-shapes (random weights on a GPU, say), every round drafts exactly the recorded K (the inner policy's
-`should_stop` still runs on each step, for its cost: the learned head's forward) and its verification is
-told the recorded n (`RoundState.imposed_n`). So the replay does the recorded work (the same rounds, the
-same forwards of the same lengths) and reproduces the recorded counts (n_tokens, rounds, n_drafted,
-n_accepted, accepted_hist, n_final_cut); its wall time is what that work costs on this machine. The
-tokens are the other weights' own: EOS is off and the length is the recorded n_tokens.
+A trace (`TraceRecorder`, attached to a generation: `Decoder.generate(extras=[...])`; a sweep's rows with
+`record_trace: true`) lists every verified chain round of one generation as [K, n accepted, source].
+Replayed on models of the same shapes (random weights on a GPU, say), every round drafts exactly the
+recorded K (`TraceStop`, whose inner policy's `should_stop` still runs on each step, for its cost: the
+learned head's forward; a copied round copies) and keeps the recorded n of them whatever its verification
+found. So the replay does the recorded work (the same rounds, the same forwards of the same lengths) and
+reproduces the recorded counts (n_tokens, rounds, n_drafted, n_accepted, accepted_hist, n_final_cut); its
+wall time is what that work costs on this machine. The tokens are the other weights' own: EOS is off and
+the length is the recorded n_tokens.
 
-Why the rounds are owned here (a RoundOwner) and not left to the decoder with a stop rule: the decoder caps
-a round's K at the tokens left minus one, so that no round drafts past the length limit. A recorded round
-cut at an EOS drafted past the tokens it kept, so under a replay whose length is the recorded n_tokens
-its K would be capped. `TraceReplay` runs each chain round with the cap lifted to the recorded K, and the
-decoder's own cut at the length limit then removes what the recorded EOS cut (the last round's token
-from the target): the counts come out the same, n_final_cut included.
+Why the rounds are owned here (a RoundOwner) and not left to the decoder with a stop rule: the recorded n
+is kept between the round's two halves (Decoder.verified_chain, then Decoder.keep), and the decoder caps a
+round's K at the tokens left minus one, so that no round drafts past the length limit. A recorded round cut
+at an EOS drafted past the tokens it kept, so under a replay whose length is the recorded n_tokens its K
+would be capped. `TraceReplay` drafts each chain round up to the recorded K, and the decoder's own cut at
+the length limit then removes what the recorded EOS cut (the last round's token from the target): the
+counts come out the same, n_final_cut included.
 
 Chain traces only: a tree round's K counts nodes, which no chain reproduces (`chain_trace` refuses them).
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from ..errors import UserError
 from .decoder import Decoder
-from .metrics import Generation
+from .metrics import Extra, Generation
 from .interfaces import DraftStep, RoundOwner, RoundState, StopPolicy
 from .ngram import SpanSource
 from ..registry import Needs
 from .sampling import SamplingParams
 
 SOURCES = ("model", "ngram", "none")  # what drafted a chain round (Metrics.book_round)
+
+
+class TraceRecorder(Extra):
+    """Records a generation's trace: per verified round [K, n accepted (after a final cut), source]; its rows
+    add it as `trace`. One recorder per generation."""
+
+    def __init__(self):
+        self.rounds: list = []
+
+    def book_round(self, n_drafted: int, n_accepted: int, source: str) -> None:
+        self.rounds.append([n_drafted, n_accepted, source])
+
+    def book_cut(self, n: int, kept: int) -> None:
+        if self.rounds:
+            self.rounds[-1][1] = kept
+
+    def to_dict(self) -> dict:
+        return {"trace": [list(r) for r in self.rounds]}
 
 
 class TraceStop(StopPolicy):
@@ -85,8 +104,7 @@ class TraceStop(StopPolicy):
 
 
 class TraceReplay(RoundOwner):
-    """Runs the rounds of `trace` (check_trace'd), one chain round each, its verification told the recorded n
-    (RoundState.imposed_n)."""
+    """Runs the rounds of `trace` (check_trace'd), one chain round each, keeping the recorded n of its candidates."""
 
     name = "replay"
 
@@ -110,12 +128,14 @@ class TraceReplay(RoundOwner):
         k, n, source = self.trace[self.i]
         self.i += 1
         self.rule.k = k
-        drafter = None
+        dec = state.decoder
         if source == "ngram":  # a copy costs no model forward: copy the last token, as a span would be copied
-            drafter = SpanSource([state.tokens[-1]] * k, state.decoder.target.vocab_size, state.seq.device)
+            drafter = SpanSource([state.tokens[-1]] * k, dec.target.vocab_size, state.seq.device)
+        else:
+            drafter = dec.model_source(self.rule)
         # the recorded K, not capped at the tokens left (module doc); the decoder's cut does the rest
-        lifted = replace(state, remaining=max(state.remaining, k + 1), imposed_n=n)
-        return state.decoder.chain_round(lifted, self.rule, drafter)
+        K, _, ys, tok = dec.verified_chain(state, self.rule, self.rule.begin_round(state.pos), drafter)
+        return dec.keep(state, self.rule, drafter.name, K, min(n, K), ys, tok)
 
     def describe(self) -> dict:
         return {"policy": self.name, "rounds": len(self.trace)}
@@ -124,8 +144,8 @@ class TraceReplay(RoundOwner):
 def check_trace(trace: list, n_tokens: int) -> list:
     """`trace` as a chain trace of a generation of n_tokens tokens, or a UserError saying what is wrong."""
     if not isinstance(trace, list) or not all(isinstance(r, (list, tuple)) and len(r) == 3 for r in trace):
-        raise UserError("a trace is a list of [K, n_accepted, source] rounds (Metrics.trace); record one with "
-                        "Decoder(record_trace=True) or a sweep with record_trace: true")
+        raise UserError("a trace is a list of [K, n_accepted, source] rounds; record one with a TraceRecorder "
+                        "(Decoder.generate(extras=[TraceRecorder()])) or a sweep with record_trace: true")
     for i, (k, n, s) in enumerate(trace):
         if s not in SOURCES or not 0 <= n <= k or (s == "none") != (k == 0):
             raise UserError(f"trace round {i} is {[k, n, s]}: not a chain round (K >= n >= 0, source one of "

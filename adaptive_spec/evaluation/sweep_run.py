@@ -14,6 +14,7 @@ from ..decoding.decoder import Decoder
 from ..decoding.interfaces import PolicyContext
 from ..decoding.metrics import Metrics
 from ..decoding.pipeline import SpecPair, make_policy, torch_threads
+from ..decoding.replay import TraceRecorder
 from ..decoding.sampling import SamplingParams
 from ..errors import UserError
 from ..heads.curve import load_curve
@@ -42,8 +43,7 @@ class Runner:
         self.auto_prompts, self.curve = cfg.auto_prompts, cfg.curve  # where an auto's curve comes from
         self.width, self.progress = cfg.tree_calibration_width, cfg.progress
         self.pairs = load_pairs(cfg.draft_pairs(), heads)  # drafts entry -> (pair, draft-alone decoder)
-        for p, _ in self.pairs.values():
-            p.decoder.record_trace = cfg.record_trace  # Metrics.trace, which the rows keep (Metrics.to_dict)
+        self.record_trace = cfg.record_trace
         self.tree_ctx = {"rates": {}, "calibration": None, "node_cost": None}  # set by calibrate
         self.greedy = {}  # prompt ids -> the target alone's greedy output: the oracle's X
         self.prompt_curves = {}  # (head folder) -> the curve of auto_prompts' answers (prompts_curve)
@@ -116,13 +116,17 @@ class Runner:
             return self._run_tree(conf, pair, ids, n, seed)
         s = self.sampling
         g = pair.generate(ids, policy=self._policy(conf, pair, ids), max_new_tokens=n, temperature=s.temperature,
-                          top_k=s.top_k, top_p=s.top_p, seed=seed)
+                          top_k=s.top_k, top_p=s.top_p, seed=seed, extras=self._extras())
         pick = getattr(g, "auto", None)
         extra = {"auto_value": pick["value"], "auto_predicted_tokens_per_s": pick["tokens_per_s"]} if pick else {}
         if pick and conf.source is Source.SHORTHAND:
             extra.update(auto_predicted_wall_tokens_per_s=pick.get("wall_tokens_per_s"),
                          auto_time_model=pick["model"], auto_k_max=pick.get("k_max"))
         return g.metrics, g.stopped_by, g.token_ids, extra
+
+    def _extras(self) -> list:
+        """A generation's extras: with record_trace its trace, which its row keeps (Metrics.to_dict)."""
+        return [TraceRecorder()] if self.record_trace else []
 
     def _policy(self, conf: Configuration, pair, ids: list[int]):
         """The configuration's policy as generate takes it: a `policies` entry as given (with auto_prompts' curve
@@ -181,7 +185,8 @@ class Runner:
             if conf.policy.tree_learned:
                 extra["node_cost"] = float(more.get("tree_node_cost", conf.policy.tree_node_cost))
         pol = make_policy(completed(conf.policy, **more), PolicyContext(pair))
-        g = pair.decoder.generate(ids, max_new_tokens=max_new_tokens, sampling=self.sampling, policy=pol, seed=seed)
+        g = pair.decoder.generate(ids, max_new_tokens=max_new_tokens, sampling=self.sampling, policy=pol, seed=seed,
+                                  extras=self._extras())
         return g.metrics, g.stopped_by, g.token_ids, {**tree_stats(pol, g.metrics), **extra}
 
 
