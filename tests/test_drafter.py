@@ -342,3 +342,42 @@ def test_the_second_drafted_step_reads_the_first_steps_outputs():
     calls.clear()
     drafter_loss(d, readout, feats, ids, valid, DrafterConfig(data="x"))
     assert len(calls) == 1
+
+
+def test_a_reduced_ce_vocabulary_trains_on_the_kept_ids_and_scores_against_the_full_target():
+    """ce_vocab (EAGLE-3's reduced vocabulary): the CE over the kept ids alone, the target's p renormalized there;
+    top-1 and acceptance still against the full p. Control: keeping every id gives the full loss; a strict subset
+    changes the CE."""
+    from adaptive_spec.training.drafter import DrafterConfig, collate, drafter_loss
+
+    model = tiny_target()
+    d = FeatureDrafter.for_target(model, init_from_target=True).float()
+    g = torch.Generator().manual_seed(1)
+    seqs = []
+    for n in (9, 6):
+        ids = torch.randint(0, 32, (n,), generator=g)
+        seqs.append({"ids": ids, "hidden": model.base_model(input_ids=ids.view(1, -1)).last_hidden_state[0].detach()})
+    feats, ids, valid = collate(seqs)
+    cfg = DrafterConfig(data="x")
+    full = drafter_loss(d, Readout(model), feats, ids, valid, cfg)[1]
+    every = drafter_loss(d, Readout(model, kept_ids=torch.arange(32)), feats, ids, valid, cfg)[1]
+    assert all(abs(full[k] - every[k]) < 1e-4 for k in full), (full, every)
+
+    kept = torch.tensor([0, 3, 4, 7, 9, 12, 15, 20, 21, 30])
+    readout = Readout(model, kept_ids=kept)
+    parts = drafter_loss(d, readout, feats, ids, valid, cfg)[1]
+    with torch.no_grad():  # by hand: the same slots, the same f^
+        m = valid[:, 1:]
+        tgt = feats[:, 1:].float()[m]
+        fhat = readout.feature(d(feats[:, :-1].float(), readout.embed(ids[:, 1:]),
+                                 torch.arange(ids.shape[1] - 1).expand(len(seqs), -1)))[m]
+        p_full = readout.full_logits(tgt).softmax(-1)
+        p = readout.full_logits(tgt)[:, kept].softmax(-1)
+        logq = readout.full_logits(fhat)[:, kept].log_softmax(-1)
+    assert abs(parts["ce"] - float(-(p * logq).sum(-1).mean())) < 1e-4
+    assert abs(parts["ce"] - full["ce"]) > 1e-3  # the subset is not a no-op
+    assert abs(parts["top1"] - float((kept[logq.argmax(-1)] == p_full.argmax(-1)).float().mean())) < 1e-6
+    assert abs(parts["accept"] - float(torch.minimum(p_full[:, kept], logq.exp()).sum(-1).mean())) < 1e-5
+    for bad in ("0", str(Path("/nonexistent/list.safetensors"))):
+        with pytest.raises(UserError, match="ce_vocab"):
+            DrafterConfig(data="x", ce_vocab=bad).validate()

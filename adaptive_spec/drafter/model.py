@@ -225,8 +225,15 @@ class Readout(nn.Module):
         if self.weight is not None:
             from ..backends.runner import spread_kept_logits
 
-            return spread_kept_logits(F.linear(f.to(self.weight.dtype), self.weight).float(), self.kept_ids,
-                                      self.vocab_size)
+            return spread_kept_logits(self.kept_logits(f), self.kept_ids, self.vocab_size)
+        return self.full_logits(f)
+
+    def kept_logits(self, f: torch.Tensor) -> torch.Tensor:
+        """float32 logits of the kept ids alone (column j = kept_ids[j]): the reduced vocabulary's rows only."""
+        return F.linear(f.to(self.weight.dtype), self.weight).float()
+
+    def full_logits(self, f: torch.Tensor) -> torch.Tensor:
+        """float32 logits over the whole vocabulary, whatever is kept."""
         out = self.lm_head(f.to(self.dtype)).float()
         if self.softcap:
             out = torch.tanh(out / self.softcap) * self.softcap

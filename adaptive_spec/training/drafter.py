@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ..backends.paths import check_draft_vocab_spec, parse_draft_vocab
 from ..config import config_to_dict
 from ..errors import UserError, get_logger
 from ..runs import check_settings, write_json
@@ -57,6 +58,7 @@ class DrafterConfig:
     ce_weight: float = 0.1             # cross-entropy against the target's next-token distribution
     noise: float = 0.1                 # uniform noise U(-noise, noise) on the input states
     rollout: int = 1                   # drafted steps trained: 2 also trains on the drafter's own f^ input
+    ce_vocab: str = "full"             # the cross-entropy's vocabulary: full, or N | FILE | FILE:N as --draft-vocab
     epochs: int = 1
     batch_size: int = 4                # sequences per optimizer step, summed over processes and accumulation
     grad_accum: int = 1
@@ -90,6 +92,11 @@ class DrafterConfig:
             (self.rollout in (1, 2), "rollout must be 1 (EAGLE's loss) or 2 (also the second drafted step)"),
             (self.intermediate_size >= 0, "intermediate_size must be >= 0 (0 = the target's MLP width)"),
         ]
+        try:
+            if parse_draft_vocab(self.ce_vocab) is not None:
+                check_draft_vocab_spec(self.ce_vocab)
+        except ValueError as e:
+            raise UserError(f"invalid drafter training config: ce_vocab: {e} (or full)") from None
         for ok, msg in checks:
             if not ok:
                 raise UserError(f"invalid drafter training config: {msg}")
@@ -133,15 +140,20 @@ def drafter_loss(drafter, readout, feats, ids, valid, cfg: DrafterConfig, noise:
     emb = readout.embed(ids[:, 1:])
     m = valid[:, 1:]
     tgt = feats[:, 1:].float()[m]
+    # a reduced CE vocabulary (EAGLE-3's): both distributions over the kept ids alone, the target's renormalized
+    # there, so a step reads V' rows of the LM head instead of V; the scores still compare with the full p
+    reduced = readout.kept_ids is not None
+    head = readout.kept_logits if reduced else readout.logits
     with torch.no_grad():
-        p = readout.logits(tgt).softmax(-1)
+        p = head(tgt).softmax(-1)
+        p_full = readout.full_logits(tgt).softmax(-1) if reduced and scores else p
     loss, parts = 0.0, {}
     for j in range(steps):
         x = f_in + (torch.rand_like(f_in) * 2 - 1) * noise if noise else f_in
         fhat_all = readout.feature(drafter(x, emb, pos))
         fhat = fhat_all[m].float()
         feat = F.smooth_l1_loss(fhat, tgt, reduction="none").mean(-1)
-        logq = readout.logits(fhat).log_softmax(-1)
+        logq = head(fhat).log_softmax(-1)
         ce = -(p * logq).sum(-1)
         step_loss = cfg.feature_weight * feat.mean() + cfg.ce_weight * ce.mean()
         loss = loss + step_loss / steps
@@ -150,8 +162,10 @@ def drafter_loss(drafter, readout, feats, ids, valid, cfg: DrafterConfig, noise:
             parts.update({"loss" + sfx: step_loss.item(), "feature" + sfx: feat.mean().item(),
                           "ce" + sfx: ce.mean().item()})
             if scores:
-                parts.update({"top1" + sfx: (logq.argmax(-1) == p.argmax(-1)).float().mean().item(),
-                              "accept" + sfx: torch.minimum(p, logq.exp()).sum(-1).mean().item()})
+                guess = readout.kept_ids[logq.argmax(-1)] if reduced else logq.argmax(-1)
+                p_kept = p_full[:, readout.kept_ids] if reduced else p_full
+                parts.update({"top1" + sfx: (guess == p_full.argmax(-1)).float().mean().item(),
+                              "accept" + sfx: torch.minimum(p_kept, logq.exp()).sum(-1).mean().item()})
         if j + 1 < steps:  # the next step's inputs: slot t + 1 reads this step's f^_{t+1} (slot t's output)
             f_in = torch.cat([f_in[:, :1], fhat_all[:, :-1].detach().float()], 1)
     return loss, parts
@@ -186,12 +200,15 @@ def load_readout(cfg: DrafterConfig, device):
     from ..backends.runner import model_fingerprint
     from ..drafter.model import FeatureDrafter, Readout
 
-    model, _ = load_model(cfg.target, "target", cfg.target_dtype, device, pack=False)
+    from ..backends.vocab import resolve_draft_vocab
+
+    model, tok = load_model(cfg.target, "target", cfg.target_dtype, device, pack=False)
     fp = model_fingerprint(model)
     drafter = FeatureDrafter.for_target(model, cfg.init_from_target, name=cfg.target, fingerprint=fp,
                                         intermediate_size=cfg.intermediate_size).float()
     model.base_model.layers = torch.nn.ModuleList()
-    return Readout(model), drafter, fp
+    kept = resolve_draft_vocab(cfg.ce_vocab, tok, model.get_output_embeddings().out_features)
+    return Readout(model, kept_ids=kept), drafter, fp
 
 
 # ----------------------------------------------------------------------------- the run
@@ -233,7 +250,7 @@ def train_drafter(cfg: DrafterConfig, resume: bool = False) -> dict:
     state = _restore(acc, files, cfg, resume)
     _trackers(acc, cfg, files.out)
     meta = {"dataset": cfg.data, "target_fingerprint": fp, "n_train_seqs": len(train_set), "epochs": cfg.epochs,
-            "lr": cfg.lr, "feature_weight": cfg.feature_weight, "ce_weight": cfg.ce_weight}
+            "lr": cfg.lr, "feature_weight": cfg.feature_weight, "ce_weight": cfg.ce_weight, "ce_vocab": cfg.ce_vocab}
     run = (cfg, acc, files, model, readout, dev_set or train_set[: max(1, len(train_set) // 8)], meta)
     if state["step"] == 0:
         _eval_and_export(run, state, 0)
