@@ -170,16 +170,17 @@ def _curve(sweep: Sweep, conf: Configuration, pair) -> str:
 
 
 def prompts_curve(pair, cfg: SweepConfig, head_dir: str | None) -> str:
-    """The curve of auto_prompts' answers for a head (probe_prompts.measure: recorded by the loaded pair once,
+    """The curve of auto_prompts' answers for a head (auto.measure_prompts: recorded by the loaded pair once,
     cached, and remembered on the pair, so every run of the sweep reads the same file)."""
-    from .probe_prompts import load_texts, measure
+    from ..auto import load_texts, measure_prompts
 
     memo = getattr(pair, "prompts_curves", None)
     if memo is None:
         memo = pair.prompts_curves = {}
     key = (cfg.auto_prompts, head_dir, cfg.temperature, cfg.k_max)
     if key not in memo:
-        made = measure(pair, None, head_dir, cfg.temperature, texts=load_texts(cfg.auto_prompts), k_max=cfg.k_max)
+        made = measure_prompts(pair, None, head_dir, cfg.temperature, texts=load_texts(cfg.auto_prompts),
+                               k_max=cfg.k_max)
         if made["curve_file"] is None:
             raise UserError(f"auto_prompts {cfg.auto_prompts}: no curve was made (no draft model recorded)")
         memo[key] = made["curve_file"]

@@ -135,6 +135,26 @@ def coef_of(costs, model: str = "extended", loop: str | None = None) -> dict:
     return {**coef, "verify_s": costs.verify_s} if model == "table" else coef
 
 
+# the target alone's token: one one-row pass
+ONE_STEP = {"n_tokens": 1.0, "n_target_forwards": 1.0, "n_draft_forwards": 0.0, "n_drafted": 0.0,
+            "target_pass_hist": {"1": 1.0}}
+
+
+def round_costs(counts: dict, coef: dict) -> dict:
+    """Per round (one target pass each) of counts (a sweep's pooled rows, a curve point): tokens, drafted
+    tokens, draft steps, the share of drafted tokens accepted, the commonest pass length, and the round's time
+    in one-row target steps (ONE_STEP) under `coef` (coef_of's coefficients: measured costs, or times fitted
+    from the rows)."""
+    rounds = counts["n_target_forwards"]
+    hist = counts.get("target_pass_hist") or {}
+    drafted = counts.get("n_drafted", 0.0)
+    return {"tokens": counts["n_tokens"] / rounds, "drafted": drafted / rounds,
+            "draft_steps": counts.get("n_draft_forwards", 0.0) / rounds,
+            "accepted": counts.get("n_accepted", 0.0) / drafted if drafted else float("nan"),
+            "rows": int(max(hist, key=hist.get)) if hist else None,
+            "steps": predict_time(counts, coef) / rounds / predict_time(ONE_STEP, coef)}
+
+
 def effective_model(costs, model: str) -> str:
     """The model `coef_of` applies: the table model needs measured per-length times, else it is the extended one."""
     return "extended" if model == "table" and not getattr(costs, "t_verify", ()) else model

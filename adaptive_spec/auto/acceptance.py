@@ -164,7 +164,7 @@ def curve(records: list[dict], head, head_dir, label: str, temperature: float, k
     """The threshold curve of the records (autotune.curve_of; None without a draft's records), with what
     load_curve checks (the head's weights) and where it came from."""
     from ..heads.curve import weights_hash
-    from ..training.autotune import curve_of
+    from .curve_replay import curve_of
 
     if not any(r["P"] for r in records):
         return None
@@ -178,13 +178,13 @@ def curve(records: list[dict], head, head_dir, label: str, temperature: float, k
     return out
 
 
-def measure(pair, spec, head_dir, temperature: float = 1.0, budget_s: float = BUDGET_S, cache: bool = True,
+def measure_prompts(pair, spec, head_dir, temperature: float = 1.0, budget_s: float = BUDGET_S, cache: bool = True,
             texts: tuple[list, str] | None = None, k_max: int = 20) -> dict:
     """Record on the prompts `spec` names (load_texts) and write their curve to the cache: {"label", "n_prompts",
     "n_tokens", "curve_file" (None without a draft), "records"}. A second call with the same pair, head, prompts
     and temperature reads the file instead (cache=False: record afresh and write nothing). `k_max`: the curve's cap
     on candidates a round (a sweep's k_max; auto refuses a curve of another)."""
-    from ..decoding.costs import config_key, cost_config, costs_dir
+    from .costs import config_key, cost_config, costs_dir
     from ..heads import head as heads
     from ..heads.curve import weights_hash
 
