@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from adaptive_spec.auto import Costs, coef_of, measure_costs, predict_time
+from adaptive_spec.auto import Costs, coef_of, predict_time
 from adaptive_spec.auto import curve_replay as R
 from adaptive_spec.auto import picker as AU
 from adaptive_spec.heads import curve as CV

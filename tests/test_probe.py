@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from adaptive_spec import auto
+from adaptive_spec import auto as A
 from adaptive_spec.auto import Costs, coef_of, predict_time, resolve_auto
 from adaptive_spec.backends import engines
 from adaptive_spec.evaluation import probe
@@ -37,12 +37,12 @@ def fake_pair(c, engine="llama.cpp", draft=True):
                            draft=object() if draft else None)
 
 
-by_name = auto.by_name
+by_name = A.by_name
 
 
 def predict(pair, *args, **kw):
     """auto's prediction as the probe makes it: prompt lookup and combined replayed on the dev answers."""
-    return auto.predict(pair, *args, answers=kw.pop("answers", DEV), **kw)
+    return A.predict(pair, *args, answers=kw.pop("answers", DEV), **kw)
 
 
 @pytest.mark.parametrize("engine", ["llama.cpp", "torch"])
@@ -96,7 +96,7 @@ def test_a_second_measurement_prices_the_configurations_the_first_one_chose():
     """predict(ran=...): the K and h another probe chose, priced at these costs (eval/bench_probe.py's measurement
     after the runs), not these costs' own choice: on SLOW_PASSES alone auto would run the target alone."""
     cheap = predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 128, 128)
-    ran = auto.picks_of(cheap)
+    ran = A.picks_of(cheap)
     assert ran["pick"][0] != "ar"
     own = by_name(predict(fake_pair(SLOW_PASSES, "torch"), HEAD, 1.0, 128, 128))
     assert own["SpecDec++ h=auto"]["pick"] == "ar"  # the control: its own choice differs
@@ -112,16 +112,16 @@ def test_a_second_measurement_prices_the_configurations_the_first_one_chose():
     assert f"h = {h:g}" in auto["reason"] and "drafting does not pay" in auto["reason"]
     assert rows["combined"]["drafts"] and "joint" in rows["combined"]  # its fallback drafts at the h that ran
     # a result without drafting has no picks to carry
-    assert auto.picks_of(predict(fake_pair(CHEAP_PASSES, draft=False), None, 1.0, 128, 128)) is None
+    assert A.picks_of(predict(fake_pair(CHEAP_PASSES, draft=False), None, 1.0, 128, 128)) is None
 
 
 def test_prompt_lookup_pays_in_a_long_copy_only_where_a_many_row_pass_is_cheap():
     coef = lambda c: {"t_draft": c.t_draft, "t_target": c.t_target, "t_cand": 0.0, "verify_s": c.verify_s}  # noqa: E731
-    cheap = auto.copy_round(CHEAP_PASSES, coef(CHEAP_PASSES), 48)
+    cheap = A.copy_round(CHEAP_PASSES, coef(CHEAP_PASSES), 48)
     assert cheap["k"] >= 8 and cheap["tokens_per_s"] * 0.1 > 3  # > 3x a 0.1 s step
     # every row a step (v(n) = n): no copy pays for its row
     linear = costs(0.1, tuple(range(1, 10)), 0.3, {n: n for n in (12, 16, 24, 32, 48)})
-    none = auto.copy_round(linear, coef(linear), 48)
+    none = A.copy_round(linear, coef(linear), 48)
     assert none["k"] == 0 and none["tokens_per_s"] == pytest.approx(10.0)
     rows = by_name(predict(fake_pair(linear, draft=False), None, 1.0, 128, 128))
     assert set(rows) == {"target alone", "prompt lookup"}  # no draft: no draft configurations
@@ -248,7 +248,7 @@ def test_the_benchmark_sweeps_what_the_probe_priced_and_tables_the_errors(tmp_pa
     # measured again after the runs, 20% slower: each row judged on the mean of the two (per token)
     slow = costs(0.2075 * 1.2, (1.00, 1.52, 2.00, 2.81, 3.2, 3.6, 4.0, 4.4, 4.8), 0.88,
                  {12: 6.0, 16: 8.0, 24: 12.0, 32: 16.0, 48: 24.0})
-    after = predict(fake_pair(slow), HEAD, 1.0, 128, 64, ran=auto.picks_of(result))
+    after = predict(fake_pair(slow), HEAD, 1.0, 128, 64, ran=A.picks_of(result))
     (out / "probe_llama.cpp_after.json").write_text(json.dumps(after))
     assert bench.main(["--report-only", "--out", str(out)]) == 0
     md = (out / "report.md").read_text()
@@ -299,7 +299,7 @@ def test_where_no_copy_pays_the_combined_replay_samples_specdec_rounds_as_autotu
 
     curve = _json.loads((curve_path(HEAD)).read_text())
     point = next(p for p in curve["thresholds"] if p["h"] == 0.3)
-    joint = auto.combined_counts(CHEAP_PASSES, HEAD, 0.3, curve["k_max"], 0, DEV)
+    joint = A.combined_counts(CHEAP_PASSES, HEAD, 0.3, curve["k_max"], 0, DEV)
     assert joint["n_responses"] == curve["n_responses"] and joint["n_tokens"] == 4 * curve["n_tokens"]
     assert joint["n_fed_extra"] == 0 and joint["target_pass_hist"].get("1", 0) < 0.01 * joint["n_target_forwards"]
     assert joint["n_tokens"] / joint["n_target_forwards"] == pytest.approx(point["tokens_per_round"], rel=0.02)
@@ -320,7 +320,7 @@ def test_a_workload_prices_its_kinds_counts_in_equal_parts():
     assert math["fixed"]["rate_tokens_per_s"] == pytest.approx(point["n_tokens"] / predict_time(point, coef))
     # two kinds in equal parts of tokens: the time per token is the mean of theirs
     both = by_name(predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 128, 128, workload=("math", "chat"),
-                                 ran=auto.picks_of({"configurations": list(math.values())})))
+                                 ran=A.picks_of({"configurations": list(math.values())})))
     chat = k_of(curve["by_source"]["sharegpt"], K)
     per_token = [predict_time(p, coef) / p["n_tokens"] for p in (point, chat)]
     assert both["fixed"]["rate_tokens_per_s"] == pytest.approx(2 / sum(per_token))
@@ -328,11 +328,11 @@ def test_a_workload_prices_its_kinds_counts_in_equal_parts():
     chat_only = by_name(predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 128, 128, workload=("chat",)))
     assert math["prompt lookup"]["copies"]["n_accepted"] / math["prompt lookup"]["copies"]["n_tokens"] > \
         chat_only["prompt lookup"]["copies"]["n_accepted"] / chat_only["prompt lookup"]["copies"]["n_tokens"]
-    assert auto.parse_workload("mix") is None and auto.parse_workload("code, math") == ("code", "math")
+    assert A.parse_workload("mix") is None and A.parse_workload("code, math") == ("code", "math")
     with pytest.raises(Exception, match="unknown kind 'poetry'.*chat, code, math"):
-        auto.parse_workload("code,poetry")
+        A.parse_workload("code,poetry")
     with pytest.raises(Exception, match="no counts for prompt source 'sharegpt'"):
-        auto.check_workload({"by_source": {}}, ("chat",))
+        A.check_workload({"by_source": {}}, ("chat",))
 
 
 def test_a_draft_step_that_feeds_copied_tokens_costs_them_at_the_drafts_prefill_rate():
@@ -538,7 +538,7 @@ def test_a_second_measurement_prices_at_the_answers_the_first_one_recorded(tmp_p
     texts = load_texts(str(tmp_path / "p.jsonl"))
     first = probe.run(pair, str(tmp_path / "head"), 1.0, 128, 128, reps=1, prompts=texts)
     again = probe.run(pair, str(tmp_path / "head"), 1.0, 128, 128, reps=1, cache=False, prompts=texts,
-                      prompts_cache=True, ran=auto.picks_of(first))
+                      prompts_cache=True, ran=A.picks_of(first))
     assert again["acceptance"] == first["acceptance"] and first["acceptance"]["curve_file"]
     assert again["cache"] is None and again["costs"]["measured"]  # the costs: measured again, uncached
     # the control: recorded afresh and written nowhere, no curve of the prompts is there for auto to read

@@ -3,6 +3,7 @@ prompt sources (`--workload`), and prompt lookup and combined replayed along ans
 answers, or the answers recorded on the user's prompts: Answers): what a draft would have copied and drafted there."""
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
 
