@@ -81,7 +81,7 @@ def parse_args(argv):
 def _one_row_rows(pair, ctx: dict, cells: list, m: int) -> dict:
     """One round of the cell rows: the probe's round (its one-row and 4-row cells) and each cell variant, m
     samples each (the first of a back-to-back run is dropped: it follows whatever ran before)."""
-    from adaptive_spec.auto import interleaved_round
+    from adaptive_spec.decoding.auto import interleaved_round
     from adaptive_spec.timing import timed
 
     target, draft = pair.target, pair.draft
@@ -125,7 +125,7 @@ def _one_row_rows(pair, ctx: dict, cells: list, m: int) -> dict:
 def _decode_rows(loop_lm, reuse_off, args, context: int) -> dict:
     """One round of the decode-loop rows (cost_timing.decode_step_time): at PREFIX, at the runs' context, and on a
     context made with the graph reuse off (None where it could not be made)."""
-    from adaptive_spec.auto import decode_step_time
+    from adaptive_spec.decoding.auto import decode_step_time
 
     out = {"probe step (v6)": [decode_step_time(loop_lm, 1, steps=args.steps)],
            "decode step at the runs' context": [decode_step_time(loop_lm, 1, steps=args.steps, context=context)]}
@@ -162,7 +162,7 @@ def measure(args) -> dict:
     """Load the pair, prefill the probe's contexts and run every row round-robin."""
     import torch
 
-    from adaptive_spec.auto import PREFIX, interleaved_round, measured_cells, prefilled, release
+    from adaptive_spec.decoding.auto import PREFIX, interleaved_round, measured_cells, prefilled, release
     from adaptive_spec.decoding.pipeline import SpecPair, torch_threads
     from adaptive_spec.params import pair_params
 

@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 
 from adaptive_spec.errors import UserError, run_main
-from adaptive_spec.auto import MIX, by_name, describe_workload, parse_workload, picks_of, timed
+from adaptive_spec.decoding.auto import MIX, by_name, describe_workload, parse_workload, picks_of, timed
 from adaptive_spec.evaluation import probe
 from adaptive_spec.evaluation.paired import run_header
 from adaptive_spec.runs import read_jsonl, write_json
@@ -137,7 +137,7 @@ def counts_rate(result: dict, rows: list[dict], after: dict | None = None, catch
     alone, without the curve's counts (the workload's side: how often these prompts' tokens are accepted).
     `catch_up`: the draft reads each prompt in its first round (combined), at its measured prefill rate. A row
     does not count the draft's steps that feed what copies made (the replay does), so combined's is a floor."""
-    from adaptive_spec.auto import coef_of, costs_from_json, predict_time
+    from adaptive_spec.decoding.auto import coef_of, costs_from_json, predict_time
 
     n = sum(r["n_tokens"] for r in rows)
     rates = []
@@ -250,9 +250,9 @@ def prompts_arg(value: str) -> tuple[int | None, str | None]:
 
 
 def own_prompts(spec: str, out: Path) -> tuple[list, str]:
-    """The probe's prompts of --prompts FILE|SET (adaptive_spec.auto's load_texts), kept in <out>/prompts.jsonl, from
+    """The probe's prompts of --prompts FILE|SET (adaptive_spec.decoding.auto's load_texts), kept in <out>/prompts.jsonl, from
     which the sweep runs them and a rerun reads them back (the same prompts, whatever a set's shuffle does)."""
-    from adaptive_spec.auto import FIELD, load_texts
+    from adaptive_spec.decoding.auto import FIELD, load_texts
 
     path = out / "prompts.jsonl"
     if path.is_file():

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from adaptive_spec.auto import Costs, coef_of, predict_time
-from adaptive_spec.auto import curve_replay as R
-from adaptive_spec.auto import picker as AU
+from adaptive_spec.decoding.auto import Costs, coef_of, predict_time
+from adaptive_spec.decoding.auto import curve_replay as R
+from adaptive_spec.decoding.auto import picker as AU
 from adaptive_spec.heads import curve as CV
 from adaptive_spec.training import autotune as A
 from adaptive_spec.errors import UserError

@@ -152,13 +152,13 @@ def test_package_import_graph_is_acyclic():
 
 
 def test_auto_is_reached_through_its_face_alone():
-    """Outside auto/, modules import auto's names from adaptive_spec.auto, never from its inner modules; its
-    __init__.py is that face: a docstring and imports, defining nothing."""
+    """Outside decoding/auto/, modules import auto's names from adaptive_spec.decoding.auto, never from its inner
+    modules; its __init__.py is that face: a docstring and imports, defining nothing."""
     graph = import_graph()
-    bad = sorted(f"{m} -> {t}" for m, targets in graph.items() if not m.startswith("adaptive_spec.auto")
-                 for t in targets if t.startswith("adaptive_spec.auto."))
+    bad = sorted(f"{m} -> {t}" for m, targets in graph.items() if not m.startswith("adaptive_spec.decoding.auto")
+                 for t in targets if t.startswith("adaptive_spec.decoding.auto."))
     assert not bad, bad
-    face = ast.parse((ROOT / "auto" / "__init__.py").read_text()).body
+    face = ast.parse((ROOT / "decoding" / "auto" / "__init__.py").read_text()).body
     assert all(isinstance(n, ast.ImportFrom) for n in face[1:]) and ast.get_docstring(ast.Module(face, [])), face
 
 
@@ -188,8 +188,8 @@ def test_interfaces_is_a_leaf():
 # generation path (models and engines, heads, decoding, the typed settings) must run without the
 # parts upstream of the head or downstream of the decoder: a user who only generates installs the
 # core, which lacks their libraries.
-GENERATION = ("adaptive_spec.setup", "adaptive_spec.backends", "adaptive_spec.decoding", "adaptive_spec.auto",
-              "adaptive_spec.heads", "adaptive_spec.params", "adaptive_spec.typed", "adaptive_spec.prompts", "adaptive_spec.prompt_archives",
+GENERATION = ("adaptive_spec.setup", "adaptive_spec.backends", "adaptive_spec.decoding", "adaptive_spec.heads",
+              "adaptive_spec.params", "adaptive_spec.typed", "adaptive_spec.prompts", "adaptive_spec.prompt_archives",
               "adaptive_spec.errors", "adaptive_spec.runs", "adaptive_spec.timing", "adaptive_spec.tables",
               "adaptive_spec.config")
 OFFLINE = ("adaptive_spec.datagen", "adaptive_spec.training", "adaptive_spec.evaluation")
@@ -229,7 +229,7 @@ def test_library_code_reports_through_logging():
 
 def test_no_lower_layer_imports_a_higher_one():
     """Layers, lowest first: what set-up puts on the machine (setup/) and the engines (backends/), the heads and the typed settings (params), the decoder
-    (decoding/, and auto/, which times and prices it), then what runs it (datagen/, training/, evaluation/). A module imports only from its own
+    (decoding/, with auto/ in it, which times and prices it), then what runs it (datagen/, training/, evaluation/). A module imports only from its own
     layer or below: the curve format lives with the heads, the logits' processing with the engines."""
     graph = import_graph()
 
@@ -240,7 +240,7 @@ def test_no_lower_layer_imports_a_higher_one():
                                       ("adaptive_spec.heads", "adaptive_spec.params", "adaptive_spec.typed",
                                        "adaptive_spec.config",
                                        "adaptive_spec.registry", "adaptive_spec.drafter"),
-                                      ("adaptive_spec.decoding", "adaptive_spec.auto"))):
+                                      ("adaptive_spec.decoding",))):
             if m.startswith(prefixes):
                 return i
         return 3

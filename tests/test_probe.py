@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from adaptive_spec import auto as A
-from adaptive_spec.auto import Costs, coef_of, predict_time, resolve_auto
+from adaptive_spec.decoding import auto as A
+from adaptive_spec.decoding.auto import Costs, coef_of, predict_time, resolve_auto
 from adaptive_spec.backends import engines
 from adaptive_spec.evaluation import probe
 from adaptive_spec.heads.curve import curve_path
@@ -400,7 +400,7 @@ def test_the_prompts_curve_is_the_replay_of_what_was_recorded_along_the_targets_
     import numpy as np
     import torch
 
-    from adaptive_spec.auto import acceptance
+    from adaptive_spec.decoding.auto import acceptance
 
     pair, head = _mock_pair(), _Head()
     records = acceptance.record(pair, [[1, 2, 3], [4, 5], [6]], head, 1.0, max_new_tokens=7, budget_s=60)
@@ -436,7 +436,7 @@ def _prompts_measured(tmp_path, P: float):
     p̂ = P), written as its curve file (with the committed head's weights, as load_curve checks)."""
     import random
 
-    from adaptive_spec.auto import acceptance
+    from adaptive_spec.decoding.auto import acceptance
     from adaptive_spec.heads import head as heads
 
     head = heads.load_head(HEAD, inputs=heads.INPUTS)
@@ -527,7 +527,7 @@ def test_a_second_measurement_prices_at_the_answers_the_first_one_recorded(tmp_p
     answers are recorded again and nothing is cached (the control)."""
     from adaptive_spec import params
     from adaptive_spec.backends.toy import save_model
-    from adaptive_spec.auto import load_texts
+    from adaptive_spec.decoding.auto import load_texts
     from adaptive_spec.heads.head import AcceptanceHead
 
     monkeypatch.setenv("ADAPTIVE_SPEC_CACHE", str(tmp_path / "cache"))
@@ -547,7 +547,7 @@ def test_a_second_measurement_prices_at_the_answers_the_first_one_recorded(tmp_p
 
 
 def test_prompts_take_a_slice_of_a_set_held_out_from_its_other_part():
-    from adaptive_spec.auto import MAX_PROMPTS, load_texts
+    from adaptive_spec.decoding.auto import MAX_PROMPTS, load_texts
     from adaptive_spec.prompts import prompt_texts
 
     every = prompt_texts("humaneval")

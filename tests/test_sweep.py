@@ -310,7 +310,7 @@ def test_sweep_auto_picks_once_for_the_machine_and_needs_its_curve(inputs, tmp_p
     machine, and the report compares it with the swept values."""
     import shutil
 
-    from adaptive_spec.auto import AR, H_GRID, K_GRID
+    from adaptive_spec.decoding.auto import AR, H_GRID, K_GRID
     from adaptive_spec.training import autotune as A
     from train_fixtures import make_dataset
 
@@ -492,7 +492,7 @@ def test_auto_prompts_picks_from_the_curve_of_those_prompts_answers(inputs, tmp_
     prompts do not load or nothing reads them."""
     import shutil
 
-    from adaptive_spec.auto import costs_from_json, pick
+    from adaptive_spec.decoding.auto import costs_from_json, pick
     from adaptive_spec.heads.curve import load_curve
 
     monkeypatch.setenv("ADAPTIVE_SPEC_CACHE", str(tmp_path / "cache"))

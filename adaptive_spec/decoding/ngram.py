@@ -14,7 +14,7 @@ How many copied tokens to verify. The peers verify a fixed number after every ma
 behaviour, for comparison). `k auto` weighs each one instead: with a_j the predicted probability that
 copy j is accepted once copies 1..j-1 were, a round of K copies yields E(K) = 1 + sum_i prod_{j<=i} a_j
 tokens for one target pass of K + 1 rows, which costs v(K + 1) one-row steps (measured on this
-machine: adaptive_spec.auto; on CPUs v is a step function of K, not a line, so a 4-row pass can cost less than a
+machine: auto/costs.py; on CPUs v is a step function of K, not a line, so a 4-row pass can cost less than a
 3-row one). The round takes the K that maximises E(K) - lambda v(K + 1), lambda being the throughput
 this generation reaches so far in tokens per step (Dinkelbach's rule for the best long-run ratio of
 tokens to time): a copy is worth verifying only while its expected tokens pay for its rows at the rate
@@ -326,7 +326,7 @@ def replay_copies(policy: NgramPolicy, prompt: list[int], response: list[int], m
 
 
 def verify_steps_of(costs):
-    """v(n) in one-row steps from measured Costs (adaptive_spec.auto): the per-length table where measured."""
+    """v(n) in one-row steps from measured Costs (auto/costs.py): the per-length table where measured."""
     base = costs.verify_s(1)
     return lambda n: costs.verify_s(n) / base
 

@@ -16,7 +16,7 @@ from transformers import TextStreamer
 
 from ..backends import engines, torch_engine
 from ..backends.cpu import describe
-from ..auto import measure_costs, predicted_wall, resolve_auto
+from .auto import measure_costs, predicted_wall, resolve_auto
 from ..backends.window import WindowedDraft
 from ..errors import UserError
 from ..params import ARParams, PairParams, check_runs_on, pair_params, policy_params

@@ -37,7 +37,7 @@ def pass_times(runners: dict, lengths, reps: int, all_rows=(True,)) -> dict:
     """{(name, n, all_rows): median seconds} of a pass of n tokens after a cost_timing.PREFIX-token context (less where
     a runner's context cannot hold it), for every runner and length, with the logits of every row (True)
     or of the last only (False), interleaved (auto's interleaved_times)."""
-    from ..auto import interleaved_times  # torch: only where something is timed
+    from ..decoding.auto import interleaved_times  # torch: only where something is timed
 
     cells = [(name, n, a) for name in runners for n in (lengths[name] if isinstance(lengths, dict) else lengths)
              for a in all_rows if a or n > 1]

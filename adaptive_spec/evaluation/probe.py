@@ -8,7 +8,7 @@ costs measured once (cached) and each configuration's tok/s predicted from them,
     adaptive-spec probe --backend llama.cpp --prompts my.jsonl       # priced at the acceptance on your prompts
 
 It loads the pair as `generate` does (the same pair flags) and takes the forward costs through the calls
-`--threshold auto` and `--k auto` make (adaptive_spec.auto: resolve_auto over measure_costs, on
+`--threshold auto` and `--k auto` make (adaptive_spec.decoding.auto: resolve_auto over measure_costs, on
 the torch threads the decode has, cached per machine and pair: after a probe, `generate` with auto
 measures nothing, nor does a second probe): a one-row step, v(N) for passes of 1..9 rows and the
 longer ones copies verify in, the draft's step, both prefill rates, the loop's own time per row and per
@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 
 from .. import params
-from ..auto import (BUDGET_S, MIX, WORKLOADS, Answers, check_workload, config_key, cost_config, costs_dir,
+from ..decoding.auto import (BUDGET_S, MIX, WORKLOADS, Answers, check_workload, config_key, cost_config, costs_dir,
                     describe_workload, load_texts, measure_costs, measure_prompts, parse_workload, predict)
 from ..cli_args import Parser, add_fields, flag, set_fields
 from ..errors import UserError, run_main

@@ -47,7 +47,7 @@ import math
 import sys
 from pathlib import Path
 
-from ..auto import coef_of, comparison_table, costs_from_json, round_costs
+from ..decoding.auto import coef_of, comparison_table, costs_from_json, round_costs
 from ..errors import UserError, run_main
 from ..runs import read_json
 from ..tables import fmt

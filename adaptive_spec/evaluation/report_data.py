@@ -11,7 +11,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..auto import fit_forward_times, fit_standalone, relative_error, sum_counts, theoretical_tokens_per_s
+from ..decoding.auto import fit_forward_times, fit_standalone, relative_error, sum_counts, theoretical_tokens_per_s
 from ..errors import UserError
 from ..runs import read_json, read_jsonl
 from .sweep_files import RESULTS

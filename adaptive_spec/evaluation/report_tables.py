@@ -9,7 +9,7 @@ import json
 import math
 from collections import Counter, defaultdict
 
-from ..auto import compare_decompositions, decompose, mean_std
+from ..decoding.auto import compare_decompositions, decompose, mean_std
 from ..tables import fmt, md_table
 from .report_data import (FAMILIES, HEAD_TREE, HEURISTICS, LEARNED_TREE, POS_TREE, DatasetResult, best_of,
                           bound_curve, by_config, head_order, modelled_tps, paired_ratio, rel_errors, usable)

@@ -13,7 +13,7 @@ dataset and entry its own column:
     fixed k=K     SpecDec with a fixed candidate length, for each K in `ks`
     learned       SpecDec++: each acceptance head in `heads` x each threshold h in `thresholds`
     auto          `auto` in `ks` / `thresholds`: the K / h of best predicted throughput on this
-                  machine (adaptive_spec.auto: the head's threshold_curve.json, `curve` for ks, and
+                  machine (adaptive_spec.decoding.auto: the head's threshold_curve.json, `curve` for ks, and
                   t_draft / t_target measured at load), as methods fixed_auto / learned_auto; rows
                   add auto_value (the pick) and auto_predicted_tokens_per_s (decoding only)
     confidence    stop when q(y_i) < tau, for each tau in `confidence_taus`
@@ -78,7 +78,7 @@ from transformers.utils import logging as hf_logging
 
 from ..backends.runner import resolve_device
 from ..config import config_from_argv
-from ..auto import measure_costs
+from ..decoding.auto import measure_costs
 from ..decoding.decoder import Decoder
 from ..decoding.pipeline import SpecPair, torch_threads
 from ..decoding.sampling import SamplingParams

@@ -172,7 +172,7 @@ def _curve(sweep: Sweep, conf: Configuration, pair) -> str:
 def prompts_curve(pair, cfg: SweepConfig, head_dir: str | None) -> str:
     """The curve of auto_prompts' answers for a head (auto.measure_prompts: recorded by the loaded pair once,
     cached, and remembered on the pair, so every run of the sweep reads the same file)."""
-    from ..auto import load_texts, measure_prompts
+    from ..decoding.auto import load_texts, measure_prompts
 
     memo = getattr(pair, "prompts_curves", None)
     if memo is None:

@@ -1,4 +1,4 @@
-"""`adaptive-spec autotune`: the offline half of `--threshold auto` / `--k auto` (adaptive_spec.auto has the
+"""`adaptive-spec autotune`: the offline half of `--threshold auto` / `--k auto` (adaptive_spec.decoding.auto has the
 pick made at generation time, and the replay this runs).
 
 `adaptive-spec autotune --head DIR --data DATAGEN_DIR` replays the head offline on the dev
@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..auto import H_GRID, K_GRID, curve_of
+from ..decoding.auto import H_GRID, K_GRID, curve_of
 from ..datagen.shards import iter_shards
 from ..errors import UserError, get_logger
 from ..heads import head as heads

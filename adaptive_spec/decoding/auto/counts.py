@@ -7,8 +7,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
 
-from .. import params
-from ..errors import UserError
+from ... import params
+from ...errors import UserError
 from .curve_replay import stop_lengths, window_products
 
 
@@ -112,7 +112,7 @@ def copy_counts(costs, k_max: int, answers: Answers | None, kinds=None) -> dict 
     """Prompt lookup's counts (`--policy ngram --k auto` at these costs) over `answers` (ngram.replay_copies),
     pooled or, for `kinds` (parse_workload), mixed by kind; with how many answers. None where there are no
     answers (or a kind has none)."""
-    from ..decoding.ngram import NgramPolicy, replay_copies, verify_steps_of
+    from ..ngram import NgramPolicy, replay_copies, verify_steps_of
 
     if answers is None:
         return None
@@ -136,9 +136,9 @@ def combined_counts(costs, head, h: float, cap: int, k_max: int, answers: Answer
     far, and a draft round can run past where a copy would start."""
     import numpy as np
 
-    from ..decoding.interfaces import StopPolicy
-    from ..decoding.ngram import NgramPolicy, replay_copies, verify_steps_of
-    from ..heads import head as heads
+    from ..interfaces import StopPolicy
+    from ..ngram import NgramPolicy, replay_copies, verify_steps_of
+    from ...heads import head as heads
 
     if answers is None:
         return None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .. import params
+from ... import params
 from .picker import AR, DEFAULT_TIME_MODEL, predicted_wall, resolve_auto
 from .timemodel import ONE_STEP, coef_of, effective_model, predict_time, round_costs
 
@@ -33,7 +33,7 @@ def copy_round(costs, coef: dict, k_max: int) -> dict:
     """A round of a long verbatim copy under `--policy ngram --k auto`: the K copies ngram.best_k takes
     (a match of COPY_MATCH tokens, CopyAcceptance's prior, v(n) as measured) at the rate it settles to
     (Dinkelbach's rule: lambda the tokens per step so far); with its expected tokens and its tok/s."""
-    from ..decoding.ngram import CopyAcceptance, best_k, verify_steps_of
+    from ..ngram import CopyAcceptance, best_k, verify_steps_of
 
     a = CopyAcceptance().predict(COPY_MATCH, min(k_max, COPY_MATCH))  # at most as many copies as match
     v = verify_steps_of(costs)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..heads.curve import FORMAT
+from ...heads.curve import FORMAT
 
 H_GRID = tuple(round(0.05 * i, 2) for i in range(1, 20))
 K_GRID = tuple(range(1, 17))

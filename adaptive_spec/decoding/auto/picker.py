@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import UserError, get_logger
-from ..heads.curve import curve_path, load_curve, sampling_mismatch
+from ...errors import UserError, get_logger
+from ...heads.curve import curve_path, load_curve, sampling_mismatch
 from .costs import measure_costs
 from .timemodel import coef_of, effective_model, predict_time
 

@@ -71,8 +71,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from ..errors import UserError
-from ..tables import fmt, md_table
+from ...errors import UserError
+from ...tables import fmt, md_table
 
 COLUMNS = {"t_draft": "n_draft_forwards", "t_target": "n_target_forwards", "t_cand": "n_drafted"}
 MODELS = {"paper": ("t_draft", "t_target"), "extended": ("t_draft", "t_target", "t_cand")}  # fitted or measured

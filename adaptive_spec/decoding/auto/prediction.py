@@ -3,9 +3,9 @@ probe` prints). It measures the pair's costs (or reads them), takes auto's picks
 counts (the curve at a workload, or answers replayed) and prices each with pricing.py's price_* functions."""
 from __future__ import annotations
 
-from .. import params
-from ..errors import UserError
-from ..heads.curve import curve_path, load_curve
+from ... import params
+from ...errors import UserError
+from ...heads.curve import curve_path, load_curve
 from .acceptance import as_responses, describe
 from .costs import measure_costs
 from .counts import MIX, Answers, check_workload, combined_counts, copy_counts, workload_point
