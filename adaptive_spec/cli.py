@@ -118,7 +118,7 @@ def _auto_texts(args):
         return None
     if "auto" not in (getattr(args, "threshold", None), getattr(args, "k", None)):
         raise UserError("--auto-prompts is read by --threshold auto and --k auto only; pass one of them, or drop it")
-    from .evaluation.probe_prompts import load_texts  # the probe's recording: loaded when it runs
+    from .decoding.auto import load_texts  # the probe's recording: loaded when it runs
 
     return load_texts(args.auto_prompts)
 
@@ -133,9 +133,10 @@ def _generate(args) -> int:
     hf_logging.disable_progress_bar()  # weight-loading bars would drown the streamed text
     pair = SpecPair.load(pair_params)
     if texts is not None:  # auto reads the curve of these prompts' answers, as it reads --curve
-        from .evaluation.probe_prompts import measure
+        from .decoding.auto import measure_prompts
 
-        own = measure(pair, None, getattr(policy, "head", None), sampling.temperature, texts=texts)["curve_file"]
+        own = measure_prompts(pair, None, getattr(policy, "head", None), sampling.temperature,
+                              texts=texts)["curve_file"]
         policy = params.policy_params(args.policy, spell=flag, **_auto_checked(args, own))
     stream = None if args.json else (lambda s: print(s, end="", flush=True))
     g = pair.generate(args.prompt, policy=policy, max_new_tokens=args.max_new_tokens,

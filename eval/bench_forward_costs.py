@@ -273,7 +273,7 @@ def measure_lengths(args) -> tuple[dict, dict]:
     """What a target pass costs per number of tokens, at a short and a realistic context, and what a
     stats head's per-step statistics cost (the extended time model).
 
-    The `table` time model (adaptive_spec/decoding/timemodel.py) prices each verification pass of K + 1 tokens
+    The `table` time model (adaptive_spec/decoding/auto/timemodel.py) prices each verification pass of K + 1 tokens
     at its measured time. This times that pass per length n (and the draft's one-token step) after
     a --short (cost_timing.py's PREFIX) and a --long cached context, so one can see (a) the step shape of
     t_verify(n) on this CPU and (b) how far times at load, taken after a short prefix, are from the
@@ -391,7 +391,7 @@ def measure_llama_cpp(args) -> tuple[dict, dict]:
     from adaptive_spec.backends.cpu import flags_line
     from adaptive_spec.setup.llama_build import VERSION, X86_SETS, cmake_args
     from adaptive_spec.backends.llamacpp import GGUFModel, LlamaCppLM
-    from adaptive_spec.decoding.cost_timing import PREFIX
+    from adaptive_spec.decoding.auto import PREFIX
     from adaptive_spec.evaluation.forward_costs import (draft_acceptance, draft_runner, gguf_file, held_sequences,
                                                          pass_times, target_quality)
 

@@ -36,7 +36,7 @@ from adaptive_spec.backends.cpu import flags_line
 from adaptive_spec.setup.wheels import default_gguf
 from adaptive_spec.setup.llama_build import VERSION
 from adaptive_spec.backends.llamacpp_pair import requantized_gguf
-from adaptive_spec.decoding.costs import measure_costs
+from adaptive_spec.decoding.auto import measure_costs
 from adaptive_spec.setup.llama_tools import bench_tg, build, build_flags, spec_example
 from adaptive_spec.evaluation.forward_costs import parse_draft
 from adaptive_spec.evaluation.paired import pooled_tok_s, record, run_header, start

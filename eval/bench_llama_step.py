@@ -81,12 +81,12 @@ def parse_args(argv):
 def _one_row_rows(pair, ctx: dict, cells: list, m: int) -> dict:
     """One round of the cell rows: the probe's round (its one-row and 4-row cells) and each cell variant, m
     samples each (the first of a back-to-back run is dropped: it follows whatever ran before)."""
-    from adaptive_spec.decoding import cost_timing
+    from adaptive_spec.decoding.auto import interleaved_round
     from adaptive_spec.timing import timed
 
     target, draft = pair.target, pair.draft
     _, prefix, ids, _ = ctx[id(target)]
-    times = cost_timing.interleaved_round(cells, ctx)
+    times = interleaved_round(cells, ctx)
     one = cells.index((target, 1, True))
     out = {"probe cell (v5)": [times[one]], FOUR[0]: [times[cells.index((target, 4, True))]]}
 
@@ -125,7 +125,7 @@ def _one_row_rows(pair, ctx: dict, cells: list, m: int) -> dict:
 def _decode_rows(loop_lm, reuse_off, args, context: int) -> dict:
     """One round of the decode-loop rows (cost_timing.decode_step_time): at PREFIX, at the runs' context, and on a
     context made with the graph reuse off (None where it could not be made)."""
-    from adaptive_spec.decoding.cost_timing import decode_step_time
+    from adaptive_spec.decoding.auto import decode_step_time
 
     out = {"probe step (v6)": [decode_step_time(loop_lm, 1, steps=args.steps)],
            "decode step at the runs' context": [decode_step_time(loop_lm, 1, steps=args.steps, context=context)]}
@@ -162,7 +162,7 @@ def measure(args) -> dict:
     """Load the pair, prefill the probe's contexts and run every row round-robin."""
     import torch
 
-    from adaptive_spec.decoding import cost_timing, costs
+    from adaptive_spec.decoding.auto import PREFIX, interleaved_round, measured_cells, prefilled, release
     from adaptive_spec.decoding.pipeline import SpecPair, torch_threads
     from adaptive_spec.params import pair_params
 
@@ -177,18 +177,18 @@ def measure(args) -> dict:
         del os.environ[REUSE_OFF]
     prompts = _prompts(pair, args)
     context = round(statistics.mean(len(p) for p in prompts) + args.max_new_tokens / 2)
-    cells = costs.measured_cells(pair)
+    cells = measured_cells(pair)
     rows, runs = {}, []
     with torch_threads(pair.engine.decode_torch_threads), torch.inference_mode():
-        ctx = cost_timing.prefilled(cells)
-        cost_timing.interleaved_round(cells, ctx)  # the probe's warm-up round
+        ctx = prefilled(cells)
+        interleaved_round(cells, ctx)  # the probe's warm-up round
         for r in range(args.rounds):
             for part in (_one_row_rows(pair, ctx, cells, args.cells), _decode_rows(loop_lm, reuse_off, args, context)):
                 for key, samples in part.items():
                     rows.setdefault(key, []).append(samples)
             runs.append(_decoder_run(pair, loop_lm, prompts[r % len(prompts)], args, seed=r))
-        cost_timing.release(ctx)
-    return {"rows": rows, "runs": runs, "context": context, "prefix": cost_timing.PREFIX,
+        release(ctx)
+    return {"rows": rows, "runs": runs, "context": context, "prefix": PREFIX,
             "numeric_path": pair.target.numeric_path()}
 
 

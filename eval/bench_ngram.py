@@ -35,7 +35,7 @@ import torch
 from adaptive_spec.backends.cpu import flags_line
 from adaptive_spec.setup.wheels import default_gguf
 from adaptive_spec.setup.llama_build import VERSION
-from adaptive_spec.decoding.costs import measure_costs
+from adaptive_spec.decoding.auto import measure_costs
 from adaptive_spec.decoding.ngram import NgramIndex
 from adaptive_spec.decoding.pipeline import SpecPair
 from adaptive_spec.errors import UserError, run_main

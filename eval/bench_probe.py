@@ -34,7 +34,8 @@ import sys
 from pathlib import Path
 
 from adaptive_spec.errors import UserError, run_main
-from adaptive_spec.evaluation import pricing, probe, probe_counts
+from adaptive_spec.decoding.auto import MIX, by_name, describe_workload, parse_workload, picks_of, timed
+from adaptive_spec.evaluation import probe
 from adaptive_spec.evaluation.paired import run_header
 from adaptive_spec.runs import read_jsonl, write_json
 from adaptive_spec.tables import md_table
@@ -47,7 +48,7 @@ BEST_H = "specdec++ best h"  # the drafting h, where auto runs the target alone
 
 def sweep_config(result: dict, engine: str, args) -> dict:
     """The sweep of the configurations the probe priced (sweep.py's keys)."""
-    rows = probe.by_name(result)
+    rows = by_name(result)
     head = result["head"]
     pair = {"backend": engine, "threads": args.threads}
     if engine == "torch":
@@ -70,7 +71,7 @@ def sweep_config(result: dict, engine: str, args) -> dict:
 
 def pairs_of(result: dict, rows: list[dict]) -> list[tuple[str, dict | None, list[dict]]]:
     """(configuration, its prediction, its measured rows) for each configuration the probe priced."""
-    by = probe.by_name(result)
+    by = by_name(result)
     pick = lambda f: [r for r in rows if f(r)]  # noqa: E731
     out = [("target alone", by["target alone"], pick(lambda r: r["config"] == "ar"))]
     if "fixed" in by:
@@ -103,7 +104,7 @@ def compare(result: dict, rows: list[dict], after: dict | None = None) -> list[d
         wall = sum(r["wall_s"] for r in rs)
         decode = sum(r["wall_s"] - r["prefill_s"] for r in rs)
         prompt = sum(r["n_prompt_tokens"] for r in rs) / len(rs)
-        predicted = lambda res, pr: pricing.timed(res["costs"], pr["rate_tokens_per_s"], pr["drafts"],  # noqa: E731
+        predicted = lambda res, pr: timed(res["costs"], pr["rate_tokens_per_s"], pr["drafts"],  # noqa: E731
                                                 pr["catch_up"], prompt, n / len(rs))
         p_decode, p_wall = predicted(result, pred)
         c = {"name": name, "runs": len(rs), "prompt_tokens": prompt, "predicted_decode": p_decode,
@@ -136,8 +137,7 @@ def counts_rate(result: dict, rows: list[dict], after: dict | None = None, catch
     alone, without the curve's counts (the workload's side: how often these prompts' tokens are accepted).
     `catch_up`: the draft reads each prompt in its first round (combined), at its measured prefill rate. A row
     does not count the draft's steps that feed what copies made (the replay does), so combined's is a floor."""
-    from adaptive_spec.decoding.costs import costs_from_json
-    from adaptive_spec.decoding.timemodel import coef_of, predict_time
+    from adaptive_spec.decoding.auto import coef_of, costs_from_json, predict_time
 
     n = sum(r["n_tokens"] for r in rows)
     rates = []
@@ -235,7 +235,7 @@ def _counts_source(result: dict) -> tuple[str, str]:
     if acceptance.get("source") == "prompts":
         return (f"the answers the probe recorded on these prompts ({acceptance.get('words', acceptance.get('label'))}"
                 "; the runs answer them afresh, to full length)", "probe's answers")
-    return (f"the head's dev answers (not these sets; {probe_counts.describe_workload(result.get('workload', probe_counts.MIX))})",
+    return (f"the head's dev answers (not these sets; {describe_workload(result.get('workload', MIX))})",
             "dev answers")
 
 
@@ -250,9 +250,9 @@ def prompts_arg(value: str) -> tuple[int | None, str | None]:
 
 
 def own_prompts(spec: str, out: Path) -> tuple[list, str]:
-    """The probe's prompts of --prompts FILE|SET (probe_prompts.load_texts), kept in <out>/prompts.jsonl, from
+    """The probe's prompts of --prompts FILE|SET (adaptive_spec.decoding.auto's load_texts), kept in <out>/prompts.jsonl, from
     which the sweep runs them and a rerun reads them back (the same prompts, whatever a set's shuffle does)."""
-    from adaptive_spec.evaluation.probe_prompts import FIELD, load_texts
+    from adaptive_spec.decoding.auto import FIELD, load_texts
 
     path = out / "prompts.jsonl"
     if path.is_file():
@@ -297,7 +297,7 @@ def _main(argv) -> int:
     unknown = [d for d in args.datasets.split(",") if d not in KIND]
     if unknown and not args.report_only and own is None:
         raise UserError(f"no workload kind for set {unknown[0]!r}: the probe prices one of {', '.join(KIND)}")
-    workload = probe_counts.parse_workload([KIND[d] for d in args.datasets.split(",") if d in KIND]) if own is None else None
+    workload = parse_workload([KIND[d] for d in args.datasets.split(",") if d in KIND]) if own is None else None
     texts = None
     if own is not None and not args.report_only:  # refused before any model loads
         texts = own_prompts(own, out)
@@ -333,9 +333,9 @@ def _main(argv) -> int:
         after = out / f"probe_{engine}_after.json"
         if not after.is_file():  # the machine's speed after the runs: the same configurations, measured afresh
             write_json(after, probe.run(pair, args.head, 1.0, 128, args.max_new_tokens, args.reps, cache=False,
-                                        ran=probe.picks_of(result), prompts=texts, prompts_cache=True,
-                                        workload=None if texts else probe_counts.parse_workload(result.get("workload",
-                                                                                                    probe_counts.MIX))),
+                                        ran=picks_of(result), prompts=texts, prompts_cache=True,
+                                        workload=None if texts else parse_workload(result.get("workload",
+                                                                                                    MIX))),
                        indent=1, default=str)
             gc.collect()
     header = run_header(out, report_only=False, measure=lambda: {

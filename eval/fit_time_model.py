@@ -1,4 +1,4 @@
-"""Eq. 3.1 against the extended time model on a sweep, side by side, and with --costs the table model (adaptive_spec/decoding/timemodel.py).
+"""Eq. 3.1 against the extended time model on a sweep, side by side, and with --costs the table model (adaptive_spec/decoding/auto/timemodel.py).
 
     python eval/fit_time_model.py eval/results/sweep_cpu_full [--costs ~/.cache/adaptive_spec/costs/KEY.json]
 
@@ -15,10 +15,9 @@ import json
 import sys
 from pathlib import Path
 
-from adaptive_spec.decoding.costs import Costs, costs_from_json
 from adaptive_spec.errors import UserError, run_main
 from adaptive_spec.runs import read_jsonl
-from adaptive_spec.decoding.timemodel import comparison_table
+from adaptive_spec.decoding.auto import Costs, comparison_table, costs_from_json
 
 
 def load_costs(path: str) -> Costs:

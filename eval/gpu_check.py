@@ -63,7 +63,7 @@ try:
                                                     model_bytes, picks_md, replay_picks, stats_of, sync, time_loop)
     from adaptive_spec.evaluation import gpu_bench, round_profile as rp_  # noqa: E402
     from adaptive_spec.evaluation.round_profile import make_runner  # noqa: E402
-    from adaptive_spec.decoding.cost_timing import loop_times  # noqa: E402
+    from adaptive_spec.decoding.auto import loop_times  # noqa: E402
 except ModuleNotFoundError as e:  # a GPU machine with the checkout, torch and transformers, no pydantic
     sys.exit(f"error: {e.name} is not importable; on a GPU machine install the carried wheels first "
              "(`make gpu-check` does; make them here with `python eval/gpu_check.py --fetch-wheels`), or run from "

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from adaptive_spec.training import autotune as A
-from adaptive_spec.decoding import auto as AU
+from adaptive_spec.decoding.auto import Costs, coef_of, predict_time
+from adaptive_spec.decoding.auto import curve_replay as R
+from adaptive_spec.decoding.auto import picker as AU
 from adaptive_spec.heads import curve as CV
-from adaptive_spec.decoding.costs import Costs, measure_costs
+from adaptive_spec.training import autotune as A
 from adaptive_spec.errors import UserError
 from adaptive_spec.heads.head import AcceptanceHead
 from adaptive_spec.decoding.interfaces import DraftStep
@@ -50,7 +51,7 @@ def test_replay_is_the_exact_expectation():
         P[rng.uniform(size=T) < 0.3] = 1.0  # many exact 1s and a 0, as min(1, p/q) gives
         P[0] = 0.0 if T > 3 else P[0]
         K = rng.integers(1, 5, T)
-        got = A.replay(A.window_products(P, 5), K)
+        got = R.replay(R.window_products(P, 5), K)
         assert got == pytest.approx(expected_counts(P, K, 5), abs=1e-12)
         assert got[0] + got[2] == pytest.approx(T)  # every response yields exactly T tokens
         assert got[4:].sum() == pytest.approx(got[0]) and got[4:] @ np.arange(6) == pytest.approx(got[1])
@@ -62,7 +63,7 @@ def test_replay_is_the_exact_expectation():
 def test_fixed_k_matches_the_closed_form(a, k):
     """Constant acceptance a: a round yields (1 - a^(K+1)) / (1 - a) tokens in expectation."""
     T = 10000
-    rounds, drafted, accepted = A.replay(A.window_products(np.full(T, a), k), np.full(T, k))[:3]
+    rounds, drafted, accepted = R.replay(R.window_products(np.full(T, a), k), np.full(T, k))[:3]
     assert T / rounds == pytest.approx((1 - a ** (k + 1)) / (1 - a), rel=2e-3)
     assert accepted / drafted == pytest.approx((a - a ** (k + 1)) / (1 - a) / k, rel=2e-3)
 
@@ -87,7 +88,7 @@ def test_stop_lengths_follow_the_learned_policy(feature, lag):
     phat = rng.uniform(0.3, 1.0, 40)
     k_max = 6
     for h in (0.1, 0.4, 0.8):
-        K = A.stop_lengths(A.window_products(phat, k_max), h, k_max, lag)
+        K = R.stop_lengths(R.window_products(phat, k_max), h, k_max, lag)
         pol = LearnedThreshold(ValueHead(feature), h, k_max)
         for s in range(len(phat) - k_max):
             pol.begin_round(s)
@@ -101,8 +102,8 @@ def test_stop_lengths_follow_the_learned_policy(feature, lag):
 
 def test_a_cheap_draft_picks_longer_rounds():
     T = 4000
-    curve = {"fixed_k": [{"k": k, **A.counts_row(T, A.replay(A.window_products(np.full(T, 0.8), k), np.full(T, k)))}
-                         for k in A.K_GRID], "thresholds": []}
+    curve = {"fixed_k": [{"k": k, **R.counts_row(T, R.replay(R.window_products(np.full(T, 0.8), k), np.full(T, k)))}
+                         for k in R.K_GRID], "thresholds": []}
     picks = {}
     for c in (0.05, 0.6):
         costs = Costs(c * 0.1, 0.1, 0.0, "key", "now")
@@ -121,8 +122,8 @@ def test_auto_picks_the_target_alone_where_no_draft_length_pays():
     """A draft step as dear as a target step, or a low acceptance: every K predicts less than one
     target step a token, and auto decodes without drafting; a cheap draft keeps its K."""
     T = 4000
-    curve = {"fixed_k": [{"k": k, **A.counts_row(T, A.replay(A.window_products(np.full(T, 0.5), k), np.full(T, k)))}
-                         for k in A.K_GRID], "thresholds": []}
+    curve = {"fixed_k": [{"k": k, **R.counts_row(T, R.replay(R.window_products(np.full(T, 0.5), k), np.full(T, k)))}
+                         for k in R.K_GRID], "thresholds": []}
     dear = AU.pick(curve, "k", Costs(0.09, 0.1, 0.0, "key", "now"))
     assert dear["value"] == AU.AR and dear["tokens_per_s"] == pytest.approx(1 / 0.1)
     assert dear["tokens_per_s"] > max(dear["predicted"].values())
@@ -137,21 +138,20 @@ def test_table_model_caps_rounds_where_long_passes_cost_more():
     rng = np.random.default_rng(1)
     T = 3000
     P = rng.beta(8, 1.5, T)
-    AP, PH = A.window_products(P, 20), A.window_products(P, 20)  # a perfect head: p̂ = P
+    AP, PH = R.window_products(P, 20), R.window_products(P, 20)  # a perfect head: p̂ = P
 
     def row(K):
-        return A.counts_row(T, A.replay(AP, K))
+        return R.counts_row(T, R.replay(AP, K))
 
-    curve = {"k_max": 20, "fixed_k": [{"k": k, **row(np.full(T, k))} for k in A.K_GRID],
-             "thresholds": [{"h": h, **row(A.stop_lengths(PH, h, 20, 0))} for h in A.H_GRID],
-             "capped": [{"h": h, "k_max": c, **row(A.stop_lengths(PH, h, c, 0))} for c in A.caps_below(20)
-                        for h in A.H_GRID]}
+    curve = {"k_max": 20, "fixed_k": [{"k": k, **row(np.full(T, k))} for k in R.K_GRID],
+             "thresholds": [{"h": h, **row(R.stop_lengths(PH, h, 20, 0))} for h in R.H_GRID],
+             "capped": [{"h": h, "k_max": c, **row(R.stop_lengths(PH, h, c, 0))} for c in R.caps_below(20)
+                        for h in R.H_GRID]}
     point = curve["thresholds"][5]
     assert sum(point["target_pass_hist"].values()) == pytest.approx(point["n_target_forwards"])
     step = Costs(0.03, 0.1, 0.0, "k", "now", (0.1,) * 6 + (0.2,) * 3)
     want = 0.03 * point["n_draft_forwards"] + sum((0.1 if int(n) <= 6 else 0.2) * c
                                                   for n, c in point["target_pass_hist"].items())
-    from adaptive_spec.decoding.timemodel import coef_of, predict_time
     assert predict_time(point, coef_of(step, "table")) == pytest.approx(want)
     s = AU.pick(curve, "h", step, model="table")
     assert "k_max" not in AU.pick(curve, "h", step)  # the default (extended) model picks h alone
@@ -179,21 +179,21 @@ def test_curve_is_saved_beside_the_head_and_checked(head_and_data):
     assert path == head_dir / CV.CURVE_NAME and json.loads(path.read_text()) == json.loads(json.dumps(curve))
     man = json.loads((data / "manifest.json").read_text())
     assert curve["n_tokens"] == man["splits"]["dev"]["n_tokens"] and curve["n_responses"] == 12
-    assert [p["h"] for p in curve["thresholds"]] == list(A.H_GRID)
-    assert [p["k"] for p in curve["fixed_k"]] == list(A.K_GRID)
+    assert [p["h"] for p in curve["thresholds"]] == list(R.H_GRID)
+    assert [p["k"] for p in curve["fixed_k"]] == list(R.K_GRID)
     for p in curve["thresholds"] + curve["fixed_k"]:
         assert p["n_accepted"] + p["n_target_forwards"] == pytest.approx(curve["n_tokens"])
     assert curve["head"]["weights"] == CV.weights_hash(head_dir) and curve["data"]["split"] == "dev"
-    assert AU.load_curve(head_dir, "h", str(head_dir))["k_max"] == 20
+    assert CV.load_curve(head_dir, "h", str(head_dir))["k_max"] == 20
     AcceptanceHead(16, depth=0).save_pretrained(head_dir)  # retrained: the curve is stale
     with pytest.raises(UserError, match="other weights"):
-        AU.load_curve(head_dir, "h", str(head_dir))
+        CV.load_curve(head_dir, "h", str(head_dir))
 
 
 def test_missing_curve_names_the_command(head_and_data):
     head_dir, _ = head_and_data
     with pytest.raises(UserError) as e:
-        AU.load_curve(head_dir, "h", str(head_dir))
+        CV.load_curve(head_dir, "h", str(head_dir))
     assert CV.CURVE_NAME in str(e.value) and f"adaptive-spec autotune --head {head_dir} --data" in str(e.value)
 
 
@@ -221,7 +221,7 @@ def test_auto_through_specpair(head_and_data, tmp_path, monkeypatch, capsys):
     pair = new_pair()
     g = pair.generate([5, 6, 7], policy="learned", head=str(head_dir), threshold="auto", temperature=0,
                       max_new_tokens=12)
-    curve = AU.load_curve(head_dir, "h")
+    curve = CV.load_curve(head_dir, "h")
     best = AU.pick(curve, "h", measure_costs(pair))
     err = capsys.readouterr().err
     assert g.auto["kind"] == "h" and g.auto["value"] == best["value"] and "auto: h = " in err
@@ -249,11 +249,11 @@ def test_sampling_mismatch_warns_across_greedy_and_sampled():
     def curve(t):
         return {"data": {"sampling": {"temperature": t, "top_k": 50, "top_p": 1.0}}}
 
-    assert "decode is greedy" in AU.sampling_mismatch(curve(1.0), 0.0)
-    assert "decode is sampled (temperature 0.7)" in AU.sampling_mismatch(curve(0.0), 0.7)
-    assert AU.sampling_mismatch(curve(1.0), 0.7) is None and AU.sampling_mismatch(curve(0.0), 0.0) is None
-    assert AU.sampling_mismatch(curve(None), 0.0) is None and AU.sampling_mismatch({}, 0.0) is None
-    assert AU.sampling_mismatch(curve(1.0), None) is None
+    assert "decode is greedy" in CV.sampling_mismatch(curve(1.0), 0.0)
+    assert "decode is sampled (temperature 0.7)" in CV.sampling_mismatch(curve(0.0), 0.7)
+    assert CV.sampling_mismatch(curve(1.0), 0.7) is None and CV.sampling_mismatch(curve(0.0), 0.0) is None
+    assert CV.sampling_mismatch(curve(None), 0.0) is None and CV.sampling_mismatch({}, 0.0) is None
+    assert CV.sampling_mismatch(curve(1.0), None) is None
 
 
 def test_per_k_curve_without_a_head(head_and_data, tmp_path):
@@ -261,11 +261,11 @@ def test_per_k_curve_without_a_head(head_and_data, tmp_path):
     with pytest.raises(UserError, match="--out"):
         A.make_curve(None, str(data))
     path, curve = A.make_curve(None, str(data), out=str(tmp_path / "k.json"))
-    assert curve["thresholds"] == [] and AU.load_curve(path, "k")["fixed_k"]
+    assert curve["thresholds"] == [] and CV.load_curve(path, "k")["fixed_k"]
     with pytest.raises(UserError, match="without a head"):
-        AU.load_curve(path, "h")
+        CV.load_curve(path, "h")
     costs = SimpleNamespace(t_draft=0.01, t_target=0.1, t_cand=0.0, to_dict=dict)
-    assert AU.pick(curve, "k", costs)["value"] in A.K_GRID
+    assert AU.pick(curve, "k", costs)["value"] in R.K_GRID
 
 
 def test_per_source_curves_add_up_to_the_pooled_one(head_and_data):
@@ -288,4 +288,4 @@ def test_per_source_curves_add_up_to_the_pooled_one(head_and_data):
         for i, pooled in enumerate(curve[part]):
             for key in ("n_target_forwards", "n_drafted", "n_accepted"):
                 assert pooled[key] == pytest.approx(sum(p[part][i][key] for p in parts.values()))
-    assert AU.pick(parts["code"], "h", Costs(0.01, 0.1, 0.0, "k", "now"))["value"] in A.H_GRID
+    assert AU.pick(parts["code"], "h", Costs(0.01, 0.1, 0.0, "k", "now"))["value"] in R.H_GRID

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from adaptive_spec.backends.contract import Counters
-from adaptive_spec.decoding import cost_timing as CT
-from adaptive_spec.decoding import costs as C
+from adaptive_spec.decoding.auto import cost_timing as CT
+from adaptive_spec.decoding.auto import costs as C
 from adaptive_spec.errors import UserError
 from adaptive_spec.decoding.pipeline import SpecPair
-from adaptive_spec.decoding.timemodel import coef_of
+from adaptive_spec.decoding.auto import coef_of
 from tiny import make_model, make_tokenizer
 
 
@@ -307,7 +307,7 @@ def test_the_loop_time_and_prefill_rate_are_measured_and_enter_the_prediction(pa
     assert set(c.loop) == set(CT.LOOP_SAMPLING) and all(c.loop_s(m, "row") > 0 for m in CT.LOOP_SAMPLING)
     again = C.costs_from_json(json.loads((cache / f"{c.key}.json").read_text()))
     assert again.loop == c.loop and again.t_prefill == c.t_prefill
-    from adaptive_spec.decoding.timemodel import coef_of, predict_time
+    from adaptive_spec.decoding.auto import predict_time
     row = {"n_draft_forwards": 6, "n_target_forwards": 3, "n_drafted": 6, "target_pass_hist": {3: 3}}
     bare, looped = predict_time(row, coef_of(c, "table")), predict_time(row, coef_of(c, "table", "sample"))
     # 6 draft rows + 9 verification rows processed, and 3 verifications' fixed part

@@ -95,7 +95,7 @@ def test_the_tiny_check_writes_every_section(tmp_path):
 
 
 def test_replay_picks_check_auto_against_the_best_replayed():
-    from adaptive_spec.decoding.costs import Costs
+    from adaptive_spec.decoding.auto import Costs
     from adaptive_spec.evaluation.gpu_bench import replay_picks
 
     point = lambda h, tgt: {"h": h, "n_tokens": 100, "n_target_forwards": tgt, "n_draft_forwards": 300 - 2 * tgt,

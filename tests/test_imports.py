@@ -151,6 +151,17 @@ def test_package_import_graph_is_acyclic():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+def test_auto_is_reached_through_its_face_alone():
+    """Outside decoding/auto/, modules import auto's names from adaptive_spec.decoding.auto, never from its inner
+    modules; its __init__.py is that face: a docstring and imports, defining nothing."""
+    graph = import_graph()
+    bad = sorted(f"{m} -> {t}" for m, targets in graph.items() if not m.startswith("adaptive_spec.decoding.auto")
+                 for t in targets if t.startswith("adaptive_spec.decoding.auto."))
+    assert not bad, bad
+    face = ast.parse((ROOT / "decoding" / "auto" / "__init__.py").read_text()).body
+    assert all(isinstance(n, ast.ImportFrom) for n in face[1:]) and ast.get_docstring(ast.Module(face, [])), face
+
+
 def test_interfaces_is_a_leaf():
     """The stop-rule and round-owner interfaces import nothing else of the package but errors, the policy
     registry (a leaf) and the typed settings (params and typed, and the engine records they check), which import
@@ -218,7 +229,7 @@ def test_library_code_reports_through_logging():
 
 def test_no_lower_layer_imports_a_higher_one():
     """Layers, lowest first: what set-up puts on the machine (setup/) and the engines (backends/), the heads and the typed settings (params), the decoder
-    (decoding/), then what runs it (datagen/, training/, evaluation/). A module imports only from its own
+    (decoding/, with auto/ in it, which times and prices it), then what runs it (datagen/, training/, evaluation/). A module imports only from its own
     layer or below: the curve format lives with the heads, the logits' processing with the engines."""
     graph = import_graph()
 

@@ -17,7 +17,7 @@ import torch
 from adaptive_spec.backends import llamacpp, llamacpp_pair
 from adaptive_spec.setup import llama_build
 from adaptive_spec.decoding import sampling
-from adaptive_spec.decoding.costs import Costs
+from adaptive_spec.decoding.auto import Costs
 from adaptive_spec.decoding.decoder import Decoder
 from adaptive_spec.errors import UserError
 from adaptive_spec.heads.head import AcceptanceHead

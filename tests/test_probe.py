@@ -5,13 +5,15 @@ from types import SimpleNamespace
 
 import pytest
 
+from adaptive_spec.decoding import auto as A
+from adaptive_spec.decoding.auto import Costs, coef_of, predict_time, resolve_auto
 from adaptive_spec.backends import engines
-from adaptive_spec.decoding.auto import resolve_auto
-from adaptive_spec.decoding.costs import Costs
-from adaptive_spec.evaluation import pricing, probe, probe_counts
+from adaptive_spec.evaluation import probe
+from adaptive_spec.heads.curve import curve_path
 from adaptive_spec.params import policy_params
 
 HEAD = probe.DEFAULT_HEAD  # committed, with its threshold_curve.json
+DEV = probe.dev_answers()  # the committed heads' dev answers, which the probe replays prompt lookup on
 LOOP = {"sample": {"row": 0.0005, "round": 0.0002}, "greedy": {"row": 0.0002, "round": 0.0001}}
 
 
@@ -35,12 +37,17 @@ def fake_pair(c, engine="llama.cpp", draft=True):
                            draft=object() if draft else None)
 
 
-by_name = probe.by_name
+by_name = A.by_name
+
+
+def predict(pair, *args, **kw):
+    """auto's prediction as the probe makes it: prompt lookup and combined replayed on the dev answers."""
+    return A.predict(pair, *args, answers=kw.pop("answers", DEV), **kw)
 
 
 @pytest.mark.parametrize("engine", ["llama.cpp", "torch"])
 def test_where_passes_cost_steps_drafting_does_not_pay_and_auto_runs_the_target_alone(engine):
-    result = probe.predict(fake_pair(SLOW_PASSES, engine), HEAD, 1.0, 128, 128)
+    result = predict(fake_pair(SLOW_PASSES, engine), HEAD, 1.0, 128, 128)
     rows = by_name(result)
     ar = rows["target alone"]["decode_tokens_per_s"]
     # one step and the loop's time per row: what auto's target-alone rate is
@@ -63,7 +70,7 @@ def test_where_passes_cost_steps_drafting_does_not_pay_and_auto_runs_the_target_
 
 def test_where_passes_are_cheap_the_rows_are_autos_picks_and_their_reasons_hold_their_numbers():
     pair = fake_pair(CHEAP_PASSES, "torch")
-    result = probe.predict(pair, HEAD, 1.0, 128, 128)
+    result = predict(pair, HEAD, 1.0, 128, 128)
     rows = by_name(result)
     learned = resolve_auto(fake_pair(CHEAP_PASSES, "torch"), policy_params("learned", head=HEAD, threshold="auto"),
                            temperature=1.0)[1]
@@ -88,13 +95,13 @@ def test_where_passes_are_cheap_the_rows_are_autos_picks_and_their_reasons_hold_
 def test_a_second_measurement_prices_the_configurations_the_first_one_chose():
     """predict(ran=...): the K and h another probe chose, priced at these costs (eval/bench_probe.py's measurement
     after the runs), not these costs' own choice: on SLOW_PASSES alone auto would run the target alone."""
-    cheap = probe.predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 128, 128)
-    ran = probe.picks_of(cheap)
+    cheap = predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 128, 128)
+    ran = A.picks_of(cheap)
     assert ran["pick"][0] != "ar"
-    own = by_name(probe.predict(fake_pair(SLOW_PASSES, "torch"), HEAD, 1.0, 128, 128))
+    own = by_name(predict(fake_pair(SLOW_PASSES, "torch"), HEAD, 1.0, 128, 128))
     assert own["SpecDec++ h=auto"]["pick"] == "ar"  # the control: its own choice differs
     slow_pair = fake_pair(SLOW_PASSES, "torch")
-    rows = by_name(probe.predict(slow_pair, HEAD, 1.0, 128, 128, ran=ran))
+    rows = by_name(predict(slow_pair, HEAD, 1.0, 128, 128, ran=ran))
     auto = rows["SpecDec++ h=auto"]
     assert (auto["pick"], auto["pick_k_max"]) == ran["pick"] and rows["fixed"]["policy"]["k"] == ran["k"]
     choice = next(c for key, c in slow_pair.auto_picks.items() if key[1] == "h")
@@ -105,18 +112,18 @@ def test_a_second_measurement_prices_the_configurations_the_first_one_chose():
     assert f"h = {h:g}" in auto["reason"] and "drafting does not pay" in auto["reason"]
     assert rows["combined"]["drafts"] and "joint" in rows["combined"]  # its fallback drafts at the h that ran
     # a result without drafting has no picks to carry
-    assert probe.picks_of(probe.predict(fake_pair(CHEAP_PASSES, draft=False), None, 1.0, 128, 128)) is None
+    assert A.picks_of(predict(fake_pair(CHEAP_PASSES, draft=False), None, 1.0, 128, 128)) is None
 
 
 def test_prompt_lookup_pays_in_a_long_copy_only_where_a_many_row_pass_is_cheap():
     coef = lambda c: {"t_draft": c.t_draft, "t_target": c.t_target, "t_cand": 0.0, "verify_s": c.verify_s}  # noqa: E731
-    cheap = pricing.copy_round(CHEAP_PASSES, coef(CHEAP_PASSES), 48)
+    cheap = A.copy_round(CHEAP_PASSES, coef(CHEAP_PASSES), 48)
     assert cheap["k"] >= 8 and cheap["tokens_per_s"] * 0.1 > 3  # > 3x a 0.1 s step
     # every row a step (v(n) = n): no copy pays for its row
     linear = costs(0.1, tuple(range(1, 10)), 0.3, {n: n for n in (12, 16, 24, 32, 48)})
-    none = pricing.copy_round(linear, coef(linear), 48)
+    none = A.copy_round(linear, coef(linear), 48)
     assert none["k"] == 0 and none["tokens_per_s"] == pytest.approx(10.0)
-    rows = by_name(probe.predict(fake_pair(linear, draft=False), None, 1.0, 128, 128))
+    rows = by_name(predict(fake_pair(linear, draft=False), None, 1.0, 128, 128))
     assert set(rows) == {"target alone", "prompt lookup"}  # no draft: no draft configurations
     assert rows["prompt lookup"]["copying"]["speedup"] == 1.0 and "no copy pays" in rows["prompt lookup"]["reason"]
 
@@ -127,15 +134,15 @@ def test_prompt_lookup_is_the_policy_replayed_along_the_dev_answers(tmp_path):
     the target alone); without the data the row says it prices plain steps."""
     from adaptive_spec.decoding.ngram import NgramPolicy, replay_copies
 
-    cheap = by_name(probe.predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 128, 128))["prompt lookup"]
+    cheap = by_name(predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 128, 128))["prompt lookup"]
     c = cheap["copies"]
     assert c["n_responses"] > 100 and c["n_drafted"] > 0 and 0 < c["n_accepted"] < c["n_drafted"]
     assert cheap["speedup"] > 1.05 and "dev answers" in cheap["reason"]
     linear = costs(0.1, tuple(range(1, 10)), 0.3, {n: n for n in (12, 16, 24, 32, 48)})
-    none = by_name(probe.predict(fake_pair(linear, draft=False), None, 1.0, 128, 128))["prompt lookup"]
+    none = by_name(predict(fake_pair(linear, draft=False), None, 1.0, 128, 128))["prompt lookup"]
     assert none["copies"]["n_drafted"] == 0 and none["speedup"] == pytest.approx(1.0)
-    absent = by_name(probe.predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 128, 128,
-                                   copy_data=tmp_path))["prompt lookup"]
+    absent = by_name(predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 128, 128,
+                             answers=probe.dev_answers(tmp_path)))["prompt lookup"]
     assert absent["speedup"] == 1.0 and "a plain step where nothing is copied" in absent["reason"]
     # one answer by hand, rows free (every copy pays, up to the match's length): "1", "2" find no 2-gram; after
     # "1 2" the prompt's continuation "3 4" is copied (a 2-token match: 2 copies) and accepted, "5" follows;
@@ -147,7 +154,7 @@ def test_prompt_lookup_is_the_policy_replayed_along_the_dev_answers(tmp_path):
 
 
 def test_wall_adds_the_prompts_prefill_at_the_measured_rates():
-    rows = by_name(probe.predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 101, 128))
+    rows = by_name(predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 101, 128))
     for name, drafts in (("target alone", False), ("SpecDec++ h=auto", True), ("prompt lookup", False),
                          ("combined", True)):
         r = rows[name]
@@ -162,8 +169,8 @@ def test_wall_adds_the_prompts_prefill_at_the_measured_rates():
 def test_greedy_prices_the_greedy_loop():
     slow_loop = costs(0.1, (1.0,) * 9, 0.3)
     slow_loop.loop = {"greedy": {"row": 0.05, "round": 0.0}, "sample": {"row": 0.0, "round": 0.0}}
-    greedy = by_name(probe.predict(fake_pair(slow_loop, draft=False), None, 0.0, 128, 128))
-    sampled = by_name(probe.predict(fake_pair(slow_loop, draft=False), None, 1.0, 128, 128))
+    greedy = by_name(predict(fake_pair(slow_loop, draft=False), None, 0.0, 128, 128))
+    sampled = by_name(predict(fake_pair(slow_loop, draft=False), None, 1.0, 128, 128))
     assert greedy["target alone"]["decode_tokens_per_s"] == pytest.approx(1 / 0.15)
     assert sampled["target alone"]["decode_tokens_per_s"] == pytest.approx(1 / 0.1)
 
@@ -212,7 +219,7 @@ def test_the_benchmark_sweeps_what_the_probe_priced_and_tables_the_errors(tmp_pa
     spec = importlib.util.spec_from_file_location("bench_probe", PROJECT_ROOT / "eval" / "bench_probe.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    result = probe.predict(fake_pair(SLOW_PASSES), HEAD, 1.0, 128, 64)
+    result = predict(fake_pair(SLOW_PASSES), HEAD, 1.0, 128, 64)
     args = SimpleNamespace(threads=2, torch_draft_quant="int8", datasets="humaneval", prompts=1, max_new_tokens=64)
     cfg = bench.sweep_config(result, "llama.cpp", args)
     typed = SweepConfig(**{k: v for k, v in cfg.items() if k != "pair"})
@@ -241,7 +248,7 @@ def test_the_benchmark_sweeps_what_the_probe_priced_and_tables_the_errors(tmp_pa
     # measured again after the runs, 20% slower: each row judged on the mean of the two (per token)
     slow = costs(0.2075 * 1.2, (1.00, 1.52, 2.00, 2.81, 3.2, 3.6, 4.0, 4.4, 4.8), 0.88,
                  {12: 6.0, 16: 8.0, 24: 12.0, 32: 16.0, 48: 24.0})
-    after = probe.predict(fake_pair(slow), HEAD, 1.0, 128, 64, ran=probe.picks_of(result))
+    after = predict(fake_pair(slow), HEAD, 1.0, 128, 64, ran=A.picks_of(result))
     (out / "probe_llama.cpp_after.json").write_text(json.dumps(after))
     assert bench.main(["--report-only", "--out", str(out)]) == 0
     md = (out / "report.md").read_text()
@@ -290,9 +297,9 @@ def test_where_no_copy_pays_the_combined_replay_samples_specdec_rounds_as_autotu
     from P: its tokens a round and all-accepted rounds match the curve's exact expectation (autotune's replay)."""
     import json as _json
 
-    curve = _json.loads((probe._curve_file(HEAD)).read_text())
+    curve = _json.loads((curve_path(HEAD)).read_text())
     point = next(p for p in curve["thresholds"] if p["h"] == 0.3)
-    joint = probe_counts.combined_counts(CHEAP_PASSES, HEAD, 0.3, curve["k_max"], 0)
+    joint = A.combined_counts(CHEAP_PASSES, HEAD, 0.3, curve["k_max"], 0, DEV)
     assert joint["n_responses"] == curve["n_responses"] and joint["n_tokens"] == 4 * curve["n_tokens"]
     assert joint["n_fed_extra"] == 0 and joint["target_pass_hist"].get("1", 0) < 0.01 * joint["n_target_forwards"]
     assert joint["n_tokens"] / joint["n_target_forwards"] == pytest.approx(point["tokens_per_round"], rel=0.02)
@@ -303,34 +310,32 @@ def test_where_no_copy_pays_the_combined_replay_samples_specdec_rounds_as_autotu
 def test_a_workload_prices_its_kinds_counts_in_equal_parts():
     import json as _json
 
-    from adaptive_spec.decoding.timemodel import coef_of, predict_time
 
-    curve = _json.loads((probe._curve_file(HEAD)).read_text())
+    curve = _json.loads((curve_path(HEAD)).read_text())
     coef = coef_of(CHEAP_PASSES, "extended", "sample")
     k_of = lambda section, k: next(p for p in section["fixed_k"] if p["k"] == k)  # noqa: E731
-    math = by_name(probe.predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 128, 128, workload=("math",)))
+    math = by_name(predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 128, 128, workload=("math",)))
     K = math["fixed"]["policy"]["k"]
     point = k_of(curve["by_source"]["gsm8k-train"], K)
     assert math["fixed"]["rate_tokens_per_s"] == pytest.approx(point["n_tokens"] / predict_time(point, coef))
     # two kinds in equal parts of tokens: the time per token is the mean of theirs
-    both = by_name(probe.predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 128, 128, workload=("math", "chat"),
-                                 ran=probe.picks_of({"configurations": list(math.values())})))
+    both = by_name(predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 128, 128, workload=("math", "chat"),
+                                 ran=A.picks_of({"configurations": list(math.values())})))
     chat = k_of(curve["by_source"]["sharegpt"], K)
     per_token = [predict_time(p, coef) / p["n_tokens"] for p in (point, chat)]
     assert both["fixed"]["rate_tokens_per_s"] == pytest.approx(2 / sum(per_token))
     # a workload's kinds price prompt lookup on their own answers: math copies more than chat here
-    chat_only = by_name(probe.predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 128, 128, workload=("chat",)))
+    chat_only = by_name(predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 128, 128, workload=("chat",)))
     assert math["prompt lookup"]["copies"]["n_accepted"] / math["prompt lookup"]["copies"]["n_tokens"] > \
         chat_only["prompt lookup"]["copies"]["n_accepted"] / chat_only["prompt lookup"]["copies"]["n_tokens"]
-    assert probe_counts.parse_workload("mix") is None and probe_counts.parse_workload("code, math") == ("code", "math")
+    assert A.parse_workload("mix") is None and A.parse_workload("code, math") == ("code", "math")
     with pytest.raises(Exception, match="unknown kind 'poetry'.*chat, code, math"):
-        probe_counts.parse_workload("code,poetry")
+        A.parse_workload("code,poetry")
     with pytest.raises(Exception, match="no counts for prompt source 'sharegpt'"):
-        probe_counts.check_workload({"by_source": {}}, ("chat",))
+        A.check_workload({"by_source": {}}, ("chat",))
 
 
 def test_a_draft_step_that_feeds_copied_tokens_costs_them_at_the_drafts_prefill_rate():
-    from adaptive_spec.decoding.timemodel import coef_of, predict_time
 
     c = costs(0.1, (1.0,) * 9, 0.3, prefill_draft=0.004)
     c.t_draft_two = c.t_draft + 0.01
@@ -388,17 +393,17 @@ def _rounds_by_hand(P, K):
 
 
 def test_the_prompts_curve_is_the_replay_of_what_was_recorded_along_the_targets_answers():
-    """probe_prompts.record on tiny table models: P_i = min(1, p_i(Y_i) / q_i(Y_i)) from the two models' own
+    """acceptance.record on tiny table models: P_i = min(1, p_i(Y_i) / q_i(Y_i)) from the two models' own
     distributions at the target's answer so far, p̂_i the head on the state that produced q_i; the curve made
     from them (autotune.curve_of) equals the expectation worked out by hand per fixed K and per h; shuffling the
     recorded P (the broken control) does not."""
     import numpy as np
     import torch
 
-    from adaptive_spec.evaluation import probe_prompts
+    from adaptive_spec.decoding.auto import acceptance
 
     pair, head = _mock_pair(), _Head()
-    records = probe_prompts.record(pair, [[1, 2, 3], [4, 5], [6]], head, 1.0, max_new_tokens=7, budget_s=60)
+    records = acceptance.record(pair, [[1, 2, 3], [4, 5], [6]], head, 1.0, max_new_tokens=7, budget_s=60)
     assert len(records) == 3 and all(len(r["x"]) == 7 for r in records)
     for r in records:
         seq = list(r["prompt"])
@@ -409,7 +414,7 @@ def test_the_prompts_curve_is_the_replay_of_what_was_recorded_along_the_targets_
             assert r["phat"][i] == pytest.approx(float(head.acceptance_prob(torch.tensor([seq[-1], len(seq)],
                                                                                         dtype=torch.float))))
             seq.append(x)
-    curve = probe_prompts.curve(records, head, "no-head-dir", "tiny", 1.0, k_max=6)
+    curve = acceptance.curve(records, head, "no-head-dir", "tiny", 1.0, k_max=6)
     assert curve["n_tokens"] == 21 and curve["n_responses"] == 3
     for K in (1, 2, 4):
         by_hand = np.sum([_rounds_by_hand(r["P"], [K] * 7) for r in records], axis=0)
@@ -422,16 +427,16 @@ def test_the_prompts_curve_is_the_replay_of_what_was_recorded_along_the_targets_
     point = next(p for p in curve["thresholds"] if p["h"] == h)
     assert (point["n_target_forwards"], point["n_accepted"]) == pytest.approx(tuple(by_hand))
     shuffled = [{**r, "P": r["P"][::-1]} for r in records]
-    wrong = next(p for p in probe_prompts.curve(shuffled, head, "x", "tiny", 1.0, 6)["fixed_k"] if p["k"] == 4)
+    wrong = next(p for p in acceptance.curve(shuffled, head, "x", "tiny", 1.0, 6)["fixed_k"] if p["k"] == 4)
     assert wrong["n_accepted"] != pytest.approx(next(p for p in curve["fixed_k"] if p["k"] == 4)["n_accepted"])
 
 
 def _prompts_measured(tmp_path, P: float):
-    """What probe_prompts.measure gives, for answers whose every candidate is accepted with probability P (and
+    """What acceptance.measure_prompts gives, for answers whose every candidate is accepted with probability P (and
     p̂ = P), written as its curve file (with the committed head's weights, as load_curve checks)."""
     import random
 
-    from adaptive_spec.evaluation import probe_prompts
+    from adaptive_spec.decoding.auto import acceptance
     from adaptive_spec.heads import head as heads
 
     head = heads.load_head(HEAD, inputs=heads.INPUTS)
@@ -439,16 +444,15 @@ def _prompts_measured(tmp_path, P: float):
     records = [{"prompt": [rng.randrange(50) for _ in range(20)], "x": [rng.randrange(50) for _ in range(64)],
                 "y": [], "P": [P] * 64, "phat": [P] * 64} for _ in range(4)]
     path = tmp_path / f"curve_{P}.json"
-    path.write_text(json.dumps(probe_prompts.curve(records, head, HEAD, "mine.jsonl", 1.0)))
-    return probe_prompts._summary("mine.jsonl", records, path)
+    path.write_text(json.dumps(acceptance.curve(records, head, HEAD, "mine.jsonl", 1.0)))
+    return acceptance._summary("mine.jsonl", records, path)
 
 
 def test_with_prompts_every_configuration_is_priced_at_their_acceptance_and_the_source_is_said(tmp_path):
-    from adaptive_spec.decoding.timemodel import coef_of, predict_time
 
-    dev = probe.predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 128, 128)
+    dev = predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 128, 128)
     high = _prompts_measured(tmp_path, 0.97)
-    mine = probe.predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 128, 128, prompts=high)
+    mine = predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 128, 128, prompts=high)
     rows, dev_rows = by_name(mine), by_name(dev)
     assert mine["acceptance"]["source"] == "prompts" and dev["acceptance"]["source"] == "dev answers"
     text = probe.render(mine)
@@ -467,7 +471,7 @@ def test_with_prompts_every_configuration_is_priced_at_their_acceptance_and_the_
     assert "answers to your prompts" in rows["prompt lookup"]["reason"]
     assert rows["prompt lookup"]["copies"]["n_tokens"] == 256  # replayed along the recorded answers
     # the broken control: answers accepted as rarely as a coin make drafting slower than on the dev answers
-    low = by_name(probe.predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 128, 128,
+    low = by_name(predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 128, 128,
                                 prompts=_prompts_measured(tmp_path, 0.5)))
     assert low["fixed"]["decode_tokens_per_s"] < dev_rows["fixed"]["decode_tokens_per_s"]
 
@@ -493,7 +497,7 @@ def test_probe_and_generate_on_tiny_models_read_the_prompts_curve(tmp_path, monk
     and `generate --threshold auto --auto-prompts` picks h from that same file."""
     from adaptive_spec import cli
     from adaptive_spec.backends.toy import save_model
-    from adaptive_spec.decoding.auto import load_curve
+    from adaptive_spec.heads.curve import load_curve
     from adaptive_spec.heads.head import AcceptanceHead
 
     monkeypatch.setenv("ADAPTIVE_SPEC_CACHE", str(tmp_path / "cache"))
@@ -523,7 +527,7 @@ def test_a_second_measurement_prices_at_the_answers_the_first_one_recorded(tmp_p
     answers are recorded again and nothing is cached (the control)."""
     from adaptive_spec import params
     from adaptive_spec.backends.toy import save_model
-    from adaptive_spec.evaluation.probe_prompts import load_texts
+    from adaptive_spec.decoding.auto import load_texts
     from adaptive_spec.heads.head import AcceptanceHead
 
     monkeypatch.setenv("ADAPTIVE_SPEC_CACHE", str(tmp_path / "cache"))
@@ -534,7 +538,7 @@ def test_a_second_measurement_prices_at_the_answers_the_first_one_recorded(tmp_p
     texts = load_texts(str(tmp_path / "p.jsonl"))
     first = probe.run(pair, str(tmp_path / "head"), 1.0, 128, 128, reps=1, prompts=texts)
     again = probe.run(pair, str(tmp_path / "head"), 1.0, 128, 128, reps=1, cache=False, prompts=texts,
-                      prompts_cache=True, ran=probe.picks_of(first))
+                      prompts_cache=True, ran=A.picks_of(first))
     assert again["acceptance"] == first["acceptance"] and first["acceptance"]["curve_file"]
     assert again["cache"] is None and again["costs"]["measured"]  # the costs: measured again, uncached
     # the control: recorded afresh and written nowhere, no curve of the prompts is there for auto to read
@@ -543,7 +547,7 @@ def test_a_second_measurement_prices_at_the_answers_the_first_one_recorded(tmp_p
 
 
 def test_prompts_take_a_slice_of_a_set_held_out_from_its_other_part():
-    from adaptive_spec.evaluation.probe_prompts import MAX_PROMPTS, load_texts
+    from adaptive_spec.decoding.auto import MAX_PROMPTS, load_texts
     from adaptive_spec.prompts import prompt_texts
 
     every = prompt_texts("humaneval")
@@ -577,7 +581,7 @@ def test_the_benchmark_runs_the_probes_own_prompts_and_says_whose_counts_priced_
     assert bench.own_prompts("alpaca", out)[0] == texts  # a rerun reads the kept prompts back
     args = SimpleNamespace(threads=2, torch_draft_quant="int8", datasets=str(out / "prompts.jsonl"),
                            prompts=len(texts), max_new_tokens=64)
-    mine = probe.predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 128, 64, prompts=_prompts_measured(tmp_path, 0.9))
+    mine = predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 128, 64, prompts=_prompts_measured(tmp_path, 0.9))
     cfg = bench.sweep_config(mine, "torch", args)
     assert cfg["datasets"] == [str(out / "prompts.jsonl")] and cfg["n_prompts"] == len(texts)
     SweepConfig(**{k: v for k, v in cfg.items() if k != "pair"}).validate()
@@ -593,7 +597,7 @@ def test_the_benchmark_runs_the_probes_own_prompts_and_says_whose_counts_priced_
     md = (out / "report.md").read_text()
     assert "acceptance: your prompts (4 prompts, 256 tokens: mine.jsonl)" in md
     assert "the counts of the answers the probe recorded on these prompts" in md and "| probe's answers |" in md
-    dev = probe.predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 128, 64)
+    dev = predict(fake_pair(CHEAP_PASSES, "torch"), HEAD, 1.0, 128, 64)
     (out / "probe_torch.json").write_text(json.dumps(dev))
     (out / "probe_torch_after.json").write_text(json.dumps(dev))
     assert bench.main(["--report-only", "--out", str(out)]) == 0

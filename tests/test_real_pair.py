@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from adaptive_spec.setup.pair import is_fetched
-from adaptive_spec.decoding.costs import Costs
+from adaptive_spec.decoding.auto import Costs
 
 pytestmark = pytest.mark.slow
 

@@ -297,7 +297,7 @@ def test_the_report_says_in_words_what_was_fastest_and_why(tmp_path, capsys):
 def test_in_words_beside_another_engine_with_the_measured_costs(tmp_path):
     """With --beside: against the first engine's target alone; where the sweep pinned costs for auto
     (costs.json), the round is priced with them under the engine's time model (llama.cpp: per-length table)."""
-    from adaptive_spec.decoding.costs import Costs
+    from adaptive_spec.decoding.auto import Costs
 
     def sweep(name, backend, configs):
         rows = []

@@ -310,7 +310,7 @@ def test_sweep_auto_picks_once_for_the_machine_and_needs_its_curve(inputs, tmp_p
     machine, and the report compares it with the swept values."""
     import shutil
 
-    from adaptive_spec.decoding import auto as AU
+    from adaptive_spec.decoding.auto import AR, H_GRID, K_GRID
     from adaptive_spec.training import autotune as A
     from train_fixtures import make_dataset
 
@@ -333,13 +333,13 @@ def test_sweep_auto_picks_once_for_the_machine_and_needs_its_curve(inputs, tmp_p
     rows = read_rows(out)
     auto = [r for r in rows if r["method"] in ("fixed_auto", "learned_auto")]
     assert {r["config"] for r in auto} == {"fixed:k=auto", "learned:head=dd:h=auto"} and len(auto) == 2 * 2 * 2
-    for method, grid in (("fixed_auto", A.K_GRID), ("learned_auto", A.H_GRID)):
+    for method, grid in (("fixed_auto", K_GRID), ("learned_auto", H_GRID)):
         picks = {r["auto_value"] for r in auto if r["method"] == method}
         # one pick per machine, from the curve's grid, or no drafting (tiny models: a draft step costs a target step)
-        assert len(picks) == 1 and picks.pop() in (*grid, AU.AR)
+        assert len(picks) == 1 and picks.pop() in (*grid, AR)
     assert all(r["auto_predicted_tokens_per_s"] > 0 and r["auto_time_model"] for r in auto)
     k = next(r["auto_value"] for r in auto if r["method"] == "fixed_auto")
-    k = 0 if k == AU.AR else k
+    k = 0 if k == AR else k
     assert all(max(map(int, r["accepted_hist"]), default=0) <= k for r in auto if r["method"] == "fixed_auto")
     # the default (extended) time model picks h alone; rounds keep to the sweep's k_max (a pass = K + 1 tokens)
     for r in (r for r in auto if r["method"] == "learned_auto"):
@@ -362,7 +362,7 @@ def test_sweep_auto_picks_once_for_the_machine_and_needs_its_curve(inputs, tmp_p
     notes = json.loads((out / "config.json").read_text())["notes"]
     assert any("costs.json" in n and "pinned by the test" in n for n in notes)
     new = [r for r in read_rows(out)[len(rows):] if r["method"] == "fixed_auto"]
-    assert new and all(r["auto_value"] == AU.AR and r["n_drafted"] == 0 for r in new)
+    assert new and all(r["auto_value"] == AR and r["n_drafted"] == 0 for r in new)
 
 
 def test_peer_runs_the_same_int8_draft(inputs, tmp_path):
@@ -492,9 +492,8 @@ def test_auto_prompts_picks_from_the_curve_of_those_prompts_answers(inputs, tmp_
     prompts do not load or nothing reads them."""
     import shutil
 
-    from adaptive_spec.decoding import auto as AU
-    from adaptive_spec.decoding import costs as C
-    from adaptive_spec.decoding.auto import load_curve
+    from adaptive_spec.decoding.auto import costs_from_json, pick
+    from adaptive_spec.heads.curve import load_curve
 
     monkeypatch.setenv("ADAPTIVE_SPEC_CACHE", str(tmp_path / "cache"))
     head = tmp_path / "dd" / "head"
@@ -517,8 +516,8 @@ def test_auto_prompts_picks_from_the_curve_of_those_prompts_answers(inputs, tmp_
     assert len(curves) == 1  # one recording, shared by K and h (the first head's)
     made = load_curve(str(curves[0]), "h", str(head))
     assert made["data"]["prompts"] == str(prompts)
-    costs = C.costs_from_json(json.loads((out / "costs.json").read_text()))
+    costs = costs_from_json(json.loads((out / "costs.json").read_text()))
     for method, need in (("fixed_auto", "k"), ("learned_auto", "h")):
-        want = AU.pick(made, need, costs, model="extended", loop="sample")["value"]
+        want = pick(made, need, costs, model="extended", loop="sample")["value"]
         assert {r["auto_value"] for r in rows if r["method"] == method} == {want}
     assert json.loads((out / "settings.json").read_text())["settings"]["auto_prompts"] == str(prompts)

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adaptive_spec.decoding import timemodel as TM
-from adaptive_spec.decoding.costs import Costs
+from adaptive_spec.decoding.auto import Costs
+from adaptive_spec.decoding.auto import timemodel as TM
 
 TRUE = {"t_draft": 0.06, "t_target": 0.14, "t_cand": 0.01}
 

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from adaptive_spec.decoding import timemodel
+from adaptive_spec.decoding.auto import timemodel
 
 T_DRAFT, T_TARGET = 0.0234, 0.112  # the paper's speculative-setting times (section 5.2)
 

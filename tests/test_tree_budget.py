@@ -254,8 +254,11 @@ def test_bad_input(kw, match):
 
 
 def test_node_cost_measured_on_the_pair_when_unset(monkeypatch):
+    from adaptive_spec.decoding import pipeline  # make_policy hands its measure_costs to the factories
+
     calls = []
-    monkeypatch.setattr(T, "measure_costs", lambda pair: calls.append(pair) or types.SimpleNamespace(node_cost=0.25))
+    monkeypatch.setattr(pipeline, "measure_costs",
+                        lambda pair: calls.append(pair) or types.SimpleNamespace(node_cost=0.25))
     pair = object()
     for factory in (partial(tree_policy, "tree"), partial(tree_policy, "ersd")):
         pol = factory(tree_learned=True, pair=pair)

@@ -50,7 +50,7 @@ class Engine:
     settings: frozenset = frozenset()  # the engine-specific PairParams settings it reads (TORCH_PAIR_KEYS, ...)
     devices: tuple | None = None  # the devices it runs on (None: any torch device)
     model_files: str = "hf"  # what a model name points at: "hf" (config.json + weights) or "gguf"
-    time_model: str = "extended"  # the time model `auto` prices it with (decoding/timemodel.py)
+    time_model: str = "extended"  # the time model `auto` prices it with (auto/timemodel.py)
     # torch's threads while it decodes (None: as they are): an engine computing on its own threads wants
     # torch, which then only samples, off the cores
     decode_torch_threads: int | None = None

@@ -197,6 +197,11 @@ class PolicyContext:
     prompt_ids: list[int] | None = None
     sampling: Any = None  # SamplingParams
     max_new_tokens: int = 128
+    # auto's measure_costs and resolve_auto, handed in by pipeline.make_policy: a factory prices with this
+    # machine's costs (ngram's k auto and learned fallback, a learned tree's node cost) without importing auto,
+    # which times the decoder and replays these policies to predict them
+    measure_costs: Callable | None = None
+    resolve_auto: Callable | None = None
 
 
 def register(name: str):

@@ -14,7 +14,7 @@ How many copied tokens to verify. The peers verify a fixed number after every ma
 behaviour, for comparison). `k auto` weighs each one instead: with a_j the predicted probability that
 copy j is accepted once copies 1..j-1 were, a round of K copies yields E(K) = 1 + sum_i prod_{j<=i} a_j
 tokens for one target pass of K + 1 rows, which costs v(K + 1) one-row steps (measured on this
-machine: costs.py; on CPUs v is a step function of K, not a line, so a 4-row pass can cost less than a
+machine: auto/costs.py; on CPUs v is a step function of K, not a line, so a 4-row pass can cost less than a
 3-row one). The round takes the K that maximises E(K) - lambda v(K + 1), lambda being the throughput
 this generation reaches so far in tokens per step (Dinkelbach's rule for the best long-run ratio of
 tokens to time): a copy is worth verifying only while its expected tokens pay for its rows at the rate
@@ -35,8 +35,6 @@ import torch
 
 from ..errors import UserError
 from ..params import NgramParams
-from .auto import resolve_auto
-from .costs import measure_costs
 from .. import registry
 from .interfaces import DraftSource, DraftStep, Needs, PolicyContext, RoundOwner, RoundState, StopPolicy, register
 
@@ -328,7 +326,7 @@ def replay_copies(policy: NgramPolicy, prompt: list[int], response: list[int], m
 
 
 def verify_steps_of(costs):
-    """v(n) in one-row steps from measured Costs (costs.py): the per-length table where measured."""
+    """v(n) in one-row steps from measured Costs (auto/costs.py): the per-length table where measured."""
     base = costs.verify_s(1)
     return lambda n: costs.verify_s(n) / base
 
@@ -342,11 +340,11 @@ def _make_ngram(p: NgramParams, ctx: PolicyContext):
         if pair is None or getattr(pair, "draft", None) is None:
             raise UserError("--fallback learned drafts with the draft model in the rounds nothing is copied; load "
                             "a draft (--draft default) or use --fallback none")
-        lp, _ = resolve_auto(pair, p.fallback_params(), temperature=getattr(ctx.sampling, "temperature", None))
+        lp, _ = ctx.resolve_auto(pair, p.fallback_params(), temperature=getattr(ctx.sampling, "temperature", None))
         if lp is not None:  # None: auto found that the draft model does not pay on this machine
             fallback = registry.factory("learned")(lp, ctx)
     if pair is not None and (p.k == "auto" or fallback is not None):
-        costs = measure_costs(pair)
+        costs = ctx.measure_costs(pair)
     return NgramPolicy(p.ngram_min, p.ngram_max, p.k, p.k_max,
                        verify_steps=verify_steps_of(costs) if costs is not None else None, fallback=fallback,
                        draft_steps=costs.c if costs is not None and costs.t_draft > 0 else None)

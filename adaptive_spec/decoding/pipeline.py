@@ -9,19 +9,20 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import torch
 from transformers import TextStreamer
 
 from ..backends import engines, torch_engine
 from ..backends.cpu import describe
+from .auto import measure_costs, predicted_wall, resolve_auto
 from ..backends.window import WindowedDraft
 from ..errors import UserError
 from ..params import ARParams, PairParams, check_runs_on, pair_params, policy_params
 from ..typed import PolicyParams
 from ..prompts import encode_prompt
 from . import multidraft, ngram, policies  # noqa: F401  (importing them registers their policies)
-from .auto import resolve_auto
 from .decoder import Decoder
 from .metrics import Generation
 from .. import registry
@@ -47,7 +48,7 @@ def make_policy(policy: str | PolicyParams, context: PolicyContext | None = None
     """A policy from its settings (a PolicyParams, or a name and keywords, validated here, once);
     "ar" gives None (target-only decoding). `context`: the pair, prompt and sampling it serves."""
     params = as_policy_params(policy, settings)
-    ctx = context or PolicyContext()
+    ctx = replace(context or PolicyContext(), measure_costs=measure_costs, resolve_auto=resolve_auto)
     if ctx.sampling is not None:
         params.check_sampling(ctx.sampling.temperature)
     if params.name == "ar":
@@ -168,17 +169,6 @@ class SpecPair:
 
 def _is_messages(prompt) -> bool:
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
-
-
-def predicted_wall(auto: dict, n_prompt: int, n_tokens: int) -> dict:
-    """auto's predicted wall tokens/s of this generation: its decode rate plus the prompt's prefill at
-    the measured prefill rates (the draft's too where the pick drafts)."""
-    c = auto.get("costs") or {}
-    per_token = c.get("t_prefill", 0.0) + (c.get("t_prefill_draft", 0.0) if auto.get("value") != "ar" else 0.0)
-    if not per_token or not n_tokens:
-        return {}
-    decode = n_tokens / auto["tokens_per_s"]
-    return {"wall_tokens_per_s": n_tokens / (decode + per_token * max(n_prompt - 1, 0))}
 
 
 @contextlib.contextmanager

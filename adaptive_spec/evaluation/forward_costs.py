@@ -3,7 +3,7 @@ Imports no torch itself (a script's --report-only path reads its labels from her
 
 - `pass_times`: a pass of N tokens after a context, for any runner (torch's CausalLM, llama.cpp's
   LlamaCppLM), every configuration interleaved round by round: the measurement `auto` prices rounds
-  with (decoding/cost_timing.py, whose `interleaved_times` this is) and the one
+  with (auto/cost_timing.py, whose `interleaved_times` this is) and the one
   `eval/bench_forward_costs.py llama-cpp` reports, so a benchmark's v(N) and auto's are the same
   numbers taken the same way (but for auto's one-row step, timed in the decode's own loop:
   cost_timing.decode_step_time; eval/bench_llama_step.py sets the two side by side);
@@ -36,8 +36,8 @@ if TYPE_CHECKING:  # llama.cpp is imported where a runner is made
 def pass_times(runners: dict, lengths, reps: int, all_rows=(True,)) -> dict:
     """{(name, n, all_rows): median seconds} of a pass of n tokens after a cost_timing.PREFIX-token context (less where
     a runner's context cannot hold it), for every runner and length, with the logits of every row (True)
-    or of the last only (False), interleaved (decoding/cost_timing.interleaved_times)."""
-    from ..decoding.cost_timing import interleaved_times  # torch: only where something is timed
+    or of the last only (False), interleaved (auto's interleaved_times)."""
+    from ..decoding.auto import interleaved_times  # torch: only where something is timed
 
     cells = [(name, n, a) for name in runners for n in (lengths[name] if isinstance(lengths, dict) else lengths)
              for a in all_rows if a or n > 1]

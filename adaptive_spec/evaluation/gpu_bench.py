@@ -329,8 +329,7 @@ def select_rows(by_config: dict, n: int | None) -> dict:
 def measured_costs(draft_row: dict, target_row: dict, loop: dict | None):
     """costs.Costs from a check's step table (ms per one-token step, per verify pass of n rows) and loop times:
     what `--threshold auto` measures at load, measured here on the check's runners."""
-    from ..decoding.cost_timing import monotone
-    from ..decoding.costs import Costs
+    from ..decoding.auto import Costs, monotone
 
     v = {int(k): float(x) / 1000 for k, x in target_row["verify_ms"].items()}
     ns = list(range(1, max(v) + 1))  # Costs.t_verify holds every length from 1: the unmeasured ones interpolated
@@ -344,7 +343,7 @@ def measured_costs(draft_row: dict, target_row: dict, loop: dict | None):
 
 def replay_picks(policies: list[dict], curve: dict | None, costs, loop: str, k_max: int) -> dict:
     """Per kind ("h": SpecDec++, "k": fixed K) with two or more values replayed: the value of the best replayed
-    tok/s, and auto's pick (decoding/auto.pick, the engine's time model, these costs) from the curve's points at
+    tok/s, and auto's pick (auto.pick, the engine's time model, these costs) from the curve's points at
     the replayed values (and at all of them, `unrestricted`), with its replayed tok/s over the best's (the target
     alone competes in both, as in auto)."""
     from ..decoding.auto import AR, DEFAULT_TIME_MODEL, pick

@@ -8,7 +8,7 @@ costs measured once (cached) and each configuration's tok/s predicted from them,
     adaptive-spec probe --backend llama.cpp --prompts my.jsonl       # priced at the acceptance on your prompts
 
 It loads the pair as `generate` does (the same pair flags) and takes the forward costs through the calls
-`--threshold auto` and `--k auto` make (decoding/auto.resolve_auto over decoding/costs.measure_costs, on
+`--threshold auto` and `--k auto` make (adaptive_spec.decoding.auto: resolve_auto over measure_costs, on
 the torch threads the decode has, cached per machine and pair: after a probe, `generate` with auto
 measures nothing, nor does a second probe): a one-row step, v(N) for passes of 1..9 rows and the
 longer ones copies verify in, the draft's step, both prefill rates, the loop's own time per row and per
@@ -35,7 +35,7 @@ picks h from the pooled curve, as a generation does; the probe prices that pick 
 
 `--prompts FILE|SET` (a .jsonl file with a `prompt` field a line, or a prompt set's name) prices every
 configuration at the acceptance on those prompts instead: the pair answers a few of them first, within
-`--prompts-budget-s` (probe_prompts.py records what datagen records, and autotune's replay makes their curve);
+`--prompts-budget-s` (auto/acceptance.py records what datagen records, and autotune's replay makes their curve);
 h and K are then picked from that curve, as `generate --auto-prompts` picks them, and prompt lookup and combined
 are replayed along those answers. The text says whose acceptance priced the rows, and names the curve's file.
 
@@ -48,158 +48,34 @@ import json
 import sys
 import time
 
+from pathlib import Path
+
 from .. import params
+from ..decoding.auto import (BUDGET_S, MIX, WORKLOADS, Answers, check_workload, config_key, cost_config, costs_dir,
+                    describe_workload, load_texts, measure_costs, measure_prompts, parse_workload, predict)
 from ..cli_args import Parser, add_fields, flag, set_fields
 from ..errors import UserError, run_main
-from .probe_counts import (COPY_DATA, MIX, WORKLOADS, check_workload, combined_counts, copy_counts, describe_workload,
-                           parse_workload, workload_point)
-from .pricing import (book_for, copy_round, curve_point, price_ar, price_auto, price_combined, price_fixed,
-                      price_lookup, rate_of, row_of)
+from ..heads.curve import curve_path, load_curve
 
 DEFAULT_HEAD = "checkpoints/qwen-coder-0.5b-int8-stats-d3"
 INTERRUPTED = "nothing was written (forward times measured in full are cached); run the same command again"
+# the answers prompt lookup is priced on: the committed heads' dev responses (a workload's copying is the
+# workload's, not the machine's; this mix stands for a general one, as it does for the head's curve)
+COPY_DATA = "data/datagen/mix"
 
 
-# ----------------------------------------------------------------------------- pricing (no model needed)
+def dev_answers(data_dir=None) -> Answers | None:
+    """The dev answers of a datagen run (default COPY_DATA, the committed heads' data: ShareGPT, code, GSM8K-train
+    and MBPP prompts, none of the benchmark sets) as auto's replays read them; None where the data is absent."""
+    from ..runs import PROJECT_ROOT, read_manifest
+    from ..training.autotune import responses
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-def by_name(result: dict) -> dict:
-    """A probe result's configurations by name, fixed K's as "fixed" (its name carries the K)."""
-    return {r["name"].split(" K=")[0]: r for r in result["configurations"]}
-
-
-def picks_of(result: dict) -> dict | None:
-    """What a probe's result chose ({"k": K, "pick": (h or AR, cap), "best": (h, cap)}), for pricing the same
-    configurations at other costs (`predict(ran=...)`); None where it priced no drafting."""
-    by = by_name(result)
-    if "fixed" not in by:
+    path = Path(data_dir) if data_dir is not None else PROJECT_ROOT / COPY_DATA
+    if not (path / "manifest.json").is_file():
         return None
-    auto = by["SpecDec++ h=auto"]
-    return {"k": by["fixed"]["policy"]["k"], "pick": (auto["pick"], auto.get("pick_k_max")),
-            "best": (auto["best"]["h"], auto["best"]["k_max"])}
-
-
-def predict(pair, head: str | None, temperature: float, prompt_tokens: int, max_new_tokens: int,
-            k_max: int = params.NgramParams().k_max, ran: dict | None = None, copy_data=None,
-            workload=None, prompts: dict | None = None) -> dict:
-    """Every configuration's predicted tok/s on `pair` (loaded; or anything resolve_auto and measure_costs
-    take, e.g. a pair with pinned_costs), priced as `auto` prices them; the draft's configurations only
-    with a draft and a head. `ran` (picks_of another result): price the K and h that one chose instead of
-    choosing again, so that a second measurement prices the configurations that ran (eval/bench_probe.py).
-    `copy_data`: the datagen run whose dev answers prompt lookup and combined are replayed on (default
-    COPY_DATA; absent: prompt lookup is priced as the plain steps it falls back to where nothing is copied,
-    combined as SpecDec++). `workload` (parse_workload's kinds; None: the dev answers pooled): whose counts
-    price every configuration. SpecDec++ h=auto is what `--threshold auto` picks (from the pooled curve, as a
-    generation picks it), priced at the workload's counts; fixed K is the workload's best K. `prompts`
-    (probe_prompts.measure: answers recorded on the user's prompts, and their curve): every configuration is
-    priced at those answers' counts instead of the dev answers', h and K picked from their curve as
-    `--auto-prompts` (`--curve` of that file) picks them."""
-    from .probe_prompts import as_responses, describe
-    from ..decoding.auto import AR, load_curve
-    from ..decoding.costs import measure_costs
-
-    costs = measure_costs(pair)
-    if prompts is not None and workload is not None:
-        raise UserError("--prompts and --workload both say whose acceptance prices the configurations; pass one")
-    records = None if prompts is None else as_responses(prompts["records"])
-    own = (prompts or {}).get("curve_file")  # the prompts' curve, where the draft was recorded
-    curve_file = own or _curve_file(head)
-    answers = "dev answers" if prompts is None else "answers to your prompts"
-    data_name = (COPY_DATA if copy_data is None else copy_data) if prompts is None else prompts["label"]
-    picks, loop, model, book = book_for(pair, head, temperature, costs, own, curve_file, answers, data_name)
-    priced, auto = [price_ar(book)], None
-    if picks:
-        curve = load_curve(curve_file, "h", head)
-        check_workload(curve, workload)
-        # each configuration's counts at the workload and their tok/s at these costs
-        k_point = lambda k: workload_point(curve, workload, lambda c: curve_point(c, "k", k))  # noqa: E731
-        h_point = lambda h, cap: workload_point(curve, workload, lambda c: curve_point(c, "h", h, cap))  # noqa: E731
-        K = max(picks["k"]["predicted"], key=lambda k: rate_of(k_point(k), book.coef)) if ran is None else ran["k"]
-        auto = price_auto(book, h_point, picks["h"], ran, head)
-        priced += [price_fixed(book, k_point(K), K), auto]
-    lookup = price_lookup(book, copy_counts(costs, k_max, copy_data, workload, records), copy_round(costs, book.coef,
-                                                                                                  k_max))
-    priced.append(lookup)
-    if auto is not None:
-        pick = auto.extra["pick"]
-        joint = None if pick == AR else combined_counts(
-            costs, head, pick, auto.extra["pick_k_max"] or curve["k_max"], k_max, copy_data, workload, records=records)
-        priced.append(price_combined(book, auto, lookup, joint, head))
-    return {"engine": pair.engine.name, "time_model": model, "sampling": loop, "temperature": temperature,
-            "head": head if picks else None, "workload": list(workload) if workload else MIX,
-            "acceptance": {"source": "dev answers" if prompts is None else "prompts", "words": describe(prompts),
-                           **({k: v for k, v in prompts.items() if k != "records"} if prompts else {})},
-            "prompt_tokens": prompt_tokens, "max_new_tokens": max_new_tokens,
-            "costs": costs.to_dict(), "configurations": [row_of(book, p, prompt_tokens, max_new_tokens) for p in priced]}
-
-
-# ----------------------------------------------------------------------------- pricing, one configuration each
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-# ----------------------------------------------------------------------------- the reasons, in words
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-def _curve_file(head):
-    from ..heads.curve import curve_path
-
-    return curve_path(head)
+    hidden = (read_manifest(path).get("models", {}).get("draft") or {}).get("hidden_size")
+    return Answers(COPY_DATA if data_dir is None else str(data_dir), str(path),
+                   lambda head=None: responses(path, "dev", head), hidden)
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -210,14 +86,12 @@ def run(pair_params, head: str | None = DEFAULT_HEAD, temperature: float = 1.0, 
     """Load the pair, measure its costs (or read them from the cache) and predict (see `predict`); with the
     machine, how long loading and measuring took, and where the costs are cached. cache=False: measure
     afresh, reading and writing no cache (a second measurement of the same machine); `ran`: see predict.
-    `prompts` (probe_prompts.load_texts' (texts, label)): record answers to them first, for `budget_s` at most
-    (probe_prompts.measure, cached as the costs are, or as `prompts_cache` says: a second measurement of the
+    `prompts` (auto.load_texts' (texts, label)): record answers to them first, for `budget_s` at most
+    (auto.measure, cached as the costs are, or as `prompts_cache` says: a second measurement of the
     machine prices at the answers the first one recorded), and price at their acceptance."""
-    from .probe_prompts import BUDGET_S, measure
     from transformers.utils import logging as hf_logging
 
     from ..backends.cpu import describe
-    from ..decoding.costs import config_key, cost_config, costs_dir, measure_costs
     from ..decoding.pipeline import SpecPair, torch_threads
 
     hf_logging.disable_progress_bar()
@@ -234,11 +108,12 @@ def run(pair_params, head: str | None = DEFAULT_HEAD, temperature: float = 1.0, 
             measure_costs(pair, reps=reps)  # cached, so that `predict` (and auto after it) reads this one
         measure_costs(pair)
         measured = time.perf_counter()
-        own = None if prompts is None else measure(pair, None, head, temperature, prompts_budget_s or BUDGET_S,
-                                                   cache if prompts_cache is None else prompts_cache, texts=prompts)
+        own = None if prompts is None else measure_prompts(pair, None, head, temperature, prompts_budget_s or BUDGET_S,
+                                                           cache if prompts_cache is None else prompts_cache,
+                                                           texts=prompts)
         recorded = time.perf_counter()
         out = predict(pair, head if pair.draft is not None else None, temperature, prompt_tokens, max_new_tokens,
-                      ran=ran, workload=workload, prompts=own)
+                      ran=ran, answers=dev_answers(), workload=workload, prompts=own)
     return {"machine": describe(), "pair": pair_params.model_dump(exclude_defaults=True), **out,
             "cache": str(path) if cache else None, "cached": cached, "load_s": loaded - t0,
             "measure_s": measured - loaded, "prompts_s": recorded - measured}
@@ -342,8 +217,6 @@ def _main(argv) -> int:
                         "--prompts FILE|SET with it, or drop it")
     if args.prompts is not None and workload is not None:
         raise UserError("--prompts and --workload both say whose acceptance prices the configurations; pass one")
-    from .probe_prompts import load_texts
-
     prompts = None if args.prompts is None else load_texts(args.prompts)  # refused before any model loads
     pair = params.pair_params(spell=flag, **set_fields(args, params.PairParams.model_fields))
     pair.engine.check_available(pair.device)
@@ -352,10 +225,8 @@ def _main(argv) -> int:
         # the head's curve must exist unless the prompts make one
         learned = params.policy_params("learned", spell=flag, head=head, threshold="auto" if prompts is None else 0.5)
         params.check_runs_on(learned, pair.engine)
-        from ..decoding.auto import load_curve
-
         if prompts is None:
-            check_workload(load_curve(_curve_file(head), "h", head), workload)  # before any model loads
+            check_workload(load_curve(curve_path(head), "h", head), workload)  # before any model loads
     result = run(pair, head, args.temperature, args.prompt_tokens, args.max_new_tokens, args.reps,
                  workload=workload, prompts=prompts, prompts_budget_s=args.prompts_budget_s)
     print(json.dumps(result, default=str) if args.json else render(result))

@@ -47,14 +47,13 @@ import math
 import sys
 from pathlib import Path
 
-from ..decoding import timemodel
-from ..decoding.timemodel import comparison_table
+from ..decoding.auto import coef_of, comparison_table, costs_from_json, round_costs
 from ..errors import UserError, run_main
 from ..runs import read_json
 from ..tables import fmt
 from .report_data import (Agg, DatasetResult, aggregate, analyse, by_config, complete_rows, ds_label, family,
                           fit_settings, geomean, head_order, load_sweep, modelled_tps, paired_ratio, pooled_counts,
-                          rel_errors, round_costs, usable)
+                          rel_errors, usable)
 from .report_plots import accepted_vs_drafted_plot, pareto_plot, pareto_series
 from .report_tables import (AUTO_OF, H_REF, all_configs_table, auto_table, breakdown_table, cpu_lines, decomposition,
                             engines_section, ersd_fig3_table, family_table, fmt_t, pct, peer_table, table1, table2,
@@ -132,7 +131,6 @@ def _backend(cfg_info: dict) -> str:
 def _costs(sweep_dir: Path, cfg_info: dict) -> tuple:
     """(the forward times the sweep pinned for its auto picks, or None; its engine's time model)."""
     from ..backends.engines import get
-    from ..decoding.costs import costs_from_json
 
     saved = read_json(sweep_dir / COSTS, required=False, hint="rerun the sweep to rewrite it")
     return (costs_from_json(saved) if saved else None), get(_backend(cfg_info)).time_model
@@ -299,7 +297,7 @@ def _why(found, spec) -> str | None:
         return None
     fit = d.fits["speculative"]
     if costs is not None:
-        coef, source, c = timemodel.coef_of(costs, model), "the costs measured for auto, costs.json", costs.c
+        coef, source, c = coef_of(costs, model), "the costs measured for auto, costs.json", costs.c
     elif usable(fit) and fit.t_draft > 0 and fit.t_target > 0:  # a fit over few rows can come out negative
         coef, source = {"t_draft": fit.t_draft, "t_target": fit.t_target}, "the forward times fitted to these rows"
         c = fit.t_draft / fit.t_target

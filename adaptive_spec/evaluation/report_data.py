@@ -11,7 +11,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..decoding import timemodel
+from ..decoding.auto import fit_forward_times, fit_standalone, relative_error, sum_counts, theoretical_tokens_per_s
 from ..errors import UserError
 from ..runs import read_json, read_jsonl
 from .sweep_files import RESULTS
@@ -215,14 +215,14 @@ def fit_settings(rows: list[dict]) -> dict:
     m = lambda *ms: [r for r in rows if r["method"] in ms]  # noqa: E731
     tri = lambda rs: [(_f(r, "n_draft_forwards"), _f(r, "n_target_forwards"), _decode_s(r)) for r in rs]  # noqa: E731
     ar, dar = m("ar"), m("draft_ar")
-    t_t, r2_t, n_t = timemodel.fit_standalone([_f(r, "n_target_forwards") for r in ar], [_decode_s(r) for r in ar])
-    t_d, r2_d, n_d = timemodel.fit_standalone([_f(r, "n_draft_forwards") for r in dar], [_decode_s(r) for r in dar])
+    t_t, r2_t, n_t = fit_standalone([_f(r, "n_target_forwards") for r in ar], [_decode_s(r) for r in ar])
+    t_d, r2_d, n_d = fit_standalone([_f(r, "n_draft_forwards") for r in dar], [_decode_s(r) for r in dar])
     return {
         "standalone": {"t_draft": t_d, "t_target": t_t, "r2_draft": r2_d, "r2_target": r2_t, "n_draft": n_d,
                        "n_target": n_t},
-        "specdec": timemodel.fit_forward_times(tri(m("fixed"))),
-        "specdecpp": timemodel.fit_forward_times(tri(m("learned"))),
-        "speculative": timemodel.fit_forward_times(tri(m(*SPEC_METHODS))),
+        "specdec": fit_forward_times(tri(m("fixed"))),
+        "specdecpp": fit_forward_times(tri(m("learned"))),
+        "speculative": fit_forward_times(tri(m(*SPEC_METHODS))),
     }
 
 
@@ -233,16 +233,16 @@ def usable(fit) -> bool:
 def modelled_tps(a: Agg, fit) -> float:
     if not usable(fit):
         return float("nan")
-    return timemodel.theoretical_tokens_per_s(a.n_tokens, a.n_draft, a.n_target, fit.t_draft, fit.t_target)
+    return theoretical_tokens_per_s(a.n_tokens, a.n_draft, a.n_target, fit.t_draft, fit.t_target)
 
 
 def rel_errors(rows: list[dict], t_draft: float, t_target: float) -> list[float]:
     """Per-prompt |Eq. 5.1 throughput - measured decode throughput| / measured."""
     out = []
     for r in rows:
-        th = timemodel.theoretical_tokens_per_s(_f(r, "n_tokens"), _f(r, "n_draft_forwards"),
+        th = theoretical_tokens_per_s(_f(r, "n_tokens"), _f(r, "n_draft_forwards"),
                                              _f(r, "n_target_forwards"), t_draft, t_target)
-        out.append(timemodel.relative_error(th, _f(r, "n_tokens") / _decode_s(r)))
+        out.append(relative_error(th, _f(r, "n_tokens") / _decode_s(r)))
     return [e for e in out if not math.isnan(e)]
 
 
@@ -358,40 +358,3 @@ def bound_curve(calibration: dict, method: str, ks) -> list[tuple[int, float]]:
 def pooled_counts(d: DatasetResult, config: str) -> dict:
     """A configuration's counts summed over its rows (sum_counts)."""
     return sum_counts([r for r in d.rows if r["config"] == config])
-
-
-def sum_counts(rows: list[dict]) -> dict:
-    """Rows' counts summed, as one row timemodel.predict_time prices (their target passes' histogram summed
-    too, where every row has one)."""
-    out = {k: sum(_f(r, k) for r in rows) for k in ("n_tokens", "n_target_forwards", "n_draft_forwards", "n_drafted",
-                                                    "n_accepted")}
-    for k in ("n_all_accepted", "n_fed_extra"):  # where every row counts them (a replay's, a curve point's)
-        if rows and all(k in r for r in rows):
-            out[k] = sum(_f(r, k) for r in rows)
-    if rows and all(isinstance(r.get("target_pass_hist"), dict) for r in rows):
-        hist = defaultdict(float)
-        for r in rows:
-            for n, c in r["target_pass_hist"].items():
-                hist[str(n)] += float(c)
-        out["target_pass_hist"] = dict(hist)
-    return out
-
-
-# the target alone's token: one one-row pass
-ONE_STEP = {"n_tokens": 1.0, "n_target_forwards": 1.0, "n_draft_forwards": 0.0, "n_drafted": 0.0,
-            "target_pass_hist": {"1": 1.0}}
-
-
-def round_costs(counts: dict, coef: dict) -> dict:
-    """Per round (one target pass each) of counts (a sweep's pooled rows, a curve point): tokens, drafted
-    tokens, draft steps, the share of drafted tokens accepted, the commonest pass length, and the round's time
-    in one-row target steps (ONE_STEP) under `coef` (timemodel's coefficients: measured costs, or times fitted
-    from the rows)."""
-    rounds = counts["n_target_forwards"]
-    hist = counts.get("target_pass_hist") or {}
-    drafted = counts.get("n_drafted", 0.0)
-    return {"tokens": counts["n_tokens"] / rounds, "drafted": drafted / rounds,
-            "draft_steps": counts.get("n_draft_forwards", 0.0) / rounds,
-            "accepted": counts.get("n_accepted", 0.0) / drafted if drafted else float("nan"),
-            "rows": int(max(hist, key=hist.get)) if hist else None,
-            "steps": timemodel.predict_time(counts, coef) / rounds / timemodel.predict_time(ONE_STEP, coef)}

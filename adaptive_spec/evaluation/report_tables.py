@@ -9,7 +9,7 @@ import json
 import math
 from collections import Counter, defaultdict
 
-from ..decoding import timemodel
+from ..decoding.auto import compare_decompositions, decompose, mean_std
 from ..tables import fmt, md_table
 from .report_data import (FAMILIES, HEAD_TREE, HEURISTICS, LEARNED_TREE, POS_TREE, DatasetResult, best_of,
                           bound_curve, by_config, head_order, modelled_tps, paired_ratio, rel_errors, usable)
@@ -139,8 +139,8 @@ def table2(results: list[DatasetResult]) -> tuple[str, str]:
             body.append(row)
         vals = per_setting.get(setting)
         if vals and len(results) > 1:
-            md, sd = timemodel.mean_std(v[0] for v in vals)
-            mt, st = timemodel.mean_std(v[1] for v in vals)
+            md, sd = mean_std(v[0] for v in vals)
+            mt, st = mean_std(v[1] for v in vals)
             body.append([title, "**average**", f"{fmt_t(md)} ± {fmt_t(sd)}", f"{fmt_t(mt)} ± {fmt_t(st)}", "", ""])
     t2 = md_table(["setting", "dataset", "t_draft (s)", "t_target (s)", "R²", "runs"], body)
 
@@ -182,7 +182,7 @@ def decomposition(results: list[DatasetResult]) -> str:
         for title, a in cands:
             if a is None:
                 continue
-            dec = timemodel.decompose(a.n_tokens, a.n_discarded, a.n_target, fit.t_draft, fit.t_target)
+            dec = decompose(a.n_tokens, a.n_discarded, a.n_target, fit.t_draft, fit.t_target)
             decs[title] = dec
             pt = dec.per_token()
             rows.append([f"{title} ({a.label()})", f"{1e3 * pt['oracle']:.3f}", f"{1e3 * pt['discard']:.3f}",
@@ -194,7 +194,7 @@ def decomposition(results: list[DatasetResult]) -> str:
                md_table(["configuration", "T0/N = t_draft", "t_draft·N_disc/N", "(t_target−t_draft)·N_target/N",
                          "Eq. 5.1 total", "measured decode"], rows)]
         if "best fixed K" in decs and "best SpecDec++" in decs:
-            c = timemodel.compare_decompositions(decs["best SpecDec++"], decs["best fixed K"])
+            c = compare_decompositions(decs["best SpecDec++"], decs["best fixed K"])
             verdict = (f"SpecDec++ loses most on the **{c['loses']}** term" if c["loses"]
                        else "SpecDec++ is no worse on either term")
             txt.append(f"\nSpecDec++ vs best fixed K (ms/token): discard {1e3 * c['discard']:+.3f}, verification "

@@ -13,7 +13,7 @@ dataset and entry its own column:
     fixed k=K     SpecDec with a fixed candidate length, for each K in `ks`
     learned       SpecDec++: each acceptance head in `heads` x each threshold h in `thresholds`
     auto          `auto` in `ks` / `thresholds`: the K / h of best predicted throughput on this
-                  machine (decoding/auto.py: the head's threshold_curve.json, `curve` for ks, and
+                  machine (adaptive_spec.decoding.auto: the head's threshold_curve.json, `curve` for ks, and
                   t_draft / t_target measured at load), as methods fixed_auto / learned_auto; rows
                   add auto_value (the pick) and auto_predicted_tokens_per_s (decoding only)
     confidence    stop when q(y_i) < tau, for each tau in `confidence_taus`
@@ -44,7 +44,7 @@ dataset and entry its own column:
                   shuffled set, never evaluated ones): the start of every run, from which the rates adapt
                   to that run's rounds (reset per run, so no run depends on another), or with
                   `adapt_rates: false` frozen for every run; a learned budget's unset tree_node_cost is
-                  measured once (costs.measure_costs, pinned in costs.json as below)
+                  measured once (auto.measure_costs, pinned in costs.json as below)
 
 Output in out_dir (default runs/sweep/<config name>, relative to the project root):
     results.jsonl   one line per (dataset, prompt, config): all Metrics fields plus the config's

@@ -135,7 +135,7 @@ class SweepConfig:
         if not (AUTO in self.ks or AUTO in self.thresholds or any(c.reads_auto() for c in typed)):
             raise UserError("config key 'auto_prompts' is read by auto in ks, thresholds or a policies entry only; "
                             "list auto there, or drop auto_prompts")
-        from .probe_prompts import load_texts  # noqa: PLC0415 (the prompt sets: only where asked)
+        from ..decoding.auto import load_texts  # noqa: PLC0415 (the prompt sets: only where asked)
 
         try:
             load_texts(self.auto_prompts)

@@ -9,7 +9,7 @@ import torch
 from transformers.utils import is_sklearn_available
 from transformers.utils import logging as hf_logging
 
-from ..decoding.costs import measure_costs
+from ..decoding.auto import load_texts, measure_costs, measure_prompts
 from ..decoding.decoder import Decoder
 from ..decoding.interfaces import PolicyContext
 from ..decoding.metrics import Metrics
@@ -158,13 +158,11 @@ class Runner:
         return heads[conf.head][1]["path"] if conf.head is not None else auto_curve(self.curve, heads)
 
     def _prompts_curve(self, pair, head_dir: str | None) -> str:
-        """The curve of auto_prompts' answers for a head (probe_prompts.measure: recorded by the loaded pair
+        """The curve of auto_prompts' answers for a head (auto.measure_prompts: recorded by the loaded pair
         once, cached, and remembered, so every run of the sweep reads the same file)."""
-        from .probe_prompts import load_texts, measure  # noqa: PLC0415 (the prompt sets: only where asked)
-
         if head_dir not in self.prompt_curves:
-            made = measure(pair, None, head_dir, self.sampling.temperature, texts=load_texts(self.auto_prompts),
-                           k_max=self.k_max)
+            made = measure_prompts(pair, None, head_dir, self.sampling.temperature,
+                                   texts=load_texts(self.auto_prompts), k_max=self.k_max)
             if made["curve_file"] is None:
                 raise UserError(f"auto_prompts {self.auto_prompts}: no curve was made (no draft model recorded)")
             self.prompt_curves[head_dir] = made["curve_file"]

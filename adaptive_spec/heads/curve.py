@@ -1,5 +1,5 @@
 """A head's threshold curve: the format `adaptive-spec autotune` writes beside a head (training/autotune.py)
-and `--threshold auto` / `--k auto` read (decoding/auto.py): per h (and per fixed K) the counts a policy
+and `--threshold auto` / `--k auto` read (adaptive_spec.decoding.auto): per h (and per fixed K) the counts a policy
 produces per token, N_target/N and N_discarded/N, replayed offline on datagen data. The counts depend on
 the head and the data, not on the machine; auto prices them with this machine's measured costs.
 

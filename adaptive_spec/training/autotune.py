@@ -1,25 +1,12 @@
-"""`adaptive-spec autotune`: the offline half of `--threshold auto` / `--k auto` (auto.py has the
-pick made at generation time).
+"""`adaptive-spec autotune`: the offline half of `--threshold auto` / `--k auto` (adaptive_spec.decoding.auto has the
+pick made at generation time, and the replay this runs).
 
 `adaptive-spec autotune --head DIR --data DATAGEN_DIR` replays the head offline on the dev
-   responses of a datagen run and saves the expected counts for every h of H_GRID and every
+   responses of a datagen run (auto's curve_of) and saves the expected counts for every h of H_GRID and every
    fixed K of K_GRID as DIR/threshold_curve.json (machine-independent; it records the head's
    weights hash and the data it came from; for a mix of prompt sources also per source, under
    "by_source", which `pick` takes as it takes the pooled curve). Without --head it saves the
    per-K part only (--out).
-The replay. A dev response X_1..X_T stores at each position P_i = min(1, p_i(Y_i)/q_i(Y_i)), the
-acceptance probability of a draft token Y_i ~ q_i, and the head's input there (heads.shard_inputs,
-else the stored draft features), giving p̂_i. A round that starts at position s drafts K(s)
-candidates: the first i at which the policy stops (1 - prod p̂ > h, seen with the token head's
-one-step lag, so K >= 2; a context head sees p̂_i at step i), capped at k_max and, as in the
-decoder, at T - s - 1. It accepts at least j of them with probability prod_{i<j} P_{s+i}: the
-response X stands in for the accepted prefix, as the output is distributed as the target's and X
-is a sample of it; products of single-sample P_i are unbiased for the acceptance along X. After
-a accepted candidates the next round starts at s + a + 1. The replay carries the probability
-w[s] that a round starts at s, so every count is an exact expectation (no sampling), and the
-rounds of each response add up to exactly T tokens. Approximations: at positions where datagen
-kept X_i (loss_mask 0, r = 15%) the head input is X_i's state, not Y_i's; and the data's
-sampling settings (recorded in the curve) stand for the ones decoding uses.
 """
 from __future__ import annotations
 
@@ -29,87 +16,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..decoding.auto import H_GRID, K_GRID, curve_of
 from ..datagen.shards import iter_shards
-from ..heads.curve import FORMAT, autotune_command, curve_path, weights_hash
 from ..errors import UserError, get_logger
 from ..heads import head as heads
+from ..heads.curve import autotune_command, curve_path, weights_hash
 from ..runs import read_manifest, write_json
 from ..tables import md_table
 from .data import dataset_sources
 
 log = get_logger(__name__)
-
-H_GRID = tuple(round(0.05 * i, 2) for i in range(1, 20))
-K_GRID = tuple(range(1, 17))
-# Caps on K replayed with every h. Under a constant verification cost SpecDec++'s threshold alone is
-# the optimal rule (Theorem 4.3) and a cap only loses; on a CPU a pass of more tokens can cost a
-# step more (the kernels' row blocking), and there the best rule is a threshold inside the cheap
-# lengths. Only the `table` time model, which sees that, picks one.
-CAP_GRID = (3, 4, 5, 6, 7, 8, 10, 12)
-
-
-# ----------------------------------------------------------------------------- the replay
-
-
-def window_products(x: np.ndarray, width: int) -> np.ndarray:
-    """[T, width + 1]: entry (s, j) = prod x[s:s+j] (1 past the end: those rounds are capped anyway)."""
-    T = len(x)
-    padded = np.concatenate([np.asarray(x, dtype=np.float64), np.ones(width)])
-    out = np.ones((T, width + 1))
-    for j in range(1, width + 1):
-        out[:, j] = out[:, j - 1] * padded[j - 1:j - 1 + T]
-    return out
-
-
-def stop_lengths(phat_windows: np.ndarray, h: float, k_max: int, lag: int) -> np.ndarray:
-    """K(s) of SpecDec++ at threshold h: with m the first j such that 1 - prod p̂[s:s+j] > h
-    (k_max if none), K = min(m + lag, k_max); lag 1 for a token head (it scores y_j one step late)."""
-    stop = (1.0 - phat_windows[:, 1:k_max + 1]) > h
-    m = np.where(stop.any(axis=1), stop.argmax(axis=1) + 1, k_max)
-    return np.minimum(m + lag, k_max)
-
-
-def replay(accept_windows: np.ndarray, K: np.ndarray) -> np.ndarray:
-    """Expected (rounds, drafted, accepted, rounds whose candidates were all accepted, rounds of 0
-    candidates, of 1, ..., of k_hi) over one response of T = len(K) tokens, a round from position s
-    drafting K[s] candidates; accept_windows from window_products(P, >= max K). The per-K rounds say how
-    many verification passes of each length (K + 1 tokens) the policy runs, for the `table` time model;
-    the all-accepted ones, how many of the draft's first steps feed two tokens (y_K and the bonus)."""
-    T = len(K)
-    w = np.zeros(T + 1)
-    w[0] = 1.0
-    rounds = drafted = accepted = full = 0.0
-    by_k = np.zeros(accept_windows.shape[1])
-    for s in range(T):
-        ws = w[s]
-        if ws == 0.0:
-            continue
-        k = int(min(K[s], T - s - 1))
-        c = accept_windows[s, :k + 1]  # c[j] = P(at least j accepted)
-        pmf = c.copy()
-        pmf[:-1] -= c[1:]
-        w[s + 1:s + k + 2] += ws * pmf
-        rounds += ws
-        drafted += ws * k
-        accepted += ws * float(c[1:].sum())
-        full += ws * float(c[k]) if k else 0.0
-        by_k[k] += ws
-    return np.concatenate([[rounds, drafted, accepted, full], by_k])
-
-
-def counts_row(T: int, totals: np.ndarray) -> dict:
-    """Curve counts, named as sweep rows name them (timemodel.predict_time reads either):
-    target_pass_hist maps a verification pass's length (K + 1 tokens) to its expected count."""
-    rounds, drafted, accepted, full = map(float, totals[:4])
-    passes = {str(k + 1): float(v) for k, v in enumerate(totals[4:]) if v > 0}
-    return {"n_tokens": T, "n_target_forwards": rounds, "n_draft_forwards": drafted, "n_drafted": drafted,
-            "n_accepted": accepted, "n_all_accepted": full, "n_discarded": drafted - accepted,
-            "verification_rate": rounds / max(T, 1),
-            "discard_rate": (drafted - accepted) / max(T, 1), "tokens_per_round": T / rounds if rounds else float("nan"),
-            "target_pass_hist": passes}
-
-
-# ----------------------------------------------------------------------------- data and head
 
 
 def head_inputs(head, shard: dict):
@@ -143,10 +59,6 @@ def responses(data_dir: Path, split: str, head=None):
                        tokens[starts[i]:starts[i] + lens[i]], x[a:b])
 
 
-def caps_below(k_max: int) -> list[int]:
-    return [c for c in CAP_GRID if c < k_max]
-
-
 def build_curve(head, data_dir, split: str = "dev", k_max: int = 20, h_grid=H_GRID, k_grid=K_GRID) -> dict:
     """The expected counts per h (head given) and per fixed K over a datagen split (module
     docstring), pooled and, for a mix of prompt sources, per source (`by_source`); and per
@@ -157,45 +69,6 @@ def build_curve(head, data_dir, split: str = "dev", k_max: int = 20, h_grid=H_GR
         raise UserError(f"split {split!r} of {data_dir} holds no responses; pass a datagen run with a {split} split "
                         "(dev_frac > 0) or another --split")
     return curve
-
-
-def curve_of(records, lag: int, k_max: int = 20, with_head: bool = True, h_grid=H_GRID, k_grid=K_GRID) -> dict | None:
-    """build_curve's counts over any responses given as `responses` yields them, (source, P, p̂, prompt ids,
-    response ids) (the probe's recording on a user's prompts gives the same quantities); `lag` the head's (1 for
-    a token head, 0 for a context head); with_head False: the per-K part only. None where there are none."""
-    width = max(k_max, max(k_grid))
-    caps = caps_below(k_max)
-    tallies = {}
-    for source, P, phat, _, _ in records:
-        P = np.asarray(P, dtype=np.float64)
-        phat = None if phat is None or not with_head else np.asarray(phat, dtype=np.float64)
-        T = len(P)
-        AP = window_products(P, width)
-        by_k = [replay(AP, np.full(T, k)) for k in k_grid]
-        by_h, by_cap = [], []
-        if phat is not None:
-            PH = window_products(phat, k_max)
-            by_h = [replay(AP, stop_lengths(PH, h, k_max, lag)) for h in h_grid]
-            by_cap = [replay(AP, stop_lengths(PH, h, cap, lag)) for cap in caps for h in h_grid]
-        for name in {None, source}:
-            t = tallies.setdefault(name, {"n_responses": 0, "n_tokens": 0, "h": 0.0, "k": 0.0, "cap": 0.0})
-            t["n_responses"] += 1
-            t["n_tokens"] += T
-            t["h"], t["k"], t["cap"] = t["h"] + np.array(by_h), t["k"] + np.array(by_k), t["cap"] + np.array(by_cap)
-    if not tallies:
-        return None
-
-    def section(t: dict) -> dict:
-        T = t["n_tokens"]
-        grid = [(cap, h) for cap in caps for h in h_grid]
-        return {"n_responses": t["n_responses"], "n_tokens": T,
-                "thresholds": [{"h": h, **counts_row(T, c)} for h, c in zip(h_grid, t["h"])] if with_head else [],
-                "capped": [{"h": h, "k_max": cap, **counts_row(T, c)} for (cap, h), c in zip(grid, t["cap"])]
-                if with_head else [],
-                "fixed_k": [{"k": k, **counts_row(T, c)} for k, c in zip(k_grid, t["k"])]}
-
-    pooled = section(tallies.pop(None))
-    return {"format": FORMAT, "k_max": k_max, **pooled, "by_source": {n: section(t) for n, t in tallies.items()}}
 
 
 def make_curve(head_dir: str | None, data_dir: str, split: str = "dev", k_max: int = 20, out: str | None = None):
@@ -237,12 +110,10 @@ def _warn_other_draft(head, manifest: dict):
         log.warning(f"the head was trained on draft {trained} and the data comes from draft {data}; the curve "
                     "predicts rounds of the data's draft")
 
+
 def curve_table(curve: dict) -> str:
     """Markdown: the machine-independent counts per h and per K."""
     rows = [[f"h={p['h']:g}", p["verification_rate"], p["discard_rate"], p["tokens_per_round"]]
             for p in curve["thresholds"]]
     rows += [[f"K={p['k']}", p["verification_rate"], p["discard_rate"], p["tokens_per_round"]] for p in curve["fixed_k"]]
     return md_table(["policy", "N_target/N", "N_discarded/N", "tokens/round"], rows)
-
-
-# ----------------------------------------------------------------------------- picking at generate time

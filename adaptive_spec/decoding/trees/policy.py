@@ -31,7 +31,6 @@ import math
 
 from ...errors import UserError
 from ...params import ErsdParams, TreeParams
-from ..costs import measure_costs
 from ..interfaces import PolicyContext, RoundOwner, RoundState, register
 from ..policies import load_pair_head
 from .draft import DraftTree, grow_static, grow_with_head
@@ -197,11 +196,11 @@ def _resolve_head(estimator, head, pair):
     return load_tree_head(head, pair) if estimator == "head" else None
 
 
-def _node_cost(tree_learned, tree_node_cost, pair, drafting):
-    """tree_node_cost, measured on the pair (costs.measure_costs) when a learned budget leaves it
+def _node_cost(tree_learned, tree_node_cost, ctx: PolicyContext, drafting):
+    """tree_node_cost, measured on the context's pair (auto's measure_costs) when a learned budget leaves it
     unset (TreePolicy refuses the rest, before anything is timed)."""
-    if tree_learned is True and tree_node_cost is None and pair is not None and drafting in NESTED:
-        return measure_costs(pair).node_cost
+    if tree_learned is True and tree_node_cost is None and ctx.pair is not None and drafting in NESTED:
+        return ctx.measure_costs(ctx.pair).node_cost
     return tree_node_cost
 
 
@@ -213,7 +212,7 @@ def _make_tree(p: TreeParams, ctx: PolicyContext):
     return TreePolicy("gsd", p.drafting, round_budget(p), p.tree_estimator,
                       _resolve_head(p.tree_estimator, p.head, ctx.pair), p.tree_rates, p.adapt_rates, name="tree",
                       learned_budget=p.tree_learned,
-                      node_cost=_node_cost(p.tree_learned, p.tree_node_cost, ctx.pair, p.drafting))
+                      node_cost=_node_cost(p.tree_learned, p.tree_node_cost, ctx, p.drafting))
 
 
 @register("ersd")
@@ -224,4 +223,4 @@ def _make_ersd(p: ErsdParams, ctx: PolicyContext):
     return TreePolicy("ersd", p.drafting, round_budget(p), p.tree_estimator,
                       _resolve_head(p.tree_estimator, p.head, ctx.pair),
                       p.tree_rates, p.adapt_rates, name="ersd", learned_budget=p.tree_learned,
-                      node_cost=_node_cost(p.tree_learned, p.tree_node_cost, ctx.pair, p.drafting))
+                      node_cost=_node_cost(p.tree_learned, p.tree_node_cost, ctx, p.drafting))

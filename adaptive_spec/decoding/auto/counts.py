@@ -1,16 +1,26 @@
-"""The counts the probe prices configurations at, where they come from: the head's curve at a workload's mix of
-prompt sources (`--workload`), and prompt lookup and combined replayed along answers (COPY_DATA's dev answers,
-or the answers recorded on the user's prompts): what a draft would have copied and drafted there."""
+"""The counts prediction prices configurations at, where they come from: the head's curve at a workload's mix of
+prompt sources (`--workload`), and prompt lookup and combined replayed along answers (a datagen run's dev
+answers, or the answers recorded on the user's prompts: Answers): what a draft would have copied and drafted there."""
 from __future__ import annotations
 
-from pathlib import Path
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable
 
-from .. import params
-from ..errors import UserError
+from ... import params
+from ...errors import UserError
+from .curve_replay import stop_lengths, window_products
 
-# the answers prompt lookup is priced on: the committed heads' dev responses (a workload's copying is the
-# workload's, not the machine's; this mix stands for a general one, as it does for the head's curve)
-COPY_DATA = "data/datagen/mix"
+
+@dataclass
+class Answers:
+    """Answers the replays walk: `read(head)` yields (source, P, p̂ or None, prompt ids, response ids) per answer
+    (p̂ by `head`, a loaded head, where given); `label` names them in the reasons, `where` in the counts;
+    `hidden_size`: the draft's, which a head reads on them (None: the head's own)."""
+    label: str
+    where: str
+    read: Callable
+    hidden_size: int | None = None
 
 
 # draws per answer of the combined replay's draft rounds (their accepted counts are sampled; copies are not)
@@ -49,6 +59,23 @@ def check_workload(curve: dict, kinds) -> None:
                             f"(it has: {', '.join(have) or 'no per-source counts'}); use --workload {MIX}")
 
 
+def sum_counts(rows: list[dict]) -> dict:
+    """Rows' counts summed, as one row timemodel.predict_time prices (their target passes' histogram summed
+    too, where every row has one)."""
+    out = {k: sum(float(r.get(k) or 0.0) for r in rows)
+           for k in ("n_tokens", "n_target_forwards", "n_draft_forwards", "n_drafted", "n_accepted")}
+    for k in ("n_all_accepted", "n_fed_extra"):  # where every row counts them (a replay's, a curve point's)
+        if rows and all(k in r for r in rows):
+            out[k] = sum(float(r.get(k) or 0.0) for r in rows)
+    if rows and all(isinstance(r.get("target_pass_hist"), dict) for r in rows):
+        hist = defaultdict(float)
+        for r in rows:
+            for n, c in r["target_pass_hist"].items():
+                hist[str(n)] += float(c)
+        out["target_pass_hist"] = dict(hist)
+    return out
+
+
 def _scaled(counts: dict, f: float) -> dict:
     out = {k: v * f for k, v in counts.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     if isinstance(counts.get("target_pass_hist"), dict):
@@ -59,8 +86,6 @@ def _scaled(counts: dict, f: float) -> dict:
 def mixed(groups) -> dict:
     """Counts of a workload of kinds in equal parts: each group's pooled counts (sum_counts) scaled to one token,
     summed (so n_tokens is the number of kinds; timemodel.predict_time is linear in the counts)."""
-    from .report_data import sum_counts
-
     parts = [sum_counts(g) for g in groups]
     return sum_counts([_scaled(c, 1.0 / c["n_tokens"]) for c in parts])
 
@@ -75,8 +100,6 @@ def workload_point(curve: dict, kinds, select) -> dict:
 def _grouped(answers_by_source: dict, kinds) -> tuple[dict | None, int]:
     """Replayed answers (source -> their counts) as one workload's counts, pooled (kinds None) or mixed by kind;
     with how many answers they hold (None where a kind has none)."""
-    from .report_data import sum_counts
-
     if kinds is None:
         every = [a for group in answers_by_source.values() for a in group]
         return (sum_counts(every) if every else None), len(every)
@@ -85,58 +108,41 @@ def _grouped(answers_by_source: dict, kinds) -> tuple[dict | None, int]:
     return (mixed(groups) if all(groups) else None), used
 
 
-def _data_path(data_dir) -> Path | None:
-    from ..runs import PROJECT_ROOT
+def copy_counts(costs, k_max: int, answers: Answers | None, kinds=None) -> dict | None:
+    """Prompt lookup's counts (`--policy ngram --k auto` at these costs) over `answers` (ngram.replay_copies),
+    pooled or, for `kinds` (parse_workload), mixed by kind; with how many answers. None where there are no
+    answers (or a kind has none)."""
+    from ..ngram import NgramPolicy, replay_copies, verify_steps_of
 
-    path = Path(data_dir) if data_dir is not None else PROJECT_ROOT / COPY_DATA
-    return path if (path / "manifest.json").is_file() else None
-
-
-def copy_counts(costs, k_max: int, data_dir=None, kinds=None, records=None) -> dict | None:
-    """Prompt lookup's counts (`--policy ngram --k auto` at these costs) over the dev responses of a datagen run
-    (ngram.replay_copies; default COPY_DATA, the committed heads' data: ShareGPT, code, GSM8K-train and MBPP
-    prompts, none of the benchmark sets), pooled or, for `kinds` (parse_workload), mixed by kind; with how many
-    answers. None where the data (or a kind's answers) is absent. `records`: replay these answers instead (the
-    user's prompts': probe_prompts.as_responses)."""
-    from ..decoding.ngram import NgramPolicy, replay_copies, verify_steps_of
-    from ..training.autotune import responses
-
-    path = _data_path(data_dir) if records is None else "your prompts"
-    if path is None:
+    if answers is None:
         return None
     p = params.NgramParams()
     policy = NgramPolicy(p.ngram_min, p.ngram_max, "auto", k_max, verify_steps=verify_steps_of(costs))
     by: dict = {}
-    for src, _, _, prompt, response in (responses(path, "dev") if records is None else records):
+    for src, _, _, prompt, response in answers.read():
         by.setdefault(src, []).append(replay_copies(policy, prompt, response))
     out, used = _grouped(by, kinds)
-    return None if out is None else {**out, "n_responses": used, "data": str(path)}
+    return None if out is None else {**out, "n_responses": used, "data": answers.where}
 
 
-def combined_counts(costs, head, h: float, cap: int, k_max: int, data_dir=None, kinds=None,
-                    samples: int = COMBINED_SAMPLES, seed: int = 0, records=None) -> dict | None:
+def combined_counts(costs, head, h: float, cap: int, k_max: int, answers: Answers | None, kinds=None,
+                    samples: int = COMBINED_SAMPLES, seed: int = 0) -> dict | None:
     """The combined configuration's counts (`--policy ngram --fallback learned`, SpecDec++ at h with K <= cap
-    where nothing is copied) over the dev responses of a datagen run (default COPY_DATA; pooled, or mixed by
-    kind), replayed jointly: NgramPolicy's own rounds (ngram.replay_copies) with the draft's rounds in between,
-    each K as autotune's replay stops (stop_lengths over the head's p̂ there) and its accepted count drawn from
-    the stored acceptance probabilities (the P_i autotune's replay multiplies), `samples` draws per answer. None
-    where the data is absent. Jointly because the two interact: a copy is taken only where it beats the draft's
-    rounds so far, and a draft round can run past where a copy would start. `records`: these answers, with their
-    p̂, instead (as copy_counts takes them)."""
+    where nothing is copied) over `answers` (pooled, or mixed by kind), replayed jointly: NgramPolicy's own
+    rounds (ngram.replay_copies) with the draft's rounds in between, each K as autotune's replay stops
+    (stop_lengths over the head's p̂ there) and its accepted count drawn from the stored acceptance
+    probabilities (the P_i autotune's replay multiplies), `samples` draws per answer. None
+    without answers. Jointly because the two interact: a copy is taken only where it beats the draft's rounds so
+    far, and a draft round can run past where a copy would start."""
     import numpy as np
 
-    from ..decoding.interfaces import StopPolicy
-    from ..decoding.ngram import NgramPolicy, replay_copies, verify_steps_of
-    from ..heads import head as heads
-    from ..runs import read_manifest
-    from ..training.autotune import responses, stop_lengths, window_products
+    from ..interfaces import StopPolicy
+    from ..ngram import NgramPolicy, replay_copies, verify_steps_of
+    from ...heads import head as heads
 
-    path = _data_path(data_dir) if records is None else "your prompts"
-    if path is None:
+    if answers is None:
         return None
-    man = read_manifest(path) if records is None else {}
-    model = heads.load_head(head, hidden_size=(man.get("models", {}).get("draft") or {}).get("hidden_size"),
-                            why="the probe's combined replay",
+    model = heads.load_head(head, hidden_size=answers.hidden_size, why="the probe's combined replay",
                             **({"inputs": heads.INPUTS} if hasattr(heads, "INPUTS") else {}))
     lag = 0 if getattr(model, "feature", "token") == "context" else 1
     p = params.NgramParams()
@@ -144,7 +150,7 @@ def combined_counts(costs, head, h: float, cap: int, k_max: int, data_dir=None, 
                          fallback=StopPolicy(), draft_steps=costs.c)
     rng = np.random.default_rng(seed)
     by: dict = {}
-    for src, P, phat, prompt, response in (responses(path, "dev", model) if records is None else records):
+    for src, P, phat, prompt, response in answers.read(model):
         K = stop_lengths(window_products(phat, cap), h, cap, lag)
 
         def model_round(s, remaining):
@@ -156,7 +162,7 @@ def combined_counts(costs, head, h: float, cap: int, k_max: int, data_dir=None, 
 
         by.setdefault(src, []).extend(replay_copies(policy, prompt, response, model_round) for _ in range(samples))
     out, used = _grouped(by, kinds)
-    return None if out is None else {**out, "n_responses": used // samples, "data": str(path)}
+    return None if out is None else {**out, "n_responses": used // samples, "data": answers.where}
 
 
 def describe_workload(workload) -> str:

@@ -1,21 +1,21 @@
-"""The probe's prices: each configuration's decode tok/s at the measured costs, from the counts of a curve or
+"""Prediction's prices: each configuration's decode tok/s at the measured costs, from the counts of a curve or
 a replay (`price_*`, each returning a Priced), and the reason in words rendered apart from the numbers (WHY).
 
-probe.predict chooses what to price (auto's picks, the workload's counts, the answers replayed) and calls these;
+prediction.py chooses what to price (auto's picks, the workload's counts, the answers replayed) and calls these;
 `row_of` turns a Priced into the result row the probe prints and eval/bench_probe.py checks."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .. import params
+from ... import params
+from .picker import AR, DEFAULT_TIME_MODEL, predicted_wall, resolve_auto
+from .timemodel import ONE_STEP, coef_of, effective_model, predict_time, round_costs
 
 # a long verbatim copy: a match this long is CopyAcceptance's top bucket (its prior: 0.97 of copies accepted)
 COPY_MATCH = 16
 
 
 def rate_of(point: dict, coef: dict) -> float:
-    from ..decoding.timemodel import predict_time
-
     return point["n_tokens"] / predict_time(point, coef)
 
 
@@ -33,7 +33,7 @@ def copy_round(costs, coef: dict, k_max: int) -> dict:
     """A round of a long verbatim copy under `--policy ngram --k auto`: the K copies ngram.best_k takes
     (a match of COPY_MATCH tokens, CopyAcceptance's prior, v(n) as measured) at the rate it settles to
     (Dinkelbach's rule: lambda the tokens per step so far); with its expected tokens and its tok/s."""
-    from ..decoding.ngram import CopyAcceptance, best_k, verify_steps_of
+    from ..ngram import CopyAcceptance, best_k, verify_steps_of
 
     a = CopyAcceptance().predict(COPY_MATCH, min(k_max, COPY_MATCH))  # at most as many copies as match
     v = verify_steps_of(costs)
@@ -84,10 +84,6 @@ class Book:
 
 def book_for(pair, head, temperature: float, costs, own, curve_file, answers: str, data_name: str):
     """(auto's picks {"h", "k"} where there is a draft and a head, the sampling mode, the time model, the Book)."""
-    from ..decoding.auto import DEFAULT_TIME_MODEL, resolve_auto
-    from ..decoding.timemodel import coef_of, effective_model
-    from .report_data import ONE_STEP
-
     picks = {}
     if pair.draft is not None and head is not None:
         for need, p in (("h", params.policy_params("learned", head=head, threshold="auto", curve=own)),
@@ -107,17 +103,12 @@ def price_ar(book: Book) -> Priced:
 
 
 def price_fixed(book: Book, point: dict, K: int) -> Priced:
-    from .report_data import round_costs
-
     return Priced("fixed", f"fixed K={K}", {"policy": "fixed", "k": K}, rate_of(point, book.coef), True,
                   facts={"k": K}, extra={"round": round_costs(point, book.coef)})
 
 
 def price_auto(book: Book, h_point, choice: dict, ran: dict | None, head) -> Priced:
     """auto's pick (or `ran`'s), with the best h of these counts beside it."""
-    from ..decoding.auto import AR
-    from .report_data import round_costs
-
     # the h (and cap) auto could pick: every h, and the capped points where its model prices them
     cands = [(h, None) for h in choice["predicted"]] + [(float(label.split("@")[0]), int(label.split("@")[1]))
                                                         for label in choice.get("predicted_capped") or {}]
@@ -146,8 +137,6 @@ def price_lookup(book: Book, copies: dict | None, copy: dict) -> Priced:
 
 def price_combined(book: Book, auto: Priced, lookup: Priced, joint: dict | None, head) -> Priced:
     """Prompt lookup with SpecDec++ at auto's h where nothing is copied: replayed jointly where it drafts."""
-    from ..decoding.auto import AR
-
     pick = auto.extra["pick"]
     rate = lookup.rate if pick == AR else auto.rate if joint is None else rate_of(joint, book.coef)
     policy = {"policy": "ngram", "fallback": "learned", "head": head, "threshold": "auto"}
@@ -230,11 +219,8 @@ def timed(costs: dict, rate: float, drafts: bool, catch_up: bool, prompt_tokens:
           n_tokens: float) -> tuple[float, float | None]:
     """(decode, wall) tok/s of n_tokens after a prompt of prompt_tokens, decoded at `rate`: wall adds the prompt's
     prefill at the measured rates, the draft's too where it drafts, as a generation's auto pick states it
-    (pipeline.predicted_wall; None without measured prefill rates). `catch_up`: the draft reads the prompt in
+    (picker.predicted_wall; None without measured prefill rates). `catch_up`: the draft reads the prompt in
     its first round instead (the n-gram policy's fallback), so its prefill falls in decode time."""
-    from ..decoding.auto import AR
-    from ..decoding.pipeline import predicted_wall
-
     wall = predicted_wall({"costs": costs, "value": 1 if drafts else AR, "tokens_per_s": rate}, prompt_tokens,
                            n_tokens).get("wall_tokens_per_s")
     if not catch_up:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 
-from ..errors import UserError
+from ...errors import UserError
 
 # the recording's share of a probe that answers in about two minutes on two cores: loading the pair and
 # measuring its costs take the rest
@@ -33,7 +33,7 @@ def load_texts(spec) -> tuple[list, str]:
     prompts held out from runs that take the first half), or a .json/.jsonl file whose records have a `prompt`
     field. A set's prompts are shuffled and MAX_PROMPTS taken. Every refusal is one UserError naming the known
     sets, before a model loads."""
-    from ..prompts import BUILTIN, known_names, load_prompts, resolve_path
+    from ...prompts import BUILTIN, known_names, load_prompts, resolve_path
 
     name = str(spec or "").strip()
     usage = (f"pass a .jsonl file with a {FIELD!r} field on each line, or one of the prompt sets {known_names()} "
@@ -62,7 +62,7 @@ def _set_slice(name: str, usage: str) -> list:
     the first MAX_PROMPTS."""
     import random
 
-    from ..prompts import prompt_texts
+    from ...prompts import prompt_texts
 
     base, *ends = name.split(":")
     try:
@@ -80,7 +80,7 @@ def _set_slice(name: str, usage: str) -> list:
 
 def _sampling(head, temperature: float):
     """The sampling the answers are drawn with: the probe's temperature, truncated as the head's data was."""
-    from ..backends.logits import SamplingParams
+    from ...backends.logits import SamplingParams
 
     s = getattr(head, "stats_params", None)
     return SamplingParams(temperature, s.top_k if s is not None else 50, s.top_p if s is not None else 1.0)
@@ -107,9 +107,9 @@ def record(pair, prompts: list[list[int]], head=None, temperature: float = 1.0, 
 def _answer(pair, ids, head, sampling, max_new_tokens, deadline, gen) -> dict:
     import torch
 
-    from ..decoding.sampling import sample
-    from ..heads.features import step_stats
-    from ..heads.head import join_inputs, reads_stats
+    from ..sampling import sample
+    from ...heads.features import step_stats
+    from ...heads.head import join_inputs, reads_stats
 
     target, draft = pair.target, pair.draft
     for lm in (target, draft):
@@ -147,7 +147,7 @@ def _answer(pair, ids, head, sampling, max_new_tokens, deadline, gen) -> dict:
 
 
 def _probs(logits, sampling):
-    from ..backends.logits import process_logits
+    from ...backends.logits import process_logits
 
     return process_logits(logits[-1].float(), sampling)
 
@@ -163,8 +163,8 @@ def as_responses(records: list[dict]) -> list[tuple]:
 def curve(records: list[dict], head, head_dir, label: str, temperature: float, k_max: int = 20) -> dict | None:
     """The threshold curve of the records (autotune.curve_of; None without a draft's records), with what
     load_curve checks (the head's weights) and where it came from."""
-    from ..heads.curve import weights_hash
-    from ..training.autotune import curve_of
+    from ...heads.curve import weights_hash
+    from .curve_replay import curve_of
 
     if not any(r["P"] for r in records):
         return None
@@ -178,15 +178,15 @@ def curve(records: list[dict], head, head_dir, label: str, temperature: float, k
     return out
 
 
-def measure(pair, spec, head_dir, temperature: float = 1.0, budget_s: float = BUDGET_S, cache: bool = True,
+def measure_prompts(pair, spec, head_dir, temperature: float = 1.0, budget_s: float = BUDGET_S, cache: bool = True,
             texts: tuple[list, str] | None = None, k_max: int = 20) -> dict:
     """Record on the prompts `spec` names (load_texts) and write their curve to the cache: {"label", "n_prompts",
     "n_tokens", "curve_file" (None without a draft), "records"}. A second call with the same pair, head, prompts
     and temperature reads the file instead (cache=False: record afresh and write nothing). `k_max`: the curve's cap
     on candidates a round (a sweep's k_max; auto refuses a curve of another)."""
-    from ..decoding.costs import config_key, cost_config, costs_dir
-    from ..heads import head as heads
-    from ..heads.curve import weights_hash
+    from .costs import config_key, cost_config, costs_dir
+    from ...heads import head as heads
+    from ...heads.curve import weights_hash
 
     texts, label = texts or load_texts(spec)
     ids = [pair.encode(t, chat=bool(getattr(pair.tokenizer, "chat_template", None))) for t in texts]
@@ -206,7 +206,7 @@ def measure(pair, spec, head_dir, temperature: float = 1.0, budget_s: float = BU
                         "raise the budget")
     made = curve(records, head, head_dir, label, temperature, k_max) if pair.draft is not None else None
     if cache:
-        from ..runs import write_json
+        from ...runs import write_json
 
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json(path, made or {"records": records})

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import UserError, get_logger
-from ..heads.curve import curve_path, load_curve, sampling_mismatch
+from ...errors import UserError, get_logger
+from ...heads.curve import curve_path, load_curve, sampling_mismatch
 from .costs import measure_costs
 from .timemodel import coef_of, effective_model, predict_time
 
@@ -112,3 +112,13 @@ def describe_pick(choice: dict) -> str:
     return (f"auto: {name} = {value}{cap}, predicted {choice['tokens_per_s']:.2f} tok/s decoding "
             f"({choice['model']} time model; t_draft {1e3 * c['t_draft']:.1f} ms, t_target {1e3 * c['t_target']:.1f} ms, "
             f"t_cand {1e3 * c['t_cand']:.1f} ms; curve {choice['curve']})")
+
+def predicted_wall(auto: dict, n_prompt: int, n_tokens: int) -> dict:
+    """auto's predicted wall tokens/s of this generation: its decode rate plus the prompt's prefill at
+    the measured prefill rates (the draft's too where the pick drafts)."""
+    c = auto.get("costs") or {}
+    per_token = c.get("t_prefill", 0.0) + (c.get("t_prefill_draft", 0.0) if auto.get("value") != "ar" else 0.0)
+    if not per_token or not n_tokens:
+        return {}
+    decode = n_tokens / auto["tokens_per_s"]
+    return {"wall_tokens_per_s": n_tokens / (decode + per_token * max(n_prompt - 1, 0))}

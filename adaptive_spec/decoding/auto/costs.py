@@ -33,9 +33,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..backends.cpu import describe
-from ..errors import UserError, get_logger
-from ..runs import write_json
+from ...backends.cpu import describe
+from ...errors import UserError, get_logger
+from ...runs import write_json
 from .cost_timing import PREFIX, decode_loop_times, interleaved_times, loop_times, monotone, with_loop_own
 
 log = get_logger(__name__)
@@ -118,7 +118,7 @@ class Costs:
 
 
 def costs_dir() -> Path:
-    from ..setup.llama_build import cache_dir  # stdlib only: the project's one cache root
+    from ...setup.llama_build import cache_dir  # stdlib only: the project's one cache root
 
     return cache_dir() / "costs"
 

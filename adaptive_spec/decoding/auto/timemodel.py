@@ -71,8 +71,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from ..errors import UserError
-from ..tables import fmt, md_table
+from ...errors import UserError
+from ...tables import fmt, md_table
 
 COLUMNS = {"t_draft": "n_draft_forwards", "t_target": "n_target_forwards", "t_cand": "n_drafted"}
 MODELS = {"paper": ("t_draft", "t_target"), "extended": ("t_draft", "t_target", "t_cand")}  # fitted or measured
@@ -133,6 +133,26 @@ def coef_of(costs, model: str = "extended", loop: str | None = None) -> dict:
     if loop is not None and getattr(costs, "loop", None):
         coef.update(loop_row=costs.loop_s(loop, "row"), loop_round=costs.loop_s(loop, "round"))
     return {**coef, "verify_s": costs.verify_s} if model == "table" else coef
+
+
+# the target alone's token: one one-row pass
+ONE_STEP = {"n_tokens": 1.0, "n_target_forwards": 1.0, "n_draft_forwards": 0.0, "n_drafted": 0.0,
+            "target_pass_hist": {"1": 1.0}}
+
+
+def round_costs(counts: dict, coef: dict) -> dict:
+    """Per round (one target pass each) of counts (a sweep's pooled rows, a curve point): tokens, drafted
+    tokens, draft steps, the share of drafted tokens accepted, the commonest pass length, and the round's time
+    in one-row target steps (ONE_STEP) under `coef` (coef_of's coefficients: measured costs, or times fitted
+    from the rows)."""
+    rounds = counts["n_target_forwards"]
+    hist = counts.get("target_pass_hist") or {}
+    drafted = counts.get("n_drafted", 0.0)
+    return {"tokens": counts["n_tokens"] / rounds, "drafted": drafted / rounds,
+            "draft_steps": counts.get("n_draft_forwards", 0.0) / rounds,
+            "accepted": counts.get("n_accepted", 0.0) / drafted if drafted else float("nan"),
+            "rows": int(max(hist, key=hist.get)) if hist else None,
+            "steps": predict_time(counts, coef) / rounds / predict_time(ONE_STEP, coef)}
 
 
 def effective_model(costs, model: str) -> str:

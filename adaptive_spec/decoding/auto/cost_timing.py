@@ -10,9 +10,9 @@ import time
 import numpy as np
 import torch
 
-from ..errors import UserError
-from ..timing import timed
-from .sampling import SamplingParams, draw, process_logits, verify, verify_greedy
+from ...errors import UserError
+from ...timing import timed
+from ..sampling import SamplingParams, draw, process_logits, verify, verify_greedy
 
 # The cached context the passes are timed after: that of a typical decode (a prompt and half a
 # response), not a short one. Time grows with context, the draft's faster than the target's: on
@@ -50,7 +50,7 @@ def decode_loop_times(lm, reps: int, steps: int | None = None, warmup: int = DEC
     (default DECODE_STEPS_PER_REP a rep) after `warmup` untimed ones, centred on `context` (default PREFIX;
     less where the context is shorter). A runner whose counters book no time (a table in tests) is timed by
     the clock between steps instead. The runner is left reset, its counters as they were."""
-    from .decoder import Decoder  # the decoder imports the sampling this module does: only where timed
+    from ..decoder import Decoder  # the decoder imports the sampling this module does: only where timed
 
     steps = max(1, DECODE_STEPS_PER_REP * reps if steps is None else steps)
     n = warmup + steps
