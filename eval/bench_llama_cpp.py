@@ -306,7 +306,7 @@ def _file_label(spec: str) -> str:
     return ("fetched" if quant == "none" else quant) + (f" with a {vocab}-token vocabulary" if vocab else "")
 
 
-# the speed-up SpecDec++ auto is asked for against llama.cpp alone on the same target file (decode and wall)
+# the goal the report checks: SpecDec++ auto's speed-up over llama.cpp alone on the same target file (decode and wall)
 AUTO_BAR = {"humaneval": 1.2, "gsm8k": 1.2, "alpaca": 1.05}
 
 

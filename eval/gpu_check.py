@@ -1,4 +1,4 @@
-"""The one prepared GPU check: ONE call of at most 8 minutes on a GPU machine writes ONE report.
+"""The GPU check: one call on a GPU machine, within a time budget (--budget-s), writes one report.
 
 Random weights with the real shapes (backends/presets.py), batch 1; on CUDA bf16, except where named:
 
@@ -24,8 +24,8 @@ Optional work runs only while the time budget (--budget-s) allows (--skip leaves
 prints a progress line and its elapsed seconds.
 
     make gpu-check                                   # on the GPU machine: python3, wheels from .whl/
-    python eval/gpu_check.py --tiny --device cpu     # the whole check on tiny shapes: about a minute on 2 cores
-    python eval/gpu_check.py --fetch-wheels          # here, once: the wheels a GPU machine lacks (pydantic)
+    python eval/gpu_check.py --tiny --device cpu     # the whole check on tiny shapes, on a CPU
+    python eval/gpu_check.py --fetch-wheels          # once, online: the wheels an offline GPU machine lacks (pydantic)
     python eval/gpu_check.py --report-only --out DIR # report.md again from DIR/gpu_check.json
 
 Writes <out>/report.md, <out>/gpu_check.json and <out>/run.json (out: --out, else $OUT, else

@@ -175,8 +175,8 @@ register(Engine(
     # its pass time is far from linear in its length (its CPU kernels change at 4 rows: a 4-token pass
     # can cost less than a 3-token one), so the per-length table is the model that fits
     time_model="table",
-    # torch only samples and runs the heads there; its OpenMP pool would spin on llama.cpp's cores (one
-    # thread: 0-3% faster forwards in three paired runs on a 2-core EPYC, never slower beyond noise)
+    # torch only samples and runs the heads there; its OpenMP pool would spin on llama.cpp's cores
+    # (eval/results/bench_llama_cpp_overhead_avx512_epyc/report.md compares one torch thread with two)
     decode_torch_threads=1,
     unavailable=_llama_cpp_unavailable,
     description="the GGUF files as they are, through llama-cpp-python; CPU"))

@@ -88,12 +88,12 @@ def _prefill(model, prompts: list[list[int]], vocab: int, dev):
     """Each prompt's own forward, then its KV right-aligned into one left-padded batch cache:
     (logits at each prompt's last token [B, vocab], per layer (keys, values) [B, heads, L, dim]).
 
-    Why not one forward padded to the batch's longest prompt: a prefill is compute-bound, and on
-    the mix's prompts (median 71 tokens, a tail to 1024) pad rows were 40% of the rows of
-    length-sorted batches of 8, more for larger batches. (Prefilling runs of similar-length
+    Why not one forward padded to the batch's longest prompt: a prefill is compute-bound, and prompt
+    lengths with a long tail make pad rows a large share of a padded batch's rows, even sorted by
+    length, and a larger one the larger the batch (docs/datagen.md). (Prefilling runs of similar-length
     prompts together, with a little padding, is no faster: a forward's fixed cost, the
     weights read once, about equals the pad rows it adds.) The pad slots of the cache stay zero;
-    the attention mask hides them, as it hid the pad rows' KV before."""
+    the attention mask hides them, as it would a padded batch's pad rows."""
     caches, logits = [], []
     for s in prompts:
         c = DynamicCache(config=model.config)
@@ -142,8 +142,8 @@ def generate_batch(draft, target, prompts: list[list[int]], cfg, vocab: int, eos
     eos = torch.tensor(eos_ids, dtype=torch.long, device=dev)
     lengths = torch.full((B,), cfg.max_new_tokens, dtype=torch.long)
     # The rows still generating (indices into the batch). A row that samples EOS leaves the batch
-    # and both caches: decoding it on to max_new_tokens cost ~12% of the steps' rows at 128
-    # tokens, while dropping rows from the caches is a copy of their KV, paid once per ending.
+    # and both caches: decoding it on to max_new_tokens would pay a row in every later step, while
+    # dropping rows from the caches is a copy of their KV, paid once per ending.
     act = torch.arange(B, device=dev)
     xs, ys, ps, es, ds = [], [], [], [], []
 

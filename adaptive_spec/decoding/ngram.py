@@ -19,8 +19,8 @@ machine: auto/costs.py; on CPUs v is a step function of K, not a line, so a 4-ro
 this generation reaches so far in tokens per step (Dinkelbach's rule for the best long-run ratio of
 tokens to time): a copy is worth verifying only while its expected tokens pay for its rows at the rate
 the decode already gets; and at most l copies are verified, l the match's length (a repeat is about
-as likely to end in its next l tokens as it was to have lasted l: on dev data this cap halved the
-loss of first turns, where copies often break early, and kept the gain of second turns). K = 0 when
+as likely to end in its next l tokens as it was to have lasted l: the cap spares the rounds where copies
+break early, as in first turns, and keeps those where they last, as in second turns). K = 0 when
 nothing pays: the round is the fallback's (the draft model under
 its own stop rule, when one is loaded and its `auto` says it pays) or a plain target step.
 

@@ -15,10 +15,9 @@ from ...timing import timed
 from ..sampling import SamplingParams, draw, process_logits, verify, verify_greedy
 
 # The cached context the passes are timed after: that of a typical decode (a prompt and half a
-# response), not a short one. Time grows with context, the draft's faster than the target's: on
-# the AVX-512 box c = t_draft / t_target was 0.29 after 32 tokens and 0.41 after 256
-# (eval/results/bench_verify_lengths_avx512), and a sweep there decoded at c = 0.37; timed after
-# 32 tokens, `auto` took the draft for cheaper than it is and drafted too much.
+# response), not a short one. Time grows with context, the draft's faster than the target's, so
+# c = t_draft / t_target grows with it (eval/results/bench_verify_lengths_avx512/table.md): timed
+# after a short context, `auto` takes the draft for cheaper than it is and drafts too much.
 PREFIX = 256
 # The decode's one-row step (decode_step_time): untimed steps first (the first steps after a prefill pay
 # for allocation and a graph of another shape), then DECODE_STEPS_PER_REP timed ones per timing round.
@@ -136,8 +135,8 @@ def monotone(values) -> list[float]:
 
     A pass of more tokens never costs less once the runner has picked its kernels: where oneDNN
     runs M rows slower than M' > M, packed.choose_padding already pads M up to M'. So a
-    measured dip (e.g. 150 ms for 3 tokens, 130 ms for 4, both run as 6 padded rows) is timing
-    noise, and pooling the two gives each a time from twice the samples."""
+    measured dip (a 4-token pass timed below a 3-token one, both run as the same padded rows) is
+    timing noise, and pooling the two gives each a time from twice the samples."""
     blocks: list[list[float]] = []  # [mean, count]
     for v in values:
         blocks.append([float(v), 1.0])

@@ -7,7 +7,8 @@
 A verification pass of K + 1 tokens is timed for K + 1 = 1..9, kept (made non-decreasing, see
 `monotone`) as t_verify, the `table` time model's costs, and fitted by least squares as
 t_target + t_cand * K. On GPUs and AVX-512 CPUs t_cand is near zero (the pass reads the weights
-once whatever K is), but on an AVX2-only CPU it is about 10 ms per candidate, which Eq. 3.1,
+once whatever K is), but on an AVX2-only CPU, where each input row adds compute, it is a sizeable
+share of a step (docs/cpu-runtime.md has the figures), which Eq. 3.1,
 T = t_draft N_draft + t_target N_target, has no term for (timemodel.py has the one with it).
 
 `measure_costs(pair)` runs a few forwards through the pair's own runners (a warm-up round, then the
@@ -43,8 +44,8 @@ log = get_logger(__name__)
 VERIFY_LENGTHS = tuple(range(1, 10))  # K + 1 for K = 0..8
 # longer passes, timed too (fewer rounds: they take long) for drafts that copy long spans (ngram.py):
 # their cost per row is not the short passes' (llama.cpp's CPU matrix kernels change at 8 rows per
-# thread: on a 2-core EPYC a 16-row pass cost 8 one-row steps, a 9-row one 7), so neither the line
-# through 1..9 nor its last step prices them
+# thread, so past that a pass gets cheaper per row; docs/measured.md has the figures), so neither the
+# line through 1..9 nor its last step prices them
 LONG_LENGTHS = (12, 16, 24, 32, 48)
 # How the times are taken, in the cache key: times taken another way are measured again. v2: the
 # draft step and every length timed round-robin over 5 rounds, t_verify made monotone; v3: with the
@@ -71,8 +72,9 @@ class Costs:
     loop: dict = None
     t_verify_long: dict = None  # {n: seconds} of the LONG_LENGTHS passes (monotone with t_verify)
     # a draft pass of two tokens: a round's first draft step after a round whose candidates were all
-    # accepted feeds y_K (never fed to the draft) and the bonus token (decoder.py's cache invariant); on a
-    # 2-core CPU it costs 1.2-1.4 one-row steps, and fixed K = 1 runs it in most rounds (0: not measured)
+    # accepted feeds y_K (never fed to the draft) and the bonus token (decoder.py's cache invariant); where
+    # each row adds compute (a CPU) it costs clearly more than a one-row step, and fixed K = 1 runs it in
+    # most rounds (0: not measured)
     t_draft_two: float = 0.0
     # the target's one-row pass timed as an interleaved cell (rolled back to PREFIX, between passes of other
     # lengths and the draft's): what t_verify[0] was before it was timed in the decode's own loop; beside it,
