@@ -48,6 +48,8 @@ def parse_args(argv):
     ap.add_argument("--drafts", default="feature,draft", help="which rows to run beside ar: feature (the drafter), "
                     "draft (the draft model); the draft model's rows need no drafter, so they can run first")
     ap.add_argument("--target", default="default")
+    ap.add_argument("--draft-vocab", default=None, help="the drafter's output vocabulary: N | FILE | FILE:N as "
+                    "generate's --draft-vocab (a drafter trained with ce_vocab N reads out best over the same N)")
     ap.add_argument("--dtype", default="fp32", help="fp32: greedy equality holds exactly; bf16: up to near-ties")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--data", default=None, help="folder of the offline prompt sets (sets ADAPTIVE_SPEC_DATA)")
@@ -91,8 +93,11 @@ def load_pairs(args, feature: bool) -> dict:
     if model is None:
         raise UserError(f"the target's runner ({type(pair.target).__name__}) holds no Hugging Face model for the "
                         "drafter to read through; run on a CPU (the eager torch runner)")
+    from adaptive_spec.backends.vocab import resolve_draft_vocab
+
     drafter = load_drafter(args.drafter, hidden_size=model.config.hidden_size)
-    tap, runner = feature_pair(pair.target, model, drafter)
+    kept = resolve_draft_vocab(args.draft_vocab, pair.tokenizer, pair.target.vocab_size)
+    tap, runner = feature_pair(pair.target, model, drafter, kept)
     feature = SpecPair(tap, runner, pair.tokenizer, pair.eos_token_ids, pair.engine, pair.params,
                        {"drafter": "feature"})
     return {"draft model": pair, "feature drafter": feature}
@@ -143,7 +148,8 @@ def run(args, out: Path, results: Path, done: set) -> dict:
     extra = load_drafter(args.drafter).extra  # its training metadata, for the report, whichever rows ran
     return {"script": f"eval/{Path(__file__).name}", "cpu": flags_line(), "threads": torch.get_num_threads(),
             "dtype": args.dtype, "target": args.target, "draft": args.draft, "drafter": args.drafter,
-            "drafter_metrics": extra.get("metrics", {}), "max_new_tokens": args.max_new_tokens, "ks": ks,
+            "draft_vocab": args.draft_vocab or "full", "drafter_metrics": extra.get("metrics", {}),
+            "max_new_tokens": args.max_new_tokens, "ks": ks,
             "sets": list(sets), "prompts": args.prompts, "drafts": wanted, "tiny": args.tiny}
 
 
@@ -191,7 +197,8 @@ def report(rows: list[dict], run: dict) -> str:
            f"{m['step']})" if "dev_top1" in m else "")
     lines = [f"# Tokens per target pass: the feature drafter beside the draft model, greedy, torch {run['dtype']}, "
              f"{run['max_new_tokens']} tokens", "", run["cpu"], "",
-             f"Feature drafter: `{run['drafter']}`{dev}. Draft model: `{run['draft']}`. Target: `{run['target']}`. "
+             f"Feature drafter: `{run['drafter']}`{dev}, read out over {run.get('draft_vocab', 'full')} tokens. "
+             f"Draft model: `{run['draft']}`. Target: `{run['target']}`. "
              "tau: new tokens over the target's passes (the decoder's count: the target alone scores 1.00), "
              "pooled over a set's prompts; acceptance: accepted over drafted tokens. Fixed K, chains, "
              f"{run['threads']} threads; nothing timed.", ""]
