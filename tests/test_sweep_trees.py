@@ -15,6 +15,7 @@ from adaptive_spec.config import load_config
 from adaptive_spec.errors import UserError
 from adaptive_spec.heads.head import AcceptanceHead
 from adaptive_spec.evaluation.sweep import SweepConfig
+from adaptive_spec.evaluation.sweep_heads import resolve_heads
 import test_sweep
 from test_sweep import interrupt_after, overrides, read_rows
 
@@ -108,8 +109,14 @@ def test_bad_input_errors_are_one_line_before_models_load(inputs, tmp_path, monk
 
 # ----------------------------------------------------------------------------- one schema with generate
 
+def tree_confs(cfg):
+    """The grid's configurations from `trees` entries."""
+    grid, _ = sweep_grid.build_grid(cfg, dict(resolve_heads(cfg.heads)))
+    return [c for c in grid if c.source is sweep_grid.Source.TREES]
+
+
 def specs_of(trees):
-    return sweep_grid.tree_specs(SweepConfig(heads=[], trees=trees))
+    return tree_confs(SweepConfig(heads=[], trees=trees))
 
 
 @pytest.mark.parametrize("entry, key", [
@@ -180,7 +187,7 @@ def test_shipped_tree_configs_keep_their_keys(name):
     from pathlib import Path
 
     cfg = load_config(SweepConfig, str(Path(__file__).resolve().parents[1] / "configs" / "sweep" / name), [])
-    assert [s.key for s in sweep_grid.tree_specs(cfg)] == SHIPPED_KEYS[name]
+    assert [s.key for s in tree_confs(cfg)] == SHIPPED_KEYS[name]
 
 
 # ----------------------------------------------------------------------------- end to end

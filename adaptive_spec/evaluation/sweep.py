@@ -85,7 +85,7 @@ from .sweep_config import SweepConfig
 from .sweep_files import (RESULTS, check_out_dir, config_record, prompt_sha, row_context, settings_hash, settings_of,
                           write_run_files)
 from .sweep_grid import Baseline, Configuration, Source, build_grid
-from .sweep_heads import draft_hidden_size, load_heads, load_tree_heads
+from .sweep_heads import load_heads, resolve_heads
 from .sweep_run import Runner, check_auto_curves, hf_schedule_note, verification
 
 # ----------------------------------------------------------------------------- the sweep
@@ -127,13 +127,12 @@ def run(cfg: SweepConfig) -> Path:
 def plan(cfg: SweepConfig, note) -> tuple[list[Configuration], dict, dict]:
     """The sweep before any model loads: its grid (what was left out goes to `note`), every head it runs
     (loaded on the CPU and checked), and the heads of `heads` alone (heads.json's)."""
-    hidden = draft_hidden_size(cfg.pair.draft)
-    listed = load_heads(cfg, hidden)
-    grid, notes = build_grid(cfg, list(listed))
-    check_auto_curves(cfg, listed, grid)
-    heads = load_tree_heads(cfg, listed, [c.head for c in grid if c.source is Source.TREES and c.head], hidden)
+    listed = dict(resolve_heads(cfg.heads))
+    grid, notes = build_grid(cfg, listed)
+    heads, listed_heads = load_heads(cfg.pair.draft, listed, [c.head for c in grid if c.source is Source.TREES and c.head])
+    check_auto_curves(cfg, listed_heads, grid)
     note(*notes)
-    return grid, heads, listed
+    return grid, heads, listed_heads
 
 
 def _noter(notes: list[str]):

@@ -58,41 +58,37 @@ def find_head_folder(h: str) -> Path | None:
     return next((f for f in map(head_folder, [p] if p.is_absolute() else [p, PROJECT_ROOT / p]) if f), None)
 
 
-def load_heads(cfg, hidden_size: int | None, patterns: list[str] | None = None) -> dict:
-    """{label: (AcceptanceHead on CPU, info)} of `patterns` (default: the SweepConfig's `heads`); a head
-    trained for another draft is refused here."""
-    heads = {}
-    for label, folder in resolve_heads(cfg.heads if patterns is None else patterns):
-        head = AcceptanceHead.from_pretrained(folder, hidden_size=hidden_size, draft_model=cfg.pair.draft,
-                                              dtype=torch.float32)
-        extra = dict(head.extra)
-        metrics = extra.pop("metrics", None)
-        mfile = Path(folder) / "metrics.json"
-        if metrics is None and mfile.is_file():
-            try:
-                metrics = json.loads(mfile.read_text())
-            except json.JSONDecodeError:
-                metrics = None
-        info = {"label": label, "path": str(folder), "depth": head.depth, "hidden_size": head.hidden_size,
-                "draft_model": head.draft_model, "w_rej": extra.get("w_rej"), "step": extra.get("step"),
-                "metrics": metrics or {}, "extra": {k: v for k, v in extra.items() if k not in ("w_rej", "step")}}
-        heads[label] = (head, info)
-    return heads
-
-
-def load_tree_heads(cfg, heads: dict, names: list[str], hidden_size: int | None) -> dict:
-    """`heads` plus the heads the tree configurations name (`names`: a label of heads, or a folder, then
-    labelled as written), each checked to be a token head before any model loads."""
-    out = dict(heads)
-    for h in names:
-        if h not in out:
-            (head, info), = load_heads(cfg, hidden_size, [h]).values()
-            out[h] = (head, {**info, "label": h})
-        feature = getattr(out[h][0], "feature", "token")
+def load_heads(draft: str | None, listed: dict, tree_heads: list[str]) -> tuple[dict, dict]:
+    """{label: (AcceptanceHead on CPU, info)} of every head the grid runs, and of those of `heads` alone
+    (heads.json's). `listed`: label -> folder of `heads` (resolve_heads); `tree_heads`: the heads the `trees`
+    entries name (a label of heads, or a folder, then labelled as written), each checked to be a token head.
+    A head trained for another draft than `draft` is refused here, before any model loads."""
+    hidden = draft_hidden_size(draft)
+    folders = {**listed, **{h: resolve_heads([h])[0][1] for h in tree_heads if h not in listed}}
+    heads = {label: _load_head(label, folder, draft, hidden) for label, folder in folders.items()}
+    for h in tree_heads:
+        feature = getattr(heads[h][0], "feature", "token")
         if feature != "token":
             raise UserError(f"trees: head {h} reads feature={feature}, but the tree estimator scores each drafted "
                             "node from its own hidden state and needs a head trained with feature=token")
-    return out
+    return heads, {label: heads[label] for label in listed}
+
+
+def _load_head(label: str, folder: Path, draft: str | None, hidden_size: int | None) -> tuple:
+    """(the head on CPU, its info: path, depth, w_rej, train/dev metrics, for heads.json and the report)."""
+    head = AcceptanceHead.from_pretrained(folder, hidden_size=hidden_size, draft_model=draft, dtype=torch.float32)
+    extra = dict(head.extra)
+    metrics = extra.pop("metrics", None)
+    mfile = Path(folder) / "metrics.json"
+    if metrics is None and mfile.is_file():
+        try:
+            metrics = json.loads(mfile.read_text())
+        except json.JSONDecodeError:
+            metrics = None
+    info = {"label": label, "path": str(folder), "depth": head.depth, "hidden_size": head.hidden_size,
+            "draft_model": head.draft_model, "w_rej": extra.get("w_rej"), "step": extra.get("step"),
+            "metrics": metrics or {}, "extra": {k: v for k, v in extra.items() if k not in ("w_rej", "step")}}
+    return head, info
 
 
 def draft_hidden_size(draft: str) -> int | None:
