@@ -216,7 +216,7 @@ def test_the_benchmark_sweeps_what_the_probe_priced_and_tables_the_errors(tmp_pa
     args = SimpleNamespace(threads=2, torch_draft_quant="int8", datasets="humaneval", prompts=1, max_new_tokens=64)
     cfg = bench.sweep_config(result, "llama.cpp", args)
     typed = SweepConfig(**{k: v for k, v in cfg.items() if k != "pair"})
-    grid = build_grid(typed, {HEAD.split("/")[-1]: HEAD})[0]
+    grid = build_grid(typed)[0]
     assert [s.key for s in grid][:3] == ["ar", "fixed:k=1", f"learned:head={HEAD.split('/')[-1]}:h=auto"]
     assert [s.key for s in grid if s.source is Source.POLICIES] == ["prompt lookup", "combined", bench.BEST_H]
     # measured rows: every configuration at the target alone's speed but the fixed K, 10% under its prediction

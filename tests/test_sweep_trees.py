@@ -15,7 +15,6 @@ from adaptive_spec.config import load_config
 from adaptive_spec.errors import UserError
 from adaptive_spec.heads.head import AcceptanceHead
 from adaptive_spec.evaluation.sweep import SweepConfig
-from adaptive_spec.evaluation.sweep_heads import resolve_heads
 import test_sweep
 from test_sweep import interrupt_after, overrides, read_rows
 
@@ -111,7 +110,7 @@ def test_bad_input_errors_are_one_line_before_models_load(inputs, tmp_path, monk
 
 def tree_confs(cfg):
     """The grid's configurations from `trees` entries."""
-    grid, _ = sweep_grid.build_grid(cfg, dict(resolve_heads(cfg.heads)))
+    grid, _, _ = sweep_grid.build_grid(cfg)
     return [c for c in grid if c.source is sweep_grid.Source.TREES]
 
 

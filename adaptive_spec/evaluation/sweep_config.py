@@ -4,7 +4,6 @@ the module doc has the keys; sweep_grid.py: the configurations it expands to).""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import TypeAdapter, ValidationError
@@ -13,11 +12,9 @@ from ..backends import engines
 from ..decoding.sampling import SamplingParams
 from ..errors import UserError
 from ..params import PairParams, check_runs_on
-from ..runs import project_path
 from ..typed import build, policy_class
 from .forward_costs import parse_draft
 from .sweep_grid import AUTO, Source, build_grid
-from .sweep_heads import resolve_heads
 
 
 @dataclass
@@ -63,7 +60,7 @@ class SweepConfig:
     hf_assisted: bool = False
     hf_prompt_lookup: bool = False
     # tree / multi-draft configurations (module doc of sweep.py): each entry is the settings of its policy's
-    # params class, as `policies` entries are, with rates calibrated by the sweep; checked by tree_specs
+    # params class, as `policies` entries are, with rates calibrated by the sweep; checked by build_grid
     trees: list[Any] = field(default_factory=list)
     # any policy by the settings `generate` takes (params.py), one configuration each, checked by the
     # policy's own params class: [{policy: ngram}, {policy: ngram, k: 3}, {policy: ngram, fallback: learned,
@@ -107,7 +104,7 @@ class SweepConfig:
             _check_setting(getattr(self, key), key, name, setting)
         if self.heads and not self.thresholds:
             raise UserError("heads are given but thresholds is empty; list the h values to sweep")
-        grid, _ = build_grid(self, dict(resolve_heads(self.heads)))
+        grid, _, _ = build_grid(self)
         if self.pair.draft is None and any(c.policy.needs.draft_model for c in grid):
             raise UserError("pair.draft is none, but the grid drafts with a draft model (ks, heads, taus, heuristic, "
                             "oracle, trees, include_draft_ar or a policy that uses one): name a draft model (default: "
@@ -165,9 +162,6 @@ class SweepConfig:
             out[d] = build(PairParams, {**base, "draft_quant": quant, "draft_vocab": vocab},
                            f"drafts[{i}] ({d})", lambda k: f"pair.{k}")
         return out
-
-    def resolved_out_dir(self) -> Path:
-        return project_path(self.out_dir or f"runs/sweep/{self.name or 'sweep'}")
 
 
 def _auto_or(value, kind, key: str):

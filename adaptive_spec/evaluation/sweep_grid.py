@@ -5,21 +5,27 @@ The grid is a list of Configurations, each holding its policy: the typed setting
 (params.py, built through the policy registry), or a Baseline that is no registered policy. The
 shorthands expand to that list (ks: [2, 3] is two fixed policies; heads x thresholds learned ones;
 the taus confidence and entropy ones), and a `policies` or `trees` entry is spelled and defaulted as
-generate's keywords are. What runs a configuration is chosen by its policy's type and its Source,
-never by a name.
+generate's keywords are: every one is first written out as an Entry (policy name, settings), then all are
+typed in one pass. What runs a configuration is chosen by its policy's type and its Source, never by a name.
+The folders of the heads the grid names (`heads`, a `trees` entry's head) are found here too; sweep_heads.py
+loads them.
 """
 from __future__ import annotations
 
+import glob
 import re
 from dataclasses import dataclass, replace
 from enum import Enum
+from pathlib import Path
+
 from ..decoding.trees.policy import round_budget
 from ..decoding.trees.shapes import NESTED
 from ..errors import UserError
+from ..heads.curve import load_curve
 from ..params import policy_params
 from ..registry import Needs
+from ..runs import PROJECT_ROOT
 from ..typed import PolicyParams, build, policy_class
-from .sweep_heads import find_head_folder
 from .tree_calibration import TREE_POLICIES
 
 AUTO = "auto"
@@ -112,10 +118,11 @@ class Entry:
     head: str | None = None
 
 
-def build_grid(cfg, heads: dict) -> tuple[list[Configuration], list[str]]:
-    """The configurations run on every prompt, in run order, and notes on what was left out. `heads`: label ->
-    folder of the config's `heads` (sweep_heads.resolve_heads). Every shorthand and entry is first written out as
-    an Entry, then all are typed in one pass."""
+def build_grid(cfg) -> tuple[list[Configuration], dict, list[str]]:
+    """The configurations run on every prompt, in run order; the heads of `heads` (label -> folder); and notes
+    on what was left out. Every shorthand and entry is first written out as an Entry, then all are typed in one
+    pass; the curves the shorthands' auto picks from are checked last."""
+    heads = dict(resolve_heads(cfg.heads))
     entries, notes = _shorthands(cfg, list(heads))
     entries += _tree_entries(cfg, heads) + _policy_entries(cfg)
     if not entries:
@@ -127,8 +134,10 @@ def build_grid(cfg, heads: dict) -> tuple[list[Configuration], list[str]]:
             fix = " or give it a label" if e.source is Source.POLICIES else ""
             raise UserError(f"{e.at} repeats {seen[conf.key]} ({conf.key}); drop one{fix}")
         seen[conf.key] = e.at
-        grid.append(conf)
-    return per_draft(grid, cfg.drafts), notes
+        drafts = cfg.drafts if conf.policy.needs.draft_model else []
+        grid += [replace(conf, key=f"{conf.key}@{d}", draft=d) for d in drafts] or [conf]
+    _check_auto_curves(cfg, list(heads.values()))
+    return grid, heads, notes
 
 
 def _shorthands(cfg, labels: list[str]) -> tuple[list[Entry], list[str]]:
@@ -192,12 +201,9 @@ def _configuration(e: Entry) -> Configuration:
         cls = policy_class(e.policy)
         if e.source is Source.SHORTHAND:
             return Configuration(e.key, cls.model_construct(**e.settings), e.source, e.row, e.head)
-        if e.source is Source.TREES:
-            _check_tree_keys(e, cls)
         policy = build(cls, e.settings, f"policy {e.policy}", _speller(e))
     except UserError as err:
-        msg = str(err) if cls is None else _as_keys(str(err), cls)
-        raise UserError(msg if msg.startswith(e.at) else f"{e.at}: {msg}") from None
+        raise UserError(_explained(e, cls, str(err))) from None
     if e.source is Source.POLICIES:
         return Configuration(e.key, policy, e.source, e.row)
     if policy.name not in MULTI_DRAFT:  # what the policy would refuse only once built (decoding/trees/policy.py)
@@ -211,15 +217,74 @@ def _speller(e: Entry):
     return (lambda key: f"{e.at}.{key}") if e.source is Source.TREES else (lambda key: key)
 
 
-def per_draft(grid: list[Configuration], drafts: list[str]) -> list[Configuration]:
-    """Each configuration that drafts with the draft model once per `drafts` entry (key KEY@ENTRY),
-    the others (the target alone, prompt lookup) once; prompt-major, so one prompt runs them all."""
-    if not drafts:
-        return grid
-    out = []
-    for c in grid:
-        out += [replace(c, key=f"{c.key}@{d}", draft=d) for d in drafts] if c.policy.needs.draft_model else [c]
-    return out
+def auto_curve(curve: str, folders: list) -> str:
+    """The curve `ks: [auto]` picks from: `curve`, else the one beside the first head of `heads`."""
+    return curve or str(folders[0])
+
+
+def _check_auto_curves(cfg, folders: list) -> None:
+    """Every curve a shorthand auto picks from exists and fits; the error names the config key and the command
+    that makes the curve. With auto_prompts the curves are made once the pair has loaded (Runner.run), from
+    those prompts' answers: there is nothing to check yet."""
+    if cfg.auto_prompts:
+        return
+    checks = [("ks", auto_curve(cfg.curve, folders), "k", None)] if AUTO in cfg.ks else []
+    checks += [("thresholds", str(f), "h", str(f)) for f in folders] if AUTO in cfg.thresholds else []
+    for key, source, need, head in checks:
+        try:
+            curve = load_curve(source, need, head)
+        except UserError as e:
+            raise UserError(f"config key '{key}' lists auto: {e}") from None
+        if need == "h" and curve["k_max"] != cfg.k_max:
+            raise UserError(f"config key 'thresholds' lists auto, but the curve beside {source} was made with "
+                            f"k_max {curve['k_max']}, not the sweep's k_max {cfg.k_max}; set k_max: "
+                            f"{curve['k_max']}, or rerun autotune with --k-max {cfg.k_max}")
+
+
+# ----------------------------------------------------------------------------- `heads`: their folders
+
+def head_folder(p: Path) -> Path | None:
+    if (p / "config.json").is_file():
+        return p
+    if (p / "head" / "config.json").is_file():  # a training output dir: its exported head
+        return p / "head"
+    return None
+
+
+def resolve_heads(patterns: list[str]) -> list[tuple[str, Path]]:
+    """(label, folder) per head. A path may be a head folder, a training output dir holding head/, or
+    a glob over those (folders without a head are skipped for globs). Relative paths: working
+    directory first, then the project root."""
+    found: list[Path] = []
+    for pat in patterns:
+        pat = str(Path(pat).expanduser())
+        if glob.has_magic(pat):
+            bases = [Path.cwd()] if Path(pat).is_absolute() else [Path.cwd(), PROJECT_ROOT]
+            hits: list[Path] = []
+            for base in bases:
+                hits = [h for h in (head_folder(Path(m)) for m in sorted(glob.glob(str(base / pat)))) if h]
+                if hits:
+                    break
+            if not hits:
+                raise UserError(f"no acceptance head folders match {pat!r}; train one with "
+                                "`python train.py --config configs/train/default.yaml` or fix the heads list")
+            found += hits
+            continue
+        p = Path(pat)
+        cands = [p] if p.is_absolute() else [p, PROJECT_ROOT / p]
+        folder = next((h for h in (head_folder(c) for c in cands if c.exists()) if h), None)
+        found.append(folder if folder is not None else p)  # a missing one fails in from_pretrained
+    found = list(dict.fromkeys(f.resolve() if f.exists() else f for f in found))
+    labels = [f.parent.name if f.name == "head" else f.name for f in found]
+    if len(set(labels)) != len(labels):  # same folder names: fall back to the full paths
+        labels = [str(f) for f in found]
+    return list(zip(labels, found))
+
+
+def find_head_folder(h: str) -> Path | None:
+    """The head folder a path names (working directory first, then the project root), or None."""
+    p = Path(h).expanduser()
+    return next((f for f in map(head_folder, [p] if p.is_absolute() else [p, PROJECT_ROOT / p]) if f), None)
 
 
 # ----------------------------------------------------------------------------- `trees` entries
@@ -265,14 +330,18 @@ def _tree_entries(cfg, heads: dict) -> list[Entry]:
     return out
 
 
-def _check_tree_keys(e: Entry, cls) -> None:
-    """Every key of a `trees` entry is a setting of its policy (the sweep's old names refused naming the new)."""
+def _explained(e: Entry, cls, msg: str) -> str:
+    """A problem with an entry's settings as the config writes them: naming the entry, a `trees` entry's unknown
+    key with the settings it has (the sweep's old names naming the new), generate's flags as the entry's keys."""
+    if cls is None:  # no such policy
+        return f"{e.at}: {msg}"
     valid = ["policy", *(k for k in cls.model_fields if k not in SWEEP_SETS)]
-    for key in e.settings:
-        if key not in valid:
-            renamed = f" (the sweep's old name: write {RENAMED[key]})" if key in RENAMED else ""
-            raise UserError(f"{e.at}.{key}: not a setting of policy {e.policy}{renamed}; its settings: "
-                            f"{', '.join(valid)}")
+    unknown = [k for k in e.settings if k not in valid] if e.source is Source.TREES else []
+    if unknown:
+        renamed = f" (the sweep's old name: write {RENAMED[unknown[0]]})" if unknown[0] in RENAMED else ""
+        return f"{e.at}.{unknown[0]}: not a setting of policy {e.policy}{renamed}; its settings: {', '.join(valid)}"
+    msg = _as_keys(msg, cls)
+    return msg if msg.startswith(e.at) else f"{e.at}: {msg}"
 
 
 def _check_tree_shape(obj, spell) -> None:
