@@ -213,7 +213,7 @@ def test_the_benchmark_sweeps_what_the_probe_priced_and_tables_the_errors(tmp_pa
 
     from adaptive_spec.evaluation.paired import run_header
     from adaptive_spec.evaluation.sweep_config import SweepConfig
-    from adaptive_spec.evaluation.sweep_grid import build_grid, policy_specs
+    from adaptive_spec.evaluation.sweep_grid import Source, build_grid
     from adaptive_spec.runs import PROJECT_ROOT
 
     spec = importlib.util.spec_from_file_location("bench_probe", PROJECT_ROOT / "eval" / "bench_probe.py")
@@ -223,9 +223,9 @@ def test_the_benchmark_sweeps_what_the_probe_priced_and_tables_the_errors(tmp_pa
     args = SimpleNamespace(threads=2, torch_draft_quant="int8", datasets="humaneval", prompts=1, max_new_tokens=64)
     cfg = bench.sweep_config(result, "llama.cpp", args)
     typed = SweepConfig(**{k: v for k, v in cfg.items() if k != "pair"})
-    keys = [s.key for s in build_grid(typed, [HEAD.split("/")[-1]])[0]]
-    assert keys[:3] == ["ar", "fixed:k=1", f"learned:head={HEAD.split('/')[-1]}:h=auto"]
-    assert [s.key for s in policy_specs(typed)] == ["prompt lookup", "combined", bench.BEST_H]
+    grid = build_grid(typed)[0]
+    assert [s.key for s in grid][:3] == ["ar", "fixed:k=1", f"learned:head={HEAD.split('/')[-1]}:h=auto"]
+    assert [s.key for s in grid if s.source is Source.POLICIES] == ["prompt lookup", "combined", bench.BEST_H]
     # measured rows: every configuration at the target alone's speed but the fixed K, 10% under its prediction
     ar = result["configurations"][0]["decode_tokens_per_s"]
     k = next(r for r in result["configurations"] if r["name"].startswith("fixed"))

@@ -119,9 +119,9 @@ def test_load_prompts_humaneval():
 # ----------------------------------------------------------------------------- validation
 
 def test_oracle_skipped_when_sampling():
-    specs, notes = sweep.build_grid(SweepConfig(ks=[2], oracle=True, temperature=1.0), [])
+    specs, _, notes = sweep.build_grid(SweepConfig(ks=[2], oracle=True, temperature=1.0, heads=[]))
     assert "oracle" not in [s.key for s in specs] and "greedy" in notes[0]
-    specs, notes = sweep.build_grid(SweepConfig(ks=[2], oracle=True, temperature=0.0), ["h1"])
+    specs, _, notes = sweep.build_grid(SweepConfig(ks=[2], oracle=True, temperature=0.0, heads=["h1"]))
     assert [s.key for s in specs][-1] == "oracle" and not notes
 
 
@@ -300,7 +300,7 @@ def test_second_sweep_on_same_out_dir_is_refused(tmp_path):
 def test_shipped_sweep_configs_load(path):
     cfg = load_config(SweepConfig, str(path))
     cfg.validate()
-    specs, _ = sweep.build_grid(cfg, ["head"] if cfg.heads else [])
+    specs, _, _ = sweep.build_grid(cfg)
     assert specs and len({s.key for s in specs}) == len(specs)  # a non-empty grid, no config twice
 
 

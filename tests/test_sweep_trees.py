@@ -108,8 +108,14 @@ def test_bad_input_errors_are_one_line_before_models_load(inputs, tmp_path, monk
 
 # ----------------------------------------------------------------------------- one schema with generate
 
+def tree_confs(cfg):
+    """The grid's configurations from `trees` entries."""
+    grid, _, _ = sweep_grid.build_grid(cfg)
+    return [c for c in grid if c.source is sweep_grid.Source.TREES]
+
+
 def specs_of(trees):
-    return sweep_grid.tree_specs(SweepConfig(heads=[], trees=trees))
+    return tree_confs(SweepConfig(heads=[], trees=trees))
 
 
 @pytest.mark.parametrize("entry, key", [
@@ -180,7 +186,7 @@ def test_shipped_tree_configs_keep_their_keys(name):
     from pathlib import Path
 
     cfg = load_config(SweepConfig, str(Path(__file__).resolve().parents[1] / "configs" / "sweep" / name), [])
-    assert [s.key for s in sweep_grid.tree_specs(cfg)] == SHIPPED_KEYS[name]
+    assert [s.key for s in tree_confs(cfg)] == SHIPPED_KEYS[name]
 
 
 # ----------------------------------------------------------------------------- end to end

@@ -75,18 +75,17 @@ from typing import NamedTuple
 
 from tqdm import tqdm
 
-from ..backends.runner import resolve_device
 from ..config import config_from_argv
 from ..errors import UserError, run_main
 from ..params import ARParams, OracleParams
 from ..prompts import load_prompts
-from ..runs import append_jsonl, lock_dir, read_jsonl
+from ..runs import append_jsonl
 from .sweep_config import SweepConfig
-from .sweep_files import (RESULTS, check_out_dir, config_record, prompt_sha, row_context, settings_hash, settings_of,
+from .sweep_files import (RESULTS, Job, config_record, open_out_dir, pending, prompt_sha, row_context, settings_hash,
                           write_run_files)
 from .sweep_grid import Baseline, Configuration, Source, build_grid
-from .sweep_heads import draft_hidden_size, load_heads, load_tree_heads
-from .sweep_run import Runner, check_auto_curves, hf_schedule_note, verification
+from .sweep_heads import load_heads
+from .sweep_run import Runner, hf_schedule_note, verification
 
 # ----------------------------------------------------------------------------- the sweep
 
@@ -100,10 +99,7 @@ def run(cfg: SweepConfig) -> Path:
     notes = []
     note = _noter(notes)
     grid, heads, listed = plan(cfg, note)
-    settings, out = settings_of(cfg, str(resolve_device(cfg.pair.device))), cfg.resolved_out_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    lock = lock_dir(out, "sweep")  # noqa: F841 (held until this process exits)
-    check_out_dir(out, settings, cfg.overwrite)
+    out, settings, lock = open_out_dir(cfg)  # noqa: F841 (the lock is held until this process exits)
 
     runner = Runner(cfg, heads, note)
     pair = runner.first_pair()
@@ -111,27 +107,27 @@ def run(cfg: SweepConfig) -> Path:
         note(hf_schedule_note(pair.draft.model))
     picker = PromptPicker(cfg.max_prompt_tokens, cfg.max_new_tokens, cfg.chat, cfg.n_prompts)
     selected = {ds: picker.dataset(pair, ds, texts[ds], note) for ds in cfg.datasets}
-    costs = runner.pin_costs(grid, out)
     calibrating = any(verification(c) is not None for c in grid)
     cal_prompts = picker.calibration(pair, texts, selected, cfg.tree_calibration_prompts) if calibrating else []
+    costs = runner.pin_costs(grid, out)
     runner.calibrate(grid, cal_prompts, out, settings_hash(settings), costs)
     runtime = {d: p.runtime_info() for d, (p, _) in runner.pairs.items()}
-    write_run_files(out, settings, listed, selected, config_record(cfg, grid, notes, runtime, pair))
-    todo, n_jobs = _todo(out, grid, selected)
+    record = config_record(cfg, grid, notes, runtime, pair)
+    write_run_files(out, settings, listed, selected, record)
+    context = row_context(settings, pair, runtime)
+    todo, n_jobs = pending(out, grid, selected)
     if todo and cfg.warmup:
         _warmup(runner, grid, todo[0].ids, min(8, cfg.max_new_tokens))
-    _run_jobs(runner, out, todo, n_jobs, row_context(settings, pair, runtime), cfg)
+    _run_jobs(runner, out, todo, n_jobs, context, cfg)
     return out
 
 
 def plan(cfg: SweepConfig, note) -> tuple[list[Configuration], dict, dict]:
     """The sweep before any model loads: its grid (what was left out goes to `note`), every head it runs
     (loaded on the CPU and checked), and the heads of `heads` alone (heads.json's)."""
-    hidden = draft_hidden_size(cfg.pair.draft)
-    listed = load_heads(cfg, hidden)
-    grid, notes = build_grid(cfg, list(listed))
-    check_auto_curves(cfg, listed, grid)
-    heads = load_tree_heads(cfg, listed, [c.head for c in grid if c.source is Source.TREES and c.head], hidden)
+    grid, listed, notes = build_grid(cfg)
+    named = {c.head: c.policy.head for c in grid if c.source is Source.TREES and c.head}
+    heads, listed = load_heads(cfg.pair.draft, listed, named)
     note(*notes)
     return grid, heads, listed
 
@@ -193,25 +189,6 @@ class PromptPicker(NamedTuple):
         return prompts
 
 
-class Job(NamedTuple):
-    dataset: str
-    prompt_idx: int  # in the shuffled set
-    text: str
-    ids: list[int]
-    conf: Configuration
-
-
-def _todo(out: Path, grid: list[Configuration], selected: dict) -> tuple[list[Job], int]:
-    """The runs not yet in results.jsonl, and the number of runs in all. Prompt-major and round-robin over
-    datasets: a sweep stopped early (or still running) has every config on the same prompts and every dataset
-    about equally far along, so its partial results already compare side by side."""
-    done = {(r.get("dataset"), r.get("prompt_idx"), r.get("prompt_sha"), r.get("config"))
-            for r in read_jsonl(out / RESULTS, repair=True)}
-    jobs = [Job(ds, *chosen[rank], c) for rank in range(max(len(v) for v in selected.values()))
-            for ds, chosen in selected.items() if rank < len(chosen) for c in grid]
-    return [j for j in jobs if (j.dataset, j.prompt_idx, prompt_sha(j.text), j.conf.key) not in done], len(jobs)
-
-
 def _run_jobs(runner: Runner, out: Path, todo: list[Job], n_jobs: int, context: dict, cfg: SweepConfig):
     """Run each job on its draft configuration's pair and append its row to results.jsonl as soon as it is
     done; `context`: drafts entry -> the fields every row of its pair carries (row_context)."""
@@ -229,11 +206,11 @@ def _run_jobs(runner: Runner, out: Path, todo: list[Job], n_jobs: int, context: 
                 # the target's own response, for scoring other drafts on it (eval/bench_draft_vocab.py)
                 extra = {**extra, "prompt_ids": list(ids), "token_ids": list(new)}
             peer = conf.policy in (Baseline.HF_ASSISTED, Baseline.HF_PROMPT_LOOKUP)
-            append_jsonl(out / RESULTS, {
-                "dataset": ds, "prompt_idx": i, "prompt_sha": prompt_sha(text), "n_prompt_tokens": len(ids),
-                **conf.row_fields(), "seed": seed, "stopped_by": stopped, "output_sha": prompt_sha(json.dumps(new)),
-                **m.to_dict(), **extra, "counts_derived": peer, **context[first if conf.draft is None else conf.draft],
-                "time": time.time()})
+            row = {"dataset": ds, "prompt_idx": i, "prompt_sha": prompt_sha(text), "n_prompt_tokens": len(ids),
+                   **conf.row_fields(), "seed": seed, "stopped_by": stopped, "output_sha": prompt_sha(json.dumps(new)),
+                   **m.to_dict(), **extra, "counts_derived": peer,
+                   **context[first if conf.draft is None else conf.draft], "time": time.time()}
+            append_jsonl(out / RESULTS, row)
             bar.update(1)
             bar.set_postfix_str(f"{Path(ds).stem} #{i} {conf.key} {m.tokens_per_s:.1f} tok/s", refresh=False)
     finally:

@@ -4,7 +4,6 @@ the module doc has the keys; sweep_grid.py: the configurations it expands to).""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import TypeAdapter, ValidationError
@@ -13,10 +12,9 @@ from ..backends import engines
 from ..decoding.sampling import SamplingParams
 from ..errors import UserError
 from ..params import PairParams, check_runs_on
-from ..runs import project_path
 from ..typed import build, policy_class
 from .forward_costs import parse_draft
-from .sweep_grid import AUTO, policy_specs, tree_specs
+from .sweep_grid import AUTO, Source, build_grid
 
 
 @dataclass
@@ -62,7 +60,7 @@ class SweepConfig:
     hf_assisted: bool = False
     hf_prompt_lookup: bool = False
     # tree / multi-draft configurations (module doc of sweep.py): each entry is the settings of its policy's
-    # params class, as `policies` entries are, with rates calibrated by the sweep; checked by tree_specs
+    # params class, as `policies` entries are, with rates calibrated by the sweep; checked by build_grid
     trees: list[Any] = field(default_factory=list)
     # any policy by the settings `generate` takes (params.py), one configuration each, checked by the
     # policy's own params class: [{policy: ngram}, {policy: ngram, k: 3}, {policy: ngram, fallback: learned,
@@ -96,16 +94,6 @@ class SweepConfig:
                     "tree_calibration_width"):
             if getattr(self, key) < 1:
                 raise UserError(f"{key} must be >= 1, got {getattr(self, key)}")
-        typed = policy_specs(self)
-        if self.pair.draft is None and self.needs_draft(typed):
-            raise UserError("pair.draft is none, but the grid drafts with a draft model (ks, heads, taus, heuristic, "
-                            "oracle, trees, include_draft_ar or a policy that uses one): name a draft model (default: "
-                            "the default pair's), or keep only ar and policies without one (ngram)")
-        engine = self.pair.engine
-        for key, need in (("hf_assisted", "hf_generate"), ("hf_prompt_lookup", "hf_generate"), ("trees", "tree")):
-            if getattr(self, key) and need not in engine.capabilities:
-                raise UserError(f"{key} needs {engines.CAPABILITIES[need]}, which the {engine.name} backend does not "
-                                f"give; set it off for pair.backend {engine.name}, or use backend torch")
         SamplingParams(self.temperature, self.top_k, self.top_p)
         self.ks = [_auto_or(k, int, "ks") for k in self.ks]
         self.thresholds = [_auto_or(h, float, "thresholds") for h in self.thresholds]
@@ -114,25 +102,35 @@ class SweepConfig:
                                    ("confidence_taus", "confidence", "threshold"),
                                    ("entropy_taus", "entropy", "threshold")):
             _check_setting(getattr(self, key), key, name, setting)
-        self._check_auto_prompts(typed)
+        if self.heads and not self.thresholds:
+            raise UserError("heads are given but thresholds is empty; list the h values to sweep")
+        grid, _, _ = build_grid(self)
+        if self.pair.draft is None and any(c.policy.needs.draft_model for c in grid):
+            raise UserError("pair.draft is none, but the grid drafts with a draft model (ks, heads, taus, heuristic, "
+                            "oracle, trees, include_draft_ar or a policy that uses one): name a draft model (default: "
+                            "the default pair's), or keep only ar and policies without one (ngram)")
+        engine = self.pair.engine
+        for key, need in (("hf_assisted", "hf_generate"), ("hf_prompt_lookup", "hf_generate"), ("trees", "tree")):
+            if getattr(self, key) and need not in engine.capabilities:
+                raise UserError(f"{key} needs {engines.CAPABILITIES[need]}, which the {engine.name} backend does not "
+                                f"give; set it off for pair.backend {engine.name}, or use backend torch")
+        self._check_auto_prompts(grid)
         if AUTO in self.ks and not (self.curve or self.heads or self.auto_prompts):
             raise UserError("ks lists auto but neither curve nor heads is given: set curve to a threshold_curve.json "
                             "(made by `adaptive-spec autotune`), or list a head that has one")
-        if self.heads and not self.thresholds:
-            raise UserError("heads are given but thresholds is empty; list the h values to sweep")
         self.draft_pairs()
-        for key, confs in (("policies", typed), ("trees", tree_specs(self))):
-            for conf in confs:
+        for conf in grid:
+            if conf.source is not Source.SHORTHAND:  # a shorthand's policy is complete only once the sweep runs
                 try:
                     check_runs_on(conf.policy, engine)
                 except UserError as e:
-                    raise UserError(f"{key}: {e}") from None
+                    raise UserError(f"{conf.source.value}: {e}") from None
 
-    def _check_auto_prompts(self, typed: list) -> None:
+    def _check_auto_prompts(self, grid: list) -> None:
         """auto_prompts is read by some auto and names prompts that load (before any model does)."""
         if not self.auto_prompts:
             return
-        if not (AUTO in self.ks or AUTO in self.thresholds or any(c.reads_auto() for c in typed)):
+        if not (AUTO in self.ks or AUTO in self.thresholds or any(c.reads_auto() for c in grid)):
             raise UserError("config key 'auto_prompts' is read by auto in ks, thresholds or a policies entry only; "
                             "list auto there, or drop auto_prompts")
         from ..decoding.auto import load_texts  # noqa: PLC0415 (the prompt sets: only where asked)
@@ -164,15 +162,6 @@ class SweepConfig:
             out[d] = build(PairParams, {**base, "draft_quant": quant, "draft_vocab": vocab},
                            f"drafts[{i}] ({d})", lambda k: f"pair.{k}")
         return out
-
-    def needs_draft(self, typed: list | None = None) -> bool:
-        """Whether some configuration of the grid drafts with the draft model (its policy's needs)."""
-        return bool(self.include_draft_ar or self.ks or self.heads or self.confidence_taus or self.entropy_taus
-                    or self.heuristic or self.oracle or self.hf_assisted or self.trees
-                    or any(c.policy.needs.draft_model for c in (typed if typed is not None else policy_specs(self))))
-
-    def resolved_out_dir(self) -> Path:
-        return project_path(self.out_dir or f"runs/sweep/{self.name or 'sweep'}")
 
 
 def _auto_or(value, kind, key: str):

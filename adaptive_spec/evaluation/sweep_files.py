@@ -7,16 +7,18 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import transformers
 
 from ..backends import presets
+from ..backends.runner import resolve_device
 from ..config import config_to_dict
 from ..errors import UserError
-from ..runs import read_json, read_jsonl, settings_problem, write_json
+from ..runs import lock_dir, project_path, read_json, read_jsonl, settings_problem, write_json
 from ..setup.pair import DEFAULT_PAIR
+from .sweep_grid import Configuration
 
 if TYPE_CHECKING:
     from .sweep_config import SweepConfig
@@ -31,7 +33,20 @@ UNSET = {"n_ctx": 0, "draft_vocab": "", "threads": 0}
 PAIR_IF_SET = ("kv_cache", "runtime", "max_cache_len", "target_quant", "draft_context")
 
 
-def settings_of(cfg: SweepConfig, device: str) -> dict:
+def open_out_dir(cfg: SweepConfig) -> tuple[Path, dict, object]:
+    """The sweep's out_dir (default runs/sweep/<name>, relative to the project root), made and locked for this
+    process (the lock, held until it exits, is returned), and the settings its results depend on; results of
+    other settings found there are refused, or with overwrite discarded (check_out_dir)."""
+    settings = settings_of(cfg)
+    out = project_path(cfg.out_dir or f"runs/sweep/{cfg.name or 'sweep'}")
+    out.mkdir(parents=True, exist_ok=True)
+    lock = lock_dir(out, "sweep")
+    check_out_dir(out, settings, cfg.overwrite)
+    return out, settings, lock
+
+
+def settings_of(cfg: SweepConfig, device: str | None = None) -> dict:
+    """settings.json's settings; `device`: the one the pair runs on (default: resolved from pair.device)."""
     p = cfg.pair
     d = {k: UNSET[k] if k in UNSET and getattr(p, k) is None else getattr(p, k) for k in PAIR_RESULT_KEYS}
     d.update(p.model_dump(include=set(PAIR_IF_SET), exclude_defaults=True))
@@ -42,7 +57,7 @@ def settings_of(cfg: SweepConfig, device: str) -> dict:
         d["record_trace"] = True
     if cfg.auto_prompts:  # likewise: auto's picks come from those prompts' curve
         d["auto_prompts"] = cfg.auto_prompts
-    d["device"] = device
+    d["device"] = device or str(resolve_device(p.device))
     return d
 
 
@@ -83,6 +98,26 @@ def prompt_sha(text) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
+class Job(NamedTuple):
+    dataset: str
+    prompt_idx: int  # in the shuffled set
+    text: str
+    ids: list[int]
+    conf: Configuration
+
+
+def pending(out: Path, grid: list[Configuration], selected: dict) -> tuple[list[Job], int]:
+    """The runs not yet in results.jsonl, and the number of runs in all. Prompt-major and round-robin over
+    datasets: a sweep stopped early (or still running) has every config on the same prompts and every dataset
+    about equally far along, so its partial results already compare side by side."""
+    jobs = [Job(ds, *chosen[rank], c) for rank in range(max(len(v) for v in selected.values()))
+            for ds, chosen in selected.items() if rank < len(chosen) for c in grid]
+    keys = [(j.dataset, j.prompt_idx, prompt_sha(j.text), j.conf.key) for j in jobs]
+    done = {(r.get("dataset"), r.get("prompt_idx"), r.get("prompt_sha"), r.get("config"))
+            for r in read_jsonl(out / RESULTS, repair=True)}
+    return [j for j, key in zip(jobs, keys) if key not in done], len(jobs)
+
+
 def check_calibration(out: Path, cal_settings: dict) -> None:
     """Tree rows already in results.jsonl ran with the rates of tree_calibration.json: measuring new
     ones under other settings would mix two calibrations in one comparison."""
@@ -115,13 +150,14 @@ def row_context(settings: dict, pair, runtime: dict) -> dict:
 def config_record(cfg: SweepConfig, grid: list, notes: list[str], runtime: dict, pair) -> dict:
     """config.json's content: the full config, the grid and notes, and what ran it; `runtime`: drafts entry ->
     its pair's runtime_info; `pair`: the first, whose models a trace names."""
+    trace = {"trace_pair": trace_pair(cfg, pair)} if cfg.record_trace else {}
     return {
         "config": config_to_dict(cfg), "grid": [c.key for c in grid], "notes": notes,
         "threads": torch.get_num_threads(), "torch": torch.__version__,
         "transformers": transformers.__version__, "cpu_pad_to": cpu_pad_to(pair),
         "runtime": next(iter(runtime.values())),
         **({"drafts_runtime": runtime} if cfg.drafts else {}),
-        **({"trace_pair": trace_pair(cfg, pair)} if cfg.record_trace else {})}
+        **trace}
 
 
 def write_run_files(out: Path, settings: dict, heads: dict, selected: dict, config: dict):

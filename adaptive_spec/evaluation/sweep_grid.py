@@ -5,23 +5,27 @@ The grid is a list of Configurations, each holding its policy: the typed setting
 (params.py, built through the policy registry), or a Baseline that is no registered policy. The
 shorthands expand to that list (ks: [2, 3] is two fixed policies; heads x thresholds learned ones;
 the taus confidence and entropy ones), and a `policies` or `trees` entry is spelled and defaulted as
-generate's keywords are. What runs a configuration is chosen by its policy's type and its Source,
-never by a name.
+generate's keywords are: every one is first written out as an Entry (policy name, settings), then all are
+typed in one pass. What runs a configuration is chosen by its policy's type and its Source, never by a name.
+The folders of the heads the grid names (`heads`, a `trees` entry's head) are found here too; sweep_heads.py
+loads them.
 """
 from __future__ import annotations
 
+import glob
 import re
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import Any
+from pathlib import Path
 
 from ..decoding.trees.policy import round_budget
 from ..decoding.trees.shapes import NESTED
 from ..errors import UserError
+from ..heads.curve import load_curve
 from ..params import policy_params
 from ..registry import Needs
-from ..typed import PolicyParams, build, policy_class, policy_names
-from .sweep_heads import find_head_folder, resolve_heads
+from ..runs import PROJECT_ROOT
+from ..typed import PolicyParams, build, policy_class
 from .tree_calibration import TREE_POLICIES
 
 AUTO = "auto"
@@ -100,82 +104,187 @@ def _row(method: str, **values) -> dict:
     return {k: values.get(k) for k in ROW_KEYS} | {"method": method}
 
 
-def _shorthand(key: str, policy, row: dict, head: str | None = None) -> Configuration:
-    return Configuration(key, policy, Source.SHORTHAND, row, head)
+@dataclass(frozen=True)
+class Entry:
+    """One configuration as the config writes it, before its settings are typed: its policy by name (or a
+    baseline) and its settings as given; `at` names it in a problem (policies[2], trees[0]; a shorthand: its key)."""
+
+    policy: str | Baseline
+    settings: dict
+    source: Source
+    at: str
+    key: str | None = None  # None: a `trees` entry's, read from its typed settings
+    row: dict | None = None
+    head: str | None = None
 
 
-def _unchecked(name: str, **values) -> PolicyParams:
-    """A shorthand policy that lacks what only the loaded sweep knows (a head, an auto's curve): each value is
-    checked as its field by SweepConfig.validate, the whole by its class once Runner.run completes it."""
-    return policy_class(name).model_construct(**values)
+def build_grid(cfg) -> tuple[list[Configuration], dict, list[str]]:
+    """The configurations run on every prompt, in run order; the heads of `heads` (label -> folder); and notes
+    on what was left out. Every shorthand and entry is first written out as an Entry, then all are typed in one
+    pass; the curves the shorthands' auto picks from are checked last."""
+    heads = dict(resolve_heads(cfg.heads))
+    entries, notes = _shorthands(cfg, list(heads))
+    entries += _tree_entries(cfg, heads) + _policy_entries(cfg)
+    if not entries:
+        raise UserError("the sweep grid is empty; enable include_ar, list ks, heads, ... in the config")
+    grid, seen = [], {}
+    for e in entries:
+        conf = _configuration(e)
+        if conf.key in seen:
+            fix = " or give it a label" if e.source is Source.POLICIES else ""
+            raise UserError(f"{e.at} repeats {seen[conf.key]} ({conf.key}); drop one{fix}")
+        seen[conf.key] = e.at
+        drafts = cfg.drafts if conf.policy.needs.draft_model else []
+        grid += [replace(conf, key=f"{conf.key}@{d}", draft=d) for d in drafts] or [conf]
+    _check_auto_curves(cfg, list(heads.values()))
+    return grid, heads, notes
 
 
-def build_grid(cfg, head_labels: list[str]) -> tuple[list[Configuration], list[str]]:
-    """The configurations run on every prompt, in run order, and notes on what was left out."""
-    grid, notes = [], []
+def _shorthands(cfg, labels: list[str]) -> tuple[list[Entry], list[str]]:
+    """The entries of the shorthand keys (ks: [2, 3] is two fixed entries; heads x thresholds learned ones; the
+    taus confidence and entropy ones), and a note where the oracle is left out."""
+    def entry(key: str, policy, row: dict, head: str | None = None, **settings) -> Entry:
+        return Entry(policy, settings, Source.SHORTHAND, key, key, row, head)
+
+    out, notes = [], []
     if cfg.include_ar:
-        grid.append(_shorthand("ar", policy_params("ar"), _row("ar")))
+        out.append(entry("ar", "ar", _row("ar")))
     if cfg.include_draft_ar:
-        grid.append(_shorthand("draft_ar", Baseline.DRAFT_AR, _row("draft_ar")))
-    grid += [_shorthand(f"fixed:k={k}", _unchecked("fixed", k=k), _row("fixed_auto" if k == AUTO else "fixed", k=k))
-             for k in dict.fromkeys(cfg.ks)]
-    grid += [_shorthand(f"learned:head={label}:h={_fmt(h)}", _unchecked("learned", threshold=h, k_max=cfg.k_max),
-                        _row("learned_auto" if h == AUTO else "learned", head=label, h=h), label)
-             for label in head_labels for h in dict.fromkeys(cfg.thresholds)]
+        out.append(entry("draft_ar", Baseline.DRAFT_AR, _row("draft_ar")))
+    out += [entry(f"fixed:k={k}", "fixed", _row("fixed_auto" if k == AUTO else "fixed", k=k), k=k)
+            for k in dict.fromkeys(cfg.ks)]
+    out += [entry(f"learned:head={label}:h={_fmt(h)}", "learned", _row("learned_auto" if h == AUTO else "learned",
+                  head=label, h=h), label, threshold=h, k_max=cfg.k_max)
+            for label in labels for h in dict.fromkeys(cfg.thresholds)]
     for name, taus in (("confidence", cfg.confidence_taus), ("entropy", cfg.entropy_taus)):
-        grid += [_shorthand(f"{name}:tau={t:g}", policy_params(name, threshold=float(t), k_max=cfg.k_max),
-                            _row(name, tau=float(t))) for t in dict.fromkeys(taus)]
+        out += [entry(f"{name}:tau={t:g}", name, _row(name, tau=float(t)), threshold=float(t), k_max=cfg.k_max)
+                for t in dict.fromkeys(taus)]
     if cfg.heuristic:
-        grid.append(_shorthand("heuristic", policy_params("heuristic", k_max=cfg.k_max), _row("heuristic")))
+        out.append(entry("heuristic", "heuristic", _row("heuristic"), k_max=cfg.k_max))
     if cfg.oracle and cfg.temperature > 0:
         notes.append(f"oracle skipped: the hindsight oracle is defined for greedy decoding and this sweep "
                      f"samples at temperature {cfg.temperature:g}")
     elif cfg.oracle:
-        grid.append(_shorthand("oracle", policy_params("oracle"), _row("oracle")))
+        out.append(entry("oracle", "oracle", _row("oracle")))
     for on, baseline in ((cfg.hf_assisted, Baseline.HF_ASSISTED), (cfg.hf_prompt_lookup, Baseline.HF_PROMPT_LOOKUP)):
         if on:
-            grid.append(_shorthand(baseline.value, baseline, _row(baseline.value)))
-    grid += tree_specs(cfg) + policy_specs(cfg)
-    if not grid:
-        raise UserError("the sweep grid is empty; enable include_ar, list ks, heads, ... in the config")
-    return per_draft(grid, cfg.drafts), notes
+            out.append(entry(baseline.value, baseline, _row(baseline.value)))
+    return out, notes
 
 
-def per_draft(grid: list[Configuration], drafts: list[str]) -> list[Configuration]:
-    """Each configuration that drafts with the draft model once per `drafts` entry (key KEY@ENTRY),
-    the others (the target alone, prompt lookup) once; prompt-major, so one prompt runs them all."""
-    if not drafts:
-        return grid
-    out = []
-    for c in grid:
-        out += [replace(c, key=f"{c.key}@{d}", draft=d) for d in drafts] if c.policy.needs.draft_model else [c]
-    return out
-
-
-def policy_specs(cfg) -> list[Configuration]:
-    """One Configuration per `policies` entry, its settings checked by the policy's params class (a problem
-    names the entry: policies[i])."""
+def _policy_entries(cfg) -> list[Entry]:
+    """One entry per `policies` item: its settings as given, its key its label or its settings."""
     if not isinstance(cfg.policies, list):
         raise UserError(f"config key 'policies' must be a list of mappings such as {{policy: ngram, k: 3}}, "
                         f"got {cfg.policies!r}")
-    grid, seen = [], {}
+    out = []
     for i, e in enumerate(cfg.policies):
         if not isinstance(e, dict) or not isinstance(e.get("policy"), str):
             raise UserError(f"policies[{i}] must be a mapping with a policy name, e.g. {{policy: ngram, k: 3}}, "
                             f"got {e!r}")
         settings = {k: v for k, v in e.items() if k not in ("policy", "label")}
+        key = str(e.get("label") or ":".join([e["policy"]] + [f"{k}={v}" for k, v in sorted(settings.items())]))
+        row = _row(e["policy"], k=settings.get("k"), head=settings.get("head"), h=settings.get("threshold"))
+        out.append(Entry(e["policy"], settings, Source.POLICIES, f"policies[{i}]", key, {**row, "settings": settings}))
+    return out
+
+
+def _configuration(e: Entry) -> Configuration:
+    """The entry's configuration, its settings typed by its policy's class. A shorthand's are taken as given: each
+    value was checked as its field by SweepConfig.validate, and the whole is checked by its class once Runner.run
+    adds what only the loaded sweep knows (a head, an auto's curve). A `policies` or `trees` entry's are checked
+    whole here, a problem naming the entry; a `trees` entry's key and row are read from them."""
+    if isinstance(e.policy, Baseline):
+        return Configuration(e.key, e.policy, e.source, e.row, e.head)
+    cls = None
+    try:
+        cls = policy_class(e.policy)
+        if e.source is Source.SHORTHAND:
+            return Configuration(e.key, cls.model_construct(**e.settings), e.source, e.row, e.head)
+        policy = build(cls, e.settings, f"policy {e.policy}", _speller(e))
+    except UserError as err:
+        raise UserError(_explained(e, cls, str(err))) from None
+    if e.source is Source.POLICIES:
+        return Configuration(e.key, policy, e.source, e.row)
+    if policy.name not in MULTI_DRAFT:  # what the policy would refuse only once built (decoding/trees/policy.py)
+        _check_tree_shape(policy, _speller(e))
+    return Configuration(_tree_key(policy, e.head), policy, Source.TREES,
+                         {**_row(policy.name), **tree_row_fields(policy, e.head)}, e.head)
+
+
+def _speller(e: Entry):
+    """How a problem spells a setting: a `trees` entry's as trees[i].key, a `policies` entry's as its key."""
+    return (lambda key: f"{e.at}.{key}") if e.source is Source.TREES else (lambda key: key)
+
+
+def auto_curve(curve: str, folders: list) -> str:
+    """The curve `ks: [auto]` picks from: `curve`, else the one beside the first head of `heads`."""
+    return curve or str(folders[0])
+
+
+def _check_auto_curves(cfg, folders: list) -> None:
+    """Every curve a shorthand auto picks from exists and fits; the error names the config key and the command
+    that makes the curve. With auto_prompts the curves are made once the pair has loaded (Runner.run), from
+    those prompts' answers: there is nothing to check yet."""
+    if cfg.auto_prompts:
+        return
+    checks = [("ks", auto_curve(cfg.curve, folders), "k", None)] if AUTO in cfg.ks else []
+    checks += [("thresholds", str(f), "h", str(f)) for f in folders] if AUTO in cfg.thresholds else []
+    for key, source, need, head in checks:
         try:
-            policy = policy_params(e["policy"], **settings)
-        except UserError as err:
-            msg = _as_keys(str(err), policy_class(e["policy"])) if e["policy"] in policy_names() else str(err)
-            raise UserError(f"policies[{i}]: {msg}") from None
-        key = str(e.get("label") or ":".join([policy.name] + [f"{k}={v}" for k, v in sorted(settings.items())]))
-        if key in seen:
-            raise UserError(f"policies[{i}] repeats policies[{seen[key]}] ({key}); drop one or give it a label")
-        seen[key] = i
-        row = _row(policy.name, k=settings.get("k"), head=settings.get("head"), h=settings.get("threshold"))
-        grid.append(Configuration(key, policy, Source.POLICIES, {**row, "settings": settings}))
-    return grid
+            curve = load_curve(source, need, head)
+        except UserError as e:
+            raise UserError(f"config key '{key}' lists auto: {e}") from None
+        if need == "h" and curve["k_max"] != cfg.k_max:
+            raise UserError(f"config key 'thresholds' lists auto, but the curve beside {source} was made with "
+                            f"k_max {curve['k_max']}, not the sweep's k_max {cfg.k_max}; set k_max: "
+                            f"{curve['k_max']}, or rerun autotune with --k-max {cfg.k_max}")
+
+
+# ----------------------------------------------------------------------------- `heads`: their folders
+
+def head_folder(p: Path) -> Path | None:
+    if (p / "config.json").is_file():
+        return p
+    if (p / "head" / "config.json").is_file():  # a training output dir: its exported head
+        return p / "head"
+    return None
+
+
+def resolve_heads(patterns: list[str]) -> list[tuple[str, Path]]:
+    """(label, folder) per head. A path may be a head folder, a training output dir holding head/, or
+    a glob over those (folders without a head are skipped for globs). Relative paths: working
+    directory first, then the project root."""
+    found: list[Path] = []
+    for pat in patterns:
+        pat = str(Path(pat).expanduser())
+        if glob.has_magic(pat):
+            bases = [Path.cwd()] if Path(pat).is_absolute() else [Path.cwd(), PROJECT_ROOT]
+            hits: list[Path] = []
+            for base in bases:
+                hits = [h for h in (head_folder(Path(m)) for m in sorted(glob.glob(str(base / pat)))) if h]
+                if hits:
+                    break
+            if not hits:
+                raise UserError(f"no acceptance head folders match {pat!r}; train one with "
+                                "`python train.py --config configs/train/default.yaml` or fix the heads list")
+            found += hits
+            continue
+        p = Path(pat)
+        cands = [p] if p.is_absolute() else [p, PROJECT_ROOT / p]
+        folder = next((h for h in (head_folder(c) for c in cands if c.exists()) if h), None)
+        found.append(folder if folder is not None else p)  # a missing one fails in from_pretrained
+    found = list(dict.fromkeys(f.resolve() if f.exists() else f for f in found))
+    labels = [f.parent.name if f.name == "head" else f.name for f in found]
+    if len(set(labels)) != len(labels):  # same folder names: fall back to the full paths
+        labels = [str(f) for f in found]
+    return list(zip(labels, found))
+
+
+def find_head_folder(h: str) -> Path | None:
+    """The head folder a path names (working directory first, then the project root), or None."""
+    p = Path(h).expanduser()
+    return next((f for f in map(head_folder, [p] if p.is_absolute() else [p, PROJECT_ROOT / p]) if f), None)
 
 
 # ----------------------------------------------------------------------------- `trees` entries
@@ -193,54 +302,46 @@ def _one_of(values) -> str:
     return ", ".join(values[:-1]) + " or " + values[-1]
 
 
-class _Labels:
-    """The labels of `heads`, resolved once and only when an entry names a head."""
+def _tree_entries(cfg, heads: dict) -> list[Entry]:
+    """One entry per `trees` item: its policy (tree by default) and its settings, a head named by its label in
+    `heads` (label -> folder) or by its folder (then the head is labelled as written). A problem names the
+    entry's key (trees[i].key)."""
+    if not isinstance(cfg.trees, list):
+        raise UserError(f"config key 'trees' must be a list of mappings, got {cfg.trees!r}")
+    out = []
+    for i, e in enumerate(cfg.trees):
+        at = f"trees[{i}]"
+        if not isinstance(e, dict):
+            raise UserError(f"{at} must be a mapping such as {{policy: tree, tree_budget: 8}}, got {e!r}")
+        policy = e.get("policy", "tree")
+        if policy not in TREE_POLICIES:
+            raise UserError(f"{at}.policy: unknown policy {policy!r}; use {_one_of(TREE_POLICIES)}")
+        for key in SWEEP_SETS:
+            if key in e:
+                raise UserError(f"{at}.{key}: the sweep measures the acceptance rates itself, once, on calibration "
+                                "prompts (tree_calibration_prompts, tree_calibration_width); drop it")
+        values = {k: v for k, v in e.items() if k != "policy"}
+        if values.get("head") is not None:  # a label of heads or a folder: the params class checks the folder
+            values["head"] = _tree_head(e["head"], at, heads)
+        elif values.get("tree_estimator") == "head":
+            raise UserError(f"{at}.head: tree_estimator head needs an acceptance head; set head to a label of heads "
+                            f"({', '.join(heads) or 'none listed'}) or a head folder, or use tree_estimator positional")
+        out.append(Entry(policy, values, Source.TREES, at, head=e.get("head")))
+    return out
 
-    def __init__(self, patterns: list[str]):
-        self.patterns, self._resolved = patterns, None
 
-    def resolved(self) -> list[tuple[str, Any]]:
-        if self._resolved is None:
-            self._resolved = resolve_heads(self.patterns)
-        return self._resolved
-
-    def __call__(self) -> list[str]:
-        return [label for label, _ in self.resolved()]
-
-
-def _tree_entry(cfg, e, at: str, labels: _Labels) -> tuple[str | None, Any]:
-    """One `trees` entry: (its head as written, or None; its params object, head as a folder), checked by
-    its policy's params class. A problem names the entry's key (at.key). `labels()`: the labels of `heads`,
-    looked up only when an entry names a head."""
-    if not isinstance(e, dict):
-        raise UserError(f"{at} must be a mapping such as {{policy: tree, tree_budget: 8}}, got {e!r}")
-    policy = e.get("policy", "tree")
-    if policy not in TREE_POLICIES:
-        raise UserError(f"{at}.policy: unknown policy {policy!r}; use {_one_of(TREE_POLICIES)}")
-    cls = policy_class(policy)
+def _explained(e: Entry, cls, msg: str) -> str:
+    """A problem with an entry's settings as the config writes them: naming the entry, a `trees` entry's unknown
+    key with the settings it has (the sweep's old names naming the new), generate's flags as the entry's keys."""
+    if cls is None:  # no such policy
+        return f"{e.at}: {msg}"
     valid = ["policy", *(k for k in cls.model_fields if k not in SWEEP_SETS)]
-    for key in e:
-        if key in SWEEP_SETS:
-            raise UserError(f"{at}.{key}: the sweep measures the acceptance rates itself, once, on calibration "
-                            "prompts (tree_calibration_prompts, tree_calibration_width); drop it")
-        if key not in valid:
-            renamed = f" (the sweep's old name: write {RENAMED[key]})" if key in RENAMED else ""
-            raise UserError(f"{at}.{key}: not a setting of policy {policy}{renamed}; its settings: {', '.join(valid)}")
-    values = {k: v for k, v in e.items() if k != "policy"}
-    spell = lambda key: f"{at}.{key}"  # noqa: E731
-    if values.get("head") is not None:  # a label of heads or a folder: the params class checks the folder
-        values["head"] = _tree_head(e["head"], spell, labels)
-    elif values.get("tree_estimator") == "head":
-        raise UserError(f"{at}.head: tree_estimator head needs an acceptance head; set head to a label of heads "
-                        f"({', '.join(labels()) or 'none listed'}) or a head folder, or use tree_estimator positional")
-    try:
-        obj = build(cls, values, f"policy {policy}", spell)
-    except UserError as err:
-        msg = _as_keys(str(err), cls)
-        raise UserError(msg if msg.startswith(at) else f"{at}: {msg}") from None
-    if policy not in MULTI_DRAFT:  # what the policy would refuse only once built (decoding/trees/policy.py)
-        _check_tree_shape(obj, spell)
-    return e.get("head"), obj
+    unknown = [k for k in e.settings if k not in valid] if e.source is Source.TREES else []
+    if unknown:
+        renamed = f" (the sweep's old name: write {RENAMED[unknown[0]]})" if unknown[0] in RENAMED else ""
+        return f"{e.at}.{unknown[0]}: not a setting of policy {e.policy}{renamed}; its settings: {', '.join(valid)}"
+    msg = _as_keys(msg, cls)
+    return msg if msg.startswith(e.at) else f"{e.at}: {msg}"
 
 
 def _check_tree_shape(obj, spell) -> None:
@@ -253,15 +354,15 @@ def _check_tree_shape(obj, spell) -> None:
                         f"{obj.drafting} cannot; use drafting {_one_of(NESTED)}, or a fixed budget")
 
 
-def _tree_head(h, spell, labels: _Labels) -> str:
+def _tree_head(h, at: str, heads: dict) -> str:
     """The folder of an entry's head: a label of `heads`, or a head folder (as written)."""
     if not isinstance(h, str) or not h:
-        raise UserError(f"{spell('head')}: must be a label of heads or a head folder, got {h!r}")
-    if h in labels():
-        return str(dict(labels.resolved())[h])
+        raise UserError(f"{at}.head: must be a label of heads or a head folder, got {h!r}")
+    if h in heads:
+        return str(heads[h])
     folder = find_head_folder(h)
     if folder is None:
-        raise UserError(f"{spell('head')}: {h!r} is neither a label of heads ({', '.join(labels()) or 'none listed'}) "
+        raise UserError(f"{at}.head: {h!r} is neither a label of heads ({', '.join(heads) or 'none listed'}) "
                         "nor a head folder (one with config.json, or a training output dir holding head/)")
     return str(folder)
 
@@ -286,21 +387,3 @@ def _tree_key(p, head: str | None) -> str:
         c = p.tree_node_cost
         b = f"learned<={b}:c={AUTO if c is None else format(c, 'g')}"
     return f"{p.name}:{p.drafting}:{est}:b={b}" + (":adapt" if p.adapt_rates else "")
-
-
-def tree_specs(cfg) -> list[Configuration]:
-    """One Configuration per `trees` entry (checked: a problem raises a UserError naming trees[i].key).
-    A head is named by its label in `heads`, or by its folder (then the folder, as written, is its label)."""
-    if not isinstance(cfg.trees, list):
-        raise UserError(f"config key 'trees' must be a list of mappings, got {cfg.trees!r}")
-    labels = _Labels(cfg.heads)
-    grid, seen = [], {}
-    for i, e in enumerate(cfg.trees):
-        head, policy = _tree_entry(cfg, e, f"trees[{i}]", labels)
-        key = _tree_key(policy, head)
-        if key in seen:
-            raise UserError(f"trees[{i}] repeats trees[{seen[key]}] ({key}); drop one")
-        seen[key] = i
-        grid.append(Configuration(key, policy, Source.TREES, {**_row(policy.name), **tree_row_fields(policy, head)},
-                                  head))
-    return grid

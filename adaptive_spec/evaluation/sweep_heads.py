@@ -1,8 +1,7 @@
-"""The acceptance heads a sweep names: found by label, folder or glob, and loaded (on CPU) and
-checked against the draft before any model loads. Part of `adaptive-spec sweep` (sweep.py)."""
+"""The acceptance heads a sweep runs (their folders: sweep_grid.py), loaded (on CPU) and checked against the
+draft before any model loads. Part of `adaptive-spec sweep` (sweep.py)."""
 from __future__ import annotations
 
-import glob
 import json
 from pathlib import Path
 
@@ -11,60 +10,19 @@ import torch
 from ..backends.paths import resolve_model_path
 from ..errors import UserError
 from ..heads.head import AcceptanceHead
-from ..runs import PROJECT_ROOT
 
 
-def head_folder(p: Path) -> Path | None:
-    if (p / "config.json").is_file():
-        return p
-    if (p / "head" / "config.json").is_file():  # a training output dir: its exported head
-        return p / "head"
-    return None
-
-
-def resolve_heads(patterns: list[str]) -> list[tuple[str, Path]]:
-    """(label, folder) per head. A path may be a head folder, a training output dir holding head/, or
-    a glob over those (folders without a head are skipped for globs). Relative paths: working
-    directory first, then the project root."""
-    found: list[Path] = []
-    for pat in patterns:
-        pat = str(Path(pat).expanduser())
-        if glob.has_magic(pat):
-            bases = [Path.cwd()] if Path(pat).is_absolute() else [Path.cwd(), PROJECT_ROOT]
-            hits: list[Path] = []
-            for base in bases:
-                hits = [h for h in (head_folder(Path(m)) for m in sorted(glob.glob(str(base / pat)))) if h]
-                if hits:
-                    break
-            if not hits:
-                raise UserError(f"no acceptance head folders match {pat!r}; train one with "
-                                "`python train.py --config configs/train/default.yaml` or fix the heads list")
-            found += hits
-            continue
-        p = Path(pat)
-        cands = [p] if p.is_absolute() else [p, PROJECT_ROOT / p]
-        folder = next((h for h in (head_folder(c) for c in cands if c.exists()) if h), None)
-        found.append(folder if folder is not None else p)  # a missing one fails in from_pretrained
-    found = list(dict.fromkeys(f.resolve() if f.exists() else f for f in found))
-    labels = [f.parent.name if f.name == "head" else f.name for f in found]
-    if len(set(labels)) != len(labels):  # same folder names: fall back to the full paths
-        labels = [str(f) for f in found]
-    return list(zip(labels, found))
-
-
-def find_head_folder(h: str) -> Path | None:
-    """The head folder a path names (working directory first, then the project root), or None."""
-    p = Path(h).expanduser()
-    return next((f for f in map(head_folder, [p] if p.is_absolute() else [p, PROJECT_ROOT / p]) if f), None)
-
-
-def load_heads(cfg, hidden_size: int | None, patterns: list[str] | None = None) -> dict:
-    """{label: (AcceptanceHead on CPU, info)} of `patterns` (default: the SweepConfig's `heads`); a head
-    trained for another draft is refused here."""
-    heads = {}
-    for label, folder in resolve_heads(cfg.heads if patterns is None else patterns):
-        head = AcceptanceHead.from_pretrained(folder, hidden_size=hidden_size, draft_model=cfg.pair.draft,
-                                              dtype=torch.float32)
+def load_heads(draft: str | None, listed: dict, named: dict) -> tuple[dict, dict]:
+    """{label: (AcceptanceHead on CPU, info: path, depth, w_rej, train/dev metrics)} of every head the grid runs,
+    and of those of `heads` alone (heads.json's). `listed`: label -> folder of `heads`; `named`: the same of the
+    heads `trees` entries name (a label of heads, or a folder, then labelled as written), each checked to be a
+    token head. A head trained for another draft than `draft` is refused here, before any model loads."""
+    hidden, heads = draft_hidden_size(draft), {}
+    for label, folder in {**listed, **named}.items():
+        head = AcceptanceHead.from_pretrained(folder, hidden_size=hidden, draft_model=draft, dtype=torch.float32)
+        if label in named and getattr(head, "feature", "token") != "token":
+            raise UserError(f"trees: head {label} reads feature={head.feature}, but the tree estimator scores each "
+                            "drafted node from its own hidden state and needs a head trained with feature=token")
         extra = dict(head.extra)
         metrics = extra.pop("metrics", None)
         mfile = Path(folder) / "metrics.json"
@@ -73,26 +31,11 @@ def load_heads(cfg, hidden_size: int | None, patterns: list[str] | None = None) 
                 metrics = json.loads(mfile.read_text())
             except json.JSONDecodeError:
                 metrics = None
-        info = {"label": label, "path": str(folder), "depth": head.depth, "hidden_size": head.hidden_size,
-                "draft_model": head.draft_model, "w_rej": extra.get("w_rej"), "step": extra.get("step"),
-                "metrics": metrics or {}, "extra": {k: v for k, v in extra.items() if k not in ("w_rej", "step")}}
-        heads[label] = (head, info)
-    return heads
-
-
-def load_tree_heads(cfg, heads: dict, names: list[str], hidden_size: int | None) -> dict:
-    """`heads` plus the heads the tree configurations name (`names`: a label of heads, or a folder, then
-    labelled as written), each checked to be a token head before any model loads."""
-    out = dict(heads)
-    for h in names:
-        if h not in out:
-            (head, info), = load_heads(cfg, hidden_size, [h]).values()
-            out[h] = (head, {**info, "label": h})
-        feature = getattr(out[h][0], "feature", "token")
-        if feature != "token":
-            raise UserError(f"trees: head {h} reads feature={feature}, but the tree estimator scores each drafted "
-                            "node from its own hidden state and needs a head trained with feature=token")
-    return out
+        heads[label] = head, {"label": label, "path": str(folder), "depth": head.depth, "hidden_size": head.hidden_size,
+                              "draft_model": head.draft_model, "w_rej": extra.get("w_rej"), "step": extra.get("step"),
+                              "metrics": metrics or {},
+                              "extra": {k: v for k, v in extra.items() if k not in ("w_rej", "step")}}
+    return heads, {k: heads[k] for k in listed}
 
 
 def draft_hidden_size(draft: str) -> int | None:

@@ -17,12 +17,11 @@ from ..decoding.pipeline import SpecPair, make_policy, torch_threads
 from ..decoding.replay import TraceRecorder
 from ..decoding.sampling import SamplingParams
 from ..errors import UserError
-from ..heads.curve import load_curve
 from ..params import LearnedParams, OracleParams, PairParams
 from ..timing import timed
 from .sweep_config import SweepConfig
 from .sweep_files import COSTS, TREE_CALIBRATION, check_calibration, prompt_sha, settings_hash
-from .sweep_grid import Baseline, Configuration, Source, completed
+from .sweep_grid import Baseline, Configuration, Source, auto_curve, completed
 from .tree_calibration import VERIFICATION, load_or_calibrate, measure_rates
 
 HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented prompt-lookup setting (it has no default)
@@ -42,7 +41,8 @@ class Runner:
         self.max_new_tokens, self.k_max = cfg.max_new_tokens, cfg.k_max
         self.auto_prompts, self.curve = cfg.auto_prompts, cfg.curve  # where an auto's curve comes from
         self.width, self.progress = cfg.tree_calibration_width, cfg.progress
-        self.pairs = load_pairs(cfg.draft_pairs(), heads)  # drafts entry -> (pair, draft-alone decoder)
+        draft_pairs = cfg.draft_pairs()
+        self.pairs = load_pairs(draft_pairs, heads)  # drafts entry -> (pair, draft-alone decoder)
         self.record_trace = cfg.record_trace
         self.tree_ctx = {"rates": {}, "calibration": None, "node_cost": None}  # set by calibrate
         self.greedy = {}  # prompt ids -> the target alone's greedy output: the oracle's X
@@ -155,7 +155,9 @@ class Runner:
         label = conf.head if conf.head is not None else next(iter(heads), None)
         if self.auto_prompts:
             return self._prompts_curve(pair, heads[label][1]["path"] if label is not None else None)
-        return heads[conf.head][1]["path"] if conf.head is not None else auto_curve(self.curve, heads)
+        if conf.head is not None:
+            return heads[conf.head][1]["path"]
+        return auto_curve(self.curve, [info["path"] for _, info in heads.values()])
 
     def _prompts_curve(self, pair, head_dir: str | None) -> str:
         """The curve of auto_prompts' answers for a head (auto.measure_prompts: recorded by the loaded pair
@@ -273,33 +275,6 @@ def hf_schedule_note(draft_model) -> str:
             f"{get('num_assistant_tokens_schedule')}, assistant_confidence_threshold "
             f"{get('assistant_confidence_threshold')}, threshold adaptation {adapt}")
 
-
-
-def auto_curve(curve: str, heads: dict) -> str:
-    """The curve `ks: [auto]` picks from: `curve`, else the one beside the first head."""
-    return curve or next(iter(heads.values()))[1]["path"]
-
-
-def check_auto_curves(cfg: SweepConfig, heads: dict, grid: list[Configuration]):
-    """Every curve a shorthand auto needs exists and fits, checked before the models load;
-    the error names the config key and the command that makes the curve. With auto_prompts the curves are
-    made once the pair has loaded (Runner.run), from those prompts' answers: there is nothing to check yet."""
-    if cfg.auto_prompts:
-        return
-    for conf in grid:
-        if conf.source is not Source.SHORTHAND or not conf.reads_auto():
-            continue
-        learned = isinstance(conf.policy, LearnedParams)
-        key, need = ("thresholds", "h") if learned else ("ks", "k")
-        source = heads[conf.head][1]["path"] if learned else auto_curve(cfg.curve, heads)
-        try:
-            curve = load_curve(source, need, source if learned else None)
-        except UserError as e:
-            raise UserError(f"config key '{key}' lists auto: {e}") from None
-        if learned and curve["k_max"] != cfg.k_max:
-            raise UserError(f"config key 'thresholds' lists auto, but the curve beside {source} was made with "
-                            f"k_max {curve['k_max']}, not the sweep's k_max {cfg.k_max}; set k_max: "
-                            f"{curve['k_max']}, or rerun autotune with --k-max {cfg.k_max}")
 
 
 def verification(conf: Configuration) -> str | None:
