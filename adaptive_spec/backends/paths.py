@@ -1,6 +1,7 @@
 """What a user names, resolved without torch: a model (hub id, folder, or the default pair's cached
-folder), a `--draft` that names a feature drafter, and a `--draft-vocab` spec. Stdlib only (setup/pair.py is read for its paths, and setup/fetch.py
-downloads only when auto_fetch asks), so params' checks run here before torch and the weights load."""
+folder), a `--draft` that names a feature drafter, and a `--draft-vocab` spec. Stdlib only (setup/pair.py
+is read for its paths, and setup/fetch.py downloads only when auto_fetch asks), so params' checks run here
+before torch and the weights load."""
 from __future__ import annotations
 
 import hashlib
