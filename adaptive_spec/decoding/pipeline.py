@@ -14,8 +14,8 @@ import torch
 from transformers import TextStreamer
 
 from ..backends import engines, torch_engine
-from ..backends.paths import FeatureDraft
 from ..backends.cpu import describe
+from ..backends.paths import FeatureDraft
 from ..backends.window import WindowedDraft
 from ..drafter.source import load_feature_pair
 from ..errors import UserError
