@@ -5,6 +5,7 @@ import argparse
 import importlib
 import json
 import sys
+from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
 
@@ -16,6 +17,7 @@ from .cli_args import add_fields as _add_fields
 from .cli_args import flag
 from .cli_args import set_fields as _set
 from .errors import UserError, run_main
+from .typed import PolicyParams
 
 # torch, transformers and the decoder load only once every check has passed (validate), so a mistake is
 # refused in a second or two, before any of them
@@ -74,16 +76,36 @@ def _add_sampling_args(g):
     g.add_argument("--seed", type=int, default=0, help="random seed of the sampling")
 
 
-def validate(args):
-    """Every check that needs no model, before gigabytes of weights load: (PairParams,
-    PolicyParams, SamplingParams). Each setting is checked by its params class, once."""
+@dataclass(frozen=True)
+class Request:
+    """`generate`'s arguments typed once (validate): which pair loads, the policy it drafts under, how it samples
+    and what it generates. With --auto-prompts, `auto_texts` are their prompts and `settings` the policy's
+    settings as given: auto reads the curve of those prompts' answers, which exists once the pair has loaded."""
+
+    pair: params.PairParams
+    policy: PolicyParams
+    sampling: SamplingParams
+    prompt: str
+    max_new_tokens: int
+    seed: int
+    chat: bool
+    json: bool
+    auto_texts: tuple | None = None
+    settings: dict = field(default_factory=dict)
+
+
+def validate(args) -> Request:
+    """Every check that needs no model, before gigabytes of weights load: the arguments as one Request,
+    each setting checked by its params class, once."""
     if not args.prompt.strip():
         raise UserError("the prompt is empty; pass some text with --prompt")
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
+    given = _set(args, typed.policy_fields())
+    checked, texts = _auto_prompts(args.auto_prompts, given)
     pair = params.pair_params(spell=flag, **_set(args, params.PairParams.model_fields))
-    policy = params.policy_params(args.policy, spell=flag, **_auto_checked(args))
+    policy = params.policy_params(args.policy, spell=flag, **checked)
     if not policy.needs.draft_model:  # no draft model to load (ar; ngram without a fallback)
         pair = pair.model_copy(update={"draft": None})
     elif pair.draft is None:
@@ -94,7 +116,8 @@ def validate(args):
     pair.engine.check_available(pair.device)  # a GPU this torch cannot reach: refused before the weights
     if pair.draft is not None and pair.engine.model_files == "hf":  # a draft's vocabulary size is in its config.json
         pair.check_draft_vocab_size()
-    return pair, policy, sampling
+    return Request(pair, policy, sampling, args.prompt, args.max_new_tokens, args.seed, args.chat, args.json,
+                   texts, given)
 
 
 # what stands for auto while the rest of the policy is checked: with --auto-prompts its curve is made once the
@@ -102,60 +125,57 @@ def validate(args):
 _AUTO_STAND_IN = {"threshold": 0.5, "k": 1}
 
 
-def _auto_checked(args, curve=None) -> dict:
-    """The policy's settings as given; with --auto-prompts, auto stands in for (or, given `curve`, reads it)."""
-    fields = _set(args, typed.policy_fields())
-    if getattr(args, "auto_prompts", None) is None:
-        return fields
-    if curve is not None:
-        return {**fields, "curve": curve}
-    return {k: _AUTO_STAND_IN[k] if v == "auto" and k in _AUTO_STAND_IN else v for k, v in fields.items()}
-
-
-def _auto_texts(args):
-    """--auto-prompts: its prompts (read and checked before any model loads), or None."""
-    if getattr(args, "auto_prompts", None) is None:
-        return None
-    if "auto" not in (getattr(args, "threshold", None), getattr(args, "k", None)):
+def _auto_prompts(spec, given: dict) -> tuple[dict, tuple | None]:
+    """(the policy's settings to check now, --auto-prompts' prompts or None): the prompts are read and checked
+    here, before any model loads, and auto is checked with a stand-in until their curve exists."""
+    if spec is None:
+        return given, None
+    if "auto" not in (given.get("threshold"), given.get("k")):
         raise UserError("--auto-prompts is read by --threshold auto and --k auto only; pass one of them, or drop it")
     from .decoding.auto import load_texts  # the probe's recording: loaded when it runs
 
-    return load_texts(args.auto_prompts)
+    stand_ins = {k: _AUTO_STAND_IN[k] if v == "auto" and k in _AUTO_STAND_IN else v for k, v in given.items()}
+    return stand_ins, load_texts(spec)
+
+
+def _auto_policy(request: Request, pair) -> PolicyParams:
+    """The policy as given, its auto reading the curve of --auto-prompts' answers (recorded by the loaded pair
+    and cached, as adaptive-spec probe --prompts caches them) as it reads --curve."""
+    from .decoding.auto import measure_prompts
+
+    own = measure_prompts(pair, None, getattr(request.policy, "head", None), request.sampling.temperature,
+                          texts=request.auto_texts)["curve_file"]
+    return params.policy_params(request.policy.name, spell=flag, **{**request.settings, "curve": own})
 
 
 def _generate(args) -> int:
-    pair_params, policy, sampling = validate(args)
-    texts = _auto_texts(args)
+    request = validate(args)
     from transformers.utils import logging as hf_logging
 
     from .decoding.pipeline import SpecPair
 
     hf_logging.disable_progress_bar()  # weight-loading bars would drown the streamed text
-    pair = SpecPair.load(pair_params)
-    if texts is not None:  # auto reads the curve of these prompts' answers, as it reads --curve
-        from .decoding.auto import measure_prompts
-
-        own = measure_prompts(pair, None, getattr(policy, "head", None), sampling.temperature,
-                              texts=texts)["curve_file"]
-        policy = params.policy_params(args.policy, spell=flag, **_auto_checked(args, own))
-    stream = None if args.json else (lambda s: print(s, end="", flush=True))
-    g = pair.generate(args.prompt, policy=policy, max_new_tokens=args.max_new_tokens,
-                      temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=args.seed,
-                      chat=args.chat, on_text=stream)
-    _print_result(g, args, pair.runtime_info())
+    pair = SpecPair.load(request.pair)
+    policy = request.policy if request.auto_texts is None else _auto_policy(request, pair)
+    stream = None if request.json else (lambda s: print(s, end="", flush=True))
+    sampling = request.sampling
+    g = pair.generate(request.prompt, policy=policy, max_new_tokens=request.max_new_tokens,
+                      temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=request.seed,
+                      chat=request.chat, on_text=stream)
+    _print_result(g, request, pair.runtime_info())
     return 0
 
 
-def _print_result(g, args, runtime: dict):
+def _print_result(g, request: Request, runtime: dict):
     m = g.metrics
-    if not args.json:
+    if not request.json:
         print()
-        print(f"[{args.policy}] {m.summary()}", file=sys.stderr)
+        print(f"[{request.policy.name}] {m.summary()}", file=sys.stderr)
         return
     metrics = {k: getattr(m, k) for k in ("n_tokens", "n_draft_forwards", "n_target_forwards", "n_discarded",
                                            "discard_rate", "verification_rate", "acceptance_rate", "wall_s")}
     metrics.update({k: v for k, v in m.to_dict().items() if k not in metrics})
-    print(json.dumps({"text": g.text, "token_ids": g.token_ids, "metrics": metrics, "policy": args.policy,
+    print(json.dumps({"text": g.text, "token_ids": g.token_ids, "metrics": metrics, "policy": request.policy.name,
                       "stopped_by": g.stopped_by, "auto": getattr(g, "auto", None), "runtime": runtime}, default=str))
 
 

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, PlainSerializer, ValidationError, model_validator
 
 from .backends import engines, presets
+from .backends.paths import FeatureDraft, check_draft_vocab_spec, parse_draft, parse_draft_vocab, resolve_model_path
 from .errors import UserError
 from .heads.curve import load_curve
 from .heads.folder import check_head_folder, head_needs
@@ -291,8 +292,9 @@ class PairParams(Params):
 
     target: str = Field("default", description="target model: hub id, local folder or 'default' (llama.cpp: a "
                         ".gguf, a folder of one, or owner/repo:FILE.gguf)")
-    draft: str | None = Field("default", description="draft model, as --target; none: no draft model (the target "
-                             "alone, or --policy ngram)")
+    draft: str | Annotated[FeatureDraft, PlainSerializer(str)] | None = Field(  # stored as given: feature:PATH
+        "default", description="draft model, as --target; none: no draft model (the target alone, or --policy "
+        "ngram); feature:PATH: a feature drafter (drafter/) on the target's hidden states")
     backend: str = Field(
         "torch", description="engine: torch (Hugging Face weights; the default pair dequantized to bf16) or "
         "llama.cpp (the GGUF files as they are, through llama-cpp-python; CPU)",
@@ -373,8 +375,8 @@ class PairParams(Params):
             values = {**values, "draft": models[0], "target": models[1]}
         if isinstance(values, dict) and isinstance(values.get("draft_vocab"), int):
             values = {**values, "draft_vocab": str(values["draft_vocab"])}
-        if isinstance(values, dict) and isinstance(values.get("draft"), str) and values["draft"].lower() == "none":
-            values = {**values, "draft": None}  # --draft none: the target alone (or a policy with no draft model)
+        if isinstance(values, dict) and isinstance(values.get("draft"), str):
+            values = {**values, "draft": parse_draft(values["draft"])}  # none: the target alone; feature:PATH
         return values
 
     @model_validator(mode="after")
@@ -407,11 +409,12 @@ class PairParams(Params):
             raise ValueError("--fused true needs the static KV cache: add --kv-cache static (or leave --kv-cache auto)")
         if self.runtime == "cudagraph" and self.device == "cpu":
             raise ValueError("--runtime cudagraph captures CUDA graphs: use a GPU (--device cuda) or --runtime eager")
+        if isinstance(self.draft, FeatureDraft) and ("hidden" not in engine.capabilities or self.draft_quant != "none"):
+            raise ValueError("a feature drafter is one layer over the target's hidden states: it runs on --backend "
+                             "torch (which returns them), unquantized (no --draft-quant)")
         if self.draft_context is not None and self.draft is None:
             raise ValueError("draft_context (--draft-context) sets the draft's window; there is no draft (--draft none)")
         if self.draft_vocab is not None:
-            from .backends.paths import check_draft_vocab_spec  # stdlib only
-
             check_draft_vocab_spec(self.draft_vocab)
         return self
 
@@ -427,9 +430,7 @@ class PairParams(Params):
     def check_draft_vocab_size(self) -> None:
         """N of draft_vocab N against the draft's vocabulary, read from its config.json (no weights):
         the upper bound, refused before anything loads."""
-        from .backends.paths import parse_draft_vocab, resolve_model_path  # stdlib only: no torch, no download
-
-        parsed = parse_draft_vocab(self.draft_vocab) if self.draft is not None else None
+        parsed = parse_draft_vocab(self.draft_vocab) if isinstance(self.draft, str) else None
         if parsed is None or parsed[1] is None:
             return
         try:  # a check never downloads: an unfetched default draft is checked when it loads

@@ -1,12 +1,41 @@
 """What a user names, resolved without torch: a model (hub id, folder, or the default pair's cached
-folder) and a `--draft-vocab` spec. Stdlib only (setup/pair.py is read for its paths, and setup/fetch.py
-downloads only when auto_fetch asks), so params' checks run here before torch and the weights load."""
+folder), a `--draft` that names a feature drafter, and a `--draft-vocab` spec. Stdlib only (setup/pair.py
+is read for its paths, and setup/fetch.py downloads only when auto_fetch asks), so params' checks run here
+before torch and the weights load."""
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UserError
+
+FEATURE = "feature:"
+
+
+@dataclass(frozen=True)
+class FeatureDraft:
+    """`--draft feature:PATH`: a feature drafter (drafter/) where a draft model would be; it reads the target's
+    own hidden states, so it loads with the target (drafter/source.py). `path`: its folder or hub id."""
+
+    path: str
+
+    def __str__(self) -> str:
+        return FEATURE + self.path
+
+
+def parse_draft(name: str) -> "str | FeatureDraft | None":
+    """`--draft` typed once, where it is read: None for none (the target alone), a FeatureDraft for
+    feature:PATH, any other name as it is (a ValueError, which the typed settings' validators raise, for
+    feature: without a path)."""
+    if name.lower() == "none":
+        return None
+    if not name.startswith(FEATURE):
+        return name
+    if name == FEATURE:
+        raise ValueError("--draft feature: needs the drafter's folder or hub id, e.g. --draft feature:runs/drafter/"
+                         "quick/drafter")
+    return FeatureDraft(name[len(FEATURE):])
 
 
 def parse_draft_vocab(spec) -> tuple[str, int | None] | None:

@@ -16,16 +16,18 @@ from transformers import TextStreamer
 
 from ..backends import engines, torch_engine
 from ..backends.cpu import describe
-from .auto import measure_costs, predicted_wall, resolve_auto
+from .. import registry
+from ..backends.paths import FeatureDraft
 from ..backends.window import WindowedDraft
+from ..drafter.source import load_feature_pair
 from ..errors import UserError
 from ..params import ARParams, PairParams, check_runs_on, pair_params, policy_params
-from ..typed import PolicyParams
 from ..prompts import encode_prompt
+from ..typed import PolicyParams
 from . import multidraft, ngram, policies  # noqa: F401  (importing them registers their policies)
+from .auto import measure_costs, predicted_wall, resolve_auto
 from .decoder import Decoder
 from .metrics import Generation
-from .. import registry
 from .interfaces import Policy, PolicyContext
 from .sampling import SamplingParams
 from .trees import policy as tree  # noqa: F401  (registers the tree policies)
@@ -113,12 +115,7 @@ class SpecPair:
             raise UserError(f"pass the settings {', '.join(settings)} inside the PairParams, not beside them")
         engine = params.engine
         engine.check_available()
-        if isinstance(params.draft, str) and params.draft.startswith("feature:"):  # drafter/: on the target's states
-            from ..drafter.source import load_feature_pair
-
-            loaded = load_feature_pair(params)
-        else:
-            loaded = engine.load(params)
+        loaded = _loader(params)(params)
         draft, config = loaded.draft, loaded.draft_config
         if params.draft_context is not None and draft is not None:  # any engine's draft: window.py says why
             draft, config = WindowedDraft(draft, params.draft_context), {**config, "draft_context": params.draft_context}
@@ -165,6 +162,12 @@ class SpecPair:
         g.text = self.tokenizer.decode(g.token_ids, skip_special_tokens=True)
         g.auto = None if auto is None else {**auto, **predicted_wall(auto, len(ids), g.metrics.n_tokens)}
         return g
+
+
+def _loader(params: PairParams):
+    """What loads the pair, by its draft's type: a feature drafter loads with the target whose hidden states it
+    reads (drafter/source.py); any other pair loads on its engine (backends/engines.py)."""
+    return load_feature_pair if isinstance(params.draft, FeatureDraft) else params.engine.load
 
 
 def _is_messages(prompt) -> bool:

@@ -19,11 +19,10 @@ import torch
 from transformers import DynamicCache
 
 from ..backends.contract import Counters
+from ..backends.paths import FEATURE, FeatureDraft
 from ..errors import UserError
 from ..timing import timed
 from .model import FeatureDrafter, Readout
-
-PREFIX = "feature:"
 
 
 class HiddenTap:
@@ -187,10 +186,6 @@ class FeatureRunner:
         return {"dtype": str(self.drafter.dtype), "drafter": "feature"}
 
 
-def is_feature_draft(name) -> bool:
-    return isinstance(name, str) and name.startswith(PREFIX)
-
-
 def feature_pair(target_runner, target_model, drafter: FeatureDrafter, kept_ids=None):
     """(the tapped target, the drafter's runner) over a loaded target runner and its model."""
     if drafter.hidden_size != target_model.config.hidden_size:
@@ -206,18 +201,16 @@ def feature_pair(target_runner, target_model, drafter: FeatureDrafter, kept_ids=
     return tap, FeatureRunner(drafter.to(device=p.device, dtype=p.dtype), readout, tap)
 
 
-def load_drafter(spec: str, hidden_size: int | None = None, device=None, dtype=None) -> FeatureDrafter:
-    """`feature:PATH` (a folder or hub id) -> the drafter."""
-    path = spec[len(PREFIX):] if is_feature_draft(spec) else spec
-    if not path:
-        raise UserError("--draft feature: needs the drafter's folder or hub id, e.g. --draft feature:runs/drafter/"
-                        "quick/drafter")
+def load_drafter(spec: FeatureDraft | str, hidden_size: int | None = None, device=None, dtype=None) -> FeatureDrafter:
+    """A FeatureDraft, `feature:PATH` or PATH (a folder or hub id) -> the drafter."""
+    path = spec.path if isinstance(spec, FeatureDraft) else str(spec).removeprefix(FEATURE)
     return FeatureDrafter.from_pretrained(path, hidden_size=hidden_size, device=device, dtype=dtype)
 
 
 def load_feature_pair(params):
-    """The pair `--draft feature:PATH` names (torch engine): the target's runner behind a HiddenTap, and the
-    drafter over the target's embedding, norm and LM head (`--draft-vocab` reduces its output as for a draft)."""
+    """The pair `--draft feature:PATH` names (params.draft a FeatureDraft; the torch engine, an unquantized
+    draft: the settings' checks): the target's runner behind a HiddenTap, and the drafter over the target's
+    embedding, norm and LM head (`--draft-vocab` reduces its output as for a draft)."""
     from ..backends import torch_engine
     from ..backends.contract import Loaded
     from ..backends.models import load_model
@@ -226,12 +219,6 @@ def load_feature_pair(params):
     from ..backends.vocab import resolve_draft_vocab
     from ..prompts import eos_token_ids
 
-    if params.backend != "torch":
-        raise UserError(f"a feature drafter reads the target's hidden states, which the {params.backend} backend "
-                        "does not return; use --backend torch")
-    if params.draft_quant != "none":
-        raise UserError(f"--draft-quant {params.draft_quant} quantizes a draft model's layers; a feature drafter is "
-                        "one layer over the target's: drop --draft-quant")
     device = resolve_device(params.device)
     kv_cache, runtime = torch_engine.runtime_for(params.kv_cache, params.runtime, device)
     if runtime != "eager":
