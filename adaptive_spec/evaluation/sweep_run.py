@@ -1,7 +1,6 @@
-"""The sweep's loaded pairs, the jobs run on them (rows appended as each is done), and one configuration on one
-prompt: its policy, completed once with what only the loaded
-sweep knows (heads, curves, calibrated rates, pinned costs), run and counted. Part of `adaptive-spec sweep`
-(sweep.py runs the grid)."""
+"""The sweep's loaded pairs and the jobs run on them, each row appended as it is done: one configuration on one
+prompt, its policy completed once with what only the loaded sweep knows (heads, curves, calibrated rates, pinned
+costs), run and counted. Part of `adaptive-spec sweep` (sweep.py plans the sweep and opens its out_dir)."""
 from __future__ import annotations
 
 import sys
