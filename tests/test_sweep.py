@@ -52,7 +52,7 @@ def inputs(tiny_pair, tmp_path_factory):
 def interrupt_after(monkeypatch, n: int):
     """Make the sweep raise KeyboardInterrupt (a Ctrl-C) when it is about to write its (n+1)-th
     row; returns the real append_jsonl, for the resume that follows."""
-    real_append, written = sweep.append_jsonl, []
+    real_append, written = sweep_files.append_jsonl, []
 
     def append_then_interrupt(path, row):
         if len(written) == n:
@@ -60,7 +60,7 @@ def interrupt_after(monkeypatch, n: int):
         written.append(row)
         real_append(path, row)
 
-    monkeypatch.setattr(sweep, "append_jsonl", append_then_interrupt)
+    monkeypatch.setattr(sweep_files, "append_jsonl", append_then_interrupt)
     return real_append
 
 
@@ -193,7 +193,7 @@ def test_sweep_resume_and_report(inputs, tmp_path, monkeypatch, capsys):
     first = read_rows(out)
     assert len(first) == 7
 
-    monkeypatch.setattr(sweep, "append_jsonl", real_append)
+    monkeypatch.setattr(sweep_files, "append_jsonl", real_append)
     assert sweep.main(argv) == 0
     rows = read_rows(out)
     grid = ["ar", "draft_ar", "fixed:k=1", "fixed:k=3", "learned:head=d1-wrej6:h=0.3", "learned:head=d1-wrej6:h=0.7",

@@ -131,7 +131,7 @@ def test_an_entry_s_key_is_the_one_stored_results_have(entry, key):
     rates: adapt_rates false, the old default), the same configuration has the same key, so a rerun resumes them."""
     (conf,) = specs_of([entry])
     assert conf.key == key
-    assert conf.row_fields()["adapt"] is entry.get("adapt_rates", True)
+    assert sweep_files.row_fields(conf)["adapt"] is entry.get("adapt_rates", True)
 
 
 def test_an_entry_takes_generate_s_names_and_defaults():
@@ -149,7 +149,7 @@ def test_an_entry_takes_generate_s_names_and_defaults():
     assert [s.key for s in specs] == ["tree:tree:positional:b=8:adapt", "ersd:sequence:positional:b=4:adapt",
                                       "tree:tree:positional:b=learned<=8:c=auto:adapt",
                                       "tree:tree:positional:b=learned<=6:c=0.3:adapt", "spectr:n=4:k=4"]
-    assert specs[0].row_fields()["adapt"] is True and specs[2].row_fields()["max_budget"] == 8
+    assert sweep_files.row_fields(specs[0])["adapt"] is True and sweep_files.row_fields(specs[2])["max_budget"] == 8
 
 
 @pytest.mark.parametrize("entry", [{}, {"k": 3}, {"tree_budget": 5, "k": 3}, {"drafting": "batch"},
@@ -164,7 +164,7 @@ def test_the_budget_in_key_and_row_is_the_one_the_policy_drafts(entry):
 
     (spec,) = specs_of([entry])
     drafted = make_policy(spec.policy).budget
-    assert round_budget(spec.policy) == spec.row_fields()["budget"] == drafted
+    assert round_budget(spec.policy) == sweep_files.row_fields(spec)["budget"] == drafted
     assert f":b={drafted}:" in spec.key
 
 
@@ -230,7 +230,7 @@ def test_tree_sweep_rows_calibration_resume_and_report(inputs, tmp_path, monkeyp
     first = read_rows(out)
     assert len(first) == 5
 
-    monkeypatch.setattr(sweep, "append_jsonl", real_append)
+    monkeypatch.setattr(sweep_files, "append_jsonl", real_append)
     measured.clear()
     assert sweep.main(argv) == 0
     assert measured == [] and cal_file.read_bytes() == cal_bytes  # reused, not measured again

@@ -67,22 +67,15 @@ Then `adaptive-spec report --sweep-dir DIR` writes the tables and Pareto plots.
 """
 from __future__ import annotations
 
-import json
 import sys
-import time
 from pathlib import Path
 from typing import NamedTuple
 
-from tqdm import tqdm
-
-from ..config import config_from_argv
+from ..config import config_from_argv, config_to_dict
 from ..errors import UserError, run_main
-from ..params import ARParams, OracleParams
 from ..prompts import load_prompts
-from ..runs import append_jsonl
 from .sweep_config import SweepConfig
-from .sweep_files import (RESULTS, Job, config_record, open_out_dir, pending, prompt_sha, row_context, settings_hash,
-                          write_run_files)
+from .sweep_files import RESULTS, config_record, open_out_dir, row_context, settings_hash, start_run
 from .sweep_grid import Baseline, Configuration, Source, build_grid
 from .sweep_heads import load_heads
 from .sweep_run import Runner, hf_schedule_note, verification
@@ -94,14 +87,16 @@ def run(cfg: SweepConfig) -> Path:
     """Run (or resume) the sweep; returns the out_dir."""
     # everything that can be checked without the models, first
     cfg.pair.engine.check_available(cfg.pair.device, "pair.device")
+    draft_pairs = cfg.draft_pairs()
     texts = {ds: load_prompts(ds, cfg.fields.get(ds), None, cfg.seed, cfg.hf_configs.get(ds), cfg.hf_splits.get(ds))
              for ds in cfg.datasets}
     notes = []
     note = _noter(notes)
     grid, heads, listed = plan(cfg, note)
+    config = config_to_dict(cfg)  # config.json's, as given
     out, settings, lock = open_out_dir(cfg)  # noqa: F841 (the lock is held until this process exits)
 
-    runner = Runner(cfg, heads, note)
+    runner = Runner(cfg, draft_pairs, heads, note)
     pair = runner.first_pair()
     if any(c.policy is Baseline.HF_ASSISTED for c in grid):
         note(hf_schedule_note(pair.draft.model))
@@ -112,13 +107,10 @@ def run(cfg: SweepConfig) -> Path:
     costs = runner.pin_costs(grid, out)
     runner.calibrate(grid, cal_prompts, out, settings_hash(settings), costs)
     runtime = {d: p.runtime_info() for d, (p, _) in runner.pairs.items()}
-    record = config_record(cfg, grid, notes, runtime, pair)
-    write_run_files(out, settings, listed, selected, record)
     context = row_context(settings, pair, runtime)
-    todo, n_jobs = pending(out, grid, selected)
-    if todo and cfg.warmup:
-        _warmup(runner, grid, todo[0].ids, min(8, cfg.max_new_tokens))
-    _run_jobs(runner, out, todo, n_jobs, context, cfg)
+    record = config_record(config, cfg, grid, notes, runtime, pair)
+    todo, n_jobs = start_run(out, settings, listed, selected, record, grid)
+    runner.run_all(grid, todo, n_jobs, out, context)
     return out
 
 
@@ -187,46 +179,6 @@ class PromptPicker(NamedTuple):
             order = [i for i in reversed(range(len(texts[ds]))) if i not in used]
             prompts += self.pick(pair, texts[ds], n, order)[0]
         return prompts
-
-
-def _run_jobs(runner: Runner, out: Path, todo: list[Job], n_jobs: int, context: dict, cfg: SweepConfig):
-    """Run each job on its draft configuration's pair and append its row to results.jsonl as soon as it is
-    done; `context`: drafts entry -> the fields every row of its pair carries (row_context)."""
-    first = next(iter(runner.pairs))
-    bar = tqdm(total=n_jobs, initial=n_jobs - len(todo), desc="sweep", unit="run", dynamic_ncols=True,
-               disable=not cfg.progress, file=sys.stderr)
-    keep_x = any(isinstance(j.conf.policy, OracleParams) for j in todo)  # build_grid adds the oracle only when greedy
-    try:
-        for ds, i, text, ids, conf in todo:
-            seed = cfg.seed * 100_003 + i
-            m, stopped, new, extra = runner.run(conf, ids, seed)
-            if isinstance(conf.policy, ARParams):
-                if keep_x:  # the oracle's X (Theorem 4.1), for its run on this prompt
-                    runner.greedy[tuple(ids)] = new
-                # the target's own response, for scoring other drafts on it (eval/bench_draft_vocab.py)
-                extra = {**extra, "prompt_ids": list(ids), "token_ids": list(new)}
-            peer = conf.policy in (Baseline.HF_ASSISTED, Baseline.HF_PROMPT_LOOKUP)
-            row = {"dataset": ds, "prompt_idx": i, "prompt_sha": prompt_sha(text), "n_prompt_tokens": len(ids),
-                   **conf.row_fields(), "seed": seed, "stopped_by": stopped, "output_sha": prompt_sha(json.dumps(new)),
-                   **m.to_dict(), **extra, "counts_derived": peer,
-                   **context[first if conf.draft is None else conf.draft], "time": time.time()}
-            append_jsonl(out / RESULTS, row)
-            bar.update(1)
-            bar.set_postfix_str(f"{Path(ds).stem} #{i} {conf.key} {m.tokens_per_s:.1f} tok/s", refresh=False)
-    finally:
-        bar.close()
-
-
-def _warmup(runner: Runner, grid: list[Configuration], ids, n: int):
-    """Untimed short generations of n tokens, one per kind (a row's method) and draft configuration: the first
-    forwards pay for allocation and kernel selection."""
-    seen = set()
-    for conf in grid:
-        kind = (conf.row["method"], conf.draft)
-        if kind in seen or isinstance(conf.policy, OracleParams):
-            continue
-        seen.add(kind)
-        runner.run(conf, ids, 0, max_new_tokens=n)
 
 
 INTERRUPTED = "finished runs are kept in results.jsonl; rerun the same command to resume"

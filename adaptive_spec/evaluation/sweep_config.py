@@ -130,7 +130,7 @@ class SweepConfig:
         """auto_prompts is read by some auto and names prompts that load (before any model does)."""
         if not self.auto_prompts:
             return
-        if not (AUTO in self.ks or AUTO in self.thresholds or any(c.reads_auto() for c in grid)):
+        if not (AUTO in self.ks or AUTO in self.thresholds or any(c.reads_auto for c in grid)):
             raise UserError("config key 'auto_prompts' is read by auto in ks, thresholds or a policies entry only; "
                             "list auto there, or drop auto_prompts")
         from ..decoding.auto import load_texts  # noqa: PLC0415 (the prompt sets: only where asked)

@@ -14,11 +14,10 @@ import transformers
 
 from ..backends import presets
 from ..backends.runner import resolve_device
-from ..config import config_to_dict
 from ..errors import UserError
-from ..runs import lock_dir, project_path, read_json, read_jsonl, settings_problem, write_json
+from ..runs import append_jsonl, lock_dir, project_path, read_json, read_jsonl, settings_problem, write_json
 from ..setup.pair import DEFAULT_PAIR
-from .sweep_grid import Configuration
+from .sweep_grid import ROW_KEYS, Baseline, Configuration
 
 if TYPE_CHECKING:
     from .sweep_config import SweepConfig
@@ -106,18 +105,6 @@ class Job(NamedTuple):
     conf: Configuration
 
 
-def pending(out: Path, grid: list[Configuration], selected: dict) -> tuple[list[Job], int]:
-    """The runs not yet in results.jsonl, and the number of runs in all. Prompt-major and round-robin over
-    datasets: a sweep stopped early (or still running) has every config on the same prompts and every dataset
-    about equally far along, so its partial results already compare side by side."""
-    jobs = [Job(ds, *chosen[rank], c) for rank in range(max(len(v) for v in selected.values()))
-            for ds, chosen in selected.items() if rank < len(chosen) for c in grid]
-    keys = [(j.dataset, j.prompt_idx, prompt_sha(j.text), j.conf.key) for j in jobs]
-    done = {(r.get("dataset"), r.get("prompt_idx"), r.get("prompt_sha"), r.get("config"))
-            for r in read_jsonl(out / RESULTS, repair=True)}
-    return [j for j, key in zip(jobs, keys) if key not in done], len(jobs)
-
-
 def check_calibration(out: Path, cal_settings: dict) -> None:
     """Tree rows already in results.jsonl ran with the rates of tree_calibration.json: measuring new
     ones under other settings would mix two calibrations in one comparison."""
@@ -147,12 +134,12 @@ def row_context(settings: dict, pair, runtime: dict) -> dict:
             for d, r in runtime.items()}
 
 
-def config_record(cfg: SweepConfig, grid: list, notes: list[str], runtime: dict, pair) -> dict:
-    """config.json's content: the full config, the grid and notes, and what ran it; `runtime`: drafts entry ->
-    its pair's runtime_info; `pair`: the first, whose models a trace names."""
+def config_record(config: dict, cfg: SweepConfig, grid: list, notes: list[str], runtime: dict, pair) -> dict:
+    """config.json's content: the full config (`config`, config_to_dict's), the grid and notes, and what ran it;
+    `runtime`: drafts entry -> its pair's runtime_info; `pair`: the first, whose models a trace names."""
     trace = {"trace_pair": trace_pair(cfg, pair)} if cfg.record_trace else {}
     return {
-        "config": config_to_dict(cfg), "grid": [c.key for c in grid], "notes": notes,
+        "config": config, "grid": [c.key for c in grid], "notes": notes,
         "threads": torch.get_num_threads(), "torch": torch.__version__,
         "transformers": transformers.__version__, "cpu_pad_to": cpu_pad_to(pair),
         "runtime": next(iter(runtime.values())),
@@ -160,17 +147,48 @@ def config_record(cfg: SweepConfig, grid: list, notes: list[str], runtime: dict,
         **trace}
 
 
-def write_run_files(out: Path, settings: dict, heads: dict, selected: dict, config: dict):
-    """settings.json, heads.json (`heads`: those of the config's `heads`), prompts.json and config.json
-    (config_record's, with the device and when: see the module doc)."""
+def start_run(out: Path, settings: dict, heads: dict, selected: dict, config: dict,
+              grid: list[Configuration]) -> tuple[list[Job], int]:
+    """Write settings.json, heads.json (`heads`: those of the config's `heads`), prompts.json and config.json
+    (config_record's, with the device and when: see the module doc); return the runs not yet in results.jsonl
+    and the number of runs in all. Prompt-major and round-robin over datasets: a sweep stopped early (or still
+    running) has every config on the same prompts and every dataset about equally far along, so its partial
+    results already compare side by side."""
+    jobs = [Job(ds, *chosen[rank], c) for rank in range(max(len(v) for v in selected.values()))
+            for ds, chosen in selected.items() if rank < len(chosen) for c in grid]
+    keys = [(j.dataset, j.prompt_idx, prompt_sha(j.text), j.conf.key) for j in jobs]
+    prompts = {ds: [{"prompt_idx": i, "prompt_sha": prompt_sha(t), "n_prompt_tokens": len(ids), "text": t}
+                    for i, t, ids in chosen] for ds, chosen in selected.items()}
+    first = {k: config.pop(k) for k in ("config", "grid", "notes")}  # config.json's keys in their order
+    record = {**first, "device": settings["device"], **config, "written": time.strftime("%Y-%m-%d %H:%M:%S")}
     write_json(out / "settings.json", {"settings": settings, "hash": settings_hash(settings)})
     write_json(out / "heads.json", {k: v[1] for k, v in heads.items()}, default=str)
-    write_json(out / "prompts.json", {ds: [{"prompt_idx": i, "prompt_sha": prompt_sha(t), "n_prompt_tokens": len(ids),
-                                            "text": t} for i, t, ids in chosen] for ds, chosen in selected.items()},
-               indent=1)
-    first = {k: config.pop(k) for k in ("config", "grid", "notes")}  # config.json's keys in their order
-    write_json(out / "config.json", {**first, "device": settings["device"], **config,
-                                     "written": time.strftime("%Y-%m-%d %H:%M:%S")}, default=str)
+    write_json(out / "prompts.json", prompts, indent=1)
+    write_json(out / "config.json", record, default=str)
+    done = {(r.get("dataset"), r.get("prompt_idx"), r.get("prompt_sha"), r.get("config"))
+            for r in read_jsonl(out / RESULTS, repair=True)}
+    return [j for j, key in zip(jobs, keys) if key not in done], len(jobs)
+
+
+def row_fields(conf: Configuration) -> dict:
+    """A configuration's fields in its rows: its key, ROW_KEYS, its `drafts` entry, then its own (Configuration.row)."""
+    base = {"config": conf.key, **{k: conf.row.get(k) for k in ROW_KEYS}}
+    if conf.draft is not None:  # a `drafts` entry: the draft configuration it ran with
+        base["draft"] = conf.draft
+    return {**base, **conf.row}
+
+
+def append_row(out: Path, job: Job, seed: int, result: tuple, context: dict) -> None:
+    """One run's row, appended to results.jsonl (fsynced) as soon as it is done: the job, the configuration's
+    fields, the result (Metrics, stopped_by, new ids, extra fields) and `context`, what every row of its pair
+    carries (row_context's)."""
+    m, stopped, new, extra = result
+    peer = job.conf.policy in (Baseline.HF_ASSISTED, Baseline.HF_PROMPT_LOOKUP)
+    row = {"dataset": job.dataset, "prompt_idx": job.prompt_idx, "prompt_sha": prompt_sha(job.text),
+           "n_prompt_tokens": len(job.ids), **row_fields(job.conf), "seed": seed, "stopped_by": stopped,
+           "output_sha": prompt_sha(json.dumps(new)), **m.to_dict(), **extra, "counts_derived": peer, **context,
+           "time": time.time()}
+    append_jsonl(out / RESULTS, row)
 
 
 def trace_pair(cfg: SweepConfig, pair) -> dict:

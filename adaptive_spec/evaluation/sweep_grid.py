@@ -22,7 +22,6 @@ from ..decoding.trees.policy import round_budget
 from ..decoding.trees.shapes import NESTED
 from ..errors import UserError
 from ..heads.curve import load_curve
-from ..params import policy_params
 from ..registry import Needs
 from ..runs import PROJECT_ROOT
 from ..typed import PolicyParams, build, policy_class
@@ -79,25 +78,14 @@ class Configuration:
     row: dict  # its fields in rows as stored results name them: ROW_KEYS, then `settings` or tree_row_fields
     head: str | None = None  # the loaded head Runner.run puts in the policy: a label of `heads` or a trees entry's folder
     draft: str | None = None  # its `drafts` entry (None: the pair's own draft)
-
-    def reads_auto(self) -> bool:
-        """Whether it picks K or h per machine: auto written for k or threshold (a default auto, ngram's k, is no
-        pick from a curve)."""
-        p = self.policy
-        return isinstance(p, PolicyParams) and AUTO in [getattr(p, k) for k in ("k", "threshold")
-                                                        if k in p.model_fields_set]
-
-    def row_fields(self) -> dict:
-        base = {"config": self.key, **{k: self.row.get(k) for k in ROW_KEYS}}
-        if self.draft is not None:  # a `drafts` entry: the draft configuration it ran with
-            base["draft"] = self.draft
-        return {**base, **self.row}
+    reads_auto: bool = False  # it picks K or h per machine (_reads_auto), set by build_grid
 
 
-def completed(policy: PolicyParams, **more) -> PolicyParams:
-    """`policy` with settings only the loaded sweep knows (a head object, a curve), checked whole by its class."""
-    given = {k: getattr(policy, k) for k in policy.model_fields_set}
-    return policy_params(policy.name, **{**given, **more})
+def _reads_auto(p) -> bool:
+    """Whether a policy picks K or h per machine: auto written for k or threshold (a default auto, ngram's k, is no
+    pick from a curve)."""
+    written = [getattr(p, k) for k in ("k", "threshold") if k in p.model_fields_set] if isinstance(p, PolicyParams) else []
+    return AUTO in written
 
 
 def _row(method: str, **values) -> dict:
@@ -130,6 +118,7 @@ def build_grid(cfg) -> tuple[list[Configuration], dict, list[str]]:
     grid, seen = [], {}
     for e in entries:
         conf = _configuration(e)
+        conf = replace(conf, reads_auto=_reads_auto(conf.policy))
         if conf.key in seen:
             fix = " or give it a label" if e.source is Source.POLICIES else ""
             raise UserError(f"{e.at} repeats {seen[conf.key]} ({conf.key}); drop one{fix}")

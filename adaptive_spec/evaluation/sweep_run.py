@@ -1,11 +1,13 @@
-"""The sweep's loaded pairs, and one configuration on one prompt: its policy, completed with what only the loaded
-sweep knows (heads, curves, calibrated rates, pinned costs), run and counted. Part of `adaptive-spec sweep`
-(sweep.py runs the grid)."""
+"""The sweep's loaded pairs and the jobs run on them, each row appended as it is done: one configuration on one
+prompt, its policy completed once with what only the loaded sweep knows (heads, curves, calibrated rates, pinned
+costs), run and counted. Part of `adaptive-spec sweep` (sweep.py plans the sweep and opens its out_dir)."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 from transformers.utils import is_sklearn_available
 from transformers.utils import logging as hf_logging
 
@@ -17,11 +19,12 @@ from ..decoding.pipeline import SpecPair, make_policy, torch_threads
 from ..decoding.replay import TraceRecorder
 from ..decoding.sampling import SamplingParams
 from ..errors import UserError
-from ..params import LearnedParams, OracleParams, PairParams
+from ..params import ARParams, OracleParams, PairParams, policy_params
 from ..timing import timed
+from ..typed import PolicyParams
 from .sweep_config import SweepConfig
-from .sweep_files import COSTS, TREE_CALIBRATION, check_calibration, prompt_sha, settings_hash
-from .sweep_grid import Baseline, Configuration, Source, auto_curve, completed
+from .sweep_files import COSTS, TREE_CALIBRATION, Job, append_row, check_calibration, prompt_sha, settings_hash
+from .sweep_grid import Baseline, Configuration, Source, auto_curve
 from .tree_calibration import VERIFICATION, load_or_calibrate, measure_rates
 
 HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented prompt-lookup setting (it has no default)
@@ -32,21 +35,22 @@ class Runner:
     policy's type: a Baseline by code of its own, a `trees` entry with the calibrated rates, any other
     PolicyParams through generate."""
 
-    def __init__(self, cfg: SweepConfig, heads: dict, note):
-        """Load one pair per `drafts` entry (sharing the first one's target) and move every head to its draft;
-        `note(*lines)` takes the sweep's notes (config.json's), the runner's on what it measures among them."""
+    def __init__(self, cfg: SweepConfig, draft_pairs: dict[str, PairParams], heads: dict, note):
+        """Load one pair per `drafts` entry (`draft_pairs`: SweepConfig.draft_pairs's; they share the first one's
+        target) and move every head to its draft; `note(*lines)` takes the sweep's notes (config.json's), the
+        runner's on what it measures among them."""
         self.heads = heads  # label (or a trees entry's folder as written) -> (AcceptanceHead, info)
         self.note = note
         self.sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
         self.max_new_tokens, self.k_max = cfg.max_new_tokens, cfg.k_max
         self.auto_prompts, self.curve = cfg.auto_prompts, cfg.curve  # where an auto's curve comes from
         self.width, self.progress = cfg.tree_calibration_width, cfg.progress
-        draft_pairs = cfg.draft_pairs()
+        self.record_trace, self.seed, self.warmup = cfg.record_trace, cfg.seed, cfg.warmup
         self.pairs = load_pairs(draft_pairs, heads)  # drafts entry -> (pair, draft-alone decoder)
-        self.record_trace = cfg.record_trace
         self.tree_ctx = {"rates": {}, "calibration": None, "node_cost": None}  # set by calibrate
         self.greedy = {}  # prompt ids -> the target alone's greedy output: the oracle's X
         self.prompt_curves = {}  # (head folder) -> the curve of auto_prompts' answers (prompts_curve)
+        self.ready = {}  # configuration key -> its policy completed for generate (_policy), made at its first run
 
     def first_pair(self):
         """The first `drafts` entry's pair: every pair shares its target."""
@@ -102,6 +106,36 @@ class Runner:
             self.note(f"tree node_cost auto = (t_draft + t_cand) / t_target = {costs.node_cost:.4g} "
                       f"(t_draft/t_target = {costs.c:.4g}; {costs.measured})")
 
+    def run_all(self, grid: list[Configuration], todo: list[Job], n_jobs: int, out: Path, context: dict) -> None:
+        """Run each job on its draft configuration's pair and append its row to results.jsonl as soon as it is
+        done; `context`: drafts entry -> the fields every row of its pair carries (row_context). With warmup, short
+        untimed runs on the first job's prompt (_warmup_jobs) come first in the loop."""
+        warm = _warmup_jobs(grid, todo[0]) if todo and self.warmup else []
+        first = next(iter(self.pairs))
+        bar = tqdm(total=n_jobs, initial=n_jobs - len(todo), desc="sweep", unit="run", dynamic_ncols=True,
+                   disable=not self.progress, file=sys.stderr)
+        keep_x = any(isinstance(j.conf.policy, OracleParams) for j in todo)  # build_grid adds it only when greedy
+        try:
+            for i, job in enumerate(warm + todo):
+                short = i < len(warm)  # a warmup run: seed 0, a few tokens, not recorded
+                seed = 0 if short else self.seed * 100_003 + job.prompt_idx
+                n = min(8, self.max_new_tokens) if short else None
+                m, stopped, new, extra = self.run(job.conf, job.ids, seed, n)
+                if short:
+                    continue
+                if isinstance(job.conf.policy, ARParams):
+                    if keep_x:  # the oracle's X (Theorem 4.1), for its run on this prompt
+                        self.greedy[tuple(job.ids)] = new
+                    # the target's own response, for scoring other drafts on it (eval/bench_draft_vocab.py)
+                    extra = {**extra, "prompt_ids": list(job.ids), "token_ids": list(new)}
+                draft = first if job.conf.draft is None else job.conf.draft
+                append_row(out, job, seed, (m, stopped, new, extra), context[draft])
+                bar.update(1)
+                bar.set_postfix_str(f"{Path(job.dataset).stem} #{job.prompt_idx} {job.conf.key} "
+                                    f"{m.tokens_per_s:.1f} tok/s", refresh=False)
+        finally:
+            bar.close()
+
     def run(self, conf: Configuration, ids: list[int], seed: int, max_new_tokens: int | None = None):
         """(Metrics, stopped_by, new token ids, extra row fields) of one configuration on one prompt; the
         oracle's X is the target alone's greedy output on this prompt where it ran first (self.greedy)."""
@@ -112,10 +146,11 @@ class Runner:
         if isinstance(conf.policy, Baseline):
             lookup = conf.policy is Baseline.HF_PROMPT_LOOKUP
             return (*hf_generate(pair, ids, self.sampling, seed, n, lookup=lookup), {})
+        policy = self._policy(conf, pair, ids)
         if conf.source is Source.TREES:
-            return self._run_tree(conf, pair, ids, n, seed)
+            return self._run_tree(conf, policy, pair, ids, n, seed)
         s = self.sampling
-        g = pair.generate(ids, policy=self._policy(conf, pair, ids), max_new_tokens=n, temperature=s.temperature,
+        g = pair.generate(ids, policy=policy, max_new_tokens=n, temperature=s.temperature,
                           top_k=s.top_k, top_p=s.top_p, seed=seed, extras=self._extras())
         pick = getattr(g, "auto", None)
         extra = {"auto_value": pick["value"], "auto_predicted_tokens_per_s": pick["tokens_per_s"]} if pick else {}
@@ -129,20 +164,35 @@ class Runner:
         return [TraceRecorder()] if self.record_trace else []
 
     def _policy(self, conf: Configuration, pair, ids: list[int]):
-        """The configuration's policy as generate takes it: a `policies` entry as given (with auto_prompts' curve
-        where it reads auto); a shorthand with its loaded head, its auto's curve and the oracle's X."""
-        if conf.source is Source.POLICIES:
-            if self.auto_prompts and conf.reads_auto():
-                return completed(conf.policy, curve=self._curve(conf, pair))
-            return conf.policy
-        more = {}
+        """The configuration's policy as generate takes it, completed once (at its first run, self.ready) with what
+        only the loaded sweep knows (_more); the oracle's at every run, with its X for this prompt."""
+        policy = self.ready.get(conf.key)
+        if policy is None:
+            more = self._more(conf, pair, ids)
+            given = conf.source is Source.POLICIES and not more  # a `policies` entry is complete as given
+            policy = conf.policy if given else completed(conf.policy, **more)
+            if not isinstance(policy, OracleParams):
+                self.ready[conf.key] = policy
+        return policy
+
+    def _more(self, conf: Configuration, pair, ids: list[int]) -> dict:
+        """What the configuration's policy takes from the loaded sweep: its loaded head; an auto's curve (a
+        `policies` entry's only with auto_prompts); the oracle's X, the target alone's greedy output on this
+        prompt; a `trees` entry's calibrated rates and measured node cost."""
+        more, ctx = {}, self.tree_ctx
+        if conf.source is Source.TREES:
+            if verification(conf) is None:  # multi-draft: nothing to add
+                return more
+            more["tree_rates"] = ctx["rates"][verification(conf)]
+            if auto_node_cost(conf):
+                more["tree_node_cost"] = ctx.get("node_cost")
         if conf.head is not None:
             more["head"] = self.heads[conf.head][0]
         if isinstance(conf.policy, OracleParams):
             more["target_output"] = self.greedy.get(tuple(ids))
-        if conf.reads_auto():
+        if conf.reads_auto and (conf.source is not Source.POLICIES or self.auto_prompts):
             more["curve"] = self._curve(conf, pair)
-        return completed(conf.policy, **more)
+        return more
 
     def _curve(self, conf: Configuration, pair) -> str:
         """The curve an auto configuration picks from: with auto_prompts, the one of those prompts' answers (for
@@ -170,21 +220,16 @@ class Runner:
             self.prompt_curves[head_dir] = made["curve_file"]
         return self.prompt_curves[head_dir]
 
-    def _run_tree(self, conf: Configuration, pair, ids: list[int], max_new_tokens: int, seed: int):
-        """A `trees` configuration: its settings, as generate takes them, with the head loaded and the sweep's
-        calibrated rates (and measured node cost). A fresh policy per run, starting from those rates, which
-        adapt within the run only where adapt_rates says so: no run depends on what ran before it."""
-        more, extra, ctx = {}, {}, self.tree_ctx
+    def _run_tree(self, conf: Configuration, params, pair, ids: list[int], max_new_tokens: int, seed: int):
+        """A `trees` configuration, its settings completed (_policy) with the head loaded and the sweep's calibrated
+        rates (and measured node cost). A fresh policy per run, starting from those rates, which adapt within the
+        run only where adapt_rates says so: no run depends on what ran before it."""
+        extra = {}
         if verification(conf) is not None:
-            if conf.head is not None:
-                more["head"] = self.heads[conf.head][0]
-            more["tree_rates"] = ctx["rates"][verification(conf)]
-            extra["tree_calibration"] = ctx.get("calibration")
-            if auto_node_cost(conf):
-                more["tree_node_cost"] = ctx.get("node_cost")
-            if conf.policy.tree_learned:
-                extra["node_cost"] = float(more.get("tree_node_cost", conf.policy.tree_node_cost))
-        pol = make_policy(completed(conf.policy, **more), PolicyContext(pair))
+            extra["tree_calibration"] = self.tree_ctx.get("calibration")
+            if params.tree_learned:
+                extra["node_cost"] = float(params.tree_node_cost)
+        pol = make_policy(params, PolicyContext(pair))
         g = pair.decoder.generate(ids, max_new_tokens=max_new_tokens, sampling=self.sampling, policy=pol, seed=seed,
                                   extras=self._extras())
         return g.metrics, g.stopped_by, g.token_ids, {**tree_stats(pol, g.metrics), **extra}
@@ -212,6 +257,22 @@ def load_pairs(draft_pairs: dict[str, PairParams], heads: dict) -> dict:
             head.to(pair.draft.device)
         pairs[d] = pair, (Decoder(pair.draft, None, eos_token_ids=pair.eos_token_ids) if pair.draft else None)
     return pairs
+
+
+def completed(policy: PolicyParams, **more) -> PolicyParams:
+    """`policy` with settings only the loaded sweep knows (a head object, a curve), checked whole by its class."""
+    given = {k: getattr(policy, k) for k in policy.model_fields_set}
+    return policy_params(policy.name, **{**given, **more})
+
+
+def _warmup_jobs(grid: list[Configuration], job: Job) -> list[Job]:
+    """Untimed short generations on `job`'s prompt, one per kind (a row's method) and draft configuration: the
+    first forwards pay for allocation and kernel selection."""
+    kinds = {}
+    for conf in grid:
+        if not isinstance(conf.policy, OracleParams):
+            kinds.setdefault((conf.row["method"], conf.draft), conf)
+    return [job._replace(conf=conf) for conf in kinds.values()]
 
 
 def _run_draft_alone(draft_decoder, ids: list[int], sampling: SamplingParams, max_new_tokens: int, seed: int):
@@ -290,7 +351,7 @@ def auto_node_cost(conf: Configuration) -> bool:
 def reads_costs(conf: Configuration) -> bool:
     """Whether it reads the sweep's pinned forward times: an auto shorthand, a measured node cost, any
     `policies` entry (its policy may pick per machine)."""
-    shorthand_auto = conf.source is Source.SHORTHAND and conf.reads_auto()
+    shorthand_auto = conf.source is Source.SHORTHAND and conf.reads_auto
     return conf.source is Source.POLICIES or auto_node_cost(conf) or shorthand_auto
 
 
