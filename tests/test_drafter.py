@@ -381,3 +381,22 @@ def test_a_reduced_ce_vocabulary_trains_on_the_kept_ids_and_scores_against_the_f
     for bad in ("0", str(Path("/nonexistent/list.safetensors"))):
         with pytest.raises(UserError, match="ce_vocab"):
             DrafterConfig(data="x", ce_vocab=bad).validate()
+
+
+def test_a_reduced_readout_reads_the_kept_rows_back_from_a_packed_head_that_released_them():
+    """`--draft feature:PATH --draft-vocab N` on the default CPU path: the target's LM head is pre-packed and its
+    weight released; the readout's kept rows come back through the layer exactly. Control: the same rows from an
+    unpacked copy."""
+    from adaptive_spec.backends.packed import PackedLinear, pack_cpu_linears
+
+    model = tiny_target(vocab=40, hidden=24)
+    want = model.get_output_embeddings().weight.detach().clone()
+    if pack_cpu_linears(model, release=True) == 0:
+        pytest.skip(f"no packed oneDNN kernel for fp32 on this CPU ({model.cpu_path.get('why_stock')})")
+    head = model.get_output_embeddings()
+    assert isinstance(head, PackedLinear) and head.weight.numel() == 0  # released: the case that broke
+    kept = torch.tensor([1, 5, 6, 17, 39])
+    readout = Readout(model, kept_ids=kept)
+    assert torch.equal(readout.weight, want[kept])
+    f = torch.randn(3, 24)
+    assert torch.equal(readout.logits(f)[:, kept], torch.nn.functional.linear(f, want[kept]))

@@ -191,6 +191,21 @@ class FeatureDrafter(nn.Module, PyTorchModelHubMixin, library_name="adaptive-spe
         return d.to(device=device, dtype=dtype).eval()
 
 
+@torch.no_grad()
+def head_rows(lm_head, kept: torch.Tensor, hidden_size: int, chunk: int = 256) -> torch.Tensor:
+    """The LM head's weight rows at `kept`. A packed CPU layer (backends/packed.py) may have released its
+    weight: it gives the rows back through itself, since the identity times W reads every weight exactly (one
+    nonzero term per output, whatever the kernel's accumulation)."""
+    w = lm_head.weight
+    if w.numel():
+        return w.detach()[kept].contiguous()
+    eye = torch.eye(hidden_size, dtype=w.dtype, device=w.device)
+    bias = getattr(lm_head, "bias", None)
+    cols = [lm_head(eye[i:i + chunk])[:, kept] for i in range(0, hidden_size, chunk)]  # W[kept, i:i+chunk]^T
+    rows = torch.cat(cols, 0).t()
+    return (rows - bias[kept, None] if bias is not None else rows).contiguous()
+
+
 class Readout(nn.Module):
     """The target's embedding, final norm and LM head, frozen and shared: what the drafter reads its tokens
     through and writes its states into. `kept_ids`: a reduced draft vocabulary (logits of every other id are
@@ -212,7 +227,7 @@ class Readout(nn.Module):
                 raise UserError("a reduced draft vocabulary needs the target's LM head weights; load the target with "
                                 "stock CPU kernels (--cpu-stock) or drop --draft-vocab")
             self.kept_ids = kept_ids[kept_ids < self.vocab_size].to(w.device)
-            self.weight = w.detach()[self.kept_ids].contiguous()
+            self.weight = head_rows(self.lm_head, self.kept_ids, target_model.config.hidden_size)
         for p in self.parameters():
             p.requires_grad_(False)
 
