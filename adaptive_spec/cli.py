@@ -11,13 +11,12 @@ from importlib.metadata import version as dist_version
 
 from . import params, typed
 from .backends.paths import resolve_model_path
-from .backends.sampling_params import SamplingParams
 from .cli_args import Parser as _Parser
 from .cli_args import add_fields as _add_fields
 from .cli_args import flag
 from .cli_args import set_fields as _set
 from .errors import UserError, run_main
-from .typed import PolicyParams
+from .typed import PolicyParams, SamplingParams
 
 # torch, transformers and the decoder load only once every check has passed (validate), so a mistake is
 # refused in a second or two, before any of them

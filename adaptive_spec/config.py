@@ -1,7 +1,8 @@
-"""Flat dataclass configs loaded from YAML, with `key=value` overrides from the command line.
+"""Flat configs loaded from YAML, with `key=value` overrides from the command line.
 
-pydantic converts and checks each value against the field's type (as params.py does for the
-pair and the policies); this module adds the YAML file, the overrides and the one-line errors.
+A config is a pydantic model on `Config`, as the pair's and the policies' settings are (params.py): pydantic
+converts and checks each value against the field's type, typed.py's explain_config words a refusal in one line,
+and this module adds the YAML file, the overrides and the checks across keys (a config's `validate`).
 
 Every long job (datagen, training, sweeps) takes its settings from one of these. Unknown keys
 are refused with the list of valid ones, because a silently ignored typo in a config costs a
@@ -13,59 +14,59 @@ by that class, as `generate` checks its flags; `pair.draft=...` overrides one of
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import copy
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from .errors import UserError
-from .typed import Params, build
+from .typed import Params, build, explain_config, params_fields, unknown_keys
 
-T = TypeVar("T")
-
-
-def _validate(cls: type[T], raw: dict[str, Any]) -> T:
-    """pydantic converts each value to its field's declared type (lax: "4" -> 4, "true" -> True, one
-    value -> a one-element list) or names the key that does not fit, in one line."""
-    hints = typing.get_type_hints(cls)
-    # YAML reads `name: 7` as a number; a field of type str takes it as text
-    raw = {k: str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and hints[k] in (str, str | None)
-           else v for k, v in raw.items()}
-    try:
-        return TypeAdapter(cls).validate_python(raw)
-    except ValidationError as e:
-        errors = e.errors()
-        missing = [str(x["loc"][0]) for x in errors if x["type"] == "missing"]
-        if missing:
-            raise UserError(f"config is missing required key(s): {', '.join(missing)}") from None
-        first = errors[0]
-        key = first["loc"][0] if first["loc"] else "?"
-        hint = hints.get(key, Any)
-        if typing.get_origin(hint) is typing.Literal:
-            raise UserError(f"config key '{key}' must be one of {', '.join(map(str, typing.get_args(hint)))}, "
-                            f"got {first['input']!r}") from None
-        raise UserError(f"config key '{key}' must be of type {getattr(hint, '__name__', str(hint))}, got "
-                        f"{first['input']!r} ({first['msg'].lower()})") from None
+T = TypeVar("T", bound="Config")
 
 
-def _is_list(cls: type, key: str) -> bool:
-    return typing.get_origin(typing.get_type_hints(cls)[key]) in (list, tuple)
+class Config(BaseModel):
+    """A YAML config: unknown keys refused, each value checked against its field's type on construction (a
+    refusal is one UserError line). Not frozen: the loader names an unnamed config, and `validate` writes some
+    keys back in their canonical form. Fields assigned later are not checked again."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _one_line(cls, values: Any, handler, info):
+        """A refusal as one UserError line: keys spelled as the YAML has them when the loader builds the config
+        (its context), as keywords when Python code does."""
+        try:
+            return handler(values)
+        except ValidationError as e:
+            spell = (lambda key: f"config key '{key}'") if (info.context or {}).get("yaml") else str
+            raise UserError(explain_config(e, cls, spell)) from None
+
+    def validate(self) -> None:
+        """The checks across keys (and of what a key names), which the loader runs once the types fit; a
+        config class lists its own. Overrides pydantic's deprecated classmethod of the same name."""
 
 
-def config_keys(cls: type) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls)]
+def _as_text(cls: type[Config], raw: dict[str, Any]) -> dict[str, Any]:
+    """YAML reads `name: 7` as a number; a field of type str takes it as text."""
+    text = {k for k, f in cls.model_fields.items() if f.annotation in (str, str | None)}
+    return {k: str(v) if k in text and isinstance(v, (int, float)) and not isinstance(v, bool) else v
+            for k, v in raw.items()}
 
 
-def params_fields(cls: type) -> dict[str, type[Params]]:
-    """The fields of `cls` that hold a params.py class (e.g. pair: PairParams), by name."""
-    hints = typing.get_type_hints(cls)
-    return {k: t for k, t in hints.items() if isinstance(t, type) and issubclass(t, Params)}
+def _is_list(cls: type[Config], key: str) -> bool:
+    return typing.get_origin(cls.model_fields[key].annotation) in (list, tuple)
 
 
-def _nest_dotted(cls: type, raw: dict[str, Any]) -> dict[str, Any]:
+def config_keys(cls: type[Config]) -> list[str]:
+    return list(cls.model_fields)
+
+
+def _nest_dotted(cls: type[Config], raw: dict[str, Any]) -> dict[str, Any]:
     """`pair.draft: x` (a key=value override, or a YAML key) into the `pair` mapping, in order."""
     out: dict[str, Any] = {}
     for key, value in raw.items():
@@ -79,7 +80,7 @@ def _nest_dotted(cls: type, raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _build_params(cls: type, raw: dict[str, Any]) -> dict[str, Any]:
+def _build_params(cls: type[Config], raw: dict[str, Any]) -> dict[str, Any]:
     """Each params field's mapping built by its class: an unknown or bad key gets that class's one-line
     error, spelled as the YAML has it (pair.draft_quant)."""
     for name, pcls in params_fields(cls).items():
@@ -93,37 +94,16 @@ def _build_params(cls: type, raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
-def _unknown_keys(cls: type, unknown: list[str]) -> UserError:
-    """The refusal of keys `cls` does not have: where one is a setting of a nested section (`pair:`), where
-    to write it; then the valid keys."""
-    where = ""
-    for name, pcls in params_fields(cls).items():
-        nested = [k for k in unknown if k in pcls.model_fields]
-        if nested:
-            where += (f"; {', '.join(nested)} {'is a' if len(nested) == 1 else 'are'} {name} setting"
-                      f"{'s' if len(nested) > 1 else ''}: write {name}: {{{nested[0]}: ...}}, or "
-                      f"{name}.{nested[0]}=... on the command line")
-    return UserError(f"unknown config key(s) {', '.join(repr(k) for k in unknown)} for {cls.__name__}{where}; "
-                     f"valid keys: {', '.join(config_keys(cls))}")
-
-
-def _default(f: dataclasses.Field) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return "(required)"
-
-
-def config_help(cls: type) -> str:
+def config_help(cls: type[Config]) -> str:
     """Every key of `cls` with its default, for --help: the config file and key=value take these."""
     lines = [f"config keys (YAML or key=value; default in brackets) of {cls.__name__}:"]
     nested = params_fields(cls)
-    for f in dataclasses.fields(cls):
-        if f.name in nested:  # one line per setting of the mapping: pair.draft [...]
-            lines += [f"  {f.name}.{k} [{v.default!r}]" for k, v in nested[f.name].model_fields.items()]
+    for key, f in cls.model_fields.items():
+        if key in nested:  # one line per setting of the mapping: pair.draft [...]
+            lines += [f"  {key}.{k} [{v.default!r}]" for k, v in nested[key].model_fields.items()]
         else:
-            lines.append(f"  {f.name} [{_default(f)!r}]")
+            default = "(required)" if f.is_required() else f.get_default(call_default_factory=True)
+            lines.append(f"  {key} [{default!r}]")
     return "\n".join(lines)
 
 
@@ -146,21 +126,18 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         key, value = item.split("=", 1)
         raw[key.strip()] = yaml.safe_load(value) if value != "" else ""
     raw = _nest_dotted(cls, raw)
-    valid = config_keys(cls)
-    unknown = sorted(set(raw) - set(valid))
+    unknown = sorted(set(raw) - set(cls.model_fields))
     if unknown:
-        raise _unknown_keys(cls, unknown)
+        raise UserError(unknown_keys(cls, unknown))
     raw = {k: ([v] if _is_list(cls, k) and not isinstance(v, (list, tuple)) else v) for k, v in raw.items()}
-    cfg = _validate(cls, _build_params(cls, raw))
-    validate = getattr(cfg, "validate", None)
-    if callable(validate):
-        validate()
+    cfg = cls.model_validate(_as_text(cls, _build_params(cls, raw)), context={"yaml": True})
+    cfg.validate()
     return cfg
 
 
-def config_to_dict(cfg: Any) -> dict[str, Any]:
-    """The config as plain data (JSON), a params field as the mapping the YAML takes."""
-    return {k: v.model_dump() if isinstance(v, Params) else v for k, v in dataclasses.asdict(cfg).items()}
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    """The config as plain data (JSON; a copy), a params field as the mapping the YAML takes."""
+    return {k: v.model_dump() if isinstance(v, Params) else copy.deepcopy(v) for k, v in cfg}
 
 
 def config_from_argv(cls: type[T], argv, prog: str, description: str, default_name: str) -> T:

@@ -15,7 +15,6 @@ the grid) to <out>/run.json, the table, fastest first, to <out>/table.md.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import time
 
@@ -49,10 +48,10 @@ def run_cell(pair, cfg, prompts: list[list[int]], batch_size: int, threads: int)
 
     draft, target, tok, vocab = pair
     eos_ids, pad_id = datagen.eos_and_pad(tok, target)
-    cell = dataclasses.replace(cfg, batch_size=batch_size)
+    cell = cfg.model_copy(update={"batch_size": batch_size})
     torch.set_num_threads(threads)
     # warm-up at this thread count and batch shape: first calls pay for allocation and kernel choice
-    warm = dataclasses.replace(cell, max_new_tokens=2)
+    warm = cell.model_copy(update={"max_new_tokens": 2})
     datagen.generate_shard(draft, target, prompts[:batch_size], warm, vocab, eos_ids, pad_id,
                            datagen.shard_generator(cfg.seed, "warm-up", 0, "cpu"), lambda b: None)
     lengths: list[int] = []
@@ -126,7 +125,7 @@ def main(argv=None) -> int:
         grid += [(concrete, b, t) for b in batch_sizes for t in threads]
         if not todo:
             continue
-        as_dtype = dataclasses.replace(cfg, pair=cfg.pair.model_copy(update={"dtype": concrete}))
+        as_dtype = cfg.model_copy(update={"pair": cfg.pair.model_copy(update={"dtype": concrete})})
         pair = datagen.load_models(as_dtype, torch.device("cpu"))
         train = [e for _, e in datagen.plan_splits(cfg, pair[2])["train"]]
         for b, t in todo:

@@ -19,7 +19,6 @@ alone: no model, no data, no torch. `<subcommand> --help` says more.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import glob
 import inspect
 import json
@@ -300,13 +299,14 @@ def ablate(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
                         "evaluate on a folder derived from the same datagen run")
     grid = [(v, d, w) for v in variants for d in depths for w in w_rejs]
     for v, d, w in grid:  # every run's settings checked before the first one trains
-        dataclasses.replace(base, feature=VARIANTS[v][0], inputs=VARIANTS[v][1], depth=d, w_rej=w).validate()
+        base.model_copy(update=dict(feature=VARIANTS[v][0], inputs=VARIANTS[v][1], depth=d, w_rej=w)).validate()
     state, rows = PartialState(), []
     for v, d, w in grid:
         name = run_name(v, d, w)
-        cfg = dataclasses.replace(base, feature=VARIANTS[v][0], inputs=VARIANTS[v][1], depth=d, w_rej=w,
-                                  output_dir=str(out / name), feature_cache=base.feature_cache or str(out / "features"),
-                                  run_name=f"{base.run_name or out.name}-{name}")
+        cfg = base.model_copy(update=dict(feature=VARIANTS[v][0], inputs=VARIANTS[v][1], depth=d, w_rej=w,
+                                          output_dir=str(out / name),
+                                          feature_cache=base.feature_cache or str(out / "features"),
+                                          run_name=f"{base.run_name or out.name}-{name}"))
         state.print(f"[ablation] head {name} ({grid.index((v, d, w)) + 1}/{len(grid)})")
         results = train(cfg, resume=True, end_training=False)
         if state.is_main_process:

@@ -1,5 +1,5 @@
 """A model's logits made into the distribution a token is drawn from: temperature, top-k and top-p
-(`SamplingParams`, `process_logits`), the same function for the draft's q and the target's p, so
+(`process_logits`, with typed.py's `SamplingParams`), the same function for the draft's q and the target's p, so
 speculative decoding reproduces plain sampling from the processed p exactly. Below the decoder and the
 heads alike (a statistics head reads the draft's q as datagen processed it); sampling and verification
 are decoding/sampling.py.
@@ -7,8 +7,6 @@ are decoding/sampling.py.
 from __future__ import annotations
 
 import torch
-
-from .sampling_params import SamplingParams  # noqa: F401 (re-exported: its home for the decoder)
 
 
 def top_k(logits: torch.Tensor, k: int, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,7 +46,7 @@ def _drop_top_p(sorted_logits: torch.Tensor, top_p: float) -> torch.Tensor:
 TIE_SLACK = 8
 
 
-def _sparse_top_k(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor | None:
+def _sparse_top_k(logits: torch.Tensor, params) -> torch.Tensor | None:
     """process_logits with top-k from the k + TIE_SLACK largest logits only: the softmax over those, not
     over the vocabulary (masking and exponentiating a large vocabulary costs several times more than
     finding its top k); None where ties at the k-th value may reach past them (the dense path
@@ -70,8 +68,8 @@ def _sparse_top_k(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor 
     return torch.zeros_like(logits).scatter_(-1, idx, vals.softmax(-1))
 
 
-def process_logits(logits: torch.Tensor, params: SamplingParams, sync_free: bool = False) -> torch.Tensor:
-    """Logits [..., V] -> float32 probabilities after temperature, top-k and top-p.
+def process_logits(logits: torch.Tensor, params, sync_free: bool = False) -> torch.Tensor:
+    """Logits [..., V] -> float32 probabilities after `params`' temperature, top-k and top-p (a SamplingParams).
 
     Top-k keeps every token at least as likely as the k-th (more than k where logits tie there,
     common with bf16 logits); top-p then drops a token when the tokens ranked above it (by value, ties

@@ -2,13 +2,13 @@
 in the manifest, and the hash of what it generates, which names a run's shards and its cached features."""
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import config_to_dict
+from pydantic import Field
+
+from ..config import Config, config_to_dict
 from ..decoding.sampling import SamplingParams
 from ..errors import UserError
 from ..params import PairParams
@@ -30,8 +30,7 @@ UNREAD_PAIR = ("backend", "n_ctx", "kv_cache", "runtime", "max_cache_len")
 SOURCE_KEYS = ("name", "n", "field")
 
 
-@dataclass
-class DatagenConfig:
+class DatagenConfig(Config):
     name: str = ""  # names the default out_dir runs/datagen/<name>; defaults to the config file's stem
     # prompts: a named set of adaptive_spec.prompts (gsm8k-train, alpaca, humaneval, sharegpt, ...),
     # a local .json/.jsonl file, or a hub dataset
@@ -39,7 +38,7 @@ class DatagenConfig:
     # ... or a mix of named training sets, each drawn and split on its own (dev prompts per source):
     # [{name: sharegpt, n: 2400}, {name: mbpp}]; n = prompts taken from the set (-1 or absent: all),
     # field = its text field (absent: the set's own). Set `dataset` or `sources`, not both.
-    sources: list[dict | str] = field(default_factory=list)
+    sources: list[dict | str] = Field(default_factory=list)
     dataset_config: str | None = None  # hub dataset configuration, e.g. "main" for gsm8k
     dataset_split: str = "train"  # the hub dataset's own split that prompts are read from
     prompt_field: str = ""  # "" = the named set's own field, else the first of prompt/instruction/question/text
@@ -55,7 +54,7 @@ class DatagenConfig:
     chat_template: bool = True  # wrap prompts in the tokenizer's chat template when it has one
     # the models, as `generate` takes them (params.PairParams): pair: {draft_quant: int8, dtype: auto, threads: 2};
     # heads should be trained on the draft configuration they serve
-    pair: PairParams = field(default_factory=PairParams)
+    pair: PairParams = Field(default_factory=PairParams)
     target_device_map: str = ""  # e.g. "auto": spread the target over the visible GPUs
     # sampling: p and q are both processed with these (as in decoding)
     temperature: float = 1.0
@@ -73,7 +72,7 @@ class DatagenConfig:
     overwrite: bool = False  # start over in an out_dir that holds a run with another config
     progress: bool = True
 
-    def validate(self):
+    def validate(self) -> None:
         if not self.dataset and not self.sources:
             raise UserError("config keys 'dataset' and 'sources' are both empty; set 'dataset' to a named prompt set "
                             "(gsm8k-train, alpaca, humaneval, sharegpt, ...), a .json/.jsonl file or a hub dataset "
@@ -121,7 +120,7 @@ class DatagenConfig:
     @classmethod
     def from_stored(cls, stored: dict) -> "DatagenConfig":
         """The config of a manifest (stored()); keys this version does not have are left out."""
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = cls.model_fields
         pair = {k: stored[k] for k in STORED_PAIR if stored.get(k) not in (None, STORED_UNSET.get(k))}
         return cls(**{k: v for k, v in stored.items() if k in names}, pair=PairParams(**pair))
 

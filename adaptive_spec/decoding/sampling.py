@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 # the distribution a token is drawn from (temperature, top-k, top-p): below the decoder and the heads
-from ..backends.logits import SamplingParams, process_logits  # noqa: F401 (the sampling API: processing the logits is its first step)
+from ..backends.logits import process_logits  # noqa: F401 (the sampling API: processing the logits is its first step)
+from ..typed import SamplingParams  # noqa: F401 (the sampling API: the settings it processes with)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -3,34 +3,33 @@ the `policies` and `trees` entries as their grid configurations). Part of `adapt
 the module doc has the keys; sweep_grid.py: the configurations it expands to)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Any
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import Field
 
 from ..backends import engines
+from ..config import Config
 from ..decoding.sampling import SamplingParams
 from ..errors import UserError
 from ..params import PairParams, check_runs_on
-from ..typed import build, policy_class
+from ..typed import build, fits, policy_class
 from .forward_costs import parse_draft
 from .sweep_grid import AUTO, Source, build_grid
 
 
-@dataclass
-class SweepConfig:
+class SweepConfig(Config):
     name: str = ""  # names the default out_dir runs/sweep/<name>; defaults to the config file's stem
     # the models, as `generate` takes them (params.PairParams): pair: {draft_quant: int8, backend: llama.cpp, ...}
-    pair: PairParams = field(default_factory=PairParams)
+    pair: PairParams = Field(default_factory=PairParams)
     # draft configurations run side by side against one target, each QUANT[:VOCAB] as generate's --draft-quant
     # and --draft-vocab take them (e.g. [none, int8, int8:32768]); every configuration that drafts runs once per
     # entry (its key ends in @ENTRY), the target alone once. Empty: the pair's own draft only
-    drafts: list[str] = field(default_factory=list)
+    drafts: list[str] = Field(default_factory=list)
     # prompts
-    datasets: list[str] = field(default_factory=lambda: ["alpaca"])
-    fields: dict = field(default_factory=dict)  # dataset -> text field (default: the set's own)
-    hf_configs: dict = field(default_factory=dict)  # hub dataset -> configuration name
-    hf_splits: dict = field(default_factory=dict)  # hub dataset -> split
+    datasets: list[str] = Field(default_factory=lambda: ["alpaca"])
+    fields: dict = Field(default_factory=dict)  # dataset -> text field (default: the set's own)
+    hf_configs: dict = Field(default_factory=dict)  # hub dataset -> configuration name
+    hf_splits: dict = Field(default_factory=dict)  # hub dataset -> split
     n_prompts: int = 30
     max_prompt_tokens: int = 1024  # longer prompts are skipped (the next shuffled prompt takes the place)
     chat: bool = True  # wrap prompts in the tokenizer's chat template
@@ -42,17 +41,17 @@ class SweepConfig:
     seed: int = 0  # prompt shuffle and generation seeds
     # the grid
     # and/or auto; a float is let through typing for validate() to refuse with its reason
-    ks: list[int | float | str] = field(default_factory=lambda: list(range(1, 15)))
-    heads: list[str] = field(default_factory=list)  # head folders (or training output dirs with head/); globs ok
-    thresholds: list[float | str] = field(default_factory=lambda: [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
+    ks: list[int | float | str] = Field(default_factory=lambda: list(range(1, 15)))
+    heads: list[str] = Field(default_factory=list)  # head folders (or training output dirs with head/); globs ok
+    thresholds: list[float | str] = Field(default_factory=lambda: [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
     curve: str = ""  # threshold_curve.json for `ks: [auto]` (default: the one beside the first head)
     # auto's curve from the acceptance on these prompts instead (a .jsonl with a `prompt` field, a prompt set, or
     # SET:START:STOP): the loaded pair answers a few of them first, as `generate --auto-prompts` does; every auto in
     # ks, thresholds and policies then picks from that curve (one per head, made once and cached)
     auto_prompts: str = ""
     k_max: int = 20  # hard cap on candidates per round for the adaptive policies (paper: 20)
-    confidence_taus: list[float] = field(default_factory=list)
-    entropy_taus: list[float] = field(default_factory=list)
+    confidence_taus: list[float] = Field(default_factory=list)
+    entropy_taus: list[float] = Field(default_factory=list)
     heuristic: bool = False
     oracle: bool = False  # greedy only; skipped with a note when temperature > 0
     include_ar: bool = True
@@ -61,11 +60,11 @@ class SweepConfig:
     hf_prompt_lookup: bool = False
     # tree / multi-draft configurations (module doc of sweep.py): each entry is the settings of its policy's
     # params class, as `policies` entries are, with rates calibrated by the sweep; checked by build_grid
-    trees: list[Any] = field(default_factory=list)
+    trees: list[Any] = Field(default_factory=list)
     # any policy by the settings `generate` takes (params.py), one configuration each, checked by the
     # policy's own params class: [{policy: ngram}, {policy: ngram, k: 3}, {policy: ngram, fallback: learned,
     # head: DIR, threshold: auto}]; `label` names the configuration in the report (default: its settings)
-    policies: list[Any] = field(default_factory=list)
+    policies: list[Any] = Field(default_factory=list)
     tree_calibration_prompts: int = 2  # per dataset: prompts the tree acceptance rates are measured on
     tree_calibration_width: int = 8  # siblings of the calibration's batch drafting
     # running
@@ -77,7 +76,7 @@ class SweepConfig:
     # the models that made them (trace_pair): decoding/replay.py replays them on other weights of the same shapes
     record_trace: bool = False
 
-    def validate(self):
+    def validate(self) -> None:
         if not self.datasets or not all(isinstance(d, str) and d.strip() for d in self.datasets):
             raise UserError("config key 'datasets' must be a non-empty list of dataset names or paths")
         if len(set(self.datasets)) != len(self.datasets):
@@ -180,12 +179,9 @@ def _auto_or(value, kind, key: str):
 def _check_setting(values: list, key: str, name: str, setting: str) -> None:
     """Every value of the list `key` as policy `name`'s `setting` (its params field, alone: the other
     settings, e.g. the learned policy's head, are checked where the configuration is built)."""
-    f = policy_class(name).model_fields[setting]
-    adapter = TypeAdapter(Annotated[f.annotation, f])
+    cls = policy_class(name)
     for v in values:
-        try:
-            adapter.validate_python(v)
-        except ValidationError:
-            expects = (f.json_schema_extra or {}).get("expects", "valid")
+        if not fits(cls, setting, v):
+            expects = (cls.model_fields[setting].json_schema_extra or {}).get("expects", "valid")
             raise UserError(f"config key '{key}' lists {v!r}, but the {name} policy's {setting} must be "
-                            f"{expects}") from None
+                            f"{expects}")

@@ -44,7 +44,8 @@ from __future__ import annotations
 
 import torch
 
-from ..backends.logits import SamplingParams, process_logits
+from ..backends.logits import process_logits
+from ..typed import SamplingParams
 
 STATS = ("log_q", "entropy", "margin")
 N_STATS = len(STATS)

@@ -20,7 +20,6 @@ import os
 import shutil
 import sys
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -29,7 +28,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..backends.paths import check_draft_vocab_spec, parse_draft_vocab
-from ..config import config_to_dict
+from ..config import Config, config_to_dict
 from ..errors import UserError, get_logger
 from ..runs import check_settings, write_json
 from .data import EpochShuffle
@@ -40,8 +39,7 @@ log = get_logger(__name__)
 RUNTIME_KEYS = {"stop_after_steps", "report_to", "wandb_project", "run_name", "keep_checkpoints", "threads"}
 
 
-@dataclass
-class DrafterConfig:
+class DrafterConfig(Config):
     data: str                          # datagen folder whose sequences the target's states are computed along
     kind: Literal["drafter"] = "drafter"  # what train.py trains (the heads' configs have no kind)
     target: str = "default"            # the target the drafter reads: hub id, folder or default
@@ -79,7 +77,7 @@ class DrafterConfig:
     run_name: str = ""
     threads: int = 0                   # CPU threads (0 = torch's count)
 
-    def validate(self):
+    def validate(self) -> None:
         checks = [
             (bool(self.data), "data must name a datagen folder"),
             (self.feature_weight >= 0 and self.ce_weight >= 0 and self.feature_weight + self.ce_weight > 0,

@@ -2,7 +2,6 @@
 evaluations that pick the exported head, and checkpoints that make --resume exact (train)."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -154,7 +153,8 @@ def check_output_dir(cfg: TrainConfig, files: RunFiles, resume: bool):
     saved = files.out / "train_config.json"
     if resume and saved.is_file():
         # keys added since the run began (e.g. inputs) count as their defaults, which is what it ran with
-        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.default is not dataclasses.MISSING}
+        defaults = {k: f.get_default(call_default_factory=True) for k, f in TrainConfig.model_fields.items()
+                    if not f.is_required()}
         check_settings(files.out, {**defaults, **json.loads(saved.read_text())}, config_to_dict(cfg), kind="run",
                        ignore=RUNTIME_KEYS, fix="resume with the same config or choose another output_dir")
 

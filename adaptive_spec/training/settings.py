@@ -1,9 +1,11 @@
 """The settings of a training run (`configs/train/*.yaml`, `key=value` overrides): TrainConfig."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Literal
 
+from pydantic import Field
+
+from ..config import Config
 from ..errors import UserError
 from ..heads.head import FEATURES, INPUTS, MAX_DEPTH
 
@@ -13,8 +15,7 @@ RUNTIME_KEYS = {"stop_after_steps", "report_to", "wandb_project", "run_name", "k
                 "draft", "feature_cache", "depths", "w_rejs", "eval_batch_size"}
 
 
-@dataclass
-class TrainConfig:
+class TrainConfig(Config):
     data: str                          # dataset folder written by datagen (manifest.json + shards)
     output_dir: str = "runs/head"      # run folder: log.jsonl, checkpoints/, head/, results.json
     target: Literal[TARGETS] = "accept_prob"        # accept_prob = min(1, p/q) of the sampled token | expected_accept
@@ -51,19 +52,14 @@ class TrainConfig:
     draft_dtype: str = "auto"          # for that draft pass: auto = bf16 on a GPU, fp32 on CPU
     feature_cache: str = ""            # where draft features are cached ("" = <output_dir>/features)
     partial_data: bool = False         # train on the shards written so far of a dataset datagen is still growing
-    depths: list[int] = field(default_factory=list)   # --sweep grid ([] = 0..4)
-    w_rejs: list[float] = field(default_factory=list)  # --sweep grid ([] = 1, 3, 6, 12)
+    depths: list[int] = Field(default_factory=list)   # --sweep grid ([] = 0..4)
+    w_rejs: list[float] = Field(default_factory=list)  # --sweep grid ([] = 1, 3, 6, 12)
 
-    def validate(self):
-        checks = [
-            (self.target in TARGETS, f"target must be one of {', '.join(TARGETS)}"),
-            (self.feature in FEATURES, f"feature must be one of {', '.join(FEATURES)}"),
-            (self.inputs in INPUTS, f"inputs must be one of {', '.join(INPUTS)}"),
+    def validate(self) -> None:
+        checks = [  # each key's own choices are its type's (Literal), refused on construction
             (self.inputs != "stats" or self.feature == "context",
              "inputs=stats reads no hidden state: set feature=context (it scores each candidate with no lag)"),
             (self.ece_bins >= 2, "ece_bins must be >= 2 (10 to 15 is usual)"),
-            (self.mixed_precision in ("auto", "no", "bf16", "fp16"), "mixed_precision must be auto, no, bf16 or fp16"),
-            (self.report_to in ("wandb", "none"), "report_to must be wandb or none"),
             (all(0 <= d <= MAX_DEPTH for d in [self.depth, *self.depths]), f"depths must be in 0..{MAX_DEPTH}"),
             (self.w_rej > 0 and self.w_acc > 0 and all(w > 0 for w in self.w_rejs), "loss weights must be > 0"),
             (self.epochs > 0 and self.batch_size > 0 and self.grad_accum > 0, "epochs, batch_size, grad_accum must be > 0"),

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import dataclasses
 import os
 import shlex
 import sys
@@ -64,9 +63,9 @@ def sweep(cfg: TrainConfig) -> list[dict]:
     rows = []
     for d, w in grid:
         name = f"d{d}_wrej{w:g}"
-        sub = dataclasses.replace(cfg, depth=d, w_rej=float(w), output_dir=str(root / name),
-                                  feature_cache=cfg.feature_cache or str(root / "features"),
-                                  run_name=f"{cfg.run_name or root.name}-{name}")
+        sub = cfg.model_copy(update=dict(depth=d, w_rej=float(w), output_dir=str(root / name),
+                                         feature_cache=cfg.feature_cache or str(root / "features"),
+                                         run_name=f"{cfg.run_name or root.name}-{name}"))
         PartialState().print(f"[sweep] head {name}")
         res = train(sub, resume=True, end_training=False)
         best = res.get("best") or {}

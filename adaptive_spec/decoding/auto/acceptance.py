@@ -80,7 +80,7 @@ def _set_slice(name: str, usage: str) -> list:
 
 def _sampling(head, temperature: float):
     """The sampling the answers are drawn with: the probe's temperature, truncated as the head's data was."""
-    from ...backends.logits import SamplingParams
+    from ...typed import SamplingParams
 
     s = getattr(head, "stats_params", None)
     return SamplingParams(temperature, s.top_k if s is not None else 50, s.top_p if s is not None else 1.0)
