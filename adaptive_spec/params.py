@@ -313,7 +313,8 @@ class PairParams(Params):
         **expecting("none or " + _GGUF + " (llama.cpp)"))
     draft_vocab: str | None = Field(
         None, description="draft output layer keeps the N most frequent tokens (both engines; shipped list for the default "
-        "tokenizer) or those of a list from `adaptive-spec draft-vocab` (N | FILE | FILE:N); default: all",
+        "tokenizer) or those of a list from `adaptive-spec draft-vocab` (N | FILE | FILE:N); default: all (a feature "
+        "drafter: the one it was trained on)",
         **expecting("N >= 1, FILE or FILE:N"))
     # the form only: whether this machine reaches the device is the engine's check (engines.check_device), made
     # where a pair is about to load, so a stored config that names a GPU still reads on a CPU machine

@@ -48,8 +48,8 @@ def parse_args(argv):
     ap.add_argument("--drafts", default="feature,draft", help="which rows to run beside ar: feature (the drafter), "
                     "draft (the draft model); the draft model's rows need no drafter, so they can run first")
     ap.add_argument("--target", default="default")
-    ap.add_argument("--draft-vocab", default=None, help="the drafter's output vocabulary: N | FILE | FILE:N as "
-                    "generate's --draft-vocab (a drafter trained with ce_vocab N reads out best over the same N)")
+    ap.add_argument("--draft-vocab", default=None, help="the drafter's output vocabulary: N | FILE | FILE:N | full "
+                    "as generate's --draft-vocab (default: the one its cross-entropy was trained on)")
     ap.add_argument("--dtype", default="fp32", help="fp32: greedy equality holds exactly; bf16: up to near-ties")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--data", default=None, help="folder of the offline prompt sets (sets ADAPTIVE_SPEC_DATA)")
@@ -83,7 +83,7 @@ def load_pairs(args, feature: bool) -> dict:
     runner behind a HiddenTap with the drafter}: one target in memory, each generation resets the caches it
     uses."""
     from adaptive_spec.decoding.pipeline import SpecPair
-    from adaptive_spec.drafter.source import feature_pair, load_drafter
+    from adaptive_spec.drafter.source import feature_pair, load_drafter, readout_vocab
 
     pair = SpecPair.load(target=args.target, draft=args.draft, dtype=args.dtype, threads=args.threads,
                          backend="torch", device="cpu")
@@ -96,6 +96,7 @@ def load_pairs(args, feature: bool) -> dict:
     from adaptive_spec.backends.vocab import resolve_draft_vocab
 
     drafter = load_drafter(args.drafter, hidden_size=model.config.hidden_size)
+    args.draft_vocab = readout_vocab(drafter, args.draft_vocab)
     kept = resolve_draft_vocab(args.draft_vocab, pair.tokenizer, pair.target.vocab_size)
     tap, runner = feature_pair(pair.target, model, drafter, kept)
     feature = SpecPair(tap, runner, pair.tokenizer, pair.eos_token_ids, pair.engine, pair.params,

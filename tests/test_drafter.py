@@ -400,3 +400,13 @@ def test_a_reduced_readout_reads_the_kept_rows_back_from_a_packed_head_that_rele
     assert torch.equal(readout.weight, want[kept])
     f = torch.randn(3, 24)
     assert torch.equal(readout.logits(f)[:, kept], torch.nn.functional.linear(f, want[kept]))
+
+
+def test_a_drafter_reads_out_over_the_vocabulary_it_was_trained_on_unless_told():
+    """readout_vocab: --draft-vocab where given (full included), else training's ce_vocab, else the whole."""
+    from adaptive_spec.drafter.source import readout_vocab
+
+    d = FeatureDrafter.for_target(tiny_target())
+    assert readout_vocab(d) == "full"
+    d.extra = {"ce_vocab": "32000"}
+    assert readout_vocab(d) == "32000" and readout_vocab(d, "full") == "full" and readout_vocab(d, "8") == "8"

@@ -184,3 +184,11 @@ def test_the_fused_decoder_is_chosen_where_it_pays():
     m.config.hidden_act = "gelu"
     with pytest.raises(UserError, match="--fused true: the fused decoder supports the SiLU MLP only"):
         _fused_for(m, True, "static")
+
+
+def test_draft_vocab_full_names_the_whole_vocabulary():
+    """`--draft-vocab full` (or none) is the default spelled out; control: 0 is still refused."""
+    assert pair_params(draft_vocab="full").draft_vocab == "full"
+    assert pair_params(draft_vocab="none").draft_vocab == "none"
+    with pytest.raises(UserError, match="token count >= 1"):
+        pair_params(draft_vocab="0")

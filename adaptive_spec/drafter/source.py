@@ -207,6 +207,12 @@ def load_drafter(spec: FeatureDraft | str, hidden_size: int | None = None, devic
     return FeatureDrafter.from_pretrained(path, hidden_size=hidden_size, device=device, dtype=dtype)
 
 
+def readout_vocab(drafter: FeatureDrafter, asked=None) -> str:
+    """The vocabulary a drafter reads out over: `--draft-vocab` where given, else the one its cross-entropy was
+    trained on (training's ce_vocab, kept in its config), else the whole."""
+    return str(asked if asked is not None else drafter.extra.get("ce_vocab") or "full")
+
+
 def load_feature_pair(params):
     """The pair `--draft feature:PATH` names (params.draft a FeatureDraft; the torch engine, an unquantized
     draft: the settings' checks): the target's runner behind a HiddenTap, and the drafter over the target's
@@ -228,8 +234,8 @@ def load_feature_pair(params):
         torch.set_num_threads(params.threads)
     target_model, tok = load_model(params.target, "target", params.dtype, device, **params.cpu_kernels())
     target = make_runner(target_model, None, kv_cache, runtime, params.max_cache_len)
-    kept = resolve_draft_vocab(params.draft_vocab, tok, target.vocab_size) if params.draft_vocab is not None else None
     drafter = load_drafter(params.draft, hidden_size=target_model.config.hidden_size)
-    tap, runner = feature_pair(target, target_model, drafter, kept)
-    config = {"draft_quant": "none", "draft_vocab": params.draft_vocab or "full", "drafter": "feature"}
+    vocab = readout_vocab(drafter, params.draft_vocab)
+    tap, runner = feature_pair(target, target_model, drafter, resolve_draft_vocab(vocab, tok, target.vocab_size))
+    config = {"draft_quant": "none", "draft_vocab": vocab, "drafter": "feature"}
     return Loaded(tap, runner, tok, eos_token_ids(tok, target_model), config)
