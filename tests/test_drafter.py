@@ -34,6 +34,16 @@ def tiny_target(vocab=32, seed=2, scale=4.0, hidden=24):
     return make_model(vocab, hidden_size=hidden, layers=2, seed=seed, logit_scale=scale)
 
 
+def state_seqs(model, lengths, seed: int) -> list[dict]:
+    """Random token sequences with the target's own states along them: what drafter/data.py stores."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        ids = torch.randint(0, model.config.vocab_size, (n,), generator=g)
+        out.append({"ids": ids, "hidden": model.base_model(input_ids=ids.view(1, -1)).last_hidden_state[0].detach()})
+    return out
+
+
 def drafter_pair(model, seed=0):
     torch.manual_seed(seed)
     d = FeatureDrafter.for_target(model)
@@ -316,12 +326,7 @@ def test_the_second_drafted_step_reads_the_first_steps_outputs():
     model = tiny_target()
     d = FeatureDrafter.for_target(model, init_from_target=True).float()
     readout = Readout(model)
-    g = torch.Generator().manual_seed(0)
-    seqs = []
-    for n in (7, 5):
-        ids = torch.randint(0, 32, (n,), generator=g)
-        seqs.append({"ids": ids, "hidden": model.base_model(input_ids=ids.view(1, -1)).last_hidden_state[0].detach()})
-    feats, ids, valid = collate(seqs)
+    feats, ids, valid = collate(state_seqs(model, (7, 5), seed=0))
     calls = []
     forward = d.forward
 
@@ -352,11 +357,7 @@ def test_a_reduced_ce_vocabulary_trains_on_the_kept_ids_and_scores_against_the_f
 
     model = tiny_target()
     d = FeatureDrafter.for_target(model, init_from_target=True).float()
-    g = torch.Generator().manual_seed(1)
-    seqs = []
-    for n in (9, 6):
-        ids = torch.randint(0, 32, (n,), generator=g)
-        seqs.append({"ids": ids, "hidden": model.base_model(input_ids=ids.view(1, -1)).last_hidden_state[0].detach()})
+    seqs = state_seqs(model, (9, 6), seed=1)
     feats, ids, valid = collate(seqs)
     cfg = DrafterConfig(data="x")
     full = drafter_loss(d, Readout(model), feats, ids, valid, cfg)[1]
