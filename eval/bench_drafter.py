@@ -83,7 +83,7 @@ def load_pairs(args, feature: bool) -> dict:
     runner behind a HiddenTap with the drafter}: one target in memory, each generation resets the caches it
     uses."""
     from adaptive_spec.decoding.pipeline import SpecPair
-    from adaptive_spec.drafter.source import feature_pair, load_drafter, readout_vocab
+    from adaptive_spec.drafter.source import drafter_over, load_drafter
 
     pair = SpecPair.load(target=args.target, draft=args.draft, dtype=args.dtype, threads=args.threads,
                          backend="torch", device="cpu")
@@ -93,14 +93,10 @@ def load_pairs(args, feature: bool) -> dict:
     if model is None:
         raise UserError(f"the target's runner ({type(pair.target).__name__}) holds no Hugging Face model for the "
                         "drafter to read through; run on a CPU (the eager torch runner)")
-    from adaptive_spec.backends.vocab import resolve_draft_vocab
-
     drafter = load_drafter(args.drafter, hidden_size=model.config.hidden_size)
-    args.draft_vocab = readout_vocab(drafter, args.draft_vocab)
-    kept = resolve_draft_vocab(args.draft_vocab, pair.tokenizer, pair.target.vocab_size)
-    tap, runner = feature_pair(pair.target, model, drafter, kept)
+    tap, runner, vocab = drafter_over(pair.target, model, pair.tokenizer, drafter, args.draft_vocab)
     feature = SpecPair(tap, runner, pair.tokenizer, pair.eos_token_ids, pair.engine, pair.params,
-                       {"drafter": "feature"})
+                       {"drafter": "feature", "draft_vocab": vocab})
     return {"draft model": pair, "feature drafter": feature}
 
 
@@ -149,7 +145,8 @@ def run(args, out: Path, results: Path, done: set) -> dict:
     extra = load_drafter(args.drafter).extra  # its training metadata, for the report, whichever rows ran
     return {"script": f"eval/{Path(__file__).name}", "cpu": flags_line(), "threads": torch.get_num_threads(),
             "dtype": args.dtype, "target": args.target, "draft": args.draft, "drafter": args.drafter,
-            "draft_vocab": args.draft_vocab or "full", "drafter_metrics": extra.get("metrics", {}),
+            "draft_vocab": pairs["feature drafter"].draft_config["draft_vocab"] if "feature drafter" in pairs
+            else "full", "drafter_metrics": extra.get("metrics", {}),
             "max_new_tokens": args.max_new_tokens, "ks": ks,
             "sets": list(sets), "prompts": args.prompts, "drafts": wanted, "tiny": args.tiny}
 

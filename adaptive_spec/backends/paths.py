@@ -52,9 +52,10 @@ def parse_draft_vocab(spec) -> tuple[str, int | None] | None:
 
 def check_draft_vocab_spec(spec: str) -> None:
     """N must be a positive count; a FILE must exist (a ValueError: the typed settings' validators raise it)."""
-    if parse_draft_vocab(spec) is None:  # full / none: the whole vocabulary
+    parsed = parse_draft_vocab(spec)
+    if parsed is None:  # full / none: the whole vocabulary
         return
-    path, n = parse_draft_vocab(spec)
+    path, n = parsed
     if n is not None and n < 1:
         raise ValueError(f"--draft-vocab must be a token count >= 1 or a token-list file, got {spec}")
     if path and not Path(path).is_file():

@@ -213,6 +213,15 @@ def readout_vocab(drafter: FeatureDrafter, asked=None) -> str:
     return str(asked if asked is not None else drafter.extra.get("ce_vocab") or "full")
 
 
+def drafter_over(target_runner, target_model, tok, drafter: FeatureDrafter, asked=None):
+    """(the tapped target, the drafter's runner, the vocabulary it reads out over: readout_vocab)."""
+    from ..backends.vocab import resolve_draft_vocab
+
+    vocab = readout_vocab(drafter, asked)
+    kept = resolve_draft_vocab(vocab, tok, target_runner.vocab_size)
+    return (*feature_pair(target_runner, target_model, drafter, kept), vocab)
+
+
 def load_feature_pair(params):
     """The pair `--draft feature:PATH` names (params.draft a FeatureDraft; the torch engine, an unquantized
     draft: the settings' checks): the target's runner behind a HiddenTap, and the drafter over the target's
@@ -222,7 +231,6 @@ def load_feature_pair(params):
     from ..backends.models import load_model
     from ..backends.runner import resolve_device
     from ..backends.static_runner import make_runner
-    from ..backends.vocab import resolve_draft_vocab
     from ..prompts import eos_token_ids
 
     device = resolve_device(params.device)
@@ -235,7 +243,6 @@ def load_feature_pair(params):
     target_model, tok = load_model(params.target, "target", params.dtype, device, **params.cpu_kernels())
     target = make_runner(target_model, None, kv_cache, runtime, params.max_cache_len)
     drafter = load_drafter(params.draft, hidden_size=target_model.config.hidden_size)
-    vocab = readout_vocab(drafter, params.draft_vocab)
-    tap, runner = feature_pair(target, target_model, drafter, resolve_draft_vocab(vocab, tok, target.vocab_size))
+    tap, runner, vocab = drafter_over(target, target_model, tok, drafter, params.draft_vocab)
     config = {"draft_quant": "none", "draft_vocab": vocab, "drafter": "feature"}
     return Loaded(tap, runner, tok, eos_token_ids(tok, target_model), config)

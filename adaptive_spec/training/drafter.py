@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..backends.paths import check_draft_vocab_spec, parse_draft_vocab
+from ..backends.paths import check_draft_vocab_spec
 from ..config import Config, config_to_dict
 from ..errors import UserError, get_logger
 from ..runs import check_settings, write_json
@@ -91,8 +91,7 @@ class DrafterConfig(Config):
             (self.intermediate_size >= 0, "intermediate_size must be >= 0 (0 = the target's MLP width)"),
         ]
         try:
-            if parse_draft_vocab(self.ce_vocab) is not None:
-                check_draft_vocab_spec(self.ce_vocab)
+            check_draft_vocab_spec(self.ce_vocab)
         except ValueError as e:
             raise UserError(f"invalid drafter training config: ce_vocab: {e} (or full)") from None
         for ok, msg in checks:
@@ -196,9 +195,8 @@ def load_readout(cfg: DrafterConfig, device):
     dropped once the drafter has copied the last one: only the embedding, final norm and LM head stay."""
     from ..backends.models import load_model
     from ..backends.runner import model_fingerprint
-    from ..drafter.model import FeatureDrafter, Readout
-
     from ..backends.vocab import resolve_draft_vocab
+    from ..drafter.model import FeatureDrafter, Readout
 
     model, tok = load_model(cfg.target, "target", cfg.target_dtype, device, pack=False)
     fp = model_fingerprint(model)
