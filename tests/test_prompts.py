@@ -91,7 +91,7 @@ def test_sharegpt_code_is_the_filtered_sharegpt(tmp_path, monkeypatch):
     monkeypatch.setenv("ADAPTIVE_SPEC_DATA_CACHE", str(tmp_path))
     (tmp_path / "sharegpt").mkdir()
     turns = ["hello there", "Write a bash script that renames files", "def f(x):\n    return x  # why slow?"]
-    (tmp_path / "sharegpt" / "sharegpt_first_turns.jsonl").write_text(
+    (tmp_path / "sharegpt" / "sharegpt_first_exchanges.jsonl").write_text(
         "".join(json.dumps({"id": str(i), "prompt": t}) + "\n" for i, t in enumerate(turns)))
     assert prompts.prompt_texts("sharegpt") == turns
     assert prompts.prompt_texts("sharegpt-code") == turns[1:]
@@ -137,6 +137,26 @@ def test_real_code_sets_from_pypi(tmp_path, monkeypatch):
     assert len(mbpp) == 397 and all(t.lstrip().startswith(("def ", "from typing")) for t in mbpp)
     code, every = prompts.prompt_texts("sharegpt-code"), prompts.prompt_texts("sharegpt")
     assert 1800 <= len(code) <= 0.3 * len(every)  # 2,109 of 17,382: a filter, not everything
+    pairs = prompts.reference_pairs("sharegpt-code")
+    assert len(pairs) > 0.9 * len(code) and all(a.strip() for _, a in pairs)  # the reply after each first turn
+
+
+def test_reference_pairs_read_each_sets_answer_and_refuse_the_benchmarks(tmp_path, monkeypatch):
+    monkeypatch.setenv("ADAPTIVE_SPEC_DATA_CACHE", str(tmp_path))
+    (tmp_path / "sharegpt").mkdir()
+    rows = [{"id": "0", "prompt": "hi", "answer": "hello"}, {"id": "1", "prompt": "Write a bash script", "answer": None}]
+    (tmp_path / "sharegpt" / "sharegpt_first_exchanges.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert prompts.reference_pairs("sharegpt") == [("hi", "hello")]
+    with pytest.raises(UserError, match="no records with both 'prompt' and 'answer'"):
+        prompts.reference_pairs("sharegpt-code")
+    local = tmp_path / "qa.jsonl"
+    local.write_text(json.dumps({"question": "q", "response": "r"}) + "\n")
+    assert prompts.reference_pairs(str(local)) == [("q", "r")]
+    local.write_text(json.dumps({"question": "q", "notes": "r"}) + "\n")
+    with pytest.raises(UserError, match="no reference answers.*its fields are: question, notes"):
+        prompts.reference_pairs(str(local))
+    with pytest.raises(UserError, match="benchmarks' prompts"):
+        prompts.reference_pairs("humaneval")
 
 
 def test_the_edit_set_ships_with_the_package_and_asks_for_the_code_back():

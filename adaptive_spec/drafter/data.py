@@ -13,6 +13,10 @@ the drafter drafts responses, and a long prompt would otherwise fill the data wi
         resp_starts [S] int32     where each sequence's response starts
         hidden      [N, H] bf16   the target's final hidden state (after its final norm) at each position
 
+Reference answers (build_references) add text the target did not write: the named sets' (prompt, answer)
+pairs (prompts.reference_pairs) whose prompts the datagen folder does not hold, in a folder of their own with
+the same layout, training sequences only. The dev sequences stay the target's own responses.
+
 A shard is written atomically and is the unit of resume: rerunning the same call skips the shards that exist
 (the manifest is rebuilt from the folder after each one), and a folder made with other settings is refused.
 The target runs once per sequence, in bf16 on a CPU with bf16 kernels (backends/cpu.py), else in fp32.
@@ -34,6 +38,7 @@ log = get_logger(__name__)
 
 FORMAT = "adaptive_spec.drafter_data.v1"
 SPLITS = ("train", "dev")
+KEY_TOKENS = 32  # a prompt is known by its last KEY_TOKENS ids: robust to datagen cutting long prompts at the left
 _META = "adaptive_spec.drafter_data"
 
 
@@ -117,23 +122,93 @@ def build(source: str | Path, out_dir: str | Path, load_target, settings: dict, 
     out_dir, source = Path(out_dir), Path(source)
     settings = {**settings, "source": str(source), "prompt_tail": prompt_tail, "max_len": max_len,
                 "max_seqs": {s: max_seqs.get(s, 0) for s in SPLITS}}
+    old = _check_folder(out_dir, settings)
+    if old is not None and old.get("complete"):
+        return old
+    todo = plan(source, max_seqs)
+    jobs = [(split, k, n, lambda f=f, n=n: sequences(load_file(str(source / f)), n, prompt_tail, max_len))
+            for split, shards in todo.items() for k, (f, n) in enumerate(shards)]
+    return _fill(out_dir, jobs, load_target, settings, old, progress, stop_after)
+
+
+def prompt_keys(source: str | Path) -> set[tuple[int, ...]]:
+    """The last KEY_TOKENS ids of every prompt a datagen folder holds (all splits): what a reference answer's
+    prompt is matched against, so that no dev prompt and no prompt already there comes back as a reference."""
+    keys = set()
+    man = read_manifest(source, hint="point `data` at a folder written by `adaptive-spec datagen`")
+    for entry in (man.get("splits") or {}).values():
+        for sh in (entry or {}).get("shards", []):
+            t = load_file(str(Path(source) / sh["file"]))
+            off, lens = t["input_offsets"].tolist(), t["prompt_lens"].tolist()
+            keys.update(tuple(t["input_ids"][a: a + p][-KEY_TOKENS:].tolist()) for a, p in zip(off, lens))
+    return keys
+
+
+def reference_sequences(tok, references: dict[str, int], exclude: set, prompt_tail: int,
+                        max_len: int) -> list[tuple[torch.Tensor, int]]:
+    """(ids, response start) of the first n (prompt, reference answer) pairs of each named set (prompts.
+    reference_pairs) whose prompt is neither in `exclude` nor taken already, tokenized as one chat exchange and
+    cut as datagen's sequences are."""
+    from ..prompts import answer_ids, encode_prompt, reference_pairs
+
+    out, seen = [], set(exclude)
+    for name, n in references.items():
+        got = 0
+        for prompt, answer in reference_pairs(name):
+            if got == n:
+                break
+            p = encode_prompt(tok, prompt, chat=True)
+            if tuple(p[-KEY_TOKENS:]) in seen:
+                continue
+            seen.add(tuple(p[-KEY_TOKENS:]))
+            keep = min(len(p), prompt_tail)
+            out.append((torch.tensor(p[len(p) - keep:] + answer_ids(tok, prompt, answer), dtype=torch.long)[:max_len],
+                        keep))
+            got += 1
+        if got < n:
+            raise UserError(f"references: {name!r} has {got} usable (prompt, answer) pairs outside the datagen "
+                            f"data, fewer than the {n} asked; ask for at most {got}")
+    return out
+
+
+def build_references(source: str | Path, out_dir: str | Path, load_target, load_tokenizer, settings: dict,
+                     references: dict[str, int], prompt_tail: int = 128, max_len: int = 512, per_shard: int = 64,
+                     progress: bool = True, stop_after: int = 0) -> dict:
+    """The target's states along reference answers (reference_sequences) into out_dir, as training shards of
+    per_shard sequences each; same contract as `build` (resumable, settings checked, a manifest)."""
+    out_dir = Path(out_dir)
+    settings = {**settings, "references": dict(references), "excluding": str(source), "prompt_tail": prompt_tail,
+                "max_len": max_len, "per_shard": per_shard}
+    old = _check_folder(out_dir, settings)
+    if old is not None and old.get("complete"):
+        return old
+    seqs = reference_sequences(load_tokenizer(), references, prompt_keys(source), prompt_tail, max_len)
+    chunks = [seqs[i: i + per_shard] for i in range(0, len(seqs), per_shard)]
+    jobs = [("train", k, len(c), lambda c=c: c) for k, c in enumerate(chunks)]
+    return _fill(out_dir, jobs, load_target, settings, old, progress, stop_after)
+
+
+def _check_folder(out_dir: Path, settings: dict) -> dict | None:
     old = read_manifest(out_dir, required=False)
     if old is not None:
         check_settings(out_dir, old.get("settings", {}), settings, kind="hidden-state set",
                        fix="rerun with the settings it was made with, or choose another folder")
-        if old.get("complete"):
-            return old
-    todo = plan(source, max_seqs)
-    missing = [(s, k, f, n) for s, shards in todo.items() for k, (f, n) in enumerate(shards)
-               if not (out_dir / shard_name(s, k)).is_file()]
-    model, target = (None, old["target"]) if old is not None else (None, None)
+    return old
+
+
+def _fill(out_dir: Path, jobs: list, load_target, settings: dict, old: dict | None, progress: bool,
+          stop_after: int) -> dict:
+    """Write each job's shard (split, k, n sequences, a function giving them) that out_dir lacks."""
+    todo = {s: [None] * sum(1 for j in jobs if j[0] == s) for s in SPLITS}
+    missing = [j for j in jobs if not (out_dir / shard_name(j[0], j[1])).is_file()]
+    model, target = None, old["target"] if old is not None else None
     out_dir.mkdir(parents=True, exist_ok=True)
-    with tqdm(total=sum(n for *_, n in missing), unit="seq", disable=not progress, desc="target states") as bar:
-        for i, (split, k, f, n) in enumerate(missing):
+    with tqdm(total=sum(j[2] for j in missing), unit="seq", disable=not progress, desc="target states") as bar:
+        for i, (split, k, _, get) in enumerate(missing):
             if model is None:
                 model, target = load_target()
                 write_json(out_dir / "manifest.json", folder_manifest(out_dir, settings, target, todo))
-            seqs = sequences(load_file(str(source / f)), n, prompt_tail, max_len)
+            seqs = get()
             hidden = []
             for ids, _ in seqs:
                 hidden.append(target_states(model, ids))

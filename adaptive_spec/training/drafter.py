@@ -57,6 +57,7 @@ class DrafterConfig(Config):
     noise: float = 0.1                 # uniform noise U(-noise, noise) on the input states
     rollout: int = 1                   # drafted steps trained: 2 also trains on the drafter's own f^ input
     ce_vocab: str = "full"             # the cross-entropy's vocabulary: full, or N | FILE | FILE:N as --draft-vocab
+    references: dict[str, int] = {}    # {prompt set: n}: also train on n reference answers of each (sharegpt, ...)
     epochs: int = 1
     batch_size: int = 4                # sequences per optimizer step, summed over processes and accumulation
     grad_accum: int = 1
@@ -90,6 +91,11 @@ class DrafterConfig(Config):
             (self.rollout in (1, 2), "rollout must be 1 (EAGLE's loss) or 2 (also the second drafted step)"),
             (self.intermediate_size >= 0, "intermediate_size must be >= 0 (0 = the target's MLP width)"),
         ]
+        from ..prompts import EVAL_SETS
+
+        checks += [(n > 0, f"references: {name} must ask for n > 0 answers") for name, n in self.references.items()]
+        checks += [(name not in EVAL_SETS, f"references: {name} holds the benchmarks' prompts; use a training set "
+                    "(sharegpt, sharegpt-code, gsm8k-train) or a local file") for name in self.references]
         try:
             check_draft_vocab_spec(self.ce_vocab)
         except ValueError as e:
@@ -171,23 +177,36 @@ def drafter_loss(drafter, readout, feats, ids, valid, cfg: DrafterConfig, noise:
 # ----------------------------------------------------------------------------- data and models
 
 def build_states(cfg: DrafterConfig, progress: bool = True, stop_after: int = 0) -> Path:
-    """The target's states along the config's sequences (drafter/data.py), computed where missing."""
+    """The target's states along the config's sequences (drafter/data.py), computed where missing; those
+    along reference answers go to <states>/references."""
     from ..backends.models import load_model
     from ..backends.runner import model_fingerprint
     from ..drafter import data
 
-    out = Path(cfg.states_dir or Path(cfg.output_dir) / "states")
+    out = states_folder(cfg)
+    loaded = {}
 
-    def load_target():
-        model, _ = load_model(cfg.target, "target", cfg.target_dtype, "cpu" if not torch.cuda.is_available()
-                              else None, pack=True, fp16=False)
-        return model, {"name": cfg.target, "hidden_size": model.config.hidden_size,
-                       "fingerprint": model_fingerprint(model)}
+    def load():
+        if not loaded:
+            model, tok = load_model(cfg.target, "target", cfg.target_dtype, "cpu" if not torch.cuda.is_available()
+                                    else None, pack=True, fp16=False)
+            loaded.update(model=model, tok=tok, target={"name": cfg.target, "hidden_size": model.config.hidden_size,
+                                                        "fingerprint": model_fingerprint(model)})
+        return loaded
 
-    data.build(cfg.data, out, load_target, {"target": cfg.target, "target_dtype": cfg.target_dtype},
+    settings = {"target": cfg.target, "target_dtype": cfg.target_dtype}
+    data.build(cfg.data, out, lambda: (load()["model"], load()["target"]), settings,
                {"train": cfg.max_train_seqs, "dev": cfg.max_dev_seqs}, cfg.prompt_tail, cfg.max_len,
                progress=progress, stop_after=stop_after)
+    if cfg.references:
+        data.build_references(cfg.data, out / "references", lambda: (load()["model"], load()["target"]),
+                              lambda: load()["tok"], settings, cfg.references, cfg.prompt_tail, cfg.max_len,
+                              progress=progress, stop_after=stop_after)
     return out
+
+
+def states_folder(cfg: DrafterConfig) -> Path:
+    return Path(cfg.states_dir or Path(cfg.output_dir) / "states")
 
 
 def load_readout(cfg: DrafterConfig, device):
@@ -226,8 +245,10 @@ def train_drafter(cfg: DrafterConfig, resume: bool = False) -> dict:
     if acc.is_main_process:
         build_states(cfg)
     acc.wait_for_everyone()
-    states = Path(cfg.states_dir or Path(cfg.output_dir) / "states")
+    states = states_folder(cfg)
     train_set, dev_set = data.load_split(states, "train"), data.load_split(states, "dev")
+    refs = data.load_split(states / "references", "train") if cfg.references else []
+    train_set += refs
     set_seed(cfg.seed)
     readout, drafter, fp = load_readout(cfg, acc.device)
     micro = cfg.batch_size // (acc.num_processes * cfg.grad_accum)
@@ -245,7 +266,8 @@ def train_drafter(cfg: DrafterConfig, resume: bool = False) -> dict:
     acc.register_for_checkpointing(sched)
     state = _restore(acc, files, cfg, resume)
     _trackers(acc, cfg, files.out)
-    meta = {"dataset": cfg.data, "target_fingerprint": fp, "n_train_seqs": len(train_set), "epochs": cfg.epochs,
+    meta = {"dataset": cfg.data, "target_fingerprint": fp, "n_train_seqs": len(train_set),
+            "n_reference_seqs": len(refs), "epochs": cfg.epochs,
             "lr": cfg.lr, "feature_weight": cfg.feature_weight, "ce_weight": cfg.ce_weight, "ce_vocab": cfg.ce_vocab}
     run = (cfg, acc, files, model, readout, dev_set or train_set[: max(1, len(train_set) // 8)], meta)
     if state["step"] == 0:
