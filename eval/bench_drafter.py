@@ -7,11 +7,15 @@ benchmarks encode them): the target alone (ar), then fixed K for each K of --ks 
 new tokens over the target's passes as the decoder counts them (Metrics.n_target_forwards: the target alone
 scores 1.00), pooled over a set's prompts. Greedy speculative output must equal the target alone's token for
 token: exactly in fp32; in bf16 a K + 1-row pass and a 1-row step may round a near-tie apart, after which the
-outputs differ. The report counts the rows that differ and where. Nothing is timed: the counts do not depend
-on the cores' load, so this runs beside other work.
+outputs differ. The report counts the rows that differ and where. Without --timed nothing is timed: the
+counts do not depend on the cores' load, so this runs beside other work. --timed also times every row and adds
+the target alone on llama.cpp (its GGUF as it is: the CPU user's fastest plain decode) to each prompt, so the
+speeds are ratios measured side by side, prompt by prompt, in one run; a timed run shares the cores with nothing.
 
     python eval/bench_drafter.py --out eval/results/drafter_tau_<cpu>    # ADAPTIVE_SPEC_DATA or --data for
                                                                          # GSM8K and AlpacaEval
+    python eval/bench_drafter.py --timed --ks 3 --out eval/results/drafter_speed_<cpu>  # tokens/s beside
+                                                                         # torch and llama.cpp alone
     python eval/bench_drafter.py --tiny --prompts 2 --max-new-tokens 16 --out /tmp/t   # smoke test
 
 Resumable: each row goes to <out>/results.jsonl as it finishes (paired.record); a rerun skips the rows it has,
@@ -28,7 +32,7 @@ from pathlib import Path
 import torch
 
 from adaptive_spec.errors import UserError, run_main
-from adaptive_spec.evaluation.paired import record, run_header, start
+from adaptive_spec.evaluation.paired import pooled_tok_s, record, run_header, start
 from adaptive_spec.runs import read_jsonl
 from adaptive_spec.tables import md_table
 
@@ -53,6 +57,8 @@ def parse_args(argv):
     ap.add_argument("--dtype", default="fp32", help="fp32: greedy equality holds exactly; bf16: up to near-ties")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--data", default=None, help="folder of the offline prompt sets (sets ADAPTIVE_SPEC_DATA)")
+    ap.add_argument("--timed", action="store_true", help="time every row and add the target alone on llama.cpp "
+                    "(needs llama-cpp-python; run alone on the cores)")
     ap.add_argument("--tiny", action="store_true", help="tiny random models and a random drafter (smoke test)")
     ap.add_argument("--out", default="eval/results/drafter_tau")
     ap.add_argument("--report-only", action="store_true", help="run nothing: the report of the rows <out> holds")
@@ -87,8 +93,11 @@ def load_pairs(args, feature: bool) -> dict:
 
     pair = SpecPair.load(target=args.target, draft=args.draft, dtype=args.dtype, threads=args.threads,
                          backend="torch", device="cpu")
+    pairs = {"draft model": pair}
+    if args.timed and not args.tiny:  # the tiny models have no GGUF files
+        pairs["llama.cpp"] = SpecPair.load(target=args.target, draft=None, threads=args.threads, backend="llama.cpp")
     if not feature:
-        return {"draft model": pair}
+        return pairs
     model = getattr(pair.target, "model", None)
     if model is None:
         raise UserError(f"the target's runner ({type(pair.target).__name__}) holds no Hugging Face model for the "
@@ -97,7 +106,7 @@ def load_pairs(args, feature: bool) -> dict:
     tap, runner, vocab = drafter_over(pair.target, model, pair.tokenizer, drafter, args.draft_vocab)
     feature = SpecPair(tap, runner, pair.tokenizer, pair.eos_token_ids, pair.engine, pair.params,
                        {"drafter": "feature", "draft_vocab": vocab})
-    return {"draft model": pair, "feature drafter": feature}
+    return {**pairs, "feature drafter": feature}
 
 
 def prompt_ids(pair, args) -> dict:
@@ -111,13 +120,16 @@ def prompt_ids(pair, args) -> dict:
     return out
 
 
-def measure(pair, ids, k: int | None, n: int) -> dict:
+def measure(pair, ids, k: int | None, n: int, timed: bool = False) -> dict:
     g = pair.generate(ids, policy="ar" if k is None else "fixed", temperature=0, max_new_tokens=n,
                       **({} if k is None else {"k": k}))
     m = g.metrics
-    return {"n_tokens": m.n_tokens, "n_target_forwards": m.n_target_forwards, "n_drafted": m.n_drafted,
-            "n_accepted": m.n_accepted, "accepted_hist": {str(a): c for a, c in m.accepted_hist.items()},
-            "threads": torch.get_num_threads(), "token_ids": list(g.token_ids)}
+    row = {"n_tokens": m.n_tokens, "n_target_forwards": m.n_target_forwards, "n_drafted": m.n_drafted,
+           "n_accepted": m.n_accepted, "accepted_hist": {str(a): c for a, c in m.accepted_hist.items()},
+           "threads": torch.get_num_threads(), "token_ids": list(g.token_ids)}
+    if timed:  # decode_s leaves the prompt's prefill out, as the engine benchmarks do
+        row.update(wall_s=m.wall_s, prefill_s=m.prefill_s, decode_s=m.wall_s - m.prefill_s)
+    return row
 
 
 def run(args, out: Path, results: Path, done: set) -> dict:
@@ -135,20 +147,26 @@ def run(args, out: Path, results: Path, done: set) -> dict:
     # prompt i of every set before prompt i + 1 of any: a run cut short still covers every set
     order = sorted(((i, name, ids) for name, prompts in sets.items() for i, ids in enumerate(prompts)),
                    key=lambda t: t[0])
+    if args.timed:  # one short generation per configuration first: first calls pay one-time set-up
+        for label in [x for x in pairs if x not in wanted] + wanted:
+            pairs[label].generate(order[0][2], policy="ar" if label == "llama.cpp" else "fixed", temperature=0,
+                                  max_new_tokens=8, **({} if label == "llama.cpp" else {"k": ks[0]}))
     for i, name, ids in order:
         configs = [("ar", pairs["draft model"], None)] + [
             (f"{label} K={k}", pairs[label], k) for label in wanted for k in ks]
+        configs += [("llama.cpp ar", pairs["llama.cpp"], None)] if "llama.cpp" in pairs else []
         for config, pair, k in configs:
-            record(results, done, {"dataset": name, "prompt_idx": i, "temperature": 0.0, "engine": "torch",
+            record(results, done, {"dataset": name, "prompt_idx": i, "temperature": 0.0,
+                                   "engine": "llama.cpp" if config == "llama.cpp ar" else "torch",
                                    "config": config, "prompt_tokens": len(ids)},
-                   lambda pair=pair, ids=ids, k=k: measure(pair, ids, k, args.max_new_tokens))
+                   lambda pair=pair, ids=ids, k=k: measure(pair, ids, k, args.max_new_tokens, args.timed))
     extra = load_drafter(args.drafter).extra  # its training metadata, for the report, whichever rows ran
     return {"script": f"eval/{Path(__file__).name}", "cpu": flags_line(), "threads": torch.get_num_threads(),
             "dtype": args.dtype, "target": args.target, "draft": args.draft, "drafter": args.drafter,
             "draft_vocab": pairs["feature drafter"].draft_config["draft_vocab"] if "feature drafter" in pairs
             else "full", "drafter_metrics": extra.get("metrics", {}),
             "max_new_tokens": args.max_new_tokens, "ks": ks,
-            "sets": list(sets), "prompts": args.prompts, "drafts": wanted, "tiny": args.tiny}
+            "sets": list(sets), "prompts": args.prompts, "drafts": wanted, "tiny": args.tiny, "timed": args.timed}
 
 
 def _main(argv) -> int:
@@ -199,7 +217,7 @@ def report(rows: list[dict], run: dict) -> str:
              f"Draft model: `{run['draft']}`. Target: `{run['target']}`. "
              "tau: new tokens over the target's passes (the decoder's count: the target alone scores 1.00), "
              "pooled over a set's prompts; acceptance: accepted over drafted tokens. Fixed K, chains, "
-             f"{run['threads']} threads; nothing timed.", ""]
+             f"{run['threads']} threads; " + ("timed, alone on the cores." if run.get("timed") else "nothing timed."), ""]
     head = ["set", "prompts", "K", "feature drafter tau", "acceptance", "draft model tau", "acceptance"]
     table, every = [], defaultdict(list)
     for ds, idx in prompts.items():
@@ -214,13 +232,35 @@ def report(rows: list[dict], run: dict) -> str:
             feat, draft = ([r for part in every[k] for r in part[j]] for j in (1, 2))
             table.append(["all", str(sum(part[0] for part in every[k])), str(k), *_pooled(feat), *_pooled(draft)])
     lines += [md_table(head, table), ""] if table else ["No prompt has both drafts' rows at some K yet.", ""]
-    lines += _equality(rows, by) + [f"Written {run['written']} by `python eval/bench_drafter.py`."]
+    lines += _speed(rows, prompts) + _equality(rows, by) + [f"Written {run['written']} by `python eval/bench_drafter.py`."]
     return "\n".join(lines) + "\n"
+
+
+def _speed(rows: list[dict], prompts: dict) -> list[str]:
+    """Decode tokens/s per configuration (prefill left out), pooled over the prompts that ran every timed
+    configuration, with its ratio to the target alone on torch and on llama.cpp: --timed runs only."""
+    timed = [r for r in rows if "decode_s" in r]
+    configs = list(dict.fromkeys(r["config"] for r in timed))
+    have = defaultdict(set)
+    for r in timed:
+        have[(r["dataset"], r["prompt_idx"])].add(r["config"])
+    full = {key for key, got in have.items() if got == set(configs)}
+    if not full or "ar" not in configs:
+        return []
+    speed = {c: pooled_tok_s([r for r in timed if r["config"] == c and (r["dataset"], r["prompt_idx"]) in full])
+             for c in configs}
+    base = {"torch": speed["ar"], "llama.cpp": speed.get("llama.cpp ar")}
+    table = [[c, f"{speed[c]:.2f}", f"{speed[c] / base['torch']:.2f}",
+              f"{speed[c] / base['llama.cpp']:.2f}" if base["llama.cpp"] else "—"] for c in configs]
+    return [f"Decode speed (tokens/s without the prompt's prefill), pooled over the {len(full)} prompts that ran "
+            "every configuration, back to back per prompt:", "",
+            md_table(["configuration", "tok/s", "vs torch alone", "vs llama.cpp alone"], table), ""]
 
 
 def _equality(rows: list[dict], by: dict) -> list[str]:
     """Greedy equality with the target alone: every speculative row against its prompt's ar row."""
-    spec = [r for r in rows if r["config"] != "ar" and (r["dataset"], r["prompt_idx"], "ar") in by]
+    spec = [r for r in rows if r["config"] not in ("ar", "llama.cpp ar")  # llama.cpp: other numerics
+            and (r["dataset"], r["prompt_idx"], "ar") in by]
     bad = [(r, _first_diff(r["token_ids"], by[(r["dataset"], r["prompt_idx"], "ar")]["token_ids"])) for r in spec
            if r["token_ids"] != by[(r["dataset"], r["prompt_idx"], "ar")]["token_ids"]]
     out = [f"Greedy equality: {len(spec) - len(bad)} of {len(spec)} speculative outputs equal the target alone's "

@@ -63,6 +63,26 @@ def test_bench_drafter_counts_tau_checks_greedy_equality_and_regenerates(tmp_pat
     assert "Greedy equality: 7 of 8" in md and f"| HumanEval | 0 | {bad['config']} | 5 | 12 |" in md
 
 
+def test_bench_drafter_timed_reports_speeds_as_ratios_to_the_target_alone(tmp_path):
+    """--timed records each row's decode time and the report pools tokens/s per configuration over the prompts
+    that ran them all; halving one configuration's times doubles its ratio (the control: the table reads the
+    rows). The tiny models have no GGUF, so no llama.cpp row: its column says so."""
+    mod, out = script("bench_drafter"), tmp_path / "run"
+    assert mod.main(["--tiny", "--timed", "--prompts", "2", "--max-new-tokens", "8", "--ks", "2", "--drafts",
+                     "feature", "--out", str(out)]) == 0
+    rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert {r["config"] for r in rows} == {"ar", "feature drafter K=2"} and all(r["decode_s"] > 0 for r in rows)
+    md = (out / "report.md").read_text()
+    assert "pooled over the 2 prompts" in md and "| ar | " in md and "| 1.00 | — |" in md
+    ratio = lambda text: float(next(ln for ln in text.splitlines() if ln.startswith("| feature drafter K=2 | "))
+                               .split("|")[3])  # noqa: E731
+    before = ratio(md)
+    fast = [dict(r, decode_s=r["decode_s"] / 2) if r["config"] != "ar" else r for r in rows]
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in fast))
+    assert mod.main(["--report-only", "--out", str(out)]) == 0
+    assert ratio((out / "report.md").read_text()) == pytest.approx(2 * before, rel=0.02)
+
+
 def test_bench_llama_step_times_every_row_and_the_report_reads_them(tmp_path):
     """--tiny on tiny GGUF files: every row of the probe's one-row step is timed each round (the old cell, the
     decode's loop, the decoder's own runs and the cause rows), and the report regenerates from the folder alone;
