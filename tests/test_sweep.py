@@ -155,19 +155,25 @@ def test_out_dir_settings_guard(tmp_path):
     out = tmp_path / "o"
     out.mkdir()
     settings = {"temperature": 1.0, "draft": "d"}
-    sweep_files.check_out_dir(out, settings, overwrite=False)  # empty: fine
+
+    def claim(settings, overwrite):
+        lock = sweep_files.claim_out_dir(out, settings, overwrite)
+        if lock is not None:  # released for the next claim
+            lock.close()
+
+    claim(settings, overwrite=False)  # empty: fine
     (out / "settings.json").write_text(json.dumps({"settings": settings}))
     (out / "results.jsonl").write_text('{"config": "ar"}\n')
-    sweep_files.check_out_dir(out, dict(settings), overwrite=False)  # same settings: resumed, kept
-    sweep_files.check_out_dir(out, dict(settings), overwrite=True)
+    claim(dict(settings), overwrite=False)  # same settings: resumed, kept
+    claim(dict(settings), overwrite=True)
     assert (out / "results.jsonl").is_file()
     with pytest.raises(UserError, match=r"other settings \(temperature: 1.0 -> 0.0\)"):
-        sweep_files.check_out_dir(out, {**settings, "temperature": 0.0}, overwrite=False)
-    sweep_files.check_out_dir(out, {**settings, "temperature": 0.0}, overwrite=True)  # discarded
+        claim({**settings, "temperature": 0.0}, overwrite=False)
+    claim({**settings, "temperature": 0.0}, overwrite=True)  # discarded
     assert not (out / "results.jsonl").exists() and not (out / "settings.json").exists()
     (out / "results.jsonl").write_text('{"config": "ar"}\n')  # results of unknown settings
     with pytest.raises(UserError, match="without settings.json"):
-        sweep_files.check_out_dir(out, settings, overwrite=False)
+        claim(settings, overwrite=False)
 
 
 def test_cli_error_is_one_line(inputs, tmp_path, capsys):
@@ -455,7 +461,7 @@ def test_a_drafts_axis_runs_each_draft_configuration_against_one_target(inputs, 
         mp.setattr(sweep, "load_pairs", lambda *a: built.append(real_pairs(*a)) or built[-1])
         assert sweep.main(argv) == 0
     assert len(loads) == 2 and list(built[0]) == drafts
-    pairs = [p for p, _ in built[0].values()]
+    pairs = list(built[0].values())
     assert all(p.target is loads[0].target for p in pairs) and pairs[1].draft is loads[1].draft
     rows = read_rows(out)
     per_prompt = {"ar", "ngram:k=2:ngram_min=1"} | {f"{c}@{d}" for c in ("draft_ar", "fixed:k=1", "fixed:k=2")

@@ -89,7 +89,7 @@ def run(cfg: SweepConfig) -> Path:
     note(*plan.notes)
     folder = SweepFolder.open(plan.folder)
     pairs = load_pairs(plan.pairs, plan.heads)
-    first = next(iter(pairs.values()))[0]  # every pair shares its target
+    first = next(iter(pairs.values()))  # every pair shares its target
     if plan.hf_assisted:
         note(hf_schedule_note(first.draft.model))
     selected, cal_prompts = plan.prompts.choose(first, note)

@@ -52,12 +52,13 @@ def calibrate(pairs: dict, need: Measures, prompts: list, folder: SweepFolder, n
         if not prompts:
             raise UserError("no prompt is left to calibrate the tree policies on: every prompt that fits is "
                             "evaluated; lower n_prompts or add a dataset with more prompts")
-        pair = next(iter(pairs.values()))[0]
+        pair = next(iter(pairs.values()))
         settings = {"sweep": folder.hash, "width": need.width, "prompts": [prompt_sha(t) for _, t, _ in prompts],
                     "vocab_size": pair.target.vocab_size}
         ids = [ids for _, _, ids in prompts]
         cal = load_or_calibrate(folder.path / TREE_CALIBRATION, settings, need.methods, lambda m: measure_rates(
-            pair, ids, need.sampling, need.max_new_tokens, m, need.width, progress=need.progress), folder.path / RESULTS)
+            pair, ids, need.sampling, need.max_new_tokens, m, need.width, progress=need.progress),
+            folder.path / RESULTS)
         rates, calibration = {m: cal[m]["cond_rates"] for m in need.methods}, settings_hash(settings)
         note(*(f"tree acceptance rates c_i ({m}, {len(prompts)} calibration prompts): "
                f"{[round(c, 3) for c in rates[m][:6]]}" for m in need.methods))
@@ -72,7 +73,7 @@ def _pin_costs(pairs: dict, out: Path, note):
     out/costs.json: a resumed sweep reuses it, so its auto rows mean the same before and after an interruption;
     a `drafts` entry other than the first pins its own (costs@ENTRY.json). Returns the first pair's."""
     pinned = []
-    for draft, (pair, _) in pairs.items():
+    for draft, pair in pairs.items():
         name = COSTS if not pinned else f"costs@{draft.replace(':', '-')}.json"
         # on the threads the decode has (the engine's decode_torch_threads), as generate's auto measures:
         # one measurement, one cache key, per machine

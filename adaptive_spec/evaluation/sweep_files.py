@@ -35,9 +35,12 @@ COSTS = "costs.json"
 RUN_FILES = (RESULTS, "settings.json", "config.json", "heads.json", "prompts.json", TREE_CALIBRATION, COSTS)
 
 
-def check_out_dir(out: Path, settings: dict, overwrite: bool):
-    """Refuse to mix results of different settings in one out_dir; with `overwrite`, discard results of
-    other (or unknown) settings instead. Results of the same settings are always resumed."""
+def claim_out_dir(out: Path, settings: dict, overwrite: bool):
+    """Make the out_dir and lock it for this process (the lock, held until it exits or is closed, is returned);
+    refuse to mix results of different settings in it, or with `overwrite` discard results of other (or unknown)
+    settings instead. Results of the same settings are always resumed."""
+    out.mkdir(parents=True, exist_ok=True)
+    lock = lock_dir(out, "sweep")  # before anything is read: another sweep may be writing there
     saved = read_json(out / "settings.json", required=False, hint="delete it, or use another out_dir")
     rfile = out / RESULTS
     if saved is not None:
@@ -47,14 +50,17 @@ def check_out_dir(out: Path, settings: dict, overwrite: bool):
     else:
         problem = None
     if problem is None:
-        return
+        return lock
     if not overwrite:
+        if lock is not None:
+            lock.close()
         raise UserError(f"{problem}; use another out_dir, or overwrite=true to discard them")
     print(f"note: {problem}; overwrite=true: discarding them", file=sys.stderr)
     for name in RUN_FILES:
         (out / name).unlink(missing_ok=True)
     for pin in out.glob("costs@*.json"):  # the other drafts entries' pinned costs (sweep_calibration)
         pin.unlink()
+    return lock
 
 
 def prompt_sha(text) -> str:
@@ -95,16 +101,12 @@ class SweepFolder:
 
     @classmethod
     def open(cls, plan: FolderPlan) -> SweepFolder:
-        """The out_dir made and locked; results of other settings found there are refused, or with overwrite
-        discarded (check_out_dir)."""
-        plan.path.mkdir(parents=True, exist_ok=True)
-        lock = lock_dir(plan.path, "sweep")
-        check_out_dir(plan.path, plan.settings, plan.overwrite)
-        return cls(plan, lock)
+        """The out_dir made and claimed for this process (claim_out_dir)."""
+        return cls(plan, claim_out_dir(plan.path, plan.settings, plan.overwrite))
 
     def start(self, grid: list[Configuration], selected: dict, notes: list[str], pairs: dict) -> tuple[list[Job], int]:
         """Write settings.json, heads.json, prompts.json (`selected`: dataset -> [(i, text, ids)]) and config.json
-        (the config, the grid, `notes` and what runs it: `pairs`, drafts entry -> (pair, _), the first's models
+        (the config, the grid, `notes` and what runs it: `pairs`, drafts entry -> pair, the first's models
         a trace names); return the runs not yet in results.jsonl and the number of runs in all. Prompt-major and
         round-robin over datasets: a sweep stopped early (or still running) has every config on the same
         prompts and every dataset about equally far along, so its partial results already compare side by side."""
@@ -113,13 +115,14 @@ class SweepFolder:
         keys = [(j.dataset, j.prompt_idx, prompt_sha(j.text), j.conf.key) for j in jobs]
         prompts = {ds: [{"prompt_idx": i, "prompt_sha": prompt_sha(t), "n_prompt_tokens": len(ids), "text": t}
                         for i, t, ids in chosen] for ds, chosen in selected.items()}
-        runtime = {d: p.runtime_info() for d, (p, _) in pairs.items()}
-        pair = next(iter(pairs.values()))[0]
+        runtime = {d: p.runtime_info() for d, p in pairs.items()}
+        pair = next(iter(pairs.values()))
         self.context = self._context(pair, runtime)
+        record = self._record(grid, notes, runtime, pair)
         write_json(self.path / "settings.json", {"settings": self.plan.settings, "hash": self.hash})
         write_json(self.path / "heads.json", self.plan.heads, default=str)
         write_json(self.path / "prompts.json", prompts, indent=1)
-        write_json(self.path / "config.json", self._record(grid, notes, runtime, pair), default=str)
+        write_json(self.path / "config.json", record, default=str)
         done = {(r.get("dataset"), r.get("prompt_idx"), r.get("prompt_sha"), r.get("config"))
                 for r in read_jsonl(self.path / RESULTS, repair=True)}
         return [j for j, key in zip(jobs, keys) if key not in done], len(jobs)

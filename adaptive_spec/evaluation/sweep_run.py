@@ -57,9 +57,10 @@ class Runner:
         self.greedy = {}  # prompt ids -> the target alone's greedy output: the oracle's X
         self.prompt_curves = {}  # (head folder) -> the curve of auto_prompts' answers (prompts_curve)
         self.ready = {}  # configuration key -> its policy completed for generate (_policy), made at its first run
+        self.draft_alone = {}  # drafts entry -> a decoder running its draft alone (draft_ar), made at its first run
 
-    def pair_of(self, conf: Configuration) -> tuple:
-        """(pair, draft-alone decoder) of the configuration's `drafts` entry (the first without one)."""
+    def pair_of(self, conf: Configuration):
+        """The pair of the configuration's `drafts` entry (the first without one)."""
         return self.pairs[next(iter(self.pairs)) if conf.draft is None else conf.draft]
 
     def run_all(self, grid: list[Configuration], todo: list[Job], n_jobs: int, folder: SweepFolder) -> None:
@@ -93,10 +94,12 @@ class Runner:
     def run(self, conf: Configuration, ids: list[int], seed: int, max_new_tokens: int | None = None):
         """(Metrics, stopped_by, new token ids, extra row fields) of one configuration on one prompt; the
         oracle's X is the target alone's greedy output on this prompt where it ran first (self.greedy)."""
-        pair, draft_decoder = self.pair_of(conf)
+        pair = self.pair_of(conf)
         n = max_new_tokens or self.settings.max_new_tokens
         if conf.policy is Baseline.DRAFT_AR:
-            return _run_draft_alone(draft_decoder, ids, self.settings.sampling, n, seed)
+            if conf.draft not in self.draft_alone:
+                self.draft_alone[conf.draft] = Decoder(pair.draft, None, eos_token_ids=pair.eos_token_ids)
+            return _run_draft_alone(self.draft_alone[conf.draft], ids, self.settings.sampling, n, seed)
         if isinstance(conf.policy, Baseline):
             lookup = conf.policy is Baseline.HF_PROMPT_LOOKUP
             return (*hf_generate(pair, ids, self.settings.sampling, seed, n, lookup=lookup), {})
@@ -166,11 +169,12 @@ class Runner:
     def _prompts_curve(self, pair, head_dir: str | None) -> str:
         """The curve of auto_prompts' answers for a head (auto.measure_prompts: recorded by the loaded pair
         once, cached, and remembered, so every run of the sweep reads the same file)."""
+        s = self.settings
         if head_dir not in self.prompt_curves:
-            made = measure_prompts(pair, None, head_dir, self.settings.sampling.temperature,
-                                   texts=load_texts(self.settings.auto_prompts), k_max=self.settings.k_max)
+            made = measure_prompts(pair, None, head_dir, s.sampling.temperature, texts=load_texts(s.auto_prompts),
+                                   k_max=s.k_max)
             if made["curve_file"] is None:
-                raise UserError(f"auto_prompts {self.settings.auto_prompts}: no curve was made (no draft model recorded)")
+                raise UserError(f"auto_prompts {s.auto_prompts}: no curve was made (no draft model recorded)")
             self.prompt_curves[head_dir] = made["curve_file"]
         return self.prompt_curves[head_dir]
 
@@ -184,16 +188,15 @@ class Runner:
             if params.tree_learned:
                 extra["node_cost"] = float(params.tree_node_cost)
         pol = make_policy(params, PolicyContext(pair))
-        g = pair.decoder.generate(ids, max_new_tokens=max_new_tokens, sampling=self.settings.sampling, policy=pol, seed=seed,
-                                  extras=self._extras())
+        g = pair.decoder.generate(ids, max_new_tokens=max_new_tokens, sampling=self.settings.sampling, policy=pol,
+                                  seed=seed, extras=self._extras())
         return g.metrics, g.stopped_by, g.token_ids, {**tree_stats(pol, g.metrics), **extra}
 
 
 def load_pairs(draft_pairs: dict[str, PairParams], heads: dict) -> dict:
-    """drafts entry ("" without a drafts axis) -> (its pair, a decoder running its draft alone: the
-    draft_ar baseline), every head checked against the draft and moved to its device. The pairs share the
-    first one's target, so the target alone and every draft configuration run on the same weights and
-    kernels; another entry's own target load is dropped at once."""
+    """drafts entry ("" without a drafts axis) -> its pair, every head checked against the draft and moved to its
+    device. The pairs share the first one's target, so the target alone and every draft configuration run on the
+    same weights and kernels; another entry's own target load is dropped at once."""
     hf_logging.disable_progress_bar()
     pairs, first = {}, None
     for d, params in draft_pairs.items():
@@ -209,7 +212,7 @@ def load_pairs(draft_pairs: dict[str, PairParams], heads: dict) -> dict:
                                 f"{head.hidden_size} but the draft in use has hidden size {pair.draft.hidden_size}; "
                                 "pass the draft it was trained for or train a head for this draft")
             head.to(pair.draft.device)
-        pairs[d] = pair, (Decoder(pair.draft, None, eos_token_ids=pair.eos_token_ids) if pair.draft else None)
+        pairs[d] = pair
     return pairs
 
 
