@@ -52,8 +52,10 @@ class PromptPicker:
         to `note`. The calibration prompts come from the END of each shuffled set, so they stay the same when
         n_prompts grows."""
         selected = {ds: self._dataset(pair, ds, note) for ds in self.texts}
+        if not self.calibration:
+            return selected, []
         prompts = []
-        for ds, chosen in selected.items() if self.calibration else ():
+        for ds, chosen in selected.items():
             used = {i for i, _, _ in chosen}
             order = [i for i in reversed(range(len(self.texts[ds]))) if i not in used]
             prompts += self._pick(pair, self.texts[ds], self.calibration, order)[0]
