@@ -52,7 +52,7 @@ def claim_out_dir(out: Path, settings: dict, overwrite: bool):
     if problem is None:
         return lock
     if not overwrite:
-        if lock is not None:
+        if lock is not None:  # released now, not when the error's traceback is dropped
             lock.close()
         raise UserError(f"{problem}; use another out_dir, or overwrite=true to discard them")
     print(f"note: {problem}; overwrite=true: discarding them", file=sys.stderr)
@@ -79,10 +79,10 @@ class Job(NamedTuple):
 
 @dataclass(frozen=True)
 class FolderPlan:
-    """The out_dir and what it records besides the rows (sweep_files.SweepFolder)."""
+    """The out_dir and what it records besides the rows (SweepFolder), as the plan (sweep_plan.py) gives them."""
 
     path: Path
-    settings: dict  # settings.json's: what the results depend on (settings_of)
+    settings: dict  # settings.json's: what the results depend on (sweep_plan.settings_of)
     overwrite: bool  # discard results of other settings found there
     config: dict  # config.json's "config": the config as given
     heads: dict  # heads.json's: label -> info, of the config's `heads`
