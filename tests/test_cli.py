@@ -335,9 +335,9 @@ def test_a_cuda_device_on_a_cpu_only_torch_is_one_line(argv, cpu_only_torch, no_
 
 
 def test_a_sweep_config_naming_cuda_is_refused_before_its_models(cpu_only_torch, tmp_path, monkeypatch, capsys):
-    from adaptive_spec.evaluation import sweep_run
+    from adaptive_spec.evaluation import sweep
 
-    monkeypatch.setattr(sweep_run, "load_pairs", lambda *a: pytest.fail("the sweep loaded its models first"))
+    monkeypatch.setattr(sweep, "load_pairs", lambda *a: pytest.fail("the sweep loaded its models first"))
     out = tmp_path / "sweep"
     code = main(["sweep", "--config", "configs/sweep/smoke.yaml", "pair.device=cuda", f"out_dir={out}"])
     err = capsys.readouterr().err

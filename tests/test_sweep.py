@@ -9,7 +9,7 @@ import torch
 from adaptive_spec.evaluation import report
 
 from adaptive_spec.evaluation import sweep, sweep_files
-from adaptive_spec.evaluation import sweep_run
+from adaptive_spec.evaluation import sweep_grid, sweep_plan, sweep_run
 from adaptive_spec.config import config_to_dict, load_config
 from adaptive_spec.decoding.metrics import Metrics
 from adaptive_spec.errors import UserError
@@ -119,9 +119,9 @@ def test_load_prompts_humaneval():
 # ----------------------------------------------------------------------------- validation
 
 def test_oracle_skipped_when_sampling():
-    specs, _, notes = sweep.build_grid(SweepConfig(ks=[2], oracle=True, temperature=1.0, heads=[]))
+    specs, _, notes = sweep_grid.build_grid(SweepConfig(ks=[2], oracle=True, temperature=1.0, heads=[]))
     assert "oracle" not in [s.key for s in specs] and "greedy" in notes[0]
-    specs, _, notes = sweep.build_grid(SweepConfig(ks=[2], oracle=True, temperature=0.0, heads=["h1"]))
+    specs, _, notes = sweep_grid.build_grid(SweepConfig(ks=[2], oracle=True, temperature=0.0, heads=["h1"]))
     assert [s.key for s in specs][-1] == "oracle" and not notes
 
 
@@ -155,19 +155,25 @@ def test_out_dir_settings_guard(tmp_path):
     out = tmp_path / "o"
     out.mkdir()
     settings = {"temperature": 1.0, "draft": "d"}
-    sweep_files.check_out_dir(out, settings, overwrite=False)  # empty: fine
+
+    def claim(settings, overwrite):
+        lock = sweep_files.claim_out_dir(out, settings, overwrite)
+        if lock is not None:  # released for the next claim
+            lock.close()
+
+    claim(settings, overwrite=False)  # empty: fine
     (out / "settings.json").write_text(json.dumps({"settings": settings}))
     (out / "results.jsonl").write_text('{"config": "ar"}\n')
-    sweep_files.check_out_dir(out, dict(settings), overwrite=False)  # same settings: resumed, kept
-    sweep_files.check_out_dir(out, dict(settings), overwrite=True)
+    claim(dict(settings), overwrite=False)  # same settings: resumed, kept
+    claim(dict(settings), overwrite=True)
     assert (out / "results.jsonl").is_file()
     with pytest.raises(UserError, match=r"other settings \(temperature: 1.0 -> 0.0\)"):
-        sweep_files.check_out_dir(out, {**settings, "temperature": 0.0}, overwrite=False)
-    sweep_files.check_out_dir(out, {**settings, "temperature": 0.0}, overwrite=True)  # discarded
+        claim({**settings, "temperature": 0.0}, overwrite=False)
+    claim({**settings, "temperature": 0.0}, overwrite=True)  # discarded
     assert not (out / "results.jsonl").exists() and not (out / "settings.json").exists()
     (out / "results.jsonl").write_text('{"config": "ar"}\n')  # results of unknown settings
     with pytest.raises(UserError, match="without settings.json"):
-        sweep_files.check_out_dir(out, settings, overwrite=False)
+        claim(settings, overwrite=False)
 
 
 def test_cli_error_is_one_line(inputs, tmp_path, capsys):
@@ -259,9 +265,9 @@ def test_settings_keep_their_flat_layout():
               "draft_quant": "int8", "draft_vocab": "", "device": "cpu", "threads": 0, "max_new_tokens": 128,
               "temperature": 0.0, "top_k": 50, "top_p": 1.0, "chat": True, "seed": 0, "k_max": 20,
               "max_prompt_tokens": 1024}
-    assert sweep_files.settings_of(cfg, "cpu") == before
+    assert sweep_plan.settings_of(cfg, "cpu") == before
     static = load_config(SweepConfig, None, ["pair={draft_quant: int8, kv_cache: static}", "temperature=0"])
-    assert sweep_files.settings_of(static, "cpu") == {**before, "kv_cache": "static"}  # a new setting: only when set
+    assert sweep_plan.settings_of(static, "cpu") == {**before, "kv_cache": "static"}  # a new setting: only when set
     assert config_to_dict(cfg)["pair"] == cfg.pair.model_dump()  # the report reads the pair there
 
 
@@ -300,7 +306,7 @@ def test_second_sweep_on_same_out_dir_is_refused(tmp_path):
 def test_shipped_sweep_configs_load(path):
     cfg = load_config(SweepConfig, str(path))
     cfg.validate()
-    specs, _, _ = sweep.build_grid(cfg)
+    specs, _, _ = sweep_grid.build_grid(cfg)
     assert specs and len({s.key for s in specs}) == len(specs)  # a non-empty grid, no config twice
 
 
@@ -449,13 +455,13 @@ def test_a_drafts_axis_runs_each_draft_configuration_against_one_target(inputs, 
         loads.append(pair)
         return pair
 
-    real_pairs, built = sweep_run.load_pairs, []
+    real_pairs, built = sweep.load_pairs, []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(sweep_run.SpecPair, "load", counting_load)
-        mp.setattr(sweep_run, "load_pairs", lambda *a: built.append(real_pairs(*a)) or built[-1])
+        mp.setattr(sweep, "load_pairs", lambda *a: built.append(real_pairs(*a)) or built[-1])
         assert sweep.main(argv) == 0
     assert len(loads) == 2 and list(built[0]) == drafts
-    pairs = [p for p, _ in built[0].values()]
+    pairs = list(built[0].values())
     assert all(p.target is loads[0].target for p in pairs) and pairs[1].draft is loads[1].draft
     rows = read_rows(out)
     per_prompt = {"ar", "ngram:k=2:ngram_min=1"} | {f"{c}@{d}" for c in ("draft_ar", "fixed:k=1", "fixed:k=2")

@@ -9,7 +9,7 @@ import pytest
 
 from adaptive_spec.evaluation import report
 from adaptive_spec.evaluation import sweep, sweep_files
-from adaptive_spec.evaluation import sweep_run
+from adaptive_spec.evaluation import sweep_calibration, sweep_run
 from adaptive_spec.evaluation import sweep_grid, tree_calibration
 from adaptive_spec.config import load_config
 from adaptive_spec.errors import UserError
@@ -215,8 +215,8 @@ def test_tree_sweep_rows_calibration_resume_and_report(inputs, tmp_path, monkeyp
     out = tmp_path / "out"
     argv = tree_args(inputs, out)
     measured, made = [], []
-    real_measure, real_make = sweep_run.measure_rates, sweep_run.make_policy
-    monkeypatch.setattr(sweep_run, "measure_rates",
+    real_measure, real_make = sweep_calibration.measure_rates, sweep_run.make_policy
+    monkeypatch.setattr(sweep_calibration, "measure_rates",
                         lambda pair, prompts, *a, **kw: measured.append((a[2], len(prompts)))
                         or real_measure(pair, prompts, *a, **kw))
     monkeypatch.setattr(sweep_run, "make_policy",
@@ -297,7 +297,7 @@ def test_learned_budget_node_cost_measured_once(inputs, tmp_path, monkeypatch):
         calls.append(pair)
         return SimpleNamespace(node_cost=0.25, c=0.2, measured="test")
 
-    monkeypatch.setattr(sweep_run, "measure_costs", measure_costs)
+    monkeypatch.setattr(sweep_calibration, "measure_costs", measure_costs)
     made = []
     real_make = sweep_run.make_policy
     monkeypatch.setattr(sweep_run, "make_policy",

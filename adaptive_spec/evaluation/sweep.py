@@ -69,59 +69,34 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import NamedTuple
 
-from ..config import config_from_argv, config_to_dict
-from ..errors import UserError, run_main
-from ..prompts import load_prompts
+from ..config import config_from_argv
+from ..errors import run_main
+from .sweep_calibration import calibrate
 from .sweep_config import SweepConfig
-from .sweep_files import RESULTS, config_record, open_out_dir, row_context, settings_hash, start_run
-from .sweep_grid import Baseline, Configuration, Source, build_grid
-from .sweep_heads import load_heads
-from .sweep_run import Runner, hf_schedule_note, verification
+from .sweep_files import RESULTS, SweepFolder
+from .sweep_plan import plan_sweep
+from .sweep_run import Runner, hf_schedule_note, load_pairs
 
 # ----------------------------------------------------------------------------- the sweep
 
 
 def run(cfg: SweepConfig) -> Path:
     """Run (or resume) the sweep; returns the out_dir."""
-    # everything that can be checked without the models, first
-    cfg.pair.engine.check_available(cfg.pair.device, "pair.device")
-    draft_pairs = cfg.draft_pairs()
-    texts = {ds: load_prompts(ds, cfg.fields.get(ds), None, cfg.seed, cfg.hf_configs.get(ds), cfg.hf_splits.get(ds))
-             for ds in cfg.datasets}
+    plan = plan_sweep(cfg)  # everything that can be checked without the models, first
     notes = []
     note = _noter(notes)
-    grid, heads, listed = plan(cfg, note)
-    config = config_to_dict(cfg)  # config.json's, as given
-    out, settings, lock = open_out_dir(cfg)  # noqa: F841 (the lock is held until this process exits)
-
-    runner = Runner(cfg, draft_pairs, heads, note)
-    pair = runner.first_pair()
-    if any(c.policy is Baseline.HF_ASSISTED for c in grid):
-        note(hf_schedule_note(pair.draft.model))
-    picker = PromptPicker(cfg.max_prompt_tokens, cfg.max_new_tokens, cfg.chat, cfg.n_prompts)
-    selected = {ds: picker.dataset(pair, ds, texts[ds], note) for ds in cfg.datasets}
-    calibrating = any(verification(c) is not None for c in grid)
-    cal_prompts = picker.calibration(pair, texts, selected, cfg.tree_calibration_prompts) if calibrating else []
-    costs = runner.pin_costs(grid, out)
-    runner.calibrate(grid, cal_prompts, out, settings_hash(settings), costs)
-    runtime = {d: p.runtime_info() for d, (p, _) in runner.pairs.items()}
-    context = row_context(settings, pair, runtime)
-    record = config_record(config, cfg, grid, notes, runtime, pair)
-    todo, n_jobs = start_run(out, settings, listed, selected, record, grid)
-    runner.run_all(grid, todo, n_jobs, out, context)
-    return out
-
-
-def plan(cfg: SweepConfig, note) -> tuple[list[Configuration], dict, dict]:
-    """The sweep before any model loads: its grid (what was left out goes to `note`), every head it runs
-    (loaded on the CPU and checked), and the heads of `heads` alone (heads.json's)."""
-    grid, listed, notes = build_grid(cfg)
-    named = {c.head: c.policy.head for c in grid if c.source is Source.TREES and c.head}
-    heads, listed = load_heads(cfg.pair.draft, listed, named)
-    note(*notes)
-    return grid, heads, listed
+    note(*plan.notes)
+    folder = SweepFolder.open(plan.folder)
+    pairs = load_pairs(plan.pairs, plan.heads)
+    first = next(iter(pairs.values()))  # every pair shares its target
+    if plan.hf_assisted:
+        note(hf_schedule_note(first.draft.model))
+    selected, cal_prompts = plan.prompts.choose(first, note)
+    calibrated = calibrate(pairs, plan.measures, cal_prompts, folder, note)
+    todo, n_jobs = folder.start(plan.grid, selected, notes, pairs)
+    Runner(pairs, plan.run, plan.heads, calibrated).run_all(plan.grid, todo, n_jobs, folder)
+    return folder.path
 
 
 def _noter(notes: list[str]):
@@ -131,54 +106,6 @@ def _noter(notes: list[str]):
             print(f"note: {line}", file=sys.stderr)
         notes.extend(lines)
     return note
-
-
-class PromptPicker(NamedTuple):
-    """Which prompts of a dataset a sweep takes: those that fit in max_prompt_tokens and, with max_new_tokens,
-    in both models' context, as the pair encodes them."""
-
-    max_prompt_tokens: int
-    max_new_tokens: int
-    chat: bool
-    n_prompts: int
-
-    def pick(self, pair, texts: list[str], n: int, order=None) -> tuple[list[tuple[int, str, list[int]]], int]:
-        """The first n of the shuffled texts that fit, taken in `order` (indices; default: the shuffled
-        order): (index in the shuffled set, text, ids), and how many were skipped."""
-        ctx = [m.max_length for m in (pair.target, pair.draft) if m is not None and m.max_length]
-        limit = min([self.max_prompt_tokens] + [c - self.max_new_tokens for c in ctx])
-        chosen, skipped = [], 0
-        for i in range(len(texts)) if order is None else order:
-            if len(chosen) == n:
-                break
-            ids = pair.encode(texts[i], self.chat)
-            if len(ids) > limit:
-                skipped += 1
-                continue
-            chosen.append((i, texts[i], ids))
-        return chosen, skipped
-
-    def dataset(self, pair, ds: str, texts: list[str], note) -> list:
-        """The n_prompts prompts of one dataset that fit; what was skipped goes to `note`."""
-        chosen, skipped = self.pick(pair, texts, self.n_prompts)
-        if not chosen:
-            raise UserError(f"no prompt of dataset {ds!r} fits in {self.max_prompt_tokens} tokens (and the context "
-                            "with max_new_tokens); raise max_prompt_tokens or lower max_new_tokens")
-        if skipped:
-            note(f"{ds}: {skipped} prompt(s) longer than the token limit were skipped")
-        if len(chosen) < self.n_prompts:
-            note(f"{ds}: only {len(chosen)} prompts (n_prompts = {self.n_prompts})")
-        return chosen
-
-    def calibration(self, pair, texts: dict, selected: dict, n: int) -> list:
-        """The tree policies' calibration prompts, none evaluated: per dataset, n from the END of the shuffled
-        set, so they stay the same when n_prompts grows."""
-        prompts = []
-        for ds, chosen in selected.items():
-            used = {i for i, _, _ in chosen}
-            order = [i for i in reversed(range(len(texts[ds]))) if i not in used]
-            prompts += self.pick(pair, texts[ds], n, order)[0]
-        return prompts
 
 
 INTERRUPTED = "finished runs are kept in results.jsonl; rerun the same command to resume"

@@ -7,7 +7,7 @@ shorthands expand to that list (ks: [2, 3] is two fixed policies; heads x thresh
 the taus confidence and entropy ones), and a `policies` or `trees` entry is spelled and defaulted as
 generate's keywords are: every one is first written out as an Entry (policy name, settings), then all are
 typed in one pass. What runs a configuration is chosen by its policy's type and its Source, never by a name.
-The folders of the heads the grid names (`heads`, a `trees` entry's head) are found here too; sweep_heads.py
+The folders of the heads the grid names (`heads`, a `trees` entry's head) are found here too; sweep_plan.py
 loads them.
 """
 from __future__ import annotations

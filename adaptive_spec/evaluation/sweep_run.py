@@ -1,9 +1,10 @@
 """The sweep's loaded pairs and the jobs run on them, each row appended as it is done: one configuration on one
 prompt, its policy completed once with what only the loaded sweep knows (heads, curves, calibrated rates, pinned
-costs), run and counted. Part of `adaptive-spec sweep` (sweep.py plans the sweep and opens its out_dir)."""
+costs), run and counted. Part of `adaptive-spec sweep` (sweep.py runs its stages)."""
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -11,23 +12,37 @@ from tqdm import tqdm
 from transformers.utils import is_sklearn_available
 from transformers.utils import logging as hf_logging
 
-from ..decoding.auto import load_texts, measure_costs, measure_prompts
+from ..decoding.auto import load_texts, measure_prompts
 from ..decoding.decoder import Decoder
 from ..decoding.interfaces import PolicyContext
 from ..decoding.metrics import Metrics
-from ..decoding.pipeline import SpecPair, make_policy, torch_threads
+from ..decoding.pipeline import SpecPair, make_policy
 from ..decoding.replay import TraceRecorder
 from ..decoding.sampling import SamplingParams
 from ..errors import UserError
 from ..params import ARParams, OracleParams, PairParams, policy_params
 from ..timing import timed
 from ..typed import PolicyParams
-from .sweep_config import SweepConfig
-from .sweep_files import COSTS, TREE_CALIBRATION, Job, append_row, check_calibration, prompt_sha, settings_hash
+from .sweep_calibration import Calibrated, auto_node_cost, verification
+from .sweep_files import Job, SweepFolder
 from .sweep_grid import Baseline, Configuration, Source, auto_curve
-from .tree_calibration import VERIFICATION, load_or_calibrate, measure_rates
 
 HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented prompt-lookup setting (it has no default)
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What every run of the sweep shares (Runner), from the config."""
+
+    sampling: SamplingParams
+    max_new_tokens: int
+    k_max: int  # hard cap on candidates per round of the adaptive policies
+    seed: int
+    auto_prompts: str  # with curve: where an auto's curve comes from
+    curve: str
+    warmup: bool
+    progress: bool
+    record_trace: bool
 
 
 class Runner:
@@ -35,91 +50,32 @@ class Runner:
     policy's type: a Baseline by code of its own, a `trees` entry with the calibrated rates, any other
     PolicyParams through generate."""
 
-    def __init__(self, cfg: SweepConfig, draft_pairs: dict[str, PairParams], heads: dict, note):
-        """Load one pair per `drafts` entry (`draft_pairs`: SweepConfig.draft_pairs's; they share the first one's
-        target) and move every head to its draft; `note(*lines)` takes the sweep's notes (config.json's), the
-        runner's on what it measures among them."""
-        self.heads = heads  # label (or a trees entry's folder as written) -> (AcceptanceHead, info)
-        self.note = note
-        self.sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
-        self.max_new_tokens, self.k_max = cfg.max_new_tokens, cfg.k_max
-        self.auto_prompts, self.curve = cfg.auto_prompts, cfg.curve  # where an auto's curve comes from
-        self.width, self.progress = cfg.tree_calibration_width, cfg.progress
-        self.record_trace, self.seed, self.warmup = cfg.record_trace, cfg.seed, cfg.warmup
-        self.pairs = load_pairs(draft_pairs, heads)  # drafts entry -> (pair, draft-alone decoder)
-        self.tree_ctx = {"rates": {}, "calibration": None, "node_cost": None}  # set by calibrate
+    def __init__(self, pairs: dict, settings: RunSettings, heads: dict, calibrated: Calibrated):
+        """`pairs`: load_pairs's; `heads`: label (or a trees entry's folder as written) -> (AcceptanceHead, info);
+        `calibrated`: what every tree run starts from (sweep_calibration.calibrate)."""
+        self.pairs, self.settings, self.heads, self.calibrated = pairs, settings, heads, calibrated
         self.greedy = {}  # prompt ids -> the target alone's greedy output: the oracle's X
         self.prompt_curves = {}  # (head folder) -> the curve of auto_prompts' answers (prompts_curve)
         self.ready = {}  # configuration key -> its policy completed for generate (_policy), made at its first run
+        self.draft_alone = {}  # drafts entry -> a decoder running its draft alone (draft_ar), made at its first run
 
-    def first_pair(self):
-        """The first `drafts` entry's pair: every pair shares its target."""
-        return next(iter(self.pairs.values()))[0]
-
-    def pair_of(self, conf: Configuration) -> tuple:
-        """(pair, draft-alone decoder) of the configuration's `drafts` entry (the first without one)."""
+    def pair_of(self, conf: Configuration):
+        """The pair of the configuration's `drafts` entry (the first without one)."""
         return self.pairs[next(iter(self.pairs)) if conf.draft is None else conf.draft]
 
-    def pin_costs(self, grid: list[Configuration], out: Path):
-        """The one measurement of t_draft, t_target and t_cand that every auto pick of the sweep reads
-        (ks / thresholds auto, a learned tree budget's node_cost auto), pinned in out/costs.json: a resumed
-        sweep reuses it, so its auto rows mean the same before and after an interruption; a `drafts` entry
-        other than the first pins its own (costs@ENTRY.json). The first pair's; None where nothing reads it."""
-        if not any(reads_costs(c) for c in grid):
-            return None
-        pinned = []
-        for draft, (pair, _) in self.pairs.items():
-            name = COSTS if not pinned else f"costs@{draft.replace(':', '-')}.json"
-            # on the threads the decode has (the engine's decode_torch_threads), as generate's auto measures:
-            # one measurement, one cache key, per machine
-            with torch_threads(pair.engine.decode_torch_threads):
-                costs = measure_costs(pair, pin=out / name)
-            table = getattr(costs, "t_verify", ())
-            v = f", v(1..{len(table)}) = {' '.join(f'{t / table[0]:.2f}' for t in table)} target steps" if table else ""
-            self.note(f"auto picks{f' with draft {draft}' if draft else ''} read the forward times pinned in "
-                      f"{name}: t_draft/t_target = {costs.c:.4g}{v} (measured {costs.measured})")
-            pinned.append(costs)
-        return pinned[0]
-
-    def calibrate(self, grid: list[Configuration], prompts: list, out: Path, sweep_hash: str, costs=None) -> None:
-        """What every tree run shares (self.tree_ctx): the rates, measured once (tree_calibration.measure_rates)
-        on `prompts`, (i, text, ids) no configuration is evaluated on, and their hash; a learned budget's node
-        cost auto from `costs` (the sweep's pinned forward times, pin_costs)."""
-        methods = sorted({verification(c) for c in grid if verification(c) is not None})
-        pair = self.first_pair()
-        if methods:
-            if not prompts:
-                raise UserError("no prompt is left to calibrate the tree policies on: every prompt that fits is "
-                                "evaluated; lower n_prompts or add a dataset with more prompts")
-            cal_settings = {"sweep": sweep_hash, "width": self.width, "prompts": [prompt_sha(t) for _, t, _ in prompts],
-                            "vocab_size": pair.target.vocab_size}
-            check_calibration(out, cal_settings)
-            ids = [ids for _, _, ids in prompts]
-            cal = load_or_calibrate(out / TREE_CALIBRATION, cal_settings, methods, lambda m: measure_rates(
-                pair, ids, self.sampling, self.max_new_tokens, m, self.width, progress=self.progress))
-            self.tree_ctx.update(rates={m: cal[m]["cond_rates"] for m in methods},
-                                 calibration=settings_hash(cal_settings))
-            self.note(*(f"tree acceptance rates c_i ({m}, {len(prompts)} calibration prompts): "
-                        f"{[round(c, 3) for c in cal[m]['cond_rates'][:6]]}" for m in methods))
-        if any(auto_node_cost(c) for c in grid):
-            self.tree_ctx["node_cost"] = costs.node_cost
-            self.note(f"tree node_cost auto = (t_draft + t_cand) / t_target = {costs.node_cost:.4g} "
-                      f"(t_draft/t_target = {costs.c:.4g}; {costs.measured})")
-
-    def run_all(self, grid: list[Configuration], todo: list[Job], n_jobs: int, out: Path, context: dict) -> None:
-        """Run each job on its draft configuration's pair and append its row to results.jsonl as soon as it is
-        done; `context`: drafts entry -> the fields every row of its pair carries (row_context). With warmup, short
-        untimed runs on the first job's prompt (_warmup_jobs) come first in the loop."""
-        warm = _warmup_jobs(grid, todo[0]) if todo and self.warmup else []
-        first = next(iter(self.pairs))
+    def run_all(self, grid: list[Configuration], todo: list[Job], n_jobs: int, folder: SweepFolder) -> None:
+        """Run each job on its draft configuration's pair and append its row to the folder's results.jsonl as soon
+        as it is done. With warmup, short untimed runs on the first job's prompt (_warmup_jobs) come first."""
+        s = self.settings
+        warm = _warmup_jobs(grid, todo[0]) if todo and s.warmup else []
         bar = tqdm(total=n_jobs, initial=n_jobs - len(todo), desc="sweep", unit="run", dynamic_ncols=True,
-                   disable=not self.progress, file=sys.stderr)
+                   disable=not s.progress, file=sys.stderr)
         keep_x = any(isinstance(j.conf.policy, OracleParams) for j in todo)  # build_grid adds it only when greedy
         try:
             for i, job in enumerate(warm + todo):
                 short = i < len(warm)  # a warmup run: seed 0, a few tokens, not recorded
-                seed = 0 if short else self.seed * 100_003 + job.prompt_idx
-                n = min(8, self.max_new_tokens) if short else None
+                seed = 0 if short else s.seed * 100_003 + job.prompt_idx
+                n = min(8, s.max_new_tokens) if short else None
                 m, stopped, new, extra = self.run(job.conf, job.ids, seed, n)
                 if short:
                     continue
@@ -128,8 +84,7 @@ class Runner:
                         self.greedy[tuple(job.ids)] = new
                     # the target's own response, for scoring other drafts on it (eval/bench_draft_vocab.py)
                     extra = {**extra, "prompt_ids": list(job.ids), "token_ids": list(new)}
-                draft = first if job.conf.draft is None else job.conf.draft
-                append_row(out, job, seed, (m, stopped, new, extra), context[draft])
+                folder.append_row(job, seed, (m, stopped, new, extra))
                 bar.update(1)
                 bar.set_postfix_str(f"{Path(job.dataset).stem} #{job.prompt_idx} {job.conf.key} "
                                     f"{m.tokens_per_s:.1f} tok/s", refresh=False)
@@ -139,17 +94,19 @@ class Runner:
     def run(self, conf: Configuration, ids: list[int], seed: int, max_new_tokens: int | None = None):
         """(Metrics, stopped_by, new token ids, extra row fields) of one configuration on one prompt; the
         oracle's X is the target alone's greedy output on this prompt where it ran first (self.greedy)."""
-        pair, draft_decoder = self.pair_of(conf)
-        n = max_new_tokens or self.max_new_tokens
+        pair = self.pair_of(conf)
+        n = max_new_tokens or self.settings.max_new_tokens
         if conf.policy is Baseline.DRAFT_AR:
-            return _run_draft_alone(draft_decoder, ids, self.sampling, n, seed)
+            if conf.draft not in self.draft_alone:
+                self.draft_alone[conf.draft] = Decoder(pair.draft, None, eos_token_ids=pair.eos_token_ids)
+            return _run_draft_alone(self.draft_alone[conf.draft], ids, self.settings.sampling, n, seed)
         if isinstance(conf.policy, Baseline):
             lookup = conf.policy is Baseline.HF_PROMPT_LOOKUP
-            return (*hf_generate(pair, ids, self.sampling, seed, n, lookup=lookup), {})
+            return (*hf_generate(pair, ids, self.settings.sampling, seed, n, lookup=lookup), {})
         policy = self._policy(conf, pair, ids)
         if conf.source is Source.TREES:
             return self._run_tree(conf, policy, pair, ids, n, seed)
-        s = self.sampling
+        s = self.settings.sampling
         g = pair.generate(ids, policy=policy, max_new_tokens=n, temperature=s.temperature,
                           top_k=s.top_k, top_p=s.top_p, seed=seed, extras=self._extras())
         pick = getattr(g, "auto", None)
@@ -161,7 +118,7 @@ class Runner:
 
     def _extras(self) -> list:
         """A generation's extras: with record_trace its trace, which its row keeps (Metrics.to_dict)."""
-        return [TraceRecorder()] if self.record_trace else []
+        return [TraceRecorder()] if self.settings.record_trace else []
 
     def _policy(self, conf: Configuration, pair, ids: list[int]):
         """The configuration's policy as generate takes it, completed once (at its first run, self.ready) with what
@@ -179,18 +136,18 @@ class Runner:
         """What the configuration's policy takes from the loaded sweep: its loaded head; an auto's curve (a
         `policies` entry's only with auto_prompts); the oracle's X, the target alone's greedy output on this
         prompt; a `trees` entry's calibrated rates and measured node cost."""
-        more, ctx = {}, self.tree_ctx
+        more, cal = {}, self.calibrated
         if conf.source is Source.TREES:
             if verification(conf) is None:  # multi-draft: nothing to add
                 return more
-            more["tree_rates"] = ctx["rates"][verification(conf)]
+            more["tree_rates"] = cal.rates[verification(conf)]
             if auto_node_cost(conf):
-                more["tree_node_cost"] = ctx.get("node_cost")
+                more["tree_node_cost"] = cal.node_cost
         if conf.head is not None:
             more["head"] = self.heads[conf.head][0]
         if isinstance(conf.policy, OracleParams):
             more["target_output"] = self.greedy.get(tuple(ids))
-        if conf.reads_auto and (conf.source is not Source.POLICIES or self.auto_prompts):
+        if conf.reads_auto and (conf.source is not Source.POLICIES or self.settings.auto_prompts):
             more["curve"] = self._curve(conf, pair)
         return more
 
@@ -203,20 +160,21 @@ class Runner:
             head = getattr(conf.policy, "head", None)
             return self._prompts_curve(pair, str(head) if head else None)
         label = conf.head if conf.head is not None else next(iter(heads), None)
-        if self.auto_prompts:
+        if self.settings.auto_prompts:
             return self._prompts_curve(pair, heads[label][1]["path"] if label is not None else None)
         if conf.head is not None:
             return heads[conf.head][1]["path"]
-        return auto_curve(self.curve, [info["path"] for _, info in heads.values()])
+        return auto_curve(self.settings.curve, [info["path"] for _, info in heads.values()])
 
     def _prompts_curve(self, pair, head_dir: str | None) -> str:
         """The curve of auto_prompts' answers for a head (auto.measure_prompts: recorded by the loaded pair
         once, cached, and remembered, so every run of the sweep reads the same file)."""
+        s = self.settings
         if head_dir not in self.prompt_curves:
-            made = measure_prompts(pair, None, head_dir, self.sampling.temperature,
-                                   texts=load_texts(self.auto_prompts), k_max=self.k_max)
+            made = measure_prompts(pair, None, head_dir, s.sampling.temperature, texts=load_texts(s.auto_prompts),
+                                   k_max=s.k_max)
             if made["curve_file"] is None:
-                raise UserError(f"auto_prompts {self.auto_prompts}: no curve was made (no draft model recorded)")
+                raise UserError(f"auto_prompts {s.auto_prompts}: no curve was made (no draft model recorded)")
             self.prompt_curves[head_dir] = made["curve_file"]
         return self.prompt_curves[head_dir]
 
@@ -226,20 +184,19 @@ class Runner:
         run only where adapt_rates says so: no run depends on what ran before it."""
         extra = {}
         if verification(conf) is not None:
-            extra["tree_calibration"] = self.tree_ctx.get("calibration")
+            extra["tree_calibration"] = self.calibrated.calibration
             if params.tree_learned:
                 extra["node_cost"] = float(params.tree_node_cost)
         pol = make_policy(params, PolicyContext(pair))
-        g = pair.decoder.generate(ids, max_new_tokens=max_new_tokens, sampling=self.sampling, policy=pol, seed=seed,
-                                  extras=self._extras())
+        g = pair.decoder.generate(ids, max_new_tokens=max_new_tokens, sampling=self.settings.sampling, policy=pol,
+                                  seed=seed, extras=self._extras())
         return g.metrics, g.stopped_by, g.token_ids, {**tree_stats(pol, g.metrics), **extra}
 
 
 def load_pairs(draft_pairs: dict[str, PairParams], heads: dict) -> dict:
-    """drafts entry ("" without a drafts axis) -> (its pair, a decoder running its draft alone: the
-    draft_ar baseline), every head checked against the draft and moved to its device. The pairs share the
-    first one's target, so the target alone and every draft configuration run on the same weights and
-    kernels; another entry's own target load is dropped at once."""
+    """drafts entry ("" without a drafts axis) -> its pair, every head checked against the draft and moved to its
+    device. The pairs share the first one's target, so the target alone and every draft configuration run on the
+    same weights and kernels; another entry's own target load is dropped at once."""
     hf_logging.disable_progress_bar()
     pairs, first = {}, None
     for d, params in draft_pairs.items():
@@ -255,7 +212,7 @@ def load_pairs(draft_pairs: dict[str, PairParams], heads: dict) -> dict:
                                 f"{head.hidden_size} but the draft in use has hidden size {pair.draft.hidden_size}; "
                                 "pass the draft it was trained for or train a head for this draft")
             head.to(pair.draft.device)
-        pairs[d] = pair, (Decoder(pair.draft, None, eos_token_ids=pair.eos_token_ids) if pair.draft else None)
+        pairs[d] = pair
     return pairs
 
 
@@ -336,23 +293,6 @@ def hf_schedule_note(draft_model) -> str:
             f"{get('num_assistant_tokens_schedule')}, assistant_confidence_threshold "
             f"{get('assistant_confidence_threshold')}, threshold adaptation {adapt}")
 
-
-
-def verification(conf: Configuration) -> str | None:
-    """The verification whose calibrated rates a `trees` configuration starts from (None: it reads none)."""
-    return VERIFICATION.get(conf.policy.name) if conf.source is Source.TREES else None
-
-
-def auto_node_cost(conf: Configuration) -> bool:
-    """A `trees` configuration with a learned budget whose node cost the sweep measures (unset)."""
-    return verification(conf) is not None and conf.policy.tree_learned and conf.policy.tree_node_cost is None
-
-
-def reads_costs(conf: Configuration) -> bool:
-    """Whether it reads the sweep's pinned forward times: an auto shorthand, a measured node cost, any
-    `policies` entry (its policy may pick per machine)."""
-    shorthand_auto = conf.source is Source.SHORTHAND and conf.reads_auto
-    return conf.source is Source.POLICIES or auto_node_cost(conf) or shorthand_auto
 
 
 def tree_stats(pol, m) -> dict:

@@ -7,23 +7,21 @@ are measured once on separate calibration prompts (batch drafting of `width` sib
 samples the later sibling indices, plus sequence drafting) and then passed frozen to every run.
 
     measure_rates(pair, prompts, sampling, max_new_tokens, method)   one method's rates
-    load_or_calibrate(path, settings, ...)     a calibration file, reused while its settings hold
     zeroth_order_accepted(cond, drafting, k)   accepted tokens per round the model predicts
     tunstall_accepted(cond, k, vocab_size)     the Tunstall bound on them (ERSD Lemma 4.2)
 
-Used by `adaptive-spec sweep` (tree_calibration.json in the sweep folder) and eval/bench_trees.py.
+Used by `adaptive-spec sweep` (sweep_calibration.py: tree_calibration.json in the sweep folder) and
+eval/bench_trees.py.
 """
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from tqdm import tqdm
 
 from ..decoding.trees.policy import TreePolicy
 from ..decoding.trees.shapes import (PositionalRates, acceptance_distribution, shape_tree, tree_value,
                                      tunstall_bound)
-from ..runs import read_json, write_json
 
 # the tree and multi-draft policies of sweeps and reports, and the verification whose rates each
 # tree policy is calibrated with (spectr / batch-sd draw i.i.d. drafts: no rates)
@@ -48,22 +46,6 @@ def measure_rates(pair, prompts: list[list[int]], sampling, max_new_tokens: int,
                               seed=seed + i)
         bar.set_postfix_str(f"c0={est.cond()[0]:.3f}")
     return est.to_dict()
-
-
-def load_or_calibrate(path: Path, settings: dict, methods, measure) -> dict:
-    """The calibration file at `path`, {"settings", <method>: rates, ...}, with every method
-    of `methods` in it: a file of the same settings is reused, a method it lacks is measured with
-    `measure(method)` and saved at once (a killed calibration keeps the methods it finished); a file
-    of other settings is replaced."""
-    path = Path(path)
-    cal = read_json(path, required=False, hint="delete it to recalibrate") or {}
-    if cal.get("settings") != settings:
-        cal = {"settings": settings}
-    for method in methods:
-        if method not in cal:
-            cal[method] = measure(method)
-            write_json(path, cal, indent=1)
-    return cal
 
 
 def _dist(cond, k: int, vocab_size: int | None = None) -> list[float]:
