@@ -18,7 +18,7 @@ import importlib.util
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from ..errors import UserError
 from .contract import Loaded

@@ -137,10 +137,6 @@ class Dims:
     def group(self) -> int:  # q heads per kv head
         return self.heads // self.kv_heads
 
-    @property
-    def qk(self) -> int:  # columns of q and k in the qkv output
-        return (self.heads + self.kv_heads) * self.head_dim
-
 
 def _residual_linear(residual: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
     """residual + x @ w.T (+ b), the add inside the matmul."""

@@ -13,7 +13,6 @@ import warnings
 
 import torch
 
-from ..errors import UserError
 from ..runs import write_json
 from .cpu import cpu_name, fbgemm_fp16, onednn_packed
 from ..setup.llama_build import cache_dir, cpu_flags

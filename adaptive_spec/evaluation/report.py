@@ -51,23 +51,13 @@ from ..decoding.auto import coef_of, comparison_table, costs_from_json, round_co
 from ..errors import UserError, run_main
 from ..runs import read_json
 from ..tables import fmt
-from .report_data import (Agg, DatasetResult, aggregate, analyse, by_config, complete_rows, ds_label, family,
-                          fit_settings, geomean, head_order, load_sweep, modelled_tps, paired_ratio, pooled_counts,
-                          rel_errors, usable)
-from .report_plots import accepted_vs_drafted_plot, pareto_plot, pareto_series
-from .report_tables import (AUTO_OF, H_REF, all_configs_table, auto_table, breakdown_table, cpu_lines, decomposition,
-                            engines_section, ersd_fig3_table, family_table, fmt_t, pct, peer_table, table1, table2,
-                            table3, tree_comparisons)
+from .report_data import DatasetResult, analyse, head_order, load_sweep, pooled_counts, usable
+from .report_plots import accepted_vs_drafted_plot, pareto_plot
+from .report_tables import (AUTO_OF, all_configs_table, auto_table, breakdown_table, cpu_lines, decomposition,
+                            engines_section, ersd_fig3_table, family_table, peer_table, table1, table2, table3,
+                            tree_comparisons)
 from .sweep_files import COSTS
 from .tree_calibration import TREE_POLICIES
-
-# The analysis, the tables and the plots live in report_data, report_tables and report_plots (the lines in
-# words at the top, in_short, here); the names scripts and tests reach as `report.X` stay importable from here.
-__all__ = ["Agg", "DatasetResult", "H_REF", "accepted_vs_drafted_plot", "aggregate", "all_configs_table", "analyse",
-           "auto_table", "breakdown_table", "build_report", "by_config", "complete_rows", "cpu_lines",
-           "decomposition", "ds_label", "engines_section", "family", "fit_settings", "fmt_t", "geomean", "in_short",
-           "load_sweep", "main", "modelled_tps", "paired_ratio", "pareto_plot", "pareto_series", "pct", "peer_table",
-           "rel_errors", "table1", "table2", "table3", "tree_sections"]
 
 
 # ----------------------------------------------------------------------------- the report

@@ -129,10 +129,6 @@ def _span(values, spec: str, unit: str = "") -> str:
     return f"{lo:{spec}}{unit}" if f"{lo:{spec}}" == f"{hi:{spec}}" else f"{lo:{spec}}-{hi:{spec}}{unit}"
 
 
-def _engine_name(engine: str) -> str:
-    return engine.replace("llama.cpp ", "llama.cpp, target ")
-
-
 def machine_kinds(results: Path = PROJECT_ROOT / "eval" / "results") -> str:
     """Per machine kind (CPU and instruction set) measured, one line in words, every figure from rows_of:
     llama.cpp alone's speed there; with the fetched files the best speculative configuration per prompt

@@ -361,11 +361,6 @@ def theoretical_tokens_per_s(n_tokens: float, n_draft: float, n_target: float, t
     return n_tokens / t if t > 0 else float("nan")
 
 
-def latency_per_token(discard_rate: float, verification_rate: float, t_draft: float, t_target: float) -> float:
-    """Eq. (5.1): T/N from the two rates (hardware-independent) and the forward times."""
-    return t_draft + t_draft * discard_rate + (t_target - t_draft) * verification_rate
-
-
 def relative_error(predicted: float, measured: float) -> float:
     """|predicted - measured| / measured."""
     if not measured or measured != measured:
