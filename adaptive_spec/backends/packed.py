@@ -24,32 +24,22 @@ warnings.filterwarnings("ignore", message=r"fbgemm_\w+ is deprecated")
 class PackedLinear(torch.nn.Module):
     """nn.Linear whose weight is pre-packed once into oneDNN's blocked layout (CPU only).
 
-    Why: a decode step is a stack of matrix-vector products, and stock bf16 `F.linear` re-reads
-    the row-major weight through a generic path well below the memory bandwidth the pre-packed
-    oneDNN kernel streams at. On an AVX2-only CPU (no bf16 kernels, so models run in fp32: see
-    cpu.py) the packed fp32 kernel beats the stock one at one row and more so at a few rows, which
-    is what makes a K + 1-token verification cost about one decode step there
-    (docs/cpu-runtime.md has the figures).
+    Why: a decode step is a stack of matrix-vector products, and stock `F.linear` re-reads the row-major
+    weight well below the bandwidth the packed oneDNN kernel streams at; on an AVX2-only CPU (fp32: cpu.py)
+    this is what makes a K + 1-token verification cost about one decode step (docs/cpu-runtime.md).
 
-    The original weight stays as `.weight` (tied embeddings share it, state_dict and
-    save_pretrained still work) unless `release=True`, which frees it for weights nothing else
-    shares (an inference-only model then holds one copy, not two); with grad enabled the stock
-    path runs, since the packed op has no backward.
+    The original weight stays as `.weight` (tied embeddings share it, save_pretrained works) unless
+    `release=True` frees it for weights nothing else shares; with grad enabled the stock path runs (the
+    packed op has no backward).
 
-    `pad_to`: oneDNN picks its kernel by the number of input rows M, and on some CPUs the
-    M = 1..2 kernels read weights slower than the M = 4..6 ones, so that a forward of 5 rows can
-    cost less than one of 1. Reading the weight once is the whole cost, so an input
-    of M rows is zero-padded to pad_to[M] rows and the extra outputs are dropped. Rows are
-    independent in a matmul, so padding changes no value beyond kernel rounding order.
-    () = no padding.
+    `pad_to`: oneDNN picks its kernel by the input rows M, and on some CPUs the M = 1..2 kernels read weights
+    slower than the M = 4..6 ones, so an input of M rows is zero-padded to pad_to[M] rows and the extra
+    outputs dropped (rows are independent in a matmul: no value changes beyond rounding order). () = none.
 
-    `fp16_rows`: on fp32 models (AVX2) a layer may also hold its weight in fp16 (`add_fp16`; only
-    where fp16 holds every weight exactly, as it does weights from bf16 checkpoints), which
-    FBGEMM's fp16-weight, fp32-arithmetic kernel streams at half the bytes; inputs whose row
-    count is in fp16_rows run on it. Half the bytes pay at one row and a few more, where reading
-    the weight is the cost, but not from several rows on, where oneDNN stays
-    (`eval/bench_forward_costs.py linear-rows`; docs/cpu-runtime.md has the figures).
-    """
+    `fp16_rows`: an fp32 model's layer may also hold its weight in fp16 (`add_fp16`; only where fp16 holds
+    every weight exactly, as for bf16 checkpoints), which FBGEMM's fp16-weight kernel streams at half the
+    bytes; inputs whose row count is in fp16_rows run on it (it pays at one row and a few, where reading
+    the weight is the cost; `eval/bench_forward_costs.py linear-rows`)."""
 
     def __init__(self, linear: torch.nn.Linear, pad_to: tuple = (), release: bool = False):
         super().__init__()

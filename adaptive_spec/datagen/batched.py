@@ -54,11 +54,6 @@ def _left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
     return ids, mask
 
 
-def _positions(mask: torch.Tensor) -> torch.Tensor:
-    # left padding: real tokens get 0, 1, 2, ... as in an unpadded run
-    return (mask.cumsum(-1) - 1).clamp_min(0)
-
-
 def _step(model, ids, mask, pos, cache, vocab: int, dev) -> torch.Tensor:
     d = _input_device(model)
     out = model(input_ids=ids.to(d), attention_mask=mask.to(d), position_ids=pos.to(d), **model_kv(model, cache),
@@ -132,7 +127,7 @@ def generate_batch(draft, target, prompts: list[list[int]], cfg, vocab: int, eos
     dev = gen.device
     B = len(prompts)
     _, mask = _left_pad(prompts, pad_id)
-    pos = _positions(mask)
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)  # left padding: real tokens get 0, 1, 2, ... as unpadded
     prompt_mask = mask
     t_logits, t_kv = _prefill(target, prompts, vocab, dev)
     d_logits, d_kv = _prefill(draft, prompts, vocab, dev)

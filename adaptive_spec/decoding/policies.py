@@ -248,9 +248,9 @@ class HindsightOracle(StopPolicy, RoundOwner):
         whether the draft's teacher-forced greedy token at X's position j equals X_j. Runs on
         fresh wrappers of the models' weights, never on `target`'s or `draft`'s own caches."""
         if x is None:
-            dec = Decoder(_fresh(target), None, eos_token_ids=eos_token_ids)
+            dec = Decoder(target.fresh(), None, eos_token_ids=eos_token_ids)
             x = dec.generate(prefix, max_new_tokens=max_new_tokens, sampling=SamplingParams(0.0)).token_ids
-        lm = _fresh(draft)
+        lm = draft.fresh()
         logits, _ = lm.forward(torch.tensor(list(prefix) + x, device=lm.device), n_logits=len(x) + 1)
         y = logits.argmax(-1).tolist()  # y[j] = draft's greedy token for new position j
         return x, [y[j] == x[j] for j in range(len(x))]
@@ -315,12 +315,6 @@ class Hindsight(Extra):
 
     def to_dict(self) -> dict:
         return {"hindsight_s": self.seconds}
-
-
-def _fresh(lm):
-    """A runner on `lm`'s weights with its own empty cache (the oracle's hindsight work must not touch
-    the running decode's caches)."""
-    return lm.fresh()
 
 
 def load_pair_head(head, pair, feature: str | None = None, why: str = "the learned policy",

@@ -28,13 +28,8 @@ from .data import dataset_sources
 log = get_logger(__name__)
 
 
-def head_inputs(head, shard: dict):
-    """The head's input row at every response position of a datagen shard, as training builds them."""
-    return heads.shard_inputs(head, shard)
-
-
 def _predictions(head, shard: dict) -> np.ndarray:
-    x = head_inputs(head, shard)
+    x = heads.shard_inputs(head, shard)  # as training builds them
     with torch.inference_mode():
         p = torch.cat([head.acceptance_prob(c.to(device=getattr(head, "device", "cpu"),
                                                  dtype=getattr(head, "dtype", torch.float32))).float().cpu()

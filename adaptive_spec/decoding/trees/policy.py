@@ -75,24 +75,17 @@ def _check_learned(learned_budget, node_cost, drafting: str):
 
 
 class TreePolicy(RoundOwner):
-    """Tree drafting with exact verification: method "gsd" (recursive rejection sampling) or
-    "ersd" (exponential races); drafting "tree" (optimal, Algorithm 3), "sequence", "batch" or
-    "specinfer"; R from "positional" rates or an acceptance "head".
+    """Tree drafting with exact verification: method "gsd" (recursive rejection sampling) or "ersd"
+    (exponential races); drafting "tree" (optimal, Algorithm 3), "sequence", "batch" or "specinfer"; R from
+    "positional" rates or an acceptance "head".
 
-    Acceptance rates: `rates` (c_i, a calibration file, or a PositionalRates) are the calibrated
-    start; with `adapt_rates` they adapt to the rounds of a generation. `reset()` (the decoder
-    calls it at the start of each generation) puts them back where they stood when the policy was
-    built, so one policy object gives the same output for the same seed every time. With
-    `carry_rates=True` the rates adapted in one generation carry over to the next instead (the
-    output then depends on what the object generated before).
-
-    Budget: `budget` tokens per round, or with `learned_budget` as many as are worth their cost
-    `node_cost` ((t_draft + t_cand) / t_target, > 0; see tree_shapes.worth_growing), at most
-    `budget`. A learned budget needs a nested drafting: tree, sequence or batch.
-
-    Per-generation statistics (reset by `reset()`): rounds, predicted accepted tokens (sum of R
-    over the drafted nodes), drafted nodes and depth_sum (the drafted trees' depths), each summed
-    over rounds; drafted equals the generation's Metrics.n_drafted."""
+    `rates` (c_i, a calibration file, or a PositionalRates) are the calibrated start; with `adapt_rates`
+    they follow a generation's rounds, and `reset()` puts them back, so one policy object gives the same
+    output for the same seed every time (`carry_rates=True` carries them to the next generation instead).
+    Budget: `budget` tokens per round, or with `learned_budget` as many as are worth `node_cost`
+    (shapes.worth_growing), at most `budget`; a learned budget needs a nested drafting (tree, sequence,
+    batch). Per-generation statistics (reset by `reset()`), summed over rounds: rounds, predicted accepted
+    tokens, drafted nodes (= Metrics.n_drafted) and depth_sum."""
 
     def __init__(self, method: str = "gsd", drafting: str = "tree", budget: int = 8, estimator: str = "positional",
                  head=None, rates=None, adapt_rates: bool = True, name: str | None = None,
