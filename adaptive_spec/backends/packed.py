@@ -225,20 +225,16 @@ def _why_no_fp16(dtype, fp16: bool, fp16_rows: int | None, weights) -> str | Non
 
 def pack_cpu_linears(model, release: bool = False, fp16: bool = True, pack: bool = True, pad_rows: int | None = None,
                      fp16_rows: int | None = None) -> int:
-    """Swap every nn.Linear of a CPU model for a PackedLinear; returns how many.
+    """Swap every nn.Linear of a CPU model for a PackedLinear; returns how many, and records the chosen path
+    as `model.cpu_path`.
 
-    A no-op (0) on other devices, where oneDNN has no packed kernel for the model's dtype on this
-    CPU (bf16 on AVX2: cpu.onednn_packed says why), or with pack=False (PairParams.cpu_stock). The
-    padding is timed once per CPU and model shape (see PackedLinear and choose_padding) unless
-    `pad_rows` fixes it (PairParams.cpu_pad_rows; None: timed). `release`: free the original weights nothing else shares (inference only;
-    tied embeddings keep theirs). The chosen path is recorded as `model.cpu_path`.
-
-    `fp16`: in fp32 (CPUs without bf16 kernels), where FBGEMM runs and fp16 holds every weight
-    exactly, also keep an fp16 copy of each layer and run the row counts at which it is faster
-    on it (choose_fp16_rows; one-row decode steps and short verifications on AVX2). It costs
-    half the fp32 bytes again in memory, so batched work (datagen) passes False. `fp16_rows` fixes
-    its row counts (PairParams.cpu_fp16_rows: 0 = off; None: timed).
-    """
+    A no-op (0) on other devices, where oneDNN has no packed kernel for the dtype (bf16 on AVX2:
+    cpu.onednn_packed), or with pack=False (PairParams.cpu_stock). The padding is timed once per CPU and
+    model shape unless `pad_rows` fixes it (None: timed). `release`: free the original weights nothing else
+    shares (inference only). `fp16`: in fp32, where FBGEMM runs and fp16 holds every weight exactly, also
+    keep an fp16 copy of each layer for the row counts at which it is faster (choose_fp16_rows); it costs
+    half the fp32 bytes again in memory, so batched work (datagen) passes False. `fp16_rows` fixes its row
+    counts (0 = off; None: timed)."""
     p = next(model.parameters(), None)
     if p is None or p.device.type != "cpu":
         return 0

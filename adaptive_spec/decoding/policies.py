@@ -51,19 +51,11 @@ class LearnedThreshold(StopPolicy):
     """SpecDec++: stop when the predicted probability that some candidate is rejected,
     1 - prod_i sigmoid(f(e_i)), exceeds h; or at the hard cap k_max (20 in the paper).
 
-    The one-step lag: the head scores y_j from e_j, the draft's hidden state at y_j's own
-    position, which exists only after y_j has been fed to the draft, i.e. during the forward
-    that drafts y_{j+1}. So the decision taken after drafting y_i has seen predictions for
-    y_1..y_{i-1} only, and y_i goes to verification unscored (Algorithm 1 breaks after
-    sampling y_i). At i = 1 the hidden state is that of the round's first input token, which
-    the target already produced, so there is nothing to score yet, and K >= 2.
-    A `context` head (heads/head.py) reads the state that produced q_i and so scores y_i itself at
-    step i: no lag, and K = 1 is reachable. Either way the head costs one small MLP on a vector
-    the draft computed anyway: no extra draft pass, no all-layer outputs.
-    A head with inputs=hidden+stats (or stats alone) also reads draft_stats of the token it scores, from the
-    step's raw logits processed as its datagen run processed q (features.py says why); a token
-    head's stats of y_{i-1} are computed at step i - 1 and kept for step i.
-    """
+    A token head scores y_j one step late, so K >= 2; a `context` head scores y_i at step i (docs/design.md,
+    "The learned policy's one-step lag"). Either way the head is one small MLP on a vector the draft computed
+    anyway. A head with inputs=hidden+stats (or stats) also reads draft_stats of the token it scores, from the
+    step's raw logits processed as its datagen run processed q (features.py says why); a token head's stats
+    of y_{i-1} are computed at step i - 1 and kept for step i."""
 
     name = "learned"
 

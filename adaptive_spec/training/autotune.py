@@ -1,13 +1,10 @@
-"""`adaptive-spec autotune`: the offline half of `--threshold auto` / `--k auto` (adaptive_spec.decoding.auto has the
-pick made at generation time, and the replay this runs).
+"""`adaptive-spec autotune`: the offline half of `--threshold auto` / `--k auto` (adaptive_spec.decoding.auto
+has the pick and the replay this runs).
 
-`adaptive-spec autotune --head DIR --data DATAGEN_DIR` replays the head offline on the dev
-   responses of a datagen run (auto's curve_of) and saves the expected counts for every h of H_GRID and every
-   fixed K of K_GRID as DIR/threshold_curve.json (machine-independent; it records the head's
-   weights hash and the data it came from; for a mix of prompt sources also per source, under
-   "by_source", which `pick` takes as it takes the pooled curve). Without --head it saves the
-   per-K part only (--out).
-"""
+`adaptive-spec autotune --head DIR --data DATAGEN_DIR` replays the head on a datagen run's dev responses
+(curve_of) and saves the expected counts per h of H_GRID and per fixed K of K_GRID as
+DIR/threshold_curve.json (machine-independent; with the head's weights hash, the data, and for a mix of
+sources also per source). Without --head it saves the per-K part only (--out)."""
 from __future__ import annotations
 
 import time

@@ -1,14 +1,11 @@
 """Tree shapes and the 0-th order acceptance model they are chosen by.
 
-Shapes (parents, sibs: node 0 is the root, parents[j] < j, sibs[j] the sibling index of node j):
-sequence (a chain), batch (k siblings at the root), SpecInfer-style (a shared trunk of 2 tokens,
-then 3 chains), and the optimal tree for a budget of k drafted tokens (Algorithm 3 of the ERSD
-paper: a priority queue over candidate vertices ordered by their acceptance probability R,
-O(k log k)). Under the 0-th order model, R of a vertex is the product of the acceptance
-distribution r_i over the sibling indices on its path; r comes from conditional rates c_i
-(`acceptance_distribution`), measured and adapted by `PositionalRates`. A learned budget drafts
-a nested shape only while the next node is worth its cost (`worth_growing`, derived there).
-"""
+Shapes (parents, sibs: node 0 is the root, parents[j] < j, sibs[j] the sibling index of node j): sequence,
+batch (k siblings at the root), SpecInfer-style (a trunk of 2, then 3 chains), and the optimal tree for k
+drafted tokens (ERSD's Algorithm 3: a priority queue ordered by acceptance probability R, O(k log k)).
+Under the 0-th order model R of a vertex is the product of the rates r_i of the sibling indices on its
+path; r comes from conditional rates c_i (`acceptance_distribution`), measured and adapted by
+`PositionalRates`."""
 from __future__ import annotations
 
 import heapq
