@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..backends.runner import kv
+from ..timing import sync
 
 # HBM bandwidth in TB/s by device name (vendor datasheets); --bandwidth-tbs overrides
 BANDWIDTH_TBS = [("H200", 4.8), ("H100 PCIe", 2.0), ("H100 NVL", 3.9), ("H100", 3.35), ("GH200", 4.0),
@@ -49,11 +50,6 @@ def model_bytes(model) -> dict:
     read = params if tied else params - emb.numel() * emb.element_size() + emb.shape[1] * emb.element_size()
     return {"param_bytes": params, "weight_bytes_read_per_token": read,
             "n_params": sum(p.numel() for p in model.parameters())}
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def time_loop(fn, iters: int, device: torch.device, warm: int = 2, host: bool = False) -> float:
