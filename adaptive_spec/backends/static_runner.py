@@ -109,8 +109,8 @@ class StaticCausalLM(ShapeGraphs, CausalLM):
     model: a Hugging Face causal LM (full attention layers); vocab_size: shared vocabulary;
     max_cache_len: slots preallocated (prompt + new tokens + K_max + 1 must fit; attention
     reads all of them, masked, so keep it near what you need);
-    compile: torch.compile each warmed-up shape (compile_mode defaults to "reduce-overhead",
-    i.e. CUDA graphs, on CUDA; compiler="eager" only traces, for tests);
+    compile: torch.compile each warmed-up shape (mode "reduce-overhead", i.e. CUDA graphs, on CUDA;
+    compiler="eager" only traces, for tests);
     cuda_graphs: capture each warmed-up shape with torch.cuda.CUDAGraph instead (CUDA only);
     head: an AcceptanceHead evaluated in the same graph by `forward_with_head`.
 
@@ -121,7 +121,7 @@ class StaticCausalLM(ShapeGraphs, CausalLM):
     fused = False  # the Hugging Face modules run the step
 
     def __init__(self, model, vocab_size: int | None = None, max_cache_len: int | None = None,
-                 compile: bool = False, compile_mode: str | None = None, compiler: str = "inductor",
+                 compile: bool = False, compiler: str = "inductor",
                  cuda_graphs: bool = False, head=None):
         cfg = model.config
         types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
@@ -151,8 +151,8 @@ class StaticCausalLM(ShapeGraphs, CausalLM):
             raise_recompile_limit()
             if compiler == "inductor":
                 persist_compile_caches()
-            mode = compile_mode or ("reduce-overhead" if self.device.type == "cuda" else "default")
-            self._cudagraphs = self.device.type == "cuda" and mode in ("reduce-overhead", "max-autotune")
+            mode = "reduce-overhead" if self.device.type == "cuda" else "default"
+            self._cudagraphs = self.device.type == "cuda"
             kw = {"mode": mode} if compiler == "inductor" else {}
             self._compiled = torch.compile(self._step, backend=compiler, fullgraph=True, dynamic=False, **kw)
 

@@ -117,60 +117,52 @@ class LearnedThreshold(StopPolicy):
                 "feature": self.feature, "inputs": self.inputs}
 
 
-class ConfidenceThreshold(StopPolicy):
+class _Tau(StopPolicy):
+    """A rule that stops after a candidate whose draft-side score crosses `tau` (validated by its params class)."""
+
+    decides_on_device = True
+
+    def __init__(self, threshold: float, k_max: int = 20):
+        self.tau, self.k_max = float(threshold), k_max
+
+    def graph_state(self, device) -> dict:
+        return {"tau": torch.zeros((), device=device)}
+
+    def graph_begin(self, mem: dict) -> None:
+        mem["tau"].fill_(self.tau)
+
+    def describe(self) -> dict:
+        return {"policy": self.name, "tau": self.tau, "k_max": self.k_max}
+
+
+class ConfidenceThreshold(_Tau):
     """Stop after a candidate the draft itself is unsure of: q(y_i) < tau (the draft
     confidence rule of transformers' assisted generation). In greedy mode q is a point mass,
     so the confidence is read from the softmax of the raw logits."""
 
     name = "confidence"
-    decides_on_device = True
-
-    def __init__(self, threshold: float, k_max: int = 20):
-        self.tau, self.k_max = float(threshold), k_max  # validated by params.ConfidenceParams
 
     def should_stop(self, step: DraftStep) -> bool:
         greedy = bool(step.probs.max() == 1.0)
         conf = (step.logits.float().softmax(-1) if greedy else step.probs)[step.token]
         return bool(conf < self.tau)
 
-    def graph_state(self, device) -> dict:
-        return {"tau": torch.zeros((), device=device)}
-
-    def graph_begin(self, mem: dict) -> None:
-        mem["tau"].fill_(self.tau)
-
     def graph_stop(self, step: DraftStep, i, mem: dict):
         conf = (step.logits.float().softmax(-1) if step.sampling.greedy else step.probs).gather(-1, step.token.view(1))
         return (conf < mem["tau"]).reshape(())
 
-    def describe(self) -> dict:
-        return {"policy": self.name, "tau": self.tau, "k_max": self.k_max}
 
-
-class EntropyThreshold(StopPolicy):
+class EntropyThreshold(_Tau):
     """Stop after a candidate drawn from a high-entropy draft distribution (AdaEDL, SVIP):
     H(q_i) > tau nats, H from the draft's temperature-1 distribution."""
 
     name = "entropy"
-    decides_on_device = True
-
-    def __init__(self, threshold: float, k_max: int = 20):
-        self.tau, self.k_max = float(threshold), k_max  # validated by params.EntropyParams
 
     def should_stop(self, step: DraftStep) -> bool:
         return bool(entropy(step.logits) > self.tau)
 
-    def graph_state(self, device) -> dict:
-        return {"tau": torch.zeros((), device=device)}
-
-    def graph_begin(self, mem: dict) -> None:
-        mem["tau"].fill_(self.tau)
-
     def graph_stop(self, step: DraftStep, i, mem: dict):
         return (entropy(step.logits) > mem["tau"]).reshape(())
-
-    def describe(self) -> dict:
-        return {"policy": self.name, "tau": self.tau, "k_max": self.k_max}
 
 
 class HeuristicSchedule(StopPolicy):
