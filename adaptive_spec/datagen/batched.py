@@ -1,14 +1,10 @@
 """The batched KV decoder of datagen: target and draft stepped in lockstep over a batch of prompts,
 with p_i, q_i, the sampled X_i, Y_i and the draft's features of every response position.
 
-Why not the decoder's runners (backends/runner.py CausalLM): a runner decodes one sequence with
-its own cache; datagen decodes a batch of prompts of different lengths at once, left-padded,
-through transformers' DynamicCache, with rows leaving the batch as they end.
-
-Where the time goes (CPU): prompts are prefilled one by one (no pad rows: a prefill is
-compute-bound), a row leaves the batch and both caches when it samples EOS, and an int8 draft
-computes with a dense copy of its dequantized weights (every pass here is batched).
-"""
+Not the decoder's runners: a runner decodes one sequence with its own cache; datagen decodes a batch of
+prompts of different lengths at once, left-padded, through transformers' DynamicCache. Prompts are
+prefilled one by one (a prefill is compute-bound: no pad rows), a row leaves the batch and both caches
+when it samples EOS, and an int8 draft computes with a dense copy of its weights (every pass is batched)."""
 from __future__ import annotations
 
 import torch

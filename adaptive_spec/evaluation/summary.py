@@ -1,17 +1,14 @@
-"""The README's measured results, generated from the committed engine benchmarks (never typed by hand):
-for each CPU the benchmarks ran on, what a user gets from each engine against llama.cpp alone on the
-same CPU and prompts: the target alone, SpecDec++ with `--threshold auto`, the best speculative
-configuration measured, and prompt lookup (`--policy ngram`, `--k auto`); as a table, and per machine
-kind in words (the README's first section).
+"""The README's measured results, generated from the committed engine benchmarks (never typed by hand): per
+CPU, what a user gets from each engine against llama.cpp alone on the same CPU and prompts (the target
+alone, SpecDec++ with `--threshold auto`, the best speculative configuration measured, prompt lookup with
+`--k auto`), as a table and per machine kind in words.
 
     python -m adaptive_spec.evaluation.summary            # print the table and the words
     python -m adaptive_spec.evaluation.summary --write    # put them in README.md between their markers
 
-It reads every eval/results/bench_llama_cpp_*/ that eval/bench_llama_cpp.py wrote (its run.json says so) and
-bench_ngram*/ (eval/bench_ngram.py), and for the GPU table the committed GPU check (eval/gpu_check.py's
-gpu_check.json); tests/test_summary.py checks the README holds what this generates, and that no speed figure
-of the README's prose is typed outside these blocks.
-"""
+It reads eval/results/bench_llama_cpp_*/ (those eval/bench_llama_cpp.py wrote) and bench_ngram*/, and for
+the GPU table the committed gpu_check.json; tests/test_summary.py checks the README holds what this
+generates, and that no speed figure of the README's prose is typed outside these blocks."""
 from __future__ import annotations
 
 import argparse
