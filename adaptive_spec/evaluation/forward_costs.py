@@ -290,7 +290,3 @@ def draft_acceptance(drafts: list[str], held, threads: int) -> dict:
     return {spec: against_fetched(draft_runner(spec, threads, n_ctx=base.target.max_length), held, alpha)
             for spec in drafts}
 
-
-__all__ = ["pass_times", "timed_runs", "time_forward", "time_prefill", "per_step_ms", "read_bandwidth_gbps",
-           "linear_bytes", "layer_shapes", "linear_kernels", "linear_row_times", "draft_label", "parse_draft",
-           "gguf_file", "draft_runner", "held_sequences", "logprobs", "target_quality", "draft_acceptance"]
