@@ -153,7 +153,7 @@ def _load_llama_cpp(params) -> Loaded:
 def _llama_cpp_unavailable() -> str | None:
     from . import llamacpp
 
-    return llamacpp.unavailable()
+    return llamacpp.available()
 
 
 register(Engine(

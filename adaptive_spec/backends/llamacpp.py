@@ -62,9 +62,6 @@ def available() -> str | None:
     return None
 
 
-unavailable = available  # engines.Engine.unavailable: None where the engine runs here
-
-
 def init_library(ll) -> None:
     """Once per process: the backend, and llama.cpp's log routed to Python logging: its errors as
     errors, its warnings at debug level (a load warns of GGUF quirks that change nothing for us, and
