@@ -62,10 +62,6 @@ def _is_list(cls: type[Config], key: str) -> bool:
     return typing.get_origin(cls.model_fields[key].annotation) in (list, tuple)
 
 
-def config_keys(cls: type[Config]) -> list[str]:
-    return list(cls.model_fields)
-
-
 def _nest_dotted(cls: type[Config], raw: dict[str, Any]) -> dict[str, Any]:
     """`pair.draft: x` (a key=value override, or a YAML key) into the `pair` mapping, in order."""
     out: dict[str, Any] = {}

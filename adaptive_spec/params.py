@@ -1,20 +1,13 @@
 """Typed parameters: the pair's settings and each stop policy's, validated once, on construction.
 
-Every way in builds these: the `generate` flags (cli.py makes its policy and model flags from the
-fields below), `SpecPair.load` / `SpecPair.generate` keywords, and the sweep. pydantic does the
-typing and refuses unknown keys; the checks that need more than one field are the models' own
-validators. Nothing here imports torch or loads a model, so every refusal comes before the weights.
-
-Why pydantic: it is already in the dependency tree (wandb needs it), its models are typed
-dataclasses with strict unknown-key refusal (`extra="forbid"`) and one error per bad field, and
-building flags from its field table keeps the command line's spelling (`--k`, `--threshold`) that
-users and scripts already have, which tyro or draccus would nest (`--policy.k`).
+Every way in builds these: the `generate` flags (cli.py makes them from the fields below), `SpecPair`'s
+keywords and the sweep. Nothing here imports torch or loads a model, so every refusal comes before the
+weights. Why pydantic: already a dependency (wandb), typed models with strict unknown-key refusal and one
+error per bad field, and flags built from its field table keep the command line's spelling (`--k`),
+which tyro or draccus would nest (`--policy.k`). How a class is built, refused and registered: typed.py.
 
     from adaptive_spec.params import policy_params
-    policy_params("learned", head="checkpoints/qwen-coder-0.5b-d3-wrej6", threshold=0.3)
-
-How a class is built, refused in one line and registered as a policy's settings: typed.py.
-"""
+    policy_params("learned", head="checkpoints/qwen-coder-0.5b-d3-wrej6", threshold=0.3)"""
 from __future__ import annotations
 
 import json

@@ -1,16 +1,9 @@
 """The policy registry: one entry per `--policy` name, holding its settings class and its factory.
 
-The decoding layer fills it and builds policies from it; it sits below both the settings and the decoder (a
-leaf at the package's top), so the settings can read it before torch loads without importing decoding/.
-
 The settings class (a `typed.PolicyParams`) is declared when params is imported, so the command line, the
 sweep and every refusal know all names and settings before torch loads; the factory `(settings, context) ->
-policy` is declared by the policy's own module (`interfaces.register`), imported when a pair decodes. What a
-policy needs (`Needs`) is declared by its settings class, read by the settings (which engine runs it), the
-command line and the sweep (whether a draft model loads) and the decoder (which models it prefills).
-
-A leaf: stdlib only.
-"""
+policy` by the policy's own module (`interfaces.register`), imported when a pair decodes. A leaf (stdlib
+only) below both, so the settings read it without importing decoding/."""
 from __future__ import annotations
 
 from dataclasses import dataclass

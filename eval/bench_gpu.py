@@ -58,8 +58,7 @@ from adaptive_spec.decoding.policies import FixedK
 from adaptive_spec.decoding.sampling import SamplingParams, process_logits, sample, verify
 # shared with eval/gpu_check.py; load_stats, estimate, interp are read from this module by the tests
 from adaptive_spec.evaluation.gpu_bench import (ESTIMATE_BANNER, estimate, fmt, interp, load_stats,  # noqa: F401
-                                                lookup_bandwidth, measure_hf_generate, model_bytes, time_host,
-                                                time_loop)
+                                                lookup_bandwidth, measure_hf_generate, model_bytes, time_loop)
 
 # the architectures are the GPU presets' (backends/presets.py: hub ids, shapes); "large" is the 1.5B/7B pair
 _DEFAULT, _LARGE, _TINY = preset("default"), preset("qwen-1.5b-7b"), preset("default", tiny=True)
@@ -137,9 +136,9 @@ def measure_round_overhead(V: int, ks, iters: int, device) -> dict:
             n, tok = verify(y, torch.stack(qs), process_logits(pl, params), g)
             torch.cat([n.view(1), tok.view(1), y]).tolist()
 
-        out[K] = time_host(rnd, iters, device)
+        out[K] = time_loop(rnd, iters, device, host=True)
     lg = torch.randn(1, V, device=device)
-    out["ar_token"] = time_host(lambda: int(sample(process_logits(lg[0], params), g)), iters, device)
+    out["ar_token"] = time_loop(lambda: int(sample(process_logits(lg[0], params), g)), iters, device, host=True)
     return out
 
 

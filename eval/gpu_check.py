@@ -60,7 +60,8 @@ try:
     from adaptive_spec.evaluation.exactness import chi_square_pvalue, exact_sequence_probs, sample_counts  # noqa: E402
     from adaptive_spec.evaluation.gpu_bench import (acceptance_label, estimate, fmt, inner_policy,  # noqa: E402
                                                     lookup_bandwidth, measure_hf_generate, measured_costs,
-                                                    model_bytes, picks_md, replay_picks, stats_of, sync, time_loop)
+                                                    model_bytes, picks_md, replay_picks, stats_of, time_loop)
+    from adaptive_spec.timing import sync  # noqa: E402
     from adaptive_spec.evaluation import gpu_bench, round_profile as rp_  # noqa: E402
     from adaptive_spec.evaluation.round_profile import make_runner  # noqa: E402
     from adaptive_spec.decoding.auto import loop_times  # noqa: E402

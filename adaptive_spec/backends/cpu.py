@@ -1,22 +1,15 @@
-"""What this CPU can do, and which numeric path each model runs on it.
+"""What this CPU can do, and which numeric path each model runs on it (docs/cpu-runtime.md).
 
-CPUs differ between machines, and the difference decides whether speculative decoding pays:
-- With AVX-512 (or AVX-NE-CONVERT / AMX) oneDNN runs bf16 matrix products natively, and bf16
-  weights halve the bytes a bandwidth-bound decode step streams.
-- With AVX2 only, oneDNN's packed bf16 path refuses to run, and PyTorch's stock bf16 GEMM falls
-  back to a scalar-ish path that reads the weights again for each input row: a prefill or a
-  verification of several rows then costs several times what it costs in fp32 with oneDNN-packed
-  weights (docs/cpu-runtime.md has the figures). A verification pass of K + 1 tokens must cost
-  about one decode step for speculation to win, so on such a CPU the models run in fp32 with packed weights,
-  and, since fp32 doubles the bytes a one-row step streams, each layer also keeps an fp16 copy
-  of its weight (exact for weights from bf16 checkpoints) that FBGEMM reads for short inputs,
-  the decode steps and short verifications where that is measured faster (fbgemm_fp16,
-  packed.pack_cpu_linears). Prefill and batched work stay on oneDNN fp32.
+With AVX-512 (or AVX-NE-CONVERT / AMX) oneDNN runs bf16 matrix products natively, and bf16 weights
+halve the bytes a bandwidth-bound decode step streams. With AVX2 only, PyTorch's stock bf16 GEMM reads
+the weights again for each input row, so a verification of several rows costs several times an fp32
+one with oneDNN-packed weights; speculation needs a K + 1-token pass to cost about one step, so such a
+CPU runs fp32, packed, and each layer also keeps an fp16 copy of its weight (exact for bf16
+checkpoints) that FBGEMM reads for the short inputs where that is measured faster
+(packed.pack_cpu_linears).
 
-`resolve_dtype("auto")` (the default everywhere) applies that rule; an explicit dtype is
-always honoured. `describe()` is what benchmarks, sweep rows and `--json` metrics record, so a
-number is never read without knowing the machine it came from.
-"""
+`resolve_dtype("auto")` applies that rule; an explicit dtype is always honoured. `describe()` is what
+benchmarks, sweep rows and `--json` metrics record, so a number always says which machine it came from."""
 from __future__ import annotations
 
 import functools

@@ -1,24 +1,18 @@
 """The engines a pair runs on, what each can do, and the one check that a policy runs on one.
 
-An engine builds runners to the runner contract (contract.py: forward with the logits of the last n rows,
-rollback, reset, the counters it owns) and has an `Engine` record: the capabilities it offers, its
-quantization choices, which settings apply to it, the time model `auto` prices it with, and how to load
-a pair on it. Policies declare what they need (`typed.PolicyParams.needs`); `params.check_runs_on` matches
-the two before any model loads and refuses a mismatch in one line naming what does run. No module outside
-backends/ compares an engine's name: they read its record; params.check_runs_on matches a policy
-with one. A third engine (an ONNX, MLX or GPU runner)
-is one module with a loader and one `register(Engine(...))`; the loader is a plain function that imports
-the engine's module when a pair loads.
-
-A leaf: stdlib only, imported by params (so every refusal comes before torch and the weights).
-"""
+An engine builds runners to the runner contract (contract.py) and has an `Engine` record: the capabilities
+it offers, its quantization choices, which settings apply to it, the time model `auto` prices it with, and
+how to load a pair on it. No module outside backends/ compares an engine's name: they read its record, and
+params.check_runs_on matches a policy's needs with it before any model loads. A third engine is one module
+with a loader (importing the engine when a pair loads) and one `register(Engine(...))`. A leaf: stdlib
+only, imported by params, so every refusal comes before torch and the weights."""
 from __future__ import annotations
 
 import importlib.util
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from ..errors import UserError
 from .contract import Loaded
@@ -159,7 +153,7 @@ def _load_llama_cpp(params) -> Loaded:
 def _llama_cpp_unavailable() -> str | None:
     from . import llamacpp
 
-    return llamacpp.unavailable()
+    return llamacpp.available()
 
 
 register(Engine(

@@ -2,44 +2,27 @@
 times fewer kernels per step.
 
 At batch 1 a decode step's time on a GPU is set by how many kernels it launches, not by the bytes it
-reads. `FusedDecoder` is the model part, in the style of gpt-fast, built over the loaded model's weights;
-`static_runner.FusedCausalLM` (make_runner(..., fused=True)) is the runner around it: positions, rollback
-by a scalar write, warm-up, CUDA-graph capture, torch.compile and timing are StaticCausalLM's.
+reads. `FusedDecoder` is the model part (in the style of gpt-fast, over the loaded model's weights);
+`static_runner.FusedCausalLM` is the runner around it, everything else being StaticCausalLM's.
 
-A layer of a one-token step is 11 ops that do work, its matrix products plain mm / addmm / bmm:
-
-1. rms_norm; 2. the q/k/v projection, one matrix (and, for Qwen2, one bias);
+A layer of a one-token step is 11 ops that do work: 1. rms_norm; 2. q/k/v, one matrix (+ Qwen2's bias);
 3. RoPE as one batched matmul over q, k and v: the heads in groups of kv_heads, each group times its
-   token's rotation R_p (x*cos + rotate_half(x)*sin = x @ R_p, two non-zeros per column) or, for the v
-   group, the identity, so rotated k and v come out side by side;
-4. one index_copy_ of that k/v pair into the layer's cache [2, kv_heads, max_cache_len, head_dim];
-5. scaled_dot_product_attention over all max_cache_len slots under the step's additive mask, GQA by
-   enable_gqa (kv head j serves q heads j*g..j*g+g-1), reading the cache where it lies: one fused
-   kernel, never the math fallback that repeats K/V per q head (on the CPU a test checks it; on CUDA
-   flash takes no mask, the memory-efficient kernel takes a mask and grouped heads); its output is laid
-   out token-major, so the o projection reads it as a view;
-6. the o projection with the residual add inside (addmm); 7. rms_norm; 8. gate and up, one matrix;
-9. silu; 10. mul; 11. the down projection with the residual add inside (addmm).
+token's rotation R_p (x*cos + rotate_half(x)*sin = x @ R_p) or, for the v group, the identity, so rotated
+k and v come out side by side; 4. one index_copy_ of that pair into the layer's cache; 5.
+scaled_dot_product_attention over all max_cache_len slots under the step's additive mask, GQA by
+enable_gqa, reading the cache where it lies (one fused kernel, never the math fallback that repeats K/V
+per q head; on CUDA flash takes no mask, the memory-efficient kernel does), its output token-major so the
+o projection reads a view; 6. o with the residual add inside (addmm); 7. rms_norm; 8. gate and up, one
+matrix; 9. silu; 10. mul; 11. down with the residual add inside. A verify pass of n > 1 tokens adds
+nothing per layer: every reshape is a view for any n. The mask's rows are 8-element aligned, or the CUDA
+kernel pads a copy per layer; rope types whose frequencies depend on the sequence length are refused.
 
-A verify pass of n > 1 tokens adds nothing per layer: every reshape above is a view for any n.
-Per step: the embedding, the positions, the mask (slot j is visible to a query at position i iff
-j <= i, so stale slots are never read; its rows 8-element aligned, or the CUDA kernel pads a copy per layer),
-the rotations (built once from a cos/sin table of the model's own rotary parameters: inv_freq and
-attention scaling of the rope types whose frequencies do not depend on the sequence length; others
-are refused), the final norm and the LM head on the rows a pass needs only.
-
-The Hugging Face modules' weights become views of the fused matrices, so nothing is duplicated and the
-modules still compute what they did (a `CausalLM` over the same model agrees with the fused runner).
-The norm weights stay in rms_norm rather than folded into the next matrix: rms_norm with its weight is
-one kernel either way, and a fold would change the shared matrices (or copy them).
-
-Every op is shape-static per (n, n_logits) and none reads back to the host, so steps are captured or
-compiled exactly as StaticCausalLM's are. The tree hooks (contract.TreeRunner) run the same layers with
-an arbitrary mask and position ids.
+The Hugging Face modules' weights become views of the fused matrices, so nothing is duplicated and a
+`CausalLM` over the same model agrees with the fused runner. Norm weights stay in rms_norm rather than
+folded into the next matrix: one kernel either way, and a fold would change the shared matrices.
 
 `step_launches(lm)` counts what one step of any torch runner dispatches (aten ops; on CUDA also the
-device kernels the profiler records): the CPU tests bound it per layer, eval/bench_gpu.py prints it.
-"""
+device kernels the profiler records): the CPU tests bound it per layer, eval/bench_gpu.py prints it."""
 from __future__ import annotations
 
 import contextlib
@@ -136,10 +119,6 @@ class Dims:
     @property
     def group(self) -> int:  # q heads per kv head
         return self.heads // self.kv_heads
-
-    @property
-    def qk(self) -> int:  # columns of q and k in the qkv output
-        return (self.heads + self.kv_heads) * self.head_dim
 
 
 def _residual_linear(residual: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):

@@ -2,24 +2,16 @@
 rewritten so that its embedding and output matrices keep V' rows, and the two maps that let it stand in
 for the full-vocabulary draft.
 
-Why: the draft's output matrix is its largest (151,936 x 896: Q8_0 in the fetched Qwen2.5-Coder-0.5B,
-about a third of its bytes), and every draft step streams all of it. Keeping the V' most frequent tokens
-(the list vocab.py ships, the torch engine's FR-Spec list) cuts that share by V / V'.
-
-Why the embedding shrinks too: llama.cpp sizes both matrices by one n_vocab and refuses an output
-matrix of another shape, so the reduced file is a model over V' tokens. Its runner (llamacpp.LlamaCppLM
+Why: the output matrix is the draft's largest (about a third of the fetched 0.5B's bytes), and every
+draft step streams all of it; keeping the V' most frequent tokens (vocab.py's list) cuts that by V / V'.
+The embedding shrinks too because llama.cpp sizes both by one n_vocab. The runner (llamacpp.LlamaCppLM
 with `kept_ids` and `input_map`) translates both ways:
-- in: a target id goes to its row in the reduced file; an id that was dropped goes to the kept token
-  whose text is its longest prefix (" Initialization" -> " Initial"; the 256 byte tokens are always
-  kept, so a byte-level vocabulary always has one), else to the first kept id. The draft then reads
-  a nearby token where the text held a rare one: that costs acceptance, never exactness;
+- in: a dropped id goes to the kept token whose text is its longest prefix (the 256 byte tokens are
+  always kept), else to the first kept id: that costs acceptance, never exactness;
 - out: the V' logits are spread over the full vocabulary, -inf on the dropped ids, so q is zero there
-  and verification's residual max(0, p - q) gives those tokens their full target probability.
-
-The file is made once from the source (seconds: rows are copied as they are stored, whatever their
-quantization) and kept in <cache>/gguf/ beside a `.vocab.npz` holding the two maps; the GGUF is
-renamed into place last, so a file that exists is complete.
-"""
+  and the residual max(0, p - q) gives those tokens their full target probability.
+The file is made once (rows copied as stored, whatever their quantization) into <cache>/gguf/ beside a
+`.vocab.npz` of the two maps; the GGUF is renamed into place last, so a file that exists is complete."""
 from __future__ import annotations
 
 import hashlib

@@ -1,28 +1,17 @@
-"""The llama.cpp engine: a GGUF model behind the same runner interface as `runner.CausalLM`.
+"""The llama.cpp engine: a GGUF model behind the runner contract (contract.py).
 
-The decoder, the sampler, the stop rules and the metrics never see which engine runs: a runner
-feeds tokens after its cached prefix and returns logits (`forward`), crops its cache
-(`rollback`), and starts over (`reset`). Rejection sampling stays ours on both engines, so the
-output is exactly the target's distribution whatever llama.cpp computes inside a pass.
+Rejection sampling stays ours on both engines, so the output is exactly the target's distribution
+whatever llama.cpp computes inside a pass. Through llama-cpp-python's low-level API (ctypes over libllama):
+  forward   one `llama_decode` per chunk of at most n_batch tokens, the logits flag set only on the
+            rows a caller reads (a K + 1-token verification asks for K + 1 rows, prefill for none);
+  rollback  `llama_memory_seq_rm(mem, 0, n, -1)`;  reset  `llama_memory_clear`.
+Logits come back as one float32 copy of the rows asked for (the next decode reuses llama.cpp's buffer).
 
-Through llama-cpp-python's low-level API (ctypes over libllama):
-  forward   one `llama_decode` per chunk of at most n_batch tokens, with the per-token logits
-            flag set only on the rows a caller reads (the last n_logits): a K + 1-token
-            verification asks for K + 1 rows, a draft step for one, prefill for none;
-  rollback  `llama_memory_seq_rm(mem, 0, n, -1)`: positions >= n leave the KV cache;
-  reset     `llama_memory_clear`.
-Logits come back as one float32 copy of the rows asked for (the next decode reuses llama.cpp's
-buffer); softmax, top-k/top-p and sampling run vectorized in torch over the whole vocabulary.
-
-What llama.cpp does not give: the draft's hidden state (a head that reads it, the tree and
-multi-draft policies are refused on this engine: its record in engines.py lists no capability). A statistics head
-reads only the draft's own distribution, so it runs here; `hidden` is a constant zero vector of
-the model's width, which such a head ignores.
-
-The binding is an optional dependency, compiled once per kind of CPU (setup/llama_build.py: which
-instruction sets, and why not -march=native): `import_llama_cpp` names the install command when
-it is missing, and `init_library` refuses a build this CPU cannot run.
-"""
+llama.cpp does not give the draft's hidden state, so a head that reads it and the tree and multi-draft
+policies are refused here (its record in engines.py lists no capability). A statistics head reads only
+the draft's distribution, so it runs; `hidden` is a constant zero vector, which such a head ignores.
+The binding is optional and built once per kind of CPU (setup/llama_build.py): `import_llama_cpp`
+names the install command when it is missing, `init_library` refuses a build this CPU cannot run."""
 from __future__ import annotations
 
 import ctypes
@@ -71,9 +60,6 @@ def available() -> str | None:
     except UserError as e:
         return str(e)
     return None
-
-
-unavailable = available  # engines.Engine.unavailable: None where the engine runs here
 
 
 def init_library(ll) -> None:

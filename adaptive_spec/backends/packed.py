@@ -13,7 +13,6 @@ import warnings
 
 import torch
 
-from ..errors import UserError
 from ..runs import write_json
 from .cpu import cpu_name, fbgemm_fp16, onednn_packed
 from ..setup.llama_build import cache_dir, cpu_flags
@@ -25,32 +24,22 @@ warnings.filterwarnings("ignore", message=r"fbgemm_\w+ is deprecated")
 class PackedLinear(torch.nn.Module):
     """nn.Linear whose weight is pre-packed once into oneDNN's blocked layout (CPU only).
 
-    Why: a decode step is a stack of matrix-vector products, and stock bf16 `F.linear` re-reads
-    the row-major weight through a generic path well below the memory bandwidth the pre-packed
-    oneDNN kernel streams at. On an AVX2-only CPU (no bf16 kernels, so models run in fp32: see
-    cpu.py) the packed fp32 kernel beats the stock one at one row and more so at a few rows, which
-    is what makes a K + 1-token verification cost about one decode step there
-    (docs/cpu-runtime.md has the figures).
+    Why: a decode step is a stack of matrix-vector products, and stock `F.linear` re-reads the row-major
+    weight well below the bandwidth the packed oneDNN kernel streams at; on an AVX2-only CPU (fp32: cpu.py)
+    this is what makes a K + 1-token verification cost about one decode step (docs/cpu-runtime.md).
 
-    The original weight stays as `.weight` (tied embeddings share it, state_dict and
-    save_pretrained still work) unless `release=True`, which frees it for weights nothing else
-    shares (an inference-only model then holds one copy, not two); with grad enabled the stock
-    path runs, since the packed op has no backward.
+    The original weight stays as `.weight` (tied embeddings share it, save_pretrained works) unless
+    `release=True` frees it for weights nothing else shares; with grad enabled the stock path runs (the
+    packed op has no backward).
 
-    `pad_to`: oneDNN picks its kernel by the number of input rows M, and on some CPUs the
-    M = 1..2 kernels read weights slower than the M = 4..6 ones, so that a forward of 5 rows can
-    cost less than one of 1. Reading the weight once is the whole cost, so an input
-    of M rows is zero-padded to pad_to[M] rows and the extra outputs are dropped. Rows are
-    independent in a matmul, so padding changes no value beyond kernel rounding order.
-    () = no padding.
+    `pad_to`: oneDNN picks its kernel by the input rows M, and on some CPUs the M = 1..2 kernels read weights
+    slower than the M = 4..6 ones, so an input of M rows is zero-padded to pad_to[M] rows and the extra
+    outputs dropped (rows are independent in a matmul: no value changes beyond rounding order). () = none.
 
-    `fp16_rows`: on fp32 models (AVX2) a layer may also hold its weight in fp16 (`add_fp16`; only
-    where fp16 holds every weight exactly, as it does weights from bf16 checkpoints), which
-    FBGEMM's fp16-weight, fp32-arithmetic kernel streams at half the bytes; inputs whose row
-    count is in fp16_rows run on it. Half the bytes pay at one row and a few more, where reading
-    the weight is the cost, but not from several rows on, where oneDNN stays
-    (`eval/bench_forward_costs.py linear-rows`; docs/cpu-runtime.md has the figures).
-    """
+    `fp16_rows`: an fp32 model's layer may also hold its weight in fp16 (`add_fp16`; only where fp16 holds
+    every weight exactly, as for bf16 checkpoints), which FBGEMM's fp16-weight kernel streams at half the
+    bytes; inputs whose row count is in fp16_rows run on it (it pays at one row and a few, where reading
+    the weight is the cost; `eval/bench_forward_costs.py linear-rows`)."""
 
     def __init__(self, linear: torch.nn.Linear, pad_to: tuple = (), release: bool = False):
         super().__init__()
@@ -236,20 +225,16 @@ def _why_no_fp16(dtype, fp16: bool, fp16_rows: int | None, weights) -> str | Non
 
 def pack_cpu_linears(model, release: bool = False, fp16: bool = True, pack: bool = True, pad_rows: int | None = None,
                      fp16_rows: int | None = None) -> int:
-    """Swap every nn.Linear of a CPU model for a PackedLinear; returns how many.
+    """Swap every nn.Linear of a CPU model for a PackedLinear; returns how many, and records the chosen path
+    as `model.cpu_path`.
 
-    A no-op (0) on other devices, where oneDNN has no packed kernel for the model's dtype on this
-    CPU (bf16 on AVX2: cpu.onednn_packed says why), or with pack=False (PairParams.cpu_stock). The
-    padding is timed once per CPU and model shape (see PackedLinear and choose_padding) unless
-    `pad_rows` fixes it (PairParams.cpu_pad_rows; None: timed). `release`: free the original weights nothing else shares (inference only;
-    tied embeddings keep theirs). The chosen path is recorded as `model.cpu_path`.
-
-    `fp16`: in fp32 (CPUs without bf16 kernels), where FBGEMM runs and fp16 holds every weight
-    exactly, also keep an fp16 copy of each layer and run the row counts at which it is faster
-    on it (choose_fp16_rows; one-row decode steps and short verifications on AVX2). It costs
-    half the fp32 bytes again in memory, so batched work (datagen) passes False. `fp16_rows` fixes
-    its row counts (PairParams.cpu_fp16_rows: 0 = off; None: timed).
-    """
+    A no-op (0) on other devices, where oneDNN has no packed kernel for the dtype (bf16 on AVX2:
+    cpu.onednn_packed), or with pack=False (PairParams.cpu_stock). The padding is timed once per CPU and
+    model shape unless `pad_rows` fixes it (None: timed). `release`: free the original weights nothing else
+    shares (inference only). `fp16`: in fp32, where FBGEMM runs and fp16 holds every weight exactly, also
+    keep an fp16 copy of each layer for the row counts at which it is faster (choose_fp16_rows); it costs
+    half the fp32 bytes again in memory, so batched work (datagen) passes False. `fp16_rows` fixes its row
+    counts (0 = off; None: timed)."""
     p = next(model.parameters(), None)
     if p is None or p.device.type != "cpu":
         return 0

@@ -1,25 +1,14 @@
 """GPU pair presets: draft/target pairs named by their hub ids, with the architecture values that build
 random-weight models of the same shapes offline.
 
-A forward's cost does not depend on the weights' values, so a benchmark on a machine with no network (or
-no time to download 15 GB) times random weights with the real shapes; the acceptance comes from a trace
-recorded with the real weights (decoding/replay.py). Values from each hub repository's config.json; the
-Coder variants have the Qwen2.5 shapes of their size.
+A forward's cost does not depend on the weights' values, so a benchmark with no network (or no time to
+download 15 GB) times random weights with the real shapes, the acceptance coming from a trace recorded
+with the real weights (decoding/replay.py). Values from each hub repository's config.json.
 
-Vocabulary: the pair shares the Qwen2.5 tokenizer (151,665 ids). 0.5B and 1.5B have 151,936 output rows,
-7B has 152,064: the pair's shared vocabulary is the smaller (`Preset.vocab_size`), and the runners are
-built with it (runner.CausalLM drops the rows past it), so the 7B's 128 padding rows are never drafted
-nor emitted. The default pair built by `adaptive-spec fetch-models` (from GGUF) unties the embeddings; the
-hub's 0.5B/1.5B tie them. A decode step reads the V x H output matrix either way.
-
-    from adaptive_spec.backends.presets import preset, build_pair
-    p = preset("coder-0.5b-7b", tiny=False)
-    draft, target = build_pair(p, dtype=torch.bfloat16, device="cuda")   # transformers models
-    Decoder(StaticCausalLM(target, p.vocab_size), StaticCausalLM(draft, p.vocab_size))
-
-Stdlib only at import (the command line lists and checks names before torch loads); the builders
-import torch and transformers when called.
-"""
+Vocabulary: 0.5B and 1.5B have 151,936 output rows, 7B 152,064: the pair's shared vocabulary is the
+smaller (`Preset.vocab_size`), and runner.CausalLM drops the rows past it, so the 7B's padding rows are
+never drafted nor emitted. Stdlib only at import (the command line checks names before torch loads);
+the builders import torch and transformers when called."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace

@@ -64,7 +64,6 @@ class CausalLM:
     """
 
     def __init__(self, model, vocab_size: int | None = None):
-        self._cache_cls = DynamicCache
         self.model = model.eval()
         self.config = model.config
         self.base = model.base_model
@@ -82,7 +81,7 @@ class CausalLM:
         self.reset()
 
     def reset(self):
-        self.cache = self._cache_cls(config=self.config)
+        self.cache = DynamicCache(config=self.config)
         self.length = 0
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

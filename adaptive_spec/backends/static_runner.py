@@ -1,44 +1,26 @@
 """A GPU-oriented runner: static KV cache indexed by position, one compiled graph per input shape.
 
-`StaticCausalLM` keeps the runner contract (contract.py: reset / forward / rollback / length /
-counters / ...), so `Decoder(StaticCausalLM(target), StaticCausalLM(draft))` works
-unchanged. What differs, in the style of gpt-fast:
+`StaticCausalLM` keeps the runner contract, so `Decoder(StaticCausalLM(target), StaticCausalLM(draft))`
+works unchanged (docs/design.md, "GPU runtime"). What differs, in the style of gpt-fast:
 
-* The KV cache is preallocated once, [1, kv_heads, max_cache_len, head_dim] per layer, and
-  written at absolute positions read from one device scalar, `self._pos` (= `self.length`).
-  The attention mask is causal in absolute positions over all `max_cache_len` slots (key slot j
-  is visible to a query at position i iff j <= i), so slots past the current position, stale
-  entries of rejected candidates included, are never attended. Rollback is therefore
-  `self.length = n` plus a one-element fill of `self._pos`: no copy, no allocation, no sync.
-* Every tensor shape in a forward depends only on (input length n, logits rows n_logits), never
-  on the position, and the forward reads nothing back to the host, so one graph per shape can
-  be captured, which `warmup(shapes)` does up front: (1, 1) and (2, 1) for draft steps, (n, n)
-  for a verify of n = K + 1 tokens, K = 0..K_max. Two ways: `compile=True` is
-  `torch.compile(mode="reduce-overhead", fullgraph=True, dynamic=False)` (inductor kernels +
-  CUDA graphs on GPU; slow: tens of seconds of compile per shape), and
-  `cuda_graphs=True` captures the eager step with `torch.cuda.CUDAGraph` (no kernel fusion,
-  but a capture takes one forward). Shapes that were not warmed up (prefill, odd lengths) run
-  eagerly, so nothing compiles or captures in the middle of a timed run (graphs.py: `ShapeGraphs`).
-* The LM head runs on the last n_logits rows only (static per shape), and optionally the
-  acceptance head of SpecDec++ runs in the same graph (`forward_with_head`), and so does an epilogue
-  (`forward_epilogue`: a device round's sampling and stop rule after the draft's step, its verification
-  after the target's; decoding/graph_round.py), captured on first use for the shapes warmed up.
-* No host synchronisation inside forward: on CUDA, a forward's time is a pair of CUDA events
-  that are read (one sync) only when the counters' seconds are read.
+* The KV cache is preallocated once and written at absolute positions read from one device scalar,
+  `self._pos`. The mask is causal in absolute positions over all `max_cache_len` slots, so slots past
+  the current position, stale candidates included, are never attended: rollback is `self.length = n`
+  plus a one-element fill of `self._pos`, with no copy, allocation or sync.
+* Every shape in a forward depends only on (input length n, logits rows n_logits) and nothing is read
+  back to the host, so one graph per shape can be captured up front by `warmup(shapes)`: (1, 1) and
+  (2, 1) for draft steps, (n, n) for verifying K + 1 tokens. `compile=True` is torch.compile
+  (reduce-overhead, fullgraph; tens of seconds per shape), `cuda_graphs=True` captures the eager step
+  (no fusion, but a capture takes one forward). Shapes not warmed up run eagerly, so nothing compiles
+  in the middle of a timed run (graphs.py: `ShapeGraphs`).
+* The LM head runs on the last n_logits rows only, and the acceptance head (`forward_with_head`) or a
+  device round's epilogue (`forward_epilogue`, graph_round.py) can run in the same graph.
+* A forward's time on CUDA is a pair of events, read (one sync) only when the seconds are read.
 
-The CPU path is the same code without compile (compile=False, the default); it is exact, and it
-is what tests/test_static_runner.py checks against CausalLM.
-
-The step itself is pluggable: `StaticCausalLM` runs the Hugging Face modules over a positioned
-`StaticCache`; `FusedCausalLM` (make_runner(..., fused=True)) replaces the cache and the layers by
-fused.FusedDecoder, a fused Qwen2/Llama decoder (11 instead of 38 ops per layer and step), and
-keeps everything else: positions, rollback, warm-up, capture, compile, timing, the tree hooks'
-bookkeeping.
-
-Known costs of the design: attention reads all `max_cache_len` slots (masked), so keep
-`max_cache_len` near the longest context you need (default: 2048, capped by the model's
-max_position_embeddings); sliding-window models are not supported (use CausalLM).
-"""
+On the CPU the same code runs without compile; tests/test_static_runner.py checks it against CausalLM.
+`FusedCausalLM` swaps the cache and layers for fused.FusedDecoder and keeps the rest. Attention reads
+all `max_cache_len` slots (masked), so keep it near the longest context needed (default 2048, capped
+by max_position_embeddings); sliding-window models are not supported (use CausalLM)."""
 from __future__ import annotations
 
 import functools
@@ -127,8 +109,8 @@ class StaticCausalLM(ShapeGraphs, CausalLM):
     model: a Hugging Face causal LM (full attention layers); vocab_size: shared vocabulary;
     max_cache_len: slots preallocated (prompt + new tokens + K_max + 1 must fit; attention
     reads all of them, masked, so keep it near what you need);
-    compile: torch.compile each warmed-up shape (compile_mode defaults to "reduce-overhead",
-    i.e. CUDA graphs, on CUDA; compiler="eager" only traces, for tests);
+    compile: torch.compile each warmed-up shape (mode "reduce-overhead", i.e. CUDA graphs, on CUDA;
+    compiler="eager" only traces, for tests);
     cuda_graphs: capture each warmed-up shape with torch.cuda.CUDAGraph instead (CUDA only);
     head: an AcceptanceHead evaluated in the same graph by `forward_with_head`.
 
@@ -139,7 +121,7 @@ class StaticCausalLM(ShapeGraphs, CausalLM):
     fused = False  # the Hugging Face modules run the step
 
     def __init__(self, model, vocab_size: int | None = None, max_cache_len: int | None = None,
-                 compile: bool = False, compile_mode: str | None = None, compiler: str = "inductor",
+                 compile: bool = False, compiler: str = "inductor",
                  cuda_graphs: bool = False, head=None):
         cfg = model.config
         types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
@@ -169,8 +151,8 @@ class StaticCausalLM(ShapeGraphs, CausalLM):
             raise_recompile_limit()
             if compiler == "inductor":
                 persist_compile_caches()
-            mode = compile_mode or ("reduce-overhead" if self.device.type == "cuda" else "default")
-            self._cudagraphs = self.device.type == "cuda" and mode in ("reduce-overhead", "max-autotune")
+            mode = "reduce-overhead" if self.device.type == "cuda" else "default"
+            self._cudagraphs = self.device.type == "cuda"
             kw = {"mode": mode} if compiler == "inductor" else {}
             self._compiled = torch.compile(self._step, backend=compiler, fullgraph=True, dynamic=False, **kw)
 

@@ -1,15 +1,10 @@
 """A reduced draft vocabulary (FR-Spec): the draft's output layer keeps the V' most frequent tokens.
 
-Why: the output layer is the largest single matrix of a small draft (151,936 x 896 is 27% of
-Qwen2.5-Coder-0.5B's bytes), and a decode step streams all of it. Keeping V' rows cuts that
-share by V/V'. Exactness is untouched: q is the softmax over the kept tokens and zero
-elsewhere, and verification's residual max(0, p - q) still gives every other token its target
-probability. What it costs is acceptance on rare tokens, measured by the benchmark.
-
-A token list is a safetensors file: `ids` (int32, most frequent first), `counts` (int32), and
-metadata naming the tokenizer it was counted with (size and a hash of its vocabulary), so a
-list made for another tokenizer is refused. `adaptive-spec draft-vocab` builds one.
-"""
+Why: the output layer is a small draft's largest matrix (27% of Qwen2.5-Coder-0.5B's bytes), and a decode
+step streams all of it. Exactness is untouched: q is zero off the kept tokens, and verification's residual
+max(0, p - q) gives each of them its target probability; the cost is acceptance on rare tokens. A token
+list is a safetensors file, `ids` (most frequent first) and `counts`, whose metadata names the tokenizer
+it was counted with, so a list for another tokenizer is refused. `adaptive-spec draft-vocab` builds one."""
 from __future__ import annotations
 
 import hashlib

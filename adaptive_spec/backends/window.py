@@ -1,17 +1,11 @@
 """A draft that sees only the end of the prompt: its prefill, and so the time before the first token,
-shrinks to `window` tokens whatever the prompt's length.
+shrinks to `window` tokens whatever the prompt's length (`--draft-context W`).
 
-The draft is only a proposal distribution: rejection sampling against the target keeps the output
-exactly the target's whatever context the draft was given, so a shorter one costs acceptance, never
-correctness. On long prompts the draft's prefill is most of what speculation adds before the first
-token (the target's prefill is paid either way): a 0.5B draft prefills at about a third of a 1.5B
-target's cost per token, so a 1,000-token prompt adds a third to the time before decoding starts.
-
-`WindowedDraft` wraps any runner (the runner contract, contract.py): the first feed after a reset
-keeps only its last `window` tokens, and positions after it are counted from the start of the
-prompt as the decoder expects (`length` = the tokens skipped + the inner runner's), so rollback and
-the rounds need nothing else. PairParams.draft_context sets it (`--draft-context W`).
-"""
+Rejection sampling keeps the output exactly the target's whatever context the draft was given, so a
+shorter one costs acceptance, never correctness; on long prompts the draft's prefill is most of what
+speculation adds before the first token. `WindowedDraft` wraps any runner: the first feed after a reset
+keeps only its last `window` tokens, and `length` counts the skipped tokens too, so rollback and the
+rounds need nothing else."""
 from __future__ import annotations
 
 

@@ -1,14 +1,10 @@
 """The batched KV decoder of datagen: target and draft stepped in lockstep over a batch of prompts,
 with p_i, q_i, the sampled X_i, Y_i and the draft's features of every response position.
 
-Why not the decoder's runners (backends/runner.py CausalLM): a runner decodes one sequence with
-its own cache; datagen decodes a batch of prompts of different lengths at once, left-padded,
-through transformers' DynamicCache, with rows leaving the batch as they end.
-
-Where the time goes (CPU): prompts are prefilled one by one (no pad rows: a prefill is
-compute-bound), a row leaves the batch and both caches when it samples EOS, and an int8 draft
-computes with a dense copy of its dequantized weights (every pass here is batched).
-"""
+Not the decoder's runners: a runner decodes one sequence with its own cache; datagen decodes a batch of
+prompts of different lengths at once, left-padded, through transformers' DynamicCache. Prompts are
+prefilled one by one (a prefill is compute-bound: no pad rows), a row leaves the batch and both caches
+when it samples EOS, and an int8 draft computes with a dense copy of its weights (every pass is batched)."""
 from __future__ import annotations
 
 import torch
@@ -52,11 +48,6 @@ def _left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
         ids[b, L - len(s):] = torch.tensor(s, dtype=torch.long)
         mask[b, L - len(s):] = 1
     return ids, mask
-
-
-def _positions(mask: torch.Tensor) -> torch.Tensor:
-    # left padding: real tokens get 0, 1, 2, ... as in an unpadded run
-    return (mask.cumsum(-1) - 1).clamp_min(0)
 
 
 def _step(model, ids, mask, pos, cache, vocab: int, dev) -> torch.Tensor:
@@ -132,7 +123,7 @@ def generate_batch(draft, target, prompts: list[list[int]], cfg, vocab: int, eos
     dev = gen.device
     B = len(prompts)
     _, mask = _left_pad(prompts, pad_id)
-    pos = _positions(mask)
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)  # left padding: real tokens get 0, 1, 2, ... as unpadded
     prompt_mask = mask
     t_logits, t_kv = _prefill(target, prompts, vocab, dev)
     d_logits, d_kv = _prefill(draft, prompts, vocab, dev)

@@ -1,31 +1,20 @@
 """Draft features for a datagen run that stored none: `adaptive-spec datagen-features`.
 
-A datagen run's token data (X, Y, Z, P, draft statistics) is ~5 KB a response; the draft's
-final hidden states at every response position are ~230 KB (896 bf16 values a token for the
-default draft). The token data is what costs hours (a target pass per token) and what is worth
-keeping across machines, so a run can store only it (`store_features: false`, as
-configs/datagen/mix.yaml does, committed under data/datagen/). This command derives the
-features from it, with one pass of the frozen draft per response, into a complete datagen
-folder (manifest + shards with `features`) that training, `autotune` and `eval/score_heads.py ablate`
-read as they read any datagen run:
+A run's token data (X, Y, Z, P, draft statistics) is ~5 KB a response, the draft's hidden states
+~230 KB; the token data is what costs hours (a target pass per token) and is worth keeping across
+machines, so a run can store only it (`store_features: false`, as configs/datagen/mix.yaml does).
+This command derives the features with one pass of the frozen draft per response, into a complete
+datagen folder that training, `autotune` and `eval/score_heads.py ablate` read as any other:
 
     adaptive-spec datagen-features --data data/datagen/mix --out runs/datagen/mix
     adaptive-spec datagen-features --data data/datagen/mix --out runs/datagen/mix-target --prefix target
 
-The draft is loaded in the configuration the data was made with (manifest: draft, draft_quant,
-draft_vocab; its fingerprint must match), because heads are trained on the hidden states of the
-draft they serve. The pass runs over (prompt, Z) uncached, where datagen's own pass reused the
-prompt's KV cache: the same states up to rounding (tested).
-
-`--prefix target` computes the states on the target's own response instead of the token-mixed
-one (features.PREFIXES): for every Y_i, e(x, X_<i, Y_i) (`features`) and e(x, X_<i)
-(`context_features`, the state that produced q_i), in one pass over (x, X, Y) whose attention
-mask shows Y_i only the prompt and X_<i, at X_i's position. That costs N more tokens a response
-(the pass is compute-bound: about 1.5x on these prompts) and gives the inputs the decoder gives a
-head, at every position. Each output shard is written
-atomically and is the unit of resume: a rerun skips finished shards and picks up the shards a
-longer datagen run has added since.
-"""
+The draft loads in the configuration the data was made with (its fingerprint must match): heads are
+trained on the hidden states of the draft they serve. The pass runs over (prompt, Z) uncached, where
+datagen reused the prompt's KV cache: the same states up to rounding (tested). `--prefix target`
+computes the states on the target's own response (features.PREFIXES) in one pass over (x, X, Y) whose
+mask shows Y_i only the prompt and X_<i, at X_i's position: N more tokens a response, and the inputs
+the decoder gives a head. Each output shard is written atomically and is the unit of resume."""
 from __future__ import annotations
 
 import time

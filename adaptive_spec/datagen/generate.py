@@ -5,32 +5,15 @@ For every prompt x we sample a target response X_1..X_N, and at every position i
   P_i = min(1, p_i(Y_i) / q_i(Y_i))          -- the head's training target,
   1 - TV(p_i, q_i) = sum_v min(p_i, q_i)      -- the expected acceptance, stored for analysis.
 Token mixing: Z_i = X_i with probability r, else Y_i; the loss is taken where Z_i came from Y
-(`loss_mask`). The head sees the draft's final hidden state at the position whose input token is
-Z_i, i.e. e_i(x, Z<i, Z_i); we store it (`features`) so training never runs the draft. The
-draft's own statistics of its candidate, features.draft_stats(q_i, Y_i) (log q_i(Y_i), entropy
-of q_i, top-1 minus top-2 probability), are stored too (`draft_stats`).
+(`loss_mask`). The draft's final hidden state at the position whose input token is Z_i is stored
+(`features`, one more draft pass over Z) so training never runs the draft, and so are
+features.draft_stats(q_i, Y_i). p_i and q_i come from the generation pass itself (target and draft
+stepped in lockstep on the sampled X: batched.py), so no teacher-forced re-run is needed.
 
-Prompts come from one set (`dataset`) or a mix of named training sets (`sources`, each drawn and
-split train/dev/test on its own, so every source has its own dev prompts); `source_ids` says which
-source each sequence came from, and the manifest counts prompts and tokens per source and split.
-
-p_i and q_i come from the generation pass itself: target and draft are stepped in lockstep on
-the sampled X (batched, left padded, KV cached: batched.py), so no teacher-forced re-run of the
-target is needed. Only the features need a second draft pass, over Z alone (the prompt's KV cache
-is reused).
-
-The output (manifest.json and one safetensors file per shard) is a contract with the trainer:
-shards.py states it, tensor by tensor. n_tokens counts response tokens (T), n_loss_tokens those
-with loss_mask 1.
-
-Resuming: a shard is the unit of work. It is written atomically, and its random numbers come
-from a generator seeded by (seed, split, shard index) only, so rerunning the same command after
-a kill skips finished shards and produces byte-identical files.
-
-Run: `adaptive-spec datagen --config configs/datagen/gsm8k.yaml [key=value ...]`, or
-`python -m adaptive_spec.datagen.generate ...`, or many processes with `accelerate launch -m
-adaptive_spec.datagen.generate ...` (shard k goes to process k % world_size).
-"""
+docs/datagen.md has the prompts, sources, resuming and running; shards.py the output format. A shard
+is the unit of work: written atomically, its random numbers seeded by (seed, split, shard index) only,
+so a rerun after a kill skips finished shards and produces byte-identical files. Under `accelerate
+launch` shard k goes to process k % world_size."""
 from __future__ import annotations
 
 import hashlib

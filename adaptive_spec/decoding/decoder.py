@@ -1,19 +1,11 @@
-"""Autoregressive and speculative decoding over a KV-cached draft/target pair.
+"""Autoregressive and speculative decoding over a KV-cached draft/target pair (the round: docs/design.md,
+"The decoding round"). A RoundOwner policy (trees, several drafts) replaces the chain round with its own;
+the decoder keeps the caches, the cut at EOS and the metrics common to all.
 
-One speculation round (Algorithm 2 of SpecDec++; Leviathan et al. 2023; Chen et al. 2023):
-  1. the draft proposes y_1..y_K, y_i ~ q_i, K chosen by a StopPolicy;
-  2. the target scores all K in one forward pass, giving p_1..p_{K+1};
-  3. `sampling.verify` accepts a prefix of n tokens and draws one more token (the residual
-     after a rejection, the bonus token when all K are accepted);
-  4. both KV caches are cropped to the accepted prefix: nothing accepted is recomputed.
-A RoundOwner policy (trees, several drafts: adaptive_spec/decoding/interfaces.py) replaces this round
-with its own; the decoder keeps the caches, the cut at EOS and the metrics common to all.
-
-Cache invariant for both models: the cache covers seq[:m.length] and seq[m.length:] (at least
-one token) is fed by the next forward. The target therefore always feeds the last accepted
-token plus the K candidates, and the draft feeds whatever the last round left pending (one
-token, or two when all candidates were accepted: y_K, never fed to the draft, and the bonus).
-"""
+Cache invariant for both models: the cache covers seq[:m.length] and seq[m.length:] (at least one token)
+is fed by the next forward. The target therefore always feeds the last accepted token plus the K
+candidates, and the draft whatever the last round left pending (one token, or two when all candidates
+were accepted: y_K, never fed to the draft, and the bonus)."""
 from __future__ import annotations
 
 from typing import Callable, Sequence

@@ -1,21 +1,13 @@
 """A chain round that decides its stop on the device and reads the device once (Decoder(host_reads="round")).
 
-Asking a stop rule on the host after each drafted token reads the device once per token: on a GPU every read
-drains the queue, and the host work between the draft's steps (sampling q, the rule) runs as separate eager
-launches while the device waits. Here a drafted token's whole work after the forward (processing q, the
-draw, storing q and y, the rule with its running state, the first stop) is an *epilogue* of the draft's step
-(`ChainEpilogue`), and verification (processing p, rejection sampling, the bonus, packing the answer) an
-epilogue of the target's (`VerifyEpilogue`). A runner that captures graphs runs each epilogue inside the
-step's graph (`StaticCausalLM.forward_epilogue`); any other runner runs the same code after its forward.
-Nothing in either reads a value back, so a round is: the round's uniforms (one draw), m draft steps, one
-verify step, one read of [n, token, k, stopped, y_1..y_m], and the rollbacks.
-
-The host cannot know where the rule stops without that read, so a round drafts up to a cap m chosen before
-it from the rule's recent stops (`RoundCaps`) and keeps the rule's first stop k as a device scalar;
-verification rejects the candidates past k unseen and takes the bonus from p_{k+1} (`sampling.verify_u`).
-The stop is min(the rule's stop, m): a stopping time of the drafting like any rule's, so the output keeps
-the target's distribution (tests/test_device_round.py checks it by enumeration, with a broken control).
-"""
+Why and its exactness argument: docs/design.md, "One host read per round". A drafted token's work after
+the forward is an epilogue of the draft's step (`ChainEpilogue`), verification an epilogue of the
+target's (`VerifyEpilogue`); a runner that captures graphs runs each inside the step's graph
+(`StaticCausalLM.forward_epilogue`), any other after its forward. Nothing reads a value back, so a
+round is: its uniforms (one draw), m draft steps, one verify step, one read of [n, token, k, stopped,
+y_1..y_m], and the rollbacks. m is a cap chosen from the rule's recent stops (`RoundCaps`); the rule's
+first stop k stays a device scalar, and verification rejects the candidates past k unseen
+(`sampling.verify_u`)."""
 from __future__ import annotations
 
 from collections import deque

@@ -1,48 +1,11 @@
-"""The decoder's two extension points, and how a policy joins the registry.
+"""The decoder's extension points: `StopPolicy` (a stop rule for chain drafting), `DraftSource` (who proposes
+a chain round's candidates), `RoundOwner` (a policy that runs its whole round), and `register` (a policy's
+factory joins the registry entry its settings class declared). Their contracts in prose: docs/design.md,
+"Extension points".
 
-Near a leaf: it imports only the policy registry (a leaf) and the typed settings (params, typed; they import
-nothing of decoding), so
-every policy module can import it and the decoder can dispatch on it without any module
-importing a policy module back.
-
-* `StopPolicy`, a stop rule: the decoder drafts one chain y_1, y_2, ... and asks it, per drafted
-  token, whether to stop. It sees a `DraftStep` per token:
-
-    i         1-based index of y_i in this round
-    token     y_i (device tensor)
-    probs     q_i, the processed draft distribution y_i was drawn from [V]
-    logits    the draft's raw logits at this step [V] (temperature-free confidence, entropy)
-    hidden    the draft's final hidden state at the last INPUT position of this step, i.e.
-              e_{i-1}, the state of y_{i-1} (for i = 1: of the round's first input token)
-    pos       index of y_i among the generated tokens (0 = first new token)
-    sampling  the SamplingParams that made `probs` (so a policy can reuse q instead of recomputing it)
-    source    what proposed y_i: "model" (the draft model), "ngram" (copied from the context: `probs`
-              is the one-hot of y_i, `logits` and `hidden` are None)
-
-  Before drafting, `begin_round(pos)` returns the most tokens the rule allows this round (0 =
-  skip drafting: the round is one plain target step). After verification `end_round(K, n)`
-  reports how many of the K candidates were accepted, for rules that adapt.
-
-* `DraftSource`, who proposes the candidates of a chain round: `step(state, i, ys)` gives y_i as a
-  DraftStep (its proposal distribution q_i in `probs`), or None when it has nothing more this round.
-  The draft model is one (decoder.ModelSource); a copied span is another (ngram.SpanSource), its q
-  the one-hot of the copied token. Verification is the same rejection sampler for every source, so a
-  one-hot q is a special case of it, not a second code path: accepted with probability
-  min(1, p(y)), and after a rejection the residual is p without y, renormalised.
-
-* `RoundOwner`, a policy that runs the whole round itself (a token tree, several drafts, or a
-  chain round wrapped in extra work): `run_round(state)` gets one `RoundState` and returns the
-  round's new tokens, its accepted candidates followed by one token the target drew. Contract:
-  leave both caches covering exactly seq + the new tokens but the last (the runners count their
-  own forwards), and book the round with `RoundState.book(K, n)`.
-
-Both hold per-generation state: the decoder calls `reset()` at the start of each generation, and
-both carry `needs` (registry.Needs: a draft model, a prefilled draft), which the decoder reads.
-A policy's settings are a `typed.PolicyParams` class declared under its name (`@typed.policy`);
-its factory joins the same registry entry (registry.py) with `@register("name")` and is called as
-`factory(params, context)`; `adaptive_spec.decoding.pipeline.make_policy` builds policies by name and
-gives each the `needs` its settings declare.
-"""
+Near a leaf: it imports only the registry and the typed settings (neither imports decoding), so every
+policy module can import it and the decoder can dispatch on it without any module importing a policy
+module back."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -54,21 +17,36 @@ from ..registry import Needs
 
 @dataclass
 class DraftStep:
+    """One drafted token y_i, as a stop rule sees it.
+
+    i         1-based index of y_i in this round
+    token     y_i (device tensor)
+    probs     q_i, the processed draft distribution y_i was drawn from [V]
+    logits    the draft's raw logits at this step [V] (temperature-free confidence, entropy)
+    hidden    the draft's final hidden state at the last INPUT position of this step, i.e.
+              e_{i-1}, the state of y_{i-1} (for i = 1: of the round's first input token)
+    pos       index of y_i among the generated tokens (0 = first new token)
+    sampling  the SamplingParams that made `probs` (so a policy can reuse q instead of recomputing it)
+    source    what proposed y_i: "model" (the draft model), "ngram" (copied from the context: `probs`
+              is the one-hot of y_i, `logits` and `hidden` are None)
+    accept    the rule's graph_head's acceptance probability of `hidden`, computed inside the draft's
+              forward (a contract.HeadRunner draft); None: the rule computes it itself"""
     i: int
     token: Any  # torch.Tensor, like the fields below (kept untyped: this module imports no torch)
     probs: Any
     logits: Any
     hidden: Any
     pos: int
-    sampling: Any = None  # the SamplingParams `probs` was processed with (None: unknown)
-    source: str = "model"  # what proposed the token (see the module docstring)
-    # the rule's graph_head's acceptance probability of `hidden`, computed inside the draft's forward
-    # (a contract.HeadRunner draft); None: the rule computes it itself
+    sampling: Any = None
+    source: str = "model"
     accept: Any = None
 
 
 class DraftSource:
-    """Who proposes a chain round's candidates (see the module docstring)."""
+    """Who proposes a chain round's candidates: `step(state, i, ys)` gives y_i as a DraftStep (its proposal
+    q_i in `probs`), or None when it has nothing more this round. The draft model is one (decoder.ModelSource),
+    a copied span another (ngram.SpanSource, q the one-hot of the copied token): verification is the same
+    rejection sampler for every source, a one-hot q being a special case of it, not a second code path."""
 
     name = "base"
 
@@ -77,7 +55,9 @@ class DraftSource:
 
 
 class StopPolicy:
-    """A stop rule for chain drafting. Subclasses override `should_stop` (and optionally the other hooks)."""
+    """A stop rule for chain drafting: `should_stop(step)` per drafted token. `begin_round(pos)` returns the
+    most tokens the rule allows this round (0: the round is one plain target step); `end_round(K, n)` reports
+    how many of the K candidates were accepted, for rules that adapt; `reset()` starts a generation."""
 
     name = "base"
     k_max: int = 20
@@ -169,7 +149,9 @@ class RoundState:
 
 
 class RoundOwner:
-    """A policy that runs its own rounds (see the module docstring for the contract)."""
+    """A policy that runs its own rounds (a token tree, several drafts, a chain round wrapped in extra work):
+    `run_round(state)` returns the accepted candidates followed by one token the target drew, leaves both
+    caches covering exactly seq + the new tokens but the last, and books the round (`RoundState.book`)."""
 
     name = "round-owner"
     needs: Needs = Needs()

@@ -1,33 +1,21 @@
 """Prompt lookup (n-gram) drafting: candidates copied from the context, verified like any draft.
 
-A round's candidates are the tokens that followed the most recent earlier occurrence of the
-context's last n tokens (n from ngram_max down to ngram_min) in the prompt plus the text so far
-(transformers' prompt lookup, vLLM's ngram method, llama.cpp's ngram-simple). Copying costs no model
-forward and no prefill: with no draft model loaded at all (`--draft none --policy ngram`) a user with
-one GGUF file still gets speculation.
+A round's candidates are the tokens that followed the most recent earlier occurrence of the context's
+last n tokens (n from ngram_max down to ngram_min) in the prompt plus the text so far (transformers'
+prompt lookup, vLLM's ngram method, llama.cpp's ngram-simple). Copying costs no forward: with no draft
+model at all (`--draft none --policy ngram`) one GGUF file still gets speculation. A copied token's q is
+the one-hot of that token, so the one rejection sampler accepts it with probability min(1, p(y)) and
+otherwise draws p without y, renormalised: exact, and a token of p = 0 is never emitted.
 
-Exactness: a copied token is a proposal whose q is the one-hot of that token, so the one rejection
-sampler (sampling.verify) accepts it with probability min(1, p(y)) and, after a rejection, draws the
-residual: p without y, renormalised. A token the target gives probability 0 is never emitted.
-
-How many copied tokens to verify. The peers verify a fixed number after every match (`k`: their
-behaviour, for comparison). `k auto` weighs each one instead: with a_j the predicted probability that
-copy j is accepted once copies 1..j-1 were, a round of K copies yields E(K) = 1 + sum_i prod_{j<=i} a_j
-tokens for one target pass of K + 1 rows, which costs v(K + 1) one-row steps (measured on this
-machine: auto/costs.py; on CPUs v is a step function of K, not a line, so a 4-row pass can cost less than a
-3-row one). The round takes the K that maximises E(K) - lambda v(K + 1), lambda being the throughput
-this generation reaches so far in tokens per step (Dinkelbach's rule for the best long-run ratio of
-tokens to time): a copy is worth verifying only while its expected tokens pay for its rows at the rate
-the decode already gets; and at most l copies are verified, l the match's length (a repeat is about
-as likely to end in its next l tokens as it was to have lasted l: the cap spares the rounds where copies
-break early, as in first turns, and keeps those where they last, as in second turns). K = 0 when
-nothing pays: the round is the fallback's (the draft model under
-its own stop rule, when one is loaded and its `auto` says it pays) or a plain target step.
-
-a_j comes from how long the match is (CopyAcceptance): an answer that already reproduces a long span
-of the context goes on reproducing it, a match of one or two tokens is mostly chance; the rate per
-match length starts from priors measured on dev data and follows the generation's own p(y_j).
-"""
+How many copies to verify. The peers verify a fixed `k` after every match (kept for comparison). `k
+auto` weighs each: with a_j the predicted probability that copy j is accepted once 1..j-1 were, K
+copies yield E(K) = 1 + sum_i prod_{j<=i} a_j tokens for a pass of K + 1 rows costing v(K + 1) one-row
+steps (measured: auto/costs.py; a step function of K on CPUs). The round takes the K maximising
+E(K) - lambda v(K + 1), lambda the tokens per step this generation reaches so far (Dinkelbach's rule for
+the best long-run ratio), and at most l copies, l the match's length (a repeat is about as likely to
+end in its next l tokens as it was to have lasted l). K = 0 when nothing pays: the round is the
+fallback's (the draft model under its own stop rule, where it pays) or a plain target step. a_j comes
+from the match's length (CopyAcceptance): priors measured on dev data, then the generation's own p(y_j)."""
 from __future__ import annotations
 
 

@@ -51,19 +51,11 @@ class LearnedThreshold(StopPolicy):
     """SpecDec++: stop when the predicted probability that some candidate is rejected,
     1 - prod_i sigmoid(f(e_i)), exceeds h; or at the hard cap k_max (20 in the paper).
 
-    The one-step lag: the head scores y_j from e_j, the draft's hidden state at y_j's own
-    position, which exists only after y_j has been fed to the draft, i.e. during the forward
-    that drafts y_{j+1}. So the decision taken after drafting y_i has seen predictions for
-    y_1..y_{i-1} only, and y_i goes to verification unscored (Algorithm 1 breaks after
-    sampling y_i). At i = 1 the hidden state is that of the round's first input token, which
-    the target already produced, so there is nothing to score yet, and K >= 2.
-    A `context` head (heads/head.py) reads the state that produced q_i and so scores y_i itself at
-    step i: no lag, and K = 1 is reachable. Either way the head costs one small MLP on a vector
-    the draft computed anyway: no extra draft pass, no all-layer outputs.
-    A head with inputs=hidden+stats (or stats alone) also reads draft_stats of the token it scores, from the
-    step's raw logits processed as its datagen run processed q (features.py says why); a token
-    head's stats of y_{i-1} are computed at step i - 1 and kept for step i.
-    """
+    A token head scores y_j one step late, so K >= 2; a `context` head scores y_i at step i (docs/design.md,
+    "The learned policy's one-step lag"). Either way the head is one small MLP on a vector the draft computed
+    anyway. A head with inputs=hidden+stats (or stats) also reads draft_stats of the token it scores, from the
+    step's raw logits processed as its datagen run processed q (features.py says why); a token head's stats
+    of y_{i-1} are computed at step i - 1 and kept for step i."""
 
     name = "learned"
 
@@ -125,60 +117,52 @@ class LearnedThreshold(StopPolicy):
                 "feature": self.feature, "inputs": self.inputs}
 
 
-class ConfidenceThreshold(StopPolicy):
+class _Tau(StopPolicy):
+    """A rule that stops after a candidate whose draft-side score crosses `tau` (validated by its params class)."""
+
+    decides_on_device = True
+
+    def __init__(self, threshold: float, k_max: int = 20):
+        self.tau, self.k_max = float(threshold), k_max
+
+    def graph_state(self, device) -> dict:
+        return {"tau": torch.zeros((), device=device)}
+
+    def graph_begin(self, mem: dict) -> None:
+        mem["tau"].fill_(self.tau)
+
+    def describe(self) -> dict:
+        return {"policy": self.name, "tau": self.tau, "k_max": self.k_max}
+
+
+class ConfidenceThreshold(_Tau):
     """Stop after a candidate the draft itself is unsure of: q(y_i) < tau (the draft
     confidence rule of transformers' assisted generation). In greedy mode q is a point mass,
     so the confidence is read from the softmax of the raw logits."""
 
     name = "confidence"
-    decides_on_device = True
-
-    def __init__(self, threshold: float, k_max: int = 20):
-        self.tau, self.k_max = float(threshold), k_max  # validated by params.ConfidenceParams
 
     def should_stop(self, step: DraftStep) -> bool:
         greedy = bool(step.probs.max() == 1.0)
         conf = (step.logits.float().softmax(-1) if greedy else step.probs)[step.token]
         return bool(conf < self.tau)
 
-    def graph_state(self, device) -> dict:
-        return {"tau": torch.zeros((), device=device)}
-
-    def graph_begin(self, mem: dict) -> None:
-        mem["tau"].fill_(self.tau)
-
     def graph_stop(self, step: DraftStep, i, mem: dict):
         conf = (step.logits.float().softmax(-1) if step.sampling.greedy else step.probs).gather(-1, step.token.view(1))
         return (conf < mem["tau"]).reshape(())
 
-    def describe(self) -> dict:
-        return {"policy": self.name, "tau": self.tau, "k_max": self.k_max}
 
-
-class EntropyThreshold(StopPolicy):
+class EntropyThreshold(_Tau):
     """Stop after a candidate drawn from a high-entropy draft distribution (AdaEDL, SVIP):
     H(q_i) > tau nats, H from the draft's temperature-1 distribution."""
 
     name = "entropy"
-    decides_on_device = True
-
-    def __init__(self, threshold: float, k_max: int = 20):
-        self.tau, self.k_max = float(threshold), k_max  # validated by params.EntropyParams
 
     def should_stop(self, step: DraftStep) -> bool:
         return bool(entropy(step.logits) > self.tau)
 
-    def graph_state(self, device) -> dict:
-        return {"tau": torch.zeros((), device=device)}
-
-    def graph_begin(self, mem: dict) -> None:
-        mem["tau"].fill_(self.tau)
-
     def graph_stop(self, step: DraftStep, i, mem: dict):
         return (entropy(step.logits) > mem["tau"]).reshape(())
-
-    def describe(self) -> dict:
-        return {"policy": self.name, "tau": self.tau, "k_max": self.k_max}
 
 
 class HeuristicSchedule(StopPolicy):
@@ -248,9 +232,9 @@ class HindsightOracle(StopPolicy, RoundOwner):
         whether the draft's teacher-forced greedy token at X's position j equals X_j. Runs on
         fresh wrappers of the models' weights, never on `target`'s or `draft`'s own caches."""
         if x is None:
-            dec = Decoder(_fresh(target), None, eos_token_ids=eos_token_ids)
+            dec = Decoder(target.fresh(), None, eos_token_ids=eos_token_ids)
             x = dec.generate(prefix, max_new_tokens=max_new_tokens, sampling=SamplingParams(0.0)).token_ids
-        lm = _fresh(draft)
+        lm = draft.fresh()
         logits, _ = lm.forward(torch.tensor(list(prefix) + x, device=lm.device), n_logits=len(x) + 1)
         y = logits.argmax(-1).tolist()  # y[j] = draft's greedy token for new position j
         return x, [y[j] == x[j] for j in range(len(x))]
@@ -315,12 +299,6 @@ class Hindsight(Extra):
 
     def to_dict(self) -> dict:
         return {"hindsight_s": self.seconds}
-
-
-def _fresh(lm):
-    """A runner on `lm`'s weights with its own empty cache (the oracle's hindsight work must not touch
-    the running decode's caches)."""
-    return lm.fresh()
 
 
 def load_pair_head(head, pair, feature: str | None = None, why: str = "the learned policy",

@@ -1,26 +1,18 @@
 """Recording a trace and replaying it: the real decode loop, runners and kernels, with the acceptance a run
 of the real weights measured ("measured, not modelled").
 
-A trace (`TraceRecorder`, attached to a generation: `Decoder.generate(extras=[...])`; a sweep's rows with
-`record_trace: true`) lists every verified chain round of one generation as [K, n accepted, source].
-Replayed on models of the same shapes (random weights on a GPU, say), every round drafts exactly the
-recorded K (`TraceStop`, whose inner policy's `should_stop` still runs on each step, for its cost: the
-learned head's forward; a copied round copies) and keeps the recorded n of them whatever its verification
-found. So the replay does the recorded work (the same rounds, the same forwards of the same lengths) and
-reproduces the recorded counts (n_tokens, rounds, n_drafted, n_accepted, accepted_hist, n_final_cut); its
-wall time is what that work costs on this machine. The tokens are the other weights' own: EOS is off and
-the length is the recorded n_tokens.
+A trace (`TraceRecorder`, an extra of `Decoder.generate`; a sweep's rows with `record_trace: true`) lists
+every verified chain round as [K, n accepted, source]. Replayed on models of the same shapes (random
+weights on a GPU, say), every round drafts exactly the recorded K (`TraceStop`, whose inner policy's
+`should_stop` still runs, for its cost) and keeps the recorded n whatever its verification found, so the
+replay does the recorded work, reproduces the recorded counts, and its wall time is what that work costs
+here. EOS is off and the length is the recorded n_tokens.
 
-Why the rounds are owned here (a RoundOwner) and not left to the decoder with a stop rule: the recorded n
-is kept between the round's two halves (Decoder.verified_chain, then Decoder.keep), and the decoder caps a
-round's K at the tokens left minus one, so that no round drafts past the length limit. A recorded round cut
-at an EOS drafted past the tokens it kept, so under a replay whose length is the recorded n_tokens its K
-would be capped. `TraceReplay` drafts each chain round up to the recorded K, and the decoder's own cut at
-the length limit then removes what the recorded EOS cut (the last round's token from the target): the
-counts come out the same, n_final_cut included.
-
-Chain traces only: a tree round's K counts nodes, which no chain reproduces (`chain_trace` refuses them).
-"""
+Why a RoundOwner and not a stop rule: the recorded n is kept between the round's two halves
+(Decoder.verified_chain, then Decoder.keep), and the decoder caps K at the tokens left minus one, which
+would cap a recorded round cut at an EOS. `TraceReplay` drafts up to the recorded K, and the decoder's
+own cut at the length limit removes what the EOS cut: the counts come out the same, n_final_cut
+included. Chain traces only: a tree round's K counts nodes (`chain_trace` refuses them)."""
 from __future__ import annotations
 
 from ..errors import UserError

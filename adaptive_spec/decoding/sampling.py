@@ -1,16 +1,10 @@
 """Sampling and exact rejection-sampling verification.
 
-Conventions (those of the SpecDec++ paper): q is the draft's next-token distribution, p the
-target's. Temperature, top-k and top-p are applied identically to both by `process_logits`
-(backends/logits.py),
-so speculative decoding reproduces exactly the distribution of plain sampling from the
-processed p. Temperature 0 (greedy) is the point mass on the argmax: with one-hot p and q the
-same rejection rule accepts exactly when the draft token is the target's argmax and the
-residual is the target's argmax, so greedy needs no separate verification code.
-
-Nothing here reads a value back to the host: tokens stay on the device, and the decoder
-reads (n_accepted, next_token) once per round.
-"""
+q is the draft's next-token distribution, p the target's (the SpecDec++ paper's names). `process_logits`
+(backends/logits.py) applies temperature, top-k and top-p to both alike, so speculative decoding reproduces
+exactly plain sampling from the processed p. Greedy is the point mass on the argmax, for which the same
+rejection rule accepts exactly the target's argmax: no separate verification code. Nothing here reads a
+value back to the host; the decoder reads (n_accepted, next_token) once per round."""
 from __future__ import annotations
 
 import torch
@@ -23,19 +17,12 @@ from ..typed import SamplingParams  # noqa: F401 (the sampling API: the settings
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One token per row of `probs` [..., V] (need not be normalised), without a host sync.
 
-    Inverse CDF: the first token whose cumulative mass exceeds u * total, u ~ U[0, 1). A token
-    of probability 0 owns an empty interval of the CDF, so it is never drawn. The cumulative sum
-    runs in float64, so the intervals' rounding (~1e-16 of the mass) is far below anything a
-    test or a run could see. Why not the exponential race argmax(p / E): it needs V random
-    numbers a row, and on a CPU drawing them costs more than the rest of sampling (this needs one;
-    docs/datagen.md has the figures).
-
-    On a large vocabulary the CDF is walked in two levels, the same inverse CDF: the blocks' masses
-    (blocks of `SAMPLE_BLOCK` tokens) locate u's block, then that block's own cumulative sum its token,
-    instead of a float64 cumulative sum over the whole row, the slow part of sampling a large vocabulary
-    on a CPU, paid per drafted token and per verification. An offset that rounding puts past its
-    block's last token is pulled back inside, so a token of probability 0 is still never drawn.
-    """
+    Inverse CDF: the first token whose cumulative mass exceeds u * total, u ~ U[0, 1), so a token of
+    probability 0 (an empty interval) is never drawn; the cumulative sum runs in float64. Not the exponential
+    race argmax(p / E): it needs V random numbers a row, which on a CPU cost more than the rest of sampling.
+    On a large vocabulary the CDF is walked in two levels (blocks of `SAMPLE_BLOCK` tokens, then the block's
+    own cumulative sum) instead of a float64 cumulative sum over the whole row, the slow part on a CPU; an
+    offset that rounding puts past its block's last token is pulled back inside."""
     u = torch.rand((*probs.shape[:-1], 1), generator=generator, dtype=torch.float64, device=probs.device)
     return sample_u(probs, u)
 

@@ -1,26 +1,18 @@
 """What the benchmark scripts in eval/ share to time forwards, in one place (no script imports another).
 Imports no torch itself (a script's --report-only path reads its labels from here).
 
-- `pass_times`: a pass of N tokens after a context, for any runner (torch's CausalLM, llama.cpp's
-  LlamaCppLM), every configuration interleaved round by round: the measurement `auto` prices rounds
-  with (auto/cost_timing.py, whose `interleaved_times` this is) and the one
-  `eval/bench_forward_costs.py llama-cpp` reports, so a benchmark's v(N) and auto's are the same
-  numbers taken the same way (but for auto's one-row step, timed in the decode's own loop:
-  cost_timing.decode_step_time; eval/bench_llama_step.py sets the two side by side);
-- `timed_runs`: the one timing loop of the torch benchmarks (untimed warm-ups, a reset before every
-  call); over it `read_bandwidth_gbps`, `time_forward` (one runner's pass of n tokens after a given
-  prompt, with the logits: the torch kernel benchmarks compare numeric paths by them), `time_prefill`
-  and `per_step_ms`;
-- `layer_shapes`, `linear_kernels`, `linear_row_times`: a model's linear layers timed per input row
-  count on each CPU kernel, on random weights of the model's shapes;
-- `read_bandwidth_gbps`, `linear_bytes`: the ceiling a bandwidth-bound step can reach, and the bytes a
-  step streams;
-- `parse_draft`, `draft_label`: the benchmarks' draft configurations ("int8:32768" is
-  draft_quant int8 with draft_vocab 32768);
-- `gguf_file`, `draft_runner`: the llama.cpp files a benchmark times (re-quantized, a reduced vocabulary);
-  `held_sequences`, `target_quality`, `draft_acceptance`: what a re-quantized target costs in quality and
-  a cheaper draft file in acceptance, teacher-forced along the fetched target's greedy continuations.
-"""
+- `pass_times`: a pass of N tokens after a context, for any runner, configurations interleaved round by
+  round: auto's own measurement (cost_timing.interleaved_times), so a benchmark's v(N) and auto's are the
+  same numbers taken the same way (but for auto's one-row step, timed in the decode's own loop);
+- `timed_runs`: the torch benchmarks' one timing loop (warm-ups, a reset before every call); over it
+  `read_bandwidth_gbps`, `time_forward` (with the logits, to compare numeric paths), `time_prefill`,
+  `per_step_ms`;
+- `layer_shapes`, `linear_kernels`, `linear_row_times`, `linear_bytes`: a model's linear layers timed
+  per input row count on each CPU kernel (random weights of its shapes), and the bytes a step streams;
+- `parse_draft`, `draft_label`: the benchmarks' draft configurations ("int8:32768");
+- `gguf_file`, `draft_runner`, `held_sequences`, `target_quality`, `draft_acceptance`: the llama.cpp files
+  a benchmark times, and what a re-quantized target costs in quality and a cheaper draft in acceptance,
+  teacher-forced along the fetched target's greedy continuations."""
 from __future__ import annotations
 
 import functools
@@ -298,7 +290,3 @@ def draft_acceptance(drafts: list[str], held, threads: int) -> dict:
     return {spec: against_fetched(draft_runner(spec, threads, n_ctx=base.target.max_length), held, alpha)
             for spec in drafts}
 
-
-__all__ = ["pass_times", "timed_runs", "time_forward", "time_prefill", "per_step_ms", "read_bandwidth_gbps",
-           "linear_bytes", "layer_shapes", "linear_kernels", "linear_row_times", "draft_label", "parse_draft",
-           "gguf_file", "draft_runner", "held_sequences", "logprobs", "target_quality", "draft_acceptance"]

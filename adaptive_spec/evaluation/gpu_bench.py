@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..backends.runner import kv
+from ..timing import sync
 
 # HBM bandwidth in TB/s by device name (vendor datasheets); --bandwidth-tbs overrides
 BANDWIDTH_TBS = [("H200", 4.8), ("H100 PCIe", 2.0), ("H100 NVL", 3.9), ("H100", 3.35), ("GH200", 4.0),
@@ -51,18 +52,13 @@ def model_bytes(model) -> dict:
             "n_params": sum(p.numel() for p in model.parameters())}
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_loop(fn, iters: int, device: torch.device, warm: int = 2) -> float:
-    """ms per call of fn(), from CUDA events around the whole loop (no sync inside) on CUDA,
-    perf_counter on CPU; warm-up calls excluded."""
+def time_loop(fn, iters: int, device: torch.device, warm: int = 2, host: bool = False) -> float:
+    """ms per call of fn(), from CUDA events around the whole loop (no sync inside) on CUDA, perf_counter on
+    CPU or with `host` (for code that reads back to the host itself); warm-up calls excluded."""
     for _ in range(warm):
         fn()
     sync(device)
-    if device.type == "cuda":
+    if device.type == "cuda" and not host:
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         for _ in range(iters):
@@ -70,17 +66,6 @@ def time_loop(fn, iters: int, device: torch.device, warm: int = 2) -> float:
         b.record()
         b.synchronize()
         return a.elapsed_time(b) / iters
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - t0) * 1000 / iters
-
-
-def time_host(fn, iters: int, device, warm: int = 2) -> float:
-    """ms per call measured on the host (for code that reads back to the host itself)."""
-    for _ in range(warm):
-        fn()
-    sync(device)
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()

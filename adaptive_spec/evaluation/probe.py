@@ -3,45 +3,29 @@ costs measured once (cached) and each configuration's tok/s predicted from them,
 
     adaptive-spec probe --backend llama.cpp                          # the default pair's GGUF files
     adaptive-spec probe --draft-quant int8                           # torch, with the served CPU draft
-    adaptive-spec probe --backend llama.cpp --target-quant q8_0 --json
     adaptive-spec probe --backend llama.cpp --workload code          # priced for code prompts
     adaptive-spec probe --backend llama.cpp --prompts my.jsonl       # priced at the acceptance on your prompts
 
-It loads the pair as `generate` does (the same pair flags) and takes the forward costs through the calls
-`--threshold auto` and `--k auto` make (adaptive_spec.decoding.auto: resolve_auto over measure_costs, on
-the torch threads the decode has, cached per machine and pair: after a probe, `generate` with auto
-measures nothing, nor does a second probe): a one-row step, v(N) for passes of 1..9 rows and the
-longer ones copies verify in, the draft's step, both prefill rates, the loop's own time per row and per
-round. Each configuration is priced with auto's time model (the engine's: timemodel.predict_time) from
-the head's offline curve (counts per h and per K: the head and the data, not the machine):
+It loads the pair as `generate` does and takes the forward costs through the calls `--threshold auto`
+and `--k auto` make (resolve_auto over measure_costs, cached per machine and pair: after a probe,
+`generate` with auto measures nothing). Each configuration is priced with auto's time model from the
+head's offline curve (counts per h and per K: the head and the data, not the machine):
 
     target alone        one step a token
-    fixed K             the curve's best K (at the workload's counts; by default `--k auto`'s pick)
-    SpecDec++ h=auto    auto's pick: an h, or the target alone where no h pays (then the best h is named)
-    prompt lookup       the policy itself replayed along the dev answers of COPY_DATA (the heads' data: what
-                        it copies there, at this machine's v(n); ngram.replay_copies), or a plain step a token
-                        without that data; beside it, the K copies a round of a long verbatim copy that
-                        ngram.best_k takes at the copy rate of a long match (CopyAcceptance's prior)
-    combined            both replayed jointly along those answers (combined_counts): the policy's copying rounds,
-                        and SpecDec++ at auto's h where it copies nothing (K as autotune's replay stops, the
-                        accepted count drawn from the stored acceptance probabilities), with the draft's catch-up
-                        on what the copies made; the target alone's steps instead where auto runs no draft
+    fixed K             the curve's best K at the workload's counts (by default `--k auto`'s pick)
+    SpecDec++ h=auto    auto's pick: an h, or the target alone where no h pays (the best h then named)
+    prompt lookup       the policy replayed along the dev answers of COPY_DATA (ngram.replay_copies), or a
+                        plain step a token without that data; beside it, the K ngram.best_k takes for a
+                        long verbatim copy
+    combined            both replayed jointly along those answers (combined_counts)
 
-`--workload` (chat, code, math, or a comma-separated mix of them, in equal parts) prices every configuration
-at the counts of the dev answers of those kinds' prompt sources (WORKLOADS) instead of all of them pooled:
-how often a draft is accepted and how much an answer copies are the workload's, and they differ by kind
-(fixed K = 3 makes 2.7 tokens a round on the ShareGPT answers, 3.4 on GSM8K's). `--threshold auto` still
-picks h from the pooled curve, as a generation does; the probe prices that pick at the workload's counts.
-
-`--prompts FILE|SET` (a .jsonl file with a `prompt` field a line, or a prompt set's name) prices every
-configuration at the acceptance on those prompts instead: the pair answers a few of them first, within
-`--prompts-budget-s` (auto/acceptance.py records what datagen records, and autotune's replay makes their curve);
-h and K are then picked from that curve, as `generate --auto-prompts` picks them, and prompt lookup and combined
-are replayed along those answers. The text says whose acceptance priced the rows, and names the curve's file.
-
-Decode tok/s leave prefill out; wall tok/s add it for --prompt-tokens at the measured prefill rates.
-eval/bench_probe.py checks the predictions against measured runs.
-"""
+`--workload` (chat, code, math, or a comma-separated mix in equal parts) prices at the counts of those
+kinds' dev answers (WORKLOADS) instead of all of them pooled: acceptance and copying differ by kind.
+`--threshold auto` still picks h from the pooled curve, as a generation does. `--prompts FILE|SET`
+prices at the acceptance on those prompts instead: the pair answers a few of them first, within
+`--prompts-budget-s` (auto/acceptance.py), and h and K are picked from their curve, as
+`generate --auto-prompts` picks them. Decode tok/s leave prefill out; wall tok/s add it for
+--prompt-tokens at the measured prefill rates. eval/bench_probe.py checks the predictions."""
 from __future__ import annotations
 
 import json

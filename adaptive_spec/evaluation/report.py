@@ -2,44 +2,17 @@
 
     adaptive-spec report --sweep-dir runs/sweep/paper [--out report.md] [--aggregate pooled|mean]
 
-Reads <sweep-dir>/results.jsonl (+ heads.json, config.json) written by `adaptive-spec sweep` and
-writes a markdown report (default <sweep-dir>/report.md) with one Pareto plot per dataset
-(pareto_<dataset>.png beside it):
+Reads <sweep-dir>/results.jsonl (+ heads.json, config.json) and writes a markdown report (default
+<sweep-dir>/report.md) with pareto_<dataset>.png beside it; docs/evaluation.md lists what it holds.
+With tree / multi-draft rows also the best configuration of every family, accepted tokens per pass
+vs drafted tokens per round (accepted_vs_drafted_<dataset>.png) and ERSD's Fig. 3 comparison.
 
-  Figure 3  verification rate N_target/N (y) vs discard rate N_discarded/N (x), a point for every
-            configuration but the draft alone: the target alone, fixed K joined as a curve (K = auto
-            beside it), SpecDec++ per head (one colour/marker per head, points labelled h; h = auto
-            labelled with the h it picked), the training-free heuristics, the oracle, transformers'
-            assisted generation, the tree families and every other policy (prompt lookup, combined).
-  Table 1   best measured tokens/s of SpecDec++ (over the swept h; a sweep of h = auto alone: its
-            auto rows, labelled with the h auto picked) vs the best fixed K vs autoregressive, relative
-            improvement, SpecDec++ at h = 0.7, the share of the gap to the oracle (greedy sweeps);
-            and the same under Eq. (5.1) with fitted times.
-  Table 2   fitted t_draft, t_target with R^2: stand-alone, SpecDec, SpecDec++; Eq. (5.1)
-            throughput vs measured, relative error per prompt.
-  Eq. 3.2   per-token decomposition oracle + discard + verification: which term loses.
-  Table 3   per head: depth, w_rej, train/dev KL, best tokens/s and best h per dataset.
-  Peer      transformers assisted generation vs our best fixed K and SpecDec++, wall clock.
-With tree / multi-draft rows (the sweep's `trees`), also:
-  Table 1   + the best configuration of every family (fixed K, SpecDec++, optimal tree with
-            positional / head-estimated R / learned budget, ERSD, SpecTr, batch SD, transformers
-            assisted, ...): tokens/s, speed-up over the target alone, tokens per target pass;
-            head vs positional tree and learned vs best fixed budget, paired per prompt.
-  Fig. A    accepted tokens per target pass (y) vs drafted tokens per round (x), every family
-            (accepted_vs_drafted_<dataset>.png), with the trees' predicted values and the Tunstall
-            bound of the calibrated rates.
-  ERSD Fig. 3  per tree configuration: measured vs predicted accepted tokens per pass (the
-            policy's sum of R, and the 0-th order model of tree_calibration.json) and the bound.
-
-Aggregation over prompts. "pooled" (default): ratios of sums, e.g. N_target/N = sum N_target /
-sum N and tokens/s = sum N / sum wall time, i.e. every token weighs the same (this matches total
-time, Eq. 3.1, summed over prompts). "mean": the mean over prompts of the per-prompt values.
-Speed-ups against autoregressive decoding are always paired per prompt (the configurations of a
-prompt ran back to back) and averaged geometrically. Only prompts on which every configuration of
-the dataset finished are used, so an interrupted sweep compares like with like.
-Measured tokens/s are end to end (wall time, prompt prefill included); the forward-time fits use
-decode time, wall - prefill, because N_draft / N_target count decoding forwards only.
-"""
+Aggregation over prompts. "pooled" (default): ratios of sums, so every token weighs the same (this
+matches total time, Eq. 3.1, summed over prompts); "mean": the mean of per-prompt values. Speed-ups
+against autoregressive decoding are paired per prompt (the prompt's configurations ran back to back)
+and averaged geometrically, over the prompts every configuration of the dataset finished, so an
+interrupted sweep compares like with like. Measured tokens/s are end to end; the forward-time fits
+use decode time, wall - prefill, because N_draft / N_target count decoding forwards only."""
 from __future__ import annotations
 
 import argparse
@@ -51,23 +24,13 @@ from ..decoding.auto import coef_of, comparison_table, costs_from_json, round_co
 from ..errors import UserError, run_main
 from ..runs import read_json
 from ..tables import fmt
-from .report_data import (Agg, DatasetResult, aggregate, analyse, by_config, complete_rows, ds_label, family,
-                          fit_settings, geomean, head_order, load_sweep, modelled_tps, paired_ratio, pooled_counts,
-                          rel_errors, usable)
-from .report_plots import accepted_vs_drafted_plot, pareto_plot, pareto_series
-from .report_tables import (AUTO_OF, H_REF, all_configs_table, auto_table, breakdown_table, cpu_lines, decomposition,
-                            engines_section, ersd_fig3_table, family_table, fmt_t, pct, peer_table, table1, table2,
-                            table3, tree_comparisons)
+from .report_data import DatasetResult, analyse, head_order, load_sweep, pooled_counts, usable
+from .report_plots import accepted_vs_drafted_plot, pareto_plot
+from .report_tables import (AUTO_OF, all_configs_table, auto_table, breakdown_table, cpu_lines, decomposition,
+                            engines_section, ersd_fig3_table, family_table, peer_table, table1, table2, table3,
+                            tree_comparisons)
 from .sweep_files import COSTS
 from .tree_calibration import TREE_POLICIES
-
-# The analysis, the tables and the plots live in report_data, report_tables and report_plots (the lines in
-# words at the top, in_short, here); the names scripts and tests reach as `report.X` stay importable from here.
-__all__ = ["Agg", "DatasetResult", "H_REF", "accepted_vs_drafted_plot", "aggregate", "all_configs_table", "analyse",
-           "auto_table", "breakdown_table", "build_report", "by_config", "complete_rows", "cpu_lines",
-           "decomposition", "ds_label", "engines_section", "family", "fit_settings", "fmt_t", "geomean", "in_short",
-           "load_sweep", "main", "modelled_tps", "paired_ratio", "pareto_plot", "pareto_series", "pct", "peer_table",
-           "rel_errors", "table1", "table2", "table3", "tree_sections"]
 
 
 # ----------------------------------------------------------------------------- the report

@@ -11,7 +11,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..decoding.auto import fit_forward_times, fit_standalone, relative_error, sum_counts, theoretical_tokens_per_s
+from ..decoding.auto import (decode_s, fit_forward_times, fit_standalone, relative_error, sum_counts,
+                             theoretical_tokens_per_s)
 from ..errors import UserError
 from ..runs import read_json, read_jsonl
 from .sweep_files import RESULTS
@@ -72,10 +73,6 @@ def complete_rows(rows: list[dict]) -> tuple[list[dict], int]:
 def _f(r, k) -> float:
     v = r.get(k)
     return float(v) if v is not None else 0.0
-
-
-def _decode_s(r) -> float:
-    return max(_f(r, "wall_s") - _f(r, "prefill_s"), 1e-12)
 
 
 @dataclass
@@ -161,7 +158,7 @@ def aggregate(rows: list[dict], how: str = "pooled", ar_by_prompt: dict | None =
     r0 = rows[0]
     S = lambda k: sum(_f(r, k) for r in rows)  # noqa: E731
     N, NT, ND, NX = S("n_tokens"), S("n_target_forwards"), S("n_draft_forwards"), S("n_discarded")
-    wall, dec = S("wall_s"), sum(_decode_s(r) for r in rows)
+    wall, dec = S("wall_s"), sum(decode_s(r) for r in rows)
     acc, drafted = S("n_accepted"), S("n_drafted")
     if how == "mean":
         mean = lambda f: sum(f(r) for r in rows) / len(rows)  # noqa: E731
@@ -213,10 +210,10 @@ def fit_settings(rows: list[dict]) -> dict:
     """Forward-time fits of one dataset: {"standalone": {...}, "specdec": ForwardFit, "specdecpp": ...,
     "speculative": ForwardFit (SpecDec + SpecDec++ pooled, used for Eq. 5.1)}."""
     m = lambda *ms: [r for r in rows if r["method"] in ms]  # noqa: E731
-    tri = lambda rs: [(_f(r, "n_draft_forwards"), _f(r, "n_target_forwards"), _decode_s(r)) for r in rs]  # noqa: E731
+    tri = lambda rs: [(_f(r, "n_draft_forwards"), _f(r, "n_target_forwards"), decode_s(r)) for r in rs]  # noqa: E731
     ar, dar = m("ar"), m("draft_ar")
-    t_t, r2_t, n_t = fit_standalone([_f(r, "n_target_forwards") for r in ar], [_decode_s(r) for r in ar])
-    t_d, r2_d, n_d = fit_standalone([_f(r, "n_draft_forwards") for r in dar], [_decode_s(r) for r in dar])
+    t_t, r2_t, n_t = fit_standalone([_f(r, "n_target_forwards") for r in ar], [decode_s(r) for r in ar])
+    t_d, r2_d, n_d = fit_standalone([_f(r, "n_draft_forwards") for r in dar], [decode_s(r) for r in dar])
     return {
         "standalone": {"t_draft": t_d, "t_target": t_t, "r2_draft": r2_d, "r2_target": r2_t, "n_draft": n_d,
                        "n_target": n_t},
@@ -242,7 +239,7 @@ def rel_errors(rows: list[dict], t_draft: float, t_target: float) -> list[float]
     for r in rows:
         th = theoretical_tokens_per_s(_f(r, "n_tokens"), _f(r, "n_draft_forwards"),
                                              _f(r, "n_target_forwards"), t_draft, t_target)
-        out.append(relative_error(th, _f(r, "n_tokens") / _decode_s(r)))
+        out.append(relative_error(th, _f(r, "n_tokens") / decode_s(r)))
     return [e for e in out if not math.isnan(e)]
 
 

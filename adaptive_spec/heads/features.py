@@ -1,45 +1,28 @@
 """What an acceptance head reads, defined once for datagen, training and decoding.
 
-`draft_stats(q, y)` are the draft's own statistics of a candidate y drawn from q:
+`draft_stats(q, y)` are the draft's own statistics of a candidate y drawn from q: log q(y) (floored at
+MIN_LOG_Q: q(y) = 0 where decoding processes q differently from datagen, e.g. a smaller top-k), the
+entropy H(q) in nats, and the top-1 minus top-2 probability. At decoding time the learned policy
+recomputes q from the step's raw logits with datagen's sampling parameters (the head's
+`stats_sampling`) rather than using the decoder's q: at temperature 0 that is a point mass, whose
+statistics training never saw. Sums run in float64, rounded once to float32, so a batched datagen step
+and a one-row decode step give the same rows. Where the decoder samples with the head's own parameters
+its q is reused, and a top-k q is read through one partial sort (truncated_stats).
 
-    log_q     log q(y), floored at MIN_LOG_Q (q(y) = 0 happens when decoding processes q
-              differently from datagen, e.g. a smaller top-k; the floor keeps it finite)
-    entropy   H(q) in nats
-    margin    top-1 minus top-2 probability of q
+Position in the round is deliberately not a feature: given the accepted prefix, whether y_i is accepted
+does not depend on where the round began, and datagen has no rounds, so a position could only be
+simulated (a head learns to ignore it) or taken from some policy's rounds (tying the head to that
+policy's threshold). The product 1 - prod p_hat_i already accounts for the round's length.
 
-Datagen stores draft_stats(q_i, Y_i) per response position (shard tensor `draft_stats` [T, 3]),
-q_i processed with the datagen run's temperature / top-k / top-p. At decoding time the learned
-policy recomputes q from the step's raw logits with those same parameters (the head records
-them as `stats_sampling`) rather than using the decoder's q: at temperature 0 the decoder's q
-is a point mass, whose statistics (0, 0, 1) training never saw. With the same logits and y the
-two paths give the same rows (sums in float64, rounded once to float32), so a batched datagen
-step and a one-row decode step agree. Cost per draft step (the breakdown's `policy` part): where the
-decoder samples with the head's own parameters (the usual case) its q is reused, and a top-k q
-is read through one partial sort (truncated_stats), not two passes over the vocabulary.
-
-Position in the round is deliberately not a feature. Given the accepted prefix, whether y_i is
-accepted, min(1, p(y_i)/q(y_i)), does not depend on where the round began, so the position
-carries no information the prefix (and the hidden state) does not. Datagen has no rounds, so it
-could only be simulated with draws independent of the target, which a head learns to ignore, or
-taken from some policy's rounds, which would tie the head to that policy's threshold. The
-product 1 - prod p_hat_i already accounts for the round's length.
-
-`position_map` says which response positions a head trains on and which stored state it reads
-there (token: the state at Y_i's own position, where Z_i = Y_i; context: the state after
-Z_{i-1}, at every position but a response's first).
-
-Which prefix the stored states were computed on (`PREFIXES`):
-  mixed   the token-mixed response (x, Z): the paper's construction (section 4.4) and datagen's
-          own `features`. The ideal input for Y_i is (x, X_<i, Y_i), the prefix p_i and q_i were
-          computed on; token mixing trades that for one pass per response, so the head reads
-          (x, Z_<i, Y_i), a prefix 85% made of draft candidates that need not agree with X.
+`position_map` says which response positions a head trains on and which stored state it reads there
+(token: the state at Y_i's own position; context: the state after Z_{i-1}, at every position but a
+response's first). Which prefix the stored states were computed on (`PREFIXES`):
+  mixed   the token-mixed response (x, Z): the paper's construction (section 4.4); the head reads
+          (x, Z_<i, Y_i), one pass per response, instead of the ideal (x, X_<i, Y_i).
   target  the target's own response: `features`[i] = e(x, X_<i, Y_i) and `context_features`[i] =
-          e(x, X_<i), the state that produced q_i, at every position (a response's first
-          included). These are the inputs the decoder gives a head after an accepted prefix,
-          and every Y_i has one, so no mixing is needed (`adaptive-spec datagen-features
-          --prefix target`, one pass over (x, X, Y) with a mask that shows Y_i only x and X_<i).
-A shard says which it holds: `context_features` exists only in target-prefix shards.
-"""
+          e(x, X_<i), the inputs the decoder gives a head after an accepted prefix
+          (`adaptive-spec datagen-features --prefix target`); only these shards hold
+          `context_features`."""
 from __future__ import annotations
 
 import torch

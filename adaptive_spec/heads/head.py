@@ -1,36 +1,26 @@
 """The acceptance prediction head of SpecDec++ (paper section 4.3, 5.1).
 
-A (D+1)-layer ResNet with SiLU on the draft's final hidden state e_i of a candidate token Y_i:
-D residual blocks x + SiLU(W_d x + b_d), then a linear layer to one logit. sigmoid(logit)
-predicts P(Y_i accepted | Y_1..Y_{i-1} accepted), i.e. min(1, p(Y_i)/q(Y_i)) in expectation.
-D = 0 is a single linear layer. The paper sweeps D in 0..4 and picks D = 3 or 4.
+A (D+1)-layer ResNet with SiLU: D residual blocks x + SiLU(W_d x + b_d), then a linear layer to one
+logit; sigmoid(logit) predicts P(Y_i accepted | Y_1..Y_{i-1} accepted). D = 0 is a single linear layer.
 
 Which hidden state the head reads (`feature`):
-  token    e_i, the state at y_i's own position (the paper's setting). It exists only once y_i
-           has been fed to the draft, so in decoding the score of y_i arrives one step late.
-  context  e_{i-1}, the state that produced q_i. It scores y_i before y_i is fed (in expectation
-           over y_i ~ q_i), so a round may stop after its first candidate (K = 1): on hardware
-           where a draft step is not cheap relative to a target pass, that is often the best K.
+  token    e_i, the state at y_i's own position (the paper's). It exists only once y_i has been fed
+           to the draft, so in decoding the score of y_i arrives one step late.
+  context  e_{i-1}, the state that produced q_i: it scores y_i before y_i is fed, so a round may stop
+           after its first candidate (K = 1), often the best K where a draft step is not cheap.
 
 What else it reads (`inputs`):
   hidden        that state alone (the paper's head; every head saved before `inputs` existed)
-  hidden+stats  that state and the draft's own statistics of the candidate (features.draft_stats:
-                log q(y), entropy of q, top-1 - top-2 margin), standardized inside the head by the
-                training set's mean and std (buffers saved with the weights). An input row is
-                [hidden (H), stats (3)]; `join_inputs` builds it, `shard_inputs` builds one per
-                response position of a datagen shard, and the learned policy one per draft step.
-  stats         the draft's statistics alone, no hidden state: a calibrated map of log q(y), H(q) and
-                the margin (D = 0: logistic regression). The reference every hidden-state head must
-                beat, and a head that carries over to prompts unlike its training set. Its rows are
-                built like hidden+stats' (the hidden part is ignored); it is a context head (`feature:
-                context`), since the stats of y_i exist as soon as q_i does: no lag.
+  hidden+stats  that state and features.draft_stats of the candidate, standardized inside the head by
+                the training set's mean and std (saved buffers); a row is [hidden (H), stats (3)]
+                (`join_inputs`; `shard_inputs` per datagen position).
+  stats         the statistics alone: a calibrated map (D = 0: logistic regression), the reference
+                every hidden-state head must beat and one that carries over to unlike prompts. A
+                context head, since the stats of y_i exist as soon as q_i does.
 
-A saved head is a folder (or a hub repo) with config.json (sizes, the draft it was trained on,
-training metadata), model.safetensors and a model card; huggingface_hub's PyTorchModelHubMixin
-gives `from_pretrained` by folder or hub id and `push_to_hub`. The draft is part of the
-contract: the head reads that draft's hidden states, so loading checks the hidden size and
-refuses a mismatch.
-"""
+A saved head is a folder (or a hub repo) with config.json, model.safetensors and a model card
+(PyTorchModelHubMixin: `from_pretrained`, `push_to_hub`). The draft is part of the contract: the head
+reads that draft's hidden states, so loading refuses a hidden-size mismatch."""
 from __future__ import annotations
 
 import json

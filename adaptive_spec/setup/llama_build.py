@@ -1,27 +1,19 @@
 """Which llama.cpp build this CPU gets, building it once, and refusing a build the CPU cannot run.
 
-llama-cpp-python is source-only on PyPI, so pip compiles llama.cpp on the user's machine, and the
-flags decide both speed and safety:
-- `-march=native` (ggml's default) is unsafe: on a CPU with AMX such a build can die with SIGILL on
-  any batch >= 2 (an AMX tile instruction in a worker thread).
-- ggml's portable default with native off is the AVX2 set: it runs everywhere but leaves an
-  AVX-512 CPU's wider integer dot products unused, and those set what a K + 1-token verification
-  costs, which is what decides whether speculation pays on this engine.
-- ggml's runtime dispatch (GGML_BACKEND_DL + GGML_CPU_ALL_VARIANTS) compiles the CPU backend
-  fourteen times, and llama-cpp-python 0.3.36 neither installs those libraries nor tells ggml
-  where they are.
+llama-cpp-python is source-only on PyPI, so pip compiles llama.cpp here, and the flags decide both
+speed and safety: `-march=native` can die with SIGILL on a CPU with AMX (a tile instruction in a worker
+thread); the portable default is AVX2, leaving an AVX-512 CPU's wider integer dot products, which set
+what a verification costs, unused; ggml's runtime dispatch builds the backend fourteen times, and
+llama-cpp-python 0.3.36 neither installs those libraries nor tells ggml where they are.
 
-So the instruction sets are named explicitly from this CPU's own flags, AMX always off, and the
-wheel is kept under a name that lists them (`<cache>/wheels/llama-cpp-python-<version>-<tier>`):
-a second machine of another kind builds its own instead of reusing one that would not run there,
-and `missing_instructions` (checked when llamacpp.py first loads the library) names the sets a
-library was built for that this CPU lacks (a virtual environment copied between machines), so it
-is refused with the rebuild command before it can die on one.
+So the instruction sets are named from this CPU's own flags, AMX always off, and the wheel is kept
+under a name listing them (`<cache>/wheels/llama-cpp-python-<version>-<tier>`), so another kind of
+machine builds its own; `missing_instructions` (checked when llamacpp.py loads the library) refuses,
+with the rebuild command, a library built for sets this CPU lacks.
 
     python adaptive_spec/setup/llama_build.py            # this CPU's tier, cmake flags and wheel folder
     python adaptive_spec/setup/llama_build.py install    # build (once) and install into this Python
-(stdlib only, so set-up runs it as a file before the package's dependencies are installed)
-"""
+(stdlib only, so set-up runs it as a file before the package's dependencies are installed)"""
 from __future__ import annotations
 
 import argparse

@@ -1,13 +1,10 @@
-"""`adaptive-spec autotune`: the offline half of `--threshold auto` / `--k auto` (adaptive_spec.decoding.auto has the
-pick made at generation time, and the replay this runs).
+"""`adaptive-spec autotune`: the offline half of `--threshold auto` / `--k auto` (adaptive_spec.decoding.auto
+has the pick and the replay this runs).
 
-`adaptive-spec autotune --head DIR --data DATAGEN_DIR` replays the head offline on the dev
-   responses of a datagen run (auto's curve_of) and saves the expected counts for every h of H_GRID and every
-   fixed K of K_GRID as DIR/threshold_curve.json (machine-independent; it records the head's
-   weights hash and the data it came from; for a mix of prompt sources also per source, under
-   "by_source", which `pick` takes as it takes the pooled curve). Without --head it saves the
-   per-K part only (--out).
-"""
+`adaptive-spec autotune --head DIR --data DATAGEN_DIR` replays the head on a datagen run's dev responses
+(curve_of) and saves the expected counts per h of H_GRID and per fixed K of K_GRID as
+DIR/threshold_curve.json (machine-independent; with the head's weights hash, the data, and for a mix of
+sources also per source). Without --head it saves the per-K part only (--out)."""
 from __future__ import annotations
 
 import time
@@ -28,13 +25,8 @@ from .data import dataset_sources
 log = get_logger(__name__)
 
 
-def head_inputs(head, shard: dict):
-    """The head's input row at every response position of a datagen shard, as training builds them."""
-    return heads.shard_inputs(head, shard)
-
-
 def _predictions(head, shard: dict) -> np.ndarray:
-    x = head_inputs(head, shard)
+    x = heads.shard_inputs(head, shard)  # as training builds them
     with torch.inference_mode():
         p = torch.cat([head.acceptance_prob(c.to(device=getattr(head, "device", "cpu"),
                                                  dtype=getattr(head, "dtype", torch.float32))).float().cpu()

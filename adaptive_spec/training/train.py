@@ -3,24 +3,14 @@
     accelerate launch train.py --config configs/train/default.yaml [key=value ...] [--resume]
     python train.py --config configs/train/sweep.yaml --sweep      # the D x w_rej grid, resumable
 
-Data is the datagen folder (manifest.json + safetensors shards). One training example is one
-response position whose token came from the draft (loss_mask == 1): input = the draft's final
-hidden state there (with `inputs=hidden+stats` also the draft's own statistics of the token,
-stored by datagen as draft_stats; `feature=context` reads the state before it: see
-adaptive_spec/heads/features.py), target = min(1, p/q) (or the expected acceptance). Features stored in
-the shards are memory-mapped, not copied, so several DDP processes share one copy in the page
-cache; datasets without features get them from one pass of the frozen draft, cached on disk.
-
-The loss is the paper's weighted BCE; every `eval_every` steps we report it with the
-unweighted binary KL of Table 3, AUC (accepted vs rejected tokens) and calibration (ECE + a
-reliability plot). The head with the lowest dev loss is exported with save_pretrained to
-<output_dir>/head. Checkpoints hold everything that changes during training, so --resume
-reproduces an uninterrupted run exactly.
-
-The parts: settings.py (TrainConfig), data.py (the dataset), metrics.py (loss, KL, AUC, ECE, the
-reliability plot), runfiles.py (the run folder), loop.py (one run: train); this module is the
-command line and the depth x w_rej grid.
-"""
+One example is one response position whose token came from the draft (loss_mask == 1): input = the
+draft's final hidden state there (heads/features.py: which state, and the statistics), target =
+min(1, p/q). Stored features are memory-mapped, not copied, so DDP processes share one copy in the
+page cache; datasets without features get them from one pass of the frozen draft, cached on disk.
+The loss is the paper's weighted BCE, reported every `eval_every` steps with Table 3's binary KL, AUC
+and calibration; the head with the lowest dev loss is exported to <output_dir>/head. Checkpoints hold
+everything that changes during training, so --resume reproduces an uninterrupted run exactly.
+This module is the command line and the depth x w_rej grid; loop.py runs one training."""
 from __future__ import annotations
 
 import argparse

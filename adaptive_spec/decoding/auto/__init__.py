@@ -13,5 +13,6 @@ from .curve_replay import H_GRID, K_GRID, curve_of, replay, stop_lengths, window
 from .picker import AR, DEFAULT_TIME_MODEL, describe_pick, pick, predicted_wall, resolve_auto
 from .prediction import by_name, picks_of, predict
 from .pricing import copy_round, timed
-from .timemodel import (ONE_STEP, coef_of, compare_decompositions, comparison_table, decompose, fit_forward_times,
-                        fit_standalone, mean_std, predict_time, relative_error, round_costs, theoretical_tokens_per_s)
+from .timemodel import (ONE_STEP, coef_of, compare_decompositions, comparison_table, decode_s, decompose,
+                        fit_forward_times, fit_standalone, mean_std, predict_time, relative_error, round_costs,
+                        theoretical_tokens_per_s)

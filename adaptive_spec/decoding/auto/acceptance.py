@@ -1,17 +1,11 @@
 """Acceptance on a user's own prompts: `adaptive-spec probe --prompts FILE|SET` and `generate --auto-prompts`.
 
-The committed curve counts the heads' dev answers; on other prompts the draft is accepted more or less often
-(held-out chat prompts: fixed K = 2 made 2.57 tokens a target pass against 2.29 predicted). So a few short
-answers are generated on the user's prompts by the loaded pair itself, recording along the target's own
-continuation X what datagen records: at each position q_i (draft) and p_i (target), a candidate Y_i ~ q_i,
-P_i = min(1, p_i(Y_i) / q_i(Y_i)) and the head's p̂ of Y_i, read from the inputs the decoder gives it (a
-context head: the state that produced q_i; a token head: the state after Y_i). Those records are what
-autotune's replay reads (training/autotune.curve_of makes the curve from them, as build_curve does from a
-datagen split) and what prompt lookup's replay walks (the prompt and the answer's ids). The curve goes to a
-file in the cache, with the records, so that `--threshold auto` / `--k auto` read it as they read `--curve`.
-
-The recording is time-boxed (`budget_s`): it stops at the first token past the budget, keeping what it has.
-"""
+The committed curve counts the heads' dev answers; on other prompts the draft is accepted more or less
+often. So the loaded pair generates a few short answers on the user's prompts, recording along the
+target's continuation X what datagen records: q_i, p_i, a candidate Y_i ~ q_i, P_i = min(1, p_i(Y_i) /
+q_i(Y_i)) and the head's p̂ of Y_i from the inputs the decoder gives it. Autotune's replay and prompt
+lookup's replay read those records; the curve goes to a cache file with them, read as `--curve` is.
+The recording is time-boxed (`budget_s`): it stops at the first token past the budget."""
 from __future__ import annotations
 
 import json

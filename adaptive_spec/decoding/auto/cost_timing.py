@@ -36,19 +36,15 @@ def decode_step_time(lm, reps: int, steps: int | None = None, warmup: int = DECO
 def decode_loop_times(lm, reps: int, steps: int | None = None, warmup: int = DECODE_WARMUP,
                       context: int | None = None) -> tuple[float, float]:
     """(the step, the loop's own time a step): median seconds of `lm`'s one-row step as the target-alone
-    decode runs it: the decoder's own loop (decoder.Decoder without a policy, T = 1 top-k 50) from a prompt
-    that centres the timed steps on the PREFIX-token context, each step feeding the token the last one drew,
-    with the loop's sampling between steps and no other pass, rollback or reset among them. Each step's time
-    is its forward's, read from the runner's counters; the loop's own time is the clock's between steps less
-    the forward's (sampling and the loop's bookkeeping, which a micro-benchmark of sampling alone leaves out:
-    with_loop_own). Why not a cell rolled back to PREFIX between passes of other lengths and models
-    (interleaved_times): a runner may do per call what a run of
-    same-shaped calls skips (llama.cpp rebuilds its compute graph when the batch shape changes and reuses
-    it otherwise), so such a cell can cost more than the decode's step; the verification passes keep their
-    interleaved cells, as a speculative round runs them between the draft's steps. `steps` timed steps
-    (default DECODE_STEPS_PER_REP a rep) after `warmup` untimed ones, centred on `context` (default PREFIX;
-    less where the context is shorter). A runner whose counters book no time (a table in tests) is timed by
-    the clock between steps instead. The runner is left reset, its counters as they were."""
+    decode runs it, in the decoder's own loop (no policy, T = 1 top-k 50), each step feeding the token the
+    last one drew, centred on `context` tokens (default PREFIX). A step's time is its forward's, from the
+    runner's counters (the clock's between steps for a runner whose counters book none); the loop's own time
+    is the clock's between steps less that (what a micro-benchmark of sampling leaves out: with_loop_own).
+    Not an interleaved cell rolled back between passes of other lengths (interleaved_times): a runner may do
+    per call what a run of same-shaped calls skips (llama.cpp rebuilds its compute graph when the batch shape
+    changes), so such a cell can cost more than the decode's step; verification passes keep their
+    interleaved cells, as a round runs them between draft steps. `steps` timed steps (default
+    DECODE_STEPS_PER_REP a rep) after `warmup` untimed ones; the runner is left reset, its counters as they were."""
     from ..decoder import Decoder  # the decoder imports the sampling this module does: only where timed
 
     steps = max(1, DECODE_STEPS_PER_REP * reps if steps is None else steps)

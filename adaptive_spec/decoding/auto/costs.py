@@ -4,24 +4,17 @@
     t_target  a target pass over one token
     t_cand    the extra target time per candidate in a verification pass of K + 1 tokens
 
-A verification pass of K + 1 tokens is timed for K + 1 = 1..9, kept (made non-decreasing, see
-`monotone`) as t_verify, the `table` time model's costs, and fitted by least squares as
-t_target + t_cand * K. On GPUs and AVX-512 CPUs t_cand is near zero (the pass reads the weights
-once whatever K is), but on an AVX2-only CPU, where each input row adds compute, it is a sizeable
-share of a step (docs/cpu-runtime.md has the figures), which Eq. 3.1,
-T = t_draft N_draft + t_target N_target, has no term for (timemodel.py has the one with it).
+A verification pass of K + 1 = 1..9 tokens is timed, kept (made non-decreasing: `monotone`) as
+t_verify, the `table` time model's costs, and fitted as t_target + t_cand * K. t_cand is near zero
+where a pass reads the weights once whatever K is, but sizeable on an AVX2-only CPU
+(docs/cpu-runtime.md), and Eq. 3.1 has no term for it (timemodel.py has the one with it).
 
-`measure_costs(pair)` runs a few forwards through the pair's own runners (a warm-up round, then the
-median of `reps` rounds, each timing the draft step and every length once), after a PREFIX-token
-context (256: a typical decode's, see PREFIX). The target's one-row pass, the step the target alone
-decodes with, is timed instead as the decode runs it (`decode_step_time`: the decoder's own target-alone
-loop, one step after another around that context); the interleaved cell of one row is kept beside it
-(t_step_cell). The result is cached as JSON in
-<cache>/costs/<key>.json ($ADAPTIVE_SPEC_CACHE or ~/.cache/adaptive_spec), the key hashing
-everything that moves these times: the CPU and its flags, torch threads and version, the device,
-both models' fingerprints, dtypes and CPU kernels (cpu_path), the draft's quantization and
-vocabulary, the runner class. A cache file that does not parse is measured again, with a warning.
-"""
+`measure_costs(pair)` times the pair's own runners after a PREFIX-token context: a warm-up round,
+then the median of `reps` rounds. The target's one-row pass is timed as the target-alone decode runs
+it (`decode_step_time`), the interleaved one-row cell kept beside it (t_step_cell). The result is
+cached as JSON in <cache>/costs/<key>.json, the key hashing everything that moves these times (CPU
+and flags, torch threads and version, device, both models' fingerprints, dtypes and kernels, the
+draft's quantization and vocabulary, the runner class); a file that does not parse is measured again."""
 from __future__ import annotations
 
 import hashlib

@@ -1,22 +1,17 @@
 """The threshold curve's replay: the counts a policy produces per token on recorded answers, per h of H_GRID,
-per fixed K of K_GRID and per (h, cap) of CAP_GRID (`curve_of`). `adaptive-spec autotune` (training/autotune.py)
-runs it on a datagen split and saves the curve beside the head (heads/curve.py has its format); the probe's
-`--prompts` runs it on answers recorded on the user's prompts (acceptance.py).
+per fixed K of K_GRID and per (h, cap) of CAP_GRID (`curve_of`). `adaptive-spec autotune` runs it on a
+datagen split (the curve's format: heads/curve.py); the probe's `--prompts` on answers recorded on the
+user's prompts (acceptance.py).
 
-The replay. A dev response X_1..X_T stores at each position P_i = min(1, p_i(Y_i)/q_i(Y_i)), the
-acceptance probability of a draft token Y_i ~ q_i, and the head's input there (heads.shard_inputs,
-else the stored draft features), giving p̂_i. A round that starts at position s drafts K(s)
-candidates: the first i at which the policy stops (1 - prod p̂ > h, seen with the token head's
-one-step lag, so K >= 2; a context head sees p̂_i at step i), capped at k_max and, as in the
-decoder, at T - s - 1. It accepts at least j of them with probability prod_{i<j} P_{s+i}: the
-response X stands in for the accepted prefix, as the output is distributed as the target's and X
-is a sample of it; products of single-sample P_i are unbiased for the acceptance along X. After
-a accepted candidates the next round starts at s + a + 1. The replay carries the probability
-w[s] that a round starts at s, so every count is an exact expectation (no sampling), and the
-rounds of each response add up to exactly T tokens. Approximations: at positions where datagen
-kept X_i (loss_mask 0, r = 15%) the head input is X_i's state, not Y_i's; and the data's
-sampling settings (recorded in the curve) stand for the ones decoding uses.
-"""
+A dev response X_1..X_T stores at each position P_i = min(1, p_i(Y_i)/q_i(Y_i)), the acceptance
+probability of a draft token Y_i ~ q_i, and the head's input there, giving p̂_i. A round starting at s
+drafts K(s) candidates: the first i at which the policy stops (1 - prod p̂ > h, with the token head's
+one-step lag), capped at k_max and at T - s - 1. It accepts at least j with probability prod_{i<j} P_{s+i}:
+X stands in for the accepted prefix, the output being distributed as the target's, so products of
+single-sample P_i are unbiased. The replay carries the probability w[s] that a round starts at s, so every
+count is an exact expectation and each response's rounds add up to T tokens. Approximations: where datagen
+kept X_i (loss_mask 0) the head input is X_i's state, not Y_i's; the data's sampling settings stand for
+decoding's."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,20 +1,13 @@
-"""`--threshold auto` and `--k auto`: SpecDec++'s h, or a fixed K, picked for the running machine
-without a sweep (Theorem 4.3 put to work).
+"""`--threshold auto` and `--k auto`: SpecDec++'s h, or a fixed K, picked for the running machine without
+a sweep (Theorem 4.3 put to work).
 
-The counts a policy produces per token, N_target/N and N_discarded/N, depend on the head and the
-data, not on the machine; the machine enters only through the forward times (Eq. 5.1). So:
-
-At generate time `threshold="auto"` (`k="auto"`) loads the curve, measures or loads this
-machine's forward times (costs.py) and takes the h (K) of best predicted decode throughput under a
-time model (timemodel.py; `resolve_auto(model=)`, default "extended": Eq. 3.1 plus t_cand per
-drafted token; "table" prices each verification pass at the measured time of its length, which on
-CPUs is a step function of K, not a line, and lets the h pick cap K where longer passes cost a
-step more; `eval/fit_time_model.py SWEEP_DIR --costs FILE` says which predicts a sweep better).
-`k="auto"` reads the per-K part of any curve: `curve=PATH` (`--curve`), else the one beside `head`
-(every head's curve carries it: fixed-K rounds do not depend on the head).
-
-The curve is made offline, from datagen data, by training/autotune.py (`adaptive-spec autotune`).
-"""
+The counts per token, N_target/N and N_discarded/N, depend on the head and the data, not the machine,
+which enters only through the forward times (Eq. 5.1). So `threshold="auto"` (`k="auto"`) loads the
+curve (made offline by `adaptive-spec autotune`), measures or loads this machine's forward times
+(costs.py) and takes the h (K) of best predicted decode throughput under a time model
+(`resolve_auto(model=)`: "extended" by default; "table" prices each pass at its measured length's time,
+a step function of K on CPUs; `eval/fit_time_model.py` says which predicts a sweep better). `k="auto"`
+reads the per-K part of any curve: `--curve`, else the one beside the head."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -39,17 +39,14 @@ def _prompts_answers(prompts: dict) -> Answers:
 def predict(pair, head: str | None, temperature: float, prompt_tokens: int, max_new_tokens: int,
             k_max: int = params.NgramParams().k_max, ran: dict | None = None, answers: Answers | None = None,
             workload=None, prompts: dict | None = None) -> dict:
-    """Every configuration's predicted tok/s on `pair` (loaded; or anything resolve_auto and measure_costs
-    take, e.g. a pair with pinned_costs), priced as `auto` prices them; the draft's configurations only
-    with a draft and a head. `ran` (picks_of another result): price the K and h that one chose instead of
-    choosing again, so that a second measurement prices the configurations that ran (eval/bench_probe.py).
-    `answers`: the dev answers prompt lookup and combined are replayed on (None: prompt lookup is priced as the
-    plain steps it falls back to where nothing is copied, combined as SpecDec++). `workload` (parse_workload's
-    kinds; None: the dev answers pooled): whose counts price every configuration. SpecDec++ h=auto is what
-    `--threshold auto` picks (from the pooled curve, as a generation picks it), priced at the workload's counts;
-    fixed K is the workload's best K. `prompts` (acceptance.measure: answers recorded on the user's prompts, and
-    their curve): every configuration is priced at those answers' counts instead of the dev answers', h and K
-    picked from their curve as `--auto-prompts` (`--curve` of that file) picks them."""
+    """Every configuration's predicted tok/s on `pair` (loaded, or anything resolve_auto and measure_costs take),
+    priced as `auto` prices them; the draft's configurations only with a draft and a head.
+    `ran` (picks_of another result): price the K and h that one chose instead of choosing again
+    (eval/bench_probe.py). `answers`: the dev answers prompt lookup and combined are replayed on (None: prompt
+    lookup priced as plain steps, combined as SpecDec++). `workload` (parse_workload's kinds; None: pooled):
+    whose counts price every configuration; h=auto is still picked from the pooled curve, as a generation
+    picks it, fixed K is the workload's best. `prompts` (acceptance.measure's result): price at those answers'
+    counts instead, h and K picked from their curve as `--auto-prompts` picks them."""
     costs = measure_costs(pair)
     if prompts is not None and workload is not None:
         raise UserError("--prompts and --workload both say whose acceptance prices the configurations; pass one")

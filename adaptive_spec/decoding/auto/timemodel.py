@@ -2,65 +2,37 @@
 to sweep rows and compared.
 
 Eq. (3.1)   T_total = t_draft * N_draft + t_target * N_target
-Lemma 3.1   with N_draft + N_target = N + N_discarded (one target pass per round, one draft pass
-            per candidate), T_total = T_0 + t_draft * N_discarded + (t_target - t_draft) * N_target,
-            T_0 = t_draft * N being the oracle time (Eq. 3.2)
+Lemma 3.1   with N_draft + N_target = N + N_discarded, T_total = T_0 + t_draft * N_discarded
+            + (t_target - t_draft) * N_target, T_0 = t_draft * N the oracle time (Eq. 3.2)
 Eq. (5.1)   latency T_total / N = t_draft + t_draft * N_discarded/N + (t_target - t_draft) * N_target/N
-
-`fit_forward_times` fits t_draft, t_target from (N_draft, N_target, T) rows by least squares
-through the origin (no intercept, as Eq. 3.1 has none) and reports R^2. R^2 here is the centred
-one, 1 - SS_res / sum (T - mean T)^2 (what e.g. scikit-learn's `score` reports for a fit without
-intercept): it compares the model with predicting the mean time, the stricter of the two usual
-definitions. Stand-alone runs fit one coefficient (target-only: T = t_target * N_target; draft-only:
-T = t_draft * N_draft).
-
-The rows' T should be the time the counted forwards account for: the sweep counts decoding forwards
-only (prompt prefill is not counted in N_draft / N_target), so the report fits
-T = wall_s - prefill_s ("decode time").
-
-The models fitted to sweep rows and compared:
 
     paper      T = t_draft N_draft + t_target N_target                     (Eq. 3.1)
     extended   T = t_draft N_draft + t_target N_target + t_cand N_drafted
     table      T = t_draft N_draft + sum_n t_verify(n) N_pass(n)            (measured costs only)
 
-N_pass(n) counts the target passes of n tokens (a row's target_pass_hist; a curve point's
-expected one). On a CPU t_verify(n) is a step function, not a line: oneDNN's packed GEMM blocks
-rows, so passes of several lengths cost the same and the next length jumps (per-length times in
-eval/results/bench_verify_lengths_avx512/table.md). The table model
-takes the measured t_verify(n) of costs.py as they are; it has too many coefficients to fit
-from sweep rows, so it is scored with measured costs only. A row or point without a pass
-histogram falls back to the extended model's terms.
+`fit_forward_times` fits by least squares through the origin (Eq. 3.1 has no intercept) and reports
+the centred R^2, 1 - SS_res / sum (T - mean T)^2, the stricter of the two usual definitions.
+T is the decode time, wall_s - prefill_s: the counts are of decoding forwards only, and prefill
+depends on the prompt's length, which the counts do not carry (a fitted constant would take that
+for model error; picking h or K never needs it, prefill being the same whatever the policy).
 
-t_cand is the extra target time per candidate in a verification pass (costs.py measures it:
-sizeable where each input row adds compute, as in fp32 on an AVX2-only CPU, near zero where the
-pass reads the weights once whatever K is).
+N_pass(n) counts the target passes of n tokens (target_pass_hist). On a CPU t_verify(n) is a step
+function, not a line (oneDNN's packed GEMM blocks rows), so the table model takes costs.py's
+measured per-length times; too many coefficients to fit from rows, it is scored with measured costs
+only, and falls back to the extended model's terms without a histogram. t_cand, the extra target time
+per candidate, is sizeable where each input row adds compute (fp32 on AVX2), near zero where a pass
+reads the weights once whatever K is.
 
-t_catch_up (measured costs only, not the paper's model) is what a two-token draft step costs beyond
-a one-token one, paid once per round after a round whose candidates were all accepted (the draft
-then feeds y_K and the bonus token): N_all_accepted, a curve point's expected count. Without it the
-models price small fixed K too fast where a two-row draft pass costs clearly more than a one-row
-step and most short rounds are all accepted (eval/results/bench_probe_* say by how much). Where copying rounds
-run between the draft's rounds (prompt lookup with the draft model elsewhere) the draft's first step
-feeds every token they made: one such step, plus N_fed_extra tokens beyond two at t_feed, the
-draft's prefill rate per token.
+Measured costs add two terms Eq. 3.1 leaves out. t_catch_up: a two-token draft step's extra cost,
+paid after each all-accepted round (N_all_accepted); without it small fixed K is priced too fast.
+t_feed: where copying rounds run between the draft's rounds, the draft's first step feeds every
+token they made, N_fed_extra tokens beyond two at the draft's prefill rate.
 
-T is the decode time, wall_s - prefill_s: prefill enters as a measured term, not a fitted
-constant, because its cost depends on the prompt's length, which the counts do not carry, and
-every row records it. A fitted constant would take prompt-length variation for model error,
-and picking h or K (auto.py) never needs it: prefill is the same whatever the policy.
-
-Identification. A chain round runs one draft forward per candidate, so on speculative rows
-N_draft = N_drafted and the two models fit them equally well (t_draft + t_cand is all that is
-identified). t_draft and t_cand separate only with rows where the two counts differ: draft-only
-(draft_ar) rows, where N_drafted = 0, and tree rounds. The comparison therefore fits both
-models on all rows (stand-alone included) and scores them on the speculative rows, beside the
-report's own Eq. 3.1 fit on speculative rows only; `rank_ok` is False where a model's
-coefficients are not identified by the rows given.
-
-Scores: the centred R^2 of decode time (_r2), and per configuration the relative error of
-predicted vs measured decode throughput, sum N / sum T over the configuration's rows.
-"""
+Identification: on speculative chain rows N_draft = N_drafted, so only t_draft + t_cand is
+identified; the two separate on draft-only rows and tree rounds. Models are therefore fitted on all
+rows and scored on the speculative ones (`rank_ok` False where the rows do not identify a model).
+Scores: the centred R^2 of decode time, and per configuration the relative error of the predicted
+decode throughput, sum N / sum T."""
 from __future__ import annotations
 
 import math
@@ -203,20 +175,16 @@ def fit(rows: list[dict], model: str = "paper", score_rows: list[dict] | None = 
     names = MODELS[_check_model(model)]
     score_rows = rows if score_rows is None else score_rows
     X = np.array([[_f(r, COLUMNS[n]) for n in names] for r in rows]).reshape(len(rows), len(names))
-    y = np.array([decode_s(r) for r in rows])
-    used = [j for j in range(len(names)) if np.any(X[:, j] != 0)]
+    sol, used, rank_ok = _lstsq(X, np.array([decode_s(r) for r in rows]))
+    coef = dict(zip(names, sol))
     if not used:  # no rows, or none that involves a model
-        return TimeFit(model, dict.fromkeys(names), float("nan"), len(rows), False, scope=scope)
-    sol, _, rank, _ = np.linalg.lstsq(X[:, used], y, rcond=None)
-    coef = dict.fromkeys(names)
-    coef.update({names[j]: float(c) for j, c in zip(used, sol)})
+        return TimeFit(model, coef, float("nan"), len(rows), False, scope=scope)
     known = {k: v for k, v in coef.items() if v is not None}
     r2 = float("nan")
     if score_rows:
         pred = np.array([predict_time(r, known) for r in score_rows])
         r2 = _r2(np.array([decode_s(r) for r in score_rows]), pred)
-    return TimeFit(model, coef, r2, len(rows), bool(rank == len(used)),
-                   throughput_errors(score_rows, known), scope)
+    return TimeFit(model, coef, r2, len(rows), rank_ok, throughput_errors(score_rows, known), scope)
 
 
 def throughput_errors(rows: list[dict], coef: dict) -> dict:
@@ -309,6 +277,19 @@ class ForwardFit:
         return asdict(self)
 
 
+def _lstsq(X: np.ndarray, y: np.ndarray) -> tuple[list, list[int], bool]:
+    """Least squares through the origin over the columns not zero in every row: (coefficients, None for
+    the columns left out; the columns used; whether they were identified)."""
+    used = [j for j in range(X.shape[1]) if np.any(X[:, j] != 0)]
+    coef = [None] * X.shape[1]
+    if not used:
+        return coef, used, False
+    sol, _, rank, _ = np.linalg.lstsq(X[:, used], y, rcond=None)
+    for j, c in zip(used, sol):
+        coef[j] = float(c)
+    return coef, used, bool(rank == len(used))
+
+
 def _r2(y: np.ndarray, pred: np.ndarray) -> float:
     if len(y) < 2:
         return float("nan")
@@ -320,27 +301,20 @@ def _r2(y: np.ndarray, pred: np.ndarray) -> float:
 
 
 def fit_forward_times(rows: Iterable[Sequence[float]]) -> ForwardFit:
-    """Least squares T = t_draft * N_draft + t_target * N_target (no intercept).
-
-    rows: (N_draft, N_target, T) triples. A model whose count is zero in every row is left out of
-    the fit (its time is None), so target-only or draft-only runs fit a single coefficient.
-    """
+    """Eq. 3.1 fitted to (N_draft, N_target, T) triples; a model whose count is zero in every row is left
+    out (its time None), so target-only or draft-only runs fit a single coefficient."""
     a = np.asarray([tuple(map(float, r)) for r in rows], dtype=np.float64).reshape(-1, 3)
     if len(a) == 0:
         return ForwardFit(None, None, float("nan"), 0, False)
     X, y = a[:, :2], a[:, 2]
-    used = [j for j in range(2) if np.any(X[:, j] != 0)]
+    t, used, rank_ok = _lstsq(X, y)
     if not used:
         return ForwardFit(None, None, float("nan"), len(a), False)
     Xu = X[:, used]
-    coef, _, rank, _ = np.linalg.lstsq(Xu, y, rcond=None)
-    t = [None, None]
-    for j, c in zip(used, coef):
-        t[j] = float(c)
     # with the same counts in every row (e.g. every target-only run made 128 tokens) the fit is a
     # mean and explains no variance by construction: R^2 would read 0, which is not a finding
-    r2 = float("nan") if np.all(np.ptp(Xu, axis=0) == 0) else _r2(y, Xu @ coef)
-    return ForwardFit(t[0], t[1], r2, len(a), bool(rank == len(used)))
+    r2 = float("nan") if np.all(np.ptp(Xu, axis=0) == 0) else _r2(y, Xu @ np.array([t[j] for j in used]))
+    return ForwardFit(t[0], t[1], r2, len(a), rank_ok)
 
 
 def fit_standalone(counts: Iterable[float], times: Iterable[float]) -> tuple[float | None, float, int]:
@@ -359,11 +333,6 @@ def theoretical_tokens_per_s(n_tokens: float, n_draft: float, n_target: float, t
     """Eq. (5.1) as a throughput: N / (t_draft * N_draft + t_target * N_target)."""
     t = model_time(n_draft, n_target, t_draft, t_target)
     return n_tokens / t if t > 0 else float("nan")
-
-
-def latency_per_token(discard_rate: float, verification_rate: float, t_draft: float, t_target: float) -> float:
-    """Eq. (5.1): T/N from the two rates (hardware-independent) and the forward times."""
-    return t_draft + t_draft * discard_rate + (t_target - t_draft) * verification_rate
 
 
 def relative_error(predicted: float, measured: float) -> float:

@@ -1,30 +1,17 @@
 """Tree drafting policies: GSD (recursive rejection) and ERSD (exponential races) over token trees.
 
-A round drafts a token tree with the draft model and verifies ALL of it in ONE target forward
-pass; the longest accepted root-to-node path is kept and both KV caches are compacted to it.
-The pieces, one idea per module:
-  tree_cache    a forward with a tree attention mask; cache compaction to the accepted path
-  tree_shapes   sequence / batch / SpecInfer / optimal (Algorithm 3) shapes, the 0-th order
-                acceptance model and its running estimate `PositionalRates`
-  tree_draft    the drafted tree (`DraftTree`) and how it grows
-  tree_verify   the target pass and exact verification (GSD Algorithm 4, ERSD Algorithm 5)
-This module holds the policy that ties them together, `TreePolicy`, a RoundOwner.
+A round drafts a token tree and verifies ALL of it in ONE target pass; the longest accepted path is kept
+and both KV caches are compacted to it. `TreePolicy`, a RoundOwner, ties together shapes.py (shapes, the
+0-th order acceptance model, `PositionalRates`), draft.py (`DraftTree`, how it grows) and verify.py (the
+target pass, GSD Algorithm 4, ERSD Algorithm 5).
 
-R, the probability that a vertex is accepted, comes from (a) measured positional acceptance
-rates, the 0-th order model of the paper (R of a vertex is the product of the acceptance
-distribution r_i over the sibling indices on its path), or (b) a trained acceptance head
-(`adaptive_spec.heads.head.AcceptanceHead`) on the draft's hidden state of each drafted token, which
-refines R of the first-child chain per context, SpecDec++ style: R(v) = R(parent) * a(h_v). The
-head only ever steers the drafting of LATER tokens (children of v, later siblings), never
-whether v itself is kept, so verification stays exact.
-
-Budget: a fixed number of drafted tokens per round (Sequoia, ERSD), or, with `learned_budget`,
-as many as are worth their cost (tree_shapes.worth_growing, the stop rule and its derivation),
-at most the budget. With positional R every candidate's R is known before drafting, so the
-round's size is picked before the draft runs; with the head the tree stops growing between
-waves. Either way the rule only decides what is drafted, from information available before each
-token is drawn, so the output stays exact.
-"""
+R, the probability that a vertex is accepted, comes from measured positional rates (the product of the
+sibling indices' rates on its path) or from a trained acceptance head on each drafted token's hidden
+state, refining R of the first-child chain per context: R(v) = R(parent) * a(h_v). The head, and a
+learned budget (as many tokens as are worth their cost: shapes.worth_growing, at most the budget), only
+steer what is drafted, from information available before each token is drawn, never whether a vertex
+is kept, so verification stays exact. With positional R the round's size is picked before drafting;
+with the head the tree stops growing between waves."""
 from __future__ import annotations
 
 import math
@@ -88,24 +75,17 @@ def _check_learned(learned_budget, node_cost, drafting: str):
 
 
 class TreePolicy(RoundOwner):
-    """Tree drafting with exact verification: method "gsd" (recursive rejection sampling) or
-    "ersd" (exponential races); drafting "tree" (optimal, Algorithm 3), "sequence", "batch" or
-    "specinfer"; R from "positional" rates or an acceptance "head".
+    """Tree drafting with exact verification: method "gsd" (recursive rejection sampling) or "ersd"
+    (exponential races); drafting "tree" (optimal, Algorithm 3), "sequence", "batch" or "specinfer"; R from
+    "positional" rates or an acceptance "head".
 
-    Acceptance rates: `rates` (c_i, a calibration file, or a PositionalRates) are the calibrated
-    start; with `adapt_rates` they adapt to the rounds of a generation. `reset()` (the decoder
-    calls it at the start of each generation) puts them back where they stood when the policy was
-    built, so one policy object gives the same output for the same seed every time. With
-    `carry_rates=True` the rates adapted in one generation carry over to the next instead (the
-    output then depends on what the object generated before).
-
-    Budget: `budget` tokens per round, or with `learned_budget` as many as are worth their cost
-    `node_cost` ((t_draft + t_cand) / t_target, > 0; see tree_shapes.worth_growing), at most
-    `budget`. A learned budget needs a nested drafting: tree, sequence or batch.
-
-    Per-generation statistics (reset by `reset()`): rounds, predicted accepted tokens (sum of R
-    over the drafted nodes), drafted nodes and depth_sum (the drafted trees' depths), each summed
-    over rounds; drafted equals the generation's Metrics.n_drafted."""
+    `rates` (c_i, a calibration file, or a PositionalRates) are the calibrated start; with `adapt_rates`
+    they follow a generation's rounds, and `reset()` puts them back, so one policy object gives the same
+    output for the same seed every time (`carry_rates=True` carries them to the next generation instead).
+    Budget: `budget` tokens per round, or with `learned_budget` as many as are worth `node_cost`
+    (shapes.worth_growing), at most `budget`; a learned budget needs a nested drafting (tree, sequence,
+    batch). Per-generation statistics (reset by `reset()`), summed over rounds: rounds, predicted accepted
+    tokens, drafted nodes (= Metrics.n_drafted) and depth_sum."""
 
     def __init__(self, method: str = "gsd", drafting: str = "tree", budget: int = 8, estimator: str = "positional",
                  head=None, rates=None, adapt_rates: bool = True, name: str | None = None,

@@ -1,14 +1,11 @@
 """Tree shapes and the 0-th order acceptance model they are chosen by.
 
-Shapes (parents, sibs: node 0 is the root, parents[j] < j, sibs[j] the sibling index of node j):
-sequence (a chain), batch (k siblings at the root), SpecInfer-style (a shared trunk of 2 tokens,
-then 3 chains), and the optimal tree for a budget of k drafted tokens (Algorithm 3 of the ERSD
-paper: a priority queue over candidate vertices ordered by their acceptance probability R,
-O(k log k)). Under the 0-th order model, R of a vertex is the product of the acceptance
-distribution r_i over the sibling indices on its path; r comes from conditional rates c_i
-(`acceptance_distribution`), measured and adapted by `PositionalRates`. A learned budget drafts
-a nested shape only while the next node is worth its cost (`worth_growing`, derived there).
-"""
+Shapes (parents, sibs: node 0 is the root, parents[j] < j, sibs[j] the sibling index of node j): sequence,
+batch (k siblings at the root), SpecInfer-style (a trunk of 2, then 3 chains), and the optimal tree for k
+drafted tokens (ERSD's Algorithm 3: a priority queue ordered by acceptance probability R, O(k log k)).
+Under the 0-th order model R of a vertex is the product of the rates r_i of the sibling indices on its
+path; r comes from conditional rates c_i (`acceptance_distribution`), measured and adapted by
+`PositionalRates`."""
 from __future__ import annotations
 
 import heapq
@@ -110,31 +107,20 @@ def tree_value(parents: list[int], sibs: list[int], r: list[float]) -> float:
 
 
 def worth_growing(R_next: float, n: int, S: float, node_cost: float) -> bool:
-    """The learned budget's stop rule: is one more drafted node, accepted with probability R_next,
-    worth its cost, in a round that has drafted n nodes with predicted accepted tokens S = sum R?
+    """The learned budget's stop rule: is one more drafted node, accepted with probability R_next, worth its
+    cost, in a round that has drafted n nodes with predicted accepted tokens S = sum R?
 
-    Cost model (SpecDec++'s, per node): a round of n drafted nodes takes about
-    t_target + n (t_draft + t_cand) = t_target (1 + n c), with c = node_cost = (t_draft + t_cand) /
-    t_target (costs.measure_costs), and yields 1 + S tokens on average (the accepted path plus the
-    token the target draws). Its throughput is T(n) = (1 + S) / (1 + n c) tokens per target step, so
-        T(n + 1) > T(n)  <=>  (1 + S + R_next)(1 + n c) > (1 + S)(1 + n c + c)
-                         <=>  R_next (1 + n c) > c (1 + S)  <=>  R_next / c > T(n):
-    grow while the next node's yield per unit of cost beats the round's average so far.
+    A round of n nodes takes about t_target (1 + n c), c = node_cost = (t_draft + t_cand) / t_target, and
+    yields 1 + S tokens, so its throughput is T(n) = (1 + S) / (1 + n c) tokens per target step and
+        T(n + 1) > T(n)  <=>  R_next (1 + n c) > c (1 + S)  <=>  R_next / c > T(n):
+    grow while the next node's yield per unit of cost beats the round's average so far. Stopping at the
+    first failure is optimal: T(n + 1) is the mediant of T(n) and R_next / c, so once R_next / c <= T(n)
+    the rule fails at every later n too when R comes non-increasing (Algorithm 3's pop order), and
+    Algorithm 3's trees are nested, so the first failure gives the best optimal tree up to the budget.
 
-    Why stopping at the first failure is optimal: T(n + 1) is the mediant of T(n) and R_next / c,
-    so it lies between them. Once R_next / c <= T(n), T(n + 1) >= R_next / c >= the next R / c
-    when R comes in non-increasing order (Algorithm 3's pop order, with a non-increasing r), and
-    the rule fails at every later n too. Algorithm 3's trees are nested (the optimal n-node tree
-    is its first n pops), so the first failure gives the best-throughput optimal tree of any size
-    up to the budget.
-
-    Width: every node is charged a full draft step, i.e. a wave of w nodes (one draft forward of
-    w rows) costs w steps. That is the CPU regime, where a tree's draft cost grows with its width;
-    where a wide forward costs about one step (a GPU), the charge is too high and the rule stops
-    early: pass a smaller tree_node_cost there.
-
-    At least one node is always drafted (n = 0): a round without drafting is a plain target step,
-    and the acceptance rates would stop being measured."""
+    Every node is charged a full draft step (the CPU regime, where a wave's cost grows with its width);
+    where a wide forward costs about one step (a GPU) pass a smaller tree_node_cost. At least one node is
+    always drafted: a round without drafting would stop measuring the acceptance rates."""
     return n == 0 or R_next * (1.0 + n * node_cost) > node_cost * (1.0 + S)
 
 

@@ -1,18 +1,15 @@
 """Exact verification of a drafted tree in ONE target forward pass.
 
-The target scores every drafted node with a tree attention mask (each drafted token sees the
-accepted prefix, its ancestors and itself) and tree position ids (prefix length + depth - 1).
-Then (Kobus & Gunduz, "Speculative Decoding via Exponential Races", appendix A):
-  * GSD, Algorithm 4: at a reached node, children are tested in order; child i is accepted with
-    probability min(1, P_i(x_i) / Q_i(x_i)); on a rejection P_{i+1} = norm(max(P_i - Q_i, 0)) and
-    Q_{i+1} = Q_i with x_i removed, renormalised (sampling without replacement). If all children are
-    rejected, the next token is drawn from the last residual; at a leaf, from P.
-  * ERSD, Algorithm 5: the race e that drafted the children is reused for the target: the winner
-    argmin e / P is an exact sample from P; the path goes on while the winner is a drafted child.
+The target scores every drafted node with a tree attention mask (each sees the accepted prefix, its
+ancestors and itself) and position ids prefix length + depth - 1. Then (Kobus & Gunduz, appendix A):
+  * GSD, Algorithm 4: a reached node's children are tested in order, child i accepted with probability
+    min(1, P_i(x_i) / Q_i(x_i)); on a rejection P_{i+1} = norm(max(P_i - Q_i, 0)) and Q_{i+1} = Q_i
+    without x_i, renormalised (sampling without replacement). All rejected: the next token is drawn
+    from the last residual; at a leaf, from P.
+  * ERSD, Algorithm 5: the race e that drafted the children is reused: the winner argmin e / P is an
+    exact sample from P; the path goes on while the winner is a drafted child.
   * temperature 0: the path follows the target's argmax while it is a drafted child.
-Both are exact for any tree shape chosen from information available before each token is drawn.
-The longest accepted root-to-node path is kept, and both KV caches are compacted to it.
-"""
+Exact for any tree shape chosen from information available before each token is drawn."""
 from __future__ import annotations
 
 import torch
