@@ -39,6 +39,7 @@ from adaptive_spec.tables import md_table
 DRAFTER = "checkpoints/drafter-qwen-coder-1.5b-cpu"
 SETS = "humaneval,gsm8k,alpaca"
 NAMES = {"humaneval": "HumanEval", "gsm8k": "GSM8K", "alpaca": "AlpacaEval"}
+AR = {"policy": "ar"}
 
 
 def parse_args(argv):
@@ -46,6 +47,9 @@ def parse_args(argv):
     ap.add_argument("--prompts", type=int, default=10, help="per set")
     ap.add_argument("--sets", default=SETS, help="prompt sets (prompts.py names)")
     ap.add_argument("--ks", default="2,3,4,6", help="fixed K values")
+    ap.add_argument("--confidence", default="", help="also the training-free confidence stop (drafting stops after "
+                    "a token with q < tau, at most --k-max) for each tau of this comma-separated list")
+    ap.add_argument("--k-max", type=int, default=8, help="the confidence stop's longest draft")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--drafter", default=DRAFTER, help="the feature drafter's folder or hub id")
     ap.add_argument("--draft", default="default", help="the draft model it is compared with")
@@ -120,9 +124,8 @@ def prompt_ids(pair, args) -> dict:
     return out
 
 
-def measure(pair, ids, k: int | None, n: int, timed: bool = False) -> dict:
-    g = pair.generate(ids, policy="ar" if k is None else "fixed", temperature=0, max_new_tokens=n,
-                      **({} if k is None else {"k": k}))
+def measure(pair, ids, policy: dict, n: int, timed: bool = False) -> dict:
+    g = pair.generate(ids, temperature=0, max_new_tokens=n, **policy)
     m = g.metrics
     row = {"n_tokens": m.n_tokens, "n_target_forwards": m.n_target_forwards, "n_drafted": m.n_drafted,
            "n_accepted": m.n_accepted, "accepted_hist": {str(a): c for a, c in m.accepted_hist.items()},
@@ -149,24 +152,28 @@ def run(args, out: Path, results: Path, done: set) -> dict:
                    key=lambda t: t[0])
     if args.timed:  # one short generation per configuration first: first calls pay one-time set-up
         for label in [x for x in pairs if x not in wanted] + wanted:
-            pairs[label].generate(order[0][2], policy="ar" if label == "llama.cpp" else "fixed", temperature=0,
-                                  max_new_tokens=8, **({} if label == "llama.cpp" else {"k": ks[0]}))
+            pairs[label].generate(order[0][2], temperature=0, max_new_tokens=8,
+                                  **(AR if label == "llama.cpp" else {"policy": "fixed", "k": ks[0]}))
+    taus = [float(t) for t in args.confidence.split(",") if t]
     for i, name, ids in order:
-        configs = [("ar", pairs["draft model"], None)] + [
-            (f"{label} K={k}", pairs[label], k) for label in wanted for k in ks]
-        configs += [("llama.cpp ar", pairs["llama.cpp"], None)] if "llama.cpp" in pairs else []
-        for config, pair, k in configs:
+        configs = [("ar", pairs["draft model"], AR)] + [
+            (f"{label} K={k}", pairs[label], {"policy": "fixed", "k": k}) for label in wanted for k in ks] + [
+            (f"{label} conf={t:g}", pairs[label], {"policy": "confidence", "threshold": t, "k_max": args.k_max})
+            for label in wanted for t in taus]
+        configs += [("llama.cpp ar", pairs["llama.cpp"], AR)] if "llama.cpp" in pairs else []
+        for config, pair, policy in configs:
             record(results, done, {"dataset": name, "prompt_idx": i, "temperature": 0.0,
                                    "engine": "llama.cpp" if config == "llama.cpp ar" else "torch",
                                    "config": config, "prompt_tokens": len(ids)},
-                   lambda pair=pair, ids=ids, k=k: measure(pair, ids, k, args.max_new_tokens, args.timed))
+                   lambda pair=pair, ids=ids, policy=policy: measure(pair, ids, policy, args.max_new_tokens, args.timed))
     extra = load_drafter(args.drafter).extra  # its training metadata, for the report, whichever rows ran
     return {"script": f"eval/{Path(__file__).name}", "cpu": flags_line(), "threads": torch.get_num_threads(),
             "dtype": args.dtype, "target": args.target, "draft": args.draft, "drafter": args.drafter,
             "draft_vocab": pairs["feature drafter"].draft_config["draft_vocab"] if "feature drafter" in pairs
             else "full", "drafter_metrics": extra.get("metrics", {}),
             "max_new_tokens": args.max_new_tokens, "ks": ks,
-            "sets": list(sets), "prompts": args.prompts, "drafts": wanted, "tiny": args.tiny, "timed": args.timed}
+            "sets": list(sets), "prompts": args.prompts, "drafts": wanted, "tiny": args.tiny, "timed": args.timed,
+            "confidence": taus, "k_max": args.k_max}
 
 
 def _main(argv) -> int:
@@ -250,11 +257,13 @@ def _speed(rows: list[dict], prompts: dict) -> list[str]:
     speed = {c: pooled_tok_s([r for r in timed if r["config"] == c and (r["dataset"], r["prompt_idx"]) in full])
              for c in configs}
     base = {"torch": speed["ar"], "llama.cpp": speed.get("llama.cpp ar")}
-    table = [[c, f"{speed[c]:.2f}", f"{speed[c] / base['torch']:.2f}",
+    tau = {c: _pooled([r for r in timed if r["config"] == c and (r["dataset"], r["prompt_idx"]) in full])[0]
+           for c in configs}
+    table = [[c, tau[c], f"{speed[c]:.2f}", f"{speed[c] / base['torch']:.2f}",
               f"{speed[c] / base['llama.cpp']:.2f}" if base["llama.cpp"] else "—"] for c in configs]
     return [f"Decode speed (tokens/s without the prompt's prefill), pooled over the {len(full)} prompts that ran "
             "every configuration, back to back per prompt:", "",
-            md_table(["configuration", "tok/s", "vs torch alone", "vs llama.cpp alone"], table), ""]
+            md_table(["configuration", "tau", "tok/s", "vs torch alone", "vs llama.cpp alone"], table), ""]
 
 
 def _equality(rows: list[dict], by: dict) -> list[str]:

@@ -69,13 +69,15 @@ def test_bench_drafter_timed_reports_speeds_as_ratios_to_the_target_alone(tmp_pa
     rows). The tiny models have no GGUF, so no llama.cpp row: its column says so."""
     mod, out = script("bench_drafter"), tmp_path / "run"
     assert mod.main(["--tiny", "--timed", "--prompts", "2", "--max-new-tokens", "8", "--ks", "2", "--drafts",
-                     "feature", "--out", str(out)]) == 0
+                     "feature", "--confidence", "0.3", "--k-max", "4", "--out", str(out)]) == 0
     rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
-    assert {r["config"] for r in rows} == {"ar", "feature drafter K=2"} and all(r["decode_s"] > 0 for r in rows)
+    assert {r["config"] for r in rows} == {"ar", "feature drafter K=2", "feature drafter conf=0.3"}
+    assert all(r["decode_s"] > 0 for r in rows)
+    assert all(max(map(int, r["accepted_hist"]), default=0) <= 4 for r in rows if "conf" in r["config"])
     md = (out / "report.md").read_text()
-    assert "pooled over the 2 prompts" in md and "| ar | " in md and "| 1.00 | — |" in md
+    assert "pooled over the 2 prompts" in md and "| ar | 1.00 | " in md and "| 1.00 | — |" in md
     ratio = lambda text: float(next(ln for ln in text.splitlines() if ln.startswith("| feature drafter K=2 | "))
-                               .split("|")[3])  # noqa: E731
+                               .split("|")[4])  # noqa: E731
     before = ratio(md)
     fast = [dict(r, decode_s=r["decode_s"] / 2) if r["config"] != "ar" else r for r in rows]
     (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in fast))
