@@ -9,9 +9,10 @@ import pytest
 
 from adaptive_spec.evaluation import report
 from adaptive_spec.evaluation import sweep, sweep_files
-from adaptive_spec.evaluation import sweep_calibration, sweep_run
+from adaptive_spec.evaluation import sweep_calibration
 from adaptive_spec.evaluation import sweep_grid, tree_calibration
 from adaptive_spec.config import load_config
+from adaptive_spec.decoding import pipeline
 from adaptive_spec.errors import UserError
 from adaptive_spec.heads.head import AcceptanceHead
 from adaptive_spec.evaluation.sweep import SweepConfig
@@ -215,11 +216,11 @@ def test_tree_sweep_rows_calibration_resume_and_report(inputs, tmp_path, monkeyp
     out = tmp_path / "out"
     argv = tree_args(inputs, out)
     measured, made = [], []
-    real_measure, real_make = sweep_calibration.measure_rates, sweep_run.make_policy
+    real_measure, real_make = sweep_calibration.measure_rates, pipeline.make_policy
     monkeypatch.setattr(sweep_calibration, "measure_rates",
                         lambda pair, prompts, *a, **kw: measured.append((a[2], len(prompts)))
                         or real_measure(pair, prompts, *a, **kw))
-    monkeypatch.setattr(sweep_run, "make_policy",
+    monkeypatch.setattr(pipeline, "make_policy",
                         lambda params, ctx=None, **kw: made.append(params) or real_make(params, ctx, **kw))
     real_append = interrupt_after(monkeypatch, 5)
     assert sweep.main(argv) == 130
@@ -299,8 +300,8 @@ def test_learned_budget_node_cost_measured_once(inputs, tmp_path, monkeypatch):
 
     monkeypatch.setattr(sweep_calibration, "measure_costs", measure_costs)
     made = []
-    real_make = sweep_run.make_policy
-    monkeypatch.setattr(sweep_run, "make_policy",
+    real_make = pipeline.make_policy
+    monkeypatch.setattr(pipeline, "make_policy",
                         lambda params, ctx=None, **kw: made.append(params) or real_make(params, ctx, **kw))
     cfg = cfg_of(inputs, tmp_path / "l", heads="[]", thresholds="[0.5]", ks="[]",
                  trees="[{tree_learned: true, tree_budget: 4, adapt_rates: false}, "
@@ -314,9 +315,9 @@ def test_learned_budget_node_cost_measured_once(inputs, tmp_path, monkeypatch):
     auto, fixed = by_key["tree:tree:positional:b=learned<=4:c=auto"], by_key["tree:tree:positional:b=learned<=4:c=0.5"]
     adapted = by_key["tree:tree:positional:b=learned<=4:c=auto:adapt"]
     assert all(r["node_cost"] == 0.25 for r in auto + adapted) and all(r["node_cost"] == 0.5 for r in fixed)
-    assert {p.tree_node_cost for p in made if p.tree_learned} == {0.25, 0.5}
+    assert {p.tree_node_cost for p in made if getattr(p, "tree_learned", False)} == {0.25, 0.5}
     # adapt: true starts every run from the calibrated rates and lets them follow its rounds; the rest are frozen
-    flags = [p.adapt_rates for p in made if p.tree_learned]
+    flags = [p.adapt_rates for p in made if getattr(p, "tree_learned", False)]
     assert flags.count(True) == len(adapted) and flags.count(False) >= len(auto) + len(fixed)
     for r in auto + fixed + adapted:
         check_tree_row(r)

@@ -119,7 +119,7 @@ class Decoder:
             met.lap("rest")
         met.stop_clock()
         self._count(met, out, policy is not None)
-        return Generation(token_ids=out, metrics=met, stopped_by=stopped_by)
+        return Generation(token_ids=out, metrics=met, stopped_by=stopped_by, policy=policy)
 
     def _prefill(self, models, seq: torch.Tensor, met: Metrics) -> None:
         """Feed everything but the last prompt token (the first round feeds it); `met` books the time it

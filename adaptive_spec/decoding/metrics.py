@@ -265,3 +265,6 @@ class Generation:
     metrics: Metrics
     text: str | None = None
     stopped_by: str = "length"  # "eos" or "length"
+    # the policy that made it (None: the target alone), holding its per-generation statistics (a tree's rounds
+    # and depths, sweep_run.tree_stats), which a caller of SpecPair.generate cannot reach otherwise
+    policy: object = field(default=None, repr=False)

@@ -13,21 +13,20 @@ from transformers.utils import is_sklearn_available
 from transformers.utils import logging as hf_logging
 
 from ..decoding.auto import load_texts, measure_prompts
-from ..decoding.decoder import Decoder
-from ..decoding.interfaces import PolicyContext
 from ..decoding.metrics import Metrics
-from ..decoding.pipeline import SpecPair, make_policy
+from ..decoding.pipeline import SpecPair
 from ..decoding.replay import TraceRecorder
 from ..decoding.sampling import SamplingParams
 from ..errors import UserError
-from ..params import ARParams, OracleParams, PairParams, policy_params
+from ..params import ARParams, OracleParams, PairParams
 from ..timing import timed
-from ..typed import PolicyParams
+from ..typed import PolicyParams, build
 from .sweep_calibration import Calibrated, auto_node_cost, verification
 from .sweep_files import Job, SweepFolder
 from .sweep_grid import Baseline, Configuration, Source, auto_curve
 
 HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented prompt-lookup setting (it has no default)
+PEERS = (Baseline.HF_ASSISTED, Baseline.HF_PROMPT_LOOKUP)  # transformers' own generate, not ours
 
 
 @dataclass(frozen=True)
@@ -46,9 +45,8 @@ class RunSettings:
 
 
 class Runner:
-    """The sweep's loaded pairs and what every run shares. `run` runs one configuration on one prompt, by its
-    policy's type: a Baseline by code of its own, a `trees` entry with the calibrated rates, any other
-    PolicyParams through generate."""
+    """The sweep's loaded pairs and what every run shares. `run` runs one configuration on one prompt: transformers'
+    peers by their own generate, every other one through generate (the draft alone on a pair of its own)."""
 
     def __init__(self, pairs: dict, settings: RunSettings, heads: dict, calibrated: Calibrated):
         """`pairs`: load_pairs's; `heads`: label (or a trees entry's folder as written) -> (AcceptanceHead, info);
@@ -57,7 +55,7 @@ class Runner:
         self.greedy = {}  # prompt ids -> the target alone's greedy output: the oracle's X
         self.prompt_curves = {}  # (head folder) -> the curve of auto_prompts' answers (prompts_curve)
         self.ready = {}  # configuration key -> its policy completed for generate (_policy), made at its first run
-        self.draft_alone = {}  # drafts entry -> a decoder running its draft alone (draft_ar), made at its first run
+        self.draft_alone = {}  # drafts entry -> a pair of its draft alone (draft_ar), made at its first run
 
     def pair_of(self, conf: Configuration):
         """The pair of the configuration's `drafts` entry (the first without one)."""
@@ -92,29 +90,46 @@ class Runner:
             bar.close()
 
     def run(self, conf: Configuration, ids: list[int], seed: int, max_new_tokens: int | None = None):
-        """(Metrics, stopped_by, new token ids, extra row fields) of one configuration on one prompt; the
-        oracle's X is the target alone's greedy output on this prompt where it ran first (self.greedy)."""
+        """(Metrics, stopped_by, new token ids, extra row fields) of one configuration on one prompt: transformers'
+        peers by their own generate, every other configuration through generate with its policy completed
+        (_policy), the draft alone as the target of a pair of its own (_draft_alone)."""
         pair = self.pair_of(conf)
         n = max_new_tokens or self.settings.max_new_tokens
-        if conf.policy is Baseline.DRAFT_AR:
-            if conf.draft not in self.draft_alone:
-                self.draft_alone[conf.draft] = Decoder(pair.draft, None, eos_token_ids=pair.eos_token_ids)
-            return _run_draft_alone(self.draft_alone[conf.draft], ids, self.settings.sampling, n, seed)
-        if isinstance(conf.policy, Baseline):
-            lookup = conf.policy is Baseline.HF_PROMPT_LOOKUP
-            return (*hf_generate(pair, ids, self.settings.sampling, seed, n, lookup=lookup), {})
-        policy = self._policy(conf, pair, ids)
-        if conf.source is Source.TREES:
-            return self._run_tree(conf, policy, pair, ids, n, seed)
         s = self.settings.sampling
-        g = pair.generate(ids, policy=policy, max_new_tokens=n, temperature=s.temperature,
-                          top_k=s.top_k, top_p=s.top_p, seed=seed, extras=self._extras())
+        if conf.policy in PEERS:
+            return (*hf_generate(pair, ids, s, seed, n, lookup=conf.policy is Baseline.HF_PROMPT_LOOKUP), {})
+        alone = conf.policy is Baseline.DRAFT_AR
+        on, policy = (self._draft_alone(conf, pair), ARParams()) if alone else (pair, self._policy(conf, pair, ids))
+        g = on.generate(ids, policy=policy, max_new_tokens=n, temperature=s.temperature, top_k=s.top_k,
+                        top_p=s.top_p, seed=seed, extras=[] if alone else self._extras())
+        if alone:  # the draft ran as the pair's "target": its counts move to the draft's fields
+            m = g.metrics
+            m.n_draft_forwards, m.draft_s = m.n_target_forwards, m.target_s
+            m.n_target_forwards, m.target_s = 0, 0.0
+        return g.metrics, g.stopped_by, g.token_ids, self._row_extra(conf, policy, g)
+
+    def _draft_alone(self, conf: Configuration, pair) -> SpecPair:
+        """The configuration's draft as the target of a pair without a draft (made at its first run)."""
+        if conf.draft not in self.draft_alone:
+            self.draft_alone[conf.draft] = SpecPair(pair.draft, None, pair.tokenizer, pair.eos_token_ids, pair.engine)
+        return self.draft_alone[conf.draft]
+
+    def _row_extra(self, conf: Configuration, policy, g) -> dict:
+        """The fields a generation of `policy` (completed) adds to its row: an auto's pick; a `trees` entry's
+        per-round statistics, the calibration its rates came from and its node cost."""
+        if conf.source is Source.TREES:
+            extra = tree_stats(g.policy, g.metrics)
+            if verification(conf) is not None:
+                extra["tree_calibration"] = self.calibrated.calibration
+                if policy.tree_learned:
+                    extra["node_cost"] = float(policy.tree_node_cost)
+            return extra
         pick = getattr(g, "auto", None)
         extra = {"auto_value": pick["value"], "auto_predicted_tokens_per_s": pick["tokens_per_s"]} if pick else {}
         if pick and conf.source is Source.SHORTHAND:
             extra.update(auto_predicted_wall_tokens_per_s=pick.get("wall_tokens_per_s"),
                          auto_time_model=pick["model"], auto_k_max=pick.get("k_max"))
-        return g.metrics, g.stopped_by, g.token_ids, extra
+        return extra
 
     def _extras(self) -> list:
         """A generation's extras: with record_trace its trace, which its row keeps (Metrics.to_dict)."""
@@ -178,20 +193,6 @@ class Runner:
             self.prompt_curves[head_dir] = made["curve_file"]
         return self.prompt_curves[head_dir]
 
-    def _run_tree(self, conf: Configuration, params, pair, ids: list[int], max_new_tokens: int, seed: int):
-        """A `trees` configuration, its settings completed (_policy) with the head loaded and the sweep's calibrated
-        rates (and measured node cost). A fresh policy per run, starting from those rates, which adapt within the
-        run only where adapt_rates says so: no run depends on what ran before it."""
-        extra = {}
-        if verification(conf) is not None:
-            extra["tree_calibration"] = self.calibrated.calibration
-            if params.tree_learned:
-                extra["node_cost"] = float(params.tree_node_cost)
-        pol = make_policy(params, PolicyContext(pair))
-        g = pair.decoder.generate(ids, max_new_tokens=max_new_tokens, sampling=self.settings.sampling, policy=pol,
-                                  seed=seed, extras=self._extras())
-        return g.metrics, g.stopped_by, g.token_ids, {**tree_stats(pol, g.metrics), **extra}
-
 
 def load_pairs(draft_pairs: dict[str, PairParams], heads: dict) -> dict:
     """drafts entry ("" without a drafts axis) -> its pair, every head checked against the draft and moved to its
@@ -219,7 +220,7 @@ def load_pairs(draft_pairs: dict[str, PairParams], heads: dict) -> dict:
 def completed(policy: PolicyParams, **more) -> PolicyParams:
     """`policy` with settings only the loaded sweep knows (a head object, a curve), checked whole by its class."""
     given = {k: getattr(policy, k) for k in policy.model_fields_set}
-    return policy_params(policy.name, **{**given, **more})
+    return build(type(policy), {**given, **more}, f"policy {policy.name}")
 
 
 def _warmup_jobs(grid: list[Configuration], job: Job) -> list[Job]:
@@ -230,15 +231,6 @@ def _warmup_jobs(grid: list[Configuration], job: Job) -> list[Job]:
         if not isinstance(conf.policy, OracleParams):
             kinds.setdefault((conf.row["method"], conf.draft), conf)
     return [job._replace(conf=conf) for conf in kinds.values()]
-
-
-def _run_draft_alone(draft_decoder, ids: list[int], sampling: SamplingParams, max_new_tokens: int, seed: int):
-    """The draft model alone, as the decoder's target: its forwards counted as the draft's."""
-    g = draft_decoder.generate(ids, max_new_tokens=max_new_tokens, seed=seed, sampling=sampling)
-    m = g.metrics  # the draft ran as the decoder's "target": move its counts to the draft's fields
-    m.n_draft_forwards, m.draft_s = m.n_target_forwards, m.target_s
-    m.n_target_forwards, m.target_s = 0, 0.0
-    return m, g.stopped_by, g.token_ids, {}
 
 
 def hf_generate(pair, ids: list[int], sampling, seed: int, max_new_tokens: int, lookup: bool = False):
