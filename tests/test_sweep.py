@@ -450,8 +450,8 @@ def test_a_drafts_axis_runs_each_draft_configuration_against_one_target(inputs, 
     loads = []
     real_load = sweep_run.SpecPair.load
 
-    def counting_load(params):
-        pair = real_load(params)
+    def counting_load(params, share_target=None):
+        pair = real_load(params, share_target)
         loads.append(pair)
         return pair
 

@@ -104,11 +104,13 @@ class SpecPair:
                    prepare=loaded.prepare)
 
     @classmethod
-    def load(cls, params: PairParams | None = None, **settings) -> "SpecPair":
+    def load(cls, params: PairParams | None = None, share_target: "SpecPair | None" = None, **settings) -> "SpecPair":
         """Load a pair: `SpecPair.load(PairParams(...))` or `SpecPair.load(target=..., draft=..., ...)`
         with PairParams' keywords (params.py; "default" = the default pair; draft=None: target only),
         on the engine `backend` names (backends/engines.py: `torch`, Hugging Face weights; `llama.cpp`,
-        the GGUF files as they are). Every setting is checked before any weights load."""
+        the GGUF files as they are). Every setting is checked before any weights load. `share_target`: a loaded
+        pair whose target (and tokenizer) this one's draft runs against, so that pairs of several drafts compare on
+        the same weights and kernels (the sweep's `drafts`); the engine's own target load is dropped at once."""
         if params is None:
             params = pair_params(**settings)
         elif settings:
@@ -119,6 +121,9 @@ class SpecPair:
         draft, config = loaded.draft, loaded.draft_config
         if params.draft_context is not None and draft is not None:  # any engine's draft: window.py says why
             draft, config = WindowedDraft(draft, params.draft_context), {**config, "draft_context": params.draft_context}
+        if share_target is not None:  # the engine's prepare readies the target it loaded, which is dropped: none here
+            s = share_target
+            return cls(s.target, draft, s.tokenizer, s.eos_token_ids, engine, params, config)
         return cls(loaded.target, draft, loaded.tokenizer, loaded.eos_token_ids, engine, params, config, loaded.prepare)
 
     def runtime_info(self) -> dict:

@@ -196,24 +196,18 @@ class Runner:
 
 def load_pairs(draft_pairs: dict[str, PairParams], heads: dict) -> dict:
     """drafts entry ("" without a drafts axis) -> its pair, every head checked against the draft and moved to its
-    device. The pairs share the first one's target, so the target alone and every draft configuration run on the
-    same weights and kernels; another entry's own target load is dropped at once."""
+    device. The pairs share the first one's target (SpecPair.load's share_target), so the target alone and every
+    draft configuration run on the same weights and kernels."""
     hf_logging.disable_progress_bar()
-    pairs, first = {}, None
+    pairs = {}
     for d, params in draft_pairs.items():
-        pair = SpecPair.load(params)
-        if first is None:
-            first = pair
-        else:
-            pair = SpecPair(first.target, pair.draft, first.tokenizer, first.eos_token_ids, pair.engine, params,
-                            pair.draft_config)
+        pair = pairs[d] = SpecPair.load(params, share_target=next(iter(pairs.values()), None))
         for label, (head, info) in heads.items():
             if head.hidden_size != pair.draft.hidden_size:
                 raise UserError(f"head {label} at {info['path']} was trained for a draft of hidden size "
                                 f"{head.hidden_size} but the draft in use has hidden size {pair.draft.hidden_size}; "
                                 "pass the draft it was trained for or train a head for this draft")
             head.to(pair.draft.device)
-        pairs[d] = pair
     return pairs
 
 
