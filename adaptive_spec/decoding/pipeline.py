@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import replace
+from functools import cached_property
 
 import torch
 from transformers import TextStreamer
@@ -86,6 +87,12 @@ class SpecPair:
         self.draft_config = dict(draft_config or {})
         self.auto_picks: dict = {}  # auto.resolve_auto's picks, made once per (curve, need, model, k_max, loop)
         self.pinned_costs = None  # costs.measure_costs(pin=...)'s measurement, kept for the pair's life
+
+    @cached_property
+    def draft_alone(self) -> "SpecPair":
+        """The draft as the target of a pair of its own (no draft): its stand-alone decoding, whose forwards
+        generate counts as the target's."""
+        return type(self)(self.draft, None, self.tokenizer, self.eos_token_ids, self.engine)
 
     @property
     def backend(self) -> str:

@@ -46,7 +46,7 @@ class RunSettings:
 
 class Runner:
     """The sweep's loaded pairs and what every run shares. `run` runs one configuration on one prompt: transformers'
-    peers by their own generate, every other one through generate (the draft alone on a pair of its own)."""
+    peers by their own generate, every other one through generate (the draft alone as a pair of its own)."""
 
     def __init__(self, pairs: dict, settings: RunSettings, heads: dict, calibrated: Calibrated):
         """`pairs`: load_pairs's; `heads`: label (or a trees entry's folder as written) -> (AcceptanceHead, info);
@@ -55,7 +55,6 @@ class Runner:
         self.greedy = {}  # prompt ids -> the target alone's greedy output: the oracle's X
         self.prompt_curves = {}  # (head folder) -> the curve of auto_prompts' answers (prompts_curve)
         self.ready = {}  # configuration key -> its policy completed for generate (_policy), made at its first run
-        self.draft_alone = {}  # drafts entry -> a pair of its draft alone (draft_ar), made at its first run
 
     def pair_of(self, conf: Configuration):
         """The pair of the configuration's `drafts` entry (the first without one)."""
@@ -92,14 +91,14 @@ class Runner:
     def run(self, conf: Configuration, ids: list[int], seed: int, max_new_tokens: int | None = None):
         """(Metrics, stopped_by, new token ids, extra row fields) of one configuration on one prompt: transformers'
         peers by their own generate, every other configuration through generate with its policy completed
-        (_policy), the draft alone as the target of a pair of its own (_draft_alone)."""
+        (_policy), the draft alone as the target of a pair of its own (SpecPair.draft_alone)."""
         pair = self.pair_of(conf)
         n = max_new_tokens or self.settings.max_new_tokens
         s = self.settings.sampling
         if conf.policy in PEERS:
             return (*hf_generate(pair, ids, s, seed, n, lookup=conf.policy is Baseline.HF_PROMPT_LOOKUP), {})
         alone = conf.policy is Baseline.DRAFT_AR
-        on, policy = (self._draft_alone(conf, pair), ARParams()) if alone else (pair, self._policy(conf, pair, ids))
+        on, policy = (pair.draft_alone, ARParams()) if alone else (pair, self._policy(conf, pair, ids))
         g = on.generate(ids, policy=policy, max_new_tokens=n, temperature=s.temperature, top_k=s.top_k,
                         top_p=s.top_p, seed=seed, extras=[] if alone else self._extras())
         if alone:  # the draft ran as the pair's "target": its counts move to the draft's fields
@@ -107,12 +106,6 @@ class Runner:
             m.n_draft_forwards, m.draft_s = m.n_target_forwards, m.target_s
             m.n_target_forwards, m.target_s = 0, 0.0
         return g.metrics, g.stopped_by, g.token_ids, self._row_extra(conf, policy, g)
-
-    def _draft_alone(self, conf: Configuration, pair) -> SpecPair:
-        """The configuration's draft as the target of a pair without a draft (made at its first run)."""
-        if conf.draft not in self.draft_alone:
-            self.draft_alone[conf.draft] = SpecPair(pair.draft, None, pair.tokenizer, pair.eos_token_ids, pair.engine)
-        return self.draft_alone[conf.draft]
 
     def _row_extra(self, conf: Configuration, policy, g) -> dict:
         """The fields a generation of `policy` (completed) adds to its row: an auto's pick; a `trees` entry's
