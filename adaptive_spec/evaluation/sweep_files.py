@@ -18,7 +18,7 @@ from ..backends import presets
 from ..errors import UserError
 from ..runs import append_jsonl, lock_dir, read_json, read_jsonl, settings_problem, write_json
 from ..setup.pair import DEFAULT_PAIR
-from .sweep_grid import ROW_KEYS, Baseline, Configuration
+from .sweep_grid import PEERS, ROW_KEYS, Configuration
 
 if TYPE_CHECKING:
     from ..params import PairParams
@@ -151,7 +151,7 @@ class SweepFolder:
         """One run's row, appended to results.jsonl (fsynced) as soon as it is done: the job, the configuration's
         fields, the result (Metrics, stopped_by, new ids, extra fields) and what every row of its pair carries."""
         m, stopped, new, extra = result
-        peer = job.conf.policy in (Baseline.HF_ASSISTED, Baseline.HF_PROMPT_LOOKUP)
+        peer = job.conf.policy in PEERS
         context = self.context[next(iter(self.context)) if job.conf.draft is None else job.conf.draft]
         row = {"dataset": job.dataset, "prompt_idx": job.prompt_idx, "prompt_sha": prompt_sha(job.text),
                "n_prompt_tokens": len(job.ids), **row_fields(job.conf), "seed": seed, "stopped_by": stopped,

@@ -46,7 +46,8 @@ def _fmt(v) -> str:
 # ----------------------------------------------------------------------------- the grid
 
 class Baseline(Enum):
-    """A configuration that is no registered policy: each runs by code of its own (sweep_run)."""
+    """A configuration that is no registered policy: the draft alone runs through generate as a pair of its own
+    (SpecPair.draft_alone), the peers (PEERS) by transformers' own generate (sweep_run.hf_generate)."""
 
     DRAFT_AR = "draft_ar"  # the draft alone (stand-alone t_draft)
     HF_ASSISTED = "hf_assisted"  # transformers' assisted generation with the draft
@@ -55,6 +56,9 @@ class Baseline(Enum):
     @property
     def needs(self) -> Needs:
         return Needs(draft_model=self is not Baseline.HF_PROMPT_LOOKUP)
+
+
+PEERS = (Baseline.HF_ASSISTED, Baseline.HF_PROMPT_LOOKUP)  # transformers' own generate: their rows' counts derived
 
 
 class Source(Enum):

@@ -23,10 +23,9 @@ from ..timing import timed
 from ..typed import PolicyParams, build
 from .sweep_calibration import Calibrated, auto_node_cost, verification
 from .sweep_files import Job, SweepFolder
-from .sweep_grid import Baseline, Configuration, Source, auto_curve
+from .sweep_grid import PEERS, Baseline, Configuration, Source, auto_curve
 
 HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented prompt-lookup setting (it has no default)
-PEERS = (Baseline.HF_ASSISTED, Baseline.HF_PROMPT_LOOKUP)  # transformers' own generate, not ours
 
 
 @dataclass(frozen=True)
