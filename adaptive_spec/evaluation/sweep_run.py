@@ -90,7 +90,9 @@ class Runner:
     def run(self, conf: Configuration, ids: list[int], seed: int, max_new_tokens: int | None = None):
         """(Metrics, stopped_by, new token ids, extra row fields) of one configuration on one prompt: transformers'
         peers by their own generate, every other configuration through generate with its policy completed
-        (_policy), the draft alone as the target of a pair of its own (SpecPair.draft_alone)."""
+        (_policy), the draft alone as the target of a pair of its own (SpecPair.draft_alone). generate makes a fresh
+        policy per run: a `trees` entry's rates start from the calibrated ones every run and adapt within it only
+        where adapt_rates says so, so no run depends on what ran before it."""
         pair = self.pair_of(conf)
         n = max_new_tokens or self.settings.max_new_tokens
         s = self.settings.sampling
