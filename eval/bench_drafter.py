@@ -131,7 +131,9 @@ def measure(pair, ids, policy: dict, n: int, timed: bool = False) -> dict:
            "n_accepted": m.n_accepted, "accepted_hist": {str(a): c for a, c in m.accepted_hist.items()},
            "threads": torch.get_num_threads(), "token_ids": list(g.token_ids)}
     if timed:  # decode_s leaves the prompt's prefill out, as the engine benchmarks do
-        row.update(wall_s=m.wall_s, prefill_s=m.prefill_s, decode_s=m.wall_s - m.prefill_s)
+        row.update(wall_s=m.wall_s, prefill_s=m.prefill_s, decode_s=m.wall_s - m.prefill_s, draft_s=m.draft_s,
+                   target_s=m.target_s, draft_prefill_s=m.draft_prefill_s, target_prefill_s=m.target_prefill_s,
+                   n_draft_forwards=m.n_draft_forwards)
     return row
 
 
@@ -239,11 +241,11 @@ def report(rows: list[dict], run: dict) -> str:
             feat, draft = ([r for part in every[k] for r in part[j]] for j in (1, 2))
             table.append(["all", str(sum(part[0] for part in every[k])), str(k), *_pooled(feat), *_pooled(draft)])
     lines += [md_table(head, table), ""] if table else ["No prompt has both drafts' rows at some K yet.", ""]
-    lines += _speed(rows, prompts) + _equality(rows, by) + [f"Written {run['written']} by `python eval/bench_drafter.py`."]
+    lines += _speed(rows) + _equality(rows, by) + [f"Written {run['written']} by `python eval/bench_drafter.py`."]
     return "\n".join(lines) + "\n"
 
 
-def _speed(rows: list[dict], prompts: dict) -> list[str]:
+def _speed(rows: list[dict]) -> list[str]:
     """Decode tokens/s per configuration (prefill left out), pooled over the prompts that ran every timed
     configuration, with its ratio to the target alone on torch and on llama.cpp: --timed runs only."""
     timed = [r for r in rows if "decode_s" in r]
@@ -254,16 +256,26 @@ def _speed(rows: list[dict], prompts: dict) -> list[str]:
     full = {key for key, got in have.items() if got == set(configs)}
     if not full or "ar" not in configs:
         return []
-    speed = {c: pooled_tok_s([r for r in timed if r["config"] == c and (r["dataset"], r["prompt_idx"]) in full])
-             for c in configs}
+    of = {c: [r for r in timed if r["config"] == c and (r["dataset"], r["prompt_idx"]) in full] for c in configs}
+    speed = {c: pooled_tok_s(of[c]) for c in configs}
     base = {"torch": speed["ar"], "llama.cpp": speed.get("llama.cpp ar")}
-    tau = {c: _pooled([r for r in timed if r["config"] == c and (r["dataset"], r["prompt_idx"]) in full])[0]
-           for c in configs}
-    table = [[c, tau[c], f"{speed[c]:.2f}", f"{speed[c] / base['torch']:.2f}",
+    table = [[c, _pooled(of[c])[0], _cost_ratio(of[c], of["ar"]), f"{speed[c]:.2f}", f"{speed[c] / base['torch']:.2f}",
               f"{speed[c] / base['llama.cpp']:.2f}" if base["llama.cpp"] else "—"] for c in configs]
     return [f"Decode speed (tokens/s without the prompt's prefill), pooled over the {len(full)} prompts that ran "
             "every configuration, back to back per prompt:", "",
-            md_table(["configuration", "tau", "tok/s", "vs torch alone", "vs llama.cpp alone"], table), ""]
+            md_table(["configuration", "tau", "c", "tok/s", "vs torch alone", "vs llama.cpp alone"], table),
+            "", "c: the draft's time per forward over the target alone's per step, both without the prefill, from "
+            "the decoder's own clock (Metrics.draft_s, target_s).", ""]
+
+
+def _cost_ratio(rows: list[dict], ar: list[dict]) -> str:
+    """t_draft / t_target pooled over the rows: a draft forward's mean time over the target alone's step."""
+    drafted = sum(r.get("n_draft_forwards", 0) for r in rows)
+    steps = sum(r["n_target_forwards"] for r in ar)
+    if not drafted or not steps or any("draft_s" not in r for r in rows + ar):
+        return "—"
+    t_draft = sum(r["draft_s"] - r["draft_prefill_s"] for r in rows) / drafted
+    return f"{t_draft / (sum(r['target_s'] - r['target_prefill_s'] for r in ar) / steps):.3f}"
 
 
 def _equality(rows: list[dict], by: dict) -> list[str]:
