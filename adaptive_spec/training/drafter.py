@@ -232,8 +232,6 @@ def train_drafter(cfg: DrafterConfig, resume: bool = False) -> dict:
     """One drafter run; returns results (also in <output_dir>/results.json)."""
     from accelerate.utils import set_seed  # optional: the [train] extra
 
-    from ..drafter import data
-
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     files = RunFiles(Path(cfg.output_dir), False)
@@ -245,10 +243,7 @@ def train_drafter(cfg: DrafterConfig, resume: bool = False) -> dict:
     if acc.is_main_process:
         build_states(cfg)
     acc.wait_for_everyone()
-    states = states_folder(cfg)
-    train_set, dev_set = data.load_split(states, "train"), data.load_split(states, "dev")
-    refs = data.load_split(states / "references", "train") if cfg.references else []
-    train_set += refs
+    train_set, dev_set, n_refs = _load_sets(cfg)
     set_seed(cfg.seed)
     readout, drafter, fp = load_readout(cfg, acc.device)
     micro = cfg.batch_size // (acc.num_processes * cfg.grad_accum)
@@ -267,7 +262,7 @@ def train_drafter(cfg: DrafterConfig, resume: bool = False) -> dict:
     state = _restore(acc, files, cfg, resume)
     _trackers(acc, cfg, files.out)
     meta = {"dataset": cfg.data, "target_fingerprint": fp, "n_train_seqs": len(train_set),
-            "n_reference_seqs": len(refs), "epochs": cfg.epochs,
+            "n_reference_seqs": n_refs, "epochs": cfg.epochs,
             "lr": cfg.lr, "feature_weight": cfg.feature_weight, "ce_weight": cfg.ce_weight, "ce_vocab": cfg.ce_vocab}
     run = (cfg, acc, files, model, readout, dev_set or train_set[: max(1, len(train_set) // 8)], meta)
     if state["step"] == 0:
@@ -290,6 +285,15 @@ def train_drafter(cfg: DrafterConfig, resume: bool = False) -> dict:
                 if acc.sync_gradients:
                     _after_step(run, state, sched, bar, total, loss.item(), parts)
     return _finish(run, state, total)
+
+
+def _load_sets(cfg: DrafterConfig) -> tuple[list[dict], list[dict], int]:
+    """(training sequences, the reference answers' last; dev sequences; how many are references)."""
+    from ..drafter import data
+
+    states = states_folder(cfg)
+    refs = data.load_split(states / "references", "train") if cfg.references else []
+    return data.load_split(states, "train") + refs, data.load_split(states, "dev"), len(refs)
 
 
 def _check_output_dir(cfg: DrafterConfig, files: RunFiles, resume: bool):
