@@ -38,7 +38,7 @@ log = get_logger(__name__)
 
 FORMAT = "adaptive_spec.drafter_data.v1"
 SPLITS = ("train", "dev")
-KEY_TOKENS = 32  # a prompt is known by its last KEY_TOKENS ids: robust to datagen cutting long prompts at the left
+KEY_TOKENS = 32  # a prompt is known by its last KEY_TOKENS ids: enough to tell requests apart, cheap to hold
 _META = "adaptive_spec.drafter_data"
 
 
