@@ -94,11 +94,11 @@ def shard_name(split: str, k: int) -> str:
     return f"{split}/hidden-{k:05d}.safetensors"
 
 
-def folder_manifest(out_dir: Path, settings: dict, target: dict, todo: dict) -> dict:
+def folder_manifest(out_dir: Path, settings: dict, target: dict, n_shards: dict[str, int]) -> dict:
     splits, complete = {}, True
-    for split, shards in todo.items():
+    for split, n in n_shards.items():
         entry = {"shards": [], "n_seqs": 0, "n_tokens": 0}
-        for k in range(len(shards)):
+        for k in range(n):
             f = out_dir / shard_name(split, k)
             if not f.is_file():
                 complete = False
@@ -199,7 +199,7 @@ def _check_folder(out_dir: Path, settings: dict) -> dict | None:
 def _fill(out_dir: Path, jobs: list, load_target, settings: dict, old: dict | None, progress: bool,
           stop_after: int) -> dict:
     """Write each job's shard (split, k, n sequences, a function giving them) that out_dir lacks."""
-    todo = {s: [None] * sum(1 for j in jobs if j[0] == s) for s in SPLITS}
+    n_shards = {s: sum(1 for j in jobs if j[0] == s) for s in SPLITS}
     missing = [j for j in jobs if not (out_dir / shard_name(j[0], j[1])).is_file()]
     model, target = None, old["target"] if old is not None else None
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -207,17 +207,17 @@ def _fill(out_dir: Path, jobs: list, load_target, settings: dict, old: dict | No
         for i, (split, k, _, get) in enumerate(missing):
             if model is None:
                 model, target = load_target()
-                write_json(out_dir / "manifest.json", folder_manifest(out_dir, settings, target, todo))
+                write_json(out_dir / "manifest.json", folder_manifest(out_dir, settings, target, n_shards))
             seqs = get()
             hidden = []
             for ids, _ in seqs:
                 hidden.append(target_states(model, ids))
                 bar.update(1)
             write_shard(out_dir / shard_name(split, k), seqs, hidden)
-            write_json(out_dir / "manifest.json", folder_manifest(out_dir, settings, target, todo))
+            write_json(out_dir / "manifest.json", folder_manifest(out_dir, settings, target, n_shards))
             if stop_after and i + 1 >= stop_after:
                 return read_manifest(out_dir)
-    man = folder_manifest(out_dir, settings, target, todo)
+    man = folder_manifest(out_dir, settings, target, n_shards)
     write_json(out_dir / "manifest.json", man)
     return man
 

@@ -195,13 +195,13 @@ def build_states(cfg: DrafterConfig, progress: bool = True, stop_after: int = 0)
         return loaded
 
     settings = {"target": cfg.target, "target_dtype": cfg.target_dtype}
-    data.build(cfg.data, out, lambda: (load()["model"], load()["target"]), settings,
+    target = lambda: (load()["model"], load()["target"])  # noqa: E731 (data.py's load_target)
+    data.build(cfg.data, out, target, settings,
                {"train": cfg.max_train_seqs, "dev": cfg.max_dev_seqs}, cfg.prompt_tail, cfg.max_len,
                progress=progress, stop_after=stop_after)
     if cfg.references:
-        data.build_references(cfg.data, out / "references", lambda: (load()["model"], load()["target"]),
-                              lambda: load()["tok"], settings, cfg.references, cfg.prompt_tail, cfg.max_len,
-                              progress=progress, stop_after=stop_after)
+        data.build_references(cfg.data, out / "references", target, lambda: load()["tok"], settings,
+                              cfg.references, cfg.prompt_tail, cfg.max_len, progress=progress, stop_after=stop_after)
     return out
 
 
