@@ -25,6 +25,8 @@ from .typed import PolicyParams, SamplingParams
 DELEGATED = {
     "fetch-models": ("adaptive_spec.setup.fetch", "build the default model pair into the local cache"),
     "datagen": ("adaptive_spec.datagen.generate", "generate token-mixed acceptance data for training heads"),
+    "datagen-drafter": ("adaptive_spec.datagen.feature_rounds", "acceptance data for a head on a feature drafter, "
+                        "from simulated rounds along its states"),
     "train": ("adaptive_spec.training.train", "train acceptance heads on datagen output (also: train.py)"),
     "sweep": ("adaptive_spec.evaluation.sweep", "threshold / K sweeps over prompt sets"),
     "report": ("adaptive_spec.evaluation.report", "tables and Pareto plots from sweep results"),

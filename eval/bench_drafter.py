@@ -49,7 +49,13 @@ def parse_args(argv):
     ap.add_argument("--ks", default="2,3,4,6", help="fixed K values")
     ap.add_argument("--confidence", default="", help="also the training-free confidence stop (drafting stops after "
                     "a token with q < tau, at most --k-max) for each tau of this comma-separated list")
-    ap.add_argument("--k-max", type=int, default=8, help="the confidence stop's longest draft")
+    ap.add_argument("--k-max", type=int, default=8, help="the confidence and SpecDec++ stops' longest draft")
+    ap.add_argument("--thresholds", default="", help="also SpecDec++ (the learned stop: drafting stops when "
+                    "1 - prod p_hat > h) for each h of this comma-separated list, with --head for the drafter's "
+                    "rows and --draft-head for the draft model's")
+    ap.add_argument("--head", default=None, help="acceptance head on the drafter's states (adaptive-spec "
+                    "datagen-drafter, then train.py)")
+    ap.add_argument("--draft-head", default=None, help="acceptance head on the draft model's states")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--drafter", default=DRAFTER, help="the feature drafter's folder or hub id")
     ap.add_argument("--draft", default="default", help="the draft model it is compared with")
@@ -141,6 +147,7 @@ def run(args, out: Path, results: Path, done: set) -> dict:
     """Every missing row; returns what run.json records of the run."""
     from adaptive_spec.backends.cpu import flags_line
     from adaptive_spec.drafter.source import load_drafter
+    from adaptive_spec.heads.head import load_head
 
     drafts = {"feature": "feature drafter", "draft": "draft model"}
     wanted = [drafts[d] for d in args.drafts.split(",") if d in drafts]
@@ -157,11 +164,21 @@ def run(args, out: Path, results: Path, done: set) -> dict:
             pairs[label].generate(order[0][2], temperature=0, max_new_tokens=8,
                                   **(AR if label == "llama.cpp" else {"policy": "fixed", "k": ks[0]}))
     taus = [float(t) for t in args.confidence.split(",") if t]
+    hs = [float(h) for h in args.thresholds.split(",") if h]
+    heads = {label: load_head(path, hidden_size=pairs[label].draft.hidden_size)  # loaded once, not per row
+             for label, path in (("feature drafter", args.head), ("draft model", args.draft_head))
+             if path and label in wanted and hs}
+    if hs and not heads:
+        raise UserError("--thresholds runs SpecDec++, which needs a head: pass --head (the drafter's) or "
+                        "--draft-head (the draft model's)")
     for i, name, ids in order:
         configs = [("ar", pairs["draft model"], AR)] + [
             (f"{label} K={k}", pairs[label], {"policy": "fixed", "k": k}) for label in wanted for k in ks] + [
             (f"{label} conf={t:g}", pairs[label], {"policy": "confidence", "threshold": t, "k_max": args.k_max})
-            for label in wanted for t in taus]
+            for label in wanted for t in taus] + [
+            (f"{label} h={h:g}", pairs[label], {"policy": "learned", "head": heads[label], "threshold": h,
+                                                "k_max": args.k_max})
+            for label in wanted if heads.get(label) for h in hs]
         configs += [("llama.cpp ar", pairs["llama.cpp"], AR)] if "llama.cpp" in pairs else []
         for config, pair, policy in configs:
             record(results, done, {"dataset": name, "prompt_idx": i, "temperature": 0.0,
@@ -175,7 +192,8 @@ def run(args, out: Path, results: Path, done: set) -> dict:
             else "full", "drafter_metrics": extra.get("metrics", {}),
             "max_new_tokens": args.max_new_tokens, "ks": ks,
             "sets": list(sets), "prompts": args.prompts, "drafts": wanted, "tiny": args.tiny, "timed": args.timed,
-            "confidence": taus, "k_max": args.k_max}
+            "confidence": taus, "k_max": args.k_max, "thresholds": hs, "head": args.head,
+            "draft_head": args.draft_head}
 
 
 def _main(argv) -> int:

@@ -112,13 +112,16 @@ class FeatureDrafter(nn.Module, PyTorchModelHubMixin, library_name="adaptive-spe
         return self.fc.weight.device
 
     def forward(self, feats: torch.Tensor, embeds: torch.Tensor, position_ids: torch.Tensor, cache=None,
-                use_cache: bool = False) -> torch.Tensor:
+                use_cache: bool = False, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """feats, embeds [B, T, H] (f_t and e_{t+1}), position_ids [B, T] -> the layer's output [B, T, H],
-        before the target's final norm (Readout.feature turns it into f^_{t+1})."""
+        before the target's final norm (Readout.feature turns it into f^_{t+1}). attention_mask: causal when
+        None, else [B, 1, T, cached + T] bool, True where a row may attend a key (datagen's simulated rounds)."""
         from ..backends.runner import model_kv
 
         x = self.fc(torch.cat([embeds, feats], -1).to(self.dtype))
         kw = model_kv(self.base, cache) if cache is not None else {}
+        if attention_mask is not None:
+            kw["attention_mask"] = attention_mask
         out = self.base(inputs_embeds=x, position_ids=position_ids, use_cache=use_cache, **kw)
         return out.last_hidden_state
 
