@@ -22,9 +22,11 @@ from ..decoding.trees.policy import round_budget
 from ..decoding.trees.shapes import NESTED
 from ..errors import UserError
 from ..heads.curve import load_curve
+from ..params import (ARParams, ConfidenceParams, EntropyParams, FixedParams, HeuristicParams, LearnedParams,
+                      OracleParams)
 from ..registry import Needs
 from ..runs import PROJECT_ROOT
-from ..typed import PolicyParams, build, policy_class
+from ..typed import PolicyParams, build, policy_class, policy_classes
 from .tree_calibration import TREE_POLICIES
 
 AUTO = "auto"
@@ -98,10 +100,11 @@ def _row(method: str, **values) -> dict:
 
 @dataclass(frozen=True)
 class Entry:
-    """One configuration as the config writes it, before its settings are typed: its policy by name (or a
-    baseline) and its settings as given; `at` names it in a problem (policies[2], trees[0]; a shorthand: its key)."""
+    """One configuration as the config writes it, before its settings are typed: its policy by name (a shorthand's:
+    its params class; or a baseline) and its settings as given; `at` names it in a problem (policies[2], trees[0]; a
+    shorthand: its key)."""
 
-    policy: str | Baseline
+    policy: str | type[PolicyParams] | Baseline
     settings: dict
     source: Source
     at: str
@@ -141,24 +144,24 @@ def _shorthands(cfg, labels: list[str]) -> tuple[list[Entry], list[str]]:
 
     out, notes = [], []
     if cfg.include_ar:
-        out.append(entry("ar", "ar", _row("ar")))
+        out.append(entry("ar", ARParams, _row("ar")))
     if cfg.include_draft_ar:
         out.append(entry("draft_ar", Baseline.DRAFT_AR, _row("draft_ar")))
-    out += [entry(f"fixed:k={k}", "fixed", _row("fixed_auto" if k == AUTO else "fixed", k=k), k=k)
+    out += [entry(f"fixed:k={k}", FixedParams, _row("fixed_auto" if k == AUTO else "fixed", k=k), k=k)
             for k in dict.fromkeys(cfg.ks)]
-    out += [entry(f"learned:head={label}:h={_fmt(h)}", "learned", _row("learned_auto" if h == AUTO else "learned",
+    out += [entry(f"learned:head={label}:h={_fmt(h)}", LearnedParams, _row("learned_auto" if h == AUTO else "learned",
                   head=label, h=h), label, threshold=h, k_max=cfg.k_max)
             for label in labels for h in dict.fromkeys(cfg.thresholds)]
-    for name, taus in (("confidence", cfg.confidence_taus), ("entropy", cfg.entropy_taus)):
-        out += [entry(f"{name}:tau={t:g}", name, _row(name, tau=float(t)), threshold=float(t), k_max=cfg.k_max)
+    for cls, taus in ((ConfidenceParams, cfg.confidence_taus), (EntropyParams, cfg.entropy_taus)):
+        out += [entry(f"{cls.name}:tau={t:g}", cls, _row(cls.name, tau=float(t)), threshold=float(t), k_max=cfg.k_max)
                 for t in dict.fromkeys(taus)]
     if cfg.heuristic:
-        out.append(entry("heuristic", "heuristic", _row("heuristic"), k_max=cfg.k_max))
+        out.append(entry("heuristic", HeuristicParams, _row("heuristic"), k_max=cfg.k_max))
     if cfg.oracle and cfg.temperature > 0:
         notes.append(f"oracle skipped: the hindsight oracle is defined for greedy decoding and this sweep "
                      f"samples at temperature {cfg.temperature:g}")
     elif cfg.oracle:
-        out.append(entry("oracle", "oracle", _row("oracle")))
+        out.append(entry("oracle", OracleParams, _row("oracle")))
     for on, baseline in ((cfg.hf_assisted, Baseline.HF_ASSISTED), (cfg.hf_prompt_lookup, Baseline.HF_PROMPT_LOOKUP)):
         if on:
             out.append(entry(baseline.value, baseline, _row(baseline.value)))
@@ -189,14 +192,12 @@ def _configuration(e: Entry) -> Configuration:
     whole here, a problem naming the entry; a `trees` entry's key and row are read from them."""
     if isinstance(e.policy, Baseline):
         return Configuration(e.key, e.policy, e.source, e.row, e.head)
-    cls = None
+    if e.source is Source.SHORTHAND:  # its params class, named by _shorthands
+        return Configuration(e.key, e.policy.model_construct(**e.settings), e.source, e.row, e.head)
     try:
-        cls = policy_class(e.policy)
-        if e.source is Source.SHORTHAND:
-            return Configuration(e.key, cls.model_construct(**e.settings), e.source, e.row, e.head)
-        policy = build(cls, e.settings, f"policy {e.policy}", _speller(e))
-    except UserError as err:
-        raise UserError(_explained(e, cls, str(err))) from None
+        policy = build(policy_class(e.policy), e.settings, f"policy {e.policy}", _speller(e))
+    except UserError as err:  # the registry's classes: None for a name it does not know
+        raise UserError(_explained(e, policy_classes().get(e.policy), str(err))) from None
     if e.source is Source.POLICIES:
         return Configuration(e.key, policy, e.source, e.row)
     if policy.name not in MULTI_DRAFT:  # what the policy would refuse only once built (decoding/trees/policy.py)

@@ -109,6 +109,7 @@ def plan_sweep(cfg: SweepConfig) -> SweepPlan:
     """The sweep's plan, with everything that can be checked without the models checked (the heads load here, on
     the CPU, and are checked against the draft); prompts are read, the out_dir is neither made nor read yet."""
     cfg.pair.engine.check_available(cfg.pair.device, "pair.device")
+    settings = settings_of(cfg)
     pairs = cfg.draft_pairs()
     grid, listed, notes = build_grid(cfg)
     named = {c.head: c.policy.head for c in grid if c.source is Source.TREES and c.head}
@@ -123,7 +124,7 @@ def plan_sweep(cfg: SweepConfig) -> SweepPlan:
                       cfg.progress, cfg.record_trace)
     picker = PromptPicker(texts, cfg.max_prompt_tokens, cfg.max_new_tokens, cfg.chat, cfg.n_prompts,
                           cfg.tree_calibration_prompts if need.methods else 0)
-    settings, config = settings_of(cfg), config_to_dict(cfg)
+    config = config_to_dict(cfg)
     folder = FolderPlan(project_path(cfg.out_dir or f"runs/sweep/{cfg.name or 'sweep'}"), settings, cfg.overwrite,
                         config, {k: heads[k][1] for k in listed}, cfg.pair if cfg.record_trace else None,
                         bool(cfg.drafts))
