@@ -11,10 +11,7 @@ from importlib.metadata import version as dist_version
 
 from . import params, typed
 from .backends.paths import resolve_model_path
-from .cli_args import Parser as _Parser
-from .cli_args import add_fields as _add_fields
-from .cli_args import flag
-from .cli_args import set_fields as _set
+from .cli_args import Parser, add_fields, flag, set_fields
 from .errors import UserError, run_main
 from .typed import PolicyParams, SamplingParams
 
@@ -47,11 +44,11 @@ def _add_generate(sub):
     g = sub.add_parser("generate", help="generate text with a draft/target pair", allow_abbrev=False,
                        description="Generate from the target, speculatively drafting with the draft model.")
     names = typed.policy_names()
-    _add_fields(g, params.PairParams.model_fields, lambda key: "")
+    add_fields(g, params.PairParams.model_fields, lambda key: "")
     g.add_argument("--prompt", required=True, help="prompt text")
     g.add_argument("--policy", default="fixed", type=_policy_name, metavar="POLICY",
                    help=f"stop policy: {', '.join(names)} (ar = target only; default fixed)")
-    _add_fields(g, typed.policy_fields(), lambda key: f" (policies: {', '.join(typed.policies_with(key))})")
+    add_fields(g, typed.policy_fields(), lambda key: f" (policies: {', '.join(typed.policies_with(key))})")
     _add_sampling_args(g)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
@@ -79,9 +76,8 @@ def _add_sampling_args(g):
 
 @dataclass(frozen=True)
 class Request:
-    """`generate`'s arguments typed once (validate): which pair loads, the policy it drafts under, how it samples
-    and what it generates. With --auto-prompts, `auto_texts` are their prompts and `settings` the policy's
-    settings as given: auto reads the curve of those prompts' answers, which exists once the pair has loaded."""
+    """`generate`'s arguments typed once (validate). With --auto-prompts, `auto_texts` are their prompts and
+    `settings` the policy's settings as given: their curve exists only once the pair has loaded."""
 
     pair: params.PairParams
     policy: PolicyParams
@@ -103,9 +99,9 @@ def validate(args) -> Request:
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
-    given = _set(args, typed.policy_fields())
+    given = set_fields(args, typed.policy_fields())
     checked, texts = _auto_prompts(args.auto_prompts, given)
-    pair = params.pair_params(spell=flag, **_set(args, params.PairParams.model_fields))
+    pair = params.pair_params(spell=flag, **set_fields(args, params.PairParams.model_fields))
     policy = params.policy_params(args.policy, spell=flag, **checked)
     if not policy.needs.draft_model:  # no draft model to load (ar; ngram without a fallback)
         pair = pair.model_copy(update={"draft": None})
@@ -181,19 +177,13 @@ def _print_result(g, request: Request, runtime: dict):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="adaptive-spec", description=__doc__)
+    parser = Parser(prog="adaptive-spec", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}",
                         help="print the installed version and exit")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND", help="what to run")
     _add_generate(sub)
-    for name, (_, help_) in DELEGATED.items():
+    for name, (_, help_, *_) in {**DELEGATED, **LOCAL}.items():
         sub.add_parser(name, help=help_, add_help=False)
-    sub.add_parser("datagen-features", help="derive the draft's hidden states for a datagen run stored without them",
-                   add_help=False)
-    sub.add_parser("draft-vocab", help="count token frequencies for a reduced draft vocabulary (--draft-vocab)",
-                   add_help=False)
-    sub.add_parser("autotune", help="predict throughput per threshold h and per K from a head and dev data "
-                   "(for --threshold auto / --k auto)", add_help=False)
     return parser
 
 
@@ -213,7 +203,7 @@ def _draft_vocab(argv: list[str]) -> int:
     --draft-vocab (vocab.py)."""
     from transformers import AutoTokenizer  # heavy: the tokenizer registry, for this subcommand only
 
-    ap = _Parser(prog="adaptive-spec draft-vocab", description=_draft_vocab.__doc__)
+    ap = Parser(prog="adaptive-spec draft-vocab", description=_draft_vocab.__doc__)
     ap.add_argument("--tokenizer", default="default", help="model whose tokenizer counts (hub id, folder or 'default')")
     ap.add_argument("--texts", nargs="+", required=True,
                     help="JSONL files of texts (FILE:FIELD picks a field; default 'text'), e.g. target responses")
@@ -233,7 +223,7 @@ def _datagen_features(argv: list[str]) -> int:
     autotune and `eval/score_heads.py ablate` read (datagen/features.py)."""
     from .datagen.features import run  # a subcommand's module: loaded when it runs, as DELEGATED's are
 
-    ap = _Parser(prog="adaptive-spec datagen-features", description=_datagen_features.__doc__)
+    ap = Parser(prog="adaptive-spec datagen-features", description=_datagen_features.__doc__)
     ap.add_argument("--data", required=True, help="datagen folder whose shards have no features (e.g. data/datagen/mix)")
     ap.add_argument("--out", required=True, help="folder for the complete run with features (e.g. runs/datagen/mix)")
     ap.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
@@ -256,7 +246,7 @@ def _autotune(argv: list[str]) -> int:
     machine-independent), which --threshold auto and --k auto turn into a pick for the running machine."""
     from .training.autotune import curve_table, make_curve  # a subcommand's module, as above
 
-    ap = _Parser(prog="adaptive-spec autotune", description=_autotune.__doc__)
+    ap = Parser(prog="adaptive-spec autotune", description=_autotune.__doc__)
     ap.add_argument("--head", default=None, help="acceptance head folder (omit for the per-K curve only, with --out)")
     ap.add_argument("--data", required=True, help="datagen folder (manifest.json + shards) with stored features")
     ap.add_argument("--split", default="dev", help="datagen split to replay (default dev)")
@@ -269,16 +259,24 @@ def _autotune(argv: list[str]) -> int:
     return 0
 
 
+# subcommands run here, each with its own parser: (function, help, what an interruption leaves)
+LOCAL = {
+    "datagen-features": (_datagen_features, "derive the draft's hidden states for a datagen run stored without them",
+                         "finished shards are kept; rerun the same command to resume"),
+    "draft-vocab": (_draft_vocab, "count token frequencies for a reduced draft vocabulary (--draft-vocab)",
+                    "nothing was written; run the same command again"),
+    "autotune": (_autotune, "predict throughput per threshold h and per K from a head and dev data (for "
+                 "--threshold auto / --k auto)", "no curve was written; run the same command again"),
+}
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in DELEGATED:
         return _delegate(argv[0], argv[1:])
-    if argv and argv[0] == "datagen-features":
-        return run_main(_datagen_features, argv[1:], "finished shards are kept; rerun the same command to resume")
-    if argv and argv[0] == "draft-vocab":
-        return run_main(_draft_vocab, argv[1:], "nothing was written; run the same command again")
-    if argv and argv[0] == "autotune":
-        return run_main(_autotune, argv[1:], "no curve was written; run the same command again")
+    if argv and argv[0] in LOCAL:
+        run, _, interrupted = LOCAL[argv[0]]
+        return run_main(run, argv[1:], interrupted)
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help, --version, or a bad argument (already reported on one line)

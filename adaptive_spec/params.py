@@ -1,12 +1,7 @@
-"""Typed parameters: the pair's settings and each stop policy's, validated once, on construction.
+"""Typed parameters: the pair's settings and each stop policy's, validated once, on construction, by every way
+in (the `generate` flags, `SpecPair`'s keywords, the sweep). Nothing here imports torch, so every refusal comes
+before the weights. How a class is built, refused and registered: typed.py.
 
-Every way in builds these: the `generate` flags (cli.py makes them from the fields below), `SpecPair`'s
-keywords and the sweep. Nothing here imports torch or loads a model, so every refusal comes before the
-weights. Why pydantic: already a dependency (wandb), typed models with strict unknown-key refusal and one
-error per bad field, and flags built from its field table keep the command line's spelling (`--k`),
-which tyro or draccus would nest (`--policy.k`). How a class is built, refused and registered: typed.py.
-
-    from adaptive_spec.params import policy_params
     policy_params("learned", head="checkpoints/qwen-coder-0.5b-d3-wrej6", threshold=0.3)"""
 from __future__ import annotations
 
@@ -32,8 +27,8 @@ def policy_params(name: str, spell=lambda key: key, **values) -> PolicyParams:
 
 
 def check_runs_on(policy: PolicyParams, engine: "engines.Engine | str") -> None:
-    """Refuse `policy` on an engine that lacks what it needs (engines.CAPABILITIES), naming the policies
-    that do run there and the engines it runs on: one line, before any model loads."""
+    """Refuse `policy` on an engine that lacks what it needs, naming the policies that run there and the engines
+    it runs on."""
     engine = engines.get(engine) if isinstance(engine, str) else engine
     need = set(policy.needs.engine)
     missing = sorted(need - set(engine.capabilities))
@@ -270,11 +265,8 @@ class BatchSDParams(_MultiDraft):
 
 # ---- the model pair --------------------------------------------------------------------------
 
-# each engine's quantizations are its record's (backends/engines.py): torch quantizes the draft's layers at
-# load; llama.cpp re-quantizes a GGUF file once (llamacpp_pair.requantized_gguf), the target's too, which makes it
-# another model whose distribution the output then follows exactly
 _GGUF = ", ".join(engines.GGUF_QUANTS)
-# every engine's names (engines.quant_names); which engine takes which is checked by PairParams._engine.
+# every engine's names; which engine takes which is checked by PairParams._engine.
 # Literal[tuple] and not Literal[..., *names]: unpacking in a subscript is Python 3.11 grammar
 DraftQuant = Literal[engines.quant_names("draft")]
 TargetQuant = Literal[engines.quant_names("target")]

@@ -1,8 +1,7 @@
 """The runner contract: what the decoder, the policies and the cost measurement may ask of a model runner.
 
 A runner is one causal LM with its own KV cache, fed in chunks after the cached prefix and rolled back by
-position. Every engine's runners keep it, and `tests/test_runner_contract.py` runs one conformance suite
-over all of them (docs/design.md, "Extension points").
+position; tests/test_runner_contract.py checks every engine's runners against it.
 
     forward(ids [n], n_logits=1) -> (logits [n_logits, V] float32, hidden [H])
         feed ids at positions length..length+n-1; the logits of the last n_logits rows, the final
@@ -15,10 +14,9 @@ over all of them (docs/design.md, "Extension points").
     max_length         positions the runner can hold (None: unbounded)
     counters           a `Counters`: the runner adds to it, the decoder restarts and reads it
 
-The torch runners also give `forward_hidden(ids, n_logits) -> (logits [n_logits, V], hidden [n, H])`, the
-final hidden state of every fed row, which a feature drafter needs. `TreeRunner` adds tree verification's
-two hooks; an engine whose record has the "tree" capability builds runners that implement it, and the
-tree code calls them without probing. A leaf (stdlib only), so params, engines and the decoder import it."""
+The torch runners also give `forward_hidden(ids, n_logits) -> (logits [n_logits, V], hidden [n, H])` (every
+fed row's hidden state, for a feature drafter). An engine with the "tree" capability builds `TreeRunner`s.
+Stdlib only, so params, engines and the decoder import it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,12 +24,8 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 
 class Counters:
-    """A runner's forward passes and the seconds inside them.
-
-    Only the runner adds (`add`, or `add_pending` for a time read later, e.g. CUDA events, so a forward
-    never waits on the device); only the decoder and the cost measurement restart (`restart`) and read.
-    `prefill_s` is the part of `seconds` the last prompt prefill took (`end_prefill` marks it and
-    restarts the count, so `n_forwards` counts decoding forwards)."""
+    """A runner's forward passes and the seconds inside them. Only the runner adds (`add_pending`: a time read
+    later, so a forward never waits on the device); only the decoder and the cost measurement restart and read."""
 
     __slots__ = ("_seconds", "_pending", "n_forwards", "prefill_s")
 
@@ -120,16 +114,14 @@ class HeadRunner(Runner, Protocol):
 
 @dataclass
 class Loaded:
-    """What an engine's loader gives: the two runners (draft None: the target alone), the tokenizer
-    prompts are encoded with, the ids that end a response, and the draft configuration a head's
-    warning and the cost cache compare against."""
+    """What an engine's loader gives (draft None: the target alone); draft_config is what a head's warning
+    and the cost cache compare against."""
 
     target: Any
     draft: Any
     tokenizer: Any
     eos_token_ids: list
     draft_config: dict
-    # prepare(k_max, head): readies the runners for rounds of up to k_max candidates, the draft's steps with
-    # `head` in their graph where one is given (graph runtimes capture each shape up front, so nothing
-    # compiles inside a timed decode); None where nothing needs it
+    # prepare(k_max, head): graph runtimes capture each shape up front (the draft's with `head`), so nothing
+    # compiles inside a timed decode
     prepare: Callable[..., None] | None = None

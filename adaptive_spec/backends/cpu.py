@@ -1,15 +1,5 @@
-"""What this CPU can do, and which numeric path each model runs on it (docs/cpu-runtime.md).
-
-With AVX-512 (or AVX-NE-CONVERT / AMX) oneDNN runs bf16 matrix products natively, and bf16 weights
-halve the bytes a bandwidth-bound decode step streams. With AVX2 only, PyTorch's stock bf16 GEMM reads
-the weights again for each input row, so a verification of several rows costs several times an fp32
-one with oneDNN-packed weights; speculation needs a K + 1-token pass to cost about one step, so such a
-CPU runs fp32, packed, and each layer also keeps an fp16 copy of its weight (exact for bf16
-checkpoints) that FBGEMM reads for the short inputs where that is measured faster
-(packed.pack_cpu_linears).
-
-`resolve_dtype("auto")` applies that rule; an explicit dtype is always honoured. `describe()` is what
-benchmarks, sweep rows and `--json` metrics record, so a number always says which machine it came from."""
+"""What this CPU can do, and which numeric path each model runs on it: bf16 where oneDNN runs it natively,
+else fp32 (docs/cpu-runtime.md says why). `describe()` is the machine every benchmark row records."""
 from __future__ import annotations
 
 import functools
@@ -40,10 +30,8 @@ def cpu_name() -> str:
 
 @functools.lru_cache(maxsize=None)
 def onednn_packed(dtype: torch.dtype) -> str | None:
-    """None when oneDNN's pre-packed linear runs in `dtype` on this CPU, else why not.
-
-    Probed, not inferred from flags: the kernel's own check is the authority (for bf16 it wants
-    AVX-512 BW/VL/DQ or AVX-NE-CONVERT), and a torch build may lack oneDNN altogether."""
+    """None when oneDNN's pre-packed linear runs in `dtype` on this CPU, else why not. Probed, not inferred from
+    flags: the kernel's own check is the authority, and a torch build may lack oneDNN."""
     if not torch.backends.mkldnn.is_available():
         return "torch was built without oneDNN"
     try:
@@ -57,13 +45,8 @@ def onednn_packed(dtype: torch.dtype) -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def fbgemm_fp16() -> str | None:
-    """None when FBGEMM's fp16-weight, fp32-activation linear runs on this CPU, else why not.
-
-    Why it matters: on a CPU without bf16 kernels (AVX2) the models compute in fp32, and a
-    one-row decode step streams 4 bytes a weight through oneDNN; this kernel streams 2 (fp16,
-    widened in registers, fp32 arithmetic), so it is faster at one row and a few more
-    (`eval/bench_forward_costs.py linear-rows` measures where it stops paying). torch marks the op
-    deprecated; where a build drops it, this says so and oneDNN alone runs."""
+    """None when FBGEMM's fp16-weight, fp32-activation linear runs on this CPU, else why not (torch marks the op
+    deprecated; where a build drops it, oneDNN alone runs)."""
     if not hasattr(torch, "fbgemm_linear_fp16_weight_fp32_activation"):
         return "this torch build has no torch.fbgemm_linear_fp16_weight_fp32_activation"
     try:

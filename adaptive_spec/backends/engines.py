@@ -1,11 +1,6 @@
-"""The engines a pair runs on, what each can do, and the one check that a policy runs on one.
-
-An engine builds runners to the runner contract (contract.py) and has an `Engine` record: the capabilities
-it offers, its quantization choices, which settings apply to it, the time model `auto` prices it with, and
-how to load a pair on it. No module outside backends/ compares an engine's name: they read its record, and
-params.check_runs_on matches a policy's needs with it before any model loads. A third engine is one module
-with a loader (importing the engine when a pair loads) and one `register(Engine(...))`. A leaf: stdlib
-only, imported by params, so every refusal comes before torch and the weights."""
+"""The engines a pair runs on: each an `Engine` record (capabilities, quantizations, settings, time model,
+loader) that the rest reads instead of comparing names. A third engine is one module with a loader and one
+`register(Engine(...))`. Stdlib only, imported by params, so every refusal comes before torch."""
 from __future__ import annotations
 
 import importlib.util
@@ -71,10 +66,8 @@ DEVICE_FORM = r"^(auto|cpu|cuda(:[0-9]+)?)$"
 
 
 def check_device(device: str | None, name: str = "--device") -> None:
-    """Refuse a CUDA device this torch cannot reach, naming the fix: torch itself refuses only when the first
-    weights move there, seconds in, with an AssertionError. A CPU-only build is read from torch's version file
-    without importing torch, so the command line's checks stay quick; whether a GPU is visible needs torch,
-    which a CUDA build is about to load anyway."""
+    """Refuse a CUDA device this torch cannot reach, naming the fix (torch refuses only when the first weights
+    move there). A CPU-only build is read from torch's version file without importing torch."""
     if device is None or not device.startswith("cuda"):
         return
     spell = (lambda v: f"{name} {v}") if name.startswith("--") else (lambda v: f"{name}={v!r}")
@@ -156,21 +149,16 @@ def _llama_cpp_unavailable() -> str | None:
     return llamacpp.available()
 
 
+register(Engine("torch", _load_torch, capabilities=frozenset({"hidden", "tree", "multi_draft", "hf_generate"}),
+                draft_quants=("none", *TORCH_DRAFT_QUANTS), settings=TORCH_PAIR_KEYS,
+                description="Hugging Face weights, the default pair dequantized to bf16"))
 register(Engine(
-    "torch", _load_torch,
-    capabilities=frozenset({"hidden", "tree", "multi_draft", "hf_generate"}),
-    draft_quants=("none", *TORCH_DRAFT_QUANTS), settings=TORCH_PAIR_KEYS,
-    description="Hugging Face weights, the default pair dequantized to bf16"))
-register(Engine(
-    "llama.cpp", _load_llama_cpp,
-    capabilities=frozenset(),
-    draft_quants=("none", *GGUF_QUANTS), target_quants=("none", *GGUF_QUANTS),
+    "llama.cpp", _load_llama_cpp, draft_quants=("none", *GGUF_QUANTS), target_quants=("none", *GGUF_QUANTS),
     settings=LLAMA_CPP_PAIR_KEYS, devices=("cpu",), model_files="gguf",
     # its pass time is far from linear in its length (its CPU kernels change at 4 rows: a 4-token pass
     # can cost less than a 3-token one), so the per-length table is the model that fits
     time_model="table",
     # torch only samples and runs the heads there; its OpenMP pool would spin on llama.cpp's cores
-    # (eval/results/bench_llama_cpp_overhead_avx512_epyc/report.md compares one torch thread with two)
     decode_torch_threads=1,
     unavailable=_llama_cpp_unavailable,
     description="the GGUF files as they are, through llama-cpp-python; CPU"))

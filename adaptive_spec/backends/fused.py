@@ -1,28 +1,15 @@
 """A fused Qwen2 / Llama decoder over a static KV cache: the Hugging Face modules' numbers in several
-times fewer kernels per step.
+times fewer kernels per step, as a GPU decode step at batch 1 costs what it launches, not what it reads.
 
-At batch 1 a decode step's time on a GPU is set by how many kernels it launches, not by the bytes it
-reads. `FusedDecoder` is the model part (in the style of gpt-fast, over the loaded model's weights);
-`static_runner.FusedCausalLM` is the runner around it, everything else being StaticCausalLM's.
+A layer is 11 ops that do work for any n tokens (every reshape a view): rms_norm; q/k/v as one matrix;
+RoPE as one batched matmul (each kv-head group of q and k times its token's rotation R_p, v times the
+identity); one index_copy_ of K and V into the cache; scaled_dot_product_attention under an additive mask
+(GQA by enable_gqa, never the math fallback); o with the residual add inside; rms_norm; gate and up as
+one matrix; silu; mul; down with the residual add inside. The model's weights become views of the fused
+matrices, so a `CausalLM` over the same model agrees; norm weights are not folded into the next matrix,
+which would change the shared matrices. static_runner.FusedCausalLM is the runner around it.
 
-A layer of a one-token step is 11 ops that do work: 1. rms_norm; 2. q/k/v, one matrix (+ Qwen2's bias);
-3. RoPE as one batched matmul over q, k and v: the heads in groups of kv_heads, each group times its
-token's rotation R_p (x*cos + rotate_half(x)*sin = x @ R_p) or, for the v group, the identity, so rotated
-k and v come out side by side; 4. one index_copy_ of that pair into the layer's cache; 5.
-scaled_dot_product_attention over all max_cache_len slots under the step's additive mask, GQA by
-enable_gqa, reading the cache where it lies (one fused kernel, never the math fallback that repeats K/V
-per q head; on CUDA flash takes no mask, the memory-efficient kernel does), its output token-major so the
-o projection reads a view; 6. o with the residual add inside (addmm); 7. rms_norm; 8. gate and up, one
-matrix; 9. silu; 10. mul; 11. down with the residual add inside. A verify pass of n > 1 tokens adds
-nothing per layer: every reshape is a view for any n. The mask's rows are 8-element aligned, or the CUDA
-kernel pads a copy per layer; rope types whose frequencies depend on the sequence length are refused.
-
-The Hugging Face modules' weights become views of the fused matrices, so nothing is duplicated and a
-`CausalLM` over the same model agrees with the fused runner. Norm weights stay in rms_norm rather than
-folded into the next matrix: one kernel either way, and a fold would change the shared matrices.
-
-`step_launches(lm)` counts what one step of any torch runner dispatches (aten ops; on CUDA also the
-device kernels the profiler records): the CPU tests bound it per layer, eval/bench_gpu.py prints it."""
+`step_launches(lm)` counts what one step of any torch runner dispatches (the CPU tests bound it per layer)."""
 from __future__ import annotations
 
 import contextlib
@@ -132,12 +119,8 @@ MASK_ALIGN = 8
 
 
 class FusedDecoder(nn.Module):
-    """The decoder layers of a Qwen2 / Llama model, fused (module docstring), over a preallocated KV cache
-    of `max_cache_len` slots. Built from the loaded model, whose q/k/v and gate/up weights become views
-    of the fused matrices (values unchanged); the caller checks `unsupported_reason` first.
-
-    `forward(ids, positions, slots, mask)` is the residual stream [n, H] before the final norm (`norm`);
-    it writes K/V to `slots`. Positions and slots are device tensors, so no step reads the host."""
+    """The decoder layers of a Qwen2 / Llama model, fused, over a KV cache of `max_cache_len` slots; the caller
+    checks `unsupported_reason` first. Positions and slots are device tensors, so no step reads the host."""
 
     def __init__(self, model, max_cache_len: int):
         super().__init__()
@@ -281,14 +264,9 @@ def _cuda_kernels(fwd, ids, n_logits) -> tuple[int, int]:
 
 
 def step_launches(lm, n: int = 1, n_logits: int = 1, with_head: bool = False) -> dict:
-    """What one forward of n tokens (n_logits logits rows) costs `lm` in launches, at its current length
-    (length + n must fit); the runner is rolled back and its counters restored afterwards.
-
-    Returns {"aten_ops": aten ops one eager step dispatches (views included), "compute_ops": those that
-    do work, "by_op": {op: count} of those, "host_reads": ops that read back to the host,
-    "cuda_kernels" / "cuda_copies": device kernels / memcpy+memset events the torch profiler records for
-    one forward run as the runner runs it (CUDA-graph replay or compiled call once warmed up), None off
-    CUDA}. Any torch runner: a StaticCausalLM's ops are counted on its eager step (`eager()`)."""
+    """What one forward of n tokens costs `lm` in launches at its current length; the runner and its counters
+    are put back after. aten ops are counted on the eager step; cuda_kernels / cuda_copies (None off CUDA) are
+    what the profiler records for a forward as the runner runs it (graph replay or compiled call)."""
     fwd = lm.forward_with_head if with_head else lm.forward
     ids = torch.zeros(n, dtype=torch.long, device=lm.device)
     length, saved = lm.length, lm.counters.saved()

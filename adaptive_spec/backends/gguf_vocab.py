@@ -1,17 +1,8 @@
-"""A reduced draft vocabulary on llama.cpp (`--draft-vocab N` with `--backend llama.cpp`): the draft's GGUF
-rewritten so that its embedding and output matrices keep V' rows, and the two maps that let it stand in
-for the full-vocabulary draft.
-
-Why: the output matrix is the draft's largest (about a third of the fetched 0.5B's bytes), and every
-draft step streams all of it; keeping the V' most frequent tokens (vocab.py's list) cuts that by V / V'.
-The embedding shrinks too because llama.cpp sizes both by one n_vocab. The runner (llamacpp.LlamaCppLM
-with `kept_ids` and `input_map`) translates both ways:
-- in: a dropped id goes to the kept token whose text is its longest prefix (the 256 byte tokens are
-  always kept), else to the first kept id: that costs acceptance, never exactness;
-- out: the V' logits are spread over the full vocabulary, -inf on the dropped ids, so q is zero there
-  and the residual max(0, p - q) gives those tokens their full target probability.
-The file is made once (rows copied as stored, whatever their quantization) into <cache>/gguf/ beside a
-`.vocab.npz` of the two maps; the GGUF is renamed into place last, so a file that exists is complete."""
+"""A reduced draft vocabulary on llama.cpp (`--draft-vocab N`): the draft's GGUF rewritten so its embedding
+and output matrices (llama.cpp sizes both by one n_vocab) keep V' rows, and the two maps with which
+llamacpp.LlamaCppLM stands in for the full-vocabulary draft: in, a dropped id goes to the kept token whose
+text is its longest prefix (costs acceptance, never exactness); out, the dropped ids get -inf (q = 0).
+Made once into <cache>/gguf/ beside a `.vocab.npz` of the maps; the GGUF is renamed into place last."""
 from __future__ import annotations
 
 import hashlib
@@ -86,9 +77,8 @@ def _tag(ids: np.ndarray) -> str:
 
 def reduced_draft_gguf(src: str | Path, keep_ids) -> tuple[Path, np.ndarray, np.ndarray]:
     """(reduced GGUF, kept ids [V'] sorted, input map [V]) for `src` keeping `keep_ids` (plus what
-    complete_keep adds); made once and cached under a name holding the source's fingerprint and the ids
-    asked for, so a load that finds it opens neither the source nor gguf's reader (seconds over 151,936
-    token strings)."""
+    complete_keep adds); cached under the source's fingerprint and the ids asked for, so a load that finds
+    it never opens gguf's reader (seconds)."""
     src = Path(src)
     asked = np.unique(np.asarray(keep_ids, dtype=np.int64))
     out = cache_dir() / "gguf" / f"{src.stem}.{_tag(asked)}.{file_fingerprint(src)}.gguf"

@@ -1,11 +1,6 @@
-"""The static runner's graphs, one per input shape: captured (CUDA graphs) or compiled (torch.compile) up front
-by `warmup`, replayed by `_run` for the shapes warmed up, every other shape run eagerly; and torch.compile's
-settings for one graph per shape (its recompile limit, its caches kept in the project's cache folder).
-
-`ShapeGraphs` is StaticCausalLM's half that owns the graphs: it reads the runner's step (`_step`), position
-(`_pos`), counters and cache size, and keeps `_warm`, `_ids_buf`, `_graphs`, `_compiled` and `_cudagraphs`,
-which StaticCausalLM.__init__ sets up.
-"""
+"""The static runner's graphs, one per input shape: captured (CUDA graphs) or compiled (torch.compile) by
+`warmup`, replayed by `_run` for the shapes warmed up, every other shape run eagerly. `ShapeGraphs` is
+StaticCausalLM's half that owns them (its state is set up in StaticCausalLM.__init__)."""
 from __future__ import annotations
 
 import contextlib
@@ -28,10 +23,9 @@ def raise_recompile_limit(n: int = 64):
 
 
 def persist_compile_caches() -> None:
-    """torch.compile's caches (inductor's FX graphs, with Triton's kernels under them) in the project's cache
-    folder, not the temporary one inductor defaults to: a later process then compiles a shape it compiled
-    before in seconds, not tens of seconds. A TORCHINDUCTOR_CACHE_DIR or TORCHINDUCTOR_FX_GRAPH_CACHE the user
-    set wins; inductor's own default, which it writes into the environment once it has used it, does not."""
+    """torch.compile's caches in the project's cache folder, not a temporary one, so a later process compiles a
+    known shape in seconds. A TORCHINDUCTOR_CACHE_DIR the user set wins; inductor's own default (which it
+    writes into the environment once used) does not."""
     try:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
@@ -127,8 +121,7 @@ class ShapeGraphs:
 
     @contextlib.contextmanager
     def eager(self):
-        """Within it, every forward runs the eager step (no graph replay, no compiled call): for
-        counting the ops a step dispatches (fused.step_launches)."""
+        """Within it, every forward runs the eager step (for fused.step_launches)."""
         warm, self._warm = self._warm, set()
         try:
             yield self
@@ -136,11 +129,10 @@ class ShapeGraphs:
             self._warm = warm
 
     @torch.inference_mode()
-    def warmup(self, shapes: Iterable = (), with_head: bool | None = None, iters: int = 3) -> float:
-        """Compile / capture every (n, n_logits) shape up front (an int n means (n, n)) so that
-        no compile or capture happens in timed code; without a graph runtime it only warms the
-        kernels. with_head (default: whether a head is set) also does the forward_with_head
-        variant. Leaves the runner reset with zeroed counters. Returns the seconds spent."""
+    def warmup(self, shapes: Iterable = (), with_head: bool | None = None) -> float:
+        """Compile / capture every (n, n_logits) shape (an int n means (n, n)) so that none happens in timed code;
+        with_head (default: whether a head is set) also the forward_with_head variant. Leaves the runner reset
+        with zeroed counters; returns the seconds spent."""
         t0 = time.perf_counter()
         heads = [False] + ([True] if (self.head is not None if with_head is None else with_head) else [])
         for s in shapes:
@@ -153,7 +145,7 @@ class ShapeGraphs:
                     self._capture(key)
                 if self._graphs is not None or self._compiled is not None:
                     self._warm.add(key)
-                for _ in range(iters):
+                for _ in range(3):
                     self.reset()
                     self._run(torch.zeros(n, dtype=torch.long, device=self.device), n_logits, wh)
         if self.device.type == "cuda":

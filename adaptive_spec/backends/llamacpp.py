@@ -1,17 +1,8 @@
-"""The llama.cpp engine: a GGUF model behind the runner contract (contract.py).
-
-Rejection sampling stays ours on both engines, so the output is exactly the target's distribution
-whatever llama.cpp computes inside a pass. Through llama-cpp-python's low-level API (ctypes over libllama):
-  forward   one `llama_decode` per chunk of at most n_batch tokens, the logits flag set only on the
-            rows a caller reads (a K + 1-token verification asks for K + 1 rows, prefill for none);
-  rollback  `llama_memory_seq_rm(mem, 0, n, -1)`;  reset  `llama_memory_clear`.
-Logits come back as one float32 copy of the rows asked for (the next decode reuses llama.cpp's buffer).
-
-llama.cpp does not give the draft's hidden state, so a head that reads it and the tree and multi-draft
-policies are refused here (its record in engines.py lists no capability). A statistics head reads only
-the draft's distribution, so it runs; `hidden` is a constant zero vector, which such a head ignores.
-The binding is optional and built once per kind of CPU (setup/llama_build.py): `import_llama_cpp`
-names the install command when it is missing, `init_library` refuses a build this CPU cannot run."""
+"""The llama.cpp engine: a GGUF model behind the runner contract, through llama-cpp-python's low-level API.
+Rejection sampling stays ours, so the output is exactly the target's distribution whatever llama.cpp
+computes inside a pass. llama.cpp gives no hidden state: `hidden` is a zero vector (a statistics head
+ignores it), and the policies that need one are refused by the engine's record. The binding is optional
+and built once per kind of CPU (setup/llama_build.py)."""
 from __future__ import annotations
 
 import ctypes
@@ -63,9 +54,8 @@ def available() -> str | None:
 
 
 def init_library(ll) -> None:
-    """Once per process: the backend, and llama.cpp's log routed to Python logging: its errors as
-    errors, its warnings at debug level (a load warns of GGUF quirks that change nothing for us, and
-    would bury the one line a user needs), the rest dropped."""
+    """Once per process: the backend, and llama.cpp's log routed to Python logging: errors as errors, warnings
+    at debug level (GGUF quirks that would bury the one line a user needs), the rest dropped."""
     global _initialised, _log_cb
     with _init_lock:
         if _initialised:
@@ -124,16 +114,11 @@ class GGUFModel:
 
 
 class LlamaCppLM:
-    """A llama.cpp context with the `CausalLM` runner interface (see runner.CausalLM).
-
-    Invariant kept by the decoders, as for CausalLM: the cache covers seq[:length] and the next
-    forward feeds seq[length:].
-    """
+    """A llama.cpp context with the `CausalLM` runner interface."""
 
     def __init__(self, model: GGUFModel | str | Path, n_ctx: int | None = None, n_threads: int | None = None,
                  n_batch: int = 512, vocab_size: int | None = None, kept_ids=None, input_map=None):
-        """kept_ids / input_map: a reduced-vocabulary draft file's two maps (gguf_vocab.reduced_draft_gguf):
-        the full-vocabulary id of each of its rows, and each full-vocabulary id's row."""
+        """kept_ids / input_map: a reduced-vocabulary draft file's two maps (gguf_vocab.reduced_draft_gguf)."""
         self.model = model if isinstance(model, GGUFModel) else GGUFModel(model)
         ll = self.ll = self.model.ll
         self.n_threads = int(n_threads or torch.get_num_threads() or os.cpu_count() or 1)
@@ -188,8 +173,7 @@ class LlamaCppLM:
         self.length = 0
 
     def forward(self, ids, n_logits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed `ids` [n] after the cached prefix. Returns (logits of the last n_logits positions
-        [n_logits, V] float32, a zero "hidden state" [H]: llama.cpp gives none)."""
+        """One llama_decode per chunk of n_batch tokens, logits asked only for the rows a caller reads."""
         ids = np.asarray(ids.tolist() if isinstance(ids, torch.Tensor) else ids, dtype=np.int32).reshape(-1)
         n = ids.shape[0]
         if n == 0:
@@ -235,7 +219,6 @@ class LlamaCppLM:
         return spread_kept_logits(torch.from_numpy(out), kept, self.vocab_size).numpy()
 
     def rollback(self, length: int):
-        """Forget cached positions >= length."""
         if length < self.length:
             if not self.ll.llama_memory_seq_rm(self.mem, 0, length, -1):
                 raise RuntimeError(f"llama.cpp could not crop its cache to {length} positions")

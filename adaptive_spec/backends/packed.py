@@ -1,8 +1,5 @@
-"""CPU kernel choice for the torch engine's linear layers: oneDNN-packed bf16 weights (PackedLinear), the
-row padding that makes a multi-row pass cost what the packed GEMM's blocking allows (choose_padding), and
-the fp16 path for the rows where FBGEMM's fp16 kernel beats it (choose_fp16_rows); pack_cpu_linears
-applies them to a loaded model and records the choice in `model.cpu_path`. Why each: docs/cpu-runtime.md.
-"""
+"""CPU kernel choice for the torch engine's linear layers: oneDNN-packed weights, row padding and FBGEMM fp16
+copies, applied by pack_cpu_linears and recorded in `model.cpu_path`. Why each: docs/cpu-runtime.md."""
 from __future__ import annotations
 
 import hashlib
@@ -24,22 +21,10 @@ warnings.filterwarnings("ignore", message=r"fbgemm_\w+ is deprecated")
 class PackedLinear(torch.nn.Module):
     """nn.Linear whose weight is pre-packed once into oneDNN's blocked layout (CPU only).
 
-    Why: a decode step is a stack of matrix-vector products, and stock `F.linear` re-reads the row-major
-    weight well below the bandwidth the packed oneDNN kernel streams at; on an AVX2-only CPU (fp32: cpu.py)
-    this is what makes a K + 1-token verification cost about one decode step (docs/cpu-runtime.md).
-
-    The original weight stays as `.weight` (tied embeddings share it, save_pretrained works) unless
-    `release=True` frees it for weights nothing else shares; with grad enabled the stock path runs (the
-    packed op has no backward).
-
-    `pad_to`: oneDNN picks its kernel by the input rows M, and on some CPUs the M = 1..2 kernels read weights
-    slower than the M = 4..6 ones, so an input of M rows is zero-padded to pad_to[M] rows and the extra
-    outputs dropped (rows are independent in a matmul: no value changes beyond rounding order). () = none.
-
-    `fp16_rows`: an fp32 model's layer may also hold its weight in fp16 (`add_fp16`; only where fp16 holds
-    every weight exactly, as for bf16 checkpoints), which FBGEMM's fp16-weight kernel streams at half the
-    bytes; inputs whose row count is in fp16_rows run on it (it pays at one row and a few, where reading
-    the weight is the cost; `eval/bench_forward_costs.py linear-rows`)."""
+    `.weight` stays (tied embeddings share it) unless `release=True` frees it; with grad enabled the stock
+    path runs (the packed op has no backward). `pad_to[M]`: an input of M rows is zero-padded to that many
+    rows, as oneDNN's kernel for more rows can stream weights faster (rows are independent: values unchanged).
+    Inputs whose row count is in `fp16_rows` run on the FBGEMM fp16 copy (`add_fp16`), half the bytes."""
 
     def __init__(self, linear: torch.nn.Linear, pad_to: tuple = (), release: bool = False):
         super().__init__()
@@ -48,8 +33,6 @@ class PackedLinear(torch.nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
         self.weight_bytes = linear.weight.numel() * linear.weight.element_size()
         self.pad_to = pad_to
-        # FBGEMM fp16 copy of the weight, used for inputs whose row count is in fp16_rows (see
-        # add_fp16); None = oneDNN for every input
         self.fp16, self.fp16_rows = None, frozenset()
         self.released = False
         if release:
@@ -93,12 +76,14 @@ class PackedLinear(torch.nn.Module):
                 f"packed=oneDNN, pad_to={self.pad_to}, fp16_rows={sorted(self.fp16_rows)}, released={self.released}")
 
 
-def _timed_layers(linears: list, budget_bytes: int) -> list:
-    """The first layers up to budget_bytes of weights: more than the CPU's caches, so a timing
-    over them is of weights streamed from memory, as in decoding."""
+_TIMED_BYTES = 256 << 20  # more than a CPU's caches: the timing is of weights streamed from memory, as in decoding
+
+
+def _timed_layers(linears: list) -> list:
+    """The first layers up to _TIMED_BYTES of weights."""
     timed, total = [], 0
     for m in linears:
-        if total >= budget_bytes:
+        if total >= _TIMED_BYTES:
             break
         timed.append(m)
         total += m.weight_bytes
@@ -144,16 +129,13 @@ def _cached_choice(kind: str, timed: list, max_rows: int, choose):
     return value
 
 
-def choose_padding(linears: list, max_rows: int = 8, budget_bytes: int = 256 << 20, rows: int | None = None) -> tuple:
-    """pad_to[M] for M = 0..max_rows: the row count r >= M at which the model's linear layers run
-    fastest, timed on the layers themselves (about a second) once per CPU and layer shapes, then
-    read from the kernel cache (_cached_choice); M itself unless r is at
-    least 3% faster. The timed layers are the first ones up to `budget_bytes` of weights: more
-    than the CPU's caches, so the timing is of weights streamed from memory, as in decoding.
-    `rows` N (PairParams.cpu_pad_rows) pads every input of fewer than N rows to N instead (0 = off)."""
+def choose_padding(linears: list, max_rows: int = 8, rows: int | None = None) -> tuple:
+    """pad_to[M] for M = 0..max_rows: the row count r >= M at which the layers run fastest (M itself unless
+    r is at least 3% faster), timed once per CPU and layer shapes (_cached_choice). `rows` N
+    (PairParams.cpu_pad_rows) pads every input of fewer than N rows to N instead (0 = off)."""
     if rows is not None:
         return (0,) + (rows,) * rows if rows > 1 else ()
-    timed = _timed_layers(linears, budget_bytes)
+    timed = _timed_layers(linears)
     return tuple(_cached_choice("pad_to", timed, max_rows, lambda: list(_time_padding(timed, max_rows))))
 
 
@@ -175,22 +157,17 @@ def _time_padding(timed: list, max_rows: int) -> tuple:
 
 
 def fp16_exact(weights) -> bool:
-    """Every value of every weight is exactly representable in fp16 (no rounding, no overflow).
-    True for weights that come from bf16 checkpoints within fp16's range, e.g. the default pair
-    (0 of 2.4 G weights change); a model with any other weight keeps oneDNN, so that all its
-    layers compute on the same weights."""
+    """Every value of every weight is exactly representable in fp16 (as bf16 checkpoints' within fp16's range);
+    a model with any other weight keeps oneDNN, so that all its layers compute on the same weights."""
     return all(torch.equal(w, w.half().to(w.dtype)) for w in weights)
 
 
-def choose_fp16_rows(linears: list, max_rows: int = 16, budget_bytes: int = 256 << 20,
-                     rows: int | None = None) -> frozenset:
-    """Row counts (1..max_rows) at which the layers' FBGEMM fp16 copies run at least 3% faster
-    than oneDNN (padded as pad_to says), timed on the first layers up to budget_bytes as in
-    choose_padding. `rows` N (PairParams.cpu_fp16_rows) uses fp16 for every input of at most N rows
-    instead (0 = off)."""
+def choose_fp16_rows(linears: list, max_rows: int = 16, rows: int | None = None) -> frozenset:
+    """Row counts (1..max_rows) at which the FBGEMM fp16 copies run at least 3% faster than oneDNN, timed as
+    in choose_padding. `rows` N (PairParams.cpu_fp16_rows) uses fp16 for every input of at most N rows (0 = off)."""
     if rows is not None:
         return frozenset(range(1, rows + 1))
-    timed = _timed_layers(linears, budget_bytes)
+    timed = _timed_layers(linears)
     return frozenset(_cached_choice("fp16_rows", timed, max_rows, lambda: sorted(_time_fp16_rows(timed, max_rows))))
 
 
@@ -226,15 +203,10 @@ def _why_no_fp16(dtype, fp16: bool, fp16_rows: int | None, weights) -> str | Non
 def pack_cpu_linears(model, release: bool = False, fp16: bool = True, pack: bool = True, pad_rows: int | None = None,
                      fp16_rows: int | None = None) -> int:
     """Swap every nn.Linear of a CPU model for a PackedLinear; returns how many, and records the chosen path
-    as `model.cpu_path`.
-
-    A no-op (0) on other devices, where oneDNN has no packed kernel for the dtype (bf16 on AVX2:
-    cpu.onednn_packed), or with pack=False (PairParams.cpu_stock). The padding is timed once per CPU and
-    model shape unless `pad_rows` fixes it (None: timed). `release`: free the original weights nothing else
-    shares (inference only). `fp16`: in fp32, where FBGEMM runs and fp16 holds every weight exactly, also
-    keep an fp16 copy of each layer for the row counts at which it is faster (choose_fp16_rows); it costs
-    half the fp32 bytes again in memory, so batched work (datagen) passes False. `fp16_rows` fixes its row
-    counts (0 = off; None: timed)."""
+    as `model.cpu_path`. A no-op (0) off the CPU, where oneDNN has no packed kernel for the dtype, or with
+    pack=False. `release`: free the original weights nothing else shares. `fp16`: keep fp16 copies where
+    fp32 weights allow (half the fp32 bytes again, so batched work passes False). `pad_rows` / `fp16_rows`
+    fix what is otherwise timed (None)."""
     p = next(model.parameters(), None)
     if p is None or p.device.type != "cpu":
         return 0

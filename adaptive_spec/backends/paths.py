@@ -1,7 +1,5 @@
-"""What a user names, resolved without torch: a model (hub id, folder, or the default pair's cached
-folder), a `--draft` that names a feature drafter, and a `--draft-vocab` spec. Stdlib only (setup/pair.py
-is read for its paths, and setup/fetch.py downloads only when auto_fetch asks), so params' checks run here
-before torch and the weights load."""
+"""What a user names, resolved without torch (params' checks run before the weights load): a model, a
+`--draft` that names a feature drafter, and a `--draft-vocab` spec."""
 from __future__ import annotations
 
 import hashlib
@@ -25,9 +23,7 @@ class FeatureDraft:
 
 
 def parse_draft(name: str) -> "str | FeatureDraft | None":
-    """`--draft` typed once, where it is read: None for none (the target alone), a FeatureDraft for
-    feature:PATH, any other name as it is (a ValueError, which the typed settings' validators raise, for
-    feature: without a path)."""
+    """`--draft` typed: None for none (the target alone), a FeatureDraft for feature:PATH, any other name as it is."""
     if name.lower() == "none":
         return None
     if not name.startswith(FEATURE):
@@ -63,11 +59,8 @@ def check_draft_vocab_spec(spec: str) -> None:
 
 
 def resolve_model_path(name: str | None, role: str, auto_fetch: bool = True) -> str:
-    """Map a user's model name to something `from_pretrained` takes.
-
-    None / "default" -> the cached default pair (fetched on first use when auto_fetch);
-    an existing folder -> itself (it must hold a config.json); anything else -> a hub id.
-    """
+    """A user's model name as `from_pretrained` takes it: the default pair's folder (fetched on first use when
+    auto_fetch), an existing folder, or a hub id."""
     if name in (None, "", "default"):
         from ..setup import fetch, pair  # only to build the default pair: keeps the download code off the generation path
 

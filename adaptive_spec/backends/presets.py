@@ -1,14 +1,7 @@
-"""GPU pair presets: draft/target pairs named by their hub ids, with the architecture values that build
-random-weight models of the same shapes offline.
-
-A forward's cost does not depend on the weights' values, so a benchmark with no network (or no time to
-download 15 GB) times random weights with the real shapes, the acceptance coming from a trace recorded
-with the real weights (decoding/replay.py). Values from each hub repository's config.json.
-
-Vocabulary: 0.5B and 1.5B have 151,936 output rows, 7B 152,064: the pair's shared vocabulary is the
-smaller (`Preset.vocab_size`), and runner.CausalLM drops the rows past it, so the 7B's padding rows are
-never drafted nor emitted. Stdlib only at import (the command line checks names before torch loads);
-the builders import torch and transformers when called."""
+"""GPU pair presets: draft/target pairs named by their hub ids, with the architecture values (from each
+repository's config.json) that build random-weight models of the same shapes offline: a forward's cost
+does not depend on the weights' values, so a benchmark without the download times random weights, the
+acceptance coming from a trace (decoding/replay.py). Stdlib only at import (names are checked before torch)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace

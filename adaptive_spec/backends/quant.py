@@ -1,7 +1,5 @@
-"""Weight-only quantized linear layers for a cheaper torch draft (int8 per channel, int4 in groups of
-64), the probes that say whether this CPU has their kernels, and quantize_linears, which swaps a model's
-layers. Only the draft's proposals change; verification keeps the output exactly the target's.
-"""
+"""Weight-only quantized linear layers for a cheaper torch draft, and the probes for their kernels. Only the
+draft's proposals change; verification keeps the output exactly the target's."""
 from __future__ import annotations
 
 import torch
@@ -17,16 +15,10 @@ QUANTS = ("none", *TORCH_DRAFT_QUANTS)
 
 
 class QuantLinear(torch.nn.Module):
-    """What the weight-only quantized layers share: `.weight` (dequantized), a dense GEMM for
-    inputs of many rows, and densify() for batched work. Subclasses give `dequantized()` (float32
-    [out, in]) and `kernel(x2)` ([rows, in] in act_dtype -> [rows, out]).
-
-    For the draft only. Why it is free accuracy-wise: verification keeps the output distributed
-    exactly as the target's whatever q is, so a cheaper q costs acceptance, never correctness.
-    Why it pays: a decode step streams the weights, and int8 is a quarter of fp32's bytes, int4
-    an eighth. Activations enter the kernels in bf16 (the int8 kernel's fp32-activation path is
-    several times slower on a CPU); the draft's logits come out in the model's dtype.
-    """
+    """What the weight-only quantized draft layers share: `.weight` (dequantized), a dense GEMM for inputs of
+    many rows, and densify() for batched work. Subclasses give `dequantized()` (float32 [out, in]) and
+    `kernel(x2)` ([rows, in] in act_dtype -> [rows, out]). Activations enter the kernels in bf16 (the int8
+    kernel's fp32-activation path is several times slower on a CPU)."""
 
     act_dtype = torch.bfloat16
     dense_rows: int | None = None  # from this many input rows on, dequantize per call and run a dense GEMM
@@ -44,15 +36,10 @@ class QuantLinear(torch.nn.Module):
         return self.dequantized().to(self.bias.dtype if self.bias is not None else torch.float32)
 
     def densify(self, dtype: torch.dtype):
-        """Keep a dense copy of the dequantized weight in `dtype` (oneDNN-packed where the CPU has a
-        kernel for it) and compute every input with it: for batched work only (datagen), where
-        every pass has many rows and the kernels' per-row cost dominates: from a handful of rows on,
-        a kept dense copy beats the int8 kernel (docs/datagen.md has the figures). The weights keep
-        their quantized values; what changes is the activations' precision (the model's dtype
-        instead of bf16 into the kernel), a rounding-level difference in q. Costs 4 (fp32) or 2
-        (bf16) bytes a weight; state_dict and
-        named_parameters are unchanged (the copy is neither a parameter nor a buffer), so
-        fingerprints and checkpoints do not see it."""
+        """Compute every input with a dense (oneDNN-packed where possible) copy of the dequantized weight in
+        `dtype`: for batched work (datagen), where the kernels' per-row cost dominates (docs/datagen.md). The
+        weights keep their quantized values; the copy is neither parameter nor buffer, so fingerprints and
+        checkpoints do not see it."""
         device = next(self.buffers()).device
         lin = torch.nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device=device,
                               dtype=dtype)
@@ -79,26 +66,20 @@ class QuantLinear(torch.nn.Module):
 
 
 class Int8Linear(QuantLinear):
-    """Weight-only int8 linear layer: symmetric per-output-channel scales, run by torch's
-    maintained `_weight_int8pack_mm` kernel (CPU and CUDA), not a GEMM of our own. On one row it
-    reads a quarter of fp32's bytes, which is what a draft step waits for where the models compute
-    in fp32 (docs/cpu-runtime.md)."""
+    """Weight-only int8 linear layer: symmetric per-output-channel scales, run by torch's `_weight_int8pack_mm`."""
 
-    # From this many input rows on, dequantize and run a dense GEMM: `_weight_int8pack_mm` costs a
-    # fixed time per row, so at datagen's batched feature pass (thousands of rows) it loses to a
-    # dense GEMM, while the dequantization is paid once per call; at a few hundred rows the two are
-    # even, below that int8 wins.
+    # `_weight_int8pack_mm` costs a fixed time per row: past this many a dense GEMM, dequantizing once per
+    # call, wins
     dense_rows = 1024
 
-    def __init__(self, linear: torch.nn.Linear, act_dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         w = linear.weight.detach().float()
         scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
         self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scales", scale.to(act_dtype))
+        self.register_buffer("scales", scale.to(self.act_dtype))
         self.bias = linear.bias
-        self.act_dtype = act_dtype
         self.weight_bytes = self.qweight.numel() + self.scales.numel() * self.scales.element_size()
 
     def dequantized(self) -> torch.Tensor:
@@ -112,21 +93,19 @@ class Int8Linear(QuantLinear):
 
 
 class Int4Linear(QuantLinear):
-    """Weight-only int4 linear layer: asymmetric, a scale and zero point per group of
-    `group_size` input channels, run by torch's maintained `_weight_int4pack_mm_for_cpu` (the
-    kernel torchao's CPU int4 path calls). Weight w = (q - 8) * scale + zero, q in 0..15. Half
-    int8's bytes, but where the kernels are compute-bound it saves little of a draft step
-    (docs/cpu-runtime.md; `make bench`, a sweep over draft configurations, measures the whole draft
-    and its acceptance)."""
+    """Weight-only int4 linear layer: w = (q - 8) * scale + zero, q in 0..15, a scale and zero point per group of
+    `group_size` input channels, run by torch's `_weight_int4pack_mm_for_cpu`."""
 
-    def __init__(self, linear: torch.nn.Linear, group_size: int = 64):
+    group_size = 64
+
+    def __init__(self, linear: torch.nn.Linear):
         super().__init__()
-        N, K = linear.out_features, linear.in_features
+        N, K, group_size = linear.out_features, linear.in_features, self.group_size
         if K % group_size or N % 16:
             raise UserError(f"int4 needs layers whose input size is a multiple of {group_size} and output size a "
                             f"multiple of 16 (the kernel's blocks); this draft has a {K} -> {N} layer; use "
                             "--draft-quant int8")
-        self.in_features, self.out_features, self.group_size = K, N, group_size
+        self.in_features, self.out_features = K, N
         w = linear.weight.detach().float().reshape(N, K // group_size, group_size)
         lo, hi = w.amin(-1), w.amax(-1)
         scale = ((hi - lo) / 15).clamp(min=1e-12)
@@ -156,8 +135,7 @@ class Int4Linear(QuantLinear):
 
 
 def densify_quantized(model) -> int:
-    """QuantLinear.densify on every quantized layer of `model` (int8 or int4), in the model's
-    dtype; returns how many."""
+    """QuantLinear.densify on every quantized layer of `model`, in the model's dtype; returns how many."""
     dtype = next(model.parameters()).dtype
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     for m in layers:
@@ -210,9 +188,8 @@ def check_quant(quant: str | None, device=None) -> str:
 
 
 def quantize_linears(model, quant: str = "int8") -> int:
-    """Swap every nn.Linear of `model` for an Int8Linear or Int4Linear (instead of packing it:
-    load_model does one or the other); returns how many. An embedding tied to the LM head keeps
-    its own table."""
+    """Swap every nn.Linear of `model` for an Int8Linear or Int4Linear; returns how many. An embedding tied to
+    the LM head keeps its own table."""
     cls, path = QUANT_LAYERS[quant]
     n = 0
     for mod in list(model.modules()):

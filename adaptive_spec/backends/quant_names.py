@@ -1,8 +1,5 @@
-"""Each engine's quantization names, in one place: the engine records (engines.py) offer them, the settings
-(params.py) type them, and the engines' own modules (quant.py, llamacpp.py) implement them.
-
-A leaf: stdlib only, so the engine records need no engine module and no engine module needs the records.
-"""
+"""Each engine's quantization names, in one stdlib-only place: engines.py offers them, params.py types them,
+and the engines' modules implement them."""
 # torch's weight-only draft quantizations (backends/quant.py makes the layers)
 TORCH_DRAFT_QUANTS = ("int8", "int4")
 # llama.cpp's re-quantizations of a GGUF file (llamacpp_pair.requantized_gguf): name -> (llama.cpp file type, the

@@ -1,7 +1,5 @@
-"""The torch engine's KV runner (CausalLM): a causal LM with its own cache, fed in chunks, rolled back by
-cropping, logits only for the rows a caller reads; the KV keyword transformers' version takes (kv,
-model_kv); and the weights' fingerprint costs and heads key on.
-"""
+"""The torch engine's KV runner (CausalLM), the KV keyword transformers' version takes, and the weights'
+fingerprint that costs and heads key on."""
 from __future__ import annotations
 
 import functools
@@ -30,9 +28,8 @@ def _cache_name(fn) -> str:
 
 
 def kv(fn, cache) -> dict:
-    """The KV-cache keyword argument for the function `fn` (a model class's forward, a masking
-    function). transformers 5.24 renamed `past_key_values` to `cache` (the old name warns, and goes
-    in 5.40); pyproject allows >=5.17, which only knows the old one, so the signature decides."""
+    """The KV-cache keyword for `fn` (a forward, a masking function): newer transformers renamed
+    `past_key_values` to `cache`, and the versions pyproject allows know one or the other."""
     return {_cache_name(fn): cache}
 
 
@@ -55,13 +52,8 @@ def _vocab_rows(model) -> int:
 
 
 class CausalLM:
-    """A causal LM with its own KV cache, fed in chunks, rolled back by cropping.
-
-    Invariant kept by the decoders: the cache covers seq[:length] and seq[length:] (at least
-    one token) is still to be fed. The final hidden state is taken from the base model, and
-    logits are computed only for the rows a caller needs: the LM head over 151,936 tokens is a
-    large share of a small draft's forward, and prefill needs none of it.
-    """
+    """A causal LM with its own KV cache, fed in chunks, rolled back by cropping. Logits are computed only for
+    the rows a caller needs: the LM head is a large share of a small draft's forward."""
 
     def __init__(self, model, vocab_size: int | None = None):
         self.model = model.eval()
@@ -94,8 +86,6 @@ class CausalLM:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, n_logits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed `ids` [n] after the cached prefix. Returns (logits of the last n_logits
-        positions [n_logits, V] float32, final hidden state of the last position [H])."""
         logits, h = self.forward_hidden(ids, n_logits)
         return logits, h[-1]
 
@@ -114,7 +104,6 @@ class CausalLM:
         return logits, h
 
     def rollback(self, length: int):
-        """Forget cached positions >= length (cheap: slices the cache tensors)."""
         if length < self.length:
             self.cache.crop(length - self.length)  # negative: drop that many trailing positions
             self.length = length
@@ -124,11 +113,7 @@ class CausalLM:
     @torch.inference_mode()
     def tree_forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor,
                      logit_from: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed `ids` [n] after the cache with an arbitrary attention pattern.
-
-        attend [n, length + n] bool: row r may attend to cache slot c (the new tokens take slots
-        length .. length + n - 1). positions [n]: their position ids. Returns (logits of rows
-        logit_from.. [n - logit_from, V] float32, final hidden states [n, H]); length += n."""
+        """contract.TreeRunner."""
         with timed(self.device) as t:
             n = ids.shape[0]
             kv_len = self.length + n
@@ -150,10 +135,7 @@ class CausalLM:
 
     @torch.inference_mode()
     def compact(self, base: int, extra: list[int]):
-        """Keep cache slots [0, base) followed by the slots `extra` (in that order), drop the rest.
-
-        Used after tree verification to keep exactly the accepted path: `extra` are the cache slots of
-        the accepted nodes, ancestors first. Only len(extra) rows are moved per layer."""
+        """contract.TreeRunner; only len(extra) rows are moved per layer."""
         n = len(extra)
         if extra == list(range(base, base + n)):  # already in place: a crop
             self.rollback(base + n)
@@ -187,11 +169,8 @@ class CausalLM:
 
 
 def model_fingerprint(model) -> str:
-    """Short hash of the config and a strided sample of every weight.
-
-    Weights are rounded to bf16 and the config's dtype ignored, so one checkpoint loaded in
-    bf16 or fp32 gets the same fingerprint; touching ~16 values per tensor keeps it instant.
-    """
+    """Short hash of the config and 16 strided values of every weight, rounded to bf16 (the config's dtype
+    ignored), so one checkpoint loaded in bf16 or fp32 gets the same fingerprint."""
     conf = {k: v for k, v in model.config.to_dict().items()
             if not k.startswith("_") and k not in ("transformers_version", "name_or_path", "dtype", "torch_dtype")}
     h = hashlib.sha256(json.dumps(conf, sort_keys=True, default=str).encode())

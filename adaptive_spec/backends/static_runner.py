@@ -1,26 +1,10 @@
-"""A GPU-oriented runner: static KV cache indexed by position, one compiled graph per input shape.
+"""A GPU-oriented runner to the runner contract (docs/design.md, "GPU runtime"), in the style of gpt-fast.
 
-`StaticCausalLM` keeps the runner contract, so `Decoder(StaticCausalLM(target), StaticCausalLM(draft))`
-works unchanged (docs/design.md, "GPU runtime"). What differs, in the style of gpt-fast:
-
-* The KV cache is preallocated once and written at absolute positions read from one device scalar,
-  `self._pos`. The mask is causal in absolute positions over all `max_cache_len` slots, so slots past
-  the current position, stale candidates included, are never attended: rollback is `self.length = n`
-  plus a one-element fill of `self._pos`, with no copy, allocation or sync.
-* Every shape in a forward depends only on (input length n, logits rows n_logits) and nothing is read
-  back to the host, so one graph per shape can be captured up front by `warmup(shapes)`: (1, 1) and
-  (2, 1) for draft steps, (n, n) for verifying K + 1 tokens. `compile=True` is torch.compile
-  (reduce-overhead, fullgraph; tens of seconds per shape), `cuda_graphs=True` captures the eager step
-  (no fusion, but a capture takes one forward). Shapes not warmed up run eagerly, so nothing compiles
-  in the middle of a timed run (graphs.py: `ShapeGraphs`).
-* The LM head runs on the last n_logits rows only, and the acceptance head (`forward_with_head`) or a
-  device round's epilogue (`forward_epilogue`, graph_round.py) can run in the same graph.
-* A forward's time on CUDA is a pair of events, read (one sync) only when the seconds are read.
-
-On the CPU the same code runs without compile; tests/test_static_runner.py checks it against CausalLM.
-`FusedCausalLM` swaps the cache and layers for fused.FusedDecoder and keeps the rest. Attention reads
-all `max_cache_len` slots (masked), so keep it near the longest context needed (default 2048, capped
-by max_position_embeddings); sliding-window models are not supported (use CausalLM)."""
+The KV cache is preallocated and written at absolute positions read from one device scalar `_pos`; the
+mask is causal over all `max_cache_len` slots, so stale slots are never attended and rollback is one fill
+of `_pos`. Every shape depends only on (n, n_logits) and nothing is read back to the host, so one graph per
+shape is captured up front (graphs.py). Attention reads every slot (masked): keep max_cache_len near the
+longest context. Sliding-window models are refused (use CausalLM)."""
 from __future__ import annotations
 
 import functools
@@ -82,10 +66,8 @@ RUNTIMES = ("eager", "cudagraph", "compile")
 
 def make_runner(model, vocab_size: int | None = None, kv_cache: str = "dynamic", runtime: str = "eager",
                 max_cache_len: int | None = None, warmup_shapes=(), head=None, fused: bool = False):
-    """The runner for `kv_cache`: "dynamic" = CausalLM (growing DynamicCache), "static" =
-    StaticCausalLM with `runtime` eager | cudagraph | compile, warmed up on `warmup_shapes`
-    (e.g. verify_shapes(k_max) for a target, DRAFT_SHAPES for a draft). fused=True (static only):
-    fused.FusedCausalLM, the same runner over a fused Qwen2/Llama decoder."""
+    """CausalLM for the dynamic `kv_cache`; for the static one StaticCausalLM (FusedCausalLM with `fused`) with
+    `runtime`, warmed up on `warmup_shapes` (verify_shapes(k_max) for a target, DRAFT_SHAPES for a draft)."""
     if kv_cache not in KV_CACHES:
         raise UserError(f"unknown kv_cache {kv_cache!r}; use one of {', '.join(KV_CACHES)}")
     if runtime not in RUNTIMES:
@@ -104,19 +86,10 @@ def make_runner(model, vocab_size: int | None = None, kv_cache: str = "dynamic",
 
 
 class StaticCausalLM(ShapeGraphs, CausalLM):
-    """`CausalLM` with a static KV cache indexed by position and optional graph capture.
-
-    model: a Hugging Face causal LM (full attention layers); vocab_size: shared vocabulary;
-    max_cache_len: slots preallocated (prompt + new tokens + K_max + 1 must fit; attention
-    reads all of them, masked, so keep it near what you need);
-    compile: torch.compile each warmed-up shape (mode "reduce-overhead", i.e. CUDA graphs, on CUDA;
-    compiler="eager" only traces, for tests);
-    cuda_graphs: capture each warmed-up shape with torch.cuda.CUDAGraph instead (CUDA only);
-    head: an AcceptanceHead evaluated in the same graph by `forward_with_head`.
-
-    A subclass with another step overrides `_alloc_kv`, `_kv_buffers`, `_last_hidden` and
-    `_tree_hidden` (fused.FusedCausalLM); the rest is shared.
-    """
+    """`CausalLM` with a static KV cache indexed by position. compile: torch.compile each warmed-up shape
+    (compiler="eager" only traces, for tests); cuda_graphs: capture each with torch.cuda.CUDAGraph instead;
+    head: an AcceptanceHead run in the same graph by `forward_with_head`. A subclass with another step
+    overrides `_alloc_kv`, `_kv_buffers`, `_last_hidden` and `_tree_hidden`."""
 
     fused = False  # the Hugging Face modules run the step
 
@@ -209,8 +182,7 @@ class StaticCausalLM(ShapeGraphs, CausalLM):
         return time.perf_counter()
 
     def _toc(self, t0):
-        """Count one forward. On CUDA its time is a pair of events, read (one sync) only when the
-        counters' seconds are read, so a forward never waits on the device."""
+        """Count one forward; on CUDA its time is read (one sync) only when the counters' seconds are."""
         if self.device.type == "cuda":
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
@@ -221,9 +193,8 @@ class StaticCausalLM(ShapeGraphs, CausalLM):
     # ---- the step -------------------------------------------------------------------------
 
     def _step(self, ids: torch.Tensor, n_logits: int, with_head: bool, epilogue=None):
-        """ids [1, n] fed at positions pos..pos+n-1; every shape depends on (n, n_logits) only,
-        and nothing is read back to the host (so the step can be captured as a graph). `epilogue`: a
-        function of (logits, hidden, accept) run in the same graph, whose outputs the step returns."""
+        """ids [1, n] fed at positions pos..; capturable. `epilogue(logits, hidden, accept)`: run in the same
+        graph, its outputs returned."""
         n = ids.shape[-1]
         h = self._last_hidden(ids, max(n_logits, 1))
         logits = (self.logits(h[h.shape[0] - n_logits:]) if n_logits
@@ -236,8 +207,8 @@ class StaticCausalLM(ShapeGraphs, CausalLM):
         return (logits, last) if accept is None else (logits, last, accept)
 
     def _last_hidden(self, ids: torch.Tensor, rows: int) -> torch.Tensor:
-        """Feed ids [1, n] at positions pos..pos+n-1 (K/V written there, pos left as it is) and
-        return the final hidden states of (at least) the last `rows` positions [>= rows, H]."""
+        """Feed ids [1, n] at positions pos.. (pos left as it is): final hidden states of at least the last
+        `rows` positions [>= rows, H]."""
         from transformers.masking_utils import create_causal_mask  # heavy: slow to import, and only this step needs it
 
         n = ids.shape[-1]
@@ -255,14 +226,11 @@ class StaticCausalLM(ShapeGraphs, CausalLM):
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, n_logits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed `ids` [n] after the cached prefix. Returns (logits of the last n_logits
-        positions [n_logits, V] float32, final hidden state of the last position [H])."""
         return self._run(ids, n_logits, False)
 
     @torch.inference_mode()
     def forward_hidden(self, ids: torch.Tensor, n_logits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward`, with the final hidden state of every fed row [n, H] (a feature drafter reads them). Run
-        eagerly: the captured graphs return the last row only."""
+        """`forward` with every fed row's hidden state [n, H]; eager (the graphs return the last row only)."""
         n = ids.shape[-1]
         if self.length + n > self.max_cache_len:
             raise UserError(f"the static KV cache holds {self.max_cache_len} positions but {self.length + n} are "
@@ -278,25 +246,23 @@ class StaticCausalLM(ShapeGraphs, CausalLM):
 
     @torch.inference_mode()
     def forward_epilogue(self, ids: torch.Tensor, n_logits: int, epilogue, with_head: bool = False):
-        """`forward` (or forward_with_head) followed by epilogue(logits, hidden, accept), in the same graph on a
-        graph runtime; returns the epilogue's output (decoding/graph_round.py)."""
+        """`forward` (or forward_with_head) then epilogue(logits, hidden, accept) in the same graph
+        (decoding/graph_round.py); returns the epilogue's output."""
         if with_head and self.head is None:
             raise UserError("forward_epilogue(with_head=True) needs an acceptance head: pass head=... to StaticCausalLM")
         return self._run(ids, n_logits, with_head, epilogue)[0]
 
     @torch.inference_mode()
     def forward_with_head(self, ids: torch.Tensor, n_logits: int = 1):
-        """`forward` plus the acceptance head on the last hidden state, in the same graph:
-        (logits [n_logits, V], hidden [H], acceptance probability [] float32)."""
+        """`forward` plus the acceptance head's probability [] float32 of the last hidden state, in the same graph."""
         if self.head is None:
             raise UserError("forward_with_head needs an acceptance head: pass head=... to StaticCausalLM")
         return self._run(ids, n_logits, True)
 
     @torch.inference_mode()
     def attach_head(self, head) -> None:
-        """Evaluate `head` in forward_with_head (contract.HeadRunner). A captured graph reads the head's
-        parameters by address, so a head of the attached one's shape (the same head loaded again for the next
-        generation) is copied into the attached tensors; another shape replaces it and its graphs go."""
+        """contract.HeadRunner. A captured graph reads the head's parameters by address, so a head of the attached
+        one's shape is copied into its tensors; another shape replaces it and its graphs go."""
         if head is None or head is self._attached:
             return
         mine = None if self.head is None else self.head.state_dict()
@@ -317,8 +283,7 @@ class StaticCausalLM(ShapeGraphs, CausalLM):
 
     @torch.inference_mode()
     def tree_forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor, logit_from: int = 0):
-        """Feed `ids` [n] into slots length..length+n-1 with the visibility pattern attend
-        [n, length + n] and position ids `positions` [n] (eager; contract.TreeRunner)."""
+        """contract.TreeRunner (eager)."""
         n = ids.shape[0]
         kv = self.length + n
         if tuple(attend.shape) != (n, kv):
@@ -337,8 +302,7 @@ class StaticCausalLM(ShapeGraphs, CausalLM):
         return logits, h
 
     def _tree_hidden(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Final hidden states [n, H] of ids [n] at position ids `positions` [n], K/V written to slots
-        pos..pos+n-1, attention masked by the additive mask [n, max_cache_len]."""
+        """Final hidden states [n, H] of ids [n] at `positions`, K/V written to slots pos.., under the additive mask."""
         n = ids.shape[0]
         out = self.base(input_ids=ids.view(1, n), attention_mask=mask.view(1, 1, n, -1),
                         position_ids=positions.view(1, n), **model_kv(self.base, self.cache), use_cache=True)
@@ -346,7 +310,6 @@ class StaticCausalLM(ShapeGraphs, CausalLM):
 
     @torch.inference_mode()
     def compact(self, base: int, extra: list[int]):
-        """Keep slots [0, base) then the slots `extra` in order (the accepted tree path)."""
         n = len(extra)
         if extra != list(range(base, base + n)):
             idx = torch.tensor(extra, dtype=torch.long, device=self.device)
@@ -359,10 +322,8 @@ class StaticCausalLM(ShapeGraphs, CausalLM):
 
 
 class FusedCausalLM(StaticCausalLM):
-    """StaticCausalLM whose layers are fused.FusedDecoder: same arguments, same contract (tree hooks
-    included), several times fewer kernels per step. For Qwen2 and Llama models with plain linear
-    layers; others are refused before any weight moves (fused.unsupported_reason). The model's q/k/v
-    and gate/up weights become views of the fused matrices (values unchanged)."""
+    """StaticCausalLM over fused.FusedDecoder: same arguments and contract; models it cannot run are refused
+    before any weight moves."""
 
     fused = True
 

@@ -1,10 +1,5 @@
-"""The torch engine's loader: Hugging Face weights (the default pair: the fetched GGUFs dequantized to
-bf16) on KV runners (runner.CausalLM, or static_runner's static cache), as engines.Loaded.
-
-dtype "auto": bf16, or fp32 on a CPU without bf16 kernels (cpu.py). The draft may be made cheaper
-without touching exactness: draft_quant "int8" / "int4" (weight-only), draft_vocab N | FILE | FILE:N
-(its output layer keeps the N most frequent tokens; vocab.py).
-"""
+"""The torch engine's loader: Hugging Face weights on KV runners (runner.CausalLM, or static_runner's), as
+contract.Loaded."""
 from __future__ import annotations
 
 import torch
@@ -22,9 +17,9 @@ log = get_logger(__name__)
 
 
 def runtime_for(kv_cache: str, runtime: str, device: torch.device) -> tuple[str, str]:
-    """(kv_cache, runtime) with "auto" resolved for `device`: on a GPU the static cache and compiled graphs (at
-    batch 1 a step's time is its kernel launches, which a graph replays as one), on the CPU the dynamic cache
-    run eagerly (graphs buy nothing there). GPU-only choices on a CPU are refused here, before any weights."""
+    """(kv_cache, runtime) with "auto" resolved for `device`: on a GPU the static cache and compiled graphs (a
+    step's time is its kernel launches), on the CPU the dynamic cache run eagerly. Refuses GPU-only choices
+    on a CPU before any weights."""
     cuda = device.type == "cuda"
     kv_cache = ("static" if cuda else "dynamic") if kv_cache == "auto" else kv_cache
     if runtime == "auto":
@@ -59,11 +54,8 @@ def load_pair(params) -> Loaded:
 def from_models(target_model, tokenizer, draft_model=None, draft_tokenizer=None, kv_cache: str = "auto",
                 runtime: str = "auto", max_cache_len: int | None = None, k_max: int = 20,
                 fused: bool | str = "auto") -> Loaded:
-    """Runners over Hugging Face models already loaded. kv_cache "dynamic": growing KV caches (any model,
-    any device); "static": preallocated caches indexed by position, with runtime eager | cudagraph |
-    compile (GPU), graphs captured for the shapes a round of up to k_max candidates feeds (and more
-    through Loaded.prepare); "auto" for either: runtime_for. fused: the fused decoder (backends/fused.py)
-    over the static cache; "auto": where the static cache runs on a GPU and the model is supported."""
+    """Runners over Hugging Face models already loaded ("auto": runtime_for, _fused_for); graph runtimes are
+    captured for rounds of up to k_max candidates (more through Loaded.prepare)."""
     vocab = None
     if draft_model is not None:
         vocab = check_vocab(draft_tokenizer or tokenizer, tokenizer, draft_model, target_model)
@@ -92,9 +84,7 @@ def _fused_for(model, fused: bool | str, kv_cache: str) -> bool:
 
 
 def _graph_warmup(target, draft, runtime: str):
-    """The pair's `prepare(k_max, head)`: capture (or compile) the graphs a round of up to k_max candidates
-    feeds, once per length, and the draft's steps with `head` in their graph, so nothing captures inside a
-    timed decode (SpecPair calls it with each policy's k_max and graph_head)."""
+    """The pair's `prepare(k_max, head)` (contract.Loaded), each shape captured once."""
     done = {"k": -1, "head": False}
 
     def prepare(k_max: int, head=None) -> None:

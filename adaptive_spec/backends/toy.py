@@ -1,9 +1,5 @@
-"""Tiny random Hugging Face models and a word-level tokenizer: smoke runs of the benchmarks, and the tests.
-
-Real Qwen2/Llama code paths (KV cache, crop, position ids) run on them, so a smoke run exercises the
-same runtime as the default pair, in milliseconds. In the package (not only tests/) because eval/'s
---smoke runs build them too, and eval/ imports nothing from tests/.
-"""
+"""Tiny random Hugging Face models and a character-level tokenizer, running the real Qwen2/Llama code paths in
+milliseconds: for the tests and eval/'s --smoke runs (which import nothing from tests/)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,11 +10,8 @@ CHAT_TEMPLATE = "{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}"
 
 
 def make_tokenizer(vocab_size: int):
-    """Character-level byte-BPE tokenizer (no merges): ids 0..3 are specials, then a-z, space, 0-9.
-
-    It is a real Qwen2Tokenizer, because transformers picks the tokenizer class from the
-    model's config when loading a folder, so a tiny Qwen2 model needs a Qwen2 tokenizer.
-    """
+    """Character-level Qwen2Tokenizer (transformers picks the class from a folder's model config): ids 0..3
+    are specials, then a-z, space, 0-9."""
     import string
 
     from transformers import Qwen2Tokenizer

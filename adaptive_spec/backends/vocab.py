@@ -1,10 +1,7 @@
-"""A reduced draft vocabulary (FR-Spec): the draft's output layer keeps the V' most frequent tokens.
-
-Why: the output layer is a small draft's largest matrix (27% of Qwen2.5-Coder-0.5B's bytes), and a decode
-step streams all of it. Exactness is untouched: q is zero off the kept tokens, and verification's residual
-max(0, p - q) gives each of them its target probability; the cost is acceptance on rare tokens. A token
-list is a safetensors file, `ids` (most frequent first) and `counts`, whose metadata names the tokenizer
-it was counted with, so a list for another tokenizer is refused. `adaptive-spec draft-vocab` builds one."""
+"""A reduced draft vocabulary (FR-Spec): the draft's output layer, its largest matrix, keeps the V' most frequent
+tokens. q is zero off them and verification's residual gives them their target probability, so only
+acceptance on rare tokens is lost. A token list is a safetensors file (`ids`, most frequent first, and
+`counts`) whose metadata names its tokenizer, so a list for another is refused."""
 from __future__ import annotations
 
 import hashlib
@@ -67,10 +64,7 @@ def load_token_list(path: str | Path, tok) -> torch.Tensor:
 
 
 def resolve_draft_vocab(spec, tok, vocab_size: int) -> torch.Tensor | None:
-    """Kept token ids for `--draft-vocab N|FILE` (None/0-less "full"/"none": the whole vocabulary).
-
-    N takes the N most frequent ids of the list shipped for this tokenizer (the default pair's);
-    FILE takes every id of a list built by `adaptive-spec draft-vocab`, or FILE:N its first N."""
+    """Kept token ids (sorted) for `--draft-vocab N | FILE | FILE:N` (N: from the shipped list); None: all."""
     parsed = parse_draft_vocab(spec)
     if parsed is None:
         return None

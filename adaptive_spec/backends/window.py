@@ -1,11 +1,6 @@
-"""A draft that sees only the end of the prompt: its prefill, and so the time before the first token,
-shrinks to `window` tokens whatever the prompt's length (`--draft-context W`).
-
-Rejection sampling keeps the output exactly the target's whatever context the draft was given, so a
-shorter one costs acceptance, never correctness; on long prompts the draft's prefill is most of what
-speculation adds before the first token. `WindowedDraft` wraps any runner: the first feed after a reset
-keeps only its last `window` tokens, and `length` counts the skipped tokens too, so rollback and the
-rounds need nothing else."""
+"""A draft that sees only the end of the prompt (`--draft-context W`): its prefill, most of what speculation
+adds before the first token, shrinks to W tokens, at a cost in acceptance only. `length` counts the skipped
+tokens too, so rollback and the rounds need nothing else."""
 from __future__ import annotations
 
 
@@ -16,8 +11,7 @@ class WindowedDraft:
         if window < 1:
             raise ValueError(f"the draft's window must be >= 1 token, got {window}")
         self.inner, self.window, self.skipped = inner, int(window), 0
-        # the contract's attributes are the inner runner's, and so are its counters: one set, which the
-        # decoder restarts and reads, and the inner runner adds to
+        # the contract's attributes are the inner runner's, counters included (one set)
         self.vocab_size, self.device, self.max_length = inner.vocab_size, inner.device, inner.max_length
         self.counters = inner.counters
         # what a head and the cost cache read of a draft
@@ -42,8 +36,7 @@ class WindowedDraft:
         self.skipped = 0
 
     def fresh(self):
-        """A runner on the same weights for work beside the decode (the oracle's hindsight): the whole
-        context, not the window (a teacher-forced pass over prompt and answer asks for rows past it)."""
+        """A runner on the same weights with the whole context (a teacher-forced pass asks for rows past the window)."""
         return self.inner.fresh()
 
     def fingerprint(self) -> str:

@@ -1,10 +1,6 @@
-"""What the GPU benchmarks share (eval/bench_gpu.py, eval/gpu_check.py): the memory-bandwidth roofline,
-timing loops with no host sync inside, transformers' compiled `generate` as a baseline, Eq. 5.1 of
-SpecDec++ turning measured step times and acceptance statistics into ESTIMATED speed-ups (a model, not a
-measurement: eval/gpu_check.py sets replayed traces beside it), and for those replays the trace sweep read
-(its rows, the recorded policies' stop rules, the head's curve) and the best replayed h and K set beside
-`--threshold auto`'s and `--k auto`'s picks from the step times measured on the device.
-"""
+"""What the GPU benchmarks share (eval/bench_gpu.py, eval/gpu_check.py): the bandwidth roofline, timing loops
+with no host sync inside, transformers' compiled `generate` as a baseline, Eq. 5.1's ESTIMATED speed-ups (a
+model, not a measurement), and for the trace replays the trace sweep and auto's picks beside the best replayed."""
 from __future__ import annotations
 
 import json
@@ -115,14 +111,9 @@ def _policy_key(row: dict) -> str:
 
 
 def load_stats(paths) -> dict:
-    """Per-policy acceptance statistics, from any of:
-      * results.jsonl of an `adaptive-spec sweep` or a former bench_decode run (one Metrics row per run:
-        counts are summed per config [and temperature]);
-      * a JSON list of such rows;
-      * a JSON object {name: {...}} or {"policies": {name: {...}}} where {...} holds counts
-        (n_tokens, n_target_forwards, n_discarded[, n_draft_forwards]) or rates
-        (tokens_per_target_forward, discard_rate[, draft_forwards_per_token]).
-    Returns {name: {"target_per_token", "draft_per_token", "discard_rate", "tokens_per_target_forward"}}."""
+    """Per-policy acceptance statistics {name: {"target_per_token", "draft_per_token", "discard_rate",
+    "tokens_per_target_forward"}} from a sweep's results.jsonl (counts summed per config and temperature), a JSON
+    list of such rows, or a JSON object {name: counts or rates} (optionally under "policies")."""
     rows, named = [], {}
     for p in paths:
         text = Path(p).read_text()
@@ -175,9 +166,8 @@ def stats_of(rows: list[dict], named: dict | None = None) -> dict:
 
 
 def interp(table: dict, x: float) -> float:
-    """Piecewise-linear interpolation of {int n: ms} at x. Past the ends it extends from the nearest
-    measured point with the least-squares slope over all points, floored at zero: a longer pass is
-    never cheaper, and one noisy neighbour must not tip the estimate below zero."""
+    """Piecewise-linear interpolation of {int n: ms} at x; past the ends, the least-squares slope over all points
+    (floored at zero: one noisy neighbour must not make a longer pass cheaper)."""
     ks = sorted(int(k) for k in table)
     t = {int(k): float(v) for k, v in table.items()}
     if len(ks) == 1:
@@ -327,10 +317,9 @@ def measured_costs(draft_row: dict, target_row: dict, loop: dict | None):
 
 
 def replay_picks(policies: list[dict], curve: dict | None, costs, loop: str, k_max: int) -> dict:
-    """Per kind ("h": SpecDec++, "k": fixed K) with two or more values replayed: the value of the best replayed
-    tok/s, and auto's pick (auto.pick, the engine's time model, these costs) from the curve's points at
-    the replayed values (and at all of them, `unrestricted`), with its replayed tok/s over the best's (the target
-    alone competes in both, as in auto)."""
+    """Per kind ("h": SpecDec++, "k": fixed K) with two or more values replayed: the best replayed value, and
+    auto's pick at these costs from the curve's points at the replayed values (`unrestricted`: at all of them),
+    with its replayed tok/s over the best's."""
     from ..decoding.auto import AR, DEFAULT_TIME_MODEL, pick
 
     kinds, by = {"learned": "h", "fixed": "k"}, {"h": {}, "k": {}}

@@ -6,10 +6,8 @@ costs measured once (cached) and each configuration's tok/s predicted from them,
     adaptive-spec probe --backend llama.cpp --workload code          # priced for code prompts
     adaptive-spec probe --backend llama.cpp --prompts my.jsonl       # priced at the acceptance on your prompts
 
-It loads the pair as `generate` does and takes the forward costs through the calls `--threshold auto`
-and `--k auto` make (resolve_auto over measure_costs, cached per machine and pair: after a probe,
-`generate` with auto measures nothing). Each configuration is priced with auto's time model from the
-head's offline curve (counts per h and per K: the head and the data, not the machine):
+It loads the pair as `generate` does and measures the costs `--threshold auto` and `--k auto` read (cached,
+so `generate` with auto then measures nothing). Each configuration is priced with auto's time model:
 
     target alone        one step a token
     fixed K             the curve's best K at the workload's counts (by default `--k auto`'s pick)
@@ -19,19 +17,14 @@ head's offline curve (counts per h and per K: the head and the data, not the mac
                         long verbatim copy
     combined            both replayed jointly along those answers (combined_counts)
 
-`--workload` (chat, code, math, or a comma-separated mix in equal parts) prices at the counts of those
-kinds' dev answers (WORKLOADS) instead of all of them pooled: acceptance and copying differ by kind.
-`--threshold auto` still picks h from the pooled curve, as a generation does. `--prompts FILE|SET`
-prices at the acceptance on those prompts instead: the pair answers a few of them first, within
-`--prompts-budget-s` (auto/acceptance.py), and h and K are picked from their curve, as
-`generate --auto-prompts` picks them. Decode tok/s leave prefill out; wall tok/s add it for
---prompt-tokens at the measured prefill rates. eval/bench_probe.py checks the predictions."""
+`--workload` prices at those kinds' dev answers (h still picked from the pooled curve, as a generation does);
+`--prompts` at answers recorded on the user's prompts, h and K picked from their curve as
+`generate --auto-prompts` picks them. Decode tok/s leave prefill out; wall tok/s add it."""
 from __future__ import annotations
 
 import json
 import sys
 import time
-
 from pathlib import Path
 
 from .. import params
@@ -49,8 +42,7 @@ COPY_DATA = "data/datagen/mix"
 
 
 def dev_answers(data_dir=None) -> Answers | None:
-    """The dev answers of a datagen run (default COPY_DATA, the committed heads' data: ShareGPT, code, GSM8K-train
-    and MBPP prompts, none of the benchmark sets) as auto's replays read them; None where the data is absent."""
+    """The dev answers of a datagen run (default COPY_DATA) as auto's replays read them; None where absent."""
     from ..runs import PROJECT_ROOT, read_manifest
     from ..training.autotune import responses
 
@@ -67,12 +59,9 @@ def dev_answers(data_dir=None) -> Answers | None:
 def run(pair_params, head: str | None = DEFAULT_HEAD, temperature: float = 1.0, prompt_tokens: int = 128,
         max_new_tokens: int = 128, reps: int | None = None, cache: bool = True, ran: dict | None = None,
         workload=None, prompts=None, prompts_budget_s: float | None = None, prompts_cache: bool | None = None) -> dict:
-    """Load the pair, measure its costs (or read them from the cache) and predict (see `predict`); with the
-    machine, how long loading and measuring took, and where the costs are cached. cache=False: measure
-    afresh, reading and writing no cache (a second measurement of the same machine); `ran`: see predict.
-    `prompts` (auto.load_texts' (texts, label)): record answers to them first, for `budget_s` at most
-    (auto.measure, cached as the costs are, or as `prompts_cache` says: a second measurement of the
-    machine prices at the answers the first one recorded), and price at their acceptance."""
+    """Load the pair, measure its costs (cache=False: afresh, no cache read or written) and `predict`, with the
+    machine and the times taken. `prompts` (auto.load_texts' result): record answers to them first, cached as
+    the costs are unless `prompts_cache` says otherwise, and price at their acceptance."""
     from transformers.utils import logging as hf_logging
 
     from ..backends.cpu import describe
@@ -145,8 +134,7 @@ def render(result: dict) -> str:
 
 
 def _acceptance_line(acceptance: dict | None) -> str:
-    """Whose acceptance priced the configurations: the user's prompts (with the curve file auto can read) or the
-    dev answers."""
+    """Whose acceptance priced the configurations."""
     if not acceptance or acceptance.get("source") != "prompts":
         return "acceptance: the dev answers (the head's threshold curve; --prompts FILE|SET measures your own)"
     curve = acceptance.get("curve_file")
@@ -158,8 +146,6 @@ def _priced_for(result: dict) -> str:
     if (result.get("acceptance") or {}).get("source") == "prompts":
         return "your prompts (--prompts)"
     return describe_workload(result.get("workload", MIX))
-
-
 
 
 def _main(argv) -> int:

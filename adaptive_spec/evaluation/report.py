@@ -2,17 +2,9 @@
 
     adaptive-spec report --sweep-dir runs/sweep/paper [--out report.md] [--aggregate pooled|mean]
 
-Reads <sweep-dir>/results.jsonl (+ heads.json, config.json) and writes a markdown report (default
-<sweep-dir>/report.md) with pareto_<dataset>.png beside it; docs/evaluation.md lists what it holds.
-With tree / multi-draft rows also the best configuration of every family, accepted tokens per pass
-vs drafted tokens per round (accepted_vs_drafted_<dataset>.png) and ERSD's Fig. 3 comparison.
-
-Aggregation over prompts. "pooled" (default): ratios of sums, so every token weighs the same (this
-matches total time, Eq. 3.1, summed over prompts); "mean": the mean of per-prompt values. Speed-ups
-against autoregressive decoding are paired per prompt (the prompt's configurations ran back to back)
-and averaged geometrically, over the prompts every configuration of the dataset finished, so an
-interrupted sweep compares like with like. Measured tokens/s are end to end; the forward-time fits
-use decode time, wall - prefill, because N_draft / N_target count decoding forwards only."""
+Writes <sweep-dir>/report.md with its plots beside it (docs/evaluation.md lists what it holds). Speed-ups
+are paired per prompt, over the prompts every configuration finished, so an interrupted sweep compares
+like with like."""
 from __future__ import annotations
 
 import argparse
@@ -100,8 +92,7 @@ def _costs(sweep_dir: Path, cfg_info: dict) -> tuple:
 
 
 def _intro(name: str, cfg_info: dict, how: str, results: list[DatasetResult], cpu: list[str]) -> list[str]:
-    """Title, the CPU (cpu_lines), the sweep's settings, how prompts are aggregated, notes, and
-    what each dataset holds."""
+    """Title, CPU, the sweep's settings, the aggregation, notes, and what each dataset holds."""
     cfg = cfg_info.get("config", {})
     pair = cfg.get("pair", {})
     md = [f"# SpecDec++ sweep report: {name}", "", *cpu]
@@ -134,8 +125,7 @@ def _figure3(results: list[DatasetResult], folder: Path, heads_order: list[str],
 
 
 def _tables(results: list[DatasetResult], heads_info: dict, trees: list[str]) -> list[str]:
-    """Tables 1-3 (`trees`, the tree sections, after Table 1), Eq. 3.2, the peer comparison and
-    every configuration."""
+    """Tables 1-3 (the tree sections after Table 1), Eq. 3.2, auto, the peer and every configuration."""
     t2, terr = table2(results)
     md = ["", "## Table 1: throughput (tokens/s)", "", table1(results)] + trees + ["",
           "## Table 2: forward times (Eq. 3.1 least squares, no intercept)", "",
@@ -190,12 +180,8 @@ NOT_A_CHOICE = ("draft_ar", "oracle")
 
 
 def in_short(sweeps: list[tuple[str, list[DatasetResult], object, str]]) -> list[str]:
-    """The report's first lines, generated from the rows: per dataset, the fastest configuration on this
-    machine, by how much against the target alone (the first sweep's engine), and why: a round of the best
-    speculative configuration priced in target steps, with the costs the sweep measured for `auto`
-    (costs.json: Costs, and the engine's time model) or, without them, the forward times fitted to its rows
-    (Table 2). Where `auto` picked the target alone, the line says so first.
-    `sweeps`: (engine, its analysis, its Costs or None, its time model)."""
+    """The report's first lines: per dataset, the fastest configuration, by how much against the target alone (the
+    first sweep's engine), and why (_why). `sweeps`: (engine, its analysis, its Costs or None, its time model)."""
     labels = list(dict.fromkeys(d.label for _, results, _, _ in sweeps for d in results))
     lines = []
     for label in labels:
@@ -209,16 +195,14 @@ def in_short(sweeps: list[tuple[str, list[DatasetResult], object, str]]) -> list
 
 
 def _choices(d: DatasetResult) -> list:
-    """What a user runs, as it ran: the target alone and every configuration that drafted. Not the draft alone
-    nor the hindsight oracle, and not a configuration that drafted nothing (an auto pick of the target alone):
-    that is the target alone again, and its edge over it noise."""
+    """What a user runs: the target alone and every configuration that drafted (an auto pick of the target alone
+    is the target alone again, its edge over it noise)."""
     return [a for a in d.aggs.values() if not math.isnan(a.tokens_per_s) and a.method not in NOT_A_CHOICE
             and (a.method == "ar" or a.speculated)]
 
 
 def _verdict(label: str, found: list, cands: list) -> str:
-    """One dataset's line of in_short: `auto`'s pick of the target alone first, where it made one; the fastest
-    configuration, or the target alone and then the fastest that speculated; other engines' best; why."""
+    """One dataset's line of in_short."""
     base_engine, base_d = found[0][0], found[0][1]
     base = base_d.get("ar")
     several = len(found) > 1
@@ -249,8 +233,8 @@ def _verdict(label: str, found: list, cands: list) -> str:
 
 
 def _why(found, spec) -> str | None:
-    """The best speculative configuration's round in target steps, at the measured costs of its engine
-    (or the times fitted to its rows)."""
+    """The best speculative configuration's round in target steps, at its engine's measured costs (costs.json)
+    or the times fitted to its rows."""
     if not spec:
         return None
     engine, d, a = max(spec, key=lambda c: c[2].tokens_per_s)

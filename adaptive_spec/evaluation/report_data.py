@@ -1,9 +1,6 @@
-"""A sweep's rows, aggregated for the report: loading, per-configuration aggregation over prompts,
-the forward-time fits, the per-dataset analysis and the tree families.
-
-The report's numbers all come from here; report_tables.py and report_plots.py only lay them out
-(report.py's docstring says how prompts are aggregated).
-"""
+"""A sweep's rows aggregated for the report: every number the report shows comes from here (pooled: ratios of
+sums, every token weighing the same; mean: of per-prompt values); report_tables.py and report_plots.py only
+lay them out."""
 from __future__ import annotations
 
 import math

@@ -1,8 +1,4 @@
-"""The report's markdown tables: Tables 1-3, the Eq. 3.2 decomposition, auto, the peer comparison,
-every configuration, the time breakdown, the engines side by side and the tree families' tables.
-
-Each takes report_data.py's analysis and returns markdown (or lines of it).
-"""
+"""The report's markdown tables, each from report_data.py's analysis."""
 from __future__ import annotations
 
 import json

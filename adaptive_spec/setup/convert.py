@@ -11,15 +11,9 @@ from .pair import disk_errors, log_step
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, dtype=None, quiet: bool = False) -> Path:
-    """Turn a GGUF file into a plain Hugging Face folder (safetensors in `dtype`, default bf16).
-
-    transformers' GGUF loader dequantizes the weights, but the model it returns still carries a
-    GGUF `quantization_config` (and quantizer), which would make a saved copy try to load as
-    GGUF again. So the model is rebuilt from a copy of its config without that entry, taking
-    over the loaded tensors (assign=True, so no second copy of the weights is allocated), and
-    that clean model is saved together with the GGUF's tokenizer and chat template.
-    Writes into out_dir (created if needed); returns out_dir.
-    """
+    """Turn a GGUF file into a plain Hugging Face folder (safetensors in `dtype`, default bf16); returns out_dir.
+    The loaded model still carries the GGUF `quantization_config`, which would make a saved copy load as GGUF
+    again, so it is rebuilt without it over the same tensors (no second copy of the weights)."""
     import torch
 
     dtype = torch.bfloat16 if dtype is None else dtype

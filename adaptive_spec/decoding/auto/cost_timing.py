@@ -14,10 +14,8 @@ from ...errors import UserError
 from ...timing import timed
 from ..sampling import SamplingParams, draw, process_logits, verify, verify_greedy
 
-# The cached context the passes are timed after: that of a typical decode (a prompt and half a
-# response), not a short one. Time grows with context, the draft's faster than the target's, so
-# c = t_draft / t_target grows with it (eval/results/bench_verify_lengths_avx512/table.md): timed
-# after a short context, `auto` takes the draft for cheaper than it is and drafts too much.
+# The cached context the passes are timed after: a typical decode's, as c = t_draft / t_target grows with
+# context and timed after a short one, `auto` would draft too much.
 PREFIX = 256
 # The decode's one-row step (decode_step_time): untimed steps first (the first steps after a prefill pay
 # for allocation and a graph of another shape), then DECODE_STEPS_PER_REP timed ones per timing round.
@@ -27,26 +25,20 @@ DECODE_STEPS_PER_REP = 6
 LOOP_SAMPLING = {"greedy": dict(temperature=0.0), "sample": dict(temperature=1.0, top_k=50)}
 
 
-def decode_step_time(lm, reps: int, steps: int | None = None, warmup: int = DECODE_WARMUP,
-                     context: int | None = None) -> float:
+def decode_step_time(lm, reps: int, steps: int | None = None, context: int | None = None) -> float:
     """The one-row step's median seconds (decode_loop_times' first)."""
-    return decode_loop_times(lm, reps, steps, warmup, context)[0]
+    return decode_loop_times(lm, reps, steps, context)[0]
 
 
-def decode_loop_times(lm, reps: int, steps: int | None = None, warmup: int = DECODE_WARMUP,
-                      context: int | None = None) -> tuple[float, float]:
-    """(the step, the loop's own time a step): median seconds of `lm`'s one-row step as the target-alone
-    decode runs it, in the decoder's own loop (no policy, T = 1 top-k 50), each step feeding the token the
-    last one drew, centred on `context` tokens (default PREFIX). A step's time is its forward's, from the
-    runner's counters (the clock's between steps for a runner whose counters book none); the loop's own time
-    is the clock's between steps less that (what a micro-benchmark of sampling leaves out: with_loop_own).
-    Not an interleaved cell rolled back between passes of other lengths (interleaved_times): a runner may do
-    per call what a run of same-shaped calls skips (llama.cpp rebuilds its compute graph when the batch shape
-    changes), so such a cell can cost more than the decode's step; verification passes keep their
-    interleaved cells, as a round runs them between draft steps. `steps` timed steps (default
-    DECODE_STEPS_PER_REP a rep) after `warmup` untimed ones; the runner is left reset, its counters as they were."""
+def decode_loop_times(lm, reps: int, steps: int | None = None, context: int | None = None) -> tuple[float, float]:
+    """(the step, the loop's own time a step): median seconds of `lm`'s one-row step in the decoder's own
+    target-alone loop (T = 1 top-k 50), centred on `context` tokens (default PREFIX), and of the clock between
+    steps beyond it (with_loop_own). Not an interleaved cell: a runner may do per call what a run of
+    same-shaped calls skips (llama.cpp rebuilds its graph when the batch shape changes). `steps` timed steps
+    (default DECODE_STEPS_PER_REP a rep); the runner is left reset, its counters as they were."""
     from ..decoder import Decoder  # the decoder imports the sampling this module does: only where timed
 
+    warmup = DECODE_WARMUP
     steps = max(1, DECODE_STEPS_PER_REP * reps if steps is None else steps)
     n = warmup + steps
     limit = getattr(lm, "max_length", None)
@@ -76,19 +68,15 @@ def decode_loop_times(lm, reps: int, steps: int | None = None, warmup: int = DEC
 
 
 def with_loop_own(loop: dict, own: float) -> dict:
-    """Costs.loop with the loop's bookkeeping added to every row: `own` (decode_loop_times: the loop's
-    seconds a target-alone step beyond its forward, sampling as LOOP_SAMPLING["sample"]) less the sampled
-    row's micro-benchmark is what a row costs beyond processing and drawing (the clock's laps, the metrics,
-    reading the logits, the stop checks); both modes pay it."""
+    """Costs.loop with the loop's bookkeeping added to every row: `own` (decode_loop_times) less the sampled row's
+    micro-benchmark, paid by both modes."""
     extra = max(0.0, own - loop["sample"]["row"]) if "sample" in loop else 0.0
     return {mode: {**parts, "row": parts["row"] + extra, "bookkeeping": extra} for mode, parts in loop.items()}
 
 
 def loop_times(vocab_size: int, device, reps: int = 20) -> dict:
-    """The decode loop's own seconds per sampling mode (Costs.loop): "row", processing a row of logits
-    and drawing a token from it; "round", a verification's part beyond its rows (rejection sampling
-    over 3 candidates, the round's host read). Timed on random logits of the vocabulary's size, on the
-    torch threads the decode will have (one, on the llama.cpp engine)."""
+    """The decode loop's own seconds per sampling mode (Costs.loop): "row", processing a row of logits and
+    drawing from it; "round", a verification's part beyond its rows. Timed on random logits."""
     g = torch.Generator(device=device).manual_seed(0)
     logits = torch.randn(4, vocab_size, generator=g, device=device) * 3
     y = torch.randint(0, vocab_size, (3,), generator=g, device=device)
@@ -127,12 +115,8 @@ def _median_time(fn, reps: int, device) -> float:
 
 
 def monotone(values) -> list[float]:
-    """The non-decreasing sequence closest to `values` in least squares (pool adjacent violators).
-
-    A pass of more tokens never costs less once the runner has picked its kernels: where oneDNN
-    runs M rows slower than M' > M, packed.choose_padding already pads M up to M'. So a
-    measured dip (a 4-token pass timed below a 3-token one, both run as the same padded rows) is
-    timing noise, and pooling the two gives each a time from twice the samples."""
+    """The non-decreasing sequence closest to `values` in least squares (pool adjacent violators): a longer
+    pass never costs less once the kernels are picked (packed.choose_padding), so a dip is timing noise."""
     blocks: list[list[float]] = []  # [mean, count]
     for v in values:
         blocks.append([float(v), 1.0])
@@ -149,11 +133,9 @@ def context_length(lm, longest: int) -> int:
 
 
 def interleaved_times(cells, reps: int, prefill: dict | None = None) -> list[float]:
-    """Median seconds per cell (lm, n tokens, all_logits) of feeding n tokens after a PREFIX-token
-    context. Each round times every cell once, so a slow spell of the machine (these boxes vary
-    1.5x between runs) slows every cell alike instead of whichever length was timed during it;
-    round 0 is a warm-up (allocation, kernel selection). Each runner is left reset and its counters
-    as they were, so measuring never shows up in a generation's metrics."""
+    """Median seconds per cell (lm, n tokens, all_logits) of feeding n tokens after a PREFIX-token context.
+    Each round times every cell once, so a slow spell of the machine slows every cell alike; round 0 is a
+    warm-up. Each runner is left reset, its counters as they were."""
     ctx = prefilled(cells, prefill)
     samples: list[list[float]] = [[] for _ in cells]
     try:
@@ -167,9 +149,9 @@ def interleaved_times(cells, reps: int, prefill: dict | None = None) -> list[flo
 
 
 def prefilled(cells, prefill: dict | None = None) -> dict:
-    """Per runner of `cells` (by id): (runner, its context length, the token ids: the context, then the
-    longest pass it feeds, its counters as they were), its cache holding the context. `prefill` gets each
-    runner's seconds per prompt token (the second prefill: the first pays for allocation)."""
+    """Per runner of `cells` (by id): (runner, its context length, the ids of the context and its longest pass,
+    its counters as they were), its cache holding the context. `prefill` gets each runner's seconds per prompt
+    token (of the second prefill: the first pays for allocation)."""
     ctx = {}
     for lm, _, _ in cells:
         if id(lm) not in ctx:

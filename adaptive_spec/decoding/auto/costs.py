@@ -1,20 +1,9 @@
-"""What a forward pass costs on the running machine: the hardware side of Eq. 5.1.
+"""What a forward pass costs on the running machine, the hardware side of Eq. 5.1: t_draft (one draft step),
+t_target (a one-token target pass) and t_cand (the extra target time per candidate of a K + 1-token pass),
+with the per-length passes kept (monotone) as t_verify for the `table` time model.
 
-    t_draft   one draft step (one token in, its logits out)
-    t_target  a target pass over one token
-    t_cand    the extra target time per candidate in a verification pass of K + 1 tokens
-
-A verification pass of K + 1 = 1..9 tokens is timed, kept (made non-decreasing: `monotone`) as
-t_verify, the `table` time model's costs, and fitted as t_target + t_cand * K. t_cand is near zero
-where a pass reads the weights once whatever K is, but sizeable on an AVX2-only CPU
-(docs/cpu-runtime.md), and Eq. 3.1 has no term for it (timemodel.py has the one with it).
-
-`measure_costs(pair)` times the pair's own runners after a PREFIX-token context: a warm-up round,
-then the median of `reps` rounds. The target's one-row pass is timed as the target-alone decode runs
-it (`decode_step_time`), the interleaved one-row cell kept beside it (t_step_cell). The result is
-cached as JSON in <cache>/costs/<key>.json, the key hashing everything that moves these times (CPU
-and flags, torch threads and version, device, both models' fingerprints, dtypes and kernels, the
-draft's quantization and vocabulary, the runner class); a file that does not parse is measured again."""
+`measure_costs(pair)` times the pair's own runners (cost_timing.py) and caches the result as JSON in
+<cache>/costs/<key>.json, the key hashing everything that moves these times (cost_config)."""
 from __future__ import annotations
 
 import hashlib
@@ -35,17 +24,10 @@ from .cost_timing import PREFIX, decode_loop_times, interleaved_times, loop_time
 log = get_logger(__name__)
 
 VERIFY_LENGTHS = tuple(range(1, 10))  # K + 1 for K = 0..8
-# longer passes, timed too (fewer rounds: they take long) for drafts that copy long spans (ngram.py):
-# their cost per row is not the short passes' (llama.cpp's CPU matrix kernels change at 8 rows per
-# thread, so past that a pass gets cheaper per row; docs/measured.md has the figures), so neither the
-# line through 1..9 nor its last step prices them
+# longer passes, timed too (fewer rounds) for drafts that copy long spans (ngram.py): their cost per row is
+# not the short passes' (kernels change with the row count), so the line through 1..9 does not price them
 LONG_LENGTHS = (12, 16, 24, 32, 48)
-# How the times are taken, in the cache key: times taken another way are measured again. v2: the
-# draft step and every length timed round-robin over 5 rounds, t_verify made monotone; v3: with the
-# prefill rate of both models and the decode loop's own time per row and per round (`loop`); v4: and
-# the LONG_LENGTHS passes; v5: and the draft's two-token pass (t_draft_two); v6: the target's one-row pass
-# timed as the decode runs it (decode_step_time), the interleaved one-row cell kept as t_step_cell; v7:
-# the loop's own time a row includes its bookkeeping, timed in that same loop (with_loop_own).
+# how the times are taken, in the cache key: times taken another way are measured again
 METHOD = "interleaved-monotone-v7"
 
 
@@ -64,14 +46,11 @@ class Costs:
     # sampling, the host read, the rollback) beyond its rows
     loop: dict = None
     t_verify_long: dict = None  # {n: seconds} of the LONG_LENGTHS passes (monotone with t_verify)
-    # a draft pass of two tokens: a round's first draft step after a round whose candidates were all
-    # accepted feeds y_K (never fed to the draft) and the bonus token (decoder.py's cache invariant); where
-    # each row adds compute (a CPU) it costs clearly more than a one-row step, and fixed K = 1 runs it in
-    # most rounds (0: not measured)
+    # a draft pass of two tokens, a round's first after one whose candidates were all accepted (y_K and the
+    # bonus token; decoder.py's cache invariant) (0: not measured)
     t_draft_two: float = 0.0
-    # the target's one-row pass timed as an interleaved cell (rolled back to PREFIX, between passes of other
-    # lengths and the draft's): what t_verify[0] was before it was timed in the decode's own loop; beside it,
-    # how far the two ways of timing one step differ on this machine (0: not measured)
+    # the target's one-row pass timed as an interleaved cell, beside t_verify[0] timed in the decode's own
+    # loop: how far the two ways differ (0: not measured)
     t_step_cell: float = 0.0
 
     def loop_s(self, mode: str, part: str) -> float:
@@ -133,8 +112,7 @@ def cost_config(pair) -> dict:
             config[f"{role}_fingerprint"] = None
             continue
         config[f"{role}_fingerprint"] = lm.fingerprint()
-        # the runner's numeric path: torch's dtype and the CPU kernels chosen at load (oneDNN padding, fp16
-        # rows, int8), llama.cpp's GGUF, library and threads: another path, another time
+        # the runner's numeric path (dtype and kernels chosen at load; llama.cpp's GGUF and threads)
         config[f"{role}_path"] = lm.numeric_path()
     return config
 
@@ -144,15 +122,11 @@ def config_key(config: dict) -> str:
 
 
 def measure_costs(pair, reps: int = 5, cache: bool = True, pin: str | Path | None = None) -> Costs:
-    """This machine's Costs for `pair` (a SpecPair, or anything with CausalLM-like .target and
-    .draft), from the cache when this configuration was measured before.
-
-    `pin` (a JSON path; the sweep's out_dir/costs.json) fixes the measurement for a long job: the
-    first call writes it, later calls (a resumed job) read it back while the machine and the models
-    are the same, and the pair remembers it, so every later measure_costs(pair) (resolve_auto, the
-    tree's node cost) returns that one measurement. Without a pin each load may land on another
-    cache entry: the CPU kernels picked at load (oneDNN padding) are in the key, and one sweep
-    resumed three times picked h = 0.25 then 0.2 and a tree node cost of 0.52, 0.39, then 0.52."""
+    """This machine's Costs for `pair` (anything with runner .target and .draft), from the cache when this
+    configuration was measured before. `pin` (a JSON path) fixes the measurement for a long job: the first
+    call writes it, later ones (a resumed job) read it back while machine and models are the same, and the
+    pair remembers it. Without one each load may land on another cache entry, as the CPU kernels picked at
+    load are in the key, and a resumed job's auto picks would move."""
     pinned = getattr(pair, "pinned_costs", None)
     if pinned is not None:
         return pinned
@@ -271,25 +245,3 @@ def measured_cells(pair) -> list[tuple]:
     two-token steps (with a draft), then the target's passes of every VERIFY_LENGTHS length."""
     return ([(pair.draft, 1, False), (pair.draft, 2, False)] if pair.draft is not None else []) + [
         (pair.target, n, True) for n in VERIFY_LENGTHS]
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-

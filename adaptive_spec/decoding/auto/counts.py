@@ -1,6 +1,5 @@
-"""The counts prediction prices configurations at, where they come from: the head's curve at a workload's mix of
-prompt sources (`--workload`), and prompt lookup and combined replayed along answers (a datagen run's dev
-answers, or the answers recorded on the user's prompts: Answers): what a draft would have copied and drafted there."""
+"""The counts prediction prices configurations at: the head's curve at a workload's mix of prompt sources
+(`--workload`), and prompt lookup and combined replayed along answers (dev answers, or the user's: Answers)."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -125,15 +124,11 @@ def copy_counts(costs, k_max: int, answers: Answers | None, kinds=None) -> dict 
     return None if out is None else {**out, "n_responses": used, "data": answers.where}
 
 
-def combined_counts(costs, head, h: float, cap: int, k_max: int, answers: Answers | None, kinds=None,
-                    samples: int = COMBINED_SAMPLES, seed: int = 0) -> dict | None:
+def combined_counts(costs, head, h: float, cap: int, k_max: int, answers: Answers | None, kinds=None) -> dict | None:
     """The combined configuration's counts (`--policy ngram --fallback learned`, SpecDec++ at h with K <= cap
-    where nothing is copied) over `answers` (pooled, or mixed by kind), replayed jointly: NgramPolicy's own
-    rounds (ngram.replay_copies) with the draft's rounds in between, each K as autotune's replay stops
-    (stop_lengths over the head's p̂ there) and its accepted count drawn from the stored acceptance
-    probabilities (the P_i autotune's replay multiplies), `samples` draws per answer. None
-    without answers. Jointly because the two interact: a copy is taken only where it beats the draft's rounds so
-    far, and a draft round can run past where a copy would start."""
+    where nothing is copied) over `answers` (None without), replayed jointly, as the two interact: NgramPolicy's
+    rounds with the draft's in between, each K as autotune's replay stops and its accepted count drawn from
+    the stored P_i, COMBINED_SAMPLES draws per answer."""
     import numpy as np
 
     from ..interfaces import StopPolicy
@@ -143,12 +138,12 @@ def combined_counts(costs, head, h: float, cap: int, k_max: int, answers: Answer
     if answers is None:
         return None
     model = heads.load_head(head, hidden_size=answers.hidden_size, why="the probe's combined replay",
-                            **({"inputs": heads.INPUTS} if hasattr(heads, "INPUTS") else {}))
+                            inputs=heads.INPUTS)
     lag = 0 if getattr(model, "feature", "token") == "context" else 1
     p = params.NgramParams()
     policy = NgramPolicy(p.ngram_min, p.ngram_max, "auto", k_max, verify_steps=verify_steps_of(costs),
                          fallback=StopPolicy(), draft_steps=costs.c)
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(0)
     by: dict = {}
     for src, P, phat, prompt, response in answers.read(model):
         K = stop_lengths(window_products(phat, cap), h, cap, lag)
@@ -160,9 +155,10 @@ def combined_counts(costs, head, h: float, cap: int, k_max: int, answers: Answer
                 n += 1
             return k, n
 
-        by.setdefault(src, []).extend(replay_copies(policy, prompt, response, model_round) for _ in range(samples))
+        by.setdefault(src, []).extend(replay_copies(policy, prompt, response, model_round)
+                                      for _ in range(COMBINED_SAMPLES))
     out, used = _grouped(by, kinds)
-    return None if out is None else {**out, "n_responses": used // samples, "data": answers.where}
+    return None if out is None else {**out, "n_responses": used // COMBINED_SAMPLES, "data": answers.where}
 
 
 def describe_workload(workload) -> str:

@@ -1,17 +1,11 @@
-"""The threshold curve's replay: the counts a policy produces per token on recorded answers, per h of H_GRID,
-per fixed K of K_GRID and per (h, cap) of CAP_GRID (`curve_of`). `adaptive-spec autotune` runs it on a
-datagen split (the curve's format: heads/curve.py); the probe's `--prompts` on answers recorded on the
-user's prompts (acceptance.py).
+"""The threshold curve's replay (`curve_of`): the counts a policy produces per token on recorded answers, per h
+of H_GRID, fixed K of K_GRID and (h, cap) of CAP_GRID (the format: heads/curve.py).
 
-A dev response X_1..X_T stores at each position P_i = min(1, p_i(Y_i)/q_i(Y_i)), the acceptance
-probability of a draft token Y_i ~ q_i, and the head's input there, giving p̂_i. A round starting at s
-drafts K(s) candidates: the first i at which the policy stops (1 - prod p̂ > h, with the token head's
-one-step lag), capped at k_max and at T - s - 1. It accepts at least j with probability prod_{i<j} P_{s+i}:
-X stands in for the accepted prefix, the output being distributed as the target's, so products of
-single-sample P_i are unbiased. The replay carries the probability w[s] that a round starts at s, so every
-count is an exact expectation and each response's rounds add up to T tokens. Approximations: where datagen
-kept X_i (loss_mask 0) the head input is X_i's state, not Y_i's; the data's sampling settings stand for
-decoding's."""
+A response X_1..X_T stores at each position P_i = min(1, p_i(Y_i)/q_i(Y_i)) for a draft token Y_i ~ q_i, and
+the head's p̂_i. A round at s drafts K(s) candidates (where the policy stops, capped) and accepts at least j
+with probability prod_{i<j} P_{s+i}: X stands in for the accepted prefix, as the output is distributed as
+the target's, so the products are unbiased. Carrying the probability w[s] that a round starts at s makes
+every count an exact expectation."""
 from __future__ import annotations
 
 import numpy as np
@@ -20,10 +14,9 @@ from ...heads.curve import FORMAT
 
 H_GRID = tuple(round(0.05 * i, 2) for i in range(1, 20))
 K_GRID = tuple(range(1, 17))
-# Caps on K replayed with every h. Under a constant verification cost SpecDec++'s threshold alone is
-# the optimal rule (Theorem 4.3) and a cap only loses; on a CPU a pass of more tokens can cost a
-# step more (the kernels' row blocking), and there the best rule is a threshold inside the cheap
-# lengths. Only the `table` time model, which sees that, picks one.
+# Caps on K replayed with every h: under a constant verification cost a cap only loses (Theorem 4.3), but
+# where a longer pass costs a step more the best rule is a threshold inside the cheap lengths; only the
+# `table` time model, which sees that, picks one.
 CAP_GRID = (3, 4, 5, 6, 7, 8, 10, 12)
 
 
@@ -46,11 +39,9 @@ def stop_lengths(phat_windows: np.ndarray, h: float, k_max: int, lag: int) -> np
 
 
 def replay(accept_windows: np.ndarray, K: np.ndarray) -> np.ndarray:
-    """Expected (rounds, drafted, accepted, rounds whose candidates were all accepted, rounds of 0
-    candidates, of 1, ..., of k_hi) over one response of T = len(K) tokens, a round from position s
-    drafting K[s] candidates; accept_windows from window_products(P, >= max K). The per-K rounds say how
-    many verification passes of each length (K + 1 tokens) the policy runs, for the `table` time model;
-    the all-accepted ones, how many of the draft's first steps feed two tokens (y_K and the bonus)."""
+    """Expected (rounds, drafted, accepted, rounds all accepted, rounds of 0 candidates, of 1, ..., of k_hi) over
+    one response of T = len(K) tokens, a round from position s drafting K[s] candidates; accept_windows from
+    window_products(P, >= max K)."""
     T = len(K)
     w = np.zeros(T + 1)
     w[0] = 1.0
@@ -90,9 +81,8 @@ def caps_below(k_max: int) -> list[int]:
 
 
 def curve_of(records, lag: int, k_max: int = 20, with_head: bool = True, h_grid=H_GRID, k_grid=K_GRID) -> dict | None:
-    """The curve's counts over any responses given as training/autotune.responses yields them, (source, P, p̂, prompt ids,
-    response ids) (the probe's recording on a user's prompts gives the same quantities); `lag` the head's (1 for
-    a token head, 0 for a context head); with_head False: the per-K part only. None where there are none."""
+    """The curve's counts over responses as training/autotune.responses yields them, (source, P, p̂, prompt ids,
+    response ids); `lag` the head's (1: a token head); with_head False: the per-K part only. None without any."""
     width = max(k_max, max(k_grid))
     caps = caps_below(k_max)
     tallies = {}

@@ -1,13 +1,6 @@
-"""`--threshold auto` and `--k auto`: SpecDec++'s h, or a fixed K, picked for the running machine without
-a sweep (Theorem 4.3 put to work).
-
-The counts per token, N_target/N and N_discarded/N, depend on the head and the data, not the machine,
-which enters only through the forward times (Eq. 5.1). So `threshold="auto"` (`k="auto"`) loads the
-curve (made offline by `adaptive-spec autotune`), measures or loads this machine's forward times
-(costs.py) and takes the h (K) of best predicted decode throughput under a time model
-(`resolve_auto(model=)`: "extended" by default; "table" prices each pass at its measured length's time,
-a step function of K on CPUs; `eval/fit_time_model.py` says which predicts a sweep better). `k="auto"`
-reads the per-K part of any curve: `--curve`, else the one beside the head."""
+"""`--threshold auto` and `--k auto`: the counts per token depend on the head and the data, the machine only
+through the forward times (Eq. 5.1), so the h (K) of best predicted decode throughput is picked from the
+curve (made offline by `adaptive-spec autotune`) at this machine's measured costs, under a time model."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -26,11 +19,9 @@ AR = "ar"  # an auto pick of no drafting at all
 
 def pick(curve: dict, need: str, costs, model: str = DEFAULT_TIME_MODEL, k_max: int | None = None,
          loop: str | None = None) -> dict:
-    """The h (need "h") or K (need "k") of the curve with the best predicted decode throughput
-    N / T under `model` with the measured `costs`; with every candidate's prediction. For h under
-    the table model (with per-length verification times measured), the curve's capped rounds
-    (`capped`, K <= cap < k_max) compete too, and the pick says its cap as "k_max". `loop`: the
-    sampling mode whose measured loop time is added (cost_timing.LOOP_SAMPLING; None: forwards only)."""
+    """The h (need "h") or K (need "k") of the curve with the best predicted decode throughput under `model`
+    at `costs`, with every candidate's prediction; under the table model the capped points compete too (the
+    pick's cap as "k_max"), and the target alone always. `loop`: the sampling mode whose loop time is added."""
     coef = coef_of(costs, model, loop)
     model = effective_model(costs, model)
     points = curve["thresholds"] if need == "h" else curve["fixed_k"]
@@ -58,11 +49,9 @@ def pick(curve: dict, need: str, costs, model: str = DEFAULT_TIME_MODEL, k_max: 
 
 
 def resolve_auto(pair, params, model: str | None = None, temperature: float | None = None):
-    """(params, pick): a fixed or learned PolicyParams with k / threshold "auto" replaced by the
-    pick for this machine (the params unchanged and None when nothing is automatic; None for the
-    params when the pick is the target alone). Picks are remembered on the pair and printed once, with a
-    warning where the decode is greedy and the curve replays sampled acceptance (or the other way
-    round). PolicyParams checked the curve exists and that auto belongs to the policy."""
+    """(params, pick): PolicyParams with k / threshold "auto" replaced by this machine's pick (unchanged and None
+    when nothing is automatic; None for the params when the pick is the target alone). Picks are remembered
+    on the pair and printed once, warned where the curve's sampling is not the decode's."""
     need = ("h" if getattr(params, "threshold", None) == "auto" and params.name == "learned"
             else "k" if getattr(params, "k", None) == "auto" and params.name == "fixed" else None)
     if need is None:

@@ -1,8 +1,5 @@
-"""Prediction's prices: each configuration's decode tok/s at the measured costs, from the counts of a curve or
-a replay (`price_*`, each returning a Priced), and the reason in words rendered apart from the numbers (WHY).
-
-prediction.py chooses what to price (auto's picks, the workload's counts, the answers replayed) and calls these;
-`row_of` turns a Priced into the result row the probe prints and eval/bench_probe.py checks."""
+"""Prediction's prices: each configuration's decode tok/s at the measured costs (`price_*`, each a Priced), and
+its reason in words rendered apart (WHY); `row_of` makes the row the probe prints."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -30,9 +27,8 @@ def curve_point(curve: dict, need: str, value, cap=None) -> dict:
 
 
 def copy_round(costs, coef: dict, k_max: int) -> dict:
-    """A round of a long verbatim copy under `--policy ngram --k auto`: the K copies ngram.best_k takes
-    (a match of COPY_MATCH tokens, CopyAcceptance's prior, v(n) as measured) at the rate it settles to
-    (Dinkelbach's rule: lambda the tokens per step so far); with its expected tokens and its tok/s."""
+    """A round of a long verbatim copy under `--policy ngram --k auto`: the K ngram.best_k takes at the rate it
+    settles to (Dinkelbach's rule), with its expected tokens and tok/s."""
     from ..ngram import CopyAcceptance, best_k, verify_steps_of
 
     a = CopyAcceptance().predict(COPY_MATCH, min(k_max, COPY_MATCH))  # at most as many copies as match
@@ -217,10 +213,8 @@ WHY = {"ar": _why_ar, "fixed": _why_fixed, "auto": _why_auto, "lookup": _why_loo
 
 def timed(costs: dict, rate: float, drafts: bool, catch_up: bool, prompt_tokens: float,
           n_tokens: float) -> tuple[float, float | None]:
-    """(decode, wall) tok/s of n_tokens after a prompt of prompt_tokens, decoded at `rate`: wall adds the prompt's
-    prefill at the measured rates, the draft's too where it drafts, as a generation's auto pick states it
-    (picker.predicted_wall; None without measured prefill rates). `catch_up`: the draft reads the prompt in
-    its first round instead (the n-gram policy's fallback), so its prefill falls in decode time."""
+    """(decode, wall) tok/s of n_tokens after a prompt of prompt_tokens at `rate` (wall: picker.predicted_wall).
+    `catch_up`: the draft reads the prompt in its first round (the n-gram fallback), in decode time."""
     wall = predicted_wall({"costs": costs, "value": 1 if drafts else AR, "tokens_per_s": rate}, prompt_tokens,
                            n_tokens).get("wall_tokens_per_s")
     if not catch_up:

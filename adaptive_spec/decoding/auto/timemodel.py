@@ -1,38 +1,17 @@
-"""Time models of a generation: SpecDec++'s forward-time model (Eq. 3.1), and the models fitted
-to sweep rows and compared.
-
-Eq. (3.1)   T_total = t_draft * N_draft + t_target * N_target
-Lemma 3.1   with N_draft + N_target = N + N_discarded, T_total = T_0 + t_draft * N_discarded
-            + (t_target - t_draft) * N_target, T_0 = t_draft * N the oracle time (Eq. 3.2)
-Eq. (5.1)   latency T_total / N = t_draft + t_draft * N_discarded/N + (t_target - t_draft) * N_target/N
+"""Time models of a generation: SpecDec++'s Eq. 3.1 (and Lemma 3.1's decomposition), and the models fitted to
+sweep rows and compared.
 
     paper      T = t_draft N_draft + t_target N_target                     (Eq. 3.1)
     extended   T = t_draft N_draft + t_target N_target + t_cand N_drafted
     table      T = t_draft N_draft + sum_n t_verify(n) N_pass(n)            (measured costs only)
 
-`fit_forward_times` fits by least squares through the origin (Eq. 3.1 has no intercept) and reports
-the centred R^2, 1 - SS_res / sum (T - mean T)^2, the stricter of the two usual definitions.
-T is the decode time, wall_s - prefill_s: the counts are of decoding forwards only, and prefill
-depends on the prompt's length, which the counts do not carry (a fitted constant would take that
-for model error; picking h or K never needs it, prefill being the same whatever the policy).
-
-N_pass(n) counts the target passes of n tokens (target_pass_hist). On a CPU t_verify(n) is a step
-function, not a line (oneDNN's packed GEMM blocks rows), so the table model takes costs.py's
-measured per-length times; too many coefficients to fit from rows, it is scored with measured costs
-only, and falls back to the extended model's terms without a histogram. t_cand, the extra target time
-per candidate, is sizeable where each input row adds compute (fp32 on AVX2), near zero where a pass
-reads the weights once whatever K is.
-
-Measured costs add two terms Eq. 3.1 leaves out. t_catch_up: a two-token draft step's extra cost,
-paid after each all-accepted round (N_all_accepted); without it small fixed K is priced too fast.
-t_feed: where copying rounds run between the draft's rounds, the draft's first step feeds every
-token they made, N_fed_extra tokens beyond two at the draft's prefill rate.
-
-Identification: on speculative chain rows N_draft = N_drafted, so only t_draft + t_cand is
-identified; the two separate on draft-only rows and tree rounds. Models are therefore fitted on all
-rows and scored on the speculative ones (`rank_ok` False where the rows do not identify a model).
-Scores: the centred R^2 of decode time, and per configuration the relative error of the predicted
-decode throughput, sum N / sum T."""
+T is the decode time, wall_s - prefill_s: the counts are of decoding forwards only (prefill is the same
+whatever the policy). Fits are least squares through the origin, scored by the centred R^2 and per
+configuration by the relative error of the predicted throughput. On speculative chain rows N_draft =
+N_drafted, so only t_draft + t_cand is identified: models are fitted on all rows and scored on the
+speculative ones (`rank_ok` False where the rows do not identify a model). Measured costs add t_catch_up
+(a two-token draft step after an all-accepted round) and t_feed (the tokens a draft's first step feeds
+after copying rounds)."""
 from __future__ import annotations
 
 import math
@@ -62,11 +41,9 @@ def decode_s(row: dict) -> float:
 
 
 def predict_time(row: dict, coef: dict) -> float:
-    """Seconds the model gives a row's (or a curve point's) counts; missing coefficients count 0.
-    With `verify_s` (the table model) the target term is the sum of its passes' measured times. With
-    `loop_row` / `loop_round` (measured: Costs.loop) the decode loop's own time is added: a row of
-    logits processed and drawn from per draft step and per row of every target pass, and a
-    verification's fixed part per pass of more than one row."""
+    """Seconds the model gives a row's (or a curve point's) counts; missing coefficients count 0. With
+    `verify_s` (the table model) the target term sums its passes' measured times; with `loop_row` /
+    `loop_round` (Costs.loop) the decode loop's own time per row and per verification is added."""
     hist = row.get("target_pass_hist")
     if "verify_s" in coef and hist and abs(sum(hist.values()) - _f(row, "n_target_forwards")) < 1e-6:
         t = coef["t_draft"] * _f(row, "n_draft_forwards") + sum(coef["verify_s"](int(n)) * float(c)
@@ -91,10 +68,8 @@ def predict_time(row: dict, coef: dict) -> float:
 
 
 def coef_of(costs, model: str = "extended", loop: str | None = None) -> dict:
-    """Measured Costs as a model's coefficients (the paper's model has no t_cand). The table
-    model's are the extended model's plus `verify_s` (Costs.verify_s); without measured
-    per-length times it is the extended model (effective_model). `loop`: the sampling mode
-    ("greedy", "sample") whose measured loop time (Costs.loop) the prediction adds."""
+    """Measured Costs as a model's coefficients (the table model's: the extended one's plus `verify_s`, where
+    measured). `loop`: the sampling mode ("greedy", "sample") whose loop time (Costs.loop) is added."""
     model = effective_model(costs, _check_model(model))
     coef = {name: getattr(costs, name) for name in MODELS["extended" if model == "table" else model]}
     if model != "paper":  # Eq. 3.1 prices every draft step alike
@@ -113,10 +88,8 @@ ONE_STEP = {"n_tokens": 1.0, "n_target_forwards": 1.0, "n_draft_forwards": 0.0, 
 
 
 def round_costs(counts: dict, coef: dict) -> dict:
-    """Per round (one target pass each) of counts (a sweep's pooled rows, a curve point): tokens, drafted
-    tokens, draft steps, the share of drafted tokens accepted, the commonest pass length, and the round's time
-    in one-row target steps (ONE_STEP) under `coef` (coef_of's coefficients: measured costs, or times fitted
-    from the rows)."""
+    """Per round (one target pass) of counts: tokens, drafted tokens, draft steps, the share accepted, the
+    commonest pass length, and the round's time in one-row target steps (ONE_STEP) under `coef`."""
     rounds = counts["n_target_forwards"]
     hist = counts.get("target_pass_hist") or {}
     drafted = counts.get("n_drafted", 0.0)
@@ -169,9 +142,8 @@ def speculative(rows: list[dict]) -> list[dict]:
 
 
 def fit(rows: list[dict], model: str = "paper", score_rows: list[dict] | None = None, scope: str = "all") -> TimeFit:
-    """Least squares (no intercept) of decode time on the model's counts over `rows`; scored on
-    `score_rows` (default: the same rows). A count that is zero in every row is left out (its
-    coefficient None), as fit_forward_times does."""
+    """Least squares (no intercept) of decode time on the model's counts over `rows`, scored on `score_rows`
+    (default: the same rows); a count zero in every row gets coefficient None."""
     names = MODELS[_check_model(model)]
     score_rows = rows if score_rows is None else score_rows
     X = np.array([[_f(r, COLUMNS[n]) for n in names] for r in rows]).reshape(len(rows), len(names))
@@ -203,9 +175,8 @@ def throughput_errors(rows: list[dict], coef: dict) -> dict:
 
 
 def compare(rows: list[dict], costs=None) -> list[tuple[str, TimeFit]]:
-    """The fits side by side on one set of sweep rows: Eq. 3.1 on speculative rows (the report's
-    Table 2), Eq. 3.1 and the extended model on all rows; with `costs` (measured, costs.py) also
-    both models with the measured times (nothing fitted), which is what `auto` uses."""
+    """The fits side by side on one set of sweep rows: Eq. 3.1 on speculative rows, Eq. 3.1 and the extended
+    model on all rows; with measured `costs` also each model with them (nothing fitted: what `auto` uses)."""
     rows = usable(rows)
     spec = speculative(rows)
     out = [("Eq. 3.1, fitted on speculative rows", fit(spec, "paper", scope="speculative")),
@@ -237,8 +208,7 @@ def better_model(fits: list[tuple[str, TimeFit]]) -> str:
 
 
 def comparison_table(rows: list[dict], costs=None) -> str:
-    """Markdown: per dataset and pooled, every fit of `compare` with its times (ms), R^2 and
-    throughput errors per configuration; and which model predicts better."""
+    """Markdown: per dataset and pooled, every fit of `compare`, and which model predicts better."""
     ms = lambda v: fmt(None if v is None else 1e3 * v, ".2f")  # noqa: E731
     pct = lambda v: fmt(100 * v, ".1f") + "%" if v == v else "—"  # noqa: E731
     datasets = list(dict.fromkeys(r.get("dataset") for r in rows))
@@ -367,9 +337,8 @@ def decompose(n_tokens: float, n_discarded: float, n_target: float, t_draft: flo
 
 
 def compare_decompositions(ours: Decomposition, baseline: Decomposition) -> dict:
-    """Per-token differences ours - baseline of each term (negative = ours is cheaper) and which of
-    the two avoidable terms (discard, verification) loses the most time for `ours` relative to the
-    baseline; `loses` is None when ours is no worse on either."""
+    """Per-token differences ours - baseline of each term (negative: ours is cheaper), and `loses`: the
+    avoidable term (discard, verification) where ours loses the most (None: neither)."""
     a, b = ours.per_token(), baseline.per_token()
     diff = {k: a[k] - b[k] for k in ("discard", "verification", "total")}
     worse = {k: diff[k] for k in ("discard", "verification") if diff[k] > 0}
