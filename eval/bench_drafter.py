@@ -57,6 +57,9 @@ def parse_args(argv):
                     "datagen-drafter, then train.py)")
     ap.add_argument("--draft-head", default=None, help="acceptance head on the draft model's states")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (and the equality check); 1: the "
+                    "sampled setting the heads are trained for (seed 0 per row; tau is then a sample)")
+    ap.add_argument("--top-k", type=int, default=0, help="top-k with --temperature > 0 (0: none)")
     ap.add_argument("--drafter", default=DRAFTER, help="the feature drafter's folder or hub id")
     ap.add_argument("--draft", default="default", help="the draft model it is compared with")
     ap.add_argument("--drafts", default="feature,draft", help="which rows to run beside ar: feature (the drafter), "
@@ -130,8 +133,8 @@ def prompt_ids(pair, args) -> dict:
     return out
 
 
-def measure(pair, ids, policy: dict, n: int, timed: bool = False) -> dict:
-    g = pair.generate(ids, temperature=0, max_new_tokens=n, **policy)
+def measure(pair, ids, policy: dict, n: int, timed: bool = False, temperature: float = 0.0, top_k: int = 0) -> dict:
+    g = pair.generate(ids, temperature=temperature, top_k=top_k, seed=0, max_new_tokens=n, **policy)
     m = g.metrics
     row = {"n_tokens": m.n_tokens, "n_target_forwards": m.n_target_forwards, "n_drafted": m.n_drafted,
            "n_accepted": m.n_accepted, "accepted_hist": {str(a): c for a, c in m.accepted_hist.items()},
@@ -181,10 +184,12 @@ def run(args, out: Path, results: Path, done: set) -> dict:
             for label in wanted if heads.get(label) for h in hs]
         configs += [("llama.cpp ar", pairs["llama.cpp"], AR)] if "llama.cpp" in pairs else []
         for config, pair, policy in configs:
-            record(results, done, {"dataset": name, "prompt_idx": i, "temperature": 0.0,
+            record(results, done, {"dataset": name, "prompt_idx": i, "temperature": args.temperature,
+                                   "top_k": args.top_k,
                                    "engine": "llama.cpp" if config == "llama.cpp ar" else "torch",
                                    "config": config, "prompt_tokens": len(ids)},
-                   lambda pair=pair, ids=ids, policy=policy: measure(pair, ids, policy, args.max_new_tokens, args.timed))
+                   lambda pair=pair, ids=ids, policy=policy: measure(pair, ids, policy, args.max_new_tokens, args.timed,
+                                                                     args.temperature, args.top_k))
     extra = load_drafter(args.drafter).extra  # its training metadata, for the report, whichever rows ran
     return {"script": f"eval/{Path(__file__).name}", "cpu": flags_line(), "threads": torch.get_num_threads(),
             "dtype": args.dtype, "target": args.target, "draft": args.draft, "drafter": args.drafter,
@@ -192,7 +197,8 @@ def run(args, out: Path, results: Path, done: set) -> dict:
             else "full", "drafter_metrics": extra.get("metrics", {}),
             "max_new_tokens": args.max_new_tokens, "ks": ks,
             "sets": list(sets), "prompts": args.prompts, "drafts": wanted, "tiny": args.tiny, "timed": args.timed,
-            "confidence": taus, "k_max": args.k_max, "thresholds": hs, "head": args.head,
+            "confidence": taus, "k_max": args.k_max, "thresholds": hs, "temperature": args.temperature,
+            "top_k": args.top_k, "head": args.head,
             "draft_head": args.draft_head}
 
 
@@ -238,7 +244,9 @@ def report(rows: list[dict], run: dict) -> str:
     m = run.get("drafter_metrics", {})
     dev = (f" (dev: top-1 {m['dev_top1']:.3f}, expected acceptance at T = 1 {m['dev_accept']:.3f}, at step "
            f"{m['step']})" if "dev_top1" in m else "")
-    lines = [f"# Tokens per target pass: the feature drafter beside the draft model, greedy, torch {run['dtype']}, "
+    t = run.get("temperature", 0.0)
+    mode = "greedy" if not t else f"T = {t:g}" + (f", top-k {run['top_k']}" if run.get("top_k") else "")
+    lines = [f"# Tokens per target pass: the feature drafter beside the draft model, {mode}, torch {run['dtype']}, "
              f"{run['max_new_tokens']} tokens", "", run["cpu"], "",
              f"Feature drafter: `{run['drafter']}`{dev}, read out over {run.get('draft_vocab', 'full')} tokens. "
              f"Draft model: `{run['draft']}`. Target: `{run['target']}`. "
@@ -259,8 +267,28 @@ def report(rows: list[dict], run: dict) -> str:
             feat, draft = ([r for part in every[k] for r in part[j]] for j in (1, 2))
             table.append(["all", str(sum(part[0] for part in every[k])), str(k), *_pooled(feat), *_pooled(draft)])
     lines += [md_table(head, table), ""] if table else ["No prompt has both drafts' rows at some K yet.", ""]
-    lines += _speed(rows) + _equality(rows, by) + [f"Written {run['written']} by `python eval/bench_drafter.py`."]
+    lines += _every_config(rows, prompts)
+    lines += _speed(rows) + (_equality(rows, by) if not t else []) + [f"Written {run['written']} by `python eval/bench_drafter.py`."]
     return "\n".join(lines) + "\n"
+
+
+def _every_config(rows: list[dict], prompts: dict) -> list[str]:
+    """tau and acceptance of every configuration (fixed K, the confidence stop, SpecDec++) per set and pooled,
+    over the prompts that ran every configuration."""
+    configs = [c for c in dict.fromkeys(r["config"] for r in rows) if c not in ("ar", "llama.cpp ar")]
+    have = defaultdict(set)
+    for r in rows:
+        have[(r["dataset"], r["prompt_idx"])].add(r["config"])
+    full = [key for key, got in have.items() if set(configs) <= got]
+    if len(configs) < 2 or not full:
+        return []
+    sets = [ds for ds in prompts if any(k[0] == ds for k in full)]
+    of = lambda c, ds=None: [r for r in rows if r["config"] == c and (r["dataset"], r["prompt_idx"]) in full  # noqa: E731
+                             and ds in (None, r["dataset"])]
+    table = [[c, *(_pooled(of(c, ds))[0] for ds in sets), *_pooled(of(c))] for c in configs]
+    return [f"Every configuration, pooled over the {len(full)} prompts that ran them all:", "",
+            md_table(["configuration", *(f"{NAMES.get(ds, ds)} tau" for ds in sets), "all tau", "acceptance"], table),
+            ""]
 
 
 def _speed(rows: list[dict]) -> list[str]:

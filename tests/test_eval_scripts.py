@@ -67,19 +67,25 @@ def test_bench_drafter_timed_reports_speeds_as_ratios_to_the_target_alone(tmp_pa
     """--timed records each row's decode time and the report pools tokens/s per configuration over the prompts
     that ran them all; halving one configuration's times doubles its ratio (the control: the table reads the
     rows). The tiny models have no GGUF, so no llama.cpp row: its column says so."""
+    from adaptive_spec.heads.head import AcceptanceHead
+
     mod, out = script("bench_drafter"), tmp_path / "run"
+    AcceptanceHead(24, depth=1).save_pretrained(tmp_path / "head")  # SpecDec++ rows: a head on the drafter's states
     assert mod.main(["--tiny", "--timed", "--prompts", "2", "--max-new-tokens", "8", "--ks", "2", "--drafts",
-                     "feature", "--confidence", "0.3", "--k-max", "4", "--out", str(out)]) == 0
+                     "feature", "--confidence", "0.3", "--k-max", "4", "--head", str(tmp_path / "head"),
+                     "--thresholds", "0.5", "--out", str(out)]) == 0
     rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
-    assert {r["config"] for r in rows} == {"ar", "feature drafter K=2", "feature drafter conf=0.3"}
+    assert {r["config"] for r in rows} == {"ar", "feature drafter K=2", "feature drafter conf=0.3",
+                                           "feature drafter h=0.5"}
     assert all(r["decode_s"] > 0 for r in rows)
-    assert all(max(map(int, r["accepted_hist"]), default=0) <= 4 for r in rows if "conf" in r["config"])
+    assert all(max(map(int, r["accepted_hist"]), default=0) <= 4 for r in rows if r["config"] != "ar")
+    assert "| feature drafter h=0.5 | " in (out / "report.md").read_text()
     md = (out / "report.md").read_text()
     assert "pooled over the 2 prompts" in md and "| ar | 1.00 | — | " in md and "| 1.00 | — |" in md
-    row = next(ln for ln in md.splitlines() if ln.startswith("| feature drafter K=2 | "))
-    assert float(row.split("|")[3]) > 0  # c, from the decoder's clock
-    ratio = lambda text: float(next(ln for ln in text.splitlines() if ln.startswith("| feature drafter K=2 | "))
-                               .split("|")[5])  # noqa: E731
+    speed_row = lambda text: next(ln for ln in text.split("Decode speed")[1].splitlines()  # noqa: E731
+                                  if ln.startswith("| feature drafter K=2 | "))
+    assert float(speed_row(md).split("|")[3]) > 0  # c, from the decoder's clock
+    ratio = lambda text: float(speed_row(text).split("|")[5])  # noqa: E731
     before = ratio(md)
     fast = [dict(r, decode_s=r["decode_s"] / 2) if r["config"] != "ar" else r for r in rows]
     (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in fast))
