@@ -174,8 +174,8 @@ class Decoder:
         state.met.count_pass(ids.shape[0])
         sp = state.sampling
         # greedy: the argmax, without building the one-hot `process_logits` would give
-        tok = logits[0].argmax() if sp.greedy else draw(process_logits(logits[0], sp, sync_free=self.host_reads != "token"),
-                                                         sp, state.gen)
+        tok = (logits[0].argmax() if sp.greedy
+               else draw(process_logits(logits[0], sp, sync_free=self.host_reads != "token"), sp, state.gen))
         state.met.host_reads += 1
         state.met.lap("verify_other")
         return [int(tok)]
