@@ -1,16 +1,10 @@
 """Flat configs loaded from YAML, with `key=value` overrides from the command line.
 
-A config is a pydantic model on `Config`, as the pair's and the policies' settings are (params.py): pydantic
-converts and checks each value against the field's type, typed.py's explain_config words a refusal in one line,
-and this module adds the YAML file, the overrides and the checks across keys (a config's `validate`).
-
-Every long job (datagen, training, sweeps) takes its settings from one of these. Unknown keys
-are refused with the list of valid ones, because a silently ignored typo in a config costs a
-whole run.
-
-A field typed as a params.py class (the model pair's `pair: PairParams`) is a YAML mapping checked
-by that class, as `generate` checks its flags; `pair.draft=...` overrides one of its keys.
-"""
+A config is a pydantic model on `Config`, as the pair's and the policies' settings are (params.py);
+typed.py's explain_config words a refusal in one line, and this module adds the YAML file, the overrides
+and the checks across keys (a config's `validate`). Unknown keys are refused with the list of valid ones,
+because a silently ignored typo costs a whole run. A field typed as a params.py class (`pair: PairParams`)
+is a YAML mapping checked by that class; `pair.draft=...` overrides one of its keys."""
 from __future__ import annotations
 
 import argparse

@@ -1,15 +1,10 @@
 """User-facing errors and notices.
 
-Every problem a user can cause (bad input, a wrong model pair, a broken checkpoint) raises
-`UserError` with one sentence naming the problem and the fix. The CLI prints that sentence on
-one line and exits non-zero; anything else escaping is a bug and keeps its traceback.
-
-Library code reports everything else through `logging` (`get_logger(__name__)`): notices at
-INFO, warnings at WARNING, under the "adaptive_spec" logger. Like transformers, the package gives
-that logger one handler of its own, so a script sees them on stderr with no set-up; it writes to
-whatever sys.stderr is at the time, not the one there was at import. Quieter:
-`logging.getLogger("adaptive_spec").setLevel(logging.WARNING)`.
-"""
+Every problem a user can cause raises `UserError` with one sentence naming the problem and the fix; the
+CLI prints it on one line and exits non-zero, while anything else escaping is a bug and keeps its
+traceback. Everything else goes through `logging` under the "adaptive_spec" logger, which (as in
+transformers) has one handler of its own writing to whatever sys.stderr is at the time. Quieter:
+`logging.getLogger("adaptive_spec").setLevel(logging.WARNING)`."""
 import logging
 import signal
 import sys

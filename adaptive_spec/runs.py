@@ -1,16 +1,6 @@
-"""Run folders: the files every long job (datagen, sweep, training, benchmarks) keeps on disk.
-
-One contract for each job they share, so a resume behaves the same everywhere:
-
-    atomic_write(path, data)          write to a temp file, then rename: a kill never leaves half a file
-    append_jsonl(path, row)           one fsynced line per call: a kill loses at most the line in flight
-    read_jsonl(path, repair=True)     the rows; a torn last line (a kill mid-write) is dropped, and
-                                      with `repair` cut from the file so the next append starts clean
-    read_manifest(dir, required=True) dir/manifest.json as a dict; missing -> UserError (or None when
-                                      not required); invalid JSON -> always a UserError
-    settings_problem / check_settings "this folder holds a run made with other settings (k: a -> b)"
-    lock_dir(dir, what)               an exclusive lock held for the process's lifetime
-"""
+"""Run folders: the files every long job (datagen, sweep, training, benchmarks) keeps on disk, one contract
+for each so that a resume behaves the same everywhere: writes that a kill never leaves half done, JSONL
+reads that drop (and repair) a torn last line, manifests, the settings check, and a folder lock."""
 from __future__ import annotations
 
 import gzip

@@ -174,14 +174,11 @@ class Decoder:
         state.met.count_pass(ids.shape[0])
         sp = state.sampling
         # greedy: the argmax, without building the one-hot `process_logits` would give
-        if sp.greedy:
-            tok = logits[0].argmax()
-        else:
-            tok = draw(process_logits(logits[0], sp, sync_free=self.host_reads != "token"), sp, state.gen)
-        tok = [int(tok)]
+        tok = (logits[0].argmax() if sp.greedy
+               else draw(process_logits(logits[0], sp, sync_free=self.host_reads != "token"), sp, state.gen))
         state.met.host_reads += 1
         state.met.lap("verify_other")
-        return tok
+        return [int(tok)]
 
     def chain_round(self, state: RoundState, rule: StopPolicy, source: DraftSource | None = None) -> list[int]:
         """One speculation round of a chain drafted by `source` (default: the draft model) under the

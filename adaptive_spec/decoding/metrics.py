@@ -1,11 +1,7 @@
 """What one generation counts and times (`Metrics`, names as in the SpecDec++ paper) and what it returns
-(`Generation`): the decoder books into them, the sweep and the reports read them.
-
-Metrics is three parts: `Counts`, what every run books (tokens, forwards, rounds); `Timing`, where the
-wall time went; and extras beside them, each told of every round and cut (`Extra`): the counts per draft
-source (`SourceCounts`, always kept) and those a caller or a policy attaches (a trace recorder: replay.py;
-the oracle's hindsight time: policies.py). `to_dict` is the flat row the sweep and the reports read.
-"""
+(`Generation`): the decoder books into them; `to_dict` is the flat row the sweep and the reports read.
+Metrics is `Counts` (tokens, forwards, rounds), `Timing` (where the wall time went) and extras told of every
+round and cut (`Extra`): the counts per draft source, always kept, and those a caller or a policy attaches."""
 from __future__ import annotations
 
 import copy

@@ -1,23 +1,19 @@
 """Prompt lookup (n-gram) drafting: candidates copied from the context, verified like any draft.
 
 A round's candidates are the tokens that followed the most recent earlier occurrence of the context's
-last n tokens (n from ngram_max down to ngram_min) in the prompt plus the text so far (transformers'
-prompt lookup, vLLM's ngram method, llama.cpp's ngram-simple). Copying costs no forward: with no draft
-model at all (`--draft none --policy ngram`) one GGUF file still gets speculation. A copied token's q is
-the one-hot of that token, so the one rejection sampler accepts it with probability min(1, p(y)) and
-otherwise draws p without y, renormalised: exact, and a token of p = 0 is never emitted.
+last n tokens (n from ngram_max down to ngram_min) in the prompt plus the text so far (as transformers'
+prompt lookup, vLLM's ngram method, llama.cpp's ngram-simple). Copying costs no forward, so even a target
+alone gets speculation. A copied token's q is its one-hot: the one rejection sampler accepts it with
+probability min(1, p(y)) and otherwise draws p without y, renormalised: exact.
 
-How many copies to verify. The peers verify a fixed `k` after every match (kept for comparison). `k
-auto` weighs each: with a_j the predicted probability that copy j is accepted once 1..j-1 were, K
-copies yield E(K) = 1 + sum_i prod_{j<=i} a_j tokens for a pass of K + 1 rows costing v(K + 1) one-row
-steps (measured: auto/costs.py; a step function of K on CPUs). The round takes the K maximising
-E(K) - lambda v(K + 1), lambda the tokens per step this generation reaches so far (Dinkelbach's rule for
-the best long-run ratio), and at most l copies, l the match's length (a repeat is about as likely to
-end in its next l tokens as it was to have lasted l). K = 0 when nothing pays: the round is the
-fallback's (the draft model under its own stop rule, where it pays) or a plain target step. a_j comes
-from the match's length (CopyAcceptance): priors measured on dev data, then the generation's own p(y_j)."""
+How many copies to verify: a fixed `k` (as the peers), or `k auto`: with a_j the predicted probability that
+copy j is accepted once 1..j-1 were (CopyAcceptance), K copies yield E(K) = 1 + sum_i prod_{j<=i} a_j tokens
+for a pass of K + 1 rows costing v(K + 1) one-row steps (auto/costs.py). The round takes the K maximising
+E(K) - lambda v(K + 1), lambda the tokens per step this generation reaches so far (Dinkelbach's rule for the
+best long-run ratio), and at most l copies, l the match's length (a repeat is about as likely to end in its
+next l tokens as it was to have lasted l). K = 0 when nothing pays: the round is the fallback's (the draft
+model under its own stop rule) or a plain target step."""
 from __future__ import annotations
-
 
 import torch
 
@@ -103,15 +99,12 @@ class _Exactly(StopPolicy):
 class CopyAcceptance:
     """Predicted acceptance of copied tokens: a function of the match length, learned within a generation.
 
-    The signal is how far the context's end already repeats the earlier text the copy comes from: l,
-    the match extended backwards past ngram_max (up to MATCH_CAP tokens). Copy j of a round is accepted
-    (given copies 1..j-1 were) about as often as a copy whose match is l + j - 1 long, so one rate per
-    length bucket (BUCKETS) predicts every position. On dev data (greedy second turns over MBPP and
-    GSM8K-train prompts; none of the benchmark sets) the rate rose from 0.3 at l = 1 to 0.98 at l >= 16:
-    once an answer reproduces a span it goes on reproducing it. Those rates are the priors (PRIORS,
-    PRIOR_WEIGHT pseudo-rounds each); each bucket's estimate is then the running mean of the target's
-    p(y) at the positions verification reached (exactly the acceptance probability of a one-hot q;
-    0 or 1 when greedy), so a generation that copies worse or better than the dev data moves them."""
+    The signal is l, how far the context's end already repeats the text the copy comes from (the match extended
+    backwards, up to MATCH_CAP). Copy j of a round is accepted (given 1..j-1 were) about as often as a copy whose
+    match is l + j - 1 long, so one rate per length bucket predicts every position: once an answer reproduces a
+    span it goes on reproducing it. PRIORS come from dev data (none of the benchmark sets), PRIOR_WEIGHT
+    pseudo-rounds each; then each bucket's running mean of the target's p(y) at the positions verification
+    reached (the acceptance probability of a one-hot q) moves them."""
 
     BUCKETS = (1, 2, 3, 4, 8, 16)  # a bucket holds the lengths from its value to the next one's
     PRIORS = (0.3, 0.6, 0.6, 0.65, 0.85, 0.97)
@@ -220,8 +213,7 @@ class NgramPolicy(RoundOwner):
 
     def run_round(self, state: RoundState) -> list[int]:
         span, n_match, K = self.propose(state.tokens, state.remaining)
-        if K:
-            source = SpanSource(span[:K], state.target.vocab_size, state.seq.device)
+        source = SpanSource(span[:K], state.target.vocab_size, state.seq.device) if K else None
         state.met.lap("draft_other")
         if K:
             new = state.decoder.chain_round(state, _Exactly(K), source=source)
@@ -242,9 +234,7 @@ class NgramPolicy(RoundOwner):
             return 0
         if self.k != "auto":
             return len(span)
-        # a copy goes on for at most as many tokens as already match: a repeat is about as likely to end
-        # in its next l tokens as it was to have lasted l (on dev data this cap cut the losses of copies
-        # that broke early without costing the long ones; ngram.py's docstring)
+        # at most as many copies as already match (the module docstring says why)
         span = span[:max(1, n_match)]
         K, value = best_k(self.acceptance.predict(n_match, len(span)), self.v, self.lam)
         if K and self.fallback is not None and self.model_rounds:
@@ -267,19 +257,14 @@ class NgramPolicy(RoundOwner):
 
 
 def replay_copies(policy: NgramPolicy, prompt: list[int], response: list[int], model_round=None) -> dict:
-    """Prompt lookup run offline along a target response X (no model): the counts its rounds would have,
-    named as a sweep row's (timemodel.predict_time prices them). Each round copies what `policy` copies
-    (its index, its K for the rounds so far) and accepts the copies that X repeats; as in autotune's replay
-    X stands in for the accepted text, and a copy is a function of the context, so that indicator is an
-    unbiased sample of the probability that verification accepts the copies (p(y_1) p(y_2 | y_1) ...). The
-    same indicators stand in for p(y) where the policy learns its copy rates. The policy's own rule, not a
-    copy of it: this is what `adaptive-spec probe` prices prompt lookup with.
+    """Prompt lookup run offline along a target response X (no model): the counts its rounds would have, named as
+    a sweep row's (timemodel.predict_time prices them). Each round copies what `policy` copies and accepts the
+    copies X repeats: a copy is a function of the context, so that indicator is an unbiased sample of the
+    probability that verification accepts them, and stands in for p(y) where the policy learns its rates.
 
-    model_round(s, remaining) -> (drafted, accepted): the rounds nothing is copied in run the draft model
-    instead (a policy with a fallback: the combined configuration), as that callback samples them at
-    position s. Then the draft's first step of a model round feeds every token it has not seen: two after
-    a round all accepted (y_K and the bonus), and after copying rounds all they made (counted as
-    n_all_accepted, one such step each, and n_fed_extra, the tokens beyond two: timemodel prices both)."""
+    model_round(s, remaining) -> (drafted, accepted): the rounds nothing is copied in run the draft model (a
+    fallback), as that callback samples them at position s. The draft's first step of a model round then feeds
+    every token it has not seen: counted as n_all_accepted (one such step each) and n_fed_extra (beyond two)."""
     policy.reset()
     tokens = list(prompt)
     T, s = len(response), 0
@@ -321,9 +306,7 @@ def verify_steps_of(costs):
 
 @register("ngram")
 def _make_ngram(p: NgramParams, ctx: PolicyContext):
-    pair = ctx.pair
-    fallback = None
-    costs = None
+    pair, fallback, costs = ctx.pair, None, None
     if p.fallback == "learned":
         if pair is None or getattr(pair, "draft", None) is None:
             raise UserError("--fallback learned drafts with the draft model in the rounds nothing is copied; load "

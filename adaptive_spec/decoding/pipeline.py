@@ -157,9 +157,7 @@ class SpecPair:
         params = as_policy_params(policy, settings)
         sampling = SamplingParams(temperature, top_k, top_p)
         ids = self.encode(prompt, chat) if isinstance(prompt, str) or _is_messages(prompt) else list(prompt)
-        on_tokens = None
-        if on_text is not None:
-            on_tokens = _Streamer(self.tokenizer, on_text)
+        on_tokens = _Streamer(self.tokenizer, on_text) if on_text is not None else None
         # the costs auto measures (the loop's sampling among them) are taken on the threads the decode has
         with torch_threads(self.engine.decode_torch_threads):
             params, auto = resolve_auto(self, params, temperature=temperature)

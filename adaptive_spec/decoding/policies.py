@@ -1,10 +1,5 @@
-"""Stop rules: who decides the candidate length K of each chain speculation round.
-
-The decoder drafts y_1, y_2, ... and after each one asks the rule whether to stop (the
-`StopPolicy` interface and its `DraftStep` are described in adaptive_spec/decoding/interfaces.py); the
-verification code never looks at the rule. Each rule registers a factory under its `--policy`
-name; `adaptive_spec.decoding.pipeline.make_policy` builds them by name.
-"""
+"""Stop rules (interfaces.StopPolicy): who decides the candidate length K of each chain speculation round.
+Each registers a factory under its `--policy` name; verification never looks at the rule."""
 from __future__ import annotations
 
 import torch
@@ -12,7 +7,7 @@ import torch
 from ..errors import UserError, get_logger
 from ..heads.features import step_stats
 from ..heads.head import INPUTS, join_inputs, load_head, reads_stats
-from ..params import ConfidenceParams, EntropyParams, FixedParams, HeuristicParams, LearnedParams, OracleParams
+from ..params import OracleParams
 from .decoder import Decoder
 from .interfaces import DraftStep, PolicyContext, RoundOwner, RoundState, StopPolicy, register
 from .metrics import Extra
@@ -37,11 +32,6 @@ class FixedK(StopPolicy):
 
     def describe(self) -> dict:
         return {"policy": self.name, "k": self.k}
-
-
-@register("fixed")
-def _make_fixed(p: FixedParams, ctx: PolicyContext):
-    return FixedK(p.k)
 
 
 # ---- SpecDec++ and training-free baselines (SpecDec++ paper, Algorithm 1 and section 5) -------
@@ -195,21 +185,14 @@ class HeuristicSchedule(StopPolicy):
 
 
 class HindsightOracle(StopPolicy, RoundOwner):
-    """The greedy hindsight oracle of Theorem 4.1: knowing the target's greedy output X, stop
-    exactly before the first position where the draft's greedy token Y_i differs from X_i.
-    It reaches N_target = |S| + 1 with N_discarded = 0, the best verification rate possible.
+    """The greedy hindsight oracle of Theorem 4.1: knowing the target's greedy output X (untimed: greedy target
+    decoding), stop exactly before the first position where the draft's greedy token Y_i (one teacher-forced
+    draft pass over prompt + X) differs from X_i: N_discarded = 0, the best verification rate possible.
 
-    X and Y are computed before generation (not timed): X by greedy target decoding, Y by
-    one teacher-forced draft pass over prompt + X.
-
-    Why it re-derives: in bf16 a one-row target step (how X is made) and a (K+1)-row verify
-    round round differently, so at a near-tie (one bf16 ulp) the speculative output can leave X.
-    From there the precomputed agreement list describes another sequence and the oracle would
-    over-draft. So each round checks its new tokens against X; after a divergence, X and Y are
-    derived again from the tokens actually produced (with separate caches, so the running
-    decode is untouched). That hindsight work is not timed (Metrics.untimed: out of wall_s); the
-    generation's row reports its seconds as `hindsight_s` (`Hindsight`, attached to its Metrics).
-    """
+    Why it re-derives: a one-row target step (how X is made) and a (K+1)-row verify round can round a near-tie
+    differently, so the speculative output can leave X, after which the agreement list describes another
+    sequence. So each round checks its new tokens against X and, after a divergence, X and Y are derived again
+    on separate caches; that work is left out of wall_s and reported as `hindsight_s` (`Hindsight`)."""
 
     name = "oracle"
 
@@ -228,9 +211,8 @@ class HindsightOracle(StopPolicy, RoundOwner):
     @staticmethod
     def agreement(target, draft, prefix: list[int], max_new_tokens: int, eos_token_ids=(),
                   x: list[int] | None = None) -> tuple[list[int], list[bool]]:
-        """(X, agree) after `prefix`: X the target's greedy continuation (unless given), agree[j]
-        whether the draft's teacher-forced greedy token at X's position j equals X_j. Runs on
-        fresh wrappers of the models' weights, never on `target`'s or `draft`'s own caches."""
+        """(X, agree) after `prefix`: X the target's greedy continuation (unless given), agree[j] whether the draft's
+        teacher-forced greedy token at j equals X_j. Runs on fresh runners, never on the models' own caches."""
         if x is None:
             dec = Decoder(target.fresh(), None, eos_token_ids=eos_token_ids)
             x = dec.generate(prefix, max_new_tokens=max_new_tokens, sampling=SamplingParams(0.0)).token_ids
@@ -242,8 +224,7 @@ class HindsightOracle(StopPolicy, RoundOwner):
     @classmethod
     def from_pair(cls, pair, prompt_ids: list[int], max_new_tokens: int, k_max: int = 10_000,
                   target_output: list[int] | None = None):
-        """`target_output`: X when the caller already has it (the target's greedy output for this
-        prompt and max_new_tokens, e.g. from a target-alone run), which saves a target decode."""
+        """`target_output`: X when the caller already has it (e.g. from a target-alone run): saves a decode."""
         if target_output is not None:
             target_output = list(target_output)
             if not target_output or len(target_output) > max_new_tokens:
@@ -260,11 +241,9 @@ class HindsightOracle(StopPolicy, RoundOwner):
         return k
 
     def should_stop(self, step) -> bool:
-        """Stop after a drafted token that is not X's: greedy verification rejects it. Y comes from
-        one teacher-forced draft pass, and the running draft's one-row steps can round a near-tie
-        the other way (the int8 and packed kernels differ by row count: 120 of 242 drafted tokens
-        discarded on one GSM8K prompt before this check). So a wrong Y costs one discarded token,
-        not the rest of a round of up to k_max."""
+        """Stop after a drafted token that is not X's: greedy verification rejects it. The running draft's
+        one-row steps can round a near-tie unlike Y's teacher-forced pass (kernels differ by row count), so a
+        wrong Y costs one discarded token, not the rest of a round of up to k_max."""
         return self.x is not None and step.pos < len(self.x) and int(step.token) != self.x[step.pos]
 
     def run_round(self, state: RoundState) -> list[int]:
@@ -286,9 +265,6 @@ class HindsightOracle(StopPolicy, RoundOwner):
         self.x, self.agree = self.x[:pos] + x, self.agree[:pos] + agree
         self.stale = False
         self.hindsight.seconds += t.s
-
-    def describe(self) -> dict:
-        return {"policy": self.name}
 
 
 class Hindsight(Extra):
@@ -322,8 +298,7 @@ def load_pair_head(head, pair, feature: str | None = None, why: str = "the learn
 
 
 def warn_draft_config(head, in_use: dict) -> None:
-    """A head reads the draft's hidden states: under another quantization or vocabulary they shift,
-    so its predictions may be off (never the output's correctness). Say so, once."""
+    """Warn once when the head was trained under another draft quantization or vocabulary (its inputs shift)."""
     trained = {k: (getattr(head, "extra", {}) or {}).get(k, d) for k, d in (("draft_quant", "none"), ("draft_vocab", "full"))}
     in_use = {k: str(in_use.get(k, d)) for k, d in (("draft_quant", "none"), ("draft_vocab", "full"))}
     diff = [f"{k} {trained[k]} (trained) vs {in_use[k]} (in use)" for k in trained if str(trained[k]) != in_use[k]]
@@ -337,24 +312,12 @@ def warn_draft_config(head, in_use: dict) -> None:
 _WARNED: set[str] = set()
 
 
-@register("learned")
-def _make_learned(p: LearnedParams, ctx: PolicyContext):
-    return LearnedThreshold(load_pair_head(p.head, ctx.pair, inputs=INPUTS), p.threshold, p.k_max)
-
-
-@register("confidence")
-def _make_confidence(p: ConfidenceParams, ctx: PolicyContext):
-    return ConfidenceThreshold(p.threshold, p.k_max)
-
-
-@register("entropy")
-def _make_entropy(p: EntropyParams, ctx: PolicyContext):
-    return EntropyThreshold(p.threshold, p.k_max)
-
-
-@register("heuristic")
-def _make_heuristic(p: HeuristicParams, ctx: PolicyContext):
-    return HeuristicSchedule(p.k, p.k_max)
+register("fixed")(lambda p, ctx: FixedK(p.k))
+register("learned")(lambda p, ctx: LearnedThreshold(load_pair_head(p.head, ctx.pair, inputs=INPUTS), p.threshold,
+                                                     p.k_max))
+register("confidence")(lambda p, ctx: ConfidenceThreshold(p.threshold, p.k_max))
+register("entropy")(lambda p, ctx: EntropyThreshold(p.threshold, p.k_max))
+register("heuristic")(lambda p, ctx: HeuristicSchedule(p.k, p.k_max))
 
 
 @register("oracle")

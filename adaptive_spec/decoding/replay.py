@@ -167,7 +167,5 @@ def replay_generate(target, draft, prompt_ids: list[int], n_tokens: int, trace: 
     across replays: a device round's epilogues belong to its decoder, and the graphs a runner captures for
     them are made once per decoder, so a fresh one per replay would capture them inside every replay."""
     dec = decoder or Decoder(target, draft if trace else None, eos_token_ids=(), host_reads=host_reads)
-    if not trace:
-        return dec.generate(prompt_ids, max_new_tokens=n_tokens, sampling=sampling, seed=seed)
-    policy = TraceReplay(check_trace(trace, n_tokens), inner)
+    policy = TraceReplay(check_trace(trace, n_tokens), inner) if trace else None
     return dec.generate(prompt_ids, max_new_tokens=n_tokens, sampling=sampling, policy=policy, seed=seed)

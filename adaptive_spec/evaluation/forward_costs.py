@@ -1,18 +1,9 @@
 """What the benchmark scripts in eval/ share to time forwards, in one place (no script imports another).
 Imports no torch itself (a script's --report-only path reads its labels from here).
 
-- `pass_times`: a pass of N tokens after a context, for any runner, configurations interleaved round by
-  round: auto's own measurement (cost_timing.interleaved_times), so a benchmark's v(N) and auto's are the
-  same numbers taken the same way (but for auto's one-row step, timed in the decode's own loop);
-- `timed_runs`: the torch benchmarks' one timing loop (warm-ups, a reset before every call); over it
-  `read_bandwidth_gbps`, `time_forward` (with the logits, to compare numeric paths), `time_prefill`,
-  `per_step_ms`;
-- `layer_shapes`, `linear_kernels`, `linear_row_times`, `linear_bytes`: a model's linear layers timed
-  per input row count on each CPU kernel (random weights of its shapes), and the bytes a step streams;
-- `parse_draft`, `draft_label`: the benchmarks' draft configurations ("int8:32768");
-- `gguf_file`, `draft_runner`, `held_sequences`, `target_quality`, `draft_acceptance`: the llama.cpp files
-  a benchmark times, and what a re-quantized target costs in quality and a cheaper draft in acceptance,
-  teacher-forced along the fetched target's greedy continuations."""
+`pass_times` is auto's own measurement (cost_timing.interleaved_times), so a benchmark's v(N) and auto's
+are the same numbers taken the same way; `timed_runs` is the torch benchmarks' one timing loop (warm-ups,
+a reset before every call)."""
 from __future__ import annotations
 
 import functools

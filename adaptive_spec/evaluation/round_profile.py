@@ -1,16 +1,10 @@
 """Where a decode round's time and host work go (eval/gpu_check.py): the runners the check builds, one replayed
-generation under torch.profiler counted per round and per drafted token, the time outside the two models'
-forwards from Metrics.breakdown(), a step's top kernels, and a fresh process's time to its first token.
+generation under torch.profiler counted per round and per drafted token (host syncs, copies, launches: SYNCS;
+the top-level aten ops the host dispatches), the time outside the two models' forwards, a step's top kernels,
+and a fresh process's time to its first token.
 
-Per round, under the profiler: host syncs (stream, event, device), device-to-host copies (the DtoH memcpy the
-device records) and cudaMemcpyAsync calls, eager kernel launches (cudaLaunchKernel and the driver's launch
-calls, which Triton's kernels use) and graph launches (cudaGraphLaunch); on any device the aten ops the host
-dispatches (top level: an op another op calls is not counted again).
-
-`python -m adaptive_spec.evaluation.round_profile --first-token ...` is the child that `first_token` starts: it
-imports, builds the preset's target with random weights, prepares its runtime's one-token step and prints
-when the first generated token is on the host. Its imports stay inside functions, so they are timed too.
-"""
+`python -m adaptive_spec.evaluation.round_profile --first-token ...` is the child that `first_token` starts.
+Its imports stay inside functions, so they are timed too."""
 from __future__ import annotations
 
 import argparse
@@ -220,8 +214,7 @@ def first_token_section(rows: list[dict] | None) -> list[str]:
 
 # ----------------------------------------------------------------------------- the first token
 
-def first_token(runtime: str, device: str, cache_dir: Path, tiny: bool, timeout_s: float,
-                preset: str = "default", prompt_tokens: int = 128) -> dict:
+def first_token(runtime: str, device: str, cache_dir: Path, tiny: bool, timeout_s: float, preset: str) -> dict:
     """A fresh Python process's time from its start to its first generated token (the preset's target alone,
     random weights, `runtime`'s one-token step prepared first), with torch.compile's caches in `cache_dir`
     (empty: cold; again: warm). Its phases as the child timed them; {"error": ...} where it failed."""
@@ -229,7 +222,7 @@ def first_token(runtime: str, device: str, cache_dir: Path, tiny: bool, timeout_
     env.update(TORCHINDUCTOR_CACHE_DIR=str(cache_dir), PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p]))
     cmd = [sys.executable, "-m", "adaptive_spec.evaluation.round_profile", "--first-token", "--runtime", runtime,
-           "--device", device, "--preset", preset, "--prompt-tokens", str(prompt_tokens)] + (["--tiny"] if tiny else [])
+           "--device", device, "--preset", preset] + (["--tiny"] if tiny else [])
     t0 = time.time()
     try:
         done = subprocess.run(cmd + ["--t0", repr(t0)], env=env, cwd=ROOT, capture_output=True, text=True,
@@ -243,8 +236,7 @@ def first_token(runtime: str, device: str, cache_dir: Path, tiny: bool, timeout_
     return {**json.loads(line[len(MARK):]), "process_s": time.time() - t0}
 
 
-def first_tokens(runtimes, device: str, tiny: bool, budget_left, need_s: float,
-                 preset: str = "default") -> tuple[list, list]:
+def first_tokens(runtimes, device: str, tiny: bool, budget_left, need_s: float, preset: str) -> tuple[list, list]:
     """Per runtime a cold then a warm first_token (one fresh inductor cache folder each runtime, removed after),
     each only while budget_left() exceeds need_s; (rows, notes of what was skipped)."""
     rows, notes = [], []

@@ -1,15 +1,10 @@
-"""The configurations a sweep runs: Configuration and build_grid, from a SweepConfig (sweep_config.py). Part
-of `adaptive-spec sweep` (sweep.py: the module doc has the keys).
+"""The configurations a sweep runs: Configuration and build_grid, from a SweepConfig (sweep.py's docstring
+has the keys).
 
-The grid is a list of Configurations, each holding its policy: the typed settings `generate` takes
-(params.py, built through the policy registry), or a Baseline that is no registered policy. The
-shorthands expand to that list (ks: [2, 3] is two fixed policies; heads x thresholds learned ones;
-the taus confidence and entropy ones), and a `policies` or `trees` entry is spelled and defaulted as
-generate's keywords are: every one is first written out as an Entry (policy name, settings), then all are
-typed in one pass. What runs a configuration is chosen by its policy's type and its Source, never by a name.
-The folders of the heads the grid names (`heads`, a `trees` entry's head) are found here too; sweep_plan.py
-loads them.
-"""
+Each Configuration holds its policy: the typed settings `generate` takes (built through the policy
+registry), or a Baseline that is no registered policy. The shorthands (ks, heads x thresholds, taus) and
+the `policies` / `trees` entries are first written out as Entries (policy name, settings), then typed in
+one pass. What runs a configuration is chosen by its policy's type and its Source, never by a name."""
 from __future__ import annotations
 
 import glob
@@ -264,10 +259,7 @@ def resolve_heads(patterns: list[str]) -> list[tuple[str, Path]]:
                                 "`python train.py --config configs/train/default.yaml` or fix the heads list")
             found += hits
             continue
-        p = Path(pat)
-        cands = [p] if p.is_absolute() else [p, PROJECT_ROOT / p]
-        folder = next((h for h in (head_folder(c) for c in cands if c.exists()) if h), None)
-        found.append(folder if folder is not None else p)  # a missing one fails in from_pretrained
+        found.append(find_head_folder(pat) or Path(pat))  # a missing one fails in from_pretrained
     found = list(dict.fromkeys(f.resolve() if f.exists() else f for f in found))
     labels = [f.parent.name if f.name == "head" else f.name for f in found]
     if len(set(labels)) != len(labels):  # same folder names: fall back to the full paths

@@ -1,18 +1,10 @@
 """The 0-th order acceptance model of tree policies: measured once, frozen, and what it predicts.
 
 Tree policies choose their shape from the conditional acceptance rates c_i per sibling index
-(tree_shapes.PositionalRates). Measured on the prompts being evaluated, or adapted while they
-run, the rates would make each output depend on what ran before; so, as in the ERSD paper, they
-are measured once on separate calibration prompts (batch drafting of `width` siblings, which
-samples the later sibling indices, plus sequence drafting) and then passed frozen to every run.
-
-    measure_rates(pair, prompts, sampling, max_new_tokens, method)   one method's rates
-    zeroth_order_accepted(cond, drafting, k)   accepted tokens per round the model predicts
-    tunstall_accepted(cond, k, vocab_size)     the Tunstall bound on them (ERSD Lemma 4.2)
-
-Used by `adaptive-spec sweep` (sweep_calibration.py: tree_calibration.json in the sweep folder) and
-eval/bench_trees.py.
-"""
+(shapes.PositionalRates). Measured on the prompts being evaluated, or adapted while they run, the rates
+would make each output depend on what ran before; so, as in the ERSD paper, they are measured once on
+separate calibration prompts (batch drafting of `width` siblings, which samples the later sibling
+indices, plus sequence drafting) and then passed frozen to every run."""
 from __future__ import annotations
 
 import sys

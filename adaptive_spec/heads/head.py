@@ -142,11 +142,8 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="adaptive-spe
     # ------------------------------------------------------------------ saving (the mixin's save_pretrained / push_to_hub)
 
     def save_pretrained(self, save_directory: str | Path, extra: dict | None = None, **kwargs) -> Path:
-        """Write config.json + model.safetensors (+ README.md, the model card) to a folder.
-
-        `extra` (training metadata) goes into config.json beside the architecture and becomes
-        `self.extra`; kwargs are the mixin's (push_to_hub=True, repo_id=...). Returns the folder.
-        """
+        """Write config.json + model.safetensors (+ README.md, the model card) to a folder and return it. `extra`
+        (training metadata) goes into config.json and becomes `self.extra`; kwargs are the mixin's (push_to_hub)."""
         if extra is not None:
             self.extra = dict(extra)
         kwargs.pop("config", None)  # push_to_hub passes the mixin's config; ours is written by _save_pretrained
@@ -371,13 +368,10 @@ def join_inputs(hidden: torch.Tensor, stats: torch.Tensor | None = None) -> torc
 
 
 def shard_inputs(head, shard: dict) -> torch.Tensor:
-    """[T, in_dim] input rows of `head` for every response position of a datagen shard (the dict of
-    shards.load_shard), built as training builds them: row i scores Y_i, from the state training
-    pairs with it (token: features[i]; context: features[i - 1]) and, for inputs=hidden+stats, the
-    stored draft_stats[i]. Rows equal training's where `shard_positions` is True; elsewhere a token
-    head's row holds the state after X_i (Z_i was the target's token) and a context head's row at a
-    response's first position has no state (zeros). On target-prefix shards (features.PREFIXES)
-    every row is the head's own input."""
+    """[T, in_dim] input rows of `head` for every response position of a datagen shard (shards.load_shard), built
+    as training builds them (features.position_map): row i scores Y_i. Rows equal training's where
+    `shard_positions` is True; elsewhere a token head's row holds the state after X_i and a context head's row at
+    a response's first position is zeros."""
     feature, inputs = getattr(head, "feature", "token"), getattr(head, "inputs", "hidden")
     clean = CONTEXT_KEY in shard
     # a stats head reads no state: zeros keep the row layout, and token data alone serves
