@@ -9,6 +9,9 @@ Random weights with the real shapes (backends/presets.py), batch 1; on CUDA bf16
   2. per model and runtime (eager, cudagraph, fused, compile): ms per one-token step and per verify pass of
      1..9 rows, % of the memory-bandwidth roofline, kernels per step, the top kernels of a fused step by device
      time (on CPU: aten ops), and transformers' `generate` (StaticCache, compiled on CUDA);
+ 2b. the feature drafter of the committed shape for the first pair's target: ms per one-token draft step (its
+     runner; eager on a static cache; on CUDA captured as one CUDA graph) and c, that step over the target's
+     fastest one-token step (evaluation/drafter_step.py);
   3. replay ("measured, not modelled"): a trace sweep (a sweep with record_trace: real weights on a CPU; --traces)
      replayed per pair and policy through the real decoder on the fastest graph runtime (decoding/replay.py),
      the counts checked against the recorded ones, beside Eq. 5.1's estimate; per policy the host reads a round,
@@ -64,6 +67,7 @@ try:
     from adaptive_spec.timing import sync  # noqa: E402
     from adaptive_spec.evaluation import gpu_bench, round_profile as rp_  # noqa: E402
     from adaptive_spec.evaluation.round_profile import make_runner  # noqa: E402
+    from adaptive_spec.evaluation.drafter_step import drafter_md, ratios, time_drafter  # noqa: E402
     from adaptive_spec.decoding.auto import loop_times  # noqa: E402
 except ModuleNotFoundError as e:  # a GPU machine with the checkout, torch and transformers, no pydantic
     sys.exit(f"error: {e.name} is not importable; on a GPU machine install the carried wheels first "
@@ -77,9 +81,9 @@ JSON, REPORT = "gpu_check.json", "report.md"
 VERIFY_ROWS = range(1, 10)  # the table's verify passes: 1..9 rows (K = 0..8)
 WHEELS = ("pydantic", "pydantic_core", "annotated_types", "typing_inspection", "typing_extensions")
 NEAR_TIE = 1e-3  # fp32 logits closer than this may order differently in a 1-row and a K+1-row pass
-OPTIONAL = ("profile", "assisted", "first-token", "compile")  # phases --skip leaves out
+OPTIONAL = ("drafter", "profile", "assisted", "first-token", "compile")  # phases --skip leaves out
 # seconds a phase's step is expected to take where nothing measured says better (CUDA; a --tiny CPU run is quicker)
-PROFILE_S, FIRST_TOKEN_S = 8.0, 60.0
+PROFILE_S, FIRST_TOKEN_S, DRAFTER_S = 8.0, 60.0, 20.0
 
 
 def say(phase: str, msg: str) -> None:
@@ -332,6 +336,29 @@ def time_models(args, res, budget, pairs, bw, ctx, max_cache, shapes) -> dict:
     return kept
 
 
+# ----------------------------------------------------------------------------- 2b. the feature drafter
+
+def drafter_step(args, res, budget, pair, kept, ctx, max_cache) -> None:
+    """The feature drafter's one-token step for `pair`'s target (its model from phase 2, reused), per runtime."""
+    hub = pair.target.hub_id
+    if "drafter" in args.skip or hub not in kept:
+        why = "--skip drafter" if "drafter" in args.skip else "its target was not timed"
+        res["notes"].append(f"feature drafter step: not timed ({why})")
+    elif not budget.allows(DRAFTER_S):
+        res["notes"].append("feature drafter step: not timed (time budget)")
+    else:
+        say("2b drafter", f"a feature drafter for {hub} at context {ctx}")
+        try:
+            res["drafter"] = {"target": hub, **time_drafter(kept[hub][0], pair.vocab_size, ctx, max_cache,
+                                                            args.iters, args.tiny)}
+        except Exception as e:  # the drafter's build: the check goes on without it
+            res["drafter"] = {"target": hub, "error": f"{type(e).__name__}: {e}", "rows": {}}
+        c = ratios(res)
+        say("2b drafter", ", ".join(f"{rt} {fmt(r.get('step_ms'), 3)} ms (c {fmt(c.get(rt), 3)})"
+                                     for rt, r in res["drafter"]["rows"].items()) or res["drafter"]["error"])
+        free()
+
+
 # ----------------------------------------------------------------------------- 3. replay
 
 def replay_pair(args, res, budget, pair, draft, target, traces, runtime: str | None, configs=None) -> dict:
@@ -566,7 +593,8 @@ def markdown(res: dict) -> str:
                        f"({'a near tie' if g.get('near_tie') else 'FAIL: not a near tie'})")
             out.append(f"| {g['runtime']} | {verdict} |")
     out.append("")
-    out += _models_md(res) + _replay_md(res) + _assisted_md(res) + rp_.first_token_section(res.get("first_token"))
+    out += _models_md(res) + drafter_md(res) + _replay_md(res) + _assisted_md(res)
+    out += rp_.first_token_section(res.get("first_token"))
     if res["notes"]:
         out += ["## Notes", ""] + [f"- {n}" for n in res["notes"]] + [""]
     return "\n".join(out)
@@ -652,6 +680,8 @@ def _assisted_md(res: dict) -> list[str]:
 
 def write(res: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    if res.get("drafter"):  # c from the step times as they stand (phase 6 may add a faster target step)
+        res["drafter"]["c"] = ratios(res)
     (out / JSON).write_text(json.dumps(res, indent=1, default=str) + "\n")
     (out / REPORT).write_text(markdown(res) + "\n")
     (out / "run.json").write_text(json.dumps({"script": "eval/gpu_check.py", "report": REPORT}, indent=1) + "\n")
@@ -716,6 +746,8 @@ def main(argv=None) -> int:
     say("2 runtimes", f"{len({s for p in pairs for s in (p.draft, p.target)})} models at context {ctx}")
     kept = time_models(args, res, budget, pairs, bw, ctx, max_cache, shapes)
     done("2 runtimes")
+    drafter_step(args, res, budget, pairs[0], kept, ctx, max_cache)
+    done("2b drafter")
     ready = [p for p in pairs if all(kept.get(s.hub_id, (0, None))[1] is not None for s in (p.draft, p.target))]
     for p in ready:
         if budget.allows(20):

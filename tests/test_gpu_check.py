@@ -79,8 +79,8 @@ def test_the_tiny_check_writes_every_section(tmp_path):
         assert f["tokens"] == 1 and 0 < f["generate_s"] < f["first_token_s"] <= f["process_s"]
     assert [a["pair"] for a in res["assisted"]] == ["default:tiny", "coder-0.5b-7b:tiny"]
     assert all(a["assisted_tok_s"] > 0 for a in res["assisted"]) and "padded" in res["assisted"][1]["note"]
-    assert set(res["elapsed_s"]) == {"start-up", "1 exactness", "2 runtimes", "3 replay", "4 assisted",
-                                     "5 first token", "6 compile"}
+    assert set(res["elapsed_s"]) == {"start-up", "1 exactness", "2 runtimes", "2b drafter", "3 replay",
+                                     "4 assisted", "5 first token", "6 compile"}
     md = (out / "report.md").read_text()
     for section in ("## 1. Exactness", "## 2. Step times per model and runtime", "## 3. Replayed traces",
                     "## 4. transformers' assisted generation", "## 5. The first token", "CPU smoke run",
@@ -92,6 +92,68 @@ def test_the_tiny_check_writes_every_section(tmp_path):
     copy = shutil.copytree(out, tmp_path / "copy", ignore=shutil.ignore_patterns("report.md"))
     assert check.main(["--report-only", "--out", str(copy)]) == 0
     assert (copy / "report.md").read_text() == md
+    drafter_step_is_timed_against_its_target(check, res, md, tmp_path)
+
+
+def reported_c(md: str) -> dict:
+    """c per runtime as the drafter section's table prints it."""
+    section = md.split("## 2b. Feature drafter step")[1].split("\n## ")[0]
+    rows = [line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| ")]
+    return {r[0].strip(): float(r[3]) for r in rows if len(r) == 5 and r[0].strip() != "runtime"}
+
+
+def drafter_step_is_timed_against_its_target(check, res, md, tmp_path):
+    """The drafter of the default target timed (runner and eager on a CPU, no graphs) and c computed from the
+    run's numbers; the control: a JSON with the drafter's eager step halved reports half its c."""
+    d = res["drafter"]
+    assert d["target"] == "tiny:Qwen/Qwen2.5-Coder-1.5B-Instruct"
+    assert d["context"] == res["models"][d["target"]]["context"]
+    assert set(d["rows"]) == {"runner", "eager"} and "cudagraph" in d["skipped"]
+    assert all(r["step_ms"] > 0 for r in d["rows"].values())
+    best = min(r["step_ms"] for r in res["models"][d["target"]]["rows"].values())
+    assert d["c"] == {rt: r["step_ms"] / best for rt, r in d["rows"].items()}
+    assert "## 2b. Feature drafter step" in md and "| cudagraph | skipped: CUDA only" in md
+    c = reported_c(md)
+    assert set(c) == {"runner", "eager"} and all(abs(c[rt] - d["c"][rt]) <= 5e-4 for rt in c)
+    halved = tmp_path / "halved"
+    halved.mkdir()
+    d["rows"]["eager"]["step_ms"] /= 2
+    (halved / "gpu_check.json").write_text(json.dumps(res))
+    assert check.main(["--report-only", "--out", str(halved)]) == 0
+    got = reported_c((halved / "report.md").read_text())
+    assert abs(got["eager"] - d["c"]["eager"] / 2) <= 5e-4 and got["runner"] == c["runner"]
+
+
+def test_the_drafter_step_on_static_buffers_is_the_runners_step():
+    """The step the check captures as a CUDA graph (static KV cache, fixed buffers) computes what FeatureRunner
+    drafts at the same position; the control: without its prefilled context it does not."""
+    import torch
+
+    from adaptive_spec.backends import presets
+    from adaptive_spec.drafter.source import FeatureRunner
+    from adaptive_spec.evaluation import drafter_step as ds
+
+    pair, ctx = presets.preset("default", tiny=True), 40
+    drafter, readout = ds.build_drafter(presets.build_model(pair.target), pair.vocab_size, tiny=True)
+    states = ds.TargetStates(ctx, drafter.hidden_size, drafter.dtype, "cpu")
+    ids = torch.randint(0, pair.vocab_size, (ctx + 1,), generator=torch.Generator().manual_seed(0))
+    runner = FeatureRunner(drafter, readout, states)
+    runner.forward(ids[:ctx], n_logits=0)
+    want = torch.softmax(runner.forward(ids[ctx:ctx + 1], 1)[0][0, readout.kept_ids], -1)
+    step = ds.static_step(drafter, readout, states, ids, ctx, max_cache=64)
+    with torch.inference_mode():
+        q, nxt = step.step()
+    f_hat = runner._outs[ctx - 1]  # the runner's f^ of the drafted slot, which the step writes back to feed
+    assert torch.allclose(q[0], want, atol=1e-6) and int(nxt) == int(readout.kept_ids[want.argmax()])
+    assert torch.allclose(step.feat.view(-1), f_hat, atol=1e-5) and f_hat.abs().max() > 0.1
+    assert int(step.pos) == ctx and int(step.tok) == int(nxt)
+    bare = ds.DrafterStep(drafter, readout, 64)
+    bare.pos.fill_(ctx - 1)
+    bare.tok.copy_(ids[ctx].view(1, 1))
+    bare.feat.copy_(states.features(ctx - 1, ctx).view_as(bare.feat))
+    with torch.inference_mode():
+        bare.step()
+    assert (bare.feat.view(-1) - f_hat).abs().max() > 1e-2
 
 
 def test_replay_picks_check_auto_against_the_best_replayed():

@@ -48,6 +48,19 @@ def _static_layer_cls():
     return PositionedStaticLayer
 
 
+def positioned_static_cache(config, max_cache_len: int, pos: torch.Tensor, dtype, device) -> StaticCache:
+    """A StaticCache of `config`'s layers, allocated now (batch 1), every layer written at the 0-d device
+    position `pos`."""
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    cache = StaticCache(config=config, max_cache_len=max_cache_len)
+    layer_cls = _static_layer_cls()
+    cache.layers = [layer_cls(max_cache_len, pos) for _ in cache.layers]
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    cache.early_initialization(batch_size=1, num_heads=kv_heads, head_dim=head_dim, dtype=dtype, device=device)
+    return cache
+
+
 def _event_seconds(start, end) -> float:
     end.synchronize()
     return start.elapsed_time(end) / 1000.0
@@ -145,16 +158,8 @@ class StaticCausalLM(ShapeGraphs, CausalLM):
         self._cache_ready = True
 
     def _alloc_kv(self):
-        cfg = self.config.get_text_config(decoder=True) if hasattr(self.config, "get_text_config") else self.config
-        cache = StaticCache(config=self.config, max_cache_len=self.max_cache_len)
-        layer_cls = _static_layer_cls()
-        cache.layers = [layer_cls(self.max_cache_len, self._pos) for _ in cache.layers]
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         dtype = next(self.model.parameters()).dtype
-        cache.early_initialization(batch_size=1, num_heads=kv_heads, head_dim=head_dim, dtype=dtype,
-                                   device=self.device)
-        self.cache = cache
+        self.cache = positioned_static_cache(self.config, self.max_cache_len, self._pos, dtype, self.device)
 
     def _kv_buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(keys, values) per layer, each [1, kv_heads, max_cache_len, head_dim]: slot = dim 2."""
