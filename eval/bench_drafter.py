@@ -150,7 +150,7 @@ def run(args, out: Path, results: Path, done: set) -> dict:
     """Every missing row; returns what run.json records of the run."""
     from adaptive_spec.backends.cpu import flags_line
     from adaptive_spec.drafter.source import load_drafter
-    from adaptive_spec.heads.head import load_head
+    from adaptive_spec.heads.head import INPUTS, load_head
 
     drafts = {"feature": "feature drafter", "draft": "draft model"}
     wanted = [drafts[d] for d in args.drafts.split(",") if d in drafts]
@@ -168,7 +168,7 @@ def run(args, out: Path, results: Path, done: set) -> dict:
                                   **(AR if label == "llama.cpp" else {"policy": "fixed", "k": ks[0]}))
     taus = [float(t) for t in args.confidence.split(",") if t]
     hs = [float(h) for h in args.thresholds.split(",") if h]
-    heads = {label: load_head(path, hidden_size=pairs[label].draft.hidden_size)  # loaded once, not per row
+    heads = {label: load_head(path, hidden_size=pairs[label].draft.hidden_size, inputs=INPUTS)  # once, not per row
              for label, path in (("feature drafter", args.head), ("draft model", args.draft_head))
              if path and label in wanted and hs}
     if hs and not heads:
