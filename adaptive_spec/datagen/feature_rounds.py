@@ -30,6 +30,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
 from transformers import DynamicCache
@@ -42,7 +43,7 @@ from ..runs import project_path, read_manifest
 from .batched import mix_tokens
 from .config import WORK_ORDER
 from .generate import shard_generator
-from .shards import SPLITS, _write_shard, folder_manifest, shard_file, write_manifest
+from .shards import SPLITS, _write_shard, folder_manifest, pack_shard, shard_file, write_manifest
 
 log = get_logger(__name__)
 KIND = "feature-rounds"
@@ -98,23 +99,27 @@ def simulate(drafter, readout, ids: torch.Tensor, feats: torch.Tensor, start: in
     return out
 
 
-def plan(states: Path, max_seqs: dict[str, int]) -> list[tuple[str, int, str, int]]:
-    """(split, k, states shard, its sequence count) per output shard, the evaluation split first: whole states
-    shards until a split has max_seqs (0: all), so a larger max_seqs extends a folder rather than changing it."""
+def states_manifest(states: Path) -> dict:
+    """The drafter states folder's manifest, or a UserError saying what to point --states at."""
     man = read_manifest(states, hint="compute the drafter's states first (accelerate launch train.py --config "
                                      "configs/train/drafter_*.yaml builds them)")
     if not str(man.get("format", "")).startswith("adaptive_spec.drafter_data"):
         raise UserError(f"{states} holds no drafter states (format {man.get('format')!r}); point --states at the "
                         "states folder of a drafter run (its config's states_dir, or <output_dir>/states)")
+    return man
+
+
+def plan(states: Path, man: dict, max_seqs: dict[str, int]) -> list[tuple[str, int, str, int]]:
+    """(split, k, states shard, its sequence count) per output shard, the evaluation split first: whole states
+    shards until a split has max_seqs (0: all), so a larger max_seqs extends a folder rather than changing it."""
     jobs = []
     for split in (s for s in WORK_ORDER if s in man["splits"]):
         taken, most = 0, max_seqs.get(split, 0)
         for k, f in enumerate(man["splits"][split]["shards"]):
             if most and taken >= most:
                 break
-            with open(states / f, "rb") as fh:  # the shard's sequence count, from its header alone
-                header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
-            n = header["offsets"]["shape"][0] - 1
+            with safe_open(str(states / f), framework="pt") as fh:  # the header alone, not the states
+                n = fh.get_slice("offsets").get_shape()[0] - 1
             jobs.append((split, k, f, n))
             taken += n
     return jobs
@@ -160,8 +165,8 @@ def build(drafter_path: str, states: str | Path, out: str | Path, depth: int = 3
     params = params or SamplingParams(1.0, 50, 1.0)
     states, out = project_path(states), project_path(out)
     max_seqs = {s: int((max_seqs or {}).get(s, 0)) for s in ("train", "dev")}
-    jobs = plan(states, max_seqs)
-    states_man = read_manifest(states)
+    states_man = states_manifest(states)
+    jobs = plan(states, states_man, max_seqs)
     drafter, readout, vocab = _load(drafter_path, states_man, dtype)
     fp = "feature-" + model_fingerprint(drafter.base)
     config, chash = _settings(drafter_path, fp, states, vocab, depth, mix_ratio, params, seed, max_seqs)
@@ -202,8 +207,6 @@ def build(drafter_path: str, states: str | Path, out: str | Path, depth: int = 3
 
 
 def _save(out: Path, split: str, k: int, seqs: list[dict], chash: str) -> None:
-    from .shards import pack_shard
-
     n_tok = sum(len(s["z"]) for s in seqs)
     n_loss = sum(int(s["loss_mask"].sum()) for s in seqs)
     meta = {"split": split, "shard": k, "n_seqs": len(seqs), "n_tokens": n_tok, "n_loss_tokens": n_loss,
