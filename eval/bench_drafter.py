@@ -214,6 +214,11 @@ def _main(argv) -> int:
         target, draft, args.drafter = make_tiny(out / "tiny_models")
         args.target, args.draft = target, draft if args.draft == "default" else args.draft
         args.sets = "humaneval"
+    held = {(r["temperature"], r.get("top_k", 0)) for r in read_jsonl(results)} if results.is_file() else set()
+    if held - {(args.temperature, args.top_k)}:  # the report pools a configuration's rows whatever their sampling
+        t, k = sorted(held)[0]
+        raise UserError(f"{out} holds rows sampled at temperature {t:g}, top-k {k}; rerun with those, or give this "
+                        "sampling its own --out")
     settings = run(args, out, results, done)
     md = report(list(read_jsonl(results)), run_header(out, report_only=False, measure=lambda: settings))
     (out / "report.md").write_text(md)

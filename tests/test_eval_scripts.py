@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from adaptive_spec.errors import UserError
+
 EVAL = Path(__file__).resolve().parent.parent / "eval"
 
 
@@ -56,6 +58,9 @@ def test_bench_drafter_counts_tau_checks_greedy_equality_and_regenerates(tmp_pat
     assert "| HumanEval | 2 | 3 | " in md and "| 4.00 | 1.000 |" in md
     assert "Greedy equality: 8 of 8 speculative outputs" in md
     assert mod.main(["--report-only", "--out", str(out)]) == 0 and (out / "report.md").read_text() == md
+    with pytest.raises(UserError, match="temperature 0, top-k 0"):  # another sampling would pool with these rows
+        mod._main(["--tiny", "--prompts", "2", "--max-new-tokens", "12", "--ks", "2,3", "--draft", target,
+                   "--temperature", "1", "--out", str(out)])
     bad = dict(rows[1], token_ids=rows[1]["token_ids"][:5] + [(rows[1]["token_ids"][5] + 1) % 32] + [0] * 6)
     (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [rows[0], bad, *rows[2:]]))
     assert mod.main(["--report-only", "--out", str(out)]) == 0
