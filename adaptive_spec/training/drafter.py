@@ -51,6 +51,7 @@ class DrafterConfig(Config):
     prompt_tail: int = 128             # prompt tokens kept before each response
     max_len: int = 512                 # tokens a sequence keeps at most
     init_from_target: bool = True      # the layer starts as a copy of the target's last one
+    init_from: str = ""                # a saved drafter (folder or hub id) to start from instead: training goes on
     intermediate_size: int = 0         # the drafter's MLP width (0 = the target's); narrower: a smaller file
     feature_weight: float = 1.0        # smooth L1 on the states
     ce_weight: float = 0.1             # cross-entropy against the target's next-token distribution
@@ -219,8 +220,15 @@ def load_readout(cfg: DrafterConfig, device):
 
     model, tok = load_model(cfg.target, "target", cfg.target_dtype, device, pack=False)
     fp = model_fingerprint(model)
-    drafter = FeatureDrafter.for_target(model, cfg.init_from_target, name=cfg.target, fingerprint=fp,
-                                        intermediate_size=cfg.intermediate_size).float()
+    if cfg.init_from:
+        drafter = FeatureDrafter.from_pretrained(cfg.init_from, hidden_size=model.config.hidden_size).float()
+        if drafter.target_fingerprint not in (None, fp):
+            raise UserError(f"init_from: {cfg.init_from} was trained on another target's weights (fingerprint "
+                            f"{drafter.target_fingerprint}, this target's {fp}); start from a drafter of this target "
+                            "or set init_from: \"\"")
+    else:
+        drafter = FeatureDrafter.for_target(model, cfg.init_from_target, name=cfg.target, fingerprint=fp,
+                                            intermediate_size=cfg.intermediate_size).float()
     model.base_model.layers = torch.nn.ModuleList()
     kept = resolve_draft_vocab(cfg.ce_vocab, tok, model.get_output_embeddings().out_features)
     return Readout(model, kept_ids=kept), drafter, fp
