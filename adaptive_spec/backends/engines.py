@@ -155,8 +155,8 @@ register(Engine("torch", _load_torch, capabilities=frozenset({"hidden", "tree", 
 register(Engine(
     "llama.cpp", _load_llama_cpp, draft_quants=("none", *GGUF_QUANTS), target_quants=("none", *GGUF_QUANTS),
     settings=LLAMA_CPP_PAIR_KEYS, devices=("cpu",), model_files="gguf",
-    # its pass time is far from linear in its length (its CPU kernels change at 4 rows: a 4-token pass
-    # can cost less than a 3-token one), so the per-length table is the model that fits
+    # its pass time is far from linear in its length (its CPU kernels change with the row count: a longer
+    # pass can cost less than a shorter one), so the per-length table is the model that fits
     time_model="table",
     # torch only samples and runs the heads there; its OpenMP pool would spin on llama.cpp's cores
     decode_torch_threads=1,

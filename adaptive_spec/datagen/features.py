@@ -1,7 +1,7 @@
 """Draft features for a datagen run that stored none: `adaptive-spec datagen-features`.
 
 A run's token data (X, Y, Z, P, draft statistics) is ~5 KB a response, the draft's hidden states
-~230 KB; the token data is what costs hours (a target pass per token) and is worth keeping across
+~230 KB; the token data is the expensive part (a target pass per token) and is worth keeping across
 machines, so a run can store only it (`store_features: false`, as configs/datagen/mix.yaml does).
 This command derives the features with one pass of the frozen draft per response, into a complete
 datagen folder that training, `autotune` and `eval/score_heads.py ablate` read as any other:

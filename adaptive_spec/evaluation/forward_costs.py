@@ -120,7 +120,7 @@ def layer_shapes(model: str) -> dict[str, tuple[int, int, int]]:
 def linear_kernels() -> dict:
     """name -> (bytes per weight, prepare(weight fp32) -> state, call(x, state)); only those this CPU can run:
     oneDNN packed (the runtime's path: packed.PackedLinear) in fp32 and, where the CPU has bf16 kernels,
-    bf16; MKL packed sgemm; FBGEMM fp16 weights with fp32 activations (deprecated in torch, measured while it
+    bf16; MKL packed sgemm; FBGEMM fp16 weights with fp32 activations (deprecated in torch, timed while it
     exists: half the bytes of fp32, fp32 arithmetic); stock `F.linear`, fp32 and bf16."""
     import torch
 

@@ -1,4 +1,4 @@
-"""The README's measured results, generated from the committed engine benchmarks (never typed by hand): per
+"""The README's results, generated from the committed engine benchmarks (never typed by hand): per
 CPU, what a user gets from each engine against llama.cpp alone on the same CPU and prompts, as a table and
 per machine kind in words, and the GPU check's tables.
 
@@ -33,7 +33,7 @@ MODEL_SETS = ("humaneval", "gsm8k", "alpaca")
 
 
 def _cpu(folder: Path) -> str:
-    """The CPU line of a report: 'AMD EPYC, AVX512'."""
+    """The CPU line of a report: '<cpu>, <isa>'."""
     report = folder / "report.md"
     text = report.read_text() if report.is_file() else ""
     m = re.search(r"^CPU: ([^|]+)\| ISA (\w+)", text, re.M)

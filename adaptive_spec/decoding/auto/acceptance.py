@@ -9,8 +9,7 @@ import time
 
 from ...errors import UserError
 
-# the recording's share of a probe that answers in about two minutes on two cores: loading the pair and
-# measuring its costs take the rest
+# the recording's share of the probe's time: loading the pair and timing its forwards take the rest
 BUDGET_S = 40.0
 MAX_PROMPTS = 16  # prompts taken from a set (shuffled as load_prompts shuffles), enough for the budget
 PROMPT_TOKENS = 64  # tokens an answer: more answers in the budget rather than longer ones

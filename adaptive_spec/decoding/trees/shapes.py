@@ -15,8 +15,8 @@ from pathlib import Path
 
 from ...errors import UserError
 
-# Conditional acceptance rates c_i = P(sibling i accepted | siblings 0..i-1 rejected) used before
-# any measurement: a first draft token accepted ~60% of the time, later siblings less and less.
+# Prior conditional acceptance rates c_i = P(sibling i accepted | siblings 0..i-1 rejected), used until
+# rates are calibrated or adapted: each later sibling is less likely accepted than the one before.
 DEFAULT_COND_RATES = (0.6, 0.3, 0.2, 0.15, 0.12, 0.1)
 DRAFTINGS = ("tree", "sequence", "batch", "specinfer")
 # shapes whose n-node tree is the first n nodes of their k-node tree (k > n): a learned budget
