@@ -3,8 +3,7 @@
 Data flows one way: prompts -> datagen -> training -> acceptance head -> decoder -> sweep -> report.
 
 The public names load on first use (PEP 562), so `import adaptive_spec.params` (every check the
-command line runs before a model loads) does not import torch.
-"""
+command line runs before a model loads) does not import torch."""
 from __future__ import annotations
 
 import importlib

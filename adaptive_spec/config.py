@@ -133,8 +133,7 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
 def config_from_argv(cls: type[T], argv, prog: str, description: str, default_name: str) -> T:
     """`--config FILE key=value ...` -> a loaded `cls`; an empty `name` becomes the file's stem.
 
-    The shared command line of the long jobs (datagen, sweep): one YAML file, overrides last.
-    """
+    The shared command line of the long jobs (datagen, sweep): one YAML file, overrides last."""
     parser = argparse.ArgumentParser(prog=prog, description=description, epilog=config_help(cls),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help=f"YAML file of {cls.__name__} keys (listed below)")

@@ -46,8 +46,7 @@ def run_main(fn, argv=None, interrupted: str = "nothing half-done was kept") -> 
     `interrupted` says what was kept and how to resume, since that is what the user needs next.
     SIGTERM (`kill`, a scheduler's stop) takes the same path, exit 143: a job started in the
     background by a script has SIGINT ignored, and must still stop cleanly.
-    Otherwise the body's return value (None = 0).
-    """
+    Otherwise the body's return value (None = 0)."""
     def on_term(signum, frame):
         raise _Terminated
 

@@ -1,7 +1,6 @@
 """Timers for forward passes: `sync` waits for a device's queued work, `timed` measures a block
 (per-phase wall time of a generation, as Metrics records it). The models those times feed (Eq. 3.1
-and the extended and table models) are in auto/timemodel.py.
-"""
+and the extended and table models) are in auto/timemodel.py."""
 from __future__ import annotations
 
 import time

@@ -5,8 +5,7 @@ here too, in the words of its keys (explain_config). Nothing here imports torch:
 weights.
 
     from adaptive_spec.typed import policy_class
-    list(policy_class("learned").model_fields)    # ['head', 'threshold', 'k_max', 'curve']
-"""
+    list(policy_class("learned").model_fields)    # ['head', 'threshold', 'k_max', 'curve']"""
 from __future__ import annotations
 
 import typing

@@ -1,7 +1,6 @@
 """The llama.cpp engine's pair (engines.py's loader): its GGUF files found (the default pair's, a local file,
 a hub file), their tokenizers checked to be one, re-quantized once where draft_quant / target_quant ask it,
-and loaded as two `LlamaCppLM` runners with the Hugging Face tokenizer that encodes both engines' prompts.
-"""
+and loaded as two `LlamaCppLM` runners with the Hugging Face tokenizer that encodes both engines' prompts."""
 from __future__ import annotations
 
 import ctypes

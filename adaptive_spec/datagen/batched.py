@@ -213,8 +213,7 @@ def _draft_features(draft, prompt_cache, first_pos, prompt_mask, Z) -> torch.Ten
 
     `prompt_cache` holds the (padded) prompt from the prefill, so only Z is fed, which saves the
     prompt's share of this pass. Rows that ended early carry trailing pad tokens past their EOS;
-    the pass is causal, so those do not touch earlier positions.
-    """
+    the pass is causal, so those do not touch earlier positions."""
     B, n = Z.shape
     mask = torch.cat([prompt_mask, torch.ones((B, n), dtype=prompt_mask.dtype)], dim=1)
     pos = first_pos + torch.arange(n)

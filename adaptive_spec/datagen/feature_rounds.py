@@ -21,8 +21,7 @@ sequence's own prefix, not on the round's earlier candidates: datagen's approxim
 Each depth of each sequence is stored as one datagen sequence (the tokens before its first candidate as the
 prompt, Z^d as the response), so the head trainer reads the folder as any datagen run (shards.py, format v1).
 A shard (one per states shard) is written atomically and is the unit of resume; a folder made with other
-settings is refused.
-"""
+settings is refused."""
 from __future__ import annotations
 
 import hashlib

@@ -28,8 +28,7 @@ docs/datagen.md; the quantities themselves are defined in adaptive_spec/datagen/
   and one safetensors metadata key, "adaptive_spec.datagen": sorted JSON {split, shard, n_seqs,
   n_tokens, n_loss_tokens, config_hash, by_source: [[n_seqs, n_tokens, n_loss_tokens] per source]}.
 n_tokens counts response tokens (T), n_loss_tokens those with loss_mask 1. A shard is written
-atomically and is the unit of resume: the manifest lists the finished ones.
-"""
+atomically and is the unit of resume: the manifest lists the finished ones."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,3 @@
 """Speculative decoding: the decoder and exact verification, sampling, the stop policies (fixed K,
 SpecDec++, heuristics, the oracle), tree and multi-draft baselines, the `auto` pick and the
-time model it prices with, and the SpecPair API.
-"""
+time model it prices with, and the SpecPair API."""

@@ -27,8 +27,7 @@ class Decoder:
 
     `generate(prompt_ids, policy=None)` is plain autoregressive decoding of the target; with a
     StopPolicy it is chain speculative decoding, with a RoundOwner whatever round that policy
-    runs. Either way the output distribution is exactly the target's (for the same SamplingParams).
-    """
+    runs. Either way the output distribution is exactly the target's (for the same SamplingParams)."""
 
     def __init__(self, target: Runner, draft: Runner | None = None, eos_token_ids=(), host_reads: str | int = "auto"):
         """`host_reads`: "round" decides a model-drafted chain's stop on the device and reads the device once a

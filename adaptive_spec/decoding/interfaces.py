@@ -121,8 +121,7 @@ class RoundState:
     sampling   SamplingParams, gen the torch.Generator, met the Metrics (the round books itself there)
     tokens     seq as a host list (read it, never change it)
     p_y        after a chain round's verification: the target's probability of each of its K candidates
-               [K] (the processed p; 0 or 1 when greedy), for sources that learn from them
-    """
+               [K] (the processed p; 0 or 1 when greedy), for sources that learn from them"""
 
     decoder: Any
     seq: Any

@@ -21,8 +21,7 @@ tree attention mask of `adaptive_spec.decoding.trees.verify`; both caches are th
 Here p is the target's processed distribution and q the draft's, as in sampling.py.
 
 Building the trie reads each level's sampled tokens to the host (one small read per level); the
-verification itself does one host read per round.
-"""
+verification itself does one host read per round."""
 from __future__ import annotations
 
 import torch

@@ -4,8 +4,7 @@
     pair = SpecPair.load()                      # the default pair; dtype auto; CUDA if present
     g = pair.generate("Write quicksort in Python.", policy="fixed", k=4, temperature=0,
                       max_new_tokens=128, chat=True)  # or policy=FixedParams(k=4) (params.py)
-    print(g.text, g.metrics.summary())
-"""
+    print(g.text, g.metrics.summary())"""
 from __future__ import annotations
 
 import contextlib

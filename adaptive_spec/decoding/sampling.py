@@ -83,8 +83,7 @@ def verify(
     y: [K] draft tokens, q: [K, V] draft distributions they were drawn from, p: [K+1, V] target
     distributions at the same positions plus one. Returns device tensors (n, token): n in 0..K
     tokens accepted, then `token`, drawn from norm(max(p_{n+1} - q_{n+1}, 0)) after a rejection
-    or from p_{K+1} (the bonus token) when all K were accepted.
-    """
+    or from p_{K+1} (the bonus token) when all K were accepted."""
     K = y.shape[0]
     if K == 0:
         return torch.zeros((), dtype=torch.long, device=p.device), sample(p[0], generator)

@@ -1,2 +1,1 @@
-"""Evaluation: threshold and K sweeps, tree calibration, and the report (tables, Pareto plots).
-"""
+"""Evaluation: threshold and K sweeps, tree calibration, and the report (tables, Pareto plots)."""

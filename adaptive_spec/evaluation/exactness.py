@@ -2,8 +2,7 @@
 
 Enumerate all V^L continuations of a prompt under the target's processed distribution, sample many
 generations from the method under test, and compare by a Pearson chi-square test at a fixed seed. The
-test suites also run it on a deliberately wrong variant to show it can fail.
-"""
+test suites also run it on a deliberately wrong variant to show it can fail."""
 import itertools
 
 import torch

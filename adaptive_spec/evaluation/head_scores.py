@@ -2,8 +2,7 @@
 `ablate` subcommands), the cross-validated logistic baselines, and metrics per prompt source.
 
 Every function takes a datagen manifest (adaptive_spec.datagen.v1) and its folder; torch, safetensors and
-scikit-learn load here, so a caller that only rebuilds a report from a run folder does not import this.
-"""
+scikit-learn load here, so a caller that only rebuilds a report from a run folder does not import this."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,2 +1,1 @@
-"""Acceptance heads: the ResNet head (save, load, hub) and the draft statistics it may read.
-"""
+"""Acceptance heads: the ResNet head (save, load, hub) and the draft statistics it may read."""

@@ -4,8 +4,7 @@ produces per token, N_target/N and N_discarded/N, replayed offline on datagen da
 the head and the data, not on the machine; auto prices them with this machine's measured costs.
 
 A leaf (stdlib, errors, runs): the typed settings check a curve exists before any model loads, and the
-producer (autotune) and the consumer (auto) both read its format from here.
-"""
+producer (autotune) and the consumer (auto) both read its format from here."""
 from __future__ import annotations
 
 import hashlib

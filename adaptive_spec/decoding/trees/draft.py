@@ -7,8 +7,7 @@ node's "sibling index i". At temperature 0 the children are the draft's top toke
 
 A tree grows either to a fixed topology (`grow_static`) or by Algorithm 3's priority queue with
 R refined by an acceptance head on each drafted token's hidden state (`grow_with_head`), which
-a learned budget stops as soon as the next node is not worth its cost.
-"""
+a learned budget stops as soon as the next node is not worth its cost."""
 from __future__ import annotations
 
 import heapq
@@ -25,8 +24,7 @@ class DraftTree:
     Node 0 is the root; for every node: parent, depth, sibling index, children (in sibling order),
     its token (device tensor `tok`, and `tok_host` where known) and, when the draft was run on it,
     the draft's processed distribution Q, the ranking of candidate children and (for races) the
-    exponentials e. The draft cache holds the prefix seq[:L] then forwarded nodes in `slot` order.
-    """
+    exponentials e. The draft cache holds the prefix seq[:L] then forwarded nodes in `slot` order."""
 
     def __init__(self, draft, seq: torch.Tensor, sampling: SamplingParams, gen: torch.Generator,
                  max_nodes: int, max_children: int = 0):
