@@ -250,9 +250,6 @@ def reference_pairs(dataset: str, seed: int = 0) -> list[tuple[str, str]]:
     return pairs
 
 
-# ----------------------------------------------------------------------------- token ids
-
-
 def encode_prompt(tok, text: str | list[dict], chat: bool = False, template_optional: bool = False) -> list[int]:
     """Token ids of one user prompt: wrapped in the tokenizer's chat template (with the assistant
     turn opened) when `chat`, else the raw text with the tokenizer's own special tokens. A list of

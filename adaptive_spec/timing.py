@@ -7,7 +7,6 @@ import time
 
 import torch
 
-# ----------------------------------------------------------------------------- measuring forwards
 
 clock = time.perf_counter  # the clock `timed` reads (a module attribute, so a test can script it)
 

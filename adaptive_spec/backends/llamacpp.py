@@ -79,8 +79,6 @@ def init_library(ll) -> None:
         _initialised = True
 
 
-# ---------------------------------------------------------------------------------------- model
-
 class GGUFModel:
     """One loaded GGUF model (weights only); contexts (`LlamaCppLM`) are made on it."""
 

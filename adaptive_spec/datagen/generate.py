@@ -41,8 +41,6 @@ from .shards import FORMAT, SPLITS, _n_shards, _write_shard, folder_manifest, pa
 
 log = get_logger(__name__)
 
-# ----------------------------------------------------------------------------------- prompts
-
 
 def load_prompt_texts(cfg: DatagenConfig, source: dict | None = None) -> list[str]:
     """All prompt texts of one source (default: the first, or `dataset`), in file order (the same
@@ -110,9 +108,6 @@ def _by_source(prompts: list[tuple[int, list[int]]], n_sources: int) -> list[int
     return [sum(1 for i, _ in prompts if i == k) for k in range(n_sources)]
 
 
-# ------------------------------------------------------------------------------------ models
-
-
 def load_models(cfg: DatagenConfig, device):
     """(draft, target, tokenizer, shared vocabulary size) as datagen runs them."""
     # every datagen pass is batched (prefill, a batch of rows per step, the features pass): no
@@ -133,9 +128,6 @@ def load_models(cfg: DatagenConfig, device):
         target, ttok = load_model(p.target, "target", p.dtype, device, fp16=False)
     vocab = check_vocab(dtok, ttok, draft, target)
     return draft, target, ttok, vocab
-
-
-# ----------------------------------------------------------------------------------- the run
 
 
 def shard_generator(seed: int, split: str, shard: int, device) -> torch.Generator:

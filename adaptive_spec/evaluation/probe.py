@@ -54,8 +54,6 @@ def dev_answers(data_dir=None) -> Answers | None:
                    lambda head=None: responses(path, "dev", head), hidden)
 
 
-# ----------------------------------------------------------------------------- measuring
-
 def run(pair_params, head: str | None = DEFAULT_HEAD, temperature: float = 1.0, prompt_tokens: int = 128,
         max_new_tokens: int = 128, reps: int | None = None, cache: bool = True, ran: dict | None = None,
         workload=None, prompts=None, prompts_budget_s: float | None = None, prompts_cache: bool | None = None) -> dict:
@@ -91,8 +89,6 @@ def run(pair_params, head: str | None = DEFAULT_HEAD, temperature: float = 1.0, 
             "cache": str(path) if cache else None, "cached": cached, "load_s": loaded - t0,
             "measure_s": measured - loaded, "prompts_s": recorded - measured}
 
-
-# ----------------------------------------------------------------------------- output
 
 def render(result: dict) -> str:
     """The probe's text: the costs, one line per configuration (predicted tok/s, speed-up, why), the fastest."""

@@ -25,8 +25,6 @@ from .sweep_files import COSTS
 from .tree_calibration import TREE_POLICIES
 
 
-# ----------------------------------------------------------------------------- the report
-
 def tree_sections(results: list[DatasetResult], calibration: dict, folder: Path, how: str) -> list[str]:
     """The family table, the accepted-vs-drafted plots and the ERSD Fig. 3 comparison; `calibration`:
     the sweep's tree_calibration.json ({} when missing)."""
@@ -170,8 +168,6 @@ def _tables(results: list[DatasetResult], heads_info: dict, trees: list[str]) ->
                 md += [f"### {label}", "", t, ""]
     return md
 
-
-# ----------------------------------------------------------------------------- in words, at the top
 
 # where no cost is known, a round's tokens and drafts only (its steps are then left unsaid)
 ONE_STEP_COEF = {"t_target": 1.0}

@@ -21,8 +21,6 @@ SPECDECPP = ("learned", "learned_auto")
 HEURISTICS = ("confidence", "entropy", "heuristic")
 
 
-# ----------------------------------------------------------------------------- loading
-
 def load_sweep(sweep_dir: Path) -> tuple[list[dict], dict, dict]:
     """(rows, heads info, config info) of a sweep folder."""
     sweep_dir = Path(sweep_dir)
@@ -64,8 +62,6 @@ def complete_rows(rows: list[dict]) -> tuple[list[dict], int]:
         return rows, 0
     return [r for r in rows if _pkey(r) in full], len(by_prompt) - len(full)
 
-
-# ----------------------------------------------------------------------------- aggregation
 
 def _f(r, k) -> float:
     v = r.get(k)
@@ -201,8 +197,6 @@ def by_config(rows: list[dict]) -> dict[str, list[dict]]:
     return dict(out)
 
 
-# ----------------------------------------------------------------------------- fits
-
 def fit_settings(rows: list[dict]) -> dict:
     """Forward-time fits of one dataset: {"standalone": {...}, "specdec": ForwardFit, "specdecpp": ...,
     "speculative": ForwardFit (SpecDec + SpecDec++ pooled, used for Eq. 5.1)}."""
@@ -239,8 +233,6 @@ def rel_errors(rows: list[dict], t_draft: float, t_target: float) -> list[float]
         out.append(relative_error(th, _f(r, "n_tokens") / decode_s(r)))
     return [e for e in out if not math.isnan(e)]
 
-
-# ----------------------------------------------------------------------------- per-dataset analysis
 
 @dataclass
 class DatasetResult:
@@ -313,8 +305,6 @@ def head_order(heads_info: dict, results: list[DatasetResult]) -> list[str]:
     return names
 
 
-# ----------------------------------------------------------------------------- tree and multi-draft families
-
 FAMILY_OF = {"fixed": "fixed K", "learned": "SpecDec++", "ersd": "ERSD", "spectr": "SpecTr", "batch-sd": "batch SD",
              "confidence": "confidence", "entropy": "entropy", "heuristic": "heuristic +2/-1", "oracle": "oracle",
              "hf_assisted": "transformers assisted"}
@@ -346,8 +336,6 @@ def bound_curve(calibration: dict, method: str, ks) -> list[tuple[int, float]]:
     rates, vocab = calibration.get(method), calibration.get("settings", {}).get("vocab_size")
     return [(k, tunstall_accepted(rates["cond_rates"], k, vocab)) for k in ks] if rates and vocab else []
 
-
-# ----------------------------------------------------------------------------- a configuration's rounds
 
 def pooled_counts(d: DatasetResult, config: str) -> dict:
     """A configuration's counts summed over its rows (sum_counts)."""

@@ -14,8 +14,6 @@ from .tree_calibration import TREE_POLICIES, VERIFICATION, zeroth_order_accepted
 H_REF = 0.7  # the paper's recommended threshold
 
 
-# ----------------------------------------------------------------------------- formatting
-
 def pct(x) -> str:
     return "—" if x is None or math.isnan(x) else f"{100 * x:+.1f}%"
 
@@ -23,8 +21,6 @@ def pct(x) -> str:
 def fmt_t(x) -> str:
     return fmt(x, ".4g")
 
-
-# ----------------------------------------------------------------------------- tree and multi-draft families
 
 def family_table(results: list[DatasetResult]) -> str:
     rows = []
@@ -72,8 +68,6 @@ def ersd_fig3_table(d: DatasetResult, calibration: dict) -> str:
     return md_table(["config", "drafted / round", "depth", "accepted / pass (measured)", "predicted (policy, sum R)",
                      "predicted (0-th order, calibration)", "Tunstall bound", "tok/s"], rows)
 
-
-# ----------------------------------------------------------------------------- the paper's tables, auto and the peer
 
 def table1(results: list[DatasetResult]) -> str:
     cols = [d.label for d in results]
@@ -288,8 +282,6 @@ def auto_table(results: list[DatasetResult]) -> str:
     return md_table(["dataset", "config", "picked", "predicted tok/s (decoding)", "measured tok/s",
                      "best swept (same policy)", "auto / best swept (paired)", "auto / best fixed K (paired)"], rows)
 
-
-# ----------------------------------------------------------------------------- all configurations, machines, engines
 
 def all_configs_table(d: DatasetResult) -> str:
     fit = d.fits["speculative"]

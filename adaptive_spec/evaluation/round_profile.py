@@ -150,8 +150,6 @@ def top_kernels(lm, steps: int = 10, top: int = 12, ctx: int = 64) -> dict:
                     for name, (n, us) in rows]}
 
 
-# ----------------------------------------------------------------------------- report lines
-
 def _f(x, nd=2) -> str:
     return "-" if x is None else f"{x:.{nd}f}"
 
@@ -211,8 +209,6 @@ def first_token_section(rows: list[dict] | None) -> list[str]:
                    f"{_f(r['generate_s'])} |")
     return out + [""]
 
-
-# ----------------------------------------------------------------------------- the first token
 
 def first_token(runtime: str, device: str, cache_dir: Path, tiny: bool, timeout_s: float, preset: str) -> dict:
     """A fresh Python process's time from its start to its first generated token (the preset's target alone,

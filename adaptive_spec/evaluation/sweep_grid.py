@@ -40,8 +40,6 @@ def _fmt(v) -> str:
     return v if v == AUTO else f"{v:g}"
 
 
-# ----------------------------------------------------------------------------- the grid
-
 class Baseline(Enum):
     """A configuration that is no registered policy: the draft alone runs through generate as a pair of its own
     (SpecPair.draft_alone), the peers (PEERS) by transformers' own generate (sweep_run.hf_generate)."""
@@ -230,8 +228,6 @@ def _check_auto_curves(cfg, folders: list) -> None:
                             f"{curve['k_max']}, or rerun autotune with --k-max {cfg.k_max}")
 
 
-# ----------------------------------------------------------------------------- `heads`: their folders
-
 def head_folder(p: Path) -> Path | None:
     if (p / "config.json").is_file():
         return p
@@ -272,8 +268,6 @@ def find_head_folder(h: str) -> Path | None:
     p = Path(h).expanduser()
     return next((f for f in map(head_folder, [p] if p.is_absolute() else [p, PROJECT_ROOT / p]) if f), None)
 
-
-# ----------------------------------------------------------------------------- `trees` entries
 
 MULTI_DRAFT = ("spectr", "batch-sd")
 # set by the sweep itself: the rates are measured once per sweep on calibration prompts (tree_calibration)

@@ -147,8 +147,6 @@ def settings_of(cfg: SweepConfig, device: str | None = None) -> dict:
     return d
 
 
-# ----------------------------------------------------------------------------- the heads
-
 def load_heads(draft: str | None, listed: dict, named: dict) -> dict:
     """{label: (AcceptanceHead on CPU, info: path, depth, w_rej, train/dev metrics)} of every head the grid runs.
     `listed`: label -> folder of `heads`; `named`: the same of the heads `trees` entries name (a label of heads, or

@@ -87,6 +87,3 @@ def _without_quantization_config(loaded, dtype, name: str):
     if moved:
         raise RuntimeError(f"rebuilding {name} without quantization_config changed {moved[:3]}")
     return model
-
-
-# ----------------------------------------------------------------------------------------------

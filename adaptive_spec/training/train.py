@@ -33,7 +33,6 @@ log = get_logger(__name__)
 SWEEP_DEPTHS = [0, 1, 2, 3, 4]  # paper section 5.1
 SWEEP_W_REJS = [1.0, 3.0, 6.0, 12.0]
 
-# ----------------------------------------------------------------------------- sweep
 
 SWEEP_COLUMNS = ["depth", "w_rej", "best_step", "train_loss", "train_kl", "train_auc", "train_ece", "dev_loss", "dev_kl",
                  "dev_auc", "dev_ece"]
@@ -75,8 +74,6 @@ def write_table(rows: list[dict], root: Path):
     atomic_write(root / "sweep.md", md_table(SWEEP_COLUMNS, [[r[c] for c in SWEEP_COLUMNS] for r in rows]) + "\n")
     log.info(f"sweep table: {root / 'sweep.md'}, {root / 'sweep.csv'}")
 
-
-# ----------------------------------------------------------------------------- CLI
 
 def parser(prog: str = "train.py") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(

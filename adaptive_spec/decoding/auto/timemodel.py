@@ -230,9 +230,6 @@ def comparison_table(rows: list[dict], costs=None) -> str:
     return md_table(header, body) + "\n\nLower mean throughput error: " + "; ".join(verdict) + "\n"
 
 
-# ----------------------------------------------------------------------------- the model
-
-
 @dataclass
 class ForwardFit:
     """Fitted forward times in seconds; None for a model the rows do not involve."""
