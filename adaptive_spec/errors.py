@@ -30,7 +30,6 @@ if not any(isinstance(h, _Stderr) for h in _ROOT.handlers):
 
 
 def get_logger(name: str) -> logging.Logger:
-    """The logger of a module of the package (name: its __name__)."""
     return logging.getLogger(name)
 
 

@@ -1,8 +1,4 @@
-"""`auto`: what pays on this machine. Its forward costs measured and cached (costs.py; how each is timed:
-cost_timing.py), the time model that prices a policy's counts with them (timemodel.py), the threshold curve's
-replay (curve_replay.py; the curve's file format is heads/curve.py), the pick of `--threshold auto` / `--k auto`
-(picker.py), and prediction: every configuration priced, its reason rendered apart (prediction.py, pricing.py,
-counts.py; the acceptance on a user's own prompts: acceptance.py). Outside this package, import from here."""
+"""`auto`: what pays on this machine (its modules: docs/design.md's map). Outside this package, import from here."""
 from .acceptance import BUDGET_S, FIELD, MAX_PROMPTS, load_texts, measure_prompts, record
 from .cost_timing import (PREFIX, decode_step_time, interleaved_round, interleaved_times, loop_times, monotone,
                           prefilled, release)

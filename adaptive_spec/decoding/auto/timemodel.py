@@ -303,7 +303,6 @@ def theoretical_tokens_per_s(n_tokens: float, n_draft: float, n_target: float, t
 
 
 def relative_error(predicted: float, measured: float) -> float:
-    """|predicted - measured| / measured."""
     if not measured or measured != measured:
         return float("nan")
     return abs(predicted - measured) / abs(measured)
