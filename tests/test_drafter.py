@@ -116,6 +116,30 @@ def test_every_chain_policy_runs_with_the_drafter(name):
     assert g.token_ids == ref
 
 
+@pytest.mark.parametrize("cls", ["StaticCausalLM", "FusedCausalLM"])
+def test_a_compiled_target_feeds_the_drafter_every_rows_state(cls):
+    """The target on a graph runtime (torch.compile, traced only here) with its verify shapes warmed for
+    forward_hidden: every pass after the prefill goes through the compiled rows step, the tap holds the target's
+    own state of every position it kept, and greedy output through the drafter equals the target's."""
+    from adaptive_spec.backends import static_runner
+    from test_static_runner import count_compiled_calls
+
+    model = tiny_target()
+    ref = Decoder(CausalLM(model)).generate([5, 9, 4, 17], max_new_tokens=40, sampling=GREEDY).token_ids
+    target = getattr(static_runner, cls)(model, max_cache_len=64, compile=True, compiler="eager")
+    target.warmup(static_runner.verify_shapes(3), rows=True)
+    calls = count_compiled_calls(target)
+    torch.manual_seed(0)
+    tap, fr = feature_pair(target, model, FeatureDrafter.for_target(model))
+    g = Decoder(tap, fr).generate([5, 9, 4, 17], max_new_tokens=40, sampling=GREEDY, policy=FixedK(3))
+    assert g.token_ids == ref
+    assert len(calls) == g.metrics.n_target_forwards > 0 and all(c[-1] for c in calls)  # the rows variant
+    seq = torch.tensor([5, 9, 4, 17] + ref)[: tap.length]
+    with torch.no_grad():
+        want = model.base_model(input_ids=seq.view(1, -1)).last_hidden_state[0]
+    torch.testing.assert_close(tap.features(0, tap.length), want, rtol=1e-5, atol=1e-5)
+
+
 # ---- exact output distribution ---------------------------------------------------------------
 
 V, L, N = 5, 3, 1500
@@ -315,6 +339,34 @@ def test_the_pair_loads_a_feature_drafter_by_path(tmp_path):
     other = save_model(tmp_path / "other", vocab_size=40, hidden_size=32, layers=1, seed=1)
     with pytest.raises(UserError, match=r"\(hidden size 24\) but the target in use has hidden size 32"):
         SpecPair.load(target=str(other), draft=f"feature:{tmp_path / 'd'}", dtype="fp32", device="cpu")
+
+
+def test_the_pair_loads_a_feature_drafter_on_a_compiled_target(tmp_path, monkeypatch):
+    """`--draft feature:PATH --kv-cache static --runtime compile` loads (no longer refused) and its prepare warms the
+    target's verify shapes for forward_hidden; greedy output is the target's. (torch.compile only traces here.)"""
+    from adaptive_spec.backends import static_runner
+    from adaptive_spec.decoding.pipeline import SpecPair
+    from test_static_runner import count_compiled_calls
+
+    class Traced(static_runner.StaticCausalLM):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, compiler="eager", **kw)
+
+    monkeypatch.setattr(static_runner, "StaticCausalLM", Traced)
+    path = save_model(tmp_path / "target", vocab_size=40, hidden_size=24, layers=2, seed=2, logit_scale=4.0)
+    from transformers import AutoModelForCausalLM
+
+    FeatureDrafter.for_target(AutoModelForCausalLM.from_pretrained(path)).save_pretrained(tmp_path / "d")
+    pair = SpecPair.load(target=str(path), draft=f"feature:{tmp_path / 'd'}", dtype="fp32", device="cpu",
+                         kv_cache="static", runtime="compile")
+    assert pair.target.runtime == "compile"
+    pair.prepare(3, None)  # what generate calls first: here, so that the compiled calls are counted from now on
+    assert {key[:4] for key in pair.target._warm} == {(n, n, False, True) for n in range(1, 5)}
+    calls = count_compiled_calls(pair.target.runner)
+    kw = dict(max_new_tokens=20, temperature=0, seed=0)
+    got = pair.generate("abc de", policy="fixed", k=3, **kw).token_ids
+    assert calls and all(c[-1] for c in calls)
+    assert got == pair.generate("abc de", policy="ar", **kw).token_ids
 
 
 def test_the_second_drafted_step_reads_the_first_steps_outputs():

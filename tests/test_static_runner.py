@@ -3,7 +3,8 @@
 Same numbers as the dynamic-cache CausalLM, stale slots masked after a rollback that copies
 nothing, exact speculative decoding through it, no host read inside a forward, and the GPU
 benchmark script's CPU smoke run. The compiled path (dynamo tracing, one graph per shape, no
-recompile as K varies) is checked by an opt-in test: ADAPTIVE_SPEC_COMPILE_TESTS=1.
+recompile as K varies) is checked by an opt-in test: ADAPTIVE_SPEC_COMPILE_TESTS=1; forward_hidden's compiled
+rows step (a few shapes only) always.
 """
 import importlib.util
 import json
@@ -19,7 +20,7 @@ from adaptive_spec.heads.head import AcceptanceHead
 from adaptive_spec.backends.runner import CausalLM
 from adaptive_spec.decoding.policies import FixedK
 from adaptive_spec.decoding.sampling import SamplingParams
-from adaptive_spec.backends.static_runner import DRAFT_SHAPES, StaticCausalLM, make_runner
+from adaptive_spec.backends.static_runner import DRAFT_SHAPES, FusedCausalLM, StaticCausalLM, make_runner, verify_shapes
 from test_fused import (assert_no_host_read_inside_a_step, assert_sampling_matches_dynamic_runner,
                         compiled_decoding_matches, greedy_speculative_against_target)
 from test_decoding import L, V, chi_square_pvalue, exact_sequence_probs, sample_counts
@@ -225,6 +226,41 @@ def test_compiled_path_traces_fullgraph_without_recompiles(models):
     without graph breaks, one graph per warmed shape, and K varying 1..4 recompiles nothing."""
     draft, target = models
     compiled_decoding_matches(StaticCausalLM, draft, target)
+
+
+def count_compiled_calls(lm) -> list:
+    """The (n_logits, with_head, epilogue, rows) of every call through `lm`'s compiled step, from now on."""
+    calls, inner = [], lm._compiled
+    lm._compiled = lambda buf, *args: calls.append(args) or inner(buf, *args)
+    return calls
+
+
+@pytest.mark.parametrize("cls", [StaticCausalLM, FusedCausalLM])
+def test_forward_hidden_runs_the_compiled_rows_step_on_warmed_shapes(models, cls):
+    """forward_hidden (every fed row's state, for a feature drafter) goes through the compiled step's rows variant
+    for the shapes warmed with rows=True, eagerly for any other, and gives the eager runner's numbers exactly,
+    with the same length, position and counters. Control: warmed for forward alone, it never reaches the
+    compiled step, so the count is what tells a graphed forward_hidden from an eager one."""
+    model = models[1]
+    plain = cls(model, max_cache_len=32, compile=True, compiler="eager")
+    plain.warmup(verify_shapes(2))
+    control = count_compiled_calls(plain)
+    plain.forward_hidden(torch.tensor([3, 4, 5]), 3)
+    assert control == []
+    lm, ref = cls(model, max_cache_len=32, compile=True, compiler="eager"), cls(model, max_cache_len=32)
+    lm.warmup(verify_shapes(2), rows=True)
+    calls = count_compiled_calls(lm)
+    feeds = [(torch.arange(5), 0), (torch.tensor([3, 4, 5]), 3), (torch.tensor([7]), 1), (torch.tensor([1, 2]), 2)]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for ids, n_logits in feeds:
+            (a, rows_a), (b, rows_b) = lm.forward_hidden(ids, n_logits), ref.forward_hidden(ids, n_logits)
+            assert torch.equal(a, b) and torch.equal(rows_a, rows_b)
+            assert rows_a.shape == (len(ids), model.config.hidden_size)
+            assert lm.length == ref.length and int(lm._pos) == int(ref._pos) == lm.length
+    assert calls == [(3, False, None, True), (1, False, None, True), (2, False, None, True)]  # the prefill: eager
+    assert lm.counters.n_forwards == ref.counters.n_forwards == len(feeds)
+    with pytest.raises(UserError, match="max_cache_len"):
+        lm.forward_hidden(torch.arange(30), 0)
 
 
 def test_bench_gpu_interp_never_negative():

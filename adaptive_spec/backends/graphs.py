@@ -44,7 +44,8 @@ def persist_compile_caches() -> None:
 
 
 class ShapeGraphs:
-    """Capture, compile, replay and warm up the runner's step per (n, n_logits, with_head[, epilogue]) shape."""
+    """Capture, compile, replay and warm up the runner's step per (n, n_logits, with_head, rows[, epilogue]) shape
+    (rows: forward_hidden's variant, every fed row's hidden state returned)."""
 
     def _buf(self, n: int) -> torch.Tensor:
         buf = self._ids_buf.get(n)
@@ -56,8 +57,8 @@ class ShapeGraphs:
     def _capture(self, key):
         """Record the eager step of shape `key` into a CUDA graph (after two warm-up runs on a
         side stream, as torch.cuda.graphs asks)."""
-        n, n_logits, wh = key[:3]
-        epilogue = key[3] if len(key) > 3 else None
+        n, n_logits, wh, rows = key[:4]
+        epilogue = key[4] if len(key) > 4 else None
         buf = self._buf(n)
         # the warm-up runs move the position and an epilogue's state (its `buffers()`): put back after
         pos = self._pos.clone()
@@ -67,18 +68,18 @@ class ShapeGraphs:
         with torch.cuda.stream(side):
             for _ in range(2):
                 self._pos.copy_(pos)
-                self._step(buf, n_logits, wh, epilogue)
+                self._step(buf, n_logits, wh, epilogue, rows)
         torch.cuda.current_stream(self.device).wait_stream(side)
         self._pos.copy_(pos)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = self._step(buf, n_logits, wh, epilogue)
+            out = self._step(buf, n_logits, wh, epilogue, rows)
         self._pos.copy_(pos)
         for t, saved in kept:
             t.copy_(saved)
         self._graphs[key] = (graph, out)
 
-    def _run(self, ids: torch.Tensor, n_logits: int, with_head: bool, epilogue=None):
+    def _run(self, ids: torch.Tensor, n_logits: int, with_head: bool, epilogue=None, rows: bool = False):
         if epilogue is not None and self._graphs is None:
             # without captured graphs the epilogue runs after the (eager or compiled) step: compiling one per
             # sampling setting and stop rule would cost tens of seconds inside the decode that first asks
@@ -91,8 +92,8 @@ class ShapeGraphs:
             raise UserError(f"the static KV cache holds {self.max_cache_len} positions but {self.length + n} are "
                             "needed; build the runner with a larger max_cache_len")
         t0 = self._tic()
-        key = (n, n_logits, with_head) if epilogue is None else (n, n_logits, with_head, epilogue)
-        if epilogue is not None and key not in self._graphs and key[:3] in self._warm:
+        key = (n, n_logits, with_head, rows) + (() if epilogue is None else (epilogue,))
+        if epilogue is not None and key not in self._graphs and key[:4] in self._warm:
             # captured on first use, for the shapes warmed up for graphs (a prompt's length runs eagerly): a
             # capture costs a forward or three, and the epilogue (its sampling, its stop rule) is known only
             # once a decode asks for it
@@ -110,11 +111,11 @@ class ShapeGraphs:
             else:
                 if self._cudagraphs:
                     torch.compiler.cudagraph_mark_step_begin()
-                out = self._compiled(buf, n_logits, with_head)
+                out = self._compiled(buf, n_logits, with_head, None, rows)
                 if self._cudagraphs:
                     out = tuple(t.clone() for t in out)
         else:
-            out = self._step(ids.reshape(1, n).to(self.device), n_logits, with_head, epilogue)
+            out = self._step(ids.reshape(1, n).to(self.device), n_logits, with_head, epilogue, rows)
         self.length += n
         self._toc(t0)
         return out
@@ -129,25 +130,27 @@ class ShapeGraphs:
             self._warm = warm
 
     @torch.inference_mode()
-    def warmup(self, shapes: Iterable = (), with_head: bool | None = None) -> float:
+    def warmup(self, shapes: Iterable = (), with_head: bool | None = None, rows: bool = False) -> float:
         """Compile / capture every (n, n_logits) shape (an int n means (n, n)) so that none happens in timed code;
-        with_head (default: whether a head is set) also the forward_with_head variant. Leaves the runner reset
+        with_head (default: whether a head is set) also the forward_with_head variant; rows: forward_hidden's
+        variant in place of forward's (a target whose every row a feature drafter reads). Leaves the runner reset
         with zeroed counters; returns the seconds spent."""
         t0 = time.perf_counter()
-        heads = [False] + ([True] if (self.head is not None if with_head is None else with_head) else [])
+        variants = [(False, rows)] + ([(True, False)] if (self.head is not None if with_head is None else with_head)
+                                      else [])
         for s in shapes:
             n, n_logits = (s, s) if isinstance(s, int) else (int(s[0]), int(s[1]))
             if n > self.max_cache_len or not 0 <= n_logits <= n:
                 raise UserError(f"bad warm-up shape ({n}, {n_logits}) for max_cache_len {self.max_cache_len}")
-            for wh in heads:
-                key = (n, n_logits, wh)
+            for wh, rw in variants:
+                key = (n, n_logits, wh, rw)
                 if self._graphs is not None and key not in self._graphs:
                     self._capture(key)
                 if self._graphs is not None or self._compiled is not None:
                     self._warm.add(key)
                 for _ in range(3):
                     self.reset()
-                    self._run(torch.zeros(n, dtype=torch.long, device=self.device), n_logits, wh)
+                    self._run(torch.zeros(n, dtype=torch.long, device=self.device), n_logits, wh, rows=rw)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.reset()

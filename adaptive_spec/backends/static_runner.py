@@ -128,7 +128,7 @@ class StaticCausalLM(ShapeGraphs, CausalLM):
         self.max_length = self.max_cache_len
         if cuda_graphs and self.device.type != "cuda":
             raise UserError("cuda_graphs=True needs a CUDA device; on CPU the runner runs eagerly")
-        self._warm: set = set()  # (n, n_logits, with_head) shapes run through a graph
+        self._warm: set = set()  # (n, n_logits, with_head, rows) shapes run through a graph
         self._ids_buf: dict = {}  # n -> static [1, n] input buffer of the captured step
         self._graphs: dict | None = {} if cuda_graphs else None  # key -> (CUDAGraph, static outputs)
         self._compiled = None
@@ -197,11 +197,12 @@ class StaticCausalLM(ShapeGraphs, CausalLM):
 
     # ---- the step -------------------------------------------------------------------------
 
-    def _step(self, ids: torch.Tensor, n_logits: int, with_head: bool, epilogue=None):
-        """ids [1, n] fed at positions pos..; capturable. `epilogue(logits, hidden, accept)`: run in the same
-        graph, its outputs returned."""
+    def _step(self, ids: torch.Tensor, n_logits: int, with_head: bool, epilogue=None, rows: bool = False):
+        """ids [1, n] fed at positions pos..; capturable. (logits, the last row's hidden state[, accept]), with
+        `rows` every fed row's [n, H] in its place; `epilogue(logits, hidden, accept)`: run in the same graph,
+        its outputs returned."""
         n = ids.shape[-1]
-        h = self._last_hidden(ids, max(n_logits, 1))
+        h = self._last_hidden(ids, n if rows else max(n_logits, 1))
         logits = (self.logits(h[h.shape[0] - n_logits:]) if n_logits
                   else h.new_zeros(0, self.vocab_size, dtype=torch.float32))
         self._pos.add_(n)
@@ -209,7 +210,8 @@ class StaticCausalLM(ShapeGraphs, CausalLM):
         accept = self.head.acceptance_prob(last).float() if with_head else None
         if epilogue is not None:
             return (epilogue(logits, last, accept),)
-        return (logits, last) if accept is None else (logits, last, accept)
+        hidden = h[-n:] if rows else last
+        return (logits, hidden) if accept is None else (logits, hidden, accept)
 
     def _last_hidden(self, ids: torch.Tensor, rows: int) -> torch.Tensor:
         """Feed ids [1, n] at positions pos.. (pos left as it is): final hidden states of at least the last
@@ -235,19 +237,9 @@ class StaticCausalLM(ShapeGraphs, CausalLM):
 
     @torch.inference_mode()
     def forward_hidden(self, ids: torch.Tensor, n_logits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward` with every fed row's hidden state [n, H]; eager (the graphs return the last row only)."""
-        n = ids.shape[-1]
-        if self.length + n > self.max_cache_len:
-            raise UserError(f"the static KV cache holds {self.max_cache_len} positions but {self.length + n} are "
-                            "needed; build the runner with a larger max_cache_len")
-        t0 = self._tic()
-        h = self._last_hidden(ids.reshape(1, n).to(self.device), n)[-n:]
-        logits = (self.logits(h[n - n_logits:]) if n_logits
-                  else h.new_zeros(0, self.vocab_size, dtype=torch.float32))
-        self._pos.add_(n)
-        self.length += n
-        self._toc(t0)
-        return logits, h
+        """`forward` with every fed row's hidden state [n, H]: the step's rows variant, through a graph for the
+        shapes warmed with rows=True, eagerly otherwise."""
+        return self._run(ids, n_logits, False, rows=True)
 
     @torch.inference_mode()
     def forward_epilogue(self, ids: torch.Tensor, n_logits: int, epilogue, with_head: bool = False):

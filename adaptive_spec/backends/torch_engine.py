@@ -66,7 +66,7 @@ def from_models(target_model, tokenizer, draft_model=None, draft_tokenizer=None,
     draft = (make_runner(draft_model, vocab, kv_cache, runtime, max_cache_len,
                          fused=_fused_for(draft_model, fused, kv_cache))
              if draft_model is not None else None)
-    prepare = _graph_warmup(target, draft, runtime) if graphs else None
+    prepare = graph_warmup(target, draft, runtime) if graphs else None
     if prepare is not None:
         prepare(k_max)
     return Loaded(target, draft, tokenizer, eos_token_ids(tokenizer, target_model), {}, prepare=prepare)
@@ -83,8 +83,9 @@ def _fused_for(model, fused: bool | str, kv_cache: str) -> bool:
     return bool(fused)
 
 
-def _graph_warmup(target, draft, runtime: str):
-    """The pair's `prepare(k_max, head)` (contract.Loaded), each shape captured once."""
+def graph_warmup(target, draft, runtime: str, rows: bool = False):
+    """The pair's `prepare(k_max, head)` (contract.Loaded), each shape captured once; rows: the target's
+    forward_hidden variant in place of forward's (a feature drafter's target, drafter/source.py)."""
     done = {"k": -1, "head": False}
 
     def prepare(k_max: int, head=None) -> None:
@@ -93,7 +94,7 @@ def _graph_warmup(target, draft, runtime: str):
             shapes = [s for s in verify_shapes(k_max) if s[0] > done["k"] + 1]
             log.info(f"{'compiling' if runtime == 'compile' else 'capturing'} {runtime} graphs for verify passes of "
                      f"{shapes[0][0]}..{shapes[-1][0]} rows (once per process; torch keeps compiled kernels on disk)")
-            t += target.warmup(shapes)
+            t += target.warmup(shapes, rows=rows)
             if draft is not None and done["k"] < 0:
                 t += draft.warmup(DRAFT_SHAPES, with_head=False)
             done["k"] = k_max

@@ -49,8 +49,8 @@ class HiddenTap:
         return logits, rows[-1]
 
     def forward_epilogue(self, ids: torch.Tensor, n_logits: int, epilogue, with_head: bool = False):
-        """A device round's verification (decoding/graph_round.py) after the tapped forward, not inside the
-        runner's graph: the graph would return the last row only, and the drafter needs every row."""
+        """A device round's verification (decoding/graph_round.py) after the tapped forward (the runner's
+        forward_hidden: its rows step, graphed where warmed), not inside the runner's graph with the step."""
         logits, hidden = self.forward(ids, n_logits)
         return epilogue(logits, hidden, None)
 
@@ -235,9 +235,6 @@ def load_feature_pair(params):
 
     device = resolve_device(params.device)
     kv_cache, runtime = torch_engine.runtime_for(params.kv_cache, params.runtime, device)
-    if runtime != "eager":
-        raise UserError(f"--runtime {runtime}: the target's verify pass returns every row's state for the feature "
-                        "drafter, which the captured graphs do not; use --runtime eager")
     if params.threads:
         torch.set_num_threads(params.threads)
     target_model, tok = load_model(params.target, "target", params.dtype, device, **params.cpu_kernels())
@@ -245,4 +242,6 @@ def load_feature_pair(params):
     drafter = load_drafter(params.draft, hidden_size=target_model.config.hidden_size)
     tap, runner, vocab = drafter_over(target, target_model, tok, drafter, params.draft_vocab)
     config = {"draft_quant": "none", "draft_vocab": vocab, "drafter": "feature"}
-    return Loaded(tap, runner, tok, eos_token_ids(tok, target_model), config)
+    # graph runtimes: the target's verify shapes warmed for forward_hidden, the variant the tap calls
+    prepare = torch_engine.graph_warmup(target, None, runtime, rows=True) if runtime != "eager" else None
+    return Loaded(tap, runner, tok, eos_token_ids(tok, target_model), config, prepare=prepare)
