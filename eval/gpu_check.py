@@ -19,6 +19,10 @@ Random weights with the real shapes (backends/presets.py), batch 1; on CUDA bf16
      token: evaluation/round_profile.py) and the time outside the forwards; where the traces hold several h or
      K, the best replayed ones and auto's pick from the step times measured here. A pair other than the traces'
      replays BORROWED acceptance, and says so;
+ 3b. the feature drafter's traces (--drafter-traces: the real target and the committed drafter on a CPU) replayed on
+     the first pair's target behind a HiddenTap with a drafter of the committed shape: tok/s, the speed-up over the
+     target's own AR in the same run, the counts checked, SpecDec++ against the best fixed K
+     (evaluation/drafter_replay.py); skipped, and said so, where there are none;
   4. transformers' assisted generation on the same models (random weights: its acceptance is theirs);
   5. the first token: a fresh process's time to its first token (the default target alone), cold and warm;
   6. torch.compile (fused-compile) of what a decode feeds, the replays again on it, compiled generate.
@@ -68,6 +72,7 @@ try:
     from adaptive_spec.evaluation import gpu_bench, round_profile as rp_  # noqa: E402
     from adaptive_spec.evaluation.round_profile import make_runner  # noqa: E402
     from adaptive_spec.evaluation.drafter_step import drafter_md, ratios, time_drafter  # noqa: E402
+    from adaptive_spec.evaluation import drafter_replay as dr_  # noqa: E402
     from adaptive_spec.decoding.auto import loop_times  # noqa: E402
 except ModuleNotFoundError as e:  # a GPU machine with the checkout, torch and transformers, no pydantic
     sys.exit(f"error: {e.name} is not importable; on a GPU machine install the carried wheels first "
@@ -81,9 +86,9 @@ JSON, REPORT = "gpu_check.json", "report.md"
 VERIFY_ROWS = range(1, 10)  # the table's verify passes: 1..9 rows (K = 0..8)
 WHEELS = ("pydantic", "pydantic_core", "annotated_types", "typing_inspection", "typing_extensions")
 NEAR_TIE = 1e-3  # fp32 logits closer than this may order differently in a 1-row and a K+1-row pass
-OPTIONAL = ("drafter", "profile", "assisted", "first-token", "compile")  # phases --skip leaves out
+OPTIONAL = ("drafter", "drafter-replay", "profile", "assisted", "first-token", "compile")  # phases --skip leaves out
 # seconds a phase's step is expected to take where nothing measured says better (CUDA; a --tiny CPU run is quicker)
-PROFILE_S, FIRST_TOKEN_S, DRAFTER_S = 8.0, 60.0, 20.0
+PROFILE_S, FIRST_TOKEN_S, DRAFTER_S, DRAFTER_REPLAY_S = 8.0, 60.0, 20.0, 30.0
 
 
 def say(phase: str, msg: str) -> None:
@@ -113,6 +118,7 @@ def parse_args(argv=None):
     ap.add_argument("--pairs", default="default,coder-0.5b-7b,coder-1.5b-7b",
                     help=f"presets to time and replay on ({', '.join(presets.PRESETS)})")
     ap.add_argument("--traces", default=TRACES, help="a sweep folder recorded with record_trace: true")
+    ap.add_argument("--drafter-traces", default=dr_.TRACES, help="the feature drafter's trace sweep (phase 3b)")
     ap.add_argument("--budget-s", type=float, default=None, help="seconds for the whole run (default 400; --tiny 120)")
     ap.add_argument("--iters", type=int, default=None, help="timed iterations per number (default 20; --tiny 2)")
     ap.add_argument("--samples", type=int, default=None, help="generations per chi-square (default 2000; --tiny 400)")
@@ -169,6 +175,11 @@ def environment(args, bw, bw_src) -> dict:
 
 def load_traces(folder: Path, n_rows: int | None = None) -> dict:
     return gpu_bench.load_traces(folder, ROOT, n_rows)
+
+
+def in_root(path: str) -> Path:
+    """A path as given: relative ones from the checkout's root."""
+    return Path(path) if Path(path).is_absolute() else ROOT / path
 
 
 def free() -> None:
@@ -441,6 +452,32 @@ def replay_config(args, pair, dec, traces, config, rows) -> tuple[dict, object]:
         lambda: replay(rows[0])
 
 
+# ----------------------------------------------------------------------------- 3b. the drafter's traces
+
+def drafter_replay(args, res, budget, pair, kept) -> None:
+    """The feature drafter's traces replayed on `pair`'s target (its model from phase 2, a runner of its replay
+    runtime), through replay_config; the phase's entry says why where it did not run."""
+    hub = pair.target.hub_id
+    traces, why = (None, "--skip drafter-replay") if "drafter-replay" in args.skip else \
+        dr_.load(in_root(args.drafter_traces), ROOT, args.replay_rows)
+    if not why and (hub not in kept or kept[hub][1] is None):
+        why = "its target was not timed"
+    if not why and not budget.allows(DRAFTER_REPLAY_S):
+        why = "time budget"
+    if why:
+        res["drafter_replay"] = {"skipped": why}
+        say("3b drafter replay", f"not run: {why}")
+        return
+    say("3b drafter replay", f"{sum(len(r) for r in traces['by_config'].values())} generations on {hub}")
+    try:
+        res["drafter_replay"] = dr_.replay(args, kept[hub][0], res["models"][hub]["replay_runtime"], pair, traces,
+                                           replay_config, budget.allows, lambda line: say("3b drafter replay", line))
+    except Exception as e:  # the drafter's build or the tapped runner: the check goes on without it
+        res["drafter_replay"] = {"error": f"{type(e).__name__}: {e}"}
+        say("3b drafter replay", f"failed: {res['drafter_replay']['error']}")
+    free()
+
+
 # ----------------------------------------------------------------------------- 4. assisted generation
 
 def assisted(args, res, budget, pair, kept) -> None:
@@ -593,7 +630,7 @@ def markdown(res: dict) -> str:
                        f"({'a near tie' if g.get('near_tie') else 'FAIL: not a near tie'})")
             out.append(f"| {g['runtime']} | {verdict} |")
     out.append("")
-    out += _models_md(res) + drafter_md(res) + _replay_md(res) + _assisted_md(res)
+    out += _models_md(res) + drafter_md(res) + _replay_md(res) + dr_.drafter_replay_md(res) + _assisted_md(res)
     out += rp_.first_token_section(res.get("first_token"))
     if res["notes"]:
         out += ["## Notes", ""] + [f"- {n}" for n in res["notes"]] + [""]
@@ -709,8 +746,7 @@ def main(argv=None) -> int:
     except Exception as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    traces = load_traces(ROOT / args.traces if not Path(args.traces).is_absolute() else Path(args.traces),
-                         args.replay_rows)
+    traces = load_traces(in_root(args.traces), args.replay_rows)
     bw, bw_src = lookup_bandwidth(dev, args.bandwidth_tbs)
     res = {"env": environment(args, bw, bw_src), "elapsed_s": {}, "exactness": {"distribution": [], "greedy": []},
            "models": {}, "replay": [], "replay_compiled": [], "assisted": [], "first_token": [],
@@ -755,6 +791,8 @@ def main(argv=None) -> int:
             d, t = kept[p.draft.hub_id][1], kept[p.target.hub_id][1]
             res["replay"].append(replay_pair(args, res, budget, p, d, t, traces, None))
     done("3 replay")
+    drafter_replay(args, res, budget, pairs[0], kept)
+    done("3b drafter replay")
     for p in ready:
         if "assisted" not in args.skip and budget.allows(30):
             assisted(args, res, budget, p, kept)

@@ -31,14 +31,59 @@ def multi_h_traces(folder: Path) -> Path:
     return folder
 
 
-def test_the_tiny_check_writes_every_section(tmp_path):
+@pytest.fixture(scope="module")
+def drafter_traces(tmp_path_factory):
+    """A feature drafter's trace sweep on tiny models, as configs/sweep/gpu_traces_drafter.yaml records the committed
+    one: the target alone, fixed K = 2..4 and SpecDec++ with a head of the drafter's statistics, T = 1 top-k 50."""
+    from transformers import AutoModelForCausalLM
+
+    from adaptive_spec.drafter.model import FeatureDrafter
+    from adaptive_spec.evaluation import sweep
+    from adaptive_spec.heads.head import AcceptanceHead
+    from tiny import save_model
+
+    root = tmp_path_factory.mktemp("drafter_traces")
+    target = save_model(root / "target", vocab_size=32, hidden_size=24, seed=2, logit_scale=4.0)
+    FeatureDrafter.for_target(AutoModelForCausalLM.from_pretrained(target)).save_pretrained(root / "drafter")
+    AcceptanceHead(24, depth=1, draft_model=f"feature:{root / 'drafter'}", feature="context", inputs="stats",
+                   stats_sampling={"temperature": 1.0, "top_k": 50}).save_pretrained(root / "head")
+    prompts = root / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"text": t}) + "\n" for t in ("abc abc abc", "hello world")))
+    out = root / "sweep"
+    assert sweep.main([f"pair.draft=feature:{root / 'drafter'}", f"pair.target={target}", "pair.dtype=fp32",
+                       "pair.threads=1", f"datasets=[{prompts}]", "n_prompts=2", "max_new_tokens=12", "ks=[2,3,4]",
+                       f"heads=[{root / 'head'}]", "thresholds=[0.7]", "include_draft_ar=false", "temperature=1.0",
+                       "top_k=50", f"out_dir={out}", "progress=false", "record_trace=true"]) == 0
+    return out
+
+
+def test_a_sweep_records_a_feature_drafters_traces(drafter_traces):
+    """`draft: feature:PATH` with record_trace: every drafted round is the drafter's ("model"), and trace_pair names
+    it as a feature drafter (no hub id)."""
+    from adaptive_spec.decoding.replay import check_trace
+
+    rows = [json.loads(line) for line in (drafter_traces / "results.jsonl").read_text().splitlines()]
+    configs = [r["config"] for r in rows[:5]]
+    assert configs[:4] == ["ar", "fixed:k=2", "fixed:k=3", "fixed:k=4"] and configs[4].startswith("learned:")
+    for r in rows:  # the target alone books no rounds
+        assert r["trace"] == [] if r["method"] == "ar" else {s for k, _, s in check_trace(r["trace"], r["n_tokens"])
+                                                             if k} == {"model"}
+    tp = json.loads((drafter_traces / "config.json").read_text())["trace_pair"]
+    assert tp["draft"]["drafter"] == "feature" and tp["draft"]["hub_id"] is None and tp["preset"] is None
+    assert tp["draft"]["name"].startswith("feature:") and tp["draft"]["fingerprint"].startswith("feature-")
+    assert json.loads((drafter_traces / "settings.json").read_text())["settings"]["draft"] == tp["draft"]["name"]
+
+
+def test_the_tiny_check_writes_every_section(tmp_path, drafter_traces):
     """About 30 s on 2 idle cores (a minute on busy ones): two chi-squares of 400 generations, 3 models, 2 pairs
-    replayed with one host read a round, a profiled generation per policy, two fresh processes' first token."""
+    replayed with one host read a round, a profiled generation per policy, the drafter's traces replayed, two fresh
+    processes' first token."""
     check = load_check()
     out = tmp_path / "check"
     traces_dir = multi_h_traces(tmp_path / "traces")
     assert check.main(["--tiny", "--device", "cpu", "--pairs", "default,coder-0.5b-7b", "--iters", "1",
-                       "--host-reads", "round", "--traces", str(traces_dir), "--out", str(out)]) == 0
+                       "--host-reads", "round", "--traces", str(traces_dir), "--drafter-traces", str(drafter_traces),
+                       "--out", str(out)]) == 0
     res = json.loads((out / "gpu_check.json").read_text())
     ex = res["exactness"]
     runtimes = ["eager", "fused"]
@@ -80,19 +125,57 @@ def test_the_tiny_check_writes_every_section(tmp_path):
     assert [a["pair"] for a in res["assisted"]] == ["default:tiny", "coder-0.5b-7b:tiny"]
     assert all(a["assisted_tok_s"] > 0 for a in res["assisted"]) and "padded" in res["assisted"][1]["note"]
     assert set(res["elapsed_s"]) == {"start-up", "1 exactness", "2 runtimes", "2b drafter", "3 replay",
-                                     "4 assisted", "5 first token", "6 compile"}
+                                     "3b drafter replay", "4 assisted", "5 first token", "6 compile"}
+    dr = res["drafter_replay"]
+    assert [p["config"] for p in dr["policies"]] == list(check.load_traces(drafter_traces)["by_config"])
+    assert dr["counts_reproduced"] and all(p["counts_reproduced"] and p["tok_s"] > 0 for p in dr["policies"])
+    assert dr["target"] == "tiny:Qwen/Qwen2.5-Coder-1.5B-Instruct" and dr["best_fixed"].startswith("fixed:k=")
+    assert [e["config"] for e in dr["specdec"]] == [p["config"] for p in dr["policies"] if p["method"] == "learned"]
     md = (out / "report.md").read_text()
     for section in ("## 1. Exactness", "## 2. Step times per model and runtime", "## 3. Replayed traces",
                     "## 4. transformers' assisted generation", "## 5. The first token", "CPU smoke run",
                     "**measured acceptance", "(best fixed K)", "Elapsed per phase", "Top of one fused one-token step",
                     "**BORROWED acceptance: traces of default replayed on coder-0.5b-7b:tiny's shapes**",
-                    "Host work per round", "best replayed h:", "best replayed K:", "auto's pick from these costs"):
+                    "Host work per round", "best replayed h:", "best replayed K:", "auto's pick from these costs",
+                    "## 3b. The feature drafter's traces replayed", "x the target's own AR (bar >= 2.0",
+                    "counts as recorded in every replayed policy: yes"):
         assert section in md, section
     assert json.loads((out / "run.json").read_text()) == {"script": "eval/gpu_check.py", "report": "report.md"}
     copy = shutil.copytree(out, tmp_path / "copy", ignore=shutil.ignore_patterns("report.md"))
     assert check.main(["--report-only", "--out", str(copy)]) == 0
     assert (copy / "report.md").read_text() == md
     drafter_step_is_timed_against_its_target(check, res, md, tmp_path)
+
+
+def drafter_phase(check, folder: Path) -> dict:
+    """Phase 3b alone on the tiny default target (eager), its traces from `folder`: (its entry, its report)."""
+    from adaptive_spec.backends import presets
+
+    pair = presets.preset("default", tiny=True)
+    hub, model = pair.target.hub_id, presets.build_model(pair.target)
+    args = check.parse_args(["--tiny", "--device", "cpu", "--drafter-traces", str(folder)])
+    res = {"models": {hub: {"replay_runtime": "eager"}}, "notes": []}
+    check.drafter_replay(args, res, check.Budget(600), pair, {hub: (model, "timed")})
+    return res["drafter_replay"], "\n".join(check.dr_.drafter_replay_md(res))
+
+
+def test_a_broken_drafter_trace_is_reported_and_none_is_skipped(drafter_traces, tmp_path):
+    """A trace row whose accepted count is not what its rounds accept is replayed as NOT reproduced (its config
+    only); a folder without traces skips the phase with the command that records them."""
+    check = load_check()
+    broken = shutil.copytree(drafter_traces, tmp_path / "broken")
+    rows = [json.loads(line) for line in (broken / "results.jsonl").read_text().splitlines()]
+    bad = next(r for r in rows if r["config"] == "fixed:k=3")
+    bad["n_accepted"] += 1
+    (broken / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got, md = drafter_phase(check, broken)
+    assert len(got["policies"]) == 5 and all(p["tok_s"] > 0 for p in got["policies"])
+    assert [p["config"] for p in got["policies"] if not p["counts_reproduced"]] == ["fixed:k=3"]
+    line = next(x for x in md.splitlines() if x.startswith("| fixed:k=3"))
+    assert not got["counts_reproduced"] and "| NO |" in line and "every replayed policy: NO" in md
+    got, md = drafter_phase(check, tmp_path / "none")
+    assert "no drafter traces" in got["skipped"] and "policies" not in got
+    assert "Not run: no drafter traces at" in md and "configs/sweep/gpu_traces_drafter.yaml" in md
 
 
 def reported_c(md: str) -> dict:

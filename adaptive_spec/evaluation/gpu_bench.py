@@ -264,8 +264,9 @@ def acceptance_label(pair: str, source: str | None) -> str:
 
 def inner_policy(row: dict, traces: dict, draft_lm, device, root: Path):
     """The recorded policy's stop rule for these runners (asked at every drafted step, for its cost): the
-    trace's own head where the draft has its hidden size, else a random head of the same depth (head folders
-    relative to `root`)."""
+    trace's own head where the draft has its hidden size, else a random head of the same depth, feature and inputs
+    (a head of the draft's statistics computes them at every step: that is its cost; head folders relative to
+    `root`)."""
     from ..decoding.policies import FixedK, LearnedThreshold
     from ..heads.head import AcceptanceHead, load_head
 
@@ -278,7 +279,9 @@ def inner_policy(row: dict, traces: dict, draft_lm, device, root: Path):
     if info.get("hidden_size") == draft_lm.hidden_size:
         head = load_head(str(root / path), hidden_size=draft_lm.hidden_size, device=device)
     else:
-        head = AcceptanceHead(draft_lm.hidden_size, depth=info.get("depth", 3)).to(device).eval()
+        head = AcceptanceHead(draft_lm.hidden_size, depth=info.get("depth", 3), feature=info.get("feature", "token"),
+                              inputs=info.get("inputs", "hidden"), stats_sampling=info.get("stats_sampling"))
+        head = head.to(device).eval()
     return LearnedThreshold(head, row["h"], traces["k_max"])
 
 

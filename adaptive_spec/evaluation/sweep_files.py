@@ -15,6 +15,7 @@ import torch
 import transformers
 
 from ..backends import presets
+from ..backends.paths import FeatureDraft
 from ..errors import UserError
 from ..runs import append_jsonl, lock_dir, read_json, read_jsonl, settings_problem, write_json
 from ..setup.pair import DEFAULT_PAIR
@@ -162,8 +163,8 @@ class SweepFolder:
 
 def cpu_pad_to(pair) -> dict:
     # the CPU padding is measured at each load, so a resumed sweep may run with another one:
-    # config.json has this run's, and every row carries the one it ran with
-    return {role: list(getattr(m.model, "cpu_pad_to", ())) for role, m in
+    # config.json has this run's, and every row carries the one it ran with (a feature drafter: no model, none)
+    return {role: list(getattr(getattr(m, "model", None), "cpu_pad_to", ())) for role, m in
             (("target", pair.target), ("draft", pair.draft)) if m is not None}
 
 
@@ -177,19 +178,21 @@ def row_fields(conf: Configuration) -> dict:
 
 def trace_pair(params: PairParams, pair) -> dict:
     """Which models recorded the traces: per role the name the config gave, its hub id (the default pair's
-    from setup/pair.py; a hub id as given; None for a folder), the weights' fingerprint and the vocabulary, and the
-    GPU preset (backends/presets.py) of those hub ids, so a replay on another pair's shapes is labelled as
-    borrowed acceptance."""
+    from setup/pair.py; a hub id as given; None for a folder or a feature drafter, whose entry says `drafter:
+    feature`), the weights' fingerprint and the vocabulary, and the GPU preset (backends/presets.py) of those hub
+    ids, so a replay on another pair's shapes is labelled as borrowed acceptance."""
     out = {}
     for role in ("draft", "target"):
         lm, name = getattr(pair, role), getattr(params, role)
         if lm is None:
             continue
+        feature = isinstance(name, FeatureDraft)
         hub = (DEFAULT_PAIR[role].hub_id if name in (None, "", "default")
-               else None if Path(str(name)).expanduser().exists() else str(name))
-        out[role] = {"name": name, "hub_id": hub, "vocab_size": lm.vocab_size,
+               else None if feature or Path(str(name)).expanduser().exists() else str(name))
+        out[role] = {"name": str(name) if feature else name, "hub_id": hub, "vocab_size": lm.vocab_size,
                      "fingerprint": lm.fingerprint() if hasattr(lm, "fingerprint") else None,
-                     "draft_quant": params.draft_quant if role == "draft" else None}
+                     "draft_quant": params.draft_quant if role == "draft" else None,
+                     **({"drafter": "feature"} if feature else {})}
     match = presets.by_hub_ids(*(out.get(r, {}).get("hub_id") for r in ("draft", "target")))
     out["preset"] = match.name if match else None
     return out

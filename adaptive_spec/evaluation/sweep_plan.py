@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..backends.paths import resolve_model_path
+from ..backends.paths import FeatureDraft, resolve_model_path
 from ..backends.runner import resolve_device
 from ..config import config_to_dict
 from ..decoding.sampling import SamplingParams
@@ -134,7 +134,9 @@ def plan_sweep(cfg: SweepConfig) -> SweepPlan:
 def settings_of(cfg: SweepConfig, device: str | None = None) -> dict:
     """settings.json's settings; `device`: the one the pair runs on (default: resolved from pair.device)."""
     p = cfg.pair
-    d = {k: UNSET[k] if k in UNSET and getattr(p, k) is None else getattr(p, k) for k in PAIR_RESULT_KEYS}
+    raw = {k: str(v) if isinstance(v := getattr(p, k), FeatureDraft) else v  # a feature drafter as written
+           for k in PAIR_RESULT_KEYS}
+    d = {k: UNSET[k] if k in UNSET and v is None else v for k, v in raw.items()}
     d.update(p.model_dump(include=set(PAIR_IF_SET), exclude_defaults=True))
     d.update({k: getattr(cfg, k) for k in RESULT_KEYS})
     if cfg.drafts:  # recorded only when set, so an existing sweep's settings hash holds
@@ -147,14 +149,15 @@ def settings_of(cfg: SweepConfig, device: str | None = None) -> dict:
     return d
 
 
-def load_heads(draft: str | None, listed: dict, named: dict) -> dict:
+def load_heads(draft: str | FeatureDraft | None, listed: dict, named: dict) -> dict:
     """{label: (AcceptanceHead on CPU, info: path, depth, w_rej, train/dev metrics)} of every head the grid runs.
     `listed`: label -> folder of `heads`; `named`: the same of the heads `trees` entries name (a label of heads, or
     a folder, then labelled as written), each checked to be a token head. A head trained for another draft than
     `draft` is refused here, before any model loads."""
     hidden, heads = draft_hidden_size(draft), {}
     for label, folder in {**listed, **named}.items():
-        head = AcceptanceHead.from_pretrained(folder, hidden_size=hidden, draft_model=draft, dtype=torch.float32)
+        head = AcceptanceHead.from_pretrained(folder, hidden_size=hidden, dtype=torch.float32,
+                                              draft_model=None if draft is None else str(draft))
         if label in named and getattr(head, "feature", "token") != "token":
             raise UserError(f"trees: head {label} reads feature={head.feature}, but the tree estimator scores each "
                             "drafted node from its own hidden state and needs a head trained with feature=token")
@@ -173,10 +176,12 @@ def load_heads(draft: str | None, listed: dict, named: dict) -> dict:
     return heads
 
 
-def draft_hidden_size(draft: str) -> int | None:
-    """The draft's hidden size from its config.json when it is a local folder (no weights loaded)."""
+def draft_hidden_size(draft: str | FeatureDraft) -> int | None:
+    """The draft's hidden size from its config.json when it is a local folder (no weights loaded); a feature
+    drafter's folder records it too (the target's, which its states have)."""
     try:
-        path = Path(resolve_model_path(draft, "draft", auto_fetch=False))
+        path = Path(draft.path if isinstance(draft, FeatureDraft) else resolve_model_path(draft, "draft",
+                                                                                         auto_fetch=False))
     except UserError:
         return None
     if not (path / "config.json").is_file():
