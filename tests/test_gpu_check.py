@@ -214,6 +214,7 @@ def test_the_drafter_step_on_static_buffers_is_the_runners_step():
 
     from adaptive_spec.backends import presets
     from adaptive_spec.drafter.source import FeatureRunner
+    from adaptive_spec.drafter.step import DrafterStep
     from adaptive_spec.evaluation import drafter_step as ds
 
     pair, ctx = presets.preset("default", tiny=True), 40
@@ -230,7 +231,7 @@ def test_the_drafter_step_on_static_buffers_is_the_runners_step():
     assert torch.allclose(q[0], want, atol=1e-6) and int(nxt) == int(readout.kept_ids[want.argmax()])
     assert torch.allclose(step.feat.view(-1), f_hat, atol=1e-5) and f_hat.abs().max() > 0.1
     assert int(step.pos) == ctx and int(step.tok) == int(nxt)
-    bare = ds.DrafterStep(drafter, readout, 64)
+    bare = DrafterStep(drafter, readout, 64)
     bare.pos.fill_(ctx - 1)
     bare.tok.copy_(ids[ctx].view(1, 1))
     bare.feat.copy_(states.features(ctx - 1, ctx).view_as(bare.feat))

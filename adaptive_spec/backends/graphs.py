@@ -66,8 +66,10 @@ class ShapeGraphs:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            for _ in range(2):
+            for _ in range(2):  # each from the same state: a second run must not step an epilogue's index past its end
                 self._pos.copy_(pos)
+                for t, saved in kept:
+                    t.copy_(saved)
                 self._step(buf, n_logits, wh, epilogue, rows)
         torch.cuda.current_stream(self.device).wait_stream(side)
         self._pos.copy_(pos)

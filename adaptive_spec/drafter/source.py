@@ -186,8 +186,11 @@ class FeatureRunner:
         return {"dtype": str(self.drafter.dtype), "drafter": "feature"}
 
 
-def feature_pair(target_runner, target_model, drafter: FeatureDrafter, kept_ids=None):
-    """(the tapped target, the drafter's runner) over a loaded target runner and its model."""
+def feature_pair(target_runner, target_model, drafter: FeatureDrafter, kept_ids=None, kv_cache: str = "dynamic",
+                 runtime: str = "eager", max_cache_len: int | None = None):
+    """(the tapped target, the drafter's runner) over a loaded target runner and its model: the static drafter
+    (static.py) for the static KV cache or a graph runtime (warmed up now), as the target's runner is chosen,
+    FeatureRunner otherwise."""
     if drafter.hidden_size != target_model.config.hidden_size:
         raise UserError(f"feature drafter trained for '{drafter.target_model}' (hidden size {drafter.hidden_size}) "
                         f"does not fit this target (hidden size {target_model.config.hidden_size}); pass the target it "
@@ -198,7 +201,14 @@ def feature_pair(target_runner, target_model, drafter: FeatureDrafter, kept_ids=
     tap = HiddenTap(target_runner)
     p = next(target_model.parameters())
     readout = Readout(target_model, target_runner.vocab_size, kept_ids)
-    return tap, FeatureRunner(drafter.to(device=p.device, dtype=p.dtype), readout, tap)
+    drafter = drafter.to(device=p.device, dtype=p.dtype)
+    if kv_cache != "static" and runtime == "eager":
+        return tap, FeatureRunner(drafter, readout, tap)
+    from .static import StaticFeatureRunner
+
+    runner = StaticFeatureRunner(drafter, readout, tap, max_cache_len, runtime)
+    runner.warmup()
+    return tap, runner
 
 
 def load_drafter(spec: FeatureDraft | str, hidden_size: int | None = None, device=None, dtype=None) -> FeatureDrafter:
@@ -213,13 +223,14 @@ def readout_vocab(drafter: FeatureDrafter, asked=None) -> str:
     return str(asked if asked is not None else drafter.extra.get("ce_vocab") or "full")
 
 
-def drafter_over(target_runner, target_model, tok, drafter: FeatureDrafter, asked=None):
-    """(the tapped target, the drafter's runner, the vocabulary it reads out over: readout_vocab)."""
+def drafter_over(target_runner, target_model, tok, drafter: FeatureDrafter, asked=None, **runner_kw):
+    """(the tapped target, the drafter's runner, the vocabulary it reads out over: readout_vocab); runner_kw:
+    feature_pair's kv_cache, runtime and max_cache_len."""
     from ..backends.vocab import resolve_draft_vocab
 
     vocab = readout_vocab(drafter, asked)
     kept = resolve_draft_vocab(vocab, tok, target_runner.vocab_size)
-    return (*feature_pair(target_runner, target_model, drafter, kept), vocab)
+    return (*feature_pair(target_runner, target_model, drafter, kept, **runner_kw), vocab)
 
 
 def load_feature_pair(params):
@@ -232,6 +243,7 @@ def load_feature_pair(params):
     from ..backends.runner import resolve_device
     from ..backends.static_runner import make_runner
     from ..prompts import eos_token_ids
+    from .static import StaticFeatureRunner
 
     device = resolve_device(params.device)
     kv_cache, runtime = torch_engine.runtime_for(params.kv_cache, params.runtime, device)
@@ -240,8 +252,11 @@ def load_feature_pair(params):
     target_model, tok = load_model(params.target, "target", params.dtype, device, **params.cpu_kernels())
     target = make_runner(target_model, None, kv_cache, runtime, params.max_cache_len)
     drafter = load_drafter(params.draft, hidden_size=target_model.config.hidden_size)
-    tap, runner, vocab = drafter_over(target, target_model, tok, drafter, params.draft_vocab)
+    tap, runner, vocab = drafter_over(target, target_model, tok, drafter, params.draft_vocab, kv_cache=kv_cache,
+                                      runtime=runtime, max_cache_len=params.max_cache_len)
     config = {"draft_quant": "none", "draft_vocab": vocab, "drafter": "feature"}
-    # graph runtimes: the target's verify shapes warmed for forward_hidden, the variant the tap calls
-    prepare = torch_engine.graph_warmup(target, None, runtime, rows=True) if runtime != "eager" else None
+    # graph runtimes: the target's verify shapes warmed for forward_hidden (the variant the tap calls), and the
+    # drafter's step with the head in its graph once a policy brings one, before any timed decode
+    graphed = runner if isinstance(runner, StaticFeatureRunner) else None
+    prepare = torch_engine.graph_warmup(target, graphed, runtime, rows=True) if runtime != "eager" else None
     return Loaded(tap, runner, tok, eos_token_ids(tok, target_model), config, prepare=prepare)

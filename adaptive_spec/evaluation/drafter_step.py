@@ -3,8 +3,9 @@ random weights of the committed drafter's shape for the check's target, timed pe
 the models' table uses, and its cost ratio c to the target's fastest one-token step.
 
 Runtimes: `runner`, FeatureRunner as decoding runs it (a DynamicCache, the tokens read to the host, logits
-spread over the whole vocabulary); `eager`, the step on static buffers (a static KV cache written at a device
-position, the fed token and state in fixed tensors, the next ones written back), uncaptured; `cudagraph`,
+spread over the whole vocabulary); `eager`, the step on static buffers (drafter/step.py's DrafterStep, the
+step the static drafter runner replays in decoding: a static KV cache written at a device position, the fed
+token and state in fixed tensors, the next ones written back), uncaptured; `cudagraph`,
 that step captured as one CUDA graph (fc, the decoder layer, the final norm, the kept rows of the LM head,
 softmax and argmax) and replayed."""
 from __future__ import annotations
@@ -14,10 +15,9 @@ import time
 import torch
 
 from ..backends.presets import QWEN_ROWS
-from ..backends.runner import kv
-from ..backends.static_runner import positioned_static_cache
 from ..drafter.model import FeatureDrafter, Readout
 from ..drafter.source import FeatureRunner
+from ..drafter.step import DrafterStep
 from .gpu_bench import fmt, time_loop
 
 DRAFTER_HIDDEN, DRAFTER_MLP = 1536, 2048  # the committed drafter (checkpoints/drafter-qwen-coder-1.5b-cpu)
@@ -44,68 +44,6 @@ class TargetStates:
 
     def features(self, start: int, end: int) -> torch.Tensor:
         return self.rows[start:end]
-
-
-class DrafterStep:
-    """One draft step on static buffers, capturable: the fed token and state (`tok`, `feat`) in fixed
-    tensors, the KV cache written at the device position `pos`; the step writes its argmax and its f^ back,
-    as a chain of drafts feeds them."""
-
-    def __init__(self, drafter: FeatureDrafter, readout: Readout, max_cache_len: int):
-        self.drafter, self.readout, dev = drafter, readout, drafter.device
-        self.pos = torch.zeros((), dtype=torch.long, device=dev)
-        self.cache = positioned_static_cache(drafter.config_obj, max_cache_len, self.pos, drafter.dtype, dev)
-        self.tok = torch.zeros(1, 1, dtype=torch.long, device=dev)
-        self.feat = torch.zeros(1, 1, drafter.hidden_size, dtype=drafter.dtype, device=dev)
-        self.graph, self.out = None, None
-
-    def _pass(self, feats: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """feats [1, n, H], ids [1, n] at positions pos..: the drafter's output [1, n, H]; pos unchanged."""
-        from transformers.masking_utils import create_causal_mask  # heavy: only the step needs it
-
-        n = ids.shape[-1]
-        position_ids = (self.pos + torch.arange(n, device=ids.device)).view(1, n)
-        embeds = self.readout.embed(ids)
-        # a real mask over every slot (stale ones hidden), never a shortcut that reads pos on the host
-        mask = create_causal_mask(config=self.drafter.config_obj, inputs_embeds=embeds, attention_mask=None,
-                                  **kv(create_causal_mask, self.cache), position_ids=position_ids,
-                                  allow_is_causal_skip=False)
-        return self.drafter(feats, embeds, position_ids, cache=self.cache, use_cache=True, attention_mask=mask)
-
-    @torch.inference_mode()
-    def prefill(self, feats: torch.Tensor, ids: torch.Tensor) -> None:
-        """Slots 0..n-1 from the target's states feats [n, H] and the next tokens ids [n]."""
-        self.pos.zero_()
-        self._pass(feats.view(1, *feats.shape).to(self.drafter.dtype), ids.view(1, -1))
-        self.pos.fill_(ids.numel())
-
-    def step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q over the kept ids [1, n_kept] float32, the argmax's id [1]); advances pos."""
-        f = self.readout.feature(self._pass(self.feat, self.tok)[0])
-        q = torch.softmax(self.readout.kept_logits(f), -1)
-        nxt = self.readout.kept_ids[q.argmax(-1)]
-        self.pos.add_(1)
-        self.feat.copy_(f.view_as(self.feat))
-        self.tok.copy_(nxt.view(1, 1))
-        return q, nxt
-
-    @torch.inference_mode()
-    def capture(self) -> None:
-        """Record the step into a CUDA graph (after two warm-up runs on a side stream, as torch.cuda.graphs
-        asks); the position and the fed buffers are put back."""
-        saved = [(t, t.clone()) for t in (self.pos, self.tok, self.feat)]
-        side = torch.cuda.Stream(self.pos.device)
-        side.wait_stream(torch.cuda.current_stream(self.pos.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.step()
-                self.pos.copy_(saved[0][1])
-        torch.cuda.current_stream(self.pos.device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = self.step()
-        for t, s in saved:
-            t.copy_(s)
 
 
 def _runner_ms(drafter, readout, states, ids, ctx: int, iters: int, device) -> float:
