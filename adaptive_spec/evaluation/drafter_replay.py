@@ -4,17 +4,16 @@ K and SpecDec++ with the drafter's own head), replayed through the real decoder 
 of the real shape behind a HiddenTap, with a random-weight drafter of the committed shape (drafter_step.py) as the
 draft runner. Per policy: tok/s, the speed-up over the target's own AR in the same run (the target alone on its
 replay runtime, no tap), the counts checked against the recorded ones; then the best fixed K and SpecDec++ against
-its bars.
-
-The tapped target's verify passes return every fed row's hidden state (forward_hidden), which the captured graphs
-do not: they run uncaptured, while the target alone steps on its graphs; the report says so."""
+its bars. The tapped target's verify passes (forward_hidden: every fed row's state) run from graphs of their own,
+and the drafter as decoding runs it (StaticFeatureRunner: its step in one graph of the same runtime)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from ..backends.static_runner import verify_shapes
 from ..decoding.decoder import Decoder
-from ..drafter.source import FeatureRunner, HiddenTap
+from ..drafter.source import HiddenTap
+from ..drafter.static import StaticFeatureRunner
 from .drafter_step import build_drafter
 from .gpu_bench import fmt, load_traces
 from .round_profile import make_runner
@@ -24,9 +23,14 @@ RECORD = "adaptive-spec sweep --config configs/sweep/gpu_traces_drafter.yaml"
 BAR_AR, BAR_FIXED = 2.0, 1.05  # SpecDec++ with the drafter: >= 2x the target's own AR, >= 1.05x the best fixed K
 
 
-def drafter_runner(drafter, readout, tap: HiddenTap, max_cache: int):
-    """The drafter on the runner contract in these replays (the one line to change for another runner of it)."""
-    return FeatureRunner(drafter, readout, tap)
+def drafter_runner(drafter, readout, tap: HiddenTap, max_cache: int, runtime: str):
+    """The drafter as decoding runs it beside a target of `runtime`: its one-token step (and a head) in one graph."""
+    cuda = drafter.device.type == "cuda"
+    own = ("compile" if runtime.endswith("compile") else
+           "cudagraph" if cuda and runtime in ("cudagraph", "fused") else "eager")  # round_profile's runtime names
+    runner = StaticFeatureRunner(drafter, readout, tap, max_cache, own)
+    runner.warmup()
+    return runner
 
 
 def load(folder: Path, root: Path, n_rows: int | None) -> tuple[dict | None, str | None]:
@@ -56,7 +60,7 @@ def replay(args, target_model, runtime: str, pair, traces: dict, replay_config, 
         warm += runner.warmup(verify_shapes(traces["max_k"]), rows=True)
     drafter, readout = build_drafter(target_model, vocab, args.tiny)
     tap = HiddenTap(runner)
-    draft = drafter_runner(drafter, readout, tap, max_cache)
+    draft = drafter_runner(drafter, readout, tap, max_cache, runtime)
     alone = Decoder(runner, draft, eos_token_ids=(), host_reads=args.host_reads)  # no policy: the draft idles
     drafted = Decoder(tap, draft, eos_token_ids=(), host_reads=args.host_reads)
     tp, hub = traces["pair"], pair.target.hub_id
