@@ -16,7 +16,7 @@ from ..decoding.auto import coef_of, comparison_table, costs_from_json, round_co
 from ..errors import UserError, run_main
 from ..runs import read_json
 from ..tables import fmt
-from .report_data import DatasetResult, analyse, head_order, load_sweep, pooled_counts, usable
+from .report_data import DatasetResult, analyse, fastest, head_order, load_sweep, pooled_counts, usable
 from .report_plots import accepted_vs_drafted_plot, pareto_plot
 from .report_tables import (AUTO_OF, all_configs_table, auto_table, breakdown_table, cpu_lines, decomposition,
                             engines_section, ersd_fig3_table, family_table, peer_table, table1, table2, table3,
@@ -33,11 +33,8 @@ def tree_sections(results: list[DatasetResult], calibration: dict, folder: Path,
           "", family_table(results), "", tree_comparisons(results), "",
           "## Accepted tokens per target pass vs drafted tokens per round", "",
           "Every family; hollow markers: what a tree policy predicted (its sum of R per round); dotted: the "
-          "Tunstall bound (ERSD Lemma 4.2) of the calibrated GSD rates, at x = the budget.", ""]
-    for d in results:
-        png = folder / f"accepted_vs_drafted_{d.label}.png"
-        accepted_vs_drafted_plot(d, png, calibration, how)
-        md.append(f"![{d.label}]({png.name})")
+          "Tunstall bound (ERSD Lemma 4.2) of the calibrated GSD rates, at x = the budget.", "",
+          *_plots(results, folder, "accepted_vs_drafted", accepted_vs_drafted_plot, calibration, how)]
     rates = "; ".join(f"{m}: c = {[round(c, 3) for c in calibration[m]['cond_rates'][:6]]}" for m in ("gsd", "ersd")
                       if m in calibration)
     md += ["", "## ERSD Fig. 3: predicted vs measured accepted tokens per pass", "",
@@ -67,7 +64,8 @@ def build_report(sweep_dir: Path, out: Path | None = None, how: str = "pooled", 
     md[2:2] = in_short(sweeps)  # in words, under the title
     if beside:
         md += engines_section([s[:2] for s in sweeps])
-    md += _figure3(results, out.parent, head_order(heads_info, results), how)
+    md += ["", "## Figure 3: verification rate vs discard rate", "",
+           *_plots(results, out.parent, "pareto", pareto_plot, head_order(heads_info, results), how)]
     trees = []
     if any(r["method"] in TREE_POLICIES for r in rows):
         calibration = read_json(sweep_dir / "tree_calibration.json", required=False, hint="rerun the sweep") or {}
@@ -112,14 +110,11 @@ def _intro(name: str, cfg_info: dict, how: str, results: list[DatasetResult], cp
     return md
 
 
-def _figure3(results: list[DatasetResult], folder: Path, heads_order: list[str], how: str) -> list[str]:
-    """One Pareto plot per dataset, written beside the report."""
-    md = ["", "## Figure 3: verification rate vs discard rate", ""]
+def _plots(results: list[DatasetResult], folder: Path, name: str, plot, *args) -> list[str]:
+    """One plot per dataset, `plot(d, png, *args)` writing folder/NAME_LABEL.png beside the report; their links."""
     for d in results:
-        png = folder / f"pareto_{d.label}.png"
-        pareto_plot(d, png, heads_order, how)
-        md.append(f"![{d.label}]({png.name})")
-    return md
+        plot(d, folder / f"{name}_{d.label}.png", *args)
+    return [f"![{d.label}]({name}_{d.label}.png)" for d in results]
 
 
 def _tables(results: list[DatasetResult], heads_info: dict, trees: list[str]) -> list[str]:
@@ -205,23 +200,23 @@ def _verdict(label: str, found: list, cands: list) -> str:
     on = lambda e: f" on {e}" if several else ""  # noqa: E731
     x = lambda a: f"{a.tokens_per_s / base.tokens_per_s:.2f}x" if base else "—"  # noqa: E731
     spec = [c for c in cands if c[2].speculated]
-    engine, d, fastest = max(cands, key=lambda c: c[2].tokens_per_s)
+    engine, d, top = max(cands, key=lambda c: c[2].tokens_per_s)
     text = f"**{label} ({d.n_prompts} prompts)**: "
     chose_ar = [f"{a.name()}{on(e)}" for e, dd, _, _ in found for a in dd.aggs.values()
                 if a.method in AUTO_OF and a.chose_target_alone]
     if chose_ar:
         text += f"`auto` chose the target alone ({', '.join(chose_ar)}), drafting nothing; "
-    if fastest.method == "ar":
-        text += f"the fastest here was the target alone{on(engine)}, {fmt(fastest.tokens_per_s)} tok/s"
+    if top.method == "ar":
+        text += f"the fastest here was the target alone{on(engine)}, {fmt(top.tokens_per_s)} tok/s"
         if spec:
             e2, _, a2 = max(spec, key=lambda c: c[2].tokens_per_s)
             text += f"; the fastest configuration that speculated, {a2.name()}{on(e2)}, ran at {x(a2)} of " + \
                 ("it" if engine == base_engine else f"the target alone on {base_engine}")
     else:
-        text += (f"the fastest here was {fastest.name()}{on(engine)}, {fmt(fastest.tokens_per_s)} tok/s, "
-                 f"{x(fastest)} the target alone{on(base_engine)}")
+        text += (f"the fastest here was {top.name()}{on(engine)}, {fmt(top.tokens_per_s)} tok/s, "
+                 f"{x(top)} the target alone{on(base_engine)}")
     for e, od, _, _ in found[1:]:  # each other engine's best, against the same baseline
-        best = max(_choices(od), key=lambda a: a.tokens_per_s, default=None)
+        best = fastest(_choices(od))
         if best is not None and od is not d:
             text += f"; {e}'s fastest, {best.name()}, {x(best)}"
     why = _why(found, spec)

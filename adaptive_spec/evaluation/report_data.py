@@ -250,8 +250,7 @@ class DatasetResult:
         return [a for a in self.aggs.values() if a.method in methods]
 
     def best(self, method: str, key=lambda a: a.tokens_per_s) -> Agg | None:
-        c = [a for a in self.of(method) if not math.isnan(key(a))]
-        return max(c, key=key) if c else None
+        return fastest(self.of(method), key)
 
     def get(self, config: str) -> Agg | None:
         return self.aggs.get(config)
@@ -264,8 +263,12 @@ class DatasetResult:
         return mine("learned") or mine("learned_auto")
 
     def best_specdecpp(self, key=lambda a: a.tokens_per_s) -> Agg | None:
-        c = [a for a in self.specdecpp() if not math.isnan(key(a))]
-        return max(c, key=key) if c else None
+        return fastest(self.specdecpp(), key)
+
+
+def fastest(aggs, key=lambda a: a.tokens_per_s) -> Agg | None:
+    """The configuration of the highest `key` (tokens/s by default) that has one; None where none has."""
+    return max((a for a in aggs if not math.isnan(key(a))), key=key, default=None)
 
 
 def analyse(rows: list[dict], how: str = "pooled") -> list[DatasetResult]:
@@ -327,8 +330,7 @@ def family(a: Agg) -> str | None:
 
 
 def best_of(d: DatasetResult, fams) -> Agg | None:
-    c = [a for a in d.aggs.values() if family(a) in fams and not math.isnan(a.tokens_per_s)]
-    return max(c, key=lambda a: a.tokens_per_s) if c else None
+    return fastest(a for a in d.aggs.values() if family(a) in fams)
 
 
 def bound_curve(calibration: dict, method: str, ks) -> list[tuple[int, float]]:

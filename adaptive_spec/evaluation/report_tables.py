@@ -8,7 +8,7 @@ from collections import Counter, defaultdict
 from ..decoding.auto import compare_decompositions, decompose, mean_std
 from ..tables import fmt, md_table
 from .report_data import (FAMILIES, HEAD_TREE, HEURISTICS, LEARNED_TREE, POS_TREE, DatasetResult, best_of,
-                          bound_curve, by_config, head_order, modelled_tps, paired_ratio, rel_errors, usable)
+                          bound_curve, by_config, fastest, head_order, modelled_tps, paired_ratio, rel_errors, usable)
 from .tree_calibration import TREE_POLICIES, VERIFICATION, zeroth_order_accepted
 
 H_REF = 0.7  # the paper's recommended threshold
@@ -85,8 +85,7 @@ def table1(results: list[DatasetResult]) -> str:
         rows["pp"].append(f"{fmt(bp.tokens_per_s)} ({bp.label()}; {fmt(bp.speedup)}×)" if bp else "—")
         rows["imp"].append(pct(bp.tokens_per_s / bk.tokens_per_s - 1) if bp and bk else "—")
         rows["imp_p"].append(pct(paired_ratio(d, bp, bk) - 1) if bp and bk else "—")
-        at = [a for a in d.of("learned") if a.h is not None and abs(a.h - H_REF) < 1e-9]
-        a07 = max(at, key=lambda a: a.tokens_per_s) if at else None
+        a07 = fastest(a for a in d.of("learned") if a.h is not None and abs(a.h - H_REF) < 1e-9)
         rows["pp07"].append(f"{fmt(a07.tokens_per_s)} ({a07.head}; {100 * a07.tokens_per_s / bp.tokens_per_s:.1f}% of best)"
                             if a07 and bp else "—")
         fit = d.fits["speculative"]
@@ -200,9 +199,8 @@ def table3(results: list[DatasetResult], heads_info: dict) -> str:
     best = {}  # (head, dataset) -> Agg
     for d in results:
         for h in names:
-            c = d.specdecpp(h)
-            if c:
-                best[(h, d.label)] = max(c, key=lambda a: a.tokens_per_s)
+            if d.specdecpp(h):
+                best[(h, d.label)] = fastest(d.specdecpp(h))
     top = {d.label: max((best[(h, d.label)].tokens_per_s for h in names if (h, d.label) in best), default=None)
            for d in results}
     rows = []
@@ -270,8 +268,7 @@ def auto_table(results: list[DatasetResult]) -> str:
             # an h picked with a cap on K (the table time model) reads "h@cap"
             picks = sorted({_pick_label(r, a.method) for r in mine if r.get("auto_value") is not None})
             predicted = [r["auto_predicted_tokens_per_s"] for r in mine if r.get("auto_predicted_tokens_per_s")]
-            swept = [b for b in d.of(AUTO_OF[a.method]) if a.method == "fixed_auto" or b.head == a.head]
-            best = max(swept, key=lambda b: b.tokens_per_s) if swept else None
+            best = fastest(b for b in d.of(AUTO_OF[a.method]) if a.method == "fixed_auto" or b.head == a.head)
             rows.append([d.label, a.config, ", ".join(picks) or "—",
                          fmt(sum(predicted) / len(predicted)) if predicted else "—", fmt(a.tokens_per_s),
                          f"{fmt(best.tokens_per_s)} ({best.label()})" if best else "—",
