@@ -100,8 +100,9 @@ class Runner:
             return (*hf_generate(pair, ids, s, seed, n, lookup=conf.policy is Baseline.HF_PROMPT_LOOKUP), {})
         alone = conf.policy is Baseline.DRAFT_AR
         on, policy = (pair.draft_alone, ARParams()) if alone else (pair, self._policy(conf, pair, ids))
+        trace = [TraceRecorder()] if self.settings.record_trace and not alone else []  # its row keeps the trace
         g = on.generate(ids, policy=policy, max_new_tokens=n, temperature=s.temperature, top_k=s.top_k,
-                        top_p=s.top_p, seed=seed, extras=[] if alone else self._extras())
+                        top_p=s.top_p, seed=seed, extras=trace)
         if alone:  # the draft ran as the pair's "target": its counts move to the draft's fields
             m = g.metrics
             m.n_draft_forwards, m.draft_s = m.n_target_forwards, m.target_s
@@ -124,10 +125,6 @@ class Runner:
             extra.update(auto_predicted_wall_tokens_per_s=pick.get("wall_tokens_per_s"),
                          auto_time_model=pick["model"], auto_k_max=pick.get("k_max"))
         return extra
-
-    def _extras(self) -> list:
-        """A generation's extras: with record_trace its trace, which its row keeps (Metrics.to_dict)."""
-        return [TraceRecorder()] if self.settings.record_trace else []
 
     def _policy(self, conf: Configuration, pair, ids: list[int]):
         """The configuration's policy as generate takes it, completed once (at its first run, self.ready) with what
