@@ -12,11 +12,11 @@ import math
 import sys
 from pathlib import Path
 
-from ..decoding.auto import coef_of, comparison_table, costs_from_json, round_costs
+from ..decoding.auto import coef_of, comparison_table, costs_from_json, round_costs, sum_counts
 from ..errors import UserError, run_main
 from ..runs import read_json
 from ..tables import fmt
-from .report_data import DatasetResult, analyse, fastest, head_order, load_sweep, pooled_counts, usable
+from .report_data import DatasetResult, analyse, fastest, head_order, load_sweep, usable
 from .report_plots import accepted_vs_drafted_plot, pareto_plot
 from .report_tables import (AUTO_OF, all_configs_table, auto_table, breakdown_table, cpu_lines, decomposition,
                             engines_section, ersd_fig3_table, family_table, peer_table, table1, table2, table3,
@@ -230,7 +230,7 @@ def _why(found, spec) -> str | None:
         return None
     engine, d, a = max(spec, key=lambda c: c[2].tokens_per_s)
     _, _, costs, model = next(f for f in found if f[1] is d)
-    counts = pooled_counts(d, a.config)
+    counts = sum_counts([r for r in d.rows if r["config"] == a.config])  # pooled over its rows
     if not counts["n_target_forwards"] or a.derived:
         return None
     fit = d.fits["speculative"]

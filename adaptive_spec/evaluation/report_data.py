@@ -8,8 +8,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..decoding.auto import (decode_s, fit_forward_times, fit_standalone, relative_error, sum_counts,
-                             theoretical_tokens_per_s)
+from ..decoding.auto import decode_s, fit_forward_times, fit_standalone, relative_error, theoretical_tokens_per_s
 from ..errors import UserError
 from ..runs import read_json, read_jsonl
 from .sweep_files import RESULTS
@@ -337,8 +336,3 @@ def bound_curve(calibration: dict, method: str, ks) -> list[tuple[int, float]]:
     """(budget, Tunstall bound on accepted tokens per pass) under `method`'s calibrated rates; [] uncalibrated."""
     rates, vocab = calibration.get(method), calibration.get("settings", {}).get("vocab_size")
     return [(k, tunstall_accepted(rates["cond_rates"], k, vocab)) for k in ks] if rates and vocab else []
-
-
-def pooled_counts(d: DatasetResult, config: str) -> dict:
-    """A configuration's counts summed over its rows (sum_counts)."""
-    return sum_counts([r for r in d.rows if r["config"] == config])

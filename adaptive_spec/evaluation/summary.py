@@ -27,6 +27,7 @@ def _markers(what: str) -> tuple[str, str]:
 BEGIN, END = _markers("results table")
 KINDS_BEGIN, KINDS_END = _markers("machine kinds")
 GPU_BEGIN, GPU_END = _markers("GPU table")
+BLOCKS = ((BEGIN, END), (KINDS_BEGIN, KINDS_END), (GPU_BEGIN, GPU_END))
 RESULTS = PROJECT_ROOT / "eval" / "results"
 GPU_CHECK = RESULTS / "gpu_check_h200"
 MODEL_SETS = ("humaneval", "gsm8k", "alpaca")
@@ -290,9 +291,9 @@ def _replace(text: str, begin: str, end: str, block: str) -> str | None:
 def write_readme() -> bool:
     """Replace the blocks between their markers; False where the README lacks a pair of markers."""
     readme = PROJECT_ROOT / "README.md"
-    text = _replace(readme.read_text(), BEGIN, END, readme_block())
-    text = text and _replace(text, KINDS_BEGIN, KINDS_END, kinds_block())
-    text = text and _replace(text, GPU_BEGIN, GPU_END, gpu_block())
+    text = readme.read_text()
+    for (begin, end), block in zip(BLOCKS, (readme_block, kinds_block, gpu_block)):
+        text = text and _replace(text, begin, end, block())
     if text is None:
         return False
     readme.write_text(text)
@@ -305,7 +306,7 @@ FIGURE = re.compile(r"\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?x\b|\d+(?:\.\d+)?(?:-\d+(?
 
 def typed_figures(text: str) -> list[str]:
     """The speed figures of a README outside its generated blocks: each is typed by hand, so none may be."""
-    for begin, end in ((BEGIN, END), (KINDS_BEGIN, KINDS_END), (GPU_BEGIN, GPU_END)):
+    for begin, end in BLOCKS:
         if begin in text and end in text:
             head, rest = text.split(begin, 1)
             text = head + rest.split(end, 1)[1]
