@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections import Counter, defaultdict
+from collections import Counter
 
 from ..decoding.auto import compare_decompositions, decompose, mean_std
 from ..tables import fmt, md_table
@@ -69,9 +69,18 @@ def ersd_fig3_table(d: DatasetResult, calibration: dict) -> str:
                      "predicted (0-th order, calibration)", "Tunstall bound", "tok/s"], rows)
 
 
+# Table 1's rows, in order: key -> its name
+TABLE1 = {"ar": "autoregressive (target alone)", "k": "SpecDec, best fixed K (speed-up)",
+          "pp": "SpecDec++, best head and h (speed-up)", "imp": "relative improvement, SpecDec++ vs best K",
+          "imp_p": "same, paired per prompt (geometric mean)", "pp07": f"SpecDec++ at h = {H_REF:g} (best head)",
+          "gap": "share of the oracle gap taken by SpecDec++, (S − S_K)/(S_oracle − S_K), tokens/s",
+          "gap_p": "same, on speed-ups paired per prompt",
+          "mk": "Eq. 5.1 with fitted t: best fixed K", "mpp": "Eq. 5.1 with fitted t: best SpecDec++",
+          "mimp": "Eq. 5.1: relative improvement"}
+
+
 def table1(results: list[DatasetResult]) -> str:
-    cols = [d.label for d in results]
-    rows = {k: [] for k in ("ar", "k", "pp", "imp", "imp_p", "pp07", "gap", "gap_p", "mk", "mpp", "mimp")}
+    rows = {k: [] for k in TABLE1}
     for d in results:
         # SpecDec++: a sweep of h = auto alone has its auto rows here, labelled with the h auto picked
         ar, bk, bp, o = d.get("ar"), d.best("fixed"), d.best_specdecpp(), d.get("oracle")
@@ -94,39 +103,29 @@ def table1(results: list[DatasetResult]) -> str:
         rows["mk"].append(f"{fmt(modelled_tps(mk, fit))} (K={mk.k})" if mk and usable(fit) else "—")
         rows["mpp"].append(f"{fmt(modelled_tps(mp, fit))} ({mp.label()})" if mp and usable(fit) else "—")
         rows["mimp"].append(pct(modelled_tps(mp, fit) / modelled_tps(mk, fit) - 1) if mk and mp and usable(fit) else "—")
-    names = {"ar": "autoregressive (target alone)", "k": "SpecDec, best fixed K (speed-up)",
-             "pp": "SpecDec++, best head and h (speed-up)", "imp": "relative improvement, SpecDec++ vs best K",
-             "imp_p": "same, paired per prompt (geometric mean)", "pp07": f"SpecDec++ at h = {H_REF:g} (best head)",
-             "gap": "share of the oracle gap taken by SpecDec++, (S − S_K)/(S_oracle − S_K), tokens/s",
-             "gap_p": "same, on speed-ups paired per prompt",
-             "mk": "Eq. 5.1 with fitted t: best fixed K", "mpp": "Eq. 5.1 with fitted t: best SpecDec++",
-             "mimp": "Eq. 5.1: relative improvement"}
     if not any(d.get("oracle") for d in results):
         del rows["gap"], rows["gap_p"]
-    return md_table(["tokens/s"] + cols, [[names[k]] + v for k, v in rows.items()])
+    return md_table(["tokens/s"] + [d.label for d in results], [[TABLE1[k]] + v for k, v in rows.items()])
 
 
 def table2(results: list[DatasetResult]) -> tuple[str, str]:
     body = []
-    per_setting = defaultdict(list)
     for setting, title in (("standalone", "stand-alone"), ("specdec", "SpecDec"), ("specdecpp", "SpecDec++"),
                            ("speculative", "SpecDec + SpecDec++")):
+        vals = []  # (t_draft, t_target) per dataset
         for d in results:
             f = d.fits[setting]
             if setting == "standalone":
                 if f["n_draft"] == 0 and f["n_target"] == 0:
                     continue
-                row = [title, d.label, fmt_t(f["t_draft"]), fmt_t(f["t_target"]),
-                       f"{fmt(f['r2_draft'], '.4f')} & {fmt(f['r2_target'], '.4f')}", f"{f['n_draft']} & {f['n_target']}"]
-                per_setting[setting].append((f["t_draft"], f["t_target"]))
+                vals.append((f["t_draft"], f["t_target"]))
+                fit = [f"{fmt(f['r2_draft'], '.4f')} & {fmt(f['r2_target'], '.4f')}", f"{f['n_draft']} & {f['n_target']}"]
             else:
                 if f.n_rows == 0:
                     continue
-                note = "" if f.rank_ok else " (collinear: one K only?)"
-                row = [title, d.label, fmt_t(f.t_draft), fmt_t(f.t_target), fmt(f.r2, ".4f") + note, str(f.n_rows)]
-                per_setting[setting].append((f.t_draft, f.t_target))
-            body.append(row)
-        vals = per_setting.get(setting)
+                vals.append((f.t_draft, f.t_target))
+                fit = [fmt(f.r2, ".4f") + ("" if f.rank_ok else " (collinear: one K only?)"), str(f.n_rows)]
+            body.append([title, d.label, *map(fmt_t, vals[-1]), *fit])
         if vals and len(results) > 1:
             md, sd = mean_std(v[0] for v in vals)
             mt, st = mean_std(v[1] for v in vals)
