@@ -41,10 +41,9 @@ def _cpu(folder: Path) -> str:
     return f"{m[1].strip()}, {m[2]}" if m else folder.name
 
 
-def _script(folder: Path) -> str | None:
-    """The script a benchmark folder's run.json names (None: no run.json)."""
-    run = folder / "run.json"
-    return json.loads(run.read_text()).get("script") if run.is_file() else None
+def _run(folder: Path) -> dict:
+    """A benchmark folder's run.json ({} without one): the script that made it and its settings."""
+    return json.loads((folder / "run.json").read_text()) if (folder / "run.json").is_file() else {}
 
 
 def _set_name(ds: str) -> str:
@@ -54,14 +53,13 @@ def _set_name(ds: str) -> str:
 def rows_of(results: Path) -> list[dict]:
     """One line per (CPU, engine, prompt group, sampling): tok/s and ratios to llama.cpp alone."""
     out = []
-    folders = [f for f in sorted(results.glob("bench_llama_cpp_*")) if _script(f) == "eval/bench_llama_cpp.py"] + \
-        sorted(results.glob("bench_ngram*"))
+    folders = [f for f in sorted(results.glob("bench_llama_cpp_*"))
+               if _run(f).get("script") == "eval/bench_llama_cpp.py"] + sorted(results.glob("bench_ngram*"))
     for folder in folders:
-        rows = list(read_jsonl(folder / "results.jsonl")) if (folder / "results.jsonl").is_file() else []
+        rows, run = read_jsonl(folder / "results.jsonl"), _run(folder)
         if not rows:
             continue
         ngram = folder.name.startswith("bench_ngram")
-        run = json.loads((folder / "run.json").read_text()) if (folder / "run.json").is_file() else {}
         if run.get("target_quant", "none") != "none" and not ngram:
             # a run whose every row is on a re-quantized target: its baseline is the fetched file alone
             tq = run["target_quant"]
