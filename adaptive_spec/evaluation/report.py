@@ -57,10 +57,10 @@ def build_report(sweep_dir: Path, out: Path | None = None, how: str = "pooled", 
     out.parent.mkdir(parents=True, exist_ok=True)
     results = analyse(rows, how)
     md = _intro(sweep_dir.name, cfg_info, how, results, cpu_lines(rows))
-    sweeps = [(_backend(cfg_info), results, *_costs(sweep_dir, cfg_info))]
+    sweeps = [_engine_sweep(sweep_dir, cfg_info, results)]
     for other in beside:
         o_rows, _, o_cfg = load_sweep(Path(other))
-        sweeps.append((_backend(o_cfg), analyse(o_rows, how), *_costs(Path(other), o_cfg)))
+        sweeps.append(_engine_sweep(Path(other), o_cfg, analyse(o_rows, how)))
     md[2:2] = in_short(sweeps)  # in words, under the title
     if beside:
         md += engines_section([s[:2] for s in sweeps])
@@ -75,16 +75,13 @@ def build_report(sweep_dir: Path, out: Path | None = None, how: str = "pooled", 
     return out
 
 
-def _backend(cfg_info: dict) -> str:
-    return (cfg_info.get("config") or {}).get("pair", {}).get("backend", "torch")
-
-
-def _costs(sweep_dir: Path, cfg_info: dict) -> tuple:
-    """(the forward times the sweep pinned for its auto picks, or None; its engine's time model)."""
+def _engine_sweep(sweep_dir: Path, cfg_info: dict, results: list[DatasetResult]) -> tuple:
+    """(its engine, its analysis, the forward times it pinned for its auto picks or None, the engine's time model)."""
     from ..backends.engines import get
 
+    engine = (cfg_info.get("config") or {}).get("pair", {}).get("backend", "torch")
     saved = read_json(sweep_dir / COSTS, required=False, hint="rerun the sweep to rewrite it")
-    return (costs_from_json(saved) if saved else None), get(_backend(cfg_info)).time_model
+    return engine, results, costs_from_json(saved) if saved else None, get(engine).time_model
 
 
 def _intro(name: str, cfg_info: dict, how: str, results: list[DatasetResult], cpu: list[str]) -> list[str]:
