@@ -55,10 +55,6 @@ class Runner:
         self.prompt_curves = {}  # (head folder) -> the curve of auto_prompts' answers (prompts_curve)
         self.ready = {}  # configuration key -> its policy completed for generate (_policy), made at its first run
 
-    def pair_of(self, conf: Configuration):
-        """The pair of the configuration's `drafts` entry (the first without one)."""
-        return self.pairs[next(iter(self.pairs)) if conf.draft is None else conf.draft]
-
     def run_all(self, grid: list[Configuration], todo: list[Job], n_jobs: int, folder: SweepFolder) -> None:
         """Run each job on its draft configuration's pair and append its row to the folder's results.jsonl as soon
         as it is done. With warmup, short untimed runs on the first job's prompt (_warmup_jobs) come first."""
@@ -93,7 +89,7 @@ class Runner:
         (_policy), the draft alone as the target of a pair of its own (SpecPair.draft_alone). generate makes a fresh
         policy per run: a `trees` entry's rates start from the calibrated ones every run and adapt within it only
         where adapt_rates says so, so no run depends on what ran before it."""
-        pair = self.pair_of(conf)
+        pair = self.pairs[next(iter(self.pairs)) if conf.draft is None else conf.draft]  # the first: no drafts entry
         n = max_new_tokens or self.settings.max_new_tokens
         s = self.settings.sampling
         if conf.policy in PEERS:
