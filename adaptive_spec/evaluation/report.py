@@ -12,11 +12,11 @@ import math
 import sys
 from pathlib import Path
 
-from ..decoding.auto import coef_of, comparison_table, costs_from_json, round_costs
+from ..decoding.auto import coef_of, comparison_table, costs_from_json, round_costs, sum_counts
 from ..errors import UserError, run_main
 from ..runs import read_json
 from ..tables import fmt
-from .report_data import DatasetResult, analyse, head_order, load_sweep, pooled_counts, usable
+from .report_data import DatasetResult, analyse, fastest, head_order, load_sweep, usable
 from .report_plots import accepted_vs_drafted_plot, pareto_plot
 from .report_tables import (AUTO_OF, all_configs_table, auto_table, breakdown_table, cpu_lines, decomposition,
                             engines_section, ersd_fig3_table, family_table, peer_table, table1, table2, table3,
@@ -33,11 +33,8 @@ def tree_sections(results: list[DatasetResult], calibration: dict, folder: Path,
           "", family_table(results), "", tree_comparisons(results), "",
           "## Accepted tokens per target pass vs drafted tokens per round", "",
           "Every family; hollow markers: what a tree policy predicted (its sum of R per round); dotted: the "
-          "Tunstall bound (ERSD Lemma 4.2) of the calibrated GSD rates, at x = the budget.", ""]
-    for d in results:
-        png = folder / f"accepted_vs_drafted_{d.label}.png"
-        accepted_vs_drafted_plot(d, png, calibration, how)
-        md.append(f"![{d.label}]({png.name})")
+          "Tunstall bound (ERSD Lemma 4.2) of the calibrated GSD rates, at x = the budget.", "",
+          *_plots(results, folder, "accepted_vs_drafted", accepted_vs_drafted_plot, calibration, how)]
     rates = "; ".join(f"{m}: c = {[round(c, 3) for c in calibration[m]['cond_rates'][:6]]}" for m in ("gsd", "ersd")
                       if m in calibration)
     md += ["", "## ERSD Fig. 3: predicted vs measured accepted tokens per pass", "",
@@ -60,14 +57,15 @@ def build_report(sweep_dir: Path, out: Path | None = None, how: str = "pooled", 
     out.parent.mkdir(parents=True, exist_ok=True)
     results = analyse(rows, how)
     md = _intro(sweep_dir.name, cfg_info, how, results, cpu_lines(rows))
-    sweeps = [(_backend(cfg_info), results, *_costs(sweep_dir, cfg_info))]
+    sweeps = [_engine_sweep(sweep_dir, cfg_info, results)]
     for other in beside:
         o_rows, _, o_cfg = load_sweep(Path(other))
-        sweeps.append((_backend(o_cfg), analyse(o_rows, how), *_costs(Path(other), o_cfg)))
+        sweeps.append(_engine_sweep(Path(other), o_cfg, analyse(o_rows, how)))
     md[2:2] = in_short(sweeps)  # in words, under the title
     if beside:
         md += engines_section([s[:2] for s in sweeps])
-    md += _figure3(results, out.parent, head_order(heads_info, results), how)
+    md += ["", "## Figure 3: verification rate vs discard rate", "",
+           *_plots(results, out.parent, "pareto", pareto_plot, head_order(heads_info, results), how)]
     trees = []
     if any(r["method"] in TREE_POLICIES for r in rows):
         calibration = read_json(sweep_dir / "tree_calibration.json", required=False, hint="rerun the sweep") or {}
@@ -77,16 +75,13 @@ def build_report(sweep_dir: Path, out: Path | None = None, how: str = "pooled", 
     return out
 
 
-def _backend(cfg_info: dict) -> str:
-    return (cfg_info.get("config") or {}).get("pair", {}).get("backend", "torch")
-
-
-def _costs(sweep_dir: Path, cfg_info: dict) -> tuple:
-    """(the forward times the sweep pinned for its auto picks, or None; its engine's time model)."""
+def _engine_sweep(sweep_dir: Path, cfg_info: dict, results: list[DatasetResult]) -> tuple:
+    """(its engine, its analysis, the forward times it pinned for its auto picks or None, the engine's time model)."""
     from ..backends.engines import get
 
+    engine = (cfg_info.get("config") or {}).get("pair", {}).get("backend", "torch")
     saved = read_json(sweep_dir / COSTS, required=False, hint="rerun the sweep to rewrite it")
-    return (costs_from_json(saved) if saved else None), get(_backend(cfg_info)).time_model
+    return engine, results, costs_from_json(saved) if saved else None, get(engine).time_model
 
 
 def _intro(name: str, cfg_info: dict, how: str, results: list[DatasetResult], cpu: list[str]) -> list[str]:
@@ -112,14 +107,11 @@ def _intro(name: str, cfg_info: dict, how: str, results: list[DatasetResult], cp
     return md
 
 
-def _figure3(results: list[DatasetResult], folder: Path, heads_order: list[str], how: str) -> list[str]:
-    """One Pareto plot per dataset, written beside the report."""
-    md = ["", "## Figure 3: verification rate vs discard rate", ""]
+def _plots(results: list[DatasetResult], folder: Path, name: str, plot, *args) -> list[str]:
+    """One plot per dataset, `plot(d, png, *args)` writing folder/NAME_LABEL.png beside the report; their links."""
     for d in results:
-        png = folder / f"pareto_{d.label}.png"
-        pareto_plot(d, png, heads_order, how)
-        md.append(f"![{d.label}]({png.name})")
-    return md
+        plot(d, folder / f"{name}_{d.label}.png", *args)
+    return [f"![{d.label}]({name}_{d.label}.png)" for d in results]
 
 
 def _tables(results: list[DatasetResult], heads_info: dict, trees: list[str]) -> list[str]:
@@ -205,23 +197,23 @@ def _verdict(label: str, found: list, cands: list) -> str:
     on = lambda e: f" on {e}" if several else ""  # noqa: E731
     x = lambda a: f"{a.tokens_per_s / base.tokens_per_s:.2f}x" if base else "—"  # noqa: E731
     spec = [c for c in cands if c[2].speculated]
-    engine, d, fastest = max(cands, key=lambda c: c[2].tokens_per_s)
+    engine, d, top = max(cands, key=lambda c: c[2].tokens_per_s)
     text = f"**{label} ({d.n_prompts} prompts)**: "
     chose_ar = [f"{a.name()}{on(e)}" for e, dd, _, _ in found for a in dd.aggs.values()
                 if a.method in AUTO_OF and a.chose_target_alone]
     if chose_ar:
         text += f"`auto` chose the target alone ({', '.join(chose_ar)}), drafting nothing; "
-    if fastest.method == "ar":
-        text += f"the fastest here was the target alone{on(engine)}, {fmt(fastest.tokens_per_s)} tok/s"
+    if top.method == "ar":
+        text += f"the fastest here was the target alone{on(engine)}, {fmt(top.tokens_per_s)} tok/s"
         if spec:
             e2, _, a2 = max(spec, key=lambda c: c[2].tokens_per_s)
             text += f"; the fastest configuration that speculated, {a2.name()}{on(e2)}, ran at {x(a2)} of " + \
                 ("it" if engine == base_engine else f"the target alone on {base_engine}")
     else:
-        text += (f"the fastest here was {fastest.name()}{on(engine)}, {fmt(fastest.tokens_per_s)} tok/s, "
-                 f"{x(fastest)} the target alone{on(base_engine)}")
+        text += (f"the fastest here was {top.name()}{on(engine)}, {fmt(top.tokens_per_s)} tok/s, "
+                 f"{x(top)} the target alone{on(base_engine)}")
     for e, od, _, _ in found[1:]:  # each other engine's best, against the same baseline
-        best = max(_choices(od), key=lambda a: a.tokens_per_s, default=None)
+        best = fastest(_choices(od))
         if best is not None and od is not d:
             text += f"; {e}'s fastest, {best.name()}, {x(best)}"
     why = _why(found, spec)
@@ -235,7 +227,7 @@ def _why(found, spec) -> str | None:
         return None
     engine, d, a = max(spec, key=lambda c: c[2].tokens_per_s)
     _, _, costs, model = next(f for f in found if f[1] is d)
-    counts = pooled_counts(d, a.config)
+    counts = sum_counts([r for r in d.rows if r["config"] == a.config])  # pooled over its rows
     if not counts["n_target_forwards"] or a.derived:
         return None
     fit = d.fits["speculative"]

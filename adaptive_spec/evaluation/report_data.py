@@ -8,8 +8,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..decoding.auto import (decode_s, fit_forward_times, fit_standalone, relative_error, sum_counts,
-                             theoretical_tokens_per_s)
+from ..decoding.auto import decode_s, fit_forward_times, fit_standalone, relative_error, theoretical_tokens_per_s
 from ..errors import UserError
 from ..runs import read_json, read_jsonl
 from .sweep_files import RESULTS
@@ -152,25 +151,18 @@ def aggregate(rows: list[dict], how: str = "pooled", ar_by_prompt: dict | None =
     S = lambda k: sum(_f(r, k) for r in rows)  # noqa: E731
     N, NT, ND, NX = S("n_tokens"), S("n_target_forwards"), S("n_draft_forwards"), S("n_discarded")
     wall, dec = S("wall_s"), sum(decode_s(r) for r in rows)
-    acc, drafted = S("n_accepted"), S("n_drafted")
-    if how == "mean":
-        mean = lambda f: sum(f(r) for r in rows) / len(rows)  # noqa: E731
-        vr = mean(lambda r: _f(r, "n_target_forwards") / max(_f(r, "n_tokens"), 1))
-        dr = mean(lambda r: _f(r, "n_discarded") / max(_f(r, "n_tokens"), 1))
-        tps = mean(_tps)
-        ar_ = [_f(r, "n_accepted") / _f(r, "n_drafted") for r in rows if _f(r, "n_drafted")]
-        accr = sum(ar_) / len(ar_) if ar_ else float("nan")
-    else:
-        vr, dr, tps = NT / max(N, 1), NX / max(N, 1), N / max(wall, 1e-12)
-        accr = acc / drafted if drafted else float("nan")
+    col = lambda k: lambda r: _f(r, k)  # noqa: E731
+    tokens = lambda r: max(_f(r, "n_tokens"), 1)  # noqa: E731
+    vr, dr = (_ratio(rows, how, col(k), tokens) for k in ("n_target_forwards", "n_discarded"))
+    tps = _ratio(rows, how, col("n_tokens"), lambda r: max(_f(r, "wall_s"), 1e-12))
+    accr = _ratio(rows, how, col("n_accepted"), col("n_drafted"))
     sp = float("nan")
     if ar_by_prompt:
         sp = geomean(_tps(r) / _tps(ar_by_prompt[_pkey(r)]) for r in rows if _pkey(r) in ar_by_prompt)
     a = Agg(r0["config"], r0["method"], r0.get("k"), r0.get("head"), r0.get("h"), r0.get("tau"), len(rows), N, ND,
             NT, NX, wall, dec, vr, dr, accr, tps, sp, bool(r0.get("counts_derived")))
-    passes = lambda r: _f(r, "n_target_forwards")  # noqa: E731  (one target pass per round)
-    a.tokens_per_pass, a.accepted_per_pass, a.drafted_per_round = (
-        _ratio(rows, how, lambda r, k=k: _f(r, k), passes) for k in ("n_tokens", "n_accepted", "n_drafted"))
+    a.tokens_per_pass, a.accepted_per_pass, a.drafted_per_round = (  # one target pass per round
+        _ratio(rows, how, col(k), col("n_target_forwards")) for k in ("n_tokens", "n_accepted", "n_drafted"))
     for attr, key in (("tree_depth", "tree_depth"), ("predicted_per_round", "predicted_accepted")):
         have = [r for r in rows if r.get(key) is not None]  # per-round means: weighed by rounds when pooled
         setattr(a, attr, _ratio(have, how, lambda r: _f(r, key) * _f(r, "rounds"), lambda r: _f(r, "rounds")))
@@ -250,8 +242,7 @@ class DatasetResult:
         return [a for a in self.aggs.values() if a.method in methods]
 
     def best(self, method: str, key=lambda a: a.tokens_per_s) -> Agg | None:
-        c = [a for a in self.of(method) if not math.isnan(key(a))]
-        return max(c, key=key) if c else None
+        return fastest(self.of(method), key)
 
     def get(self, config: str) -> Agg | None:
         return self.aggs.get(config)
@@ -264,8 +255,12 @@ class DatasetResult:
         return mine("learned") or mine("learned_auto")
 
     def best_specdecpp(self, key=lambda a: a.tokens_per_s) -> Agg | None:
-        c = [a for a in self.specdecpp() if not math.isnan(key(a))]
-        return max(c, key=key) if c else None
+        return fastest(self.specdecpp(), key)
+
+
+def fastest(aggs, key=lambda a: a.tokens_per_s) -> Agg | None:
+    """The configuration of the highest `key` (tokens/s by default) that has one; None where none has."""
+    return max((a for a in aggs if not math.isnan(key(a))), key=key, default=None)
 
 
 def analyse(rows: list[dict], how: str = "pooled") -> list[DatasetResult]:
@@ -327,16 +322,10 @@ def family(a: Agg) -> str | None:
 
 
 def best_of(d: DatasetResult, fams) -> Agg | None:
-    c = [a for a in d.aggs.values() if family(a) in fams and not math.isnan(a.tokens_per_s)]
-    return max(c, key=lambda a: a.tokens_per_s) if c else None
+    return fastest(a for a in d.aggs.values() if family(a) in fams)
 
 
 def bound_curve(calibration: dict, method: str, ks) -> list[tuple[int, float]]:
     """(budget, Tunstall bound on accepted tokens per pass) under `method`'s calibrated rates; [] uncalibrated."""
     rates, vocab = calibration.get(method), calibration.get("settings", {}).get("vocab_size")
     return [(k, tunstall_accepted(rates["cond_rates"], k, vocab)) for k in ks] if rates and vocab else []
-
-
-def pooled_counts(d: DatasetResult, config: str) -> dict:
-    """A configuration's counts summed over its rows (sum_counts)."""
-    return sum_counts([r for r in d.rows if r["config"] == config])

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import json
 import math
-from collections import Counter, defaultdict
+from collections import Counter
 
 from ..decoding.auto import compare_decompositions, decompose, mean_std
 from ..tables import fmt, md_table
 from .report_data import (FAMILIES, HEAD_TREE, HEURISTICS, LEARNED_TREE, POS_TREE, DatasetResult, best_of,
-                          bound_curve, by_config, head_order, modelled_tps, paired_ratio, rel_errors, usable)
+                          bound_curve, by_config, fastest, head_order, modelled_tps, paired_ratio, rel_errors, usable)
 from .tree_calibration import TREE_POLICIES, VERIFICATION, zeroth_order_accepted
 
 H_REF = 0.7  # the paper's recommended threshold
@@ -69,9 +69,18 @@ def ersd_fig3_table(d: DatasetResult, calibration: dict) -> str:
                      "predicted (0-th order, calibration)", "Tunstall bound", "tok/s"], rows)
 
 
+# Table 1's rows, in order: key -> its name
+TABLE1 = {"ar": "autoregressive (target alone)", "k": "SpecDec, best fixed K (speed-up)",
+          "pp": "SpecDec++, best head and h (speed-up)", "imp": "relative improvement, SpecDec++ vs best K",
+          "imp_p": "same, paired per prompt (geometric mean)", "pp07": f"SpecDec++ at h = {H_REF:g} (best head)",
+          "gap": "share of the oracle gap taken by SpecDec++, (S − S_K)/(S_oracle − S_K), tokens/s",
+          "gap_p": "same, on speed-ups paired per prompt",
+          "mk": "Eq. 5.1 with fitted t: best fixed K", "mpp": "Eq. 5.1 with fitted t: best SpecDec++",
+          "mimp": "Eq. 5.1: relative improvement"}
+
+
 def table1(results: list[DatasetResult]) -> str:
-    cols = [d.label for d in results]
-    rows = {k: [] for k in ("ar", "k", "pp", "imp", "imp_p", "pp07", "gap", "gap_p", "mk", "mpp", "mimp")}
+    rows = {k: [] for k in TABLE1}
     for d in results:
         # SpecDec++: a sweep of h = auto alone has its auto rows here, labelled with the h auto picked
         ar, bk, bp, o = d.get("ar"), d.best("fixed"), d.best_specdecpp(), d.get("oracle")
@@ -85,8 +94,7 @@ def table1(results: list[DatasetResult]) -> str:
         rows["pp"].append(f"{fmt(bp.tokens_per_s)} ({bp.label()}; {fmt(bp.speedup)}×)" if bp else "—")
         rows["imp"].append(pct(bp.tokens_per_s / bk.tokens_per_s - 1) if bp and bk else "—")
         rows["imp_p"].append(pct(paired_ratio(d, bp, bk) - 1) if bp and bk else "—")
-        at = [a for a in d.of("learned") if a.h is not None and abs(a.h - H_REF) < 1e-9]
-        a07 = max(at, key=lambda a: a.tokens_per_s) if at else None
+        a07 = fastest(a for a in d.of("learned") if a.h is not None and abs(a.h - H_REF) < 1e-9)
         rows["pp07"].append(f"{fmt(a07.tokens_per_s)} ({a07.head}; {100 * a07.tokens_per_s / bp.tokens_per_s:.1f}% of best)"
                             if a07 and bp else "—")
         fit = d.fits["speculative"]
@@ -95,39 +103,29 @@ def table1(results: list[DatasetResult]) -> str:
         rows["mk"].append(f"{fmt(modelled_tps(mk, fit))} (K={mk.k})" if mk and usable(fit) else "—")
         rows["mpp"].append(f"{fmt(modelled_tps(mp, fit))} ({mp.label()})" if mp and usable(fit) else "—")
         rows["mimp"].append(pct(modelled_tps(mp, fit) / modelled_tps(mk, fit) - 1) if mk and mp and usable(fit) else "—")
-    names = {"ar": "autoregressive (target alone)", "k": "SpecDec, best fixed K (speed-up)",
-             "pp": "SpecDec++, best head and h (speed-up)", "imp": "relative improvement, SpecDec++ vs best K",
-             "imp_p": "same, paired per prompt (geometric mean)", "pp07": f"SpecDec++ at h = {H_REF:g} (best head)",
-             "gap": "share of the oracle gap taken by SpecDec++, (S − S_K)/(S_oracle − S_K), tokens/s",
-             "gap_p": "same, on speed-ups paired per prompt",
-             "mk": "Eq. 5.1 with fitted t: best fixed K", "mpp": "Eq. 5.1 with fitted t: best SpecDec++",
-             "mimp": "Eq. 5.1: relative improvement"}
     if not any(d.get("oracle") for d in results):
         del rows["gap"], rows["gap_p"]
-    return md_table(["tokens/s"] + cols, [[names[k]] + v for k, v in rows.items()])
+    return md_table(["tokens/s"] + [d.label for d in results], [[TABLE1[k]] + v for k, v in rows.items()])
 
 
 def table2(results: list[DatasetResult]) -> tuple[str, str]:
     body = []
-    per_setting = defaultdict(list)
     for setting, title in (("standalone", "stand-alone"), ("specdec", "SpecDec"), ("specdecpp", "SpecDec++"),
                            ("speculative", "SpecDec + SpecDec++")):
+        vals = []  # (t_draft, t_target) per dataset
         for d in results:
             f = d.fits[setting]
             if setting == "standalone":
                 if f["n_draft"] == 0 and f["n_target"] == 0:
                     continue
-                row = [title, d.label, fmt_t(f["t_draft"]), fmt_t(f["t_target"]),
-                       f"{fmt(f['r2_draft'], '.4f')} & {fmt(f['r2_target'], '.4f')}", f"{f['n_draft']} & {f['n_target']}"]
-                per_setting[setting].append((f["t_draft"], f["t_target"]))
+                vals.append((f["t_draft"], f["t_target"]))
+                fit = [f"{fmt(f['r2_draft'], '.4f')} & {fmt(f['r2_target'], '.4f')}", f"{f['n_draft']} & {f['n_target']}"]
             else:
                 if f.n_rows == 0:
                     continue
-                note = "" if f.rank_ok else " (collinear: one K only?)"
-                row = [title, d.label, fmt_t(f.t_draft), fmt_t(f.t_target), fmt(f.r2, ".4f") + note, str(f.n_rows)]
-                per_setting[setting].append((f.t_draft, f.t_target))
-            body.append(row)
-        vals = per_setting.get(setting)
+                vals.append((f.t_draft, f.t_target))
+                fit = [fmt(f.r2, ".4f") + ("" if f.rank_ok else " (collinear: one K only?)"), str(f.n_rows)]
+            body.append([title, d.label, *map(fmt_t, vals[-1]), *fit])
         if vals and len(results) > 1:
             md, sd = mean_std(v[0] for v in vals)
             mt, st = mean_std(v[1] for v in vals)
@@ -200,9 +198,8 @@ def table3(results: list[DatasetResult], heads_info: dict) -> str:
     best = {}  # (head, dataset) -> Agg
     for d in results:
         for h in names:
-            c = d.specdecpp(h)
-            if c:
-                best[(h, d.label)] = max(c, key=lambda a: a.tokens_per_s)
+            if d.specdecpp(h):
+                best[(h, d.label)] = fastest(d.specdecpp(h))
     top = {d.label: max((best[(h, d.label)].tokens_per_s for h in names if (h, d.label) in best), default=None)
            for d in results}
     rows = []
@@ -270,8 +267,7 @@ def auto_table(results: list[DatasetResult]) -> str:
             # an h picked with a cap on K (the table time model) reads "h@cap"
             picks = sorted({_pick_label(r, a.method) for r in mine if r.get("auto_value") is not None})
             predicted = [r["auto_predicted_tokens_per_s"] for r in mine if r.get("auto_predicted_tokens_per_s")]
-            swept = [b for b in d.of(AUTO_OF[a.method]) if a.method == "fixed_auto" or b.head == a.head]
-            best = max(swept, key=lambda b: b.tokens_per_s) if swept else None
+            best = fastest(b for b in d.of(AUTO_OF[a.method]) if a.method == "fixed_auto" or b.head == a.head)
             rows.append([d.label, a.config, ", ".join(picks) or "—",
                          fmt(sum(predicted) / len(predicted)) if predicted else "—", fmt(a.tokens_per_s),
                          f"{fmt(best.tokens_per_s)} ({best.label()})" if best else "—",

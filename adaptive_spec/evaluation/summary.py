@@ -27,6 +27,7 @@ def _markers(what: str) -> tuple[str, str]:
 BEGIN, END = _markers("results table")
 KINDS_BEGIN, KINDS_END = _markers("machine kinds")
 GPU_BEGIN, GPU_END = _markers("GPU table")
+BLOCKS = ((BEGIN, END), (KINDS_BEGIN, KINDS_END), (GPU_BEGIN, GPU_END))
 RESULTS = PROJECT_ROOT / "eval" / "results"
 GPU_CHECK = RESULTS / "gpu_check_h200"
 MODEL_SETS = ("humaneval", "gsm8k", "alpaca")
@@ -40,10 +41,9 @@ def _cpu(folder: Path) -> str:
     return f"{m[1].strip()}, {m[2]}" if m else folder.name
 
 
-def _script(folder: Path) -> str | None:
-    """The script a benchmark folder's run.json names (None: no run.json)."""
-    run = folder / "run.json"
-    return json.loads(run.read_text()).get("script") if run.is_file() else None
+def _run(folder: Path) -> dict:
+    """A benchmark folder's run.json ({} without one): the script that made it and its settings."""
+    return json.loads((folder / "run.json").read_text()) if (folder / "run.json").is_file() else {}
 
 
 def _set_name(ds: str) -> str:
@@ -53,14 +53,13 @@ def _set_name(ds: str) -> str:
 def rows_of(results: Path) -> list[dict]:
     """One line per (CPU, engine, prompt group, sampling): tok/s and ratios to llama.cpp alone."""
     out = []
-    folders = [f for f in sorted(results.glob("bench_llama_cpp_*")) if _script(f) == "eval/bench_llama_cpp.py"] + \
-        sorted(results.glob("bench_ngram*"))
+    folders = [f for f in sorted(results.glob("bench_llama_cpp_*"))
+               if _run(f).get("script") == "eval/bench_llama_cpp.py"] + sorted(results.glob("bench_ngram*"))
     for folder in folders:
-        rows = list(read_jsonl(folder / "results.jsonl")) if (folder / "results.jsonl").is_file() else []
+        rows, run = read_jsonl(folder / "results.jsonl"), _run(folder)
         if not rows:
             continue
         ngram = folder.name.startswith("bench_ngram")
-        run = json.loads((folder / "run.json").read_text()) if (folder / "run.json").is_file() else {}
         if run.get("target_quant", "none") != "none" and not ngram:
             # a run whose every row is on a re-quantized target: its baseline is the fetched file alone
             tq = run["target_quant"]
@@ -290,9 +289,9 @@ def _replace(text: str, begin: str, end: str, block: str) -> str | None:
 def write_readme() -> bool:
     """Replace the blocks between their markers; False where the README lacks a pair of markers."""
     readme = PROJECT_ROOT / "README.md"
-    text = _replace(readme.read_text(), BEGIN, END, readme_block())
-    text = text and _replace(text, KINDS_BEGIN, KINDS_END, kinds_block())
-    text = text and _replace(text, GPU_BEGIN, GPU_END, gpu_block())
+    text = readme.read_text()
+    for (begin, end), block in zip(BLOCKS, (readme_block, kinds_block, gpu_block)):
+        text = text and _replace(text, begin, end, block())
     if text is None:
         return False
     readme.write_text(text)
@@ -305,7 +304,7 @@ FIGURE = re.compile(r"\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?x\b|\d+(?:\.\d+)?(?:-\d+(?
 
 def typed_figures(text: str) -> list[str]:
     """The speed figures of a README outside its generated blocks: each is typed by hand, so none may be."""
-    for begin, end in ((BEGIN, END), (KINDS_BEGIN, KINDS_END), (GPU_BEGIN, GPU_END)):
+    for begin, end in BLOCKS:
         if begin in text and end in text:
             head, rest = text.split(begin, 1)
             text = head + rest.split(end, 1)[1]

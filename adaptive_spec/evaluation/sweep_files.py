@@ -117,8 +117,8 @@ class SweepFolder:
         prompts = {ds: [{"prompt_idx": i, "prompt_sha": prompt_sha(t), "n_prompt_tokens": len(ids), "text": t}
                         for i, t, ids in chosen] for ds, chosen in selected.items()}
         runtime = {d: p.runtime_info() for d, p in pairs.items()}
-        pair = next(iter(pairs.values()))
-        self.context = self._context(pair, runtime)
+        pair = next(iter(pairs.values()))  # the first: every pair shares its CPU padding
+        self.context = self._context(cpu_pad_to(pair), runtime)
         record = self._record(grid, notes, runtime, pair)
         write_json(self.path / "settings.json", {"settings": self.plan.settings, "hash": self.hash})
         write_json(self.path / "heads.json", self.plan.heads, default=str)
@@ -128,10 +128,9 @@ class SweepFolder:
                 for r in read_jsonl(self.path / RESULTS, repair=True)}
         return [j for j, key in zip(jobs, keys) if key not in done], len(jobs)
 
-    def _context(self, pair, runtime: dict) -> dict:
-        """drafts entry -> what every row of its pair carries: the settings' hash, the machine and the numeric paths
-        it ran on ("auto" resolves per CPU); `pair`: the first, whose CPU padding every pair shares."""
-        pad_to = cpu_pad_to(pair)
+    def _context(self, pad_to: dict, runtime: dict) -> dict:
+        """drafts entry -> what every row of its pair carries: the settings' hash, the CPU padding, the machine and
+        the numeric paths it ran on ("auto" resolves per CPU)."""
         return {d: {"settings_hash": self.hash, "cpu_pad_to": pad_to, "isa": r["machine"]["isa"],
                     "cpu_flags": r["machine"]["cpu_flags"],
                     "paths": {m: r.get(f"{m}_path") for m in ("target", "draft")}} for d, r in runtime.items()}

@@ -112,7 +112,7 @@ def build_grid(cfg) -> tuple[list[Configuration], dict, list[str]]:
     pass; the curves the shorthands' auto picks from are checked last."""
     heads = dict(resolve_heads(cfg.heads))
     entries, notes = _shorthands(cfg, list(heads))
-    entries += _tree_entries(cfg, heads) + _policy_entries(cfg)
+    entries += _tree_entries(cfg.trees, heads) + _policy_entries(cfg.policies)
     if not entries:
         raise UserError("the sweep grid is empty; enable include_ar, list ks, heads, ... in the config")
     grid, seen = [], {}
@@ -161,13 +161,13 @@ def _shorthands(cfg, labels: list[str]) -> tuple[list[Entry], list[str]]:
     return out, notes
 
 
-def _policy_entries(cfg) -> list[Entry]:
+def _policy_entries(policies) -> list[Entry]:
     """One entry per `policies` item: its settings as given, its key its label or its settings."""
-    if not isinstance(cfg.policies, list):
+    if not isinstance(policies, list):
         raise UserError(f"config key 'policies' must be a list of mappings such as {{policy: ngram, k: 3}}, "
-                        f"got {cfg.policies!r}")
+                        f"got {policies!r}")
     out = []
-    for i, e in enumerate(cfg.policies):
+    for i, e in enumerate(policies):
         if not isinstance(e, dict) or not isinstance(e.get("policy"), str):
             raise UserError(f"policies[{i}] must be a mapping with a policy name, e.g. {{policy: ngram, k: 3}}, "
                             f"got {e!r}")
@@ -282,14 +282,14 @@ def _one_of(values) -> str:
     return ", ".join(values[:-1]) + " or " + values[-1]
 
 
-def _tree_entries(cfg, heads: dict) -> list[Entry]:
+def _tree_entries(trees, heads: dict) -> list[Entry]:
     """One entry per `trees` item: its policy (tree by default) and its settings, a head named by its label in
     `heads` (label -> folder) or by its folder (then the head is labelled as written). A problem names the
     entry's key (trees[i].key)."""
-    if not isinstance(cfg.trees, list):
-        raise UserError(f"config key 'trees' must be a list of mappings, got {cfg.trees!r}")
+    if not isinstance(trees, list):
+        raise UserError(f"config key 'trees' must be a list of mappings, got {trees!r}")
     out = []
-    for i, e in enumerate(cfg.trees):
+    for i, e in enumerate(trees):
         at = f"trees[{i}]"
         if not isinstance(e, dict):
             raise UserError(f"{at} must be a mapping such as {{policy: tree, tree_budget: 8}}, got {e!r}")

@@ -55,10 +55,6 @@ class Runner:
         self.prompt_curves = {}  # (head folder) -> the curve of auto_prompts' answers (prompts_curve)
         self.ready = {}  # configuration key -> its policy completed for generate (_policy), made at its first run
 
-    def pair_of(self, conf: Configuration):
-        """The pair of the configuration's `drafts` entry (the first without one)."""
-        return self.pairs[next(iter(self.pairs)) if conf.draft is None else conf.draft]
-
     def run_all(self, grid: list[Configuration], todo: list[Job], n_jobs: int, folder: SweepFolder) -> None:
         """Run each job on its draft configuration's pair and append its row to the folder's results.jsonl as soon
         as it is done. With warmup, short untimed runs on the first job's prompt (_warmup_jobs) come first."""
@@ -93,15 +89,16 @@ class Runner:
         (_policy), the draft alone as the target of a pair of its own (SpecPair.draft_alone). generate makes a fresh
         policy per run: a `trees` entry's rates start from the calibrated ones every run and adapt within it only
         where adapt_rates says so, so no run depends on what ran before it."""
-        pair = self.pair_of(conf)
+        pair = self.pairs[next(iter(self.pairs)) if conf.draft is None else conf.draft]  # the first: no drafts entry
         n = max_new_tokens or self.settings.max_new_tokens
         s = self.settings.sampling
         if conf.policy in PEERS:
             return (*hf_generate(pair, ids, s, seed, n, lookup=conf.policy is Baseline.HF_PROMPT_LOOKUP), {})
         alone = conf.policy is Baseline.DRAFT_AR
         on, policy = (pair.draft_alone, ARParams()) if alone else (pair, self._policy(conf, pair, ids))
+        trace = [TraceRecorder()] if self.settings.record_trace and not alone else []  # its row keeps the trace
         g = on.generate(ids, policy=policy, max_new_tokens=n, temperature=s.temperature, top_k=s.top_k,
-                        top_p=s.top_p, seed=seed, extras=[] if alone else self._extras())
+                        top_p=s.top_p, seed=seed, extras=trace)
         if alone:  # the draft ran as the pair's "target": its counts move to the draft's fields
             m = g.metrics
             m.n_draft_forwards, m.draft_s = m.n_target_forwards, m.target_s
@@ -124,10 +121,6 @@ class Runner:
             extra.update(auto_predicted_wall_tokens_per_s=pick.get("wall_tokens_per_s"),
                          auto_time_model=pick["model"], auto_k_max=pick.get("k_max"))
         return extra
-
-    def _extras(self) -> list:
-        """A generation's extras: with record_trace its trace, which its row keeps (Metrics.to_dict)."""
-        return [TraceRecorder()] if self.settings.record_trace else []
 
     def _policy(self, conf: Configuration, pair, ids: list[int]):
         """The configuration's policy as generate takes it, completed once (at its first run, self.ready) with what
