@@ -15,11 +15,6 @@ make --resume continue the run, the best drafter by dev loss exported with save_
 from __future__ import annotations
 
 import json
-import math
-import os
-import shutil
-import sys
-import uuid
 from pathlib import Path
 from typing import Literal
 
@@ -28,12 +23,12 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..backends.paths import check_draft_vocab_spec
-from ..config import Config, config_to_dict
+from ..config import Config
 from ..errors import UserError, get_logger
-from ..runs import check_settings, write_json
 from .data import EpochShuffle
-from .loop import STOP_EXIT_CODE, lr_lambda, make_accelerator, restore_checkpoint
-from .runfiles import CKPT_STATE, RunFiles
+from .loop import (finished_results, make_accelerator, make_scheduler, micro_batch, micro_batches, next_step,
+                   restore_checkpoint, save_checkpoint, start_trackers, stop_if_asked, write_results)
+from .runfiles import RunFiles
 
 log = get_logger(__name__)
 RUNTIME_KEYS = {"stop_after_steps", "report_to", "wandb_project", "run_name", "keep_checkpoints", "threads"}
@@ -243,9 +238,9 @@ def train_drafter(cfg: DrafterConfig, resume: bool = False) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     files = RunFiles(Path(cfg.output_dir), False)
-    _check_output_dir(cfg, files, resume)
-    if resume and files.results_path.is_file():
-        return json.loads(files.results_path.read_text())
+    done = finished_results(cfg, files, resume, RUNTIME_KEYS)
+    if done is not None:
+        return done
     acc = make_accelerator(cfg)
     files.main = acc.is_main_process
     if acc.is_main_process:
@@ -254,21 +249,15 @@ def train_drafter(cfg: DrafterConfig, resume: bool = False) -> dict:
     train_set, dev_set, n_refs = _load_sets(cfg)
     set_seed(cfg.seed)
     readout, drafter, fp = load_readout(cfg, acc.device)
-    micro = cfg.batch_size // (acc.num_processes * cfg.grad_accum)
-    if micro < 1 or cfg.batch_size % (acc.num_processes * cfg.grad_accum):
-        raise UserError(f"batch_size {cfg.batch_size} is not divisible by processes x grad_accum")
     sampler = EpochShuffle(len(train_set), cfg.seed)
-    loader = torch.utils.data.DataLoader(train_set, batch_size=micro, sampler=sampler, collate_fn=collate)
+    loader = torch.utils.data.DataLoader(train_set, batch_size=micro_batch(cfg, acc.num_processes), sampler=sampler,
+                                         collate_fn=collate)
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=cfg.lr,
                             weight_decay=cfg.weight_decay)
     model, opt, loader = acc.prepare(drafter, opt, loader)
-    per_epoch = math.ceil(len(loader) / cfg.grad_accum)
-    total = per_epoch * cfg.epochs
-    sched = torch.optim.lr_scheduler.LambdaLR(opt.optimizer, lr_lambda(total, int(cfg.warmup_ratio * total),
-                                                                       cfg.min_lr_ratio))
-    acc.register_for_checkpointing(sched)
-    state = _restore(acc, files, cfg, resume)
-    _trackers(acc, cfg, files.out)
+    sched, per_epoch, total = make_scheduler(acc, opt, loader, cfg)
+    state = restore_checkpoint(acc, files, cfg, resume)
+    start_trackers(acc, cfg, files.out)
     meta = {"dataset": cfg.data, "target_fingerprint": fp, "n_train_seqs": len(train_set),
             "n_reference_seqs": n_refs, "epochs": cfg.epochs,
             "lr": cfg.lr, "feature_weight": cfg.feature_weight, "ce_weight": cfg.ce_weight, "ce_vocab": cfg.ce_vocab}
@@ -276,23 +265,22 @@ def train_drafter(cfg: DrafterConfig, resume: bool = False) -> dict:
     if state["step"] == 0:
         _eval_and_export(run, state, 0)
     with tqdm(total=total, initial=state["step"], disable=not acc.is_main_process, desc="drafter") as bar:
-        for epoch in range(state["step"] // per_epoch, cfg.epochs):
-            skip = (state["step"] - epoch * per_epoch) * cfg.grad_accum
-            batches = acc.skip_first_batches(loader, skip) if skip > 0 else loader
-            loader.set_epoch(epoch)
-            sampler.set_epoch(epoch)
-            for feats, ids, valid in batches:
-                logged = (state["step"] + 1) % cfg.log_every == 0 or state["step"] + 1 == total
-                with acc.accumulate(model), acc.autocast():
-                    loss, parts = drafter_loss(model, readout, feats, ids, valid, cfg, cfg.noise, scores=logged)
-                    acc.backward(loss)
-                    if acc.sync_gradients and cfg.max_grad_norm > 0:
-                        acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                    opt.step()
-                    opt.zero_grad()
-                if acc.sync_gradients:
-                    _after_step(run, state, sched, bar, total, loss.item(), parts)
-    return _finish(run, state, total)
+        for feats, ids, valid in micro_batches(acc, loader, sampler, state, per_epoch, cfg):
+            logged = (state["step"] + 1) % cfg.log_every == 0 or state["step"] + 1 == total
+            with acc.accumulate(model), acc.autocast():
+                loss, parts = drafter_loss(model, readout, feats, ids, valid, cfg, cfg.noise, scores=logged)
+                acc.backward(loss)
+                if acc.sync_gradients and cfg.max_grad_norm > 0:
+                    acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                opt.step()
+                opt.zero_grad()
+            if acc.sync_gradients:
+                _after_step(run, state, sched, bar, total, loss.item(), parts)
+    best = json.loads((files.out / "drafter" / "config.json").read_text())["metrics"] if acc.is_main_process else None
+    results = write_results(acc, files, "drafter", {"best_step": state["best_step"], "total_steps": total,
+                                                    "best": best, "drafter": str(files.out / "drafter")})
+    acc.end_training()
+    return results
 
 
 def _load_sets(cfg: DrafterConfig) -> tuple[list[dict], list[dict], int]:
@@ -304,37 +292,9 @@ def _load_sets(cfg: DrafterConfig) -> tuple[list[dict], list[dict], int]:
     return data.load_split(states, "train") + refs, data.load_split(states, "dev"), len(refs)
 
 
-def _check_output_dir(cfg: DrafterConfig, files: RunFiles, resume: bool):
-    if not resume and (files.has_run() or files.results_path.exists()):
-        raise UserError(f"output_dir {files.out} already holds a run; pass --resume to continue it or choose "
-                        "another output_dir")
-    saved = files.out / "train_config.json"
-    if resume and saved.is_file():
-        check_settings(files.out, json.loads(saved.read_text()), config_to_dict(cfg), kind="run",
-                       ignore=RUNTIME_KEYS, fix="resume with the same config or choose another output_dir")
-
-
-def _restore(acc, files: RunFiles, cfg: DrafterConfig, resume: bool) -> dict:
-    return restore_checkpoint(acc, files, cfg, resume) or {"step": 0, "best_loss": None, "best_step": None}
-
-
-def _trackers(acc, cfg: DrafterConfig, out: Path):
-    if cfg.report_to != "wandb":
-        return
-    id_file = out / "wandb_id.txt"
-    if acc.is_main_process and not id_file.exists():
-        id_file.write_text(uuid.uuid4().hex[:12])
-    acc.wait_for_everyone()
-    acc.init_trackers(cfg.wandb_project, config=config_to_dict(cfg), init_kwargs={"wandb": {
-        "name": cfg.run_name or out.name, "dir": str(out), "id": id_file.read_text().strip(), "resume": "allow"}})
-
-
 def _after_step(run, state: dict, sched, bar, total: int, loss: float, parts: dict):
     cfg, acc, files = run[0], run[1], run[2]
-    lr = sched.get_last_lr()[0]
-    sched.step()
-    state["step"] = step = state["step"] + 1
-    bar.update(1)
+    lr, step = next_step(sched, state, bar)
     last = step == total
     if step % cfg.log_every == 0 or last:
         row = {"step": step, "lr": lr, "loss": loss, **{f"train_{k}": v for k, v in parts.items()}}
@@ -344,16 +304,8 @@ def _after_step(run, state: dict, sched, bar, total: int, loss: float, parts: di
     if step % cfg.eval_every == 0 or last:
         _eval_and_export(run, state, step)
     if cfg.save_every and (step % cfg.save_every == 0 or last):
-        acc.save_state()
-        acc.wait_for_everyone()
-        if acc.is_main_process:
-            write_json(files.ckpt_root / f"checkpoint_{acc.project_configuration.iteration - 1}" / CKPT_STATE, state)
-        acc.wait_for_everyone()
-    if cfg.stop_after_steps and step == cfg.stop_after_steps:
-        bar.close()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(STOP_EXIT_CODE)
+        save_checkpoint(acc, files, state)
+    stop_if_asked(cfg, step, bar)
 
 
 @torch.no_grad()
@@ -382,24 +334,6 @@ def _eval_and_export(run, state: dict, step: int):
     acc.log({f"eval/{k}": v for k, v in row.items() if k != "step"}, step=step)
     if state["best_loss"] is None or row["dev_loss"] < state["best_loss"]:
         state.update(best_loss=row["dev_loss"], best_step=step)
-        if acc.is_main_process:
-            tmp = files.out / "drafter.tmp"
-            drafter.save_pretrained(tmp, extra={**meta, "step": step, "metrics": row}, dtype=torch.bfloat16)
-            if (files.out / "drafter").exists():
-                os.replace(files.out / "drafter", files.out / "drafter.old")
-            os.replace(tmp, files.out / "drafter")
-            shutil.rmtree(files.out / "drafter.old", ignore_errors=True)
+        files.export("drafter", lambda tmp: drafter.save_pretrained(tmp, extra={**meta, "step": step, "metrics": row},
+                                                                    dtype=torch.bfloat16))
     return row
-
-
-def _finish(run, state: dict, total: int) -> dict:
-    cfg, acc, files = run[0], run[1], run[2]
-    if acc.is_main_process:
-        best = json.loads((files.out / "drafter" / "config.json").read_text())["metrics"]
-        write_json(files.results_path, {"best_step": state["best_step"], "total_steps": total, "best": best,
-                                        "drafter": str(files.out / "drafter")})
-    acc.wait_for_everyone()
-    acc.end_training()
-    results = json.loads(files.results_path.read_text())
-    acc.print(f"best drafter (step {results['best_step']}) in {files.out / 'drafter'}: " + json.dumps(results["best"]))
-    return results

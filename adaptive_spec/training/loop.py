@@ -109,7 +109,7 @@ class Run:
     steps_per_epoch: int
     total: int
     meta: dict                    # training metadata stored with the exported head
-    state: dict = field(default_factory=lambda: {"step": 0, "best_loss": None, "best_step": None})
+    state: dict = field(default_factory=dict)  # step, best_loss, best_step: restore_checkpoint's
     loss_sum: Any = 0.0           # train loss summed since the last log row
     n_micro: int = 0
 
@@ -119,17 +119,18 @@ def train(cfg: TrainConfig, resume: bool = False, end_training: bool = True) -> 
 
     end_training=False leaves the process group up for the next head of a sweep."""
     files = RunFiles(Path(cfg.output_dir), False)
-    check_output_dir(cfg, files, resume)  # a finished run is reused only under the same settings
-    if resume and files.results_path.is_file():
-        log.info(f"{files.out} already finished; results in {files.results_path}")
-        return json.loads(files.results_path.read_text())
+    done = finished_results(cfg, files, resume, RUNTIME_KEYS)  # reused only under the same settings
+    if done is not None:
+        return done
     manifest = read_manifest(cfg.data, partial=cfg.partial_data)
     acc = make_accelerator(cfg)
     run = setup_run(cfg, manifest, acc)
-    restore_or_start(run, resume)
-    start_trackers(run)
+    run.state = restore_checkpoint(acc, run.files, cfg, resume, f"/{run.total}")
+    start_trackers(acc, cfg, run.files.out)
     train_loop(run)
-    results = finish_run(run)
+    best = json.loads((run.files.out / "head" / "metrics.json").read_text()) if acc.is_main_process else None
+    results = write_results(acc, run.files, "head", {"depth": cfg.depth, "w_rej": cfg.w_rej, "best_step": run.state[
+        "best_step"], "total_steps": run.total, "best": best, "head": str(run.files.out / "head")})
     acc.free_memory()
     if end_training:
         acc.end_training()  # stops the trackers and the process group
@@ -139,19 +140,132 @@ def train(cfg: TrainConfig, resume: bool = False, end_training: bool = True) -> 
     return results
 
 
-def check_output_dir(cfg: TrainConfig, files: RunFiles, resume: bool):
-    """Refuse, before any work, a new run over an old one or a resume with other settings."""
+# ----------------------------------------------------------------------------- the run folder, for heads and drafter
+
+def finished_results(cfg, files: RunFiles, resume: bool, runtime_keys: set) -> dict | None:
+    """Refuse, before any work, a new run over an old one or a resume with other settings (but `runtime_keys`);
+    a finished run's results, when resuming it."""
     if not resume and (files.has_run() or files.results_path.exists()):
         raise UserError(f"output_dir {files.out} already holds a run; pass --resume to continue it or choose "
                         "another output_dir")
     saved = files.out / "train_config.json"
     if resume and saved.is_file():
         # keys added since the run began (e.g. inputs) count as their defaults, which is what it ran with
-        defaults = {k: f.get_default(call_default_factory=True) for k, f in TrainConfig.model_fields.items()
+        defaults = {k: f.get_default(call_default_factory=True) for k, f in type(cfg).model_fields.items()
                     if not f.is_required()}
         check_settings(files.out, {**defaults, **json.loads(saved.read_text())}, config_to_dict(cfg), kind="run",
-                       ignore=RUNTIME_KEYS, fix="resume with the same config or choose another output_dir")
+                       ignore=runtime_keys, fix="resume with the same config or choose another output_dir")
+    if resume and files.results_path.is_file():
+        log.info(f"{files.out} already finished; results in {files.results_path}")
+        return json.loads(files.results_path.read_text())
+    return None
 
+
+def restore_checkpoint(acc, files: RunFiles, cfg, resume: bool, of: str = "") -> dict:
+    """--resume: load the newest complete checkpoint and return its state; otherwise start the run folder
+    afresh, writing `cfg` beside it, at step 0. `of`: after the step in the line that says so."""
+    if resume:
+        files.drop_incomplete()
+        acc.wait_for_everyone()
+    ckpts = files.checkpoints() if resume else []
+    state = {"step": 0, "best_loss": None, "best_step": None}
+    if ckpts:
+        n, path = ckpts[-1]
+        acc.load_state(str(path))
+        # load_state does not advance the automatic naming: the next save is checkpoint_{n+1}.
+        acc.project_configuration.iteration = n + 1
+        state = json.loads((path / CKPT_STATE).read_text())
+        files.truncate_log(state["step"])
+        acc.print(f"resuming {files.out} from {path} (step {state['step']}{of})")
+    elif acc.is_main_process:
+        files.out.mkdir(parents=True, exist_ok=True)
+        files.log_path.unlink(missing_ok=True)  # --resume without a checkpoint starts over
+        write_json(files.out / "train_config.json", config_to_dict(cfg))
+    acc.wait_for_everyone()
+    return state
+
+
+def start_trackers(acc, cfg, out: Path):
+    """wandb (offline unless configured), resumed under the same run id after a kill."""
+    if cfg.report_to != "wandb":
+        return
+    id_file = out / "wandb_id.txt"
+    if acc.is_main_process and not id_file.exists():
+        id_file.write_text(uuid.uuid4().hex[:12])
+    acc.wait_for_everyone()
+    acc.init_trackers(cfg.wandb_project, config=config_to_dict(cfg), init_kwargs={"wandb": {
+        "name": cfg.run_name or out.name, "dir": str(out), "id": id_file.read_text().strip(), "resume": "allow"}})
+
+
+def micro_batch(cfg, num_processes: int) -> int:
+    per_step = num_processes * cfg.grad_accum
+    if cfg.batch_size % per_step:
+        raise UserError(f"batch_size {cfg.batch_size} is not divisible by processes x grad_accum = {per_step}")
+    return cfg.batch_size // per_step
+
+
+def make_scheduler(acc, optimizer, loader, cfg) -> tuple[Any, int, int]:
+    """(the warm-up + cosine schedule, steps per epoch, total steps) of a prepared loader and optimizer."""
+    steps_per_epoch = math.ceil(len(loader) / cfg.grad_accum)  # accelerate syncs at the end of each epoch
+    total = steps_per_epoch * cfg.epochs
+    # Stepped by us once per optimizer step (not prepared: accelerate would step it once per process).
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer.optimizer, lr_lambda(total, int(cfg.warmup_ratio * total), cfg.min_lr_ratio))
+    acc.register_for_checkpointing(scheduler)
+    return scheduler, steps_per_epoch, total
+
+
+def micro_batches(acc, loader, sampler: EpochShuffle, state: dict, steps_per_epoch: int, cfg):
+    """The run's remaining micro-batches, epoch by epoch; a resumed epoch skips those done before the checkpoint."""
+    for epoch in range(state["step"] // steps_per_epoch, cfg.epochs):
+        skip = (state["step"] - epoch * steps_per_epoch) * cfg.grad_accum
+        batches = acc.skip_first_batches(loader, skip) if skip > 0 else loader
+        batches.set_epoch(epoch)  # accelerate re-sets the sampler's epoch from this when iterating
+        sampler.set_epoch(epoch)
+        yield from batches
+
+
+def next_step(scheduler, state: dict, bar) -> tuple[float, int]:
+    """After an optimizer step: the lr it used, and the new step count."""
+    lr = scheduler.get_last_lr()[0]
+    scheduler.step()
+    state["step"] += 1
+    bar.update(1)
+    return lr, state["step"]
+
+
+def save_checkpoint(acc, files: RunFiles, state: dict):
+    """accelerate's save_state (it names checkpoint_N and deletes the oldest past total_limit),
+    then trainer_state.json, written last: only a checkpoint that has it is resumed from."""
+    acc.save_state()
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        folder = files.ckpt_root / f"checkpoint_{acc.project_configuration.iteration - 1}"
+        write_json(folder / CKPT_STATE, state)
+        log.info(f"checkpoint saved: {folder} (step {state.get('step')})")
+    acc.wait_for_everyone()
+
+
+def stop_if_asked(cfg, step: int, bar):
+    """stop_after_steps: exit abruptly, with no tracker or file cleanup, leaving what a kill leaves behind."""
+    if cfg.stop_after_steps and step == cfg.stop_after_steps:
+        bar.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(STOP_EXIT_CODE)
+
+
+def write_results(acc, files: RunFiles, what: str, results: dict) -> dict:
+    """results.json, written by the main process (the others pass None in `results`' "best") and read by all."""
+    if acc.is_main_process:
+        write_json(files.results_path, results)
+    acc.wait_for_everyone()
+    results = json.loads(files.results_path.read_text())
+    acc.print(f"best {what} (step {results['best_step']}) in {files.out / what}: " + json.dumps(results["best"]))
+    return results
+
+
+# ----------------------------------------------------------------------------- the heads' loop
 
 def load_data(cfg: TrainConfig, manifest: dict, acc) -> tuple[PositionSet, PositionSet, PositionSet | None]:
     """(train positions, the fixed train subset evaluated, dev positions or None)."""
@@ -188,13 +302,6 @@ def new_head(cfg: TrainConfig, manifest: dict, train_set: PositionSet) -> Accept
     return head
 
 
-def micro_batch(cfg: TrainConfig, num_processes: int) -> int:
-    per_step = num_processes * cfg.grad_accum
-    if cfg.batch_size % per_step:
-        raise UserError(f"batch_size {cfg.batch_size} is not divisible by processes x grad_accum = {per_step}")
-    return cfg.batch_size // per_step
-
-
 def _batch_as_is(batch):
     return batch  # __getitems__ already returns the collated (x, y)
 
@@ -213,12 +320,7 @@ def setup_run(cfg: TrainConfig, manifest: dict, acc) -> Run:
     evals = {name: torch.utils.data.DataLoader(ds, batch_size=cfg.eval_batch_size, collate_fn=_batch_as_is)
              for name, ds in (("train", train_eval), ("dev", dev_set)) if ds is not None}
     model, optimizer, loader, *eval_loaders = acc.prepare(head, optimizer, loader, *evals.values())
-    steps_per_epoch = math.ceil(len(loader) / cfg.grad_accum)  # accelerate syncs at the end of each epoch
-    total = steps_per_epoch * cfg.epochs
-    # Stepped by us once per optimizer step (not prepared: accelerate would step it once per process).
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer.optimizer, lr_lambda(total, int(cfg.warmup_ratio * total), cfg.min_lr_ratio))
-    acc.register_for_checkpointing(scheduler)
+    scheduler, steps_per_epoch, total = make_scheduler(acc, optimizer, loader, cfg)
     meta = {"w_rej": cfg.w_rej, "w_acc": cfg.w_acc, "target": cfg.target, "dataset": str(cfg.data),
             "dataset_config_hash": manifest.get("config_hash"), "n_train_positions": len(train_set),
             "epochs": cfg.epochs, "lr": cfg.lr, "batch_size": cfg.batch_size,
@@ -233,51 +335,6 @@ def setup_run(cfg: TrainConfig, manifest: dict, acc) -> Run:
                sampler, dict(zip(evals, eval_loaders)), steps_per_epoch, total, meta)
 
 
-def restore_or_start(run: Run, resume: bool):
-    """--resume: load the newest complete checkpoint; otherwise start the run folder afresh."""
-    state = restore_checkpoint(run.acc, run.files, run.cfg, resume, f"/{run.total}")
-    if state is not None:
-        run.state = state
-
-
-def restore_checkpoint(acc, files: RunFiles, cfg, resume: bool, of: str = "") -> dict | None:
-    """--resume: load the newest complete checkpoint and return its state; otherwise (None) start the run folder
-    afresh, writing `cfg` beside it. The heads' loop and the feature drafter's share it. `of`: after the step in
-    the line that says so."""
-    state = None
-    if resume:
-        files.drop_incomplete()
-        acc.wait_for_everyone()
-    ckpts = files.checkpoints() if resume else []
-    if ckpts:
-        n, path = ckpts[-1]
-        acc.load_state(str(path))
-        # load_state does not advance the automatic naming: the next save is checkpoint_{n+1}.
-        acc.project_configuration.iteration = n + 1
-        state = json.loads((path / CKPT_STATE).read_text())
-        files.truncate_log(state["step"])
-        acc.print(f"resuming {files.out} from {path} (step {state['step']}{of})")
-    elif acc.is_main_process:
-        files.out.mkdir(parents=True, exist_ok=True)
-        files.log_path.unlink(missing_ok=True)  # --resume without a checkpoint starts over
-        write_json(files.out / "train_config.json", config_to_dict(cfg))
-    acc.wait_for_everyone()
-    return state
-
-
-def start_trackers(run: Run):
-    """wandb (offline unless configured), resumed under the same run id after a kill."""
-    cfg, out = run.cfg, run.files.out
-    if cfg.report_to != "wandb":
-        return
-    id_file = out / "wandb_id.txt"
-    if run.acc.is_main_process and not id_file.exists():
-        id_file.write_text(uuid.uuid4().hex[:12])
-    run.acc.wait_for_everyone()
-    run.acc.init_trackers(cfg.wandb_project, config=config_to_dict(cfg), init_kwargs={"wandb": {
-        "name": cfg.run_name or out.name, "dir": str(out), "id": id_file.read_text().strip(), "resume": "allow"}})
-
-
 def train_loop(run: Run):
     cfg, acc = run.cfg, run.acc
     if run.state["step"] == 0:
@@ -287,20 +344,10 @@ def train_loop(run: Run):
     # A context manager: on Ctrl-C the bar is closed before the "interrupted" line, not after it.
     with tqdm(total=run.total, initial=run.state["step"], disable=not acc.is_main_process,
               desc=f"head D={cfg.depth} w_rej={cfg.w_rej:g}") as pbar:
-        for epoch in range(run.state["step"] // run.steps_per_epoch, cfg.epochs):
-            for x, y in epoch_batches(run, epoch):
-                train_step(run, x, y)
-                if acc.sync_gradients:
-                    after_step(run, pbar)
-
-
-def epoch_batches(run: Run, epoch: int):
-    """The epoch's micro-batches; a resumed epoch skips those done before the checkpoint."""
-    skip = (run.state["step"] - epoch * run.steps_per_epoch) * run.cfg.grad_accum
-    loader = run.acc.skip_first_batches(run.loader, skip) if skip > 0 else run.loader
-    loader.set_epoch(epoch)  # accelerate re-sets the sampler's epoch from this when iterating
-    run.sampler.set_epoch(epoch)
-    return loader
+        for x, y in micro_batches(acc, run.loader, run.sampler, run.state, run.steps_per_epoch, cfg):
+            train_step(run, x, y)
+            if acc.sync_gradients:
+                after_step(run, pbar)
 
 
 def train_step(run: Run, x: torch.Tensor, y: torch.Tensor):
@@ -320,10 +367,7 @@ def train_step(run: Run, x: torch.Tensor, y: torch.Tensor):
 def after_step(run: Run, pbar):
     """After an optimizer step: schedule, then log / evaluate / checkpoint when due."""
     cfg = run.cfg
-    lr = run.scheduler.get_last_lr()[0]
-    run.scheduler.step()
-    run.state["step"] = step = run.state["step"] + 1
-    pbar.update(1)
+    lr, step = next_step(run.scheduler, run.state, pbar)
     last = step == run.total
     # The last step is saved too: its model.safetensors is the run's final weights.
     saving = cfg.save_every and (step % cfg.save_every == 0 or last)
@@ -334,12 +378,8 @@ def after_step(run: Run, pbar):
         ev = eval_and_export(run, step)
         pbar.set_postfix(loss=f"{ev['train_loss']:.4f}", dev_kl=f"{ev.get('dev_kl', float('nan')):.4f}")
     if saving:
-        save_checkpoint(run)
-    if cfg.stop_after_steps and step == cfg.stop_after_steps:
-        pbar.close()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(STOP_EXIT_CODE)  # no tracker/file cleanup: what a kill leaves behind
+        save_checkpoint(run.acc, run.files, run.state)
+    stop_if_asked(cfg, step, pbar)
 
 
 def log_train_loss(run: Run, step: int, lr: float) -> float:
@@ -367,30 +407,11 @@ def eval_and_export(run: Run, step: int) -> dict:
         plot_reliability(curves, out / "reliability.png", f"step {step}")
     if run.state["best_loss"] is None or sel < run.state["best_loss"]:
         run.state.update(best_loss=sel, best_step=step)
-        run.files.export_head(head, {**run.meta, "step": step, "metrics": row}, curves)
+        extra = {**run.meta, "step": step, "metrics": row}
+
+        def write(tmp: Path):
+            head.save_pretrained(tmp, extra=extra)  # config.json, model.safetensors, README.md (model card)
+            write_json(tmp / "metrics.json", row)
+            plot_reliability(curves, tmp / "reliability.png", f"D={head.depth} w_rej={extra['w_rej']:g} step {step}")
+        run.files.export("head", write)
     return row
-
-
-def save_checkpoint(run: Run):
-    """accelerate's save_state (it names checkpoint_N and deletes the oldest past total_limit),
-    then trainer_state.json, written last: only a checkpoint that has it is resumed from."""
-    acc = run.acc
-    acc.save_state()
-    acc.wait_for_everyone()
-    if acc.is_main_process:
-        folder = run.files.ckpt_root / f"checkpoint_{acc.project_configuration.iteration - 1}"
-        write_json(folder / CKPT_STATE, run.state)
-        log.info(f"checkpoint saved: {folder} (step {run.state.get('step')})")
-    acc.wait_for_everyone()
-
-
-def finish_run(run: Run) -> dict:
-    acc, files, cfg = run.acc, run.files, run.cfg
-    if acc.is_main_process:
-        best = json.loads((files.out / "head" / "metrics.json").read_text())
-        write_json(files.results_path, {"depth": cfg.depth, "w_rej": cfg.w_rej, "best_step": run.state["best_step"],
-                                        "total_steps": run.total, "best": best, "head": str(files.out / "head")})
-    acc.wait_for_everyone()
-    results = json.loads(files.results_path.read_text())
-    acc.print(f"best head (step {results['best_step']}) in {files.out / 'head'}: " + json.dumps(results["best"]))
-    return results

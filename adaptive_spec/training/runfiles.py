@@ -1,4 +1,4 @@
-"""The folder of one training run: log.jsonl, checkpoints/, the exported head/ and results.json."""
+"""The folder of one training run: log.jsonl, checkpoints/, the exported head/ (or drafter/) and results.json."""
 from __future__ import annotations
 
 import json
@@ -7,9 +7,7 @@ import re
 import shutil
 from pathlib import Path
 
-from ..heads.head import AcceptanceHead
-from ..runs import append_jsonl, atomic_write, read_jsonl, write_json
-from .metrics import plot_reliability
+from ..runs import append_jsonl, atomic_write, read_jsonl
 
 CKPT_STATE = "trainer_state.json"  # written last into a checkpoint: a folder without it is incomplete
 
@@ -65,15 +63,13 @@ class RunFiles:
         step = json.loads((path / CKPT_STATE).read_text()).get("step")
         return f"last checkpoint {path} (step {step}) kept"
 
-    def export_head(self, head: AcceptanceHead, extra: dict, curves: dict):
-        """Write the head to head/ via a tmp folder, so head/ is always a complete export."""
+    def export(self, name: str, write):
+        """Write the folder `name` by `write(tmp)` into a tmp folder swapped in whole, so it is always complete."""
         if not self.main:
             return
-        tmp, final, old = self.out / "head.tmp", self.out / "head", self.out / "head.old"
+        tmp, final, old = self.out / f"{name}.tmp", self.out / name, self.out / f"{name}.old"
         shutil.rmtree(tmp, ignore_errors=True)
-        head.save_pretrained(tmp, extra=extra)  # config.json, model.safetensors, README.md (model card)
-        write_json(tmp / "metrics.json", extra["metrics"])
-        plot_reliability(curves, tmp / "reliability.png", f"D={head.depth} w_rej={extra['w_rej']:g} step {extra['step']}")
+        write(tmp)
         shutil.rmtree(old, ignore_errors=True)
         if final.exists():
             os.replace(final, old)
