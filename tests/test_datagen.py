@@ -180,7 +180,7 @@ def test_mix_share_is_r():
 def test_kill_and_resume_is_byte_identical(ref_run, tiny_pair, tmp_path, monkeypatch):
     prompts, ref, ref_man = ref_run
     out = tmp_path / "resumed"
-    real_write, calls = datagen._write_shard, []
+    real_write, calls = shards._write_shard, []
 
     def dying_write(path, tensors, meta):
         calls.append(path)
@@ -188,13 +188,13 @@ def test_kill_and_resume_is_byte_identical(ref_run, tiny_pair, tmp_path, monkeyp
             raise KeyboardInterrupt
         real_write(path, tensors, meta)
 
-    monkeypatch.setattr(datagen, "_write_shard", dying_write)
+    monkeypatch.setattr(shards, "_write_shard", dying_write)
     with pytest.raises(KeyboardInterrupt):
         _run(_overrides(tiny_pair, prompts, out))
     man = json.loads((out / "manifest.json").read_text())
     done = [sh["file"] for split in man["splits"].values() for sh in split["shards"]]
     assert not man["complete"] and done == ["dev/shard-00000.safetensors"]  # dev is generated first
-    monkeypatch.setattr(datagen, "_write_shard", real_write)
+    monkeypatch.setattr(shards, "_write_shard", real_write)
     (out / "train" / ".shard-00001.safetensors.tmp.999").write_bytes(b"half-written")  # left by a real kill
     assert datagen.main(["--config", str(_yaml(tmp_path, _overrides(tiny_pair, prompts, out)))]) == 0
 

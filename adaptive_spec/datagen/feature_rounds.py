@@ -42,7 +42,7 @@ from ..runs import project_path, read_manifest
 from .batched import mix_tokens
 from .config import WORK_ORDER
 from .generate import shard_generator
-from .shards import SPLITS, _write_shard, folder_manifest, pack_shard, shard_file, write_manifest
+from .shards import SPLITS, existing_manifest, folder_manifest, save_shard, shard_file, write_manifest
 
 log = get_logger(__name__)
 KIND = "feature-rounds"
@@ -169,12 +169,10 @@ def build(drafter_path: str, states: str | Path, out: str | Path, depth: int = 3
     drafter, readout, vocab = _load(drafter_path, states_man, dtype)
     fp = "feature-" + model_fingerprint(drafter.base)
     config, chash = _settings(drafter_path, fp, states, vocab, depth, mix_ratio, params, seed, max_seqs)
-    old = read_manifest(out, required=False) if out.exists() else None
+    old = existing_manifest(out, f"--out {out} is not empty and holds no head data; choose another folder")
     if old is not None and old.get("config_hash") != chash:
         raise UserError(f"{out} holds head data made with other settings ({old.get('config')}); rerun with those, "
                         "or choose another --out")
-    if old is None and out.exists() and any(out.iterdir()):
-        raise UserError(f"--out {out} is not empty and holds no head data; choose another folder")
     models = {"draft": {"name": f"feature:{drafter_path}", "hidden_size": drafter.hidden_size,
                         "vocab_size": readout.vocab_size, "fingerprint": fp}, "target": states_man["target"]}
     planned = {s: {"n_prompts": sum(j[3] for j in jobs if j[0] == s), "n_shards": sum(1 for j in jobs if j[0] == s)}
@@ -196,22 +194,13 @@ def build(drafter_path: str, states: str | Path, out: str | Path, depth: int = 3
                 seqs += simulate(drafter, readout, t["input_ids"][a:b].long(), t["hidden"][a:b],
                                  int(t["resp_starts"][s]), depth, params, mix_ratio, gen)
                 bar.update(1)
-            _save(out, split, k, seqs, chash)
+            save_shard(out, split, k, seqs, True, chash)
             write_manifest(out, manifest())
             if stop_after and i + 1 >= stop_after:
                 return manifest()
     man = manifest()
     write_manifest(out, man)
     return man
-
-
-def _save(out: Path, split: str, k: int, seqs: list[dict], chash: str) -> None:
-    n_tok = sum(len(s["z"]) for s in seqs)
-    n_loss = sum(int(s["loss_mask"].sum()) for s in seqs)
-    meta = {"split": split, "shard": k, "n_seqs": len(seqs), "n_tokens": n_tok, "n_loss_tokens": n_loss,
-            "config_hash": chash, "by_source": [[len(seqs), n_tok, n_loss]]}
-    (out / shard_file(split, k)).parent.mkdir(parents=True, exist_ok=True)
-    _write_shard(out / shard_file(split, k), pack_shard(seqs, store_features=True), meta)
 
 
 def _main(argv) -> int:

@@ -31,7 +31,7 @@ from ..heads.features import CONTEXT_KEY, PREFIXES
 from ..runs import project_path, read_manifest
 from .config import WORK_ORDER, DatagenConfig
 from .generate import build_manifest
-from .shards import FORMAT, _write_shard, load_shard, shard_meta, write_manifest
+from .shards import FORMAT, _write_shard, existing_manifest, load_shard, shard_meta, write_manifest
 
 log = get_logger(__name__)
 
@@ -54,24 +54,28 @@ def load_draft(manifest: dict, dtype: str, device):
     return draft
 
 
-@torch.inference_mode()
-def response_features(draft, shard: dict[str, torch.Tensor]) -> torch.Tensor:
-    """[T, H] bf16: the draft's final hidden state at every response position of a shard, i.e.
-    at the position whose input token is Z_i, over the sequence (prompt, Z) -- what datagen's
-    `features` tensor holds."""
-    io, ro = shard["input_offsets"].tolist(), shard["resp_offsets"].tolist()
-    pl = shard["prompt_lens"].tolist()
-    dev = draft.get_input_embeddings().weight.device
-    out = []
+def _sequences(shard: dict[str, torch.Tensor]):
+    """(input start, prompt length, response start, response end) of each sequence with a response, checked."""
+    io, ro, pl = shard["input_offsets"].tolist(), shard["resp_offsets"].tolist(), shard["prompt_lens"].tolist()
     for s in range(len(pl)):
         n = ro[s + 1] - ro[s]
         if io[s + 1] - io[s] != pl[s] + n:
             raise UserError(f"sequence {s} has {io[s + 1] - io[s]} input tokens but prompt {pl[s]} + response "
                             f"{n}; the shard is corrupt: regenerate it (delete it and rerun datagen)")
-        if n == 0:
-            continue
-        ids = shard["input_ids"][io[s]: io[s + 1]].long().to(dev)[None]
-        h = draft.base_model(input_ids=ids).last_hidden_state[0, pl[s]:]
+        if n:
+            yield io[s], pl[s], ro[s], ro[s + 1]
+
+
+@torch.inference_mode()
+def response_features(draft, shard: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[T, H] bf16: the draft's final hidden state at every response position of a shard, i.e.
+    at the position whose input token is Z_i, over the sequence (prompt, Z) -- what datagen's
+    `features` tensor holds."""
+    dev = draft.get_input_embeddings().weight.device
+    out = []
+    for start, L, a, b in _sequences(shard):
+        ids = shard["input_ids"][start: start + L + b - a].long().to(dev)[None]
+        h = draft.base_model(input_ids=ids).last_hidden_state[0, L:]
         out.append(h.to(torch.bfloat16).cpu())
     H = draft.config.hidden_size
     return torch.cat(out) if out else torch.empty(0, H, dtype=torch.bfloat16)
@@ -83,19 +87,12 @@ def target_prefix_features(draft, shard: dict[str, torch.Tensor]) -> tuple[torch
     shard (features.PREFIXES "target"). One pass per response over (x, X_1..X_n, Y_1..Y_n): the
     prompt and X attend causally; Y_i sits at X_i's position and attends the prompt, X_<i and
     itself, so it sees exactly the prefix p_i and q_i were computed on."""
-    io, ro, pl = shard["input_offsets"].tolist(), shard["resp_offsets"].tolist(), shard["prompt_lens"].tolist()
     dev = draft.get_input_embeddings().weight.device
     dtype = draft.dtype
     tok, ctx = [], []
-    for s in range(len(pl)):
-        L, a, b = pl[s], ro[s], ro[s + 1]
+    for start, L, a, b in _sequences(shard):
         n = b - a
-        if io[s + 1] - io[s] != L + n:
-            raise UserError(f"sequence {s} has {io[s + 1] - io[s]} input tokens but prompt {L} + response {n}; "
-                            "the shard is corrupt: regenerate it (delete it and rerun datagen)")
-        if n == 0:
-            continue
-        prompt = shard["input_ids"][io[s]: io[s] + L].long()
+        prompt = shard["input_ids"][start: start + L].long()
         ids = torch.cat([prompt, shard["x_ids"][a:b].long(), shard["y_ids"][a:b].long()])
         m = L + n
         attend = torch.zeros(m + n, m + n, dtype=torch.bool)
@@ -134,9 +131,7 @@ def run(data: str, out: str, dtype: str = "auto", device: str = "auto", threads:
     src_man = read_manifest(src, hint="point --data at a folder written by `adaptive-spec datagen`")
     if src_man.get("format") != FORMAT:
         raise UserError(f"{src} holds no datagen run (format {src_man.get('format')!r})")
-    old = read_manifest(dst, required=False) if dst.exists() else None
-    if old is None and dst.exists() and any(dst.iterdir()):
-        raise UserError(f"--out {dst} is not empty and holds no datagen run; choose another folder")
+    old = existing_manifest(dst, f"--out {dst} is not empty and holds no datagen run; choose another folder")
     if old is not None and old.get("config_hash") != src_man["config_hash"]:
         raise UserError(f"--out {dst} holds features of another datagen run (config_hash {old.get('config_hash')}, "
                         f"--data has {src_man['config_hash']}); choose another folder or delete it")

@@ -37,7 +37,7 @@ from ..prompts import encode_prompt, eos_token_ids, prompt_texts
 from ..runs import read_manifest, settings_problem
 from .batched import _input_device, generate_shard
 from .config import DRAFT_KEYS, UNHASHED_KEYS, WORK_ORDER, DatagenConfig, config_hash
-from .shards import FORMAT, SPLITS, _n_shards, _write_shard, folder_manifest, pack_shard, shard_file, write_manifest
+from .shards import FORMAT, SPLITS, existing_manifest, folder_manifest, save_shard, shard_file, write_manifest
 
 log = get_logger(__name__)
 
@@ -100,14 +100,6 @@ def plan_splits(cfg: DatagenConfig, tok) -> dict[str, list[tuple[int, list[int]]
     return {s: [(i, e) for _, i, e in plan[s]] for s in SPLITS}
 
 
-def _prompts_hash(prompts: list[tuple[int, list[int]]]) -> str:
-    return hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16]
-
-
-def _by_source(prompts: list[tuple[int, list[int]]], n_sources: int) -> list[int]:
-    return [sum(1 for i, _ in prompts if i == k) for k in range(n_sources)]
-
-
 def load_models(cfg: DatagenConfig, device):
     """(draft, target, tokenizer, shared vocabulary size) as datagen runs them."""
     # every datagen pass is batched (prefill, a batch of rows per step, the features pass): no
@@ -153,11 +145,10 @@ def _identity(config: dict, models: dict, planned: dict) -> dict:
 def _existing_run(out_dir: Path) -> dict | None:
     """The manifest of the datagen run in out_dir, None for an empty or missing folder; a folder
     holding anything else is refused."""
-    if not out_dir.exists() or not any(out_dir.iterdir()):
-        return None
-    man = read_manifest(out_dir, required=False, hint="delete it or choose another out_dir")
-    if man is None or man.get("format") != FORMAT:
-        raise UserError(f"out_dir {out_dir} is not empty and holds no datagen run; choose another out_dir")
+    refusal = f"out_dir {out_dir} is not empty and holds no datagen run; choose another out_dir"
+    man = existing_manifest(out_dir, refusal)
+    if man is not None and man.get("format") != FORMAT:
+        raise UserError(refusal)
     return man
 
 
@@ -236,13 +227,16 @@ def _run(cfg: DatagenConfig) -> dict:
                      "fingerprint": model_fingerprint(m)} for role, m in (("draft", draft), ("target", target))}
     plan = plan_splits(cfg, tok)
     n_src = len(cfg.source_list())
-    planned = {s: {"n_prompts": len(plan[s]), "n_shards": _n_shards(len(plan[s]), cfg.shard_size),
-                   "prompts_hash": _prompts_hash(plan[s]), "by_source": _by_source(plan[s], n_src)} for s in SPLITS}
+    planned = {s: {"n_prompts": len(plan[s]), "n_shards": -(-len(plan[s]) // cfg.shard_size),
+                   "prompts_hash": hashlib.sha256(json.dumps(plan[s]).encode()).hexdigest()[:16],
+                   "by_source": [sum(1 for i, _ in plan[s] if i == k) for k in range(n_src)]} for s in SPLITS}
     _prepare_out_dir(out_dir, cfg, models, planned, state)
 
     eos_ids, pad_id = eos_and_pad(tok, target)
     gen_device = device if not cfg.target_device_map else _input_device(draft)
-    todo = _todo_shards(out_dir, planned, state)
+    # this process's shards still missing on disk, the small evaluation splits first (WORK_ORDER)
+    todo = [(s, k) for s in WORK_ORDER for k in range(planned[s]["n_shards"])
+            if k % state.world == state.index and not (out_dir / shard_file(s, k)).is_file()]
     progress = _Progress(cfg, state, out_dir, plan, planned, todo)
     for s, k in todo:
         chunk = plan[s][k * cfg.shard_size:(k + 1) * cfg.shard_size]
@@ -251,13 +245,18 @@ def _run(cfg: DatagenConfig) -> dict:
                                progress.batch_done)
         for seq, (i, _) in zip(seqs, chunk):
             seq["source"] = i
-        meta = _save_shard(out_dir, s, k, seqs, cfg, n_src)
+        meta = save_shard(out_dir, s, k, seqs, cfg.store_features, config_hash(cfg), n_src)
         if state.is_main:
             write_manifest(out_dir, build_manifest(out_dir, cfg, models, planned))
         progress.shard_done(shard_file(s, k), meta)
     progress.close()
     state.barrier()
-    return _finish(out_dir, cfg, models, planned, state)
+    man = build_manifest(out_dir, cfg, models, planned)
+    if state.is_main:
+        write_manifest(out_dir, man)
+        log.info(f"datagen: done: {out_dir} complete={man['complete']}; " + ", ".join(
+            f"{s} {man['splits'][s]['n_prompts']} prompts / {man['splits'][s]['n_tokens']} tokens" for s in SPLITS))
+    return man
 
 
 def _prepare_out_dir(out_dir: Path, cfg: DatagenConfig, models: dict, planned: dict, state: "_State"):
@@ -278,29 +277,10 @@ def _prepare_out_dir(out_dir: Path, cfg: DatagenConfig, models: dict, planned: d
     state.barrier()
 
 
-def _todo_shards(out_dir: Path, planned: dict, state: "_State") -> list[tuple[str, int]]:
-    """(split, shard index) of this process still missing on disk. The small evaluation splits
-    first: a partial run is then already usable (dev + some train)."""
-    return [(s, k) for s in WORK_ORDER for k in range(planned[s]["n_shards"])
-            if k % state.world == state.index and not (out_dir / shard_file(s, k)).is_file()]
-
-
 def eos_and_pad(tok, target) -> tuple[list[int], int]:
     """The ids that end a response, and the id that left-pads a batch."""
     eos_ids = eos_token_ids(tok, target)
     return eos_ids, tok.pad_token_id if tok.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
-
-
-def _save_shard(out_dir: Path, split: str, k: int, seqs: list[dict], cfg: DatagenConfig, n_sources: int) -> dict:
-    tensors = pack_shard(seqs, cfg.store_features)
-    by_source = [[0, 0, 0] for _ in range(n_sources)]  # [n_seqs, n_tokens, n_loss_tokens] per source
-    for q in seqs:
-        c = by_source[q["source"]]
-        c[0], c[1], c[2] = c[0] + 1, c[1] + len(q["z"]), c[2] + int(q["loss_mask"].sum())
-    meta = {"split": split, "shard": k, "n_seqs": len(seqs), "n_tokens": int(tensors["z_ids"].numel()),
-            "n_loss_tokens": int(tensors["loss_mask"].sum()), "config_hash": config_hash(cfg), "by_source": by_source}
-    _write_shard(out_dir / shard_file(split, k), tensors, meta)
-    return meta
 
 
 class _Progress:
@@ -339,15 +319,6 @@ class _Progress:
 
     def close(self):
         self.bar.close()
-
-
-def _finish(out_dir: Path, cfg: DatagenConfig, models: dict, planned: dict, state: "_State") -> dict:
-    man = build_manifest(out_dir, cfg, models, planned)
-    if state.is_main:
-        write_manifest(out_dir, man)
-        log.info(f"datagen: done: {out_dir} complete={man['complete']}; " + ", ".join(
-            f"{s} {man['splits'][s]['n_prompts']} prompts / {man['splits'][s]['n_tokens']} tokens" for s in SPLITS))
-    return man
 
 
 INTERRUPTED = "finished shards are kept; rerun the same command to resume"

@@ -79,6 +79,32 @@ def _write_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict):
     atomic_write(path, save(tensors, metadata={_META_KEY: json.dumps(meta, sort_keys=True)}))
 
 
+def save_shard(out_dir: Path, split: str, k: int, seqs: list[dict], store_features: bool, config_hash: str,
+               n_sources: int = 1) -> dict:
+    """Pack the sequences (each with its "source" index) into shard k of `split`, written atomically; its metadata."""
+    by_source = [[0, 0, 0] for _ in range(n_sources)]  # [n_seqs, n_tokens, n_loss_tokens] per source
+    for q in seqs:
+        c = by_source[q["source"]]
+        c[0], c[1], c[2] = c[0] + 1, c[1] + len(q["z"]), c[2] + int(q["loss_mask"].sum())
+    tensors = pack_shard(seqs, store_features)
+    meta = {"split": split, "shard": k, "n_seqs": len(seqs), "n_tokens": int(tensors["z_ids"].numel()),
+            "n_loss_tokens": int(tensors["loss_mask"].sum()), "config_hash": config_hash, "by_source": by_source}
+    (out_dir / shard_file(split, k)).parent.mkdir(parents=True, exist_ok=True)
+    _write_shard(out_dir / shard_file(split, k), tensors, meta)
+    return meta
+
+
+def existing_manifest(folder: Path, refusal: str) -> dict | None:
+    """The manifest in `folder`, None for an empty or missing folder; a folder holding anything else is refused
+    with `refusal`."""
+    if not folder.exists() or not any(folder.iterdir()):
+        return None
+    man = read_manifest(folder, required=False, hint="delete it or choose another folder")
+    if man is None:
+        raise UserError(refusal)
+    return man
+
+
 def shard_meta(path: Path) -> dict:
     with safe_open(str(path), framework="pt") as f:
         return json.loads((f.metadata() or {}).get(_META_KEY, "{}"))
@@ -101,10 +127,6 @@ def iter_shards(out_dir: str | Path, split: str) -> Iterator[dict[str, torch.Ten
 
 def shard_file(split: str, k: int) -> str:
     return f"{split}/shard-{k:05d}.safetensors"
-
-
-def _n_shards(n_prompts: int, shard_size: int) -> int:
-    return -(-n_prompts // shard_size)
 
 
 def folder_manifest(out_dir: Path, *, config: dict, config_hash: str, seed: int, sources: list[dict], models: dict,
