@@ -136,18 +136,13 @@ def generate_batch(draft, target, prompts: list[list[int]], cfg, vocab: int, eos
     # and both caches: decoding it on to max_new_tokens would pay a row in every later step, while
     # dropping rows from the caches is a copy of their KV, paid once per ending.
     act = torch.arange(B, device=dev)
-    xs, ys, ps, es, ds = [], [], [], [], []
-
-    def full(v: torch.Tensor, fill) -> torch.Tensor:  # active rows' values -> [B, ...]
-        return torch.full((B, *v.shape[1:]), fill, dtype=v.dtype, device=v.device).index_copy_(0, act, v)
-
+    columns = []  # per position: x, y, accept_prob, expected_accept, draft_stats, each [B, ...]
     for i in range(cfg.max_new_tokens):
-        x, y, accept_prob, expected_accept, stats = _sample_position(t_logits, d_logits, params, gen)
-        xs.append(full(x, pad_id))
-        ys.append(full(y, pad_id))
-        ps.append(full(accept_prob, 0))
-        es.append(full(expected_accept, 0))
-        ds.append(full(stats, 0))
+        sampled = _sample_position(t_logits, d_logits, params, gen)
+        # the active rows' values into [B, ...]; the rows that ended hold pad_id (tokens) or 0
+        columns.append([torch.full((B, *v.shape[1:]), fill, dtype=v.dtype, device=v.device).index_copy_(0, act, v)
+                        for v, fill in zip(sampled, (pad_id, pad_id, 0, 0, 0))])
+        x = sampled[0]
         if i + 1 == cfg.max_new_tokens:
             break
         if cfg.stop_at_eos and eos.numel():
@@ -166,13 +161,15 @@ def generate_batch(draft, target, prompts: list[list[int]], cfg, vocab: int, eos
         d_logits = _step(draft, x[:, None], mask, next_pos, dcache, vocab, dev)
         next_pos = next_pos + 1
     del tcache, dcache
-    X, Y = torch.stack(xs, 1), torch.stack(ys, 1)
-    P, E = torch.stack(ps, 1), torch.stack(es, 1)
+    X, Y, P, E, D = (torch.stack(c, 1) for c in zip(*columns))
     Z, loss_mask = mix_tokens(X, Y, cfg.mix_ratio, gen)
-    feats = _draft_features(draft, _cache(draft, d_kv), pos[:, -1:] + 1, prompt_mask, Z) \
-        if cfg.store_features else None
-    X, Y, Z, P, E, loss_mask, D = (t.cpu() for t in (X, Y, Z, P, E, loss_mask, torch.stack(ds, 1)))
-    return _split_sequences(prompts, lengths, X, Y, Z, P, E, loss_mask, D, feats)
+    out = {"x": X.to(torch.int32), "y": Y.to(torch.int32), "z": Z.to(torch.int32), "loss_mask": loss_mask,
+           "accept_prob": P.float(), "expected_accept": E.float(), "draft_stats": D.float()}
+    if cfg.store_features:
+        out["features"] = _draft_features(draft, _cache(draft, d_kv), pos[:, -1:] + 1, prompt_mask, Z)
+    # per sequence, its first lengths[b] positions (tokens past its EOS dropped)
+    return [{"prompt": torch.tensor(p, dtype=torch.int32),
+             **{k: v[b, :int(lengths[b])].cpu().contiguous() for k, v in out.items()}} for b, p in enumerate(prompts)]
 
 
 def _sample_position(t_logits, d_logits, params, gen: torch.Generator):
@@ -191,20 +188,6 @@ def _sample_position(t_logits, d_logits, params, gen: torch.Generator):
     p_y = p.gather(-1, y[:, None])[:, 0]
     q_y = q.gather(-1, y[:, None])[:, 0]  # > 0: y was drawn from q
     return x, y, (p_y / q_y).clamp(max=1.0), torch.minimum(p, q).sum(-1), draft_stats(q, y)  # 1 - TV(p, q)
-
-
-def _split_sequences(prompts, lengths, X, Y, Z, P, E, loss_mask, D, feats) -> list[dict[str, torch.Tensor]]:
-    """Per sequence b, its first lengths[b] positions (tokens past its EOS dropped)."""
-    seqs = []
-    for b in range(len(prompts)):
-        n = int(lengths[b])
-        seqs.append({"prompt": torch.tensor(prompts[b], dtype=torch.int32), "x": X[b, :n].to(torch.int32),
-                     "y": Y[b, :n].to(torch.int32), "z": Z[b, :n].to(torch.int32),
-                     "loss_mask": loss_mask[b, :n].contiguous(), "accept_prob": P[b, :n].float(),
-                     "expected_accept": E[b, :n].float(), "draft_stats": D[b, :n].float().contiguous()})
-        if feats is not None:
-            seqs[-1]["features"] = feats[b, :n].contiguous()
-    return seqs
 
 
 def _draft_features(draft, prompt_cache, first_pos, prompt_mask, Z) -> torch.Tensor:
