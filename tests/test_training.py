@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from adaptive_spec.training import loop, metrics, train
+from adaptive_spec.training import loop, metrics, runfiles, train
 from adaptive_spec.training.data import load_split, read_manifest
 from adaptive_spec.training.runfiles import RunFiles
 from adaptive_spec.training.settings import TrainConfig
@@ -73,7 +73,7 @@ def test_binary_kl_and_ece_by_hand():
 
 
 def test_lr_schedule_warms_up_then_decays():
-    f = loop.lr_lambda(total=100, warmup=10, min_ratio=0.0)
+    f = runfiles.lr_lambda(total=100, warmup=10, min_ratio=0.0)
     assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
     assert f(10) == pytest.approx(1.0) and f(55) == pytest.approx(0.5) and f(100) == pytest.approx(0.0)
 
@@ -352,11 +352,11 @@ def test_help_lists_the_config_keys(capsys):
 
 def test_the_launcher_decides_mixed_precision(capsys):
     cfg = TrainConfig(data="x", mixed_precision="bf16")
-    assert loop.mixed_precision_kwargs(cfg, env={"ACCELERATE_MIXED_PRECISION": "no"}) == {}
+    assert runfiles.mixed_precision_kwargs(cfg, env={"ACCELERATE_MIXED_PRECISION": "no"}) == {}
     assert "ignored: the launcher set no" in capsys.readouterr().err
-    assert loop.mixed_precision_kwargs(cfg, env={}) == {"mixed_precision": "bf16"}
+    assert runfiles.mixed_precision_kwargs(cfg, env={}) == {"mixed_precision": "bf16"}
     auto = TrainConfig(data="x")
-    assert loop.mixed_precision_kwargs(auto, env={"ACCELERATE_MIXED_PRECISION": "fp16"}) == {}
+    assert runfiles.mixed_precision_kwargs(auto, env={"ACCELERATE_MIXED_PRECISION": "fp16"}) == {}
     assert capsys.readouterr().err == ""
 
 

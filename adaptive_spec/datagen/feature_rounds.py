@@ -124,15 +124,6 @@ def plan(states: Path, man: dict, max_seqs: dict[str, int]) -> list[tuple[str, i
     return jobs
 
 
-def _settings(drafter_path: str, fingerprint: str, states: Path, vocab: str, depth: int, mix_ratio: float,
-              params: SamplingParams, seed: int, max_seqs: dict) -> tuple[dict, str]:
-    config = {"kind": KIND, "drafter": drafter_path, "drafter_fingerprint": fingerprint, "states": str(states),
-              "depth": depth, "mix_ratio": mix_ratio, "temperature": params.temperature, "top_k": params.top_k,
-              "top_p": params.top_p, "seed": seed, "draft_quant": "none", "draft_vocab": vocab}
-    chash = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
-    return {**config, "max_seqs": max_seqs}, chash  # a shard does not depend on how many there are
-
-
 def _load(drafter_path: str, states_man: dict, dtype: str):
     """(the drafter, its readout over the vocabulary it decodes with, that vocabulary) on the CPU."""
     from ..backends.models import load_model
@@ -168,7 +159,11 @@ def build(drafter_path: str, states: str | Path, out: str | Path, depth: int = 3
     jobs = plan(states, states_man, max_seqs)
     drafter, readout, vocab = _load(drafter_path, states_man, dtype)
     fp = "feature-" + model_fingerprint(drafter.base)
-    config, chash = _settings(drafter_path, fp, states, vocab, depth, mix_ratio, params, seed, max_seqs)
+    config = {"kind": KIND, "drafter": drafter_path, "drafter_fingerprint": fp, "states": str(states), "depth": depth,
+              "mix_ratio": mix_ratio, "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
+              "seed": seed, "draft_quant": "none", "draft_vocab": vocab}
+    chash = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+    config["max_seqs"] = max_seqs  # a shard does not depend on how many there are
     old = existing_manifest(out, f"--out {out} is not empty and holds no head data; choose another folder")
     if old is not None and old.get("config_hash") != chash:
         raise UserError(f"{out} holds head data made with other settings ({old.get('config')}); rerun with those, "

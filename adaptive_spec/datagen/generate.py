@@ -34,7 +34,7 @@ from ..backends.runner import model_fingerprint, resolve_device
 from ..config import config_from_argv
 from ..errors import UserError, get_logger, run_main
 from ..prompts import encode_prompt, eos_token_ids, prompt_texts
-from ..runs import read_manifest, settings_problem
+from ..runs import settings_problem
 from .batched import _input_device, generate_shard
 from .config import DRAFT_KEYS, UNHASHED_KEYS, WORK_ORDER, DatagenConfig, config_hash
 from .shards import FORMAT, SPLITS, existing_manifest, folder_manifest, save_shard, shard_file, write_manifest
@@ -159,27 +159,11 @@ def check_draft_config(out_dir: Path, cfg: DatagenConfig):
     configurations in one dataset would silently mix two training sets."""
     man = None if cfg.overwrite else _existing_run(out_dir)
     old, new = (man or {}).get("config") or {}, cfg.stored()
-    diff = [f"{k}: {old.get(k)!r} there, {new[k]!r} now" for k in DRAFT_KEYS
-            if man is not None and old.get(k) != new[k]]
+    diff = [f"{k}: {old.get(k)!r} there, {new[k]!r} now" for k in DRAFT_KEYS if man and old.get(k) != new[k]]
     if diff:
         raise UserError(f"out_dir {out_dir} holds a datagen run made with another draft configuration "
                         f"({'; '.join(diff)}); one dataset serves one draft configuration: choose another out_dir "
                         "for this one, or pass overwrite=true to replace that run")
-
-
-def _check_out_dir(out_dir: Path, cfg: DatagenConfig, models: dict, planned: dict) -> bool:
-    """Whether out_dir must be wiped first (overwrite=true); refuses a run of another config."""
-    man = _existing_run(out_dir)
-    if man is None:
-        return False
-    if cfg.overwrite:
-        return True
-    old = _identity(man.get("config", {}), man.get("models", {}), man.get("planned", {}))
-    problem = settings_problem(out_dir, old, _identity(cfg.stored(), models, planned), "datagen run")
-    if problem:
-        raise UserError(f"{problem}; pass the same config to resume it, choose another out_dir, or pass "
-                        "overwrite=true to start over")
-    return False
 
 
 class _State:
@@ -262,10 +246,16 @@ def _run(cfg: DatagenConfig) -> dict:
 def _prepare_out_dir(out_dir: Path, cfg: DatagenConfig, models: dict, planned: dict, state: "_State"):
     """Refuse a folder of another run, wipe it with overwrite=true, write the manifest, drop the
     half-written shards of a killed run."""
-    wipe = _check_out_dir(out_dir, cfg, models, planned)  # every process checks; only main mutates
+    man = _existing_run(out_dir)  # every process checks; only main mutates
+    if man is not None and not cfg.overwrite:
+        old = _identity(man.get("config", {}), man.get("models", {}), man.get("planned", {}))
+        problem = settings_problem(out_dir, old, _identity(cfg.stored(), models, planned), "datagen run")
+        if problem:
+            raise UserError(f"{problem}; pass the same config to resume it, choose another out_dir, or pass "
+                            "overwrite=true to start over")
     state.barrier()  # nobody may still be reading out_dir while the main process wipes it
     if state.is_main:
-        if wipe:
+        if man is not None and cfg.overwrite:
             shutil.rmtree(out_dir)
         # the manifest first: a folder with anything else in it is then always recognisable
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ in decoding the drafter reads its own imperfect f^ after the first step, and `ro
 step on the drafter's own f^ (drafter_loss). The target's states come from
 drafter/data.py, computed once into `states_dir` (resumable) before the first step.
 
-Same conventions as the heads' loop (loop.py): accelerate, wandb offline unless configured, checkpoints that
+Same conventions as the heads' loop (loop.py; runfiles.py has what they share): accelerate, wandb offline unless configured, checkpoints that
 make --resume continue the run, the best drafter by dev loss exported with save_pretrained to
 <output_dir>/drafter, results.json at the end.
 """
@@ -26,9 +26,9 @@ from ..backends.paths import check_draft_vocab_spec
 from ..config import Config
 from ..errors import UserError, get_logger
 from .data import EpochShuffle
-from .loop import (finished_results, make_accelerator, make_scheduler, micro_batch, micro_batches, next_step,
-                   restore_checkpoint, save_checkpoint, start_trackers, stop_if_asked, write_results)
-from .runfiles import RunFiles
+from .runfiles import (RunFiles, finished_results, log_eval, make_accelerator, make_scheduler, micro_batch,
+                       micro_batches, next_step, optimizer_step, restore_checkpoint, save_checkpoint, start_trackers,
+                       stop_if_asked, write_results)
 
 log = get_logger(__name__)
 RUNTIME_KEYS = {"stop_after_steps", "report_to", "wandb_project", "run_name", "keep_checkpoints", "threads"}
@@ -269,11 +269,7 @@ def train_drafter(cfg: DrafterConfig, resume: bool = False) -> dict:
             logged = (state["step"] + 1) % cfg.log_every == 0 or state["step"] + 1 == total
             with acc.accumulate(model), acc.autocast():
                 loss, parts = drafter_loss(model, readout, feats, ids, valid, cfg, cfg.noise, scores=logged)
-                acc.backward(loss)
-                if acc.sync_gradients and cfg.max_grad_norm > 0:
-                    acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                opt.step()
-                opt.zero_grad()
+                optimizer_step(acc, model, opt, loss, cfg)
             if acc.sync_gradients:
                 _after_step(run, state, sched, bar, total, loss.item(), parts)
     best = json.loads((files.out / "drafter" / "config.json").read_text())["metrics"] if acc.is_main_process else None
@@ -330,10 +326,7 @@ def _eval_and_export(run, state: dict, step: int):
     cfg, acc, files, model, readout, dev, meta = run
     drafter = acc.unwrap_model(model)
     row = {"step": step, **{f"dev_{k}": v for k, v in evaluate(drafter, readout, dev, cfg).items()}}
-    files.log({"kind": "eval", **row})
-    acc.log({f"eval/{k}": v for k, v in row.items() if k != "step"}, step=step)
-    if state["best_loss"] is None or row["dev_loss"] < state["best_loss"]:
-        state.update(best_loss=row["dev_loss"], best_step=step)
+    if log_eval(acc, files, state, row, row["dev_loss"]):
         files.export("drafter", lambda tmp: drafter.save_pretrained(tmp, extra={**meta, "step": step, "metrics": row},
                                                                     dtype=torch.bfloat16))
     return row

@@ -1,12 +1,9 @@
-"""One training run with Accelerate: the accelerator, the head and its optimizer, the loop, the
-evaluations that pick the exported head, and checkpoints that make --resume exact (train)."""
+"""One head's training run (train): its data, the head and its optimizer, the loop, and the evaluations that
+pick the exported head; runfiles.py has what the drafter's trainer shares (accelerator, checkpoints, resume)."""
 from __future__ import annotations
 
 import json
 import math
-import os
-import sys
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,67 +11,15 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..config import config_to_dict
-from ..errors import UserError, get_logger
+from ..errors import UserError
 from ..heads.head import AcceptanceHead
-from ..runs import check_settings, write_json
+from ..runs import write_json
 from .data import EpochShuffle, PositionSet, dataset_sources, load_split, read_manifest, stats_sampling
 from .metrics import plot_reliability, prediction_metrics, weighted_bce
-from .runfiles import CKPT_STATE, RunFiles
+from .runfiles import (RunFiles, finished_results, log_eval, make_accelerator, make_scheduler, micro_batch,
+                       micro_batches, next_step, optimizer_step, restore_checkpoint, save_checkpoint, start_trackers,
+                       stop_if_asked, write_results)
 from .settings import RUNTIME_KEYS, TrainConfig
-
-log = get_logger(__name__)
-
-STOP_EXIT_CODE = 3  # stop_after_steps exits with this, as a killed job would: no cleanup, no results
-
-
-def wandb_configured(env=os.environ) -> bool:
-    """Whether the user set wandb up (mode, key or login); if not we log offline, never prompt."""
-    if env.get("WANDB_MODE") or env.get("WANDB_API_KEY"):
-        return True
-    netrc = Path(env.get("NETRC", Path.home() / ".netrc"))
-    try:
-        return "api.wandb.ai" in netrc.read_text(errors="ignore")
-    except OSError:
-        return False
-
-
-def mixed_precision_kwargs(cfg: TrainConfig, env=os.environ) -> dict:
-    """The launcher's choice (`accelerate launch --mixed_precision`, or its config file, which
-    sets ACCELERATE_MIXED_PRECISION) always wins; only a plain `python train.py` run takes it
-    from the config, where auto means bf16 on a GPU and no on CPU."""
-    launched = env.get("ACCELERATE_MIXED_PRECISION")
-    if launched:
-        if cfg.mixed_precision not in ("auto", launched):
-            log.warning(f"mixed_precision={cfg.mixed_precision} ignored: the launcher set {launched} "
-                        "(pass `accelerate launch --mixed_precision ...` to change it)")
-        return {}
-    mp = cfg.mixed_precision
-    if mp == "auto":
-        mp = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
-    return {"mixed_precision": mp}
-
-
-def make_accelerator(cfg: TrainConfig):
-    """One Accelerator per run: its ProjectConfiguration names, rotates and finds the checkpoints."""
-    from accelerate import Accelerator  # optional: the [train] extra; loaded when a run starts
-    from accelerate.utils import ProjectConfiguration  # as above
-
-    if cfg.report_to == "wandb" and not wandb_configured():
-        os.environ["WANDB_MODE"] = "offline"
-    project = ProjectConfiguration(project_dir=cfg.output_dir, automatic_checkpoint_naming=True,
-                                   total_limit=cfg.keep_checkpoints)
-    return Accelerator(gradient_accumulation_steps=cfg.grad_accum, project_config=project,
-                       log_with="wandb" if cfg.report_to == "wandb" else None, **mixed_precision_kwargs(cfg))
-
-
-def lr_lambda(total: int, warmup: int, min_ratio: float):
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        t = (step - warmup) / max(1, total - warmup)
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
-    return f
 
 
 @torch.no_grad()
@@ -139,133 +84,6 @@ def train(cfg: TrainConfig, resume: bool = False, end_training: bool = True) -> 
             tracker.finish()
     return results
 
-
-# ----------------------------------------------------------------------------- the run folder, for heads and drafter
-
-def finished_results(cfg, files: RunFiles, resume: bool, runtime_keys: set) -> dict | None:
-    """Refuse, before any work, a new run over an old one or a resume with other settings (but `runtime_keys`);
-    a finished run's results, when resuming it."""
-    if not resume and (files.has_run() or files.results_path.exists()):
-        raise UserError(f"output_dir {files.out} already holds a run; pass --resume to continue it or choose "
-                        "another output_dir")
-    saved = files.out / "train_config.json"
-    if resume and saved.is_file():
-        # keys added since the run began (e.g. inputs) count as their defaults, which is what it ran with
-        defaults = {k: f.get_default(call_default_factory=True) for k, f in type(cfg).model_fields.items()
-                    if not f.is_required()}
-        check_settings(files.out, {**defaults, **json.loads(saved.read_text())}, config_to_dict(cfg), kind="run",
-                       ignore=runtime_keys, fix="resume with the same config or choose another output_dir")
-    if resume and files.results_path.is_file():
-        log.info(f"{files.out} already finished; results in {files.results_path}")
-        return json.loads(files.results_path.read_text())
-    return None
-
-
-def restore_checkpoint(acc, files: RunFiles, cfg, resume: bool, of: str = "") -> dict:
-    """--resume: load the newest complete checkpoint and return its state; otherwise start the run folder
-    afresh, writing `cfg` beside it, at step 0. `of`: after the step in the line that says so."""
-    if resume:
-        files.drop_incomplete()
-        acc.wait_for_everyone()
-    ckpts = files.checkpoints() if resume else []
-    state = {"step": 0, "best_loss": None, "best_step": None}
-    if ckpts:
-        n, path = ckpts[-1]
-        acc.load_state(str(path))
-        # load_state does not advance the automatic naming: the next save is checkpoint_{n+1}.
-        acc.project_configuration.iteration = n + 1
-        state = json.loads((path / CKPT_STATE).read_text())
-        files.truncate_log(state["step"])
-        acc.print(f"resuming {files.out} from {path} (step {state['step']}{of})")
-    elif acc.is_main_process:
-        files.out.mkdir(parents=True, exist_ok=True)
-        files.log_path.unlink(missing_ok=True)  # --resume without a checkpoint starts over
-        write_json(files.out / "train_config.json", config_to_dict(cfg))
-    acc.wait_for_everyone()
-    return state
-
-
-def start_trackers(acc, cfg, out: Path):
-    """wandb (offline unless configured), resumed under the same run id after a kill."""
-    if cfg.report_to != "wandb":
-        return
-    id_file = out / "wandb_id.txt"
-    if acc.is_main_process and not id_file.exists():
-        id_file.write_text(uuid.uuid4().hex[:12])
-    acc.wait_for_everyone()
-    acc.init_trackers(cfg.wandb_project, config=config_to_dict(cfg), init_kwargs={"wandb": {
-        "name": cfg.run_name or out.name, "dir": str(out), "id": id_file.read_text().strip(), "resume": "allow"}})
-
-
-def micro_batch(cfg, num_processes: int) -> int:
-    per_step = num_processes * cfg.grad_accum
-    if cfg.batch_size % per_step:
-        raise UserError(f"batch_size {cfg.batch_size} is not divisible by processes x grad_accum = {per_step}")
-    return cfg.batch_size // per_step
-
-
-def make_scheduler(acc, optimizer, loader, cfg) -> tuple[Any, int, int]:
-    """(the warm-up + cosine schedule, steps per epoch, total steps) of a prepared loader and optimizer."""
-    steps_per_epoch = math.ceil(len(loader) / cfg.grad_accum)  # accelerate syncs at the end of each epoch
-    total = steps_per_epoch * cfg.epochs
-    # Stepped by us once per optimizer step (not prepared: accelerate would step it once per process).
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer.optimizer, lr_lambda(total, int(cfg.warmup_ratio * total), cfg.min_lr_ratio))
-    acc.register_for_checkpointing(scheduler)
-    return scheduler, steps_per_epoch, total
-
-
-def micro_batches(acc, loader, sampler: EpochShuffle, state: dict, steps_per_epoch: int, cfg):
-    """The run's remaining micro-batches, epoch by epoch; a resumed epoch skips those done before the checkpoint."""
-    for epoch in range(state["step"] // steps_per_epoch, cfg.epochs):
-        skip = (state["step"] - epoch * steps_per_epoch) * cfg.grad_accum
-        batches = acc.skip_first_batches(loader, skip) if skip > 0 else loader
-        batches.set_epoch(epoch)  # accelerate re-sets the sampler's epoch from this when iterating
-        sampler.set_epoch(epoch)
-        yield from batches
-
-
-def next_step(scheduler, state: dict, bar) -> tuple[float, int]:
-    """After an optimizer step: the lr it used, and the new step count."""
-    lr = scheduler.get_last_lr()[0]
-    scheduler.step()
-    state["step"] += 1
-    bar.update(1)
-    return lr, state["step"]
-
-
-def save_checkpoint(acc, files: RunFiles, state: dict):
-    """accelerate's save_state (it names checkpoint_N and deletes the oldest past total_limit),
-    then trainer_state.json, written last: only a checkpoint that has it is resumed from."""
-    acc.save_state()
-    acc.wait_for_everyone()
-    if acc.is_main_process:
-        folder = files.ckpt_root / f"checkpoint_{acc.project_configuration.iteration - 1}"
-        write_json(folder / CKPT_STATE, state)
-        log.info(f"checkpoint saved: {folder} (step {state.get('step')})")
-    acc.wait_for_everyone()
-
-
-def stop_if_asked(cfg, step: int, bar):
-    """stop_after_steps: exit abruptly, with no tracker or file cleanup, leaving what a kill leaves behind."""
-    if cfg.stop_after_steps and step == cfg.stop_after_steps:
-        bar.close()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(STOP_EXIT_CODE)
-
-
-def write_results(acc, files: RunFiles, what: str, results: dict) -> dict:
-    """results.json, written by the main process (the others pass None in `results`' "best") and read by all."""
-    if acc.is_main_process:
-        write_json(files.results_path, results)
-    acc.wait_for_everyone()
-    results = json.loads(files.results_path.read_text())
-    acc.print(f"best {what} (step {results['best_step']}) in {files.out / what}: " + json.dumps(results["best"]))
-    return results
-
-
-# ----------------------------------------------------------------------------- the heads' loop
 
 def load_data(cfg: TrainConfig, manifest: dict, acc) -> tuple[PositionSet, PositionSet, PositionSet | None]:
     """(train positions, the fixed train subset evaluated, dev positions or None)."""
@@ -355,11 +173,7 @@ def train_step(run: Run, x: torch.Tensor, y: torch.Tensor):
     cfg, acc = run.cfg, run.acc
     with acc.accumulate(run.model):
         loss = weighted_bce(run.model(x), y, cfg.w_acc, cfg.w_rej)
-        acc.backward(loss)
-        if acc.sync_gradients and cfg.max_grad_norm > 0:
-            acc.clip_grad_norm_(run.model.parameters(), cfg.max_grad_norm)
-        run.optimizer.step()
-        run.optimizer.zero_grad()
+        optimizer_step(acc, run.model, run.optimizer, loss, cfg)
     run.loss_sum += loss.detach()
     run.n_micro += 1
 
@@ -400,13 +214,10 @@ def eval_and_export(run: Run, step: int) -> dict:
     for name, loader in run.eval_loaders.items():
         metrics, curves[name] = evaluate(head, loader, run.cfg, acc)
         row.update({f"{name}_{k}": v for k, v in metrics.items()})
-    sel = row.get("dev_loss", row["train_loss"])  # select on dev; on train only without a dev split
-    run.files.log({"kind": "eval", **row})
-    acc.log({f"eval/{k}": v for k, v in row.items() if k != "step"}, step=step)
     if acc.is_main_process:
         plot_reliability(curves, out / "reliability.png", f"step {step}")
-    if run.state["best_loss"] is None or sel < run.state["best_loss"]:
-        run.state.update(best_loss=sel, best_step=step)
+    # select on dev; on train only without a dev split
+    if log_eval(acc, run.files, run.state, row, row.get("dev_loss", row["train_loss"])):
         extra = {**run.meta, "step": step, "metrics": row}
 
         def write(tmp: Path):
