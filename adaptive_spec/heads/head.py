@@ -191,12 +191,16 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="adaptive-spe
         # Init arguments the mixin read from config.json arrive in `hub` too; `config` is checked instead.
         for k in ("hidden_size", "depth", "draft_model", "draft_fingerprint", "feature", "inputs", "stats_sampling"):
             hub.pop(k, None)
-        where = _describe(model_id)
+        where = model_id if os.path.isdir(model_id) else f"hub repo {model_id}"
         if config is None:
             raise UserError(f"acceptance head {where} has no {CONFIG_NAME}; it is not a saved head "
                             f"(or its export was interrupted); {_FIX}")
         head = cls._from_config(config, where, draft_hidden_size, draft_in_use)
-        head._load_weights(_weights_file(model_id, hub), where)
+        try:
+            head.load_state_dict(load_file(_weights_file(model_id, hub)), strict=True)
+        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+            raise UserError(f"{where}/{WEIGHTS_NAME} is corrupt or does not match {CONFIG_NAME} ({first_line(e)}); "
+                            f"re-export the head, {_FIX}") from None
         head.extra = {k: v for k, v in config.items() if k not in head.config_dict()}
         head.to(device=device, dtype=dtype if dtype is None or isinstance(dtype, torch.dtype) else resolve_dtype(dtype))
         return head.eval()
@@ -226,13 +230,6 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="adaptive-spe
         return cls(h, depth, draft_model=trained_for, draft_fingerprint=cfg.get("draft_fingerprint"), feature=feature,
                    inputs=inputs, stats_sampling=cfg.get("stats_sampling"))
 
-    def _load_weights(self, weights_file: str, where: str):
-        try:
-            self.load_state_dict(load_file(weights_file), strict=True)
-        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-            raise UserError(f"{where}/{WEIGHTS_NAME} is corrupt or does not match {CONFIG_NAME} ({first_line(e)}); "
-                            f"re-export the head, {_FIX}") from None
-
 
 _FIX = "train one with `python train.py --config configs/train/default.yaml` or pass its folder or hub id"
 
@@ -243,10 +240,6 @@ def _is_repo_id(name: str) -> bool:
     except HFValidationError:
         return False
     return True
-
-
-def _describe(model_id: str) -> str:
-    return model_id if os.path.isdir(model_id) else f"hub repo {model_id}"
 
 
 def _weights_file(model_id: str, hub: dict) -> str:

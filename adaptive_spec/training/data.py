@@ -200,13 +200,13 @@ def load_split(cfg: TrainConfig, manifest: dict, split: str, accelerator) -> Pos
     stats = torch.cat(stats) if stats_wanted else None
     if stats is not None and (stats.ndim != 2 or stats.shape[1] != N_STATS or not torch.isfinite(stats).all()):
         raise UserError(f"{split} draft_stats in {root} are not [T, {N_STATS}] finite values; regenerate the dataset")
+    shard_ids, rows = torch.cat(shard_ids), torch.cat(rows)
     if no_hidden:  # rows keep their layout [hidden, stats]; the head ignores the hidden part
-        return PositionSet([torch.zeros(1, H)], torch.zeros(len(target), dtype=torch.int32),
-                           torch.zeros(len(target), dtype=torch.long), target.clamp(0, 1), stats)
-    if has_features:
-        return PositionSet(feats, torch.cat(shard_ids), torch.cat(rows), target.clamp(0, 1), stats)
-    f = draft_features(cfg, manifest, split, [root / s["file"] for s in shards], accelerator)
-    return PositionSet([f], torch.zeros(len(f), dtype=torch.int32), torch.arange(len(f)), target.clamp(0, 1), stats)
+        feats, shard_ids, rows = [torch.zeros(1, H)], torch.zeros_like(shard_ids), torch.zeros_like(rows)
+    elif not has_features:  # one tensor of the loss positions' states, in order
+        feats = [draft_features(cfg, manifest, split, [root / s["file"] for s in shards], accelerator)]
+        shard_ids, rows = torch.zeros_like(shard_ids), torch.arange(len(target))
+    return PositionSet(feats, shard_ids, rows, target.clamp(0, 1), stats)
 
 
 def draft_features(cfg: TrainConfig, manifest: dict, split: str, files: list[Path], accelerator) -> torch.Tensor:

@@ -14,6 +14,7 @@ make --resume continue the run, the best drafter by dev loss exported with save_
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Literal
@@ -180,23 +181,21 @@ def build_states(cfg: DrafterConfig, progress: bool = True, stop_after: int = 0)
     from ..drafter import data
 
     out = states_folder(cfg)
-    loaded = {}
 
+    @functools.cache  # loaded only where states are missing, once for both folders
     def load():
-        if not loaded:
-            model, tok = load_model(cfg.target, "target", cfg.target_dtype, "cpu" if not torch.cuda.is_available()
-                                    else None, pack=True, fp16=False)
-            loaded.update(model=model, tok=tok, target={"name": cfg.target, "hidden_size": model.config.hidden_size,
-                                                        "fingerprint": model_fingerprint(model)})
-        return loaded
+        model, tok = load_model(cfg.target, "target", cfg.target_dtype, "cpu" if not torch.cuda.is_available()
+                                else None, pack=True, fp16=False)
+        return model, tok, {"name": cfg.target, "hidden_size": model.config.hidden_size,
+                            "fingerprint": model_fingerprint(model)}
 
     settings = {"target": cfg.target, "target_dtype": cfg.target_dtype}
-    target = lambda: (load()["model"], load()["target"])  # noqa: E731 (data.py's load_target)
+    target = lambda: (load()[0], load()[2])  # noqa: E731 (data.py's load_target)
     data.build(cfg.data, out, target, settings,
                {"train": cfg.max_train_seqs, "dev": cfg.max_dev_seqs}, cfg.prompt_tail, cfg.max_len,
                progress=progress, stop_after=stop_after)
     if cfg.references:
-        data.build_references(cfg.data, out / "references", target, lambda: load()["tok"], settings,
+        data.build_references(cfg.data, out / "references", target, lambda: load()[1], settings,
                               cfg.references, cfg.prompt_tail, cfg.max_len, progress=progress, stop_after=stop_after)
     return out
 
