@@ -40,16 +40,6 @@ def _input_device(model) -> torch.device:
     return model.get_input_embeddings().weight.device
 
 
-def _left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    L = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), L), dtype=torch.long)
-    for b, s in enumerate(seqs):
-        ids[b, L - len(s):] = torch.tensor(s, dtype=torch.long)
-        mask[b, L - len(s):] = 1
-    return ids, mask
-
-
 def _step(model, ids, mask, pos, cache, vocab: int, dev) -> torch.Tensor:
     d = _input_device(model)
     out = model(input_ids=ids.to(d), attention_mask=mask.to(d), position_ids=pos.to(d), **model_kv(model, cache),
@@ -122,7 +112,8 @@ def generate_batch(draft, target, prompts: list[list[int]], cfg, vocab: int, eos
     params = cfg.sampling()
     dev = gen.device
     B = len(prompts)
-    _, mask = _left_pad(prompts, pad_id)
+    L = max(len(s) for s in prompts)
+    mask = torch.tensor([[0] * (L - len(s)) + [1] * len(s) for s in prompts], dtype=torch.long)  # left padding
     pos = (mask.cumsum(-1) - 1).clamp_min(0)  # left padding: real tokens get 0, 1, 2, ... as unpadded
     prompt_mask = mask
     t_logits, t_kv = _prefill(target, prompts, vocab, dev)

@@ -144,12 +144,19 @@ def run(data: str, out: str, dtype: str = "auto", device: str = "auto", threads:
     if threads > 0:
         torch.set_num_threads(threads)
     extra = {"dtype": dtype, "prefix": prefix}
+    if todo:
+        _derive(src, dst, src_man, todo, extra, device, progress)
+    man = _out_manifest(src_man, src, dst, extra)
+    write_manifest(dst, man)
     if not todo:
-        man = _out_manifest(src_man, src, dst, extra)
-        write_manifest(dst, man)
         log.info(f"datagen-features: {dst} is up to date ({sum(len(v['shards']) for v in man['splits'].values())} shards)")
-        return man
-    draft = load_draft(src_man, dtype, resolve_device(device))
+    return man
+
+
+def _derive(src: Path, dst: Path, src_man: dict, todo: list[dict], extra: dict, device: str, progress: bool):
+    """Write the shards `todo` of src into dst with the draft's states, the manifest first and after each; `extra`
+    (the manifest's "features") gains the draft's cpu_path."""
+    draft = load_draft(src_man, extra["dtype"], resolve_device(device))
     extra["cpu_path"] = getattr(draft, "cpu_path", {})
     dst.mkdir(parents=True, exist_ok=True)
     write_manifest(dst, _out_manifest(src_man, src, dst, extra))  # first: the folder is recognisable from now on
@@ -160,7 +167,7 @@ def run(data: str, out: str, dtype: str = "auto", device: str = "auto", threads:
               desc="datagen-features") as bar:
         for sh in todo:
             tensors = load_shard(src / sh["file"])
-            if prefix == "target":
+            if extra["prefix"] == "target":
                 tensors["features"], tensors[CONTEXT_KEY] = target_prefix_features(draft, tensors)
             else:
                 tensors["features"] = response_features(draft, tensors)
@@ -170,7 +177,4 @@ def run(data: str, out: str, dtype: str = "auto", device: str = "auto", threads:
             done += sh["n_tokens"]
             bar.update(sh["n_tokens"])
             bar.set_postfix_str(f"{done / (time.perf_counter() - t0):.0f} tok/s")
-    man = _out_manifest(src_man, src, dst, extra)
-    write_manifest(dst, man)
     log.info(f"datagen-features: done: {dst} ({done} tokens in {time.perf_counter() - t0:.0f} s)")
-    return man
