@@ -8,8 +8,8 @@ in decoding the drafter reads its own imperfect f^ after the first step, and `ro
 step on the drafter's own f^ (drafter_loss). The target's states come from
 drafter/data.py, computed once into `states_dir` (resumable) before the first step.
 
-Same conventions as the heads' loop (loop.py; runfiles.py has what they share): accelerate, wandb offline unless configured, checkpoints that
-make --resume continue the run, the best drafter by dev loss exported with save_pretrained to
+Same conventions as the heads' loop (loop.py), from runfiles.py: accelerate, wandb offline unless configured,
+checkpoints that make --resume continue the run, the best drafter by dev loss exported with save_pretrained to
 <output_dir>/drafter, results.json at the end.
 """
 from __future__ import annotations

@@ -163,19 +163,13 @@ def train_loop(run: Run):
     with tqdm(total=run.total, initial=run.state["step"], disable=not acc.is_main_process,
               desc=f"head D={cfg.depth} w_rej={cfg.w_rej:g}") as pbar:
         for x, y in micro_batches(acc, run.loader, run.sampler, run.state, run.steps_per_epoch, cfg):
-            train_step(run, x, y)
+            with acc.accumulate(run.model):
+                loss = weighted_bce(run.model(x), y, cfg.w_acc, cfg.w_rej)
+                optimizer_step(acc, run.model, run.optimizer, loss, cfg)
+            run.loss_sum += loss.detach()
+            run.n_micro += 1
             if acc.sync_gradients:
                 after_step(run, pbar)
-
-
-def train_step(run: Run, x: torch.Tensor, y: torch.Tensor):
-    """One micro-batch; the optimizer really steps on the last one of each accumulation window."""
-    cfg, acc = run.cfg, run.acc
-    with acc.accumulate(run.model):
-        loss = weighted_bce(run.model(x), y, cfg.w_acc, cfg.w_rej)
-        optimizer_step(acc, run.model, run.optimizer, loss, cfg)
-    run.loss_sum += loss.detach()
-    run.n_micro += 1
 
 
 def after_step(run: Run, pbar):
