@@ -146,7 +146,7 @@ def _existing_run(out_dir: Path) -> dict | None:
     """The manifest of the datagen run in out_dir, None for an empty or missing folder; a folder
     holding anything else is refused."""
     refusal = f"out_dir {out_dir} is not empty and holds no datagen run; choose another out_dir"
-    man = existing_manifest(out_dir, refusal)
+    man = existing_manifest(out_dir, refusal, "out_dir")
     if man is not None and man.get("format") != FORMAT:
         raise UserError(refusal)
     return man

@@ -94,12 +94,12 @@ def save_shard(out_dir: Path, split: str, k: int, seqs: list[dict], store_featur
     return meta
 
 
-def existing_manifest(folder: Path, refusal: str) -> dict | None:
-    """The manifest in `folder`, None for an empty or missing folder; a folder holding anything else is refused
-    with `refusal`."""
+def existing_manifest(folder: Path, refusal: str, flag: str = "folder") -> dict | None:
+    """The manifest in `folder` (named `flag` in the errors), None for an empty or missing folder; a folder holding
+    anything else is refused with `refusal`."""
     if not folder.exists() or not any(folder.iterdir()):
         return None
-    man = read_manifest(folder, required=False, hint="delete it or choose another folder")
+    man = read_manifest(folder, required=False, hint=f"delete it or choose another {flag}")
     if man is None:
         raise UserError(refusal)
     return man
