@@ -132,49 +132,22 @@ def measure_costs(pair, reps: int = 5, cache: bool = True, pin: str | Path | Non
         return pinned
     config = cost_config(pair)
     key = config_key(config)
-    if pin is None:
-        return _cached_or_measured(pair, reps, cache, config, key)
-    costs = _read_pin(Path(pin), config)
-    if costs is None:
-        costs = _cached_or_measured(pair, reps, cache, config, key)
-        write_json(pin, {**costs.to_dict(), "config": config})
-    pair.pinned_costs = costs
-    return costs
-
-
-def _cached_or_measured(pair, reps: int, cache: bool, config: dict, key: str) -> Costs:
+    costs = None if pin is None else _read_costs_file(Path(pin), "pinned", config=config)
+    if costs is not None:
+        pair.pinned_costs = costs
+        return costs
     path = costs_dir() / f"{key}.json"
-    if cache:
-        hit = _read_cached(path, key)
-        if hit is not None:
-            return hit
-        log.info(f"measuring forward times on this machine (once per configuration; cached in {path})")
-    costs = _measure(pair, reps, key)
-    if cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(path, {**costs.to_dict(), "config": config})
-    return costs
-
-
-def _config_differences(a: dict, b: dict) -> list[str]:
-    """The keys in which two cost configs differ, leaving out the kernels picked at load
-    (<role>_path: the oneDNN padding is measured each time and moves with noise)."""
-    keys = {k for k in (*a, *b) if not k.endswith("_path")}
-    return sorted(k for k in keys if a.get(k) != b.get(k))
-
-
-def _read_pin(path: Path, config: dict) -> Costs | None:
-    """The pinned Costs at `path`, or None (with a warning) where it is absent, unreadable or from
-    another machine or model configuration."""
-    read = _read_costs_file(path, "pinned")
-    if read is None:
-        return None
-    saved, costs = read
-    differ = _config_differences(saved.get("config") or {}, config)
-    if differ:
-        log.warning(f"pinned forward times {path} were measured with another {', '.join(differ)}; "
-                    "measuring again on this machine (rows before this carry the old auto picks)")
-        return None
+    costs = _read_costs_file(path, "cached", key) if cache else None
+    if costs is None:
+        if cache:
+            log.info(f"measuring forward times on this machine (once per configuration; cached in {path})")
+        costs = _measure(pair, reps, key)
+        if cache:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_json(path, {**costs.to_dict(), "config": config})
+    if pin is not None:
+        write_json(pin, {**costs.to_dict(), "config": config})
+        pair.pinned_costs = costs
     return costs
 
 
@@ -187,14 +160,9 @@ def costs_from_json(d: dict) -> Costs:
                  float(d.get("t_draft_two", 0.0)), float(d.get("t_step_cell", 0.0)))
 
 
-def _read_cached(path: Path, key: str) -> Costs | None:
-    read = _read_costs_file(path, "cached", key)
-    return None if read is None else read[1]
-
-
-def _read_costs_file(path: Path, what: str, key: str | None = None) -> tuple[dict, Costs] | None:
-    """(the JSON, its Costs) of a cache or pin file, or None where it is absent, or (with a warning)
-    unreadable, of another `key`, or without positive per-length times: both are measured again."""
+def _read_costs_file(path: Path, what: str, key: str | None = None, config: dict | None = None) -> Costs | None:
+    """The Costs of a cache or pin file, or None where it is absent, or (with a warning) unreadable, of another
+    `key`, without positive per-length times, or (a pin) measured with another `config`: all are measured again."""
     if not path.is_file():
         return None
     try:
@@ -208,7 +176,16 @@ def _read_costs_file(path: Path, what: str, key: str | None = None) -> tuple[dic
     except (OSError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
         log.warning(f"{what} forward times {path} are unreadable ({type(e).__name__}: {e}); measuring again")
         return None
-    return saved, costs
+    if config is None:
+        return costs
+    # leaving out the kernels picked at load (<role>_path): the oneDNN padding is measured each time, moving with noise
+    was = saved.get("config") or {}
+    differ = sorted(k for k in {*was, *config} if not k.endswith("_path") and was.get(k) != config.get(k))
+    if differ:
+        log.warning(f"pinned forward times {path} were measured with another {', '.join(differ)}; "
+                    "measuring again on this machine (rows before this carry the old auto picks)")
+        return None
+    return costs
 
 
 def _measure(pair, reps: int, key: str) -> Costs:

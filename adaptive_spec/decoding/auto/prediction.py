@@ -11,7 +11,8 @@ from .costs import measure_costs
 from .counts import MIX, Answers, check_workload, combined_counts, copy_counts, workload_point
 from .picker import AR
 from .pricing import (book_for, copy_round, curve_point, price_ar, price_auto, price_combined, price_fixed,
-                      price_lookup, rate_of, row_of)
+                      price_lookup, row_of)
+from .timemodel import rate_of
 
 
 def by_name(result: dict) -> dict:

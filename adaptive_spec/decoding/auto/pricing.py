@@ -6,14 +6,10 @@ from dataclasses import dataclass, field
 
 from ... import params
 from .picker import AR, DEFAULT_TIME_MODEL, predicted_wall, resolve_auto
-from .timemodel import ONE_STEP, coef_of, effective_model, predict_time, round_costs
+from .timemodel import ONE_STEP, coef_of, effective_model, rate_of, round_costs
 
 # a long verbatim copy: a match this long is CopyAcceptance's top bucket (its prior: 0.97 of copies accepted)
 COPY_MATCH = 16
-
-
-def rate_of(point: dict, coef: dict) -> float:
-    return point["n_tokens"] / predict_time(point, coef)
 
 
 def curve_point(curve: dict, need: str, value, cap=None) -> dict:
