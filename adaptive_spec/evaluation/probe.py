@@ -73,11 +73,9 @@ def run(pair_params, head: str | None = DEFAULT_HEAD, temperature: float = 1.0, 
     with torch_threads(pair.engine.decode_torch_threads):
         path = costs_dir() / f"{config_key(cost_config(pair))}.json"
         cached = cache and path.is_file()
+        costs = measure_costs(pair, **({"reps": reps} if reps else {}), cache=cache)
         if not cache:  # pinned on the pair: `predict` (and auto within it) reads this measurement
-            pair.pinned_costs = measure_costs(pair, **({"reps": reps} if reps else {}), cache=False)
-        elif reps is not None and not cached:
-            measure_costs(pair, reps=reps)  # cached, so that `predict` (and auto after it) reads this one
-        measure_costs(pair)
+            pair.pinned_costs = costs
         measured = time.perf_counter()
         own = None if prompts is None else measure_prompts(pair, None, head, temperature, prompts_budget_s or BUDGET_S,
                                                            cache if prompts_cache is None else prompts_cache,

@@ -96,15 +96,17 @@ def workload_point(curve: dict, kinds, select) -> dict:
     return mixed([[select(curve["by_source"][src]) for src in WORKLOADS[kind]] for kind in kinds])
 
 
-def _grouped(answers_by_source: dict, kinds) -> tuple[dict | None, int]:
-    """Replayed answers (source -> their counts) as one workload's counts, pooled (kinds None) or mixed by kind;
-    with how many answers they hold (None where a kind has none)."""
+def _grouped(by_source: dict, kinds, answers: Answers, draws: int = 1) -> dict | None:
+    """Replayed answers (source -> their counts, `draws` an answer) as one workload's counts, pooled (kinds None)
+    or mixed by kind, with how many answers they hold and where from; None where a kind has none."""
     if kinds is None:
-        every = [a for group in answers_by_source.values() for a in group]
-        return (sum_counts(every) if every else None), len(every)
-    groups = [[a for src in WORKLOADS[kind] for a in answers_by_source.get(src, [])] for kind in kinds]
-    used = sum(len(answers_by_source.get(src, [])) for kind in dict.fromkeys(kinds) for src in WORKLOADS[kind])
-    return (mixed(groups) if all(groups) else None), used
+        every = [a for group in by_source.values() for a in group]
+        out, used = (sum_counts(every) if every else None), len(every)
+    else:
+        groups = [[a for src in WORKLOADS[kind] for a in by_source.get(src, [])] for kind in kinds]
+        used = sum(len(by_source.get(src, [])) for kind in dict.fromkeys(kinds) for src in WORKLOADS[kind])
+        out = mixed(groups) if all(groups) else None
+    return None if out is None else {**out, "n_responses": used // draws, "data": answers.where}
 
 
 def copy_counts(costs, k_max: int, answers: Answers | None, kinds=None) -> dict | None:
@@ -120,8 +122,7 @@ def copy_counts(costs, k_max: int, answers: Answers | None, kinds=None) -> dict 
     by: dict = {}
     for src, _, _, prompt, response in answers.read():
         by.setdefault(src, []).append(replay_copies(policy, prompt, response))
-    out, used = _grouped(by, kinds)
-    return None if out is None else {**out, "n_responses": used, "data": answers.where}
+    return _grouped(by, kinds, answers)
 
 
 def combined_counts(costs, head, h: float, cap: int, k_max: int, answers: Answers | None, kinds=None) -> dict | None:
@@ -157,8 +158,7 @@ def combined_counts(costs, head, h: float, cap: int, k_max: int, answers: Answer
 
         by.setdefault(src, []).extend(replay_copies(policy, prompt, response, model_round)
                                       for _ in range(COMBINED_SAMPLES))
-    out, used = _grouped(by, kinds)
-    return None if out is None else {**out, "n_responses": used // COMBINED_SAMPLES, "data": answers.where}
+    return _grouped(by, kinds, answers, COMBINED_SAMPLES)
 
 
 def describe_workload(workload) -> str:

@@ -31,12 +31,6 @@ def picks_of(result: dict) -> dict | None:
             "best": (auto["best"]["h"], auto["best"]["k_max"])}
 
 
-def _prompts_answers(prompts: dict) -> Answers:
-    """The answers recorded on the user's prompts (acceptance.measure), with the p̂ recorded along them."""
-    records = as_responses(prompts["records"])
-    return Answers(prompts["label"], "your prompts", lambda head=None: records)
-
-
 def predict(pair, head: str | None, temperature: float, prompt_tokens: int, max_new_tokens: int,
             k_max: int = params.NgramParams().k_max, ran: dict | None = None, answers: Answers | None = None,
             workload=None, prompts: dict | None = None) -> dict:
@@ -51,7 +45,9 @@ def predict(pair, head: str | None, temperature: float, prompt_tokens: int, max_
     costs = measure_costs(pair)
     if prompts is not None and workload is not None:
         raise UserError("--prompts and --workload both say whose acceptance prices the configurations; pass one")
-    answers = answers if prompts is None else _prompts_answers(prompts)
+    if prompts is not None:  # the answers recorded on the user's prompts, with the p̂ recorded along them
+        records = as_responses(prompts["records"])
+        answers = Answers(prompts["label"], "your prompts", lambda head=None: records)
     own = (prompts or {}).get("curve_file")  # the prompts' curve, where the draft was recorded
     curve_file = own or curve_path(head)
     words = "dev answers" if prompts is None else "answers to your prompts"
