@@ -1,5 +1,5 @@
-"""Prediction's prices: each configuration's decode tok/s at the measured costs (`price_*`, each a Priced), and
-its reason in words rendered apart (WHY); `row_of` makes the row the probe prints."""
+"""Prediction's prices: each configuration's decode tok/s at the measured costs and its reason in words (`price_*`,
+each a Priced); `row_of` makes the row the probe prints."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -49,14 +49,13 @@ def cap_of(choice: dict):
 
 @dataclass
 class Priced:
-    """One configuration priced at the measured costs, before its reason is worded (WHY renders it)."""
-    kind: str  # WHY's key
+    """One configuration priced at the measured costs, with its reason in words."""
     name: str
     policy: dict
     rate: float  # decode tok/s at the costs, prefill left out
     drafts: bool
+    reason: str
     catch_up: bool = False
-    facts: dict = field(default_factory=dict)  # what only its reason quotes
     extra: dict = field(default_factory=dict)  # the fields its row carries beside the common ones
 
 
@@ -90,20 +89,25 @@ def book_for(pair, head, temperature: float, costs, own, curve_file, answers: st
 
 
 def price_ar(book: Book) -> Priced:
-    return Priced("ar", "target alone", {"policy": "ar"}, book.ar, False,
-                  facts={"loop_ms": 1e3 * book.coef.get("loop_row", 0.0)})
+    loop_ms, step_ms = 1e3 * book.coef.get("loop_row", 0.0), 1e3 / book.ar
+    return Priced("target alone", {"policy": "ar"}, book.ar, False,
+                  f"one step: {step_ms:.1f} ms (the target's pass {step_ms - loop_ms:.1f} ms, the loop's own "
+                  f"{loop_ms:.1f} ms)")
 
 
 def price_fixed(book: Book, point: dict, K: int) -> Priced:
-    return Priced("fixed", f"fixed K={K}", {"policy": "fixed", "k": K}, rate_of(point, book.coef), True,
-                  facts={"k": K}, extra={"round": round_costs(point, book.coef)})
+    rate, r = rate_of(point, book.coef), round_costs(point, book.coef)
+    why = (f"a {K + 1}-row pass costs {book.v(K + 1):.2f} steps and a draft step {book.costs.c:.2f}: "
+           f"{r['steps']:.2f} steps a round for {r['tokens']:.2f} tokens ({r['accepted']:.2f} of candidates "
+           f"accepted): {_verdict(rate / book.ar)}")
+    return Priced(f"fixed K={K}", {"policy": "fixed", "k": K}, rate, True, why, extra={"round": r})
 
 
 def price_auto(book: Book, h_point, choice: dict, ran: dict | None, head) -> Priced:
     """auto's pick (or `ran`'s), with the best h of these counts beside it."""
     # the h (and cap) auto could pick: every h, and the capped points where its model prices them
-    cands = [(h, None) for h in choice["predicted"]] + [(float(label.split("@")[0]), int(label.split("@")[1]))
-                                                        for label in choice.get("predicted_capped") or {}]
+    capped = (label.split("@") for label in choice.get("predicted_capped") or {})
+    cands = [(h, None) for h in choice["predicted"]] + [(float(h), int(cap)) for h, cap in capped]
     h, cap = max(cands, key=lambda c: rate_of(h_point(*c), book.coef)) if ran is None else tuple(ran["best"])
     best_tps = rate_of(h_point(h, cap), book.coef)
     pick, pick_cap = (choice["value"], cap_of(choice)) if ran is None else tuple(ran["pick"])
@@ -112,68 +116,22 @@ def price_auto(book: Book, h_point, choice: dict, ran: dict | None, head) -> Pri
     best = {"h": h, "k_max": cap, "decode_tokens_per_s": best_tps, "speedup": best_tps / book.ar, "round": r}
     if pick != AR and (pick, pick_cap) != (h, cap):  # auto (or `ran`) picked another h than these counts' best
         r, h, cap = round_costs(h_point(pick, pick_cap), book.coef), pick, pick_cap
-    return Priced("auto", "SpecDec++ h=auto", {"policy": "learned", "head": head, "threshold": "auto"}, pick_tps,
-                  pick != AR, facts={"label": f"{h:g}" + (f" with K <= {cap}" if cap is not None else "")},
-                  extra={"pick": pick, "pick_k_max": pick_cap, "best": best, "round": r})
+    label = f"{h:g}" + (f" with K <= {cap}" if cap is not None else "")
+    if pick == AR:
+        why = (f"runs the target alone: the best h ({label}) would take {r['steps']:.2f} steps a round for "
+               f"{r['tokens']:.2f} tokens ({best['speedup']:.2f}x)")
+    else:
+        why = (f"h = {label}: {r['drafted']:.2f} drafted a round, {r['tokens']:.2f} tokens for {r['steps']:.2f} "
+               f"steps (a draft step {book.costs.c:.2f}, passes mostly {r['rows']} rows at {book.v(r['rows']):.2f}): "
+               f"{_verdict(pick_tps / book.ar)}")
+    return Priced("SpecDec++ h=auto", {"policy": "learned", "head": head, "threshold": "auto"}, pick_tps, pick != AR,
+                  why, extra={"pick": pick, "pick_k_max": pick_cap, "best": best, "round": r})
 
 
 def price_lookup(book: Book, copies: dict | None, copy: dict) -> Priced:
     """Prompt lookup replayed on the answers (a plain step a token without them), and a long copy's round."""
     rate = book.ar if copies is None else rate_of(copies, book.coef)
     fast = max(copy["tokens_per_s"], book.ar)
-    copying = {"k": copy["k"], "decode_tokens_per_s": fast, "speedup": fast / book.ar}
-    return Priced("lookup", "prompt lookup", {"policy": "ngram"}, rate, False, facts={"copies": copies, "copy": copy},
-                  extra={"copying": copying, **({"copies": {k: v for k, v in copies.items() if k != "data"}}
-                                                if copies else {})})
-
-
-def price_combined(book: Book, auto: Priced, lookup: Priced, joint: dict | None, head) -> Priced:
-    """Prompt lookup with SpecDec++ at auto's h where nothing is copied: replayed jointly where it drafts."""
-    pick = auto.extra["pick"]
-    rate = lookup.rate if pick == AR else auto.rate if joint is None else rate_of(joint, book.coef)
-    policy = {"policy": "ngram", "fallback": "learned", "head": head, "threshold": "auto"}
-    return Priced("combined", "combined", policy, rate, pick != AR, catch_up=pick != AR,
-                  facts={"joint": joint, "auto": auto, "copying": lookup.extra["copying"]},
-                  extra={"copying": lookup.extra["copying"],
-                         **({"joint": {k: v for k, v in joint.items() if k != "data"}} if joint else {})})
-
-
-def row_of(book: Book, p: Priced, prompt_tokens: float, max_new_tokens: float) -> dict:
-    decode, wall = timed(book.costs.to_dict(), p.rate, p.drafts, p.catch_up, prompt_tokens, max_new_tokens)
-    return {"name": p.name, "policy": p.policy, "rate_tokens_per_s": p.rate, "drafts": p.drafts,
-            "catch_up": p.catch_up, "decode_tokens_per_s": decode, "wall_tokens_per_s": wall,
-            "speedup": decode / book.ar, "reason": WHY[p.kind](p, book), **p.extra}
-
-
-def _verdict(x: float) -> str:
-    return "drafting pays" if x > 1 else "drafting does not pay"
-
-
-def _why_ar(p: Priced, book: Book) -> str:
-    loop_ms = p.facts["loop_ms"]
-    return (f"one step: {1e3 / book.ar:.1f} ms (the target's pass {1e3 / book.ar - loop_ms:.1f} ms, the loop's own "
-            f"{loop_ms:.1f} ms)")
-
-
-def _why_fixed(p: Priced, book: Book) -> str:
-    K, r = p.facts["k"], p.extra["round"]
-    return (f"a {K + 1}-row pass costs {book.v(K + 1):.2f} steps and a draft step {book.costs.c:.2f}: "
-            f"{r['steps']:.2f} steps a round for {r['tokens']:.2f} tokens ({r['accepted']:.2f} of candidates "
-            f"accepted): {_verdict(p.rate / book.ar)}")
-
-
-def _why_auto(p: Priced, book: Book) -> str:
-    r, label = p.extra["round"], p.facts["label"]
-    if not p.drafts:
-        return (f"runs the target alone: the best h ({label}) would take {r['steps']:.2f} steps a round for "
-                f"{r['tokens']:.2f} tokens ({p.extra['best']['speedup']:.2f}x)")
-    return (f"h = {label}: {r['drafted']:.2f} drafted a round, {r['tokens']:.2f} tokens for {r['steps']:.2f} steps "
-            f"(a draft step {book.costs.c:.2f}, passes mostly {r['rows']} rows at {book.v(r['rows']):.2f}): "
-            f"{_verdict(p.rate / book.ar)}")
-
-
-def _why_lookup(p: Priced, book: Book) -> str:
-    copies, copy = p.facts["copies"], p.facts["copy"]
     if copies is None:
         why = "a plain step where nothing is copied (1.00x); "
     else:
@@ -181,30 +139,50 @@ def _why_lookup(p: Priced, book: Book) -> str:
         copying_rounds = rounds - copies["target_pass_hist"].get("1", 0)
         why = (f"on {copies['n_responses']} {book.answers} ({book.data_name}) {copying_rounds / rounds:.0%} of rounds "
                f"copy, {copies['n_drafted'] / max(copying_rounds, 1e-9):.1f} copies each, "
-               f"{copies['n_accepted'] / max(copies['n_drafted'], 1e-9):.2f} of them accepted: "
-               f"{p.rate / book.ar:.2f}x; ")
+               f"{copies['n_accepted'] / max(copies['n_drafted'], 1e-9):.2f} of them accepted: {rate / book.ar:.2f}x; ")
     if not copy["k"]:
-        return why + "no copy pays even in a long verbatim copy"
-    return (why + f"in a long verbatim copy {copy['k']} copies a round ({copy['accepted']:.2f} accepted each) verify "
-            f"in a {copy['k'] + 1}-row pass of {copy['steps']:.2f} steps for {copy['tokens']:.2f} tokens: "
-            f"{p.extra['copying']['speedup']:.2f}x: pays where the answer copies the prompt")
+        why += "no copy pays even in a long verbatim copy"
+    else:
+        why += (f"in a long verbatim copy {copy['k']} copies a round ({copy['accepted']:.2f} accepted each) verify "
+                f"in a {copy['k'] + 1}-row pass of {copy['steps']:.2f} steps for {copy['tokens']:.2f} tokens: "
+                f"{fast / book.ar:.2f}x: pays where the answer copies the prompt")
+    copying = {"k": copy["k"], "decode_tokens_per_s": fast, "speedup": fast / book.ar}
+    return Priced("prompt lookup", {"policy": "ngram"}, rate, False, why,
+                  extra={"copying": copying, **({"copies": _no_data(copies)} if copies else {})})
 
 
-def _why_combined(p: Priced, book: Book) -> str:
-    joint, auto = p.facts["joint"], p.facts["auto"]
-    if not p.drafts:  # the fallback is the target alone: combined is prompt lookup
-        return "rounds without a copy run the target alone: prompt lookup's rounds"
-    pick = auto.extra["pick"]
-    if joint is None:
-        return (f"rounds without a copy run SpecDec++ h = {pick:g} ({auto.rate / book.ar:.2f}x); copying rounds as "
-                f"prompt lookup ({p.facts['copying']['speedup']:.2f}x in a long copy)")
-    return (f"replayed on {joint['n_responses']} {book.answers}: SpecDec++ h = {pick:g} where nothing is copied, "
-            f"{joint['n_tokens'] / joint['n_target_forwards']:.2f} tokens a round, the draft catching up on what "
-            f"copies made ({joint['n_fed_extra'] / max(joint['n_all_accepted'], 1e-9):.1f} tokens beyond two a "
-            f"catch-up); the draft reads the prompt in its first round")
+def price_combined(book: Book, auto: Priced, lookup: Priced, joint: dict | None, head) -> Priced:
+    """Prompt lookup with SpecDec++ at auto's h where nothing is copied: replayed jointly where it drafts."""
+    pick, copying = auto.extra["pick"], lookup.extra["copying"]
+    if pick == AR:  # the fallback is the target alone: combined is prompt lookup
+        rate, why = lookup.rate, "rounds without a copy run the target alone: prompt lookup's rounds"
+    elif joint is None:
+        rate, why = auto.rate, (f"rounds without a copy run SpecDec++ h = {pick:g} ({auto.rate / book.ar:.2f}x); "
+                                f"copying rounds as prompt lookup ({copying['speedup']:.2f}x in a long copy)")
+    else:
+        rate = rate_of(joint, book.coef)
+        why = (f"replayed on {joint['n_responses']} {book.answers}: SpecDec++ h = {pick:g} where nothing is copied, "
+               f"{joint['n_tokens'] / joint['n_target_forwards']:.2f} tokens a round, the draft catching up on what "
+               f"copies made ({joint['n_fed_extra'] / max(joint['n_all_accepted'], 1e-9):.1f} tokens beyond two a "
+               f"catch-up); the draft reads the prompt in its first round")
+    policy = {"policy": "ngram", "fallback": "learned", "head": head, "threshold": "auto"}
+    return Priced("combined", policy, rate, pick != AR, why, catch_up=pick != AR,
+                  extra={"copying": copying, **({"joint": _no_data(joint)} if joint else {})})
 
 
-WHY = {"ar": _why_ar, "fixed": _why_fixed, "auto": _why_auto, "lookup": _why_lookup, "combined": _why_combined}
+def _no_data(counts: dict) -> dict:
+    return {k: v for k, v in counts.items() if k != "data"}
+
+
+def row_of(book: Book, p: Priced, prompt_tokens: float, max_new_tokens: float) -> dict:
+    decode, wall = timed(book.costs.to_dict(), p.rate, p.drafts, p.catch_up, prompt_tokens, max_new_tokens)
+    return {"name": p.name, "policy": p.policy, "rate_tokens_per_s": p.rate, "drafts": p.drafts,
+            "catch_up": p.catch_up, "decode_tokens_per_s": decode, "wall_tokens_per_s": wall,
+            "speedup": decode / book.ar, "reason": p.reason, **p.extra}
+
+
+def _verdict(x: float) -> str:
+    return "drafting pays" if x > 1 else "drafting does not pay"
 
 
 def timed(costs: dict, rate: float, drafts: bool, catch_up: bool, prompt_tokens: float,
