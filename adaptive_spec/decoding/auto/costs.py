@@ -107,13 +107,10 @@ def cost_config(pair) -> dict:
               "backend": type(pair.target).__name__, **getattr(pair, "draft_config", {})}
     if device.type == "cuda":
         config["gpu"] = torch.cuda.get_device_name(device)
-    for role, lm in (("target", pair.target), ("draft", pair.draft)):
-        if lm is None:  # the target alone (n-gram drafting): its passes only, t_draft 0
-            config[f"{role}_fingerprint"] = None
-            continue
-        config[f"{role}_fingerprint"] = lm.fingerprint()
-        # the runner's numeric path (dtype and kernels chosen at load; llama.cpp's GGUF and threads)
-        config[f"{role}_path"] = lm.numeric_path()
+    for role, lm in (("target", pair.target), ("draft", pair.draft)):  # no draft: the target alone's passes only
+        config[f"{role}_fingerprint"] = None if lm is None else lm.fingerprint()
+        if lm is not None:  # the runner's numeric path (dtype and kernels chosen at load; llama.cpp's GGUF and threads)
+            config[f"{role}_path"] = lm.numeric_path()
     return config
 
 
@@ -191,9 +188,8 @@ def _read_costs_file(path: Path, what: str, key: str | None = None, config: dict
 def _measure(pair, reps: int, key: str) -> Costs:
     if reps < 1:
         raise UserError(f"reps must be >= 1, got {reps}")
-    cells = measured_cells(pair)
     prefill: dict = {}
-    times = interleaved_times(cells, reps, prefill)
+    times = interleaved_times(measured_cells(pair), reps, prefill)
     # a two-token step never costs less than a one-token one (timing noise where they are alike)
     t_draft, t_draft_two = (times[0], max(times[0], times[1])) if pair.draft is not None else (0.0, 0.0)
     # the one-row pass is the target alone's step: timed as its loop runs it, the interleaved cell kept beside

@@ -75,18 +75,14 @@ def sum_counts(rows: list[dict]) -> dict:
     return out
 
 
-def _scaled(counts: dict, f: float) -> dict:
-    out = {k: v * f for k, v in counts.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    if isinstance(counts.get("target_pass_hist"), dict):
-        out["target_pass_hist"] = {n: c * f for n, c in counts["target_pass_hist"].items()}
-    return out
-
-
 def mixed(groups) -> dict:
     """Counts of a workload of kinds in equal parts: each group's pooled counts (sum_counts) scaled to one token,
     summed (so n_tokens is the number of kinds; timemodel.predict_time is linear in the counts)."""
-    parts = [sum_counts(g) for g in groups]
-    return sum_counts([_scaled(c, 1.0 / c["n_tokens"]) for c in parts])
+    scaled = []
+    for c in map(sum_counts, groups):
+        f = 1.0 / c["n_tokens"]
+        scaled.append({k: {n: x * f for n, x in v.items()} if isinstance(v, dict) else v * f for k, v in c.items()})
+    return sum_counts(scaled)
 
 
 def workload_point(curve: dict, kinds, select) -> dict:

@@ -91,6 +91,7 @@ def describe_pick(choice: dict) -> str:
             f"({choice['model']} time model; t_draft {1e3 * c['t_draft']:.1f} ms, t_target {1e3 * c['t_target']:.1f} ms, "
             f"t_cand {1e3 * c['t_cand']:.1f} ms; curve {choice['curve']})")
 
+
 def predicted_wall(auto: dict, n_prompt: int, n_tokens: int) -> dict:
     """auto's predicted wall tokens/s of this generation: its decode rate plus the prompt's prefill at
     the measured prefill rates (the draft's too where the pick drafts)."""
