@@ -112,12 +112,6 @@ def copy_round(costs, coef: dict, k_max: int) -> dict:
     return {"k": K, "tokens": expected, "steps": v(K + 1), "accepted": a[0], "tokens_per_s": rate_of(point, coef)}
 
 
-def cap_of(choice: dict):
-    """The cap of an auto choice's pick: None unless a capped point won (its k_max is the limit otherwise)."""
-    cap = choice.get("k_max")
-    return cap if cap is not None and f"{choice['value']:g}@{cap}" in choice.get("predicted_capped", {}) else None
-
-
 @dataclass
 class Priced:
     """One configuration priced at the measured costs, with its reason in words."""
@@ -181,7 +175,9 @@ def price_auto(book: Book, h_point, choice: dict, ran: dict | None, head) -> Pri
     cands = [(h, None) for h in choice["predicted"]] + [(float(h), int(cap)) for h, cap in capped]
     h, cap = max(cands, key=lambda c: rate_of(h_point(*c), book.coef)) if ran is None else tuple(ran["best"])
     best_tps = rate_of(h_point(h, cap), book.coef)
-    pick, pick_cap = (choice["value"], cap_of(choice)) if ran is None else tuple(ran["pick"])
+    pick, pick_cap = (choice["value"], choice.get("k_max")) if ran is None else tuple(ran["pick"])
+    if ran is None and pick_cap is not None and f"{pick:g}@{pick_cap}" not in choice.get("predicted_capped", {}):
+        pick_cap = None  # a threshold's pick: its k_max is the limit, not a capped point's cap
     pick_tps = book.ar if pick == AR else rate_of(h_point(pick, pick_cap), book.coef)
     r = round_costs(h_point(h, cap), book.coef)
     best = {"h": h, "k_max": cap, "decode_tokens_per_s": best_tps, "speedup": best_tps / book.ar, "round": r}
