@@ -271,11 +271,9 @@ def fit_forward_times(rows: Iterable[Sequence[float]]) -> ForwardFit:
     """Eq. 3.1 fitted to (N_draft, N_target, T) triples; a model whose count is zero in every row is left
     out (its time None), so target-only or draft-only runs fit a single coefficient."""
     a = np.asarray([tuple(map(float, r)) for r in rows], dtype=np.float64).reshape(-1, 3)
-    if len(a) == 0:
-        return ForwardFit(None, None, float("nan"), 0, False)
     X, y = a[:, :2], a[:, 2]
     t, used, rank_ok = _lstsq(X, y)
-    if not used:
+    if not used:  # no rows, or none that involves a model
         return ForwardFit(None, None, float("nan"), len(a), False)
     Xu = X[:, used]
     # with the same counts in every row (e.g. every target-only run made 128 tokens) the fit is a
