@@ -200,14 +200,9 @@ def better_model(fits: list[tuple[str, TimeFit]]) -> str:
     """The model ('paper', 'extended' or 'table') with the lower mean throughput error on equal terms: with
     measured costs (what `auto` uses) where there are any, else both fitted on all rows."""
     scope = "measured" if any(f.scope == "measured" for _, f in fits) else "all"
-    best = {}
-    for _, f in fits:
-        if f.scope != scope:
-            continue
-        err = f.mean_rel_error
-        if f.rank_ok and not math.isnan(err) and err < best.get(f.model, math.inf):
-            best[f.model] = err
-    return min(best, key=best.get) if best else "extended"
+    errs = [(f.mean_rel_error, f.model) for _, f in fits
+            if f.scope == scope and f.rank_ok and not math.isnan(f.mean_rel_error)]  # one fit a model in a scope
+    return min(errs, key=lambda em: em[0])[1] if errs else "extended"
 
 
 def comparison_table(rows: list[dict], costs=None) -> str:
