@@ -25,12 +25,9 @@ class Answers:
 # draws per answer of the combined replay's draft rounds (their accepted counts are sampled; copies are not)
 COMBINED_SAMPLES = 4
 
-
 # what a user can say their prompts are (--workload): the prompt sources of the heads' dev answers that stand
 # for each kind (the curve's by_source, COPY_DATA's source_ids); "mix" is those answers as they are pooled
 WORKLOADS = {"chat": ("sharegpt",), "code": ("sharegpt-code", "mbpp"), "math": ("gsm8k-train",)}
-
-
 MIX = "mix"
 
 

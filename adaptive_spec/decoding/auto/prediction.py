@@ -52,11 +52,7 @@ def predict(pair, head: str | None, temperature: float, prompt_tokens: int, max_
     if prompts is not None:  # the answers recorded on the user's prompts, with the p̂ recorded along them
         records = as_responses(prompts["records"])
         answers = Answers(prompts["label"], "your prompts", lambda head=None: records)
-    own = (prompts or {}).get("curve_file")  # the prompts' curve, where the draft was recorded
-    curve_file = own or curve_path(head)
-    words = "dev answers" if prompts is None else "answers to your prompts"
-    picks, loop, model, book = book_for(pair, head, temperature, costs, own, curve_file, words,
-                                        answers.label if answers is not None else "none")
+    picks, curve_file, book = book_for(pair, head, temperature, costs, prompts, answers)
     priced, auto = [price_ar(book)], None
     if picks:
         curve = load_curve(curve_file, "h", head)
@@ -74,7 +70,7 @@ def predict(pair, head: str | None, temperature: float, prompt_tokens: int, max_
         joint = None if pick == AR else combined_counts(
             costs, head, pick, auto.extra["pick_k_max"] or curve["k_max"], k_max, answers, workload)
         priced.append(price_combined(book, auto, lookup, joint, head))
-    return {"engine": pair.engine.name, "time_model": model, "sampling": loop, "temperature": temperature,
+    return {"engine": pair.engine.name, "time_model": book.model, "sampling": book.loop, "temperature": temperature,
             "head": head if picks else None, "workload": list(workload) if workload else MIX,
             "acceptance": {"source": "dev answers" if prompts is None else "prompts", "words": describe(prompts),
                            **({k: v for k, v in prompts.items() if k != "records"} if prompts else {})},
@@ -126,11 +122,12 @@ class Priced:
 
 @dataclass
 class Book:
-    """What every configuration is priced with: the costs, the time model's coefficients, the target alone's
-    rate, and whose answers the replayed counts come from (for the reasons)."""
+    """What every configuration is priced with, and whose answers the replayed counts come from (for the reasons)."""
     costs: object
-    coef: dict
-    ar: float
+    model: str  # the time model and the sampling mode auto priced with
+    loop: str
+    coef: dict  # the model's coefficients at the costs
+    ar: float  # the target alone's tok/s
     answers: str  # whose answers the replays ran on, in words
     data_name: str  # and where they came from
 
@@ -138,8 +135,10 @@ class Book:
         return self.costs.verify_s(n) / self.costs.verify_s(1)
 
 
-def book_for(pair, head, temperature: float, costs, own, curve_file, answers: str, data_name: str):
-    """(auto's picks {"h", "k"} where there is a draft and a head, the sampling mode, the time model, the Book)."""
+def book_for(pair, head, temperature: float, costs, prompts: dict | None, answers: Answers | None):
+    """(auto's picks {"h", "k"} where there is a draft and a head, the curve they came from, the Book)."""
+    own = (prompts or {}).get("curve_file")  # the prompts' curve, where the draft was recorded
+    curve_file = own or curve_path(head)
     picks = {}
     if pair.draft is not None and head is not None:
         for need, p in (("h", params.policy_params("learned", head=head, threshold="auto", curve=own)),
@@ -150,7 +149,9 @@ def book_for(pair, head, temperature: float, costs, own, curve_file, answers: st
     model = next(iter(picks.values()))["model"] if picks else effective_model(
         costs, getattr(pair.engine, "time_model", DEFAULT_TIME_MODEL))
     coef = coef_of(costs, model, loop)
-    return picks, loop, model, Book(costs, coef, rate_of(ONE_STEP, coef), answers, data_name)
+    words = "dev answers" if prompts is None else "answers to your prompts"
+    return picks, curve_file, Book(costs, model, loop, coef, rate_of(ONE_STEP, coef), words,
+                                   answers.label if answers is not None else "none")
 
 
 def price_ar(book: Book) -> Priced:
