@@ -145,7 +145,7 @@ def test_table_model_caps_rounds_where_long_passes_cost_more():
 
     curve = {"k_max": 20, "fixed_k": [{"k": k, **row(np.full(T, k))} for k in R.K_GRID],
              "thresholds": [{"h": h, **row(R.stop_lengths(PH, h, 20, 0))} for h in R.H_GRID],
-             "capped": [{"h": h, "k_max": c, **row(R.stop_lengths(PH, h, c, 0))} for c in R.caps_below(20)
+             "capped": [{"h": h, "k_max": c, **row(R.stop_lengths(PH, h, c, 0))} for c in R.CAP_GRID if c < 20
                         for h in R.H_GRID]}
     point = curve["thresholds"][5]
     assert sum(point["target_pass_hist"].values()) == pytest.approx(point["n_target_forwards"])

@@ -73,11 +73,9 @@ def run(pair_params, head: str | None = DEFAULT_HEAD, temperature: float = 1.0, 
     with torch_threads(pair.engine.decode_torch_threads):
         path = costs_dir() / f"{config_key(cost_config(pair))}.json"
         cached = cache and path.is_file()
+        costs = measure_costs(pair, **({"reps": reps} if reps else {}), cache=cache)
         if not cache:  # pinned on the pair: `predict` (and auto within it) reads this measurement
-            pair.pinned_costs = measure_costs(pair, **({"reps": reps} if reps else {}), cache=False)
-        elif reps is not None and not cached:
-            measure_costs(pair, reps=reps)  # cached, so that `predict` (and auto after it) reads this one
-        measure_costs(pair)
+            pair.pinned_costs = costs
         measured = time.perf_counter()
         own = None if prompts is None else measure_prompts(pair, None, head, temperature, prompts_budget_s or BUDGET_S,
                                                            cache if prompts_cache is None else prompts_cache,
@@ -100,6 +98,7 @@ def render(result: dict) -> str:
     m = result.get("machine") or {}
     how = ("read from the cache" if result.get("cached") else f"measured in {result['measure_s']:.0f} s") \
         if "measure_s" in result else "given"
+    priced_for, acceptance = _acceptance(result)
     lines = [f"{m.get('cpu', 'this machine')} ({m.get('isa', '?')}, {m.get('threads', '?')} threads), engine "
              f"{result['engine']}" + (f", pair {json.dumps(result['pair'])}" if result.get("pair") else "")
              + (f", head {result['head']}" if result.get("head") else ""),
@@ -112,8 +111,8 @@ def render(result: dict) -> str:
                 if c.get("t_draft_two") else "") + "; prefill "
              f"{1e3 * c.get('t_prefill', 0.0):.2f} ms a prompt token (draft {1e3 * c.get('t_prefill_draft', 0.0):.2f})",
              f"predicted with the {result['time_model']} time model ({result['sampling']} sampling) for "
-             f"{_priced_for(result)}; wall: a {result['prompt_tokens']}-token prompt and "
-             f"{result['max_new_tokens']} new tokens", _acceptance_line(result.get("acceptance")), ""]
+             f"{priced_for}; wall: a {result['prompt_tokens']}-token prompt and "
+             f"{result['max_new_tokens']} new tokens", acceptance, ""]
     rows = result["configurations"]
     width = max(len(r["name"]) for r in rows)
     lines.append(f"{'configuration':{width}}  decode tok/s  wall tok/s  speed-up  why")
@@ -129,19 +128,15 @@ def render(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _acceptance_line(acceptance: dict | None) -> str:
-    """Whose acceptance priced the configurations."""
-    if not acceptance or acceptance.get("source") != "prompts":
-        return "acceptance: the dev answers (the head's threshold curve; --prompts FILE|SET measures your own)"
+def _acceptance(result: dict) -> tuple[str, str]:
+    """Whose acceptance priced the configurations: (whose prompts, in words; the acceptance line)."""
+    acceptance = result.get("acceptance") or {}
+    if acceptance.get("source") != "prompts":
+        return (describe_workload(result.get("workload", MIX)),
+                "acceptance: the dev answers (the head's threshold curve; --prompts FILE|SET measures your own)")
     curve = acceptance.get("curve_file")
-    return (f"acceptance: {acceptance['words']}" + (f"; its curve, for --threshold auto / --k auto: --curve {curve}"
-                                                     if curve else ""))
-
-
-def _priced_for(result: dict) -> str:
-    if (result.get("acceptance") or {}).get("source") == "prompts":
-        return "your prompts (--prompts)"
-    return describe_workload(result.get("workload", MIX))
+    return "your prompts (--prompts)", f"acceptance: {acceptance['words']}" + (
+        f"; its curve, for --threshold auto / --k auto: --curve {curve}" if curve else "")
 
 
 def _main(argv) -> int:

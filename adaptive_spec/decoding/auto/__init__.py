@@ -7,8 +7,7 @@ from .counts import (MIX, WORKLOADS, Answers, check_workload, combined_counts, c
                      parse_workload, sum_counts)
 from .curve_replay import H_GRID, K_GRID, curve_of, replay, stop_lengths, window_products
 from .picker import AR, DEFAULT_TIME_MODEL, describe_pick, pick, predicted_wall, resolve_auto
-from .prediction import by_name, picks_of, predict
-from .pricing import copy_round, timed
+from .prediction import by_name, copy_round, picks_of, predict, timed
 from .timemodel import (ONE_STEP, coef_of, compare_decompositions, comparison_table, decode_s, decompose,
                         fit_forward_times, fit_standalone, mean_std, predict_time, relative_error, round_costs,
                         theoretical_tokens_per_s)

@@ -65,22 +65,17 @@ def _set_slice(name: str, usage: str) -> list:
     return texts[:MAX_PROMPTS]
 
 
-def _sampling(head, temperature: float):
-    """The sampling the answers are drawn with: the probe's temperature, truncated as the head's data was."""
-    from ...typed import SamplingParams
-
-    s = getattr(head, "stats_params", None)
-    return SamplingParams(temperature, s.top_k if s is not None else 50, s.top_p if s is not None else 1.0)
-
-
 def record(pair, prompts: list[list[int]], head=None, temperature: float = 1.0, max_new_tokens: int = PROMPT_TOKENS,
            budget_s: float = BUDGET_S) -> list[dict]:
     """Per prompt (token ids), along the target's answer X: x, y, P and p̂ (the last two None without a draft;
     p̂ None without a head). Stops at the first token past `budget_s` seconds (an answer cut there is kept)."""
     import torch
 
+    from ...typed import SamplingParams
+
     gen = torch.Generator().manual_seed(0)
-    sampling = _sampling(head, temperature)
+    s = getattr(head, "stats_params", None)  # the probe's temperature, truncated as the head's data was
+    sampling = SamplingParams(temperature, s.top_k if s is not None else 50, s.top_p if s is not None else 1.0)
     deadline = time.perf_counter() + budget_s
     out = []
     with torch.inference_mode():
@@ -94,7 +89,7 @@ def record(pair, prompts: list[list[int]], head=None, temperature: float = 1.0, 
 def _answer(pair, ids, head, sampling, max_new_tokens, deadline, gen) -> dict:
     import torch
 
-    from ..sampling import sample
+    from ..sampling import process_logits, sample
     from ...heads.features import step_stats
     from ...heads.head import join_inputs, reads_stats
 
@@ -102,18 +97,22 @@ def _answer(pair, ids, head, sampling, max_new_tokens, deadline, gen) -> dict:
     for lm in (target, draft):
         if lm is not None:
             lm.reset()
+
     def feed(lm, tokens):  # runners take ids as a tensor on their device
         return lm.forward(torch.tensor(tokens, dtype=torch.long, device=lm.device))
+
+    def probs(logits):
+        return process_logits(logits[-1].float(), sampling)
 
     t_logits = feed(target, ids)[0]
     d_logits, d_hidden = feed(draft, ids) if draft is not None else (None, None)
     stats_params = getattr(head, "stats_params", None) if reads_stats(getattr(head, "inputs", "hidden")) else None
     rec = {"prompt": list(ids), "x": [], "y": [], "P": [], "phat": []}
     while len(rec["x"]) < max_new_tokens and time.perf_counter() <= deadline:
-        p = _probs(t_logits, sampling)
+        p = probs(t_logits)
         x = int(sample(p, gen))
         if draft is not None:
-            q = _probs(d_logits, sampling)
+            q = probs(d_logits)
             y = int(sample(q, gen))
             rec["y"].append(y)
             rec["P"].append(min(1.0, float(p[y]) / float(q[y])))
@@ -131,12 +130,6 @@ def _answer(pair, ids, head, sampling, max_new_tokens, deadline, gen) -> dict:
         if draft is not None:
             d_logits, d_hidden = feed(draft, [x])
     return rec
-
-
-def _probs(logits, sampling):
-    from ...backends.logits import process_logits
-
-    return process_logits(logits[-1].float(), sampling)
 
 
 def as_responses(records: list[dict]) -> list[tuple]:

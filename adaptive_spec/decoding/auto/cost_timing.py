@@ -126,12 +126,6 @@ def monotone(values) -> list[float]:
     return [m for m, c in blocks for _ in range(int(c))]
 
 
-def context_length(lm, longest: int) -> int:
-    """PREFIX, or less where the model's context cannot hold PREFIX + the longest pass."""
-    limit = getattr(lm, "max_length", None)
-    return PREFIX if not limit else max(1, min(PREFIX, limit - longest))
-
-
 def interleaved_times(cells, reps: int, prefill: dict | None = None) -> list[float]:
     """Median seconds per cell (lm, n tokens, all_logits) of feeding n tokens after a PREFIX-token context.
     Each round times every cell once, so a slow spell of the machine slows every cell alike; round 0 is a
@@ -156,7 +150,8 @@ def prefilled(cells, prefill: dict | None = None) -> dict:
     for lm, _, _ in cells:
         if id(lm) not in ctx:
             longest = max(n for m, n, _ in cells if m is lm)
-            prefix = context_length(lm, longest)
+            limit = getattr(lm, "max_length", None)  # less than PREFIX where the context cannot hold it and a pass
+            prefix = PREFIX if not limit else max(1, min(PREFIX, limit - longest))
             ctx[id(lm)] = (lm, prefix, (torch.arange(prefix + longest, device=lm.device) * 7 + 5) % lm.vocab_size,
                            lm.counters.saved())
     for lm, prefix, ids, _ in ctx.values():

@@ -107,13 +107,10 @@ def cost_config(pair) -> dict:
               "backend": type(pair.target).__name__, **getattr(pair, "draft_config", {})}
     if device.type == "cuda":
         config["gpu"] = torch.cuda.get_device_name(device)
-    for role, lm in (("target", pair.target), ("draft", pair.draft)):
-        if lm is None:  # the target alone (n-gram drafting): its passes only, t_draft 0
-            config[f"{role}_fingerprint"] = None
-            continue
-        config[f"{role}_fingerprint"] = lm.fingerprint()
-        # the runner's numeric path (dtype and kernels chosen at load; llama.cpp's GGUF and threads)
-        config[f"{role}_path"] = lm.numeric_path()
+    for role, lm in (("target", pair.target), ("draft", pair.draft)):  # no draft: the target alone's passes only
+        config[f"{role}_fingerprint"] = None if lm is None else lm.fingerprint()
+        if lm is not None:  # the runner's numeric path (dtype and kernels chosen at load; llama.cpp's GGUF and threads)
+            config[f"{role}_path"] = lm.numeric_path()
     return config
 
 
@@ -132,49 +129,22 @@ def measure_costs(pair, reps: int = 5, cache: bool = True, pin: str | Path | Non
         return pinned
     config = cost_config(pair)
     key = config_key(config)
-    if pin is None:
-        return _cached_or_measured(pair, reps, cache, config, key)
-    costs = _read_pin(Path(pin), config)
-    if costs is None:
-        costs = _cached_or_measured(pair, reps, cache, config, key)
-        write_json(pin, {**costs.to_dict(), "config": config})
-    pair.pinned_costs = costs
-    return costs
-
-
-def _cached_or_measured(pair, reps: int, cache: bool, config: dict, key: str) -> Costs:
+    costs = None if pin is None else _read_costs_file(Path(pin), "pinned", config=config)
+    if costs is not None:
+        pair.pinned_costs = costs
+        return costs
     path = costs_dir() / f"{key}.json"
-    if cache:
-        hit = _read_cached(path, key)
-        if hit is not None:
-            return hit
-        log.info(f"measuring forward times on this machine (once per configuration; cached in {path})")
-    costs = _measure(pair, reps, key)
-    if cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(path, {**costs.to_dict(), "config": config})
-    return costs
-
-
-def _config_differences(a: dict, b: dict) -> list[str]:
-    """The keys in which two cost configs differ, leaving out the kernels picked at load
-    (<role>_path: the oneDNN padding is measured each time and moves with noise)."""
-    keys = {k for k in (*a, *b) if not k.endswith("_path")}
-    return sorted(k for k in keys if a.get(k) != b.get(k))
-
-
-def _read_pin(path: Path, config: dict) -> Costs | None:
-    """The pinned Costs at `path`, or None (with a warning) where it is absent, unreadable or from
-    another machine or model configuration."""
-    read = _read_costs_file(path, "pinned")
-    if read is None:
-        return None
-    saved, costs = read
-    differ = _config_differences(saved.get("config") or {}, config)
-    if differ:
-        log.warning(f"pinned forward times {path} were measured with another {', '.join(differ)}; "
-                    "measuring again on this machine (rows before this carry the old auto picks)")
-        return None
+    costs = _read_costs_file(path, "cached", key) if cache else None
+    if costs is None:
+        if cache:
+            log.info(f"measuring forward times on this machine (once per configuration; cached in {path})")
+        costs = _measure(pair, reps, key)
+        if cache:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_json(path, {**costs.to_dict(), "config": config})
+    if pin is not None:
+        write_json(pin, {**costs.to_dict(), "config": config})
+        pair.pinned_costs = costs
     return costs
 
 
@@ -187,14 +157,9 @@ def costs_from_json(d: dict) -> Costs:
                  float(d.get("t_draft_two", 0.0)), float(d.get("t_step_cell", 0.0)))
 
 
-def _read_cached(path: Path, key: str) -> Costs | None:
-    read = _read_costs_file(path, "cached", key)
-    return None if read is None else read[1]
-
-
-def _read_costs_file(path: Path, what: str, key: str | None = None) -> tuple[dict, Costs] | None:
-    """(the JSON, its Costs) of a cache or pin file, or None where it is absent, or (with a warning)
-    unreadable, of another `key`, or without positive per-length times: both are measured again."""
+def _read_costs_file(path: Path, what: str, key: str | None = None, config: dict | None = None) -> Costs | None:
+    """The Costs of a cache or pin file, or None where it is absent, or (with a warning) unreadable, of another
+    `key`, without positive per-length times, or (a pin) measured with another `config`: all are measured again."""
     if not path.is_file():
         return None
     try:
@@ -208,15 +173,23 @@ def _read_costs_file(path: Path, what: str, key: str | None = None) -> tuple[dic
     except (OSError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
         log.warning(f"{what} forward times {path} are unreadable ({type(e).__name__}: {e}); measuring again")
         return None
-    return saved, costs
+    if config is None:
+        return costs
+    # leaving out the kernels picked at load (<role>_path): the oneDNN padding is measured each time, moving with noise
+    was = saved.get("config") or {}
+    differ = sorted(k for k in {*was, *config} if not k.endswith("_path") and was.get(k) != config.get(k))
+    if differ:
+        log.warning(f"pinned forward times {path} were measured with another {', '.join(differ)}; "
+                    "measuring again on this machine (rows before this carry the old auto picks)")
+        return None
+    return costs
 
 
 def _measure(pair, reps: int, key: str) -> Costs:
     if reps < 1:
         raise UserError(f"reps must be >= 1, got {reps}")
-    cells = measured_cells(pair)
     prefill: dict = {}
-    times = interleaved_times(cells, reps, prefill)
+    times = interleaved_times(measured_cells(pair), reps, prefill)
     # a two-token step never costs less than a one-token one (timing noise where they are alike)
     t_draft, t_draft_two = (times[0], max(times[0], times[1])) if pair.draft is not None else (0.0, 0.0)
     # the one-row pass is the target alone's step: timed as its loop runs it, the interleaved cell kept beside

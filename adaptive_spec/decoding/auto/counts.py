@@ -25,12 +25,9 @@ class Answers:
 # draws per answer of the combined replay's draft rounds (their accepted counts are sampled; copies are not)
 COMBINED_SAMPLES = 4
 
-
 # what a user can say their prompts are (--workload): the prompt sources of the heads' dev answers that stand
 # for each kind (the curve's by_source, COPY_DATA's source_ids); "mix" is those answers as they are pooled
 WORKLOADS = {"chat": ("sharegpt",), "code": ("sharegpt-code", "mbpp"), "math": ("gsm8k-train",)}
-
-
 MIX = "mix"
 
 
@@ -75,18 +72,14 @@ def sum_counts(rows: list[dict]) -> dict:
     return out
 
 
-def _scaled(counts: dict, f: float) -> dict:
-    out = {k: v * f for k, v in counts.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    if isinstance(counts.get("target_pass_hist"), dict):
-        out["target_pass_hist"] = {n: c * f for n, c in counts["target_pass_hist"].items()}
-    return out
-
-
 def mixed(groups) -> dict:
     """Counts of a workload of kinds in equal parts: each group's pooled counts (sum_counts) scaled to one token,
     summed (so n_tokens is the number of kinds; timemodel.predict_time is linear in the counts)."""
-    parts = [sum_counts(g) for g in groups]
-    return sum_counts([_scaled(c, 1.0 / c["n_tokens"]) for c in parts])
+    scaled = []
+    for c in map(sum_counts, groups):
+        f = 1.0 / c["n_tokens"]
+        scaled.append({k: {n: x * f for n, x in v.items()} if isinstance(v, dict) else v * f for k, v in c.items()})
+    return sum_counts(scaled)
 
 
 def workload_point(curve: dict, kinds, select) -> dict:
@@ -96,15 +89,17 @@ def workload_point(curve: dict, kinds, select) -> dict:
     return mixed([[select(curve["by_source"][src]) for src in WORKLOADS[kind]] for kind in kinds])
 
 
-def _grouped(answers_by_source: dict, kinds) -> tuple[dict | None, int]:
-    """Replayed answers (source -> their counts) as one workload's counts, pooled (kinds None) or mixed by kind;
-    with how many answers they hold (None where a kind has none)."""
+def _grouped(by_source: dict, kinds, answers: Answers, draws: int = 1) -> dict | None:
+    """Replayed answers (source -> their counts, `draws` an answer) as one workload's counts, pooled (kinds None)
+    or mixed by kind, with how many answers they hold and where from; None where a kind has none."""
     if kinds is None:
-        every = [a for group in answers_by_source.values() for a in group]
-        return (sum_counts(every) if every else None), len(every)
-    groups = [[a for src in WORKLOADS[kind] for a in answers_by_source.get(src, [])] for kind in kinds]
-    used = sum(len(answers_by_source.get(src, [])) for kind in dict.fromkeys(kinds) for src in WORKLOADS[kind])
-    return (mixed(groups) if all(groups) else None), used
+        every = [a for group in by_source.values() for a in group]
+        out, used = (sum_counts(every) if every else None), len(every)
+    else:
+        groups = [[a for src in WORKLOADS[kind] for a in by_source.get(src, [])] for kind in kinds]
+        used = sum(len(by_source.get(src, [])) for kind in dict.fromkeys(kinds) for src in WORKLOADS[kind])
+        out = mixed(groups) if all(groups) else None
+    return None if out is None else {**out, "n_responses": used // draws, "data": answers.where}
 
 
 def copy_counts(costs, k_max: int, answers: Answers | None, kinds=None) -> dict | None:
@@ -120,8 +115,7 @@ def copy_counts(costs, k_max: int, answers: Answers | None, kinds=None) -> dict 
     by: dict = {}
     for src, _, _, prompt, response in answers.read():
         by.setdefault(src, []).append(replay_copies(policy, prompt, response))
-    out, used = _grouped(by, kinds)
-    return None if out is None else {**out, "n_responses": used, "data": answers.where}
+    return _grouped(by, kinds, answers)
 
 
 def combined_counts(costs, head, h: float, cap: int, k_max: int, answers: Answers | None, kinds=None) -> dict | None:
@@ -157,8 +151,7 @@ def combined_counts(costs, head, h: float, cap: int, k_max: int, answers: Answer
 
         by.setdefault(src, []).extend(replay_copies(policy, prompt, response, model_round)
                                       for _ in range(COMBINED_SAMPLES))
-    out, used = _grouped(by, kinds)
-    return None if out is None else {**out, "n_responses": used // COMBINED_SAMPLES, "data": answers.where}
+    return _grouped(by, kinds, answers, COMBINED_SAMPLES)
 
 
 def describe_workload(workload) -> str:

@@ -71,20 +71,15 @@ def counts_row(T: int, totals: np.ndarray) -> dict:
     passes = {str(k + 1): float(v) for k, v in enumerate(totals[4:]) if v > 0}
     return {"n_tokens": T, "n_target_forwards": rounds, "n_draft_forwards": drafted, "n_drafted": drafted,
             "n_accepted": accepted, "n_all_accepted": full, "n_discarded": drafted - accepted,
-            "verification_rate": rounds / max(T, 1),
-            "discard_rate": (drafted - accepted) / max(T, 1), "tokens_per_round": T / rounds if rounds else float("nan"),
-            "target_pass_hist": passes}
-
-
-def caps_below(k_max: int) -> list[int]:
-    return [c for c in CAP_GRID if c < k_max]
+            "verification_rate": rounds / max(T, 1), "discard_rate": (drafted - accepted) / max(T, 1),
+            "tokens_per_round": T / rounds if rounds else float("nan"), "target_pass_hist": passes}
 
 
 def curve_of(records, lag: int, k_max: int = 20, with_head: bool = True, h_grid=H_GRID, k_grid=K_GRID) -> dict | None:
     """The curve's counts over responses as training/autotune.responses yields them, (source, P, p̂, prompt ids,
     response ids); `lag` the head's (1: a token head); with_head False: the per-K part only. None without any."""
     width = max(k_max, max(k_grid))
-    caps = caps_below(k_max)
+    caps = [c for c in CAP_GRID if c < k_max]
     tallies = {}
     for source, P, phat, _, _ in records:
         P = np.asarray(P, dtype=np.float64)

@@ -8,7 +8,7 @@ from pathlib import Path
 from ...errors import UserError, get_logger
 from ...heads.curve import curve_path, load_curve, sampling_mismatch
 from .costs import measure_costs
-from .timemodel import coef_of, effective_model, predict_time
+from .timemodel import ONE_STEP, coef_of, effective_model, rate_of
 
 log = get_logger(__name__)
 
@@ -24,24 +24,20 @@ def pick(curve: dict, need: str, costs, model: str = DEFAULT_TIME_MODEL, k_max: 
     pick's cap as "k_max"), and the target alone always. `loop`: the sampling mode whose loop time is added."""
     coef = coef_of(costs, model, loop)
     model = effective_model(costs, model)
-    points = curve["thresholds"] if need == "h" else curve["fixed_k"]
-    table = [(p[need], p["n_tokens"] / predict_time(p, coef)) for p in points]
+    table = [(p[need], rate_of(p, coef)) for p in curve["thresholds" if need == "h" else "fixed_k"]]
     value, tps = max(table, key=lambda vt: vt[1])
     out = {"kind": need, "value": value, "tokens_per_s": tps, "model": model, "costs": costs.to_dict(),
            "predicted": dict(table)}
-    limit = curve.get("k_max", 20) if k_max is None else k_max
     if need == "h" and model == "table":
-        out["k_max"] = limit
-        capped = [((p["h"], p["k_max"]), p["n_tokens"] / predict_time(p, coef))
-                  for p in curve.get("capped", []) if p["k_max"] <= limit]
+        out["k_max"] = limit = curve.get("k_max", 20) if k_max is None else k_max
+        capped = [((p["h"], p["k_max"]), rate_of(p, coef)) for p in curve.get("capped", []) if p["k_max"] <= limit]
         out["predicted_capped"] = {f"{h:g}@{cap}": v for (h, cap), v in capped}
         best = max(capped, key=lambda vt: vt[1], default=None)
         if best is not None and best[1] > tps:
             (out["value"], out["k_max"]), out["tokens_per_s"] = best
     # the target alone competes too: where a draft step costs too much against a target pass (llama.cpp
     # on some CPUs), no h or K pays, and auto decodes without drafting
-    out["ar_tokens_per_s"] = 1.0 / ((coef["verify_s"](1) if "verify_s" in coef else coef["t_target"])
-                                    + coef.get("loop_row", 0.0))
+    out["ar_tokens_per_s"] = rate_of(ONE_STEP, coef)
     if out["ar_tokens_per_s"] > out["tokens_per_s"]:
         out.update(value=AR, tokens_per_s=out["ar_tokens_per_s"])
         out.pop("k_max", None)
@@ -94,6 +90,7 @@ def describe_pick(choice: dict) -> str:
     return (f"auto: {name} = {value}{cap}, predicted {choice['tokens_per_s']:.2f} tok/s decoding "
             f"({choice['model']} time model; t_draft {1e3 * c['t_draft']:.1f} ms, t_target {1e3 * c['t_target']:.1f} ms, "
             f"t_cand {1e3 * c['t_cand']:.1f} ms; curve {choice['curve']})")
+
 
 def predicted_wall(auto: dict, n_prompt: int, n_tokens: int) -> dict:
     """auto's predicted wall tokens/s of this generation: its decode rate plus the prompt's prefill at

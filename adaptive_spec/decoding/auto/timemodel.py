@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from typing import Iterable, Sequence
 
@@ -65,6 +65,11 @@ def predict_time(row: dict, coef: dict) -> float:
             verifications = _f(row, "n_target_forwards") if _f(row, "n_drafted") else 0.0
         t += coef["loop_row"] * (rows + _f(row, "n_draft_forwards")) + coef.get("loop_round", 0.0) * verifications
     return t
+
+
+def rate_of(point: dict, coef: dict) -> float:
+    """Tokens a second of a row's (a curve point's) counts under `coef`."""
+    return point["n_tokens"] / predict_time(point, coef)
 
 
 def coef_of(costs, model: str = "extended", loop: str | None = None) -> dict:
@@ -151,12 +156,13 @@ def fit(rows: list[dict], model: str = "paper", score_rows: list[dict] | None = 
     coef = dict(zip(names, sol))
     if not used:  # no rows, or none that involves a model
         return TimeFit(model, coef, float("nan"), len(rows), False, scope=scope)
-    known = {k: v for k, v in coef.items() if v is not None}
-    r2 = float("nan")
-    if score_rows:
-        pred = np.array([predict_time(r, known) for r in score_rows])
-        r2 = _r2(np.array([decode_s(r) for r in score_rows]), pred)
-    return TimeFit(model, coef, r2, len(rows), rank_ok, throughput_errors(score_rows, known), scope)
+    return _scored(model, {k: v for k, v in coef.items() if v is not None}, score_rows, coef, len(rows), rank_ok, scope)
+
+
+def _scored(model: str, coef: dict, rows: list[dict], shown: dict, n_rows: int, rank_ok: bool, scope: str) -> TimeFit:
+    """`coef` scored on `rows` (R^2 of decode time, throughput errors), reported with coefficients `shown`."""
+    r2 = _r2(np.array([decode_s(r) for r in rows]), np.array([predict_time(r, coef) for r in rows]))
+    return TimeFit(model, shown, r2, n_rows, rank_ok, throughput_errors(rows, coef), scope)
 
 
 def throughput_errors(rows: list[dict], coef: dict) -> dict:
@@ -185,11 +191,8 @@ def compare(rows: list[dict], costs=None) -> list[tuple[str, TimeFit]]:
     if costs is not None:
         for model in (*MODELS, *(("table",) if getattr(costs, "t_verify", ()) else ())):
             coef = coef_of(costs, model)
-            y = np.array([decode_s(r) for r in spec])
-            r2 = _r2(y, np.array([predict_time(r, coef) for r in spec])) if spec else float("nan")
-            shown = {k: v for k, v in coef.items() if k in MODELS["extended"]}
-            out.append((f"{model}, measured costs", TimeFit(model, {**dict.fromkeys(MODELS["extended"]), **shown}, r2,
-                                                            0, True, throughput_errors(spec, coef), "measured")))
+            shown = {k: coef.get(k) for k in MODELS["extended"]}
+            out.append((f"{model}, measured costs", _scored(model, coef, spec, shown, 0, True, "measured")))
     return out
 
 
@@ -197,14 +200,9 @@ def better_model(fits: list[tuple[str, TimeFit]]) -> str:
     """The model ('paper', 'extended' or 'table') with the lower mean throughput error on equal terms: with
     measured costs (what `auto` uses) where there are any, else both fitted on all rows."""
     scope = "measured" if any(f.scope == "measured" for _, f in fits) else "all"
-    best = {}
-    for _, f in fits:
-        if f.scope != scope:
-            continue
-        err = f.mean_rel_error
-        if f.rank_ok and not math.isnan(err) and err < best.get(f.model, math.inf):
-            best[f.model] = err
-    return min(best, key=best.get) if best else "extended"
+    errs = [(f.mean_rel_error, f.model) for _, f in fits
+            if f.scope == scope and f.rank_ok and not math.isnan(f.mean_rel_error)]  # one fit a model in a scope
+    return min(errs, key=lambda em: em[0])[1] if errs else "extended"
 
 
 def comparison_table(rows: list[dict], costs=None) -> str:
@@ -240,9 +238,6 @@ class ForwardFit:
     n_rows: int
     rank_ok: bool = True  # False: the columns were collinear (e.g. a single fixed K), t's not identified
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 def _lstsq(X: np.ndarray, y: np.ndarray) -> tuple[list, list[int], bool]:
     """Least squares through the origin over the columns not zero in every row: (coefficients, None for
@@ -271,11 +266,9 @@ def fit_forward_times(rows: Iterable[Sequence[float]]) -> ForwardFit:
     """Eq. 3.1 fitted to (N_draft, N_target, T) triples; a model whose count is zero in every row is left
     out (its time None), so target-only or draft-only runs fit a single coefficient."""
     a = np.asarray([tuple(map(float, r)) for r in rows], dtype=np.float64).reshape(-1, 3)
-    if len(a) == 0:
-        return ForwardFit(None, None, float("nan"), 0, False)
     X, y = a[:, :2], a[:, 2]
     t, used, rank_ok = _lstsq(X, y)
-    if not used:
+    if not used:  # no rows, or none that involves a model
         return ForwardFit(None, None, float("nan"), len(a), False)
     Xu = X[:, used]
     # with the same counts in every row (e.g. every target-only run made 128 tokens) the fit is a
@@ -290,15 +283,10 @@ def fit_standalone(counts: Iterable[float], times: Iterable[float]) -> tuple[flo
     return f.t_target, f.r2, f.n_rows
 
 
-def model_time(n_draft: float, n_target: float, t_draft: float, t_target: float) -> float:
-    """Eq. (3.1)."""
-    return t_draft * n_draft + t_target * n_target
-
-
 def theoretical_tokens_per_s(n_tokens: float, n_draft: float, n_target: float, t_draft: float,
                              t_target: float) -> float:
     """Eq. (5.1) as a throughput: N / (t_draft * N_draft + t_target * N_target)."""
-    t = model_time(n_draft, n_target, t_draft, t_target)
+    t = t_draft * n_draft + t_target * n_target  # Eq. 3.1
     return n_tokens / t if t > 0 else float("nan")
 
 
