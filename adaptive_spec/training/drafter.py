@@ -259,7 +259,8 @@ def train_drafter(cfg: DrafterConfig, resume: bool = False) -> dict:
     start_trackers(acc, cfg, files.out)
     meta = {"dataset": cfg.data, "target_fingerprint": fp, "n_train_seqs": len(train_set),
             "n_reference_seqs": n_refs, "epochs": cfg.epochs,
-            "lr": cfg.lr, "feature_weight": cfg.feature_weight, "ce_weight": cfg.ce_weight, "ce_vocab": cfg.ce_vocab}
+            "lr": cfg.lr, "feature_weight": cfg.feature_weight, "ce_weight": cfg.ce_weight, "ce_vocab": cfg.ce_vocab,
+            "rollout": cfg.rollout, **({"init_from": cfg.init_from} if cfg.init_from else {})}
     run = (cfg, acc, files, model, readout, dev_set or train_set[: max(1, len(train_set) // 8)], meta)
     if state["step"] == 0:
         _eval_and_export(run, state, 0)
