@@ -187,10 +187,10 @@ class FeatureRunner:
 
 
 def feature_pair(target_runner, target_model, drafter: FeatureDrafter, kept_ids=None, kv_cache: str = "dynamic",
-                 runtime: str = "eager", max_cache_len: int | None = None):
+                 runtime: str = "eager", max_cache_len: int | None = None, warm: bool = True):
     """(the tapped target, the drafter's runner) over a loaded target runner and its model: the static drafter
-    (static.py) for the static KV cache or a graph runtime (warmed up now), as the target's runner is chosen,
-    FeatureRunner otherwise."""
+    (static.py) for the static KV cache or a graph runtime (warmed up now unless `warm` is false: a pair whose
+    `prepare` warms it), as the target's runner is chosen, FeatureRunner otherwise."""
     if drafter.hidden_size != target_model.config.hidden_size:
         raise UserError(f"feature drafter trained for '{drafter.target_model}' (hidden size {drafter.hidden_size}) "
                         f"does not fit this target (hidden size {target_model.config.hidden_size}); pass the target it "
@@ -207,7 +207,8 @@ def feature_pair(target_runner, target_model, drafter: FeatureDrafter, kept_ids=
     from .static import StaticFeatureRunner
 
     runner = StaticFeatureRunner(drafter, readout, tap, max_cache_len, runtime)
-    runner.warmup()
+    if warm:
+        runner.warmup()
     return tap, runner
 
 
@@ -225,7 +226,7 @@ def readout_vocab(drafter: FeatureDrafter, asked=None) -> str:
 
 def drafter_over(target_runner, target_model, tok, drafter: FeatureDrafter, asked=None, **runner_kw):
     """(the tapped target, the drafter's runner, the vocabulary it reads out over: readout_vocab); runner_kw:
-    feature_pair's kv_cache, runtime and max_cache_len."""
+    feature_pair's kv_cache, runtime, max_cache_len and warm."""
     from ..backends.vocab import resolve_draft_vocab
 
     vocab = readout_vocab(drafter, asked)
@@ -253,7 +254,7 @@ def load_feature_pair(params):
     target = make_runner(target_model, None, kv_cache, runtime, params.max_cache_len)
     drafter = load_drafter(params.draft, hidden_size=target_model.config.hidden_size)
     tap, runner, vocab = drafter_over(target, target_model, tok, drafter, params.draft_vocab, kv_cache=kv_cache,
-                                      runtime=runtime, max_cache_len=params.max_cache_len)
+                                      runtime=runtime, max_cache_len=params.max_cache_len, warm=False)
     config = {"draft_quant": "none", "draft_vocab": vocab, "drafter": "feature"}
     # graph runtimes: the target's verify shapes warmed for forward_hidden (the variant the tap calls), and the
     # drafter's step with the head in its graph once a policy brings one, before any timed decode
