@@ -37,8 +37,8 @@ from adaptive_spec.errors import UserError
 from adaptive_spec.evaluation.paired import run_header
 from adaptive_spec.runs import append_jsonl, read_json, read_jsonl
 from adaptive_spec.decoding.sampling import SamplingParams
-from adaptive_spec.evaluation.sweep_calibration import load_or_calibrate
-from adaptive_spec.evaluation.tree_calibration import measure_rates, tunstall_accepted, zeroth_order_accepted
+from adaptive_spec.evaluation.sweep_calibration import load_or_calibrate, measure_rates
+from adaptive_spec.evaluation.tree_calibration import tunstall_accepted, zeroth_order_accepted
 
 STRATEGIES = ("sequence", "batch", "specinfer", "tree", "tree-head")
 STYLE = {"sequence": ("tab:blue", "o"), "batch": ("tab:orange", "s"), "specinfer": ("tab:green", "^"),

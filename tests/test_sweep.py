@@ -9,7 +9,7 @@ import torch
 from adaptive_spec.evaluation import report
 
 from adaptive_spec.evaluation import sweep, sweep_files
-from adaptive_spec.evaluation import sweep_grid, sweep_plan, sweep_run
+from adaptive_spec.evaluation import sweep_grid, sweep_run
 from adaptive_spec.config import config_to_dict, load_config
 from adaptive_spec.decoding.metrics import Metrics
 from adaptive_spec.errors import UserError
@@ -157,7 +157,7 @@ def test_out_dir_settings_guard(tmp_path):
     settings = {"temperature": 1.0, "draft": "d"}
 
     def claim(settings, overwrite):
-        lock = sweep_files.claim_out_dir(out, settings, overwrite)
+        _, lock = sweep_files.claim_out_dir(out, settings, overwrite)
         if lock is not None:  # released for the next claim
             lock.close()
 
@@ -265,9 +265,10 @@ def test_settings_keep_their_flat_layout():
               "draft_quant": "int8", "draft_vocab": "", "device": "cpu", "threads": 0, "max_new_tokens": 128,
               "temperature": 0.0, "top_k": 50, "top_p": 1.0, "chat": True, "seed": 0, "k_max": 20,
               "max_prompt_tokens": 1024}
-    assert sweep_plan.settings_of(cfg, "cpu") == before
+    assert {**sweep.settings_of(cfg), "device": "cpu"} == before  # the plan adds the device it resolved
     static = load_config(SweepConfig, None, ["pair={draft_quant: int8, kv_cache: static}", "temperature=0"])
-    assert sweep_plan.settings_of(static, "cpu") == {**before, "kv_cache": "static"}  # a new setting: only when set
+    # a new setting: only when set
+    assert {**sweep.settings_of(static), "device": "cpu"} == {**before, "kv_cache": "static"}
     assert config_to_dict(cfg)["pair"] == cfg.pair.model_dump()  # the report reads the pair there
 
 

@@ -36,15 +36,32 @@ Then `adaptive-spec report --sweep-dir DIR` writes the tables and Pareto plots."
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import config_from_argv
+from ..backends.paths import FeatureDraft
+from ..backends.runner import resolve_device
+from ..config import config_from_argv, config_to_dict
+from ..decoding.sampling import SamplingParams
 from ..errors import run_main
-from .sweep_calibration import calibrate
+from ..params import PairParams
+from ..prompts import load_prompts
+from ..typed import build
+from .forward_costs import parse_draft
+from .sweep_calibration import Measures, PromptPicker, auto_node_cost, calibrate, reads_costs, verification
 from .sweep_config import SweepConfig
-from .sweep_files import RESULTS, SweepFolder
-from .sweep_plan import plan_sweep
-from .sweep_run import Runner, hf_schedule_note, load_pairs
+from .sweep_files import RESULTS, FolderPlan, SweepFolder
+from .sweep_grid import Baseline, Configuration, Source, build_grid, load_heads
+from .sweep_run import Runner, RunSettings, hf_schedule_note, load_pairs
+
+# config keys that change the numbers in results.jsonl; a resume must keep them (with the pair's, settings_of)
+RESULT_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "chat", "seed", "k_max", "max_prompt_tokens")
+# the pair's settings in settings.json, which keeps them flat and spells unset ones as it always has
+PAIR_RESULT_KEYS = ("backend", "n_ctx", "draft", "target", "dtype", "draft_quant", "draft_vocab", "threads")
+UNSET = {"n_ctx": 0, "draft_vocab": "", "threads": 0}
+# torch settings a sweep may set: recorded only when set, so an existing sweep's settings hash holds
+PAIR_IF_SET = ("kv_cache", "runtime", "max_cache_len", "target_quant", "draft_context")
+
 
 def run(cfg: SweepConfig) -> Path:
     """Run (or resume) the sweep; returns the out_dir."""
@@ -62,6 +79,79 @@ def run(cfg: SweepConfig) -> Path:
     todo, n_jobs = folder.start(plan.grid, selected, notes, pairs)
     Runner(pairs, plan.run, plan.heads, calibrated).run_all(plan.grid, todo, n_jobs, folder)
     return folder.path
+
+
+@dataclass(frozen=True)
+class SweepPlan:
+    grid: list[Configuration]  # run on every prompt, in run order
+    pairs: dict[str, PairParams]  # drafts entry ("" without a drafts axis) -> the pair to load
+    heads: dict  # label (or a trees entry's folder as written) -> (AcceptanceHead on the CPU, info)
+    prompts: PromptPicker
+    run: RunSettings
+    folder: FolderPlan
+    measures: Measures
+    notes: tuple[str, ...]  # what the grid left out (config.json's notes)
+
+    @property
+    def hf_assisted(self) -> bool:
+        return any(c.policy is Baseline.HF_ASSISTED for c in self.grid)
+
+
+def plan_sweep(cfg: SweepConfig) -> SweepPlan:
+    """The sweep's plan, with everything that can be checked without the models checked (the heads load here, on
+    the CPU, and are checked against the draft); prompts are read, the out_dir is neither made nor read yet."""
+    cfg.pair.engine.check_available(cfg.pair.device, "pair.device")
+    settings = settings_of(cfg)
+    pairs = draft_pairs(cfg)
+    grid, listed, notes = build_grid(cfg)
+    named = {c.head: c.policy.head for c in grid if c.source is Source.TREES and c.head}
+    heads = load_heads(cfg.pair.draft, listed, named)
+    settings["device"] = str(resolve_device(cfg.pair.device))  # the one the pair runs on
+    folder = FolderPlan(cfg.out_dir or f"runs/sweep/{cfg.name or 'sweep'}", settings, cfg.overwrite,
+                        config_to_dict(cfg), {k: heads[k][1] for k in listed}, cfg.pair if cfg.record_trace else None,
+                        bool(cfg.drafts))
+    sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
+    need = Measures(any(map(reads_costs, grid)), tuple(sorted(set(map(verification, grid)) - {None})),
+                    any(map(auto_node_cost, grid)), cfg.tree_calibration_width, sampling, cfg.max_new_tokens,
+                    cfg.progress)
+    run = RunSettings(sampling, cfg.max_new_tokens, cfg.k_max, cfg.seed, cfg.auto_prompts, cfg.curve, cfg.warmup,
+                      cfg.progress, cfg.record_trace)
+    texts = {ds: load_prompts(ds, cfg.fields.get(ds), None, cfg.seed, cfg.hf_configs.get(ds), cfg.hf_splits.get(ds))
+             for ds in cfg.datasets}
+    picker = PromptPicker(texts, cfg.max_prompt_tokens, cfg.max_new_tokens, cfg.chat, cfg.n_prompts,
+                          cfg.tree_calibration_prompts if need.methods else 0)
+    return SweepPlan(grid, pairs, heads, picker, run, folder, need, tuple(notes))
+
+
+def draft_pairs(cfg: SweepConfig) -> dict[str, PairParams]:
+    """`drafts` entry -> the pair's settings with that draft configuration, each checked as generate's flags are
+    ({"": pair} without a drafts axis): the sweep loads one pair per entry and shares its target."""
+    if not cfg.drafts:
+        return {"": cfg.pair}
+    base = cfg.pair.model_dump(exclude_unset=True)
+    out = {}
+    for i, d in enumerate(cfg.drafts):
+        quant, vocab = parse_draft(d)
+        out[d] = build(PairParams, {**base, "draft_quant": quant, "draft_vocab": vocab}, f"drafts[{i}] ({d})",
+                       lambda k: f"pair.{k}")
+    return out
+
+
+def settings_of(cfg: SweepConfig) -> dict:
+    """settings.json's settings from the config; the plan adds the device the pair runs on, last."""
+    p = cfg.pair
+    raw = {k: str(v) if isinstance(v := getattr(p, k), FeatureDraft) else v  # a feature drafter as written
+           for k in PAIR_RESULT_KEYS}
+    d = {k: UNSET[k] if k in UNSET and v is None else v for k, v in raw.items()}
+    d.update(p.model_dump(include=set(PAIR_IF_SET), exclude_defaults=True))
+    d.update({k: getattr(cfg, k) for k in RESULT_KEYS})
+    if cfg.drafts:  # recorded only when set, so an existing sweep's settings hash holds
+        d["drafts"] = list(cfg.drafts)
+    if cfg.record_trace:  # likewise; and a resume must not mix rows with and without traces
+        d["record_trace"] = True
+    if cfg.auto_prompts:  # likewise: auto's picks come from those prompts' curve
+        d["auto_prompts"] = cfg.auto_prompts
+    return d
 
 
 def _noter(notes: list[str]):

@@ -12,8 +12,7 @@ from ..config import Config
 from ..decoding.sampling import SamplingParams
 from ..errors import UserError
 from ..params import PairParams, check_runs_on
-from ..typed import build, fits, policy_class
-from .forward_costs import parse_draft
+from ..typed import fits, policy_class
 from .sweep_grid import AUTO, Source, build_grid
 
 
@@ -117,7 +116,7 @@ class SweepConfig(Config):
         if AUTO in self.ks and not (self.curve or self.heads or self.auto_prompts):
             raise UserError("ks lists auto but neither curve nor heads is given: set curve to a threshold_curve.json "
                             "(made by `adaptive-spec autotune`), or list a head that has one")
-        self.draft_pairs()
+        self._check_drafts()
         for conf in grid:
             if conf.source is not Source.SHORTHAND:  # a shorthand's policy is complete only once the sweep runs
                 try:
@@ -139,11 +138,11 @@ class SweepConfig(Config):
         except UserError as e:
             raise UserError(f"config key 'auto_prompts': {e}") from None
 
-    def draft_pairs(self) -> dict[str, PairParams]:
-        """`drafts` entry -> the pair's settings with that draft configuration, each checked as generate's
-        flags are ({"": pair} without a drafts axis): the sweep loads one pair per entry and shares its target."""
+    def _check_drafts(self) -> None:
+        """`drafts`: distinct draft configurations of the pair's draft model, without trees (the plan makes each
+        entry's pair: sweep.draft_pairs)."""
         if not self.drafts:
-            return {"": self.pair}
+            return
         if not isinstance(self.drafts, list) or not all(isinstance(d, str) and d for d in self.drafts):
             raise UserError(f"config key 'drafts' must be a list of draft configurations QUANT[:VOCAB] such as "
                             f"[none, int8, int8:32768], got {self.drafts!r}")
@@ -154,13 +153,6 @@ class SweepConfig(Config):
         if self.trees:
             raise UserError("trees are calibrated on one draft and do not run with a drafts axis: run one sweep per "
                             "draft configuration (pair.draft_quant / pair.draft_vocab), or leave drafts empty")
-        base = self.pair.model_dump(exclude_unset=True)
-        out = {}
-        for i, d in enumerate(self.drafts):
-            quant, vocab = parse_draft(d)
-            out[d] = build(PairParams, {**base, "draft_quant": quant, "draft_vocab": vocab},
-                           f"drafts[{i}] ({d})", lambda k: f"pair.{k}")
-        return out
 
 
 def _auto_or(value, kind, key: str):

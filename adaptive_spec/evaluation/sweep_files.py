@@ -17,7 +17,7 @@ import transformers
 from ..backends import presets
 from ..backends.paths import FeatureDraft
 from ..errors import UserError
-from ..runs import append_jsonl, lock_dir, read_json, read_jsonl, settings_problem, write_json
+from ..runs import append_jsonl, lock_dir, project_path, read_json, read_jsonl, settings_problem, write_json
 from ..setup.pair import DEFAULT_PAIR
 from .sweep_grid import PEERS, ROW_KEYS, Configuration
 
@@ -36,10 +36,12 @@ COSTS = "costs.json"
 RUN_FILES = (RESULTS, "settings.json", "config.json", "heads.json", "prompts.json", TREE_CALIBRATION, COSTS)
 
 
-def claim_out_dir(out: Path, settings: dict, overwrite: bool):
-    """Make the out_dir and lock it for this process (the lock, held until it exits or is closed, is returned);
-    refuse to mix results of different settings in it, or with `overwrite` discard results of other (or unknown)
-    settings instead. Results of the same settings are always resumed."""
+def claim_out_dir(out_dir: str | Path, settings: dict, overwrite: bool):
+    """Find the out_dir (a relative one from the project root), make it and lock it for this process; return it and
+    the lock, held until the process exits or the lock is closed. Refuse to mix results of different settings in it,
+    or with `overwrite` discard results of other (or unknown) settings instead. Results of the same settings are
+    always resumed."""
+    out = project_path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     lock = lock_dir(out, "sweep")  # before anything is read: another sweep may be writing there
     saved = read_json(out / "settings.json", required=False, hint="delete it, or use another out_dir")
@@ -51,7 +53,7 @@ def claim_out_dir(out: Path, settings: dict, overwrite: bool):
     else:
         problem = None
     if problem is None:
-        return lock
+        return out, lock
     if not overwrite:
         if lock is not None:  # released now, not when the error's traceback is dropped
             lock.close()
@@ -61,7 +63,7 @@ def claim_out_dir(out: Path, settings: dict, overwrite: bool):
         (out / name).unlink(missing_ok=True)
     for pin in out.glob("costs@*.json"):  # the other drafts entries' pinned costs (sweep_calibration)
         pin.unlink()
-    return lock
+    return out, lock
 
 
 def prompt_sha(text) -> str:
@@ -80,10 +82,10 @@ class Job(NamedTuple):
 
 @dataclass(frozen=True)
 class FolderPlan:
-    """The out_dir and what it records besides the rows (SweepFolder), as the plan (sweep_plan.py) gives them."""
+    """The out_dir and what it records besides the rows (SweepFolder), as the plan (sweep.py) gives them."""
 
-    path: Path
-    settings: dict  # settings.json's: what the results depend on (sweep_plan.settings_of)
+    out_dir: str  # as the config writes it: relative to the project root
+    settings: dict  # settings.json's: what the results depend on (sweep.settings_of)
     overwrite: bool  # discard results of other settings found there
     config: dict  # config.json's "config": the config as given
     heads: dict  # heads.json's: label -> info, of the config's `heads`
@@ -95,15 +97,15 @@ class SweepFolder:
     """The sweep's out_dir, opened (made, locked for this process, its settings checked: open), then recorded
     (settings.json, heads.json, prompts.json, config.json: start) and grown one row per run (append_row)."""
 
-    def __init__(self, plan: FolderPlan, lock):
-        self.plan, self.path, self.lock = plan, plan.path, lock  # the lock is held until this process exits
+    def __init__(self, plan: FolderPlan, path: Path, lock):
+        self.plan, self.path, self.lock = plan, path, lock  # the lock is held until this process exits
         self.hash = settings_hash(plan.settings)
         self.context = {}  # drafts entry -> what every row of its pair carries (set by start)
 
     @classmethod
     def open(cls, plan: FolderPlan) -> SweepFolder:
-        """The out_dir made and claimed for this process (claim_out_dir)."""
-        return cls(plan, claim_out_dir(plan.path, plan.settings, plan.overwrite))
+        """The out_dir claimed for this process (claim_out_dir)."""
+        return cls(plan, *claim_out_dir(plan.out_dir, plan.settings, plan.overwrite))
 
     def start(self, grid: list[Configuration], selected: dict, notes: list[str], pairs: dict) -> tuple[list[Job], int]:
         """Write settings.json, heads.json, prompts.json (`selected`: dataset -> [(i, text, ids)]) and config.json

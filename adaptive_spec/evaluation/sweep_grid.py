@@ -1,5 +1,5 @@
 """The configurations a sweep runs: Configuration and build_grid, from a SweepConfig (sweep.py's docstring
-has the keys).
+has the keys), and the heads they run, loaded on the CPU and checked against the draft (load_heads).
 
 Each Configuration holds its policy: the typed settings `generate` takes (built through the policy
 registry), or a Baseline that is no registered policy. The shorthands (ks, heads x thresholds, taus) and
@@ -8,15 +8,20 @@ one pass. What runs a configuration is chosen by its policy's type and its Sourc
 from __future__ import annotations
 
 import glob
+import json
 import re
 from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 
+import torch
+
+from ..backends.paths import FeatureDraft, resolve_model_path
 from ..decoding.trees.policy import round_budget
 from ..decoding.trees.shapes import NESTED
 from ..errors import UserError
 from ..heads.curve import load_curve
+from ..heads.head import AcceptanceHead
 from ..params import (ARParams, ConfidenceParams, EntropyParams, FixedParams, HeuristicParams, LearnedParams,
                       OracleParams)
 from ..registry import Needs
@@ -267,6 +272,51 @@ def find_head_folder(h: str) -> Path | None:
     """The head folder a path names (working directory first, then the project root), or None."""
     p = Path(h).expanduser()
     return next((f for f in map(head_folder, [p] if p.is_absolute() else [p, PROJECT_ROOT / p]) if f), None)
+
+
+def load_heads(draft: str | FeatureDraft | None, listed: dict, named: dict) -> dict:
+    """{label: (AcceptanceHead on CPU, info: path, depth, w_rej, train/dev metrics)} of every head the grid runs.
+    `listed`: label -> folder of `heads`; `named`: the same of the heads `trees` entries name (a label of heads, or
+    a folder, then labelled as written), each checked to be a token head. A head trained for another draft than
+    `draft` is refused here, before any model loads."""
+    hidden, heads = draft_hidden_size(draft), {}
+    for label, folder in {**listed, **named}.items():
+        head = AcceptanceHead.from_pretrained(folder, hidden_size=hidden, dtype=torch.float32,
+                                              draft_model=None if draft is None else str(draft))
+        if label in named and getattr(head, "feature", "token") != "token":
+            raise UserError(f"trees: head {label} reads feature={head.feature}, but the tree estimator scores each "
+                            "drafted node from its own hidden state and needs a head trained with feature=token")
+        extra = dict(head.extra)
+        metrics = extra.pop("metrics", None)
+        mfile = Path(folder) / "metrics.json"
+        if metrics is None and mfile.is_file():
+            try:
+                metrics = json.loads(mfile.read_text())
+            except json.JSONDecodeError:
+                metrics = None
+        heads[label] = head, {"label": label, "path": str(folder), "depth": head.depth, "hidden_size": head.hidden_size,
+                              "draft_model": head.draft_model, "w_rej": extra.get("w_rej"), "step": extra.get("step"),
+                              "metrics": metrics or {},
+                              "extra": {k: v for k, v in extra.items() if k not in ("w_rej", "step")}}
+    return heads
+
+
+def draft_hidden_size(draft: str | FeatureDraft) -> int | None:
+    """The draft's hidden size from its config.json when it is a local folder (no weights loaded); a feature
+    drafter's folder records it too (the target's, which its states have)."""
+    try:
+        path = Path(draft.path if isinstance(draft, FeatureDraft) else resolve_model_path(draft, "draft",
+                                                                                         auto_fetch=False))
+    except UserError:
+        return None
+    if not (path / "config.json").is_file():
+        return None
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError:
+        return None
+    h = cfg.get("hidden_size") or (cfg.get("text_config") or {}).get("hidden_size")
+    return int(h) if h else None
 
 
 MULTI_DRAFT = ("spectr", "batch-sd")

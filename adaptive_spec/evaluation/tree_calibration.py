@@ -1,43 +1,18 @@
-"""The 0-th order acceptance model of tree policies: measured once, frozen, and what it predicts.
+"""The 0-th order acceptance model of tree policies: what it predicts from rates measured once and frozen.
 
 Tree policies choose their shape from the conditional acceptance rates c_i per sibling index
 (shapes.PositionalRates). Measured on the prompts being evaluated, or adapted while they run, the rates
 would make each output depend on what ran before; so, as in the ERSD paper, they are measured once on
 separate calibration prompts (batch drafting of `width` siblings, which samples the later sibling
-indices, plus sequence drafting) and then passed frozen to every run."""
+indices, plus sequence drafting: sweep_calibration.measure_rates) and then passed frozen to every run."""
 from __future__ import annotations
 
-import sys
-
-from tqdm import tqdm
-
-from ..decoding.trees.policy import TreePolicy
-from ..decoding.trees.shapes import (PositionalRates, acceptance_distribution, shape_tree, tree_value,
-                                     tunstall_bound)
+from ..decoding.trees.shapes import acceptance_distribution, shape_tree, tree_value, tunstall_bound
 
 # the tree and multi-draft policies of sweeps and reports, and the verification whose rates each
 # tree policy is calibrated with (spectr / batch-sd draw i.i.d. drafts: no rates)
 TREE_POLICIES = ("tree", "ersd", "spectr", "batch-sd")
 VERIFICATION = {"tree": "gsd", "ersd": "ersd"}
-CALIBRATION_RUNS = (("batch", None), ("sequence", 4))  # (drafting, budget); None: the calibration width
-CALIBRATION_SEED = 10_000  # far from the evaluation seeds, so no calibration run repeats an evaluated one
-
-
-def measure_rates(pair, prompts: list[list[int]], sampling, max_new_tokens: int, method: str = "gsd",
-                  width: int = 8, seed: int = CALIBRATION_SEED, progress: bool = False) -> dict:
-    """{"cond_rates", "trials", "hits"} of verification `method` (gsd | ersd) over the token-id
-    prompts: every run adapts one shared estimate (weight 1 prior, i.e. the data dominates)."""
-    est = PositionalRates(weight=1.0, adapt=True, method=method)
-    runs = [(i, d, k or width) for i in range(len(prompts)) for d, k in CALIBRATION_RUNS]
-    bar = tqdm(runs, desc=f"calibrate {method}", unit="run", dynamic_ncols=True, disable=not progress,
-               file=sys.stderr)
-    for i, drafting, k in bar:
-        # carry_rates: the shared estimate must keep what each run adds, not restore it per generation
-        pol = TreePolicy(method, drafting, k, rates=est, carry_rates=True)
-        pair.decoder.generate(prompts[i], max_new_tokens=max_new_tokens, sampling=sampling, policy=pol,
-                              seed=seed + i)
-        bar.set_postfix_str(f"c0={est.cond()[0]:.3f}")
-    return est.to_dict()
 
 
 def _dist(cond, k: int, vocab_size: int | None = None) -> list[float]:
