@@ -492,6 +492,14 @@ def test_a_bad_drafts_entry_is_refused_before_models_load(inputs, tmp_path, caps
     assert re.search(match, capsys.readouterr().err)
 
 
+def test_a_feature_drafter_with_a_drafts_axis_is_refused(inputs, tmp_path, capsys):
+    """A drafts axis shares one target among the pairs; a feature drafter's runner reads the target it was loaded
+    with, so the sweep refuses the pairing before any model loads (the folder need not exist)."""
+    argv = overrides(inputs, tmp_path / "x", drafts="[none, none:32]", **{"pair.draft": "feature:" + str(tmp_path)})
+    assert sweep.main(argv) == 2
+    assert "a feature drafter reads its own target's states" in capsys.readouterr().err
+
+
 def test_auto_prompts_picks_from_the_curve_of_those_prompts_answers(inputs, tmp_path, monkeypatch, capsys):
     """auto_prompts: the loaded pair answers the prompts once (the curve cached), every auto row picks what that
     curve gives at the sweep's pinned costs, and the settings record the prompts. The head has no curve of its own

@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import Field
 
 from ..backends import engines
+from ..backends.paths import FeatureDraft
 from ..config import Config
 from ..decoding.sampling import SamplingParams
 from ..errors import UserError
@@ -150,6 +151,10 @@ class SweepConfig(Config):
             raise UserError(f"config key 'drafts' lists a draft configuration twice: {self.drafts}")
         if self.pair.draft is None:
             raise UserError("drafts is set but pair.draft is none: name the draft model the configurations quantize")
+        if isinstance(self.pair.draft, FeatureDraft):  # its runner reads the target it was loaded with
+            raise UserError("drafts compares configurations of one draft model against a shared target; a feature "
+                            "drafter reads its own target's states: leave drafts empty (pair.draft_vocab sets its "
+                            "vocabulary)")
         if self.trees:
             raise UserError("trees are calibrated on one draft and do not run with a drafts axis: run one sweep per "
                             "draft configuration (pair.draft_quant / pair.draft_vocab), or leave drafts empty")
