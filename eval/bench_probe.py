@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 
 from adaptive_spec.errors import UserError, run_main
-from adaptive_spec.decoding.auto import MIX, by_name, describe_workload, parse_workload, picks_of, timed
+from adaptive_spec.decoding.auto import by_name, describe_workload, parse_workload, picks_of, timed
 from adaptive_spec.evaluation import probe
 from adaptive_spec.evaluation.paired import run_header
 from adaptive_spec.runs import read_jsonl, write_json
@@ -146,14 +146,14 @@ def counts_rate(result: dict, rows: list[dict], after: dict | None = None, catch
         t = sum(predict_time({**r, "n_all_accepted": (r.get("accepted_hist") or {}).get(str(r["k"]), 0)
                               if r.get("method") == "fixed" and r.get("k") else 0}, coef) for r in rows)
         if catch_up:
-            t += res["costs"].get("t_prefill_draft", 0.0) * sum(max(r["n_prompt_tokens"] - 1, 0) for r in rows)
+            t += res["costs"]["t_prefill_draft"] * sum(max(r["n_prompt_tokens"] - 1, 0) for r in rows)
         rates.append(n / t)
     return len(rates) / sum(1 / x for x in rates)
 
 
 def _step_ms(result: dict) -> float:
     c = result["costs"]
-    return 1e3 * (c["t_verify"][0] if c.get("t_verify") else c["t_target"])
+    return 1e3 * c["t_verify"][0]
 
 
 def report(results: dict, sweeps: dict, run: dict, afters: dict | None = None) -> str:
@@ -231,11 +231,11 @@ def report(results: dict, sweeps: dict, run: dict, afters: dict | None = None) -
 def _counts_source(result: dict) -> tuple[str, str]:
     """(whose counts the predictions took, in words; the split table's column for them): the head's dev answers
     (the workload's kinds) or the answers the probe recorded on the runs' own prompts (--prompts FILE|SET)."""
-    acceptance = result.get("acceptance") or {}
-    if acceptance.get("source") == "prompts":
-        return (f"the answers the probe recorded on these prompts ({acceptance.get('words', acceptance.get('label'))}"
+    acceptance = result["acceptance"]
+    if acceptance["source"] == "prompts":
+        return (f"the answers the probe recorded on these prompts ({acceptance['words']}"
                 "; the runs answer them afresh, to full length)", "probe's answers")
-    return (f"the head's dev answers (not these sets; {describe_workload(result.get('workload', MIX))})",
+    return (f"the head's dev answers (not these sets; {describe_workload(result['workload'])})",
             "dev answers")
 
 
@@ -334,8 +334,7 @@ def _main(argv) -> int:
         if not after.is_file():  # the machine's speed after the runs: the same configurations, measured afresh
             write_json(after, probe.run(pair, args.head, 1.0, 128, args.max_new_tokens, args.reps, cache=False,
                                         ran=picks_of(result), prompts=texts, prompts_cache=True,
-                                        workload=None if texts else parse_workload(result.get("workload",
-                                                                                                    MIX))),
+                                        workload=None if texts else parse_workload(result["workload"])),
                        indent=1, default=str)
             gc.collect()
     header = run_header(out, report_only=False, measure=lambda: {

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from adaptive_spec.errors import UserError, run_main
-from adaptive_spec.evaluation.paired import rebuild_report, run_header, write_run
+from adaptive_spec.evaluation.paired import rebuild_report, write_run
 from adaptive_spec.runs import atomic_write, write_json
 from adaptive_spec.tables import fmt, md_table
 
@@ -56,10 +56,7 @@ class Mode(NamedTuple):
 
 def rebuild(mode: Mode, out: Path):
     """--report-only: the report from <out>'s rows and run.json alone."""
-    header = run_header(out, report_only=True)
-    # a probe folder kept before results.json sat beside its table holds the results in run.json
-    legacy = not (out / mode.rows).is_file() and "results" in header
-    rebuild_report(out, mode.rows, mode.report_file, mode.report, header, header["results"] if legacy else None)
+    rebuild_report(out, mode.rows, mode.report_file, mode.report)
 
 
 def finish(mode: Mode, out: Path, doc: dict, measure: Callable[[], dict]) -> str:

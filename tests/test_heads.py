@@ -80,9 +80,10 @@ def test_feature_is_saved_and_checked(tmp_path):
     AcceptanceHead(16, depth=1).save_pretrained(tmp_path / "t")
     cfg = json.loads((tmp_path / "t" / "config.json").read_text())
     assert cfg["feature"] == "token"
-    del cfg["feature"]  # a head saved before `feature` existed reads as a token head
+    del cfg["feature"]  # refused, naming the key and what to add
     (tmp_path / "t" / "config.json").write_text(json.dumps(cfg))
-    assert AcceptanceHead.from_pretrained(tmp_path / "t").feature == "token"
+    with pytest.raises(UserError, match="config.json has no 'feature'; .* add \"feature\": \"token\" to a head saved"):
+        AcceptanceHead.from_pretrained(tmp_path / "t")
     with pytest.raises(UserError, match="feature must be one of token, context"):
         AcceptanceHead(16, feature="prefix")
 
@@ -150,9 +151,8 @@ def test_committed_heads_load_unchanged(name):
     torch.testing.assert_close(head(x), torch.tensor(COMMITTED[name]), atol=1e-3 if fp16 else 1e-6, rtol=0)
     assert head.feature == ("context" if name.endswith("context") else "token")
     assert head.extra["metrics"]["dev_kl"] > 0 and head.draft_model == "default"
-    # saved before `inputs` existed: they read the hidden state alone, and nothing else changed
+    # trained before `inputs` existed (their config.json had it added since): the hidden state alone
     assert head.inputs == "hidden" and head.in_dim == 896 and not list(head.buffers())
-    assert "inputs" not in json.loads((CHECKPOINTS / name / "config.json").read_text())
 
 
 def fake_hub_cache(cache: Path, repo_id: str, folder: Path) -> Path:
@@ -330,9 +330,10 @@ def test_stats_head_round_trip_and_old_configs(tmp_path):
     AcceptanceHead(8, depth=1).save_pretrained(tmp_path / "h")
     cfg = json.loads((tmp_path / "h" / "config.json").read_text())
     assert cfg["inputs"] == "hidden" and "stats_sampling" not in cfg
-    del cfg["inputs"]  # a head saved before `inputs` existed reads the hidden state only
+    del cfg["inputs"]  # refused, naming the key and what to add
     (tmp_path / "h" / "config.json").write_text(json.dumps(cfg))
-    assert AcceptanceHead.from_pretrained(tmp_path / "h").inputs == "hidden"
+    with pytest.raises(UserError, match="config.json has no 'inputs'; .* add \"inputs\": \"hidden\" to a head saved"):
+        AcceptanceHead.from_pretrained(tmp_path / "h")
     (tmp_path / "h" / "config.json").write_text(json.dumps({**cfg, "inputs": "hidden+logits"}))
     with pytest.raises(UserError, match="names inputs 'hidden\\+logits'; this version reads hidden, hidden\\+stats"):
         AcceptanceHead.from_pretrained(tmp_path / "h")

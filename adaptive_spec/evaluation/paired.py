@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import UserError, get_logger
-from ..runs import append_jsonl, atomic_write, read_jsonl, write_json
+from ..runs import append_jsonl, atomic_write, read_json, read_jsonl, write_json
 
 log = get_logger(__name__)
 
@@ -89,6 +89,6 @@ def rebuild_report(out: Path, data_file: str, report_file: str, report: Callable
     """<out>'s report from its data file (or `data`) and run.json (`header`, read when not given): one path
     for a measuring run and --report-only, so a report reads the same whether just measured or rebuilt."""
     header = run_header(out, report_only=True) if header is None else header
-    text = report(json.loads((out / data_file).read_text()) if data is None else data, header)
+    text = report(read_json(out / data_file, hint="rerun without --report-only") if data is None else data, header)
     atomic_write(out / report_file, text)
     return text

@@ -104,7 +104,7 @@ def render(result: dict) -> str:
              + (f", head {result['head']}" if result.get("head") else ""),
              f"costs ({how}{'; ' + result['cache'] if result.get('cache') else ''}): a step {1e3 * t1:.1f} ms"
              + (f" (in the target-alone loop; a one-row pass between passes of other lengths: "
-                f"{1e3 * c['t_step_cell']:.1f} ms)" if c.get("t_step_cell") else "") + "; "
+                f"{1e3 * c['t_step_cell']:.1f} ms)" if c["t_step_cell"] else "") + "; "
              f"a pass of 1..{len(c.get('t_verify') or ())} rows costs v = {v or '-'} steps"
              + (f", {longs}" if longs else "") + f"; a draft step {c['t_draft'] / c['t_target']:.2f} steps"
              + (f" (of two tokens, after a round all accepted: {c['t_draft_two'] / c['t_target']:.2f})"
@@ -130,9 +130,9 @@ def render(result: dict) -> str:
 
 def _acceptance(result: dict) -> tuple[str, str]:
     """Whose acceptance priced the configurations: (whose prompts, in words; the acceptance line)."""
-    acceptance = result.get("acceptance") or {}
-    if acceptance.get("source") != "prompts":
-        return (describe_workload(result.get("workload", MIX)),
+    acceptance = result["acceptance"]
+    if acceptance["source"] != "prompts":
+        return (describe_workload(result["workload"]),
                 "acceptance: the dev answers (the head's threshold curve; --prompts FILE|SET measures your own)")
     curve = acceptance.get("curve_file")
     return "your prompts (--prompts)", f"acceptance: {acceptance['words']}" + (

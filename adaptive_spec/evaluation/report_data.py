@@ -314,7 +314,7 @@ def family(a: Agg) -> str | None:
     by shape: the optimal tree by how R is estimated or a learned budget, and the fixed shapes."""
     if a.method != "tree":
         return FAMILY_OF.get(a.method)
-    if a.params.get("drafting", "tree") != "tree":
+    if a.params["drafting"] != "tree":
         return "tree, fixed shape"
     if a.params.get("budget") == "learned":
         return LEARNED_TREE

@@ -60,7 +60,7 @@ def rows_of(results: Path) -> list[dict]:
         if not rows:
             continue
         ngram = folder.name.startswith("bench_ngram")
-        if run.get("target_quant", "none") != "none" and not ngram:
+        if not ngram and run["target_quant"] != "none":
             # a run whose every row is on a re-quantized target: its baseline is the fetched file alone
             tq = run["target_quant"]
             rows = [{**r, "config": "ar", "engine": CPU_BASELINE} if r["config"] == "ar (fetched target)"

@@ -33,5 +33,5 @@ def head_needs(head: Any) -> frozenset:
         return frozenset()
     inputs = getattr(head, "inputs", None)
     if inputs is None and isinstance(head, (str, Path)) and (Path(head).expanduser() / "config.json").is_file():
-        inputs = json.loads((Path(head).expanduser() / "config.json").read_text()).get("inputs", "hidden")
+        inputs = json.loads((Path(head).expanduser() / "config.json").read_text()).get("inputs")
     return frozenset() if inputs is None or inputs == "stats" else frozenset({"hidden"})

@@ -10,7 +10,7 @@ Which hidden state the head reads (`feature`):
            after its first candidate (K = 1), often the best K where a draft step is not cheap.
 
 What else it reads (`inputs`):
-  hidden        that state alone (the paper's head; every head saved before `inputs` existed)
+  hidden        that state alone (the paper's head)
   hidden+stats  that state and features.draft_stats of the candidate, standardized inside the head by
                 the training set's mean and std (saved buffers); a row is [hidden (H), stats (3)]
                 (`join_inputs`; `shard_inputs` per datagen position).
@@ -219,16 +219,14 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="adaptive-spe
                 f"head at {where} was trained for draft model '{trained_for}' (hidden size {h}) but the draft in "
                 f"use{in_use} has hidden size {draft_hidden_size}; pass the draft it was trained for or train a head "
                 "for this draft")
-        feature = cfg.get("feature", "token")  # heads saved before `feature` existed are token heads
-        if feature not in FEATURES:
-            raise UserError(f"{where}/{CONFIG_NAME} names feature {feature!r}; expected one of "
-                            f"{', '.join(FEATURES)}. {_FIX}")
-        inputs = cfg.get("inputs", "hidden")  # heads saved before `inputs` existed read the hidden state only
-        if inputs not in INPUTS:
-            raise UserError(f"{where}/{CONFIG_NAME} names inputs {inputs!r}; this version reads "
-                            f"{', '.join(INPUTS)}: upgrade adaptive_spec, or {_FIX}")
-        return cls(h, depth, draft_model=trained_for, draft_fingerprint=cfg.get("draft_fingerprint"), feature=feature,
-                   inputs=inputs, stats_sampling=cfg.get("stats_sampling"))
+        for key, known in (("feature", FEATURES), ("inputs", INPUTS)):
+            if cfg.get(key) not in known:
+                got = f"names {key} {cfg[key]!r}" if key in cfg else f"has no {key!r}"
+                raise UserError(f"{where}/{CONFIG_NAME} {got}; this version reads {', '.join(known)}: add "
+                                f'"{key}": "{known[0]}" to a head saved before it was recorded, upgrade adaptive_spec, '
+                                f"or {_FIX}")
+        return cls(h, depth, draft_model=trained_for, draft_fingerprint=cfg.get("draft_fingerprint"),
+                   feature=cfg["feature"], inputs=cfg["inputs"], stats_sampling=cfg.get("stats_sampling"))
 
 
 _FIX = "train one with `python train.py --config configs/train/default.yaml` or pass its folder or hub id"

@@ -14,7 +14,6 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..datagen.features import load_draft, response_features
-from ..datagen.config import DatagenConfig
 from ..datagen.shards import FORMAT
 from ..errors import UserError
 from ..heads.features import CONTEXT_KEY, N_STATS, position_map, state_key
@@ -42,8 +41,10 @@ def read_manifest(root: str | Path, partial: bool = False) -> dict:
         d = m["models"]["draft"]
         int(d["hidden_size"])
         m["splits"]["train"]["shards"]
+        stats_sampling(m)
     except (KeyError, TypeError, ValueError) as e:
-        raise UserError(f"{f} lacks {e} (models.draft.hidden_size / splits.train.shards); regenerate the dataset") from None
+        raise UserError(f"{f} lacks {e} (models.draft.hidden_size / splits.train.shards / config.temperature, top_k, "
+                        "top_p); regenerate the dataset") from None
     return m
 
 
@@ -263,7 +264,6 @@ class EpochShuffle(torch.utils.data.Sampler):
 
 
 def stats_sampling(manifest: dict) -> dict:
-    """How the datagen run processed q before taking its draft_stats (its temperature, top-k,
-    top-p; datagen's defaults where the manifest predates them): the policy processes q the same way."""
-    cfg, default = manifest.get("config") or {}, DatagenConfig()
-    return {k: cfg.get(k, getattr(default, k)) for k in ("temperature", "top_k", "top_p")}
+    """How the datagen run processed q before taking its draft_stats (its temperature, top-k, top-p; read_manifest
+    checks the manifest has them): the policy processes q the same way."""
+    return {k: manifest["config"][k] for k in ("temperature", "top_k", "top_p")}
