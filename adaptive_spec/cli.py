@@ -140,8 +140,8 @@ def _auto_policy(request: Request, pair) -> PolicyParams:
     and cached, as adaptive-spec probe --prompts caches them) as it reads --curve."""
     from .decoding.auto import measure_prompts
 
-    own = measure_prompts(pair, None, getattr(request.policy, "head", None), request.sampling.temperature,
-                          texts=request.auto_texts)["curve_file"]
+    own = measure_prompts(pair, request.auto_texts, getattr(request.policy, "head", None),
+                          request.sampling.temperature)["curve_file"]
     return params.policy_params(request.policy.name, spell=flag, **{**request.settings, "curve": own})
 
 

@@ -263,11 +263,11 @@ def _cuda_kernels(fwd, ids, n_logits) -> tuple[int, int]:
     return len(events) - copies, copies
 
 
-def step_launches(lm, n: int = 1, n_logits: int = 1, with_head: bool = False) -> dict:
+def step_launches(lm, n: int = 1, n_logits: int = 1) -> dict:
     """What one forward of n tokens costs `lm` in launches at its current length; the runner and its counters
     are put back after. aten ops are counted on the eager step; cuda_kernels / cuda_copies (None off CUDA) are
     what the profiler records for a forward as the runner runs it (graph replay or compiled call)."""
-    fwd = lm.forward_with_head if with_head else lm.forward
+    fwd = lm.forward
     ids = torch.zeros(n, dtype=torch.long, device=lm.device)
     length, saved = lm.length, lm.counters.saved()
     counter = OpCounter()

@@ -25,13 +25,6 @@ def tokenizer_hash(tok) -> str:
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
-def count_tokens(tok, texts: Iterable[str], counts: Counter | None = None) -> Counter:
-    counts = Counter() if counts is None else counts
-    for text in texts:
-        counts.update(tok(text, add_special_tokens=False)["input_ids"])
-    return counts
-
-
 def save_token_list(path: str | Path, tok, counts: Counter, source: str, always: Iterable[int] = ()) -> Path:
     """Write ids by descending count (ties by id); `always` (EOS and the chat markers) go first,
     so a reduced draft can still end a turn."""
@@ -116,7 +109,8 @@ def build_token_list(tok, text_files: list[str], out: str | Path) -> tuple[Path,
         if not Path(file).is_file():
             raise UserError(f"text file {file} does not exist; pass JSONL files of texts (FILE or FILE:FIELD)")
         with open(file) as fh:
-            count_tokens(tok, (json.loads(line).get(field or "text", "") for line in fh if line.strip()), counts)
+            for line in filter(str.strip, fh):
+                counts.update(tok(json.loads(line).get(field or "text", ""), add_special_tokens=False)["input_ids"])
     always = [t for t in (tok.eos_token_id, tok.pad_token_id) if t is not None]
     markers = [t for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>") if t in tok.get_vocab()]
     always += tok.convert_tokens_to_ids(markers)

@@ -159,13 +159,13 @@ def covering_trace(traces: list) -> list:
 
 def replay_generate(target, draft, prompt_ids: list[int], n_tokens: int, trace: list | None = None,
                     inner: StopPolicy | None = None, sampling: SamplingParams = SamplingParams(1.0),
-                    seed: int = 0, host_reads: str = "auto", decoder: Decoder | None = None) -> Generation:
+                    seed: int = 0, decoder: Decoder | None = None) -> Generation:
     """Replay one recorded generation on the runners `target` and `draft` (any weights of the recorded
     shapes): no trace (None, or an ar row's empty one) is the target alone for n_tokens; else its rounds,
     with `inner` (the recorded policy's stop rule, built for these runners) asked at every drafted step.
-    `host_reads`: the Decoder's (decoder.py). `decoder`: a Decoder(target, draft, eos_token_ids=()) to reuse
-    across replays: a device round's epilogues belong to its decoder, and the graphs a runner captures for
-    them are made once per decoder, so a fresh one per replay would capture them inside every replay."""
-    dec = decoder or Decoder(target, draft if trace else None, eos_token_ids=(), host_reads=host_reads)
+    `decoder`: a Decoder(target, draft, eos_token_ids=()) to reuse across replays: a device round's epilogues
+    belong to its decoder, and the graphs a runner captures for them are made once per decoder, so a fresh one
+    per replay would capture them inside every replay."""
+    dec = decoder or Decoder(target, draft if trace else None, eos_token_ids=())
     policy = TraceReplay(check_trace(trace, n_tokens), inner) if trace else None
     return dec.generate(prompt_ids, max_new_tokens=n_tokens, sampling=sampling, policy=policy, seed=seed)

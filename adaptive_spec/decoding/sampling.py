@@ -55,14 +55,12 @@ def sample_u(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 SAMPLE_BLOCK = 128
 
 
-def draw(probs: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
-         u: torch.Tensor | None = None) -> torch.Tensor:
-    """One token per row of `probs` = process_logits(logits, params), from `generator` or from the given
-    uniform `u` (sample_u). Greedy: the one-hot's token, the one `sample` would draw, taken by argmax
-    without sample's float64 cumulative sum over the vocabulary."""
+def draw(probs: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of `probs` = process_logits(logits, params), from `generator`. Greedy: the one-hot's
+    token, the one `sample` would draw, taken by argmax without sample's float64 cumulative sum over the vocabulary."""
     if params.greedy:
         return probs.argmax(-1)
-    return sample(probs, generator) if u is None else sample_u(probs, u)
+    return sample(probs, generator)
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -212,10 +212,10 @@ def feature_pair(target_runner, target_model, drafter: FeatureDrafter, kept_ids=
     return tap, runner
 
 
-def load_drafter(spec: FeatureDraft | str, hidden_size: int | None = None, device=None, dtype=None) -> FeatureDrafter:
+def load_drafter(spec: FeatureDraft | str, hidden_size: int | None = None) -> FeatureDrafter:
     """A FeatureDraft, `feature:PATH` or PATH (a folder or hub id) -> the drafter."""
     path = spec.path if isinstance(spec, FeatureDraft) else str(spec).removeprefix(FEATURE)
-    return FeatureDrafter.from_pretrained(path, hidden_size=hidden_size, device=device, dtype=dtype)
+    return FeatureDrafter.from_pretrained(path, hidden_size=hidden_size)
 
 
 def readout_vocab(drafter: FeatureDrafter, asked=None) -> str:

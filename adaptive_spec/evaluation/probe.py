@@ -77,9 +77,9 @@ def run(pair_params, head: str | None = DEFAULT_HEAD, temperature: float = 1.0, 
         if not cache:  # pinned on the pair: `predict` (and auto within it) reads this measurement
             pair.pinned_costs = costs
         measured = time.perf_counter()
-        own = None if prompts is None else measure_prompts(pair, None, head, temperature, prompts_budget_s or BUDGET_S,
-                                                           cache if prompts_cache is None else prompts_cache,
-                                                           texts=prompts)
+        own = None if prompts is None else measure_prompts(pair, prompts, head, temperature,
+                                                           prompts_budget_s or BUDGET_S,
+                                                           cache if prompts_cache is None else prompts_cache)
         recorded = time.perf_counter()
         out = predict(pair, head if pair.draft is not None else None, temperature, prompt_tokens, max_new_tokens,
                       ran=ran, answers=dev_answers(), workload=workload, prompts=own)

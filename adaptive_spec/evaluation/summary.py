@@ -298,19 +298,6 @@ def write_readme() -> bool:
     return True
 
 
-# a speed figure: a ratio (1.36x, 0.97-1.32x) or a rate (4.82 tok/s)
-FIGURE = re.compile(r"\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?x\b|\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)? ?tok/s")
-
-
-def typed_figures(text: str) -> list[str]:
-    """The speed figures of a README outside its generated blocks: each is typed by hand, so none may be."""
-    for begin, end in BLOCKS:
-        if begin in text and end in text:
-            head, rest = text.split(begin, 1)
-            text = head + rest.split(end, 1)[1]
-    return FIGURE.findall(text)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--write", action="store_true", help="write the tables into README.md between their markers")

@@ -173,8 +173,7 @@ class Runner:
         once, cached, and remembered, so every run of the sweep reads the same file)."""
         s = self.settings
         if head_dir not in self.prompt_curves:
-            made = measure_prompts(pair, None, head_dir, s.sampling.temperature, texts=load_texts(s.auto_prompts),
-                                   k_max=s.k_max)
+            made = measure_prompts(pair, load_texts(s.auto_prompts), head_dir, s.sampling.temperature, k_max=s.k_max)
             if made["curve_file"] is None:
                 raise UserError(f"auto_prompts {s.auto_prompts}: no curve was made (no draft model recorded)")
             self.prompt_curves[head_dir] = made["curve_file"]

@@ -10,13 +10,13 @@ from ..errors import UserError, first_line
 from .pair import disk_errors, log_step
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, dtype=None, quiet: bool = False) -> Path:
-    """Turn a GGUF file into a plain Hugging Face folder (safetensors in `dtype`, default bf16); returns out_dir.
+def convert_gguf(gguf_path: Path, out_dir: Path, quiet: bool = False) -> Path:
+    """Turn a GGUF file into a plain Hugging Face folder (safetensors in bf16); returns out_dir.
     The loaded model still carries the GGUF `quantization_config`, which would make a saved copy load as GGUF
     again, so it is rebuilt without it over the same tensors (no second copy of the weights)."""
     import torch
 
-    dtype = torch.bfloat16 if dtype is None else dtype
+    dtype = torch.bfloat16
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if not gguf_path.is_file():
         raise UserError(f"GGUF file {gguf_path} does not exist")

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..decoding.auto import H_GRID, K_GRID, curve_of
+from ..decoding.auto import curve_of
 from ..datagen.shards import iter_shards
 from ..errors import UserError, get_logger
 from ..heads import head as heads
@@ -51,12 +51,12 @@ def responses(data_dir: Path, split: str, head=None):
                        tokens[starts[i]:starts[i] + lens[i]], x[a:b])
 
 
-def build_curve(head, data_dir, split: str = "dev", k_max: int = 20, h_grid=H_GRID, k_grid=K_GRID) -> dict:
+def build_curve(head, data_dir, split: str = "dev", k_max: int = 20) -> dict:
     """The expected counts per h (head given) and per fixed K over a datagen split (module
     docstring), pooled and, for a mix of prompt sources, per source (`by_source`); and per
     (h, cap) for the caps of CAP_GRID below k_max (`capped`)."""
     lag = 0 if getattr(head, "feature", "token") == "context" else 1
-    curve = curve_of(responses(Path(data_dir), split, head), lag, k_max, head is not None, h_grid, k_grid)
+    curve = curve_of(responses(Path(data_dir), split, head), lag, k_max, head is not None)
     if curve is None:
         raise UserError(f"split {split!r} of {data_dir} holds no responses; pass a datagen run with a {split} split "
                         "(dev_frac > 0) or another --split")

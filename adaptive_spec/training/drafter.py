@@ -173,7 +173,7 @@ def drafter_loss(drafter, readout, feats, ids, valid, cfg: DrafterConfig, noise:
 
 # ----------------------------------------------------------------------------- data and models
 
-def build_states(cfg: DrafterConfig, progress: bool = True, stop_after: int = 0) -> Path:
+def build_states(cfg: DrafterConfig) -> Path:
     """The target's states along the config's sequences (drafter/data.py), computed where missing; those
     along reference answers go to <states>/references."""
     from ..backends.models import load_model
@@ -192,11 +192,10 @@ def build_states(cfg: DrafterConfig, progress: bool = True, stop_after: int = 0)
     settings = {"target": cfg.target, "target_dtype": cfg.target_dtype}
     target = lambda: (load()[0], load()[2])  # noqa: E731 (data.py's load_target)
     data.build(cfg.data, out, target, settings,
-               {"train": cfg.max_train_seqs, "dev": cfg.max_dev_seqs}, cfg.prompt_tail, cfg.max_len,
-               progress=progress, stop_after=stop_after)
+               {"train": cfg.max_train_seqs, "dev": cfg.max_dev_seqs}, cfg.prompt_tail, cfg.max_len)
     if cfg.references:
         data.build_references(cfg.data, out / "references", target, lambda: load()[1], settings,
-                              cfg.references, cfg.prompt_tail, cfg.max_len, progress=progress, stop_after=stop_after)
+                              cfg.references, cfg.prompt_tail, cfg.max_len)
     return out
 
 

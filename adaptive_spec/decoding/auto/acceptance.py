@@ -158,16 +158,16 @@ def curve(records: list[dict], head, head_dir, label: str, temperature: float, k
     return out
 
 
-def measure_prompts(pair, spec, head_dir, temperature: float = 1.0, budget_s: float = BUDGET_S, cache: bool = True,
-            texts: tuple[list, str] | None = None, k_max: int = 20) -> dict:
-    """Record on the prompts `spec` names (load_texts) and cache their curve: {"label", "n_prompts", "n_tokens",
+def measure_prompts(pair, texts: tuple[list, str], head_dir, temperature: float = 1.0, budget_s: float = BUDGET_S,
+                    cache: bool = True, k_max: int = 20) -> dict:
+    """Record on `texts` (load_texts' prompts and label) and cache their curve: {"label", "n_prompts", "n_tokens",
     "curve_file" (None without a draft), "records"}; the same pair, head, prompts and temperature read the file
     (cache=False: record afresh, write nothing). `k_max`: the curve's cap on candidates a round."""
     from .costs import config_key, cost_config, costs_dir
     from ...heads import head as heads
     from ...heads.curve import weights_hash
 
-    texts, label = texts or load_texts(spec)
+    texts, label = texts
     ids = [pair.encode(t, chat=bool(getattr(pair.tokenizer, "chat_template", None))) for t in texts]
     head = None
     if head_dir is not None and pair.draft is not None:

@@ -75,10 +75,10 @@ def counts_row(T: int, totals: np.ndarray) -> dict:
             "tokens_per_round": T / rounds if rounds else float("nan"), "target_pass_hist": passes}
 
 
-def curve_of(records, lag: int, k_max: int = 20, with_head: bool = True, h_grid=H_GRID, k_grid=K_GRID) -> dict | None:
+def curve_of(records, lag: int, k_max: int = 20, with_head: bool = True) -> dict | None:
     """The curve's counts over responses as training/autotune.responses yields them, (source, P, p̂, prompt ids,
     response ids); `lag` the head's (1: a token head); with_head False: the per-K part only. None without any."""
-    width = max(k_max, max(k_grid))
+    width = max(k_max, max(K_GRID))
     caps = [c for c in CAP_GRID if c < k_max]
     tallies = {}
     for source, P, phat, _, _ in records:
@@ -86,12 +86,12 @@ def curve_of(records, lag: int, k_max: int = 20, with_head: bool = True, h_grid=
         phat = None if phat is None or not with_head else np.asarray(phat, dtype=np.float64)
         T = len(P)
         AP = window_products(P, width)
-        by_k = [replay(AP, np.full(T, k)) for k in k_grid]
+        by_k = [replay(AP, np.full(T, k)) for k in K_GRID]
         by_h, by_cap = [], []
         if phat is not None:
             PH = window_products(phat, k_max)
-            by_h = [replay(AP, stop_lengths(PH, h, k_max, lag)) for h in h_grid]
-            by_cap = [replay(AP, stop_lengths(PH, h, cap, lag)) for cap in caps for h in h_grid]
+            by_h = [replay(AP, stop_lengths(PH, h, k_max, lag)) for h in H_GRID]
+            by_cap = [replay(AP, stop_lengths(PH, h, cap, lag)) for cap in caps for h in H_GRID]
         for name in {None, source}:
             t = tallies.setdefault(name, {"n_responses": 0, "n_tokens": 0, "h": 0.0, "k": 0.0, "cap": 0.0})
             t["n_responses"] += 1
@@ -102,12 +102,12 @@ def curve_of(records, lag: int, k_max: int = 20, with_head: bool = True, h_grid=
 
     def section(t: dict) -> dict:
         T = t["n_tokens"]
-        grid = [(cap, h) for cap in caps for h in h_grid]
+        grid = [(cap, h) for cap in caps for h in H_GRID]
         return {"n_responses": t["n_responses"], "n_tokens": T,
-                "thresholds": [{"h": h, **counts_row(T, c)} for h, c in zip(h_grid, t["h"])] if with_head else [],
+                "thresholds": [{"h": h, **counts_row(T, c)} for h, c in zip(H_GRID, t["h"])] if with_head else [],
                 "capped": [{"h": h, "k_max": cap, **counts_row(T, c)} for (cap, h), c in zip(grid, t["cap"])]
                 if with_head else [],
-                "fixed_k": [{"k": k, **counts_row(T, c)} for k, c in zip(k_grid, t["k"])]}
+                "fixed_k": [{"k": k, **counts_row(T, c)} for k, c in zip(K_GRID, t["k"])]}
 
     pooled = section(tallies.pop(None))
     return {"format": FORMAT, "k_max": k_max, **pooled, "by_source": {n: section(t) for n, t in tallies.items()}}

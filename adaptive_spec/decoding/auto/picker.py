@@ -44,7 +44,7 @@ def pick(curve: dict, need: str, costs, model: str = DEFAULT_TIME_MODEL, k_max: 
     return out
 
 
-def resolve_auto(pair, params, model: str | None = None, temperature: float | None = None):
+def resolve_auto(pair, params, temperature: float | None = None):
     """(params, pick): PolicyParams with k / threshold "auto" replaced by this machine's pick (unchanged and None
     when nothing is automatic; None for the params when the pick is the target alone). Picks are remembered
     on the pair and printed once, warned where the curve's sampling is not the decode's."""
@@ -53,7 +53,7 @@ def resolve_auto(pair, params, model: str | None = None, temperature: float | No
     if need is None:
         return params, None
     # the engine's own time model (on llama.cpp the per-length table: its pass time is a step function of K)
-    model = model or getattr(getattr(pair, "engine", None), "time_model", DEFAULT_TIME_MODEL)
+    model = getattr(getattr(pair, "engine", None), "time_model", DEFAULT_TIME_MODEL)
     head = getattr(params, "head", None)
     source = params.curve or (head if isinstance(head, (str, Path)) else None)
     curve = load_curve(source, need, head)

@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ... import params
-from ...errors import UserError
 from ...heads.curve import curve_path, load_curve
 from .acceptance import as_responses, describe
 from .costs import measure_costs
@@ -47,8 +46,6 @@ def predict(pair, head: str | None, temperature: float, prompt_tokens: int, max_
     picks it, fixed K is the workload's best. `prompts` (acceptance.measure's result): price at those answers'
     counts instead, h and K picked from their curve as `--auto-prompts` picks them."""
     costs = measure_costs(pair)
-    if prompts is not None and workload is not None:
-        raise UserError("--prompts and --workload both say whose acceptance prices the configurations; pass one")
     if prompts is not None:  # the answers recorded on the user's prompts, with the p̂ recorded along them
         records = as_responses(prompts["records"])
         answers = Answers(prompts["label"], "your prompts", lambda head=None: records)
