@@ -605,3 +605,30 @@ def test_the_benchmark_runs_the_probes_own_prompts_and_says_whose_counts_priced_
     capsys.readouterr()
     assert bench.main(["--prompts", "no-such-set", "--out", str(tmp_path / "x")]) == 2
     assert "no such file and no such prompt set" in capsys.readouterr().err
+
+
+def test_a_probe_prices_a_feature_drafter_from_its_own_step(tmp_path, monkeypatch, capsys):
+    """`--draft feature:PATH`: the probe loads the drafter over the target, measures the drafter's step as the draft
+    step and prices the drafting configurations with a head on the drafter's statistics; the same probe without a
+    draft prices none of them (the control)."""
+    from transformers import AutoModelForCausalLM
+
+    from adaptive_spec.backends.toy import save_model
+    from adaptive_spec.drafter.model import FeatureDrafter
+    from adaptive_spec.heads.head import AcceptanceHead
+
+    monkeypatch.setenv("ADAPTIVE_SPEC_CACHE", str(tmp_path / "cache"))
+    target = save_model(tmp_path / "t", vocab_size=40, hidden_size=24, layers=2, seed=2, logit_scale=4.0)
+    FeatureDrafter.for_target(AutoModelForCausalLM.from_pretrained(target)).save_pretrained(tmp_path / "d")
+    AcceptanceHead(24, depth=0, inputs="stats", feature="context").save_pretrained(tmp_path / "head")
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": f"w{i} w{i + 1}"}) + "\n" for i in range(3)))
+    argv = ["--target", str(target), "--dtype", "fp32", "--device", "cpu", "--threads", "1", "--reps", "1",
+            "--head", str(tmp_path / "head"), "--prompts", str(tmp_path / "p.jsonl"), "--json"]
+    assert probe.main([*argv, "--draft", f"feature:{tmp_path / 'd'}"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    names = [r["name"] for r in out["configurations"]]
+    assert any(n.startswith("fixed") for n in names) and "SpecDec++ h=auto" in names, names
+    assert out["costs"]["t_draft"] > 0
+    assert probe.main([*argv, "--draft", "none"]) == 0
+    names = [r["name"] for r in json.loads(capsys.readouterr().out)["configurations"]]
+    assert not any(n.startswith(("fixed", "SpecDec++")) for n in names), names
