@@ -39,7 +39,7 @@ phase = echo "== $(1)"; start=$$(date +%s); $(2) || exit $$?; \
 	printf '%s\t%s\n' "$(1)" $$(( $$(date +%s) - start )) >> $(PHASES)
 # the torch half sized to the CPU: where torch has no bf16 kernels (AVX2) the target runs in fp32, streaming
 # twice the bytes a step, and the half takes one prompt (the rule is cpu.auto_dtype's, asked of the package)
-TORCH_SIZE = $$(.venv/bin/python -c "from adaptive_spec.backends.cpu import native_bf16; print('' if native_bf16() else 'n_prompts=1')")
+TORCH_SIZE = $$(.venv/bin/python -c "from adaptive_spec.backends.cpu.machine import native_bf16; print('' if native_bf16() else 'n_prompts=1')")
 
 # the main job on the default pair, timed phase by phase (the breakdown prints at the end): set-up, the
 # fetch, then on llama.cpp the target alone vs fixed K vs SpecDec++ (committed head, h = auto) vs prompt

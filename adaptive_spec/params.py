@@ -331,7 +331,7 @@ class PairParams(Params):
         "rule's recent stops), every N drafted tokens (N: the same on the device, reading whether the rule "
         "stopped), or after every drafted token (token: the rule decides on the host); auto: round on a GPU, "
         "token on the CPU", **expecting("auto, round, token or an integer N >= 1"))
-    # torch's CPU kernels (backends/packed.py): chosen by timing once per CPU and model shape, then cached;
+    # torch's CPU kernels (backends/cpu/packed.py): chosen by timing once per CPU and model shape, then cached;
     # these fix the choice (a benchmark of one path, or a CPU where the timing misleads)
     cpu_stock: bool = Field(False, description="torch on CPU: stock torch kernels (default: the linear layers "
                             "pre-packed for oneDNN where it has a kernel for the dtype)", **expecting("true or false"))

@@ -106,7 +106,7 @@ def main(argv=None) -> int:
         return 0
     import torch
 
-    from adaptive_spec.backends.cpu import flags_line
+    from adaptive_spec.backends.cpu.machine import flags_line
     from adaptive_spec.config import load_config
     from adaptive_spec.datagen import generate as datagen
     from adaptive_spec.datagen.config import DatagenConfig, config_hash

@@ -40,7 +40,7 @@ def measure(args) -> tuple[list[dict], dict]:
     """(one row per draft configuration, what the report says beside them)."""
     import torch
 
-    from adaptive_spec.backends.cpu import flags_line
+    from adaptive_spec.backends.cpu.machine import flags_line
     from adaptive_spec.backends.models import load_model
     from adaptive_spec.backends.runner import CausalLM
     from adaptive_spec.decoding.sampling import SamplingParams

@@ -148,7 +148,7 @@ def measure(pair, ids, policy: dict, n: int, timed: bool = False, temperature: f
 
 def run(args, out: Path, results: Path, done: set) -> dict:
     """Every missing row; returns what run.json records of the run."""
-    from adaptive_spec.backends.cpu import flags_line
+    from adaptive_spec.backends.cpu.machine import flags_line
     from adaptive_spec.drafter.source import load_drafter
     from adaptive_spec.heads.head import INPUTS, load_head
 

@@ -69,7 +69,7 @@ def load_path(name: str, role: str, dtype: str, packed: bool, fp16: bool) -> Cau
 def bench_model(name: str, args, lens: list[int]) -> list[dict]:
     import torch
 
-    from adaptive_spec.backends.cpu import fbgemm_fp16, onednn_packed
+    from adaptive_spec.backends.cpu.machine import fbgemm_fp16, onednn_packed
     from adaptive_spec.backends.models import resolve_dtype
     from adaptive_spec.evaluation.forward_costs import linear_bytes, time_forward, time_prefill
 
@@ -126,7 +126,7 @@ def measure_kernels(args) -> tuple[dict, dict]:
     """
     import torch
 
-    from adaptive_spec.backends.cpu import describe, flags_line
+    from adaptive_spec.backends.cpu.machine import describe, flags_line
     from adaptive_spec.evaluation.forward_costs import read_bandwidth_gbps
 
     torch.set_num_threads(args.threads)
@@ -212,7 +212,7 @@ def measure_linear_rows(args) -> tuple[dict, dict]:
     """
     import torch
 
-    from adaptive_spec.backends.cpu import describe, flags_line
+    from adaptive_spec.backends.cpu.machine import describe, flags_line
     from adaptive_spec.evaluation.forward_costs import layer_shapes, linear_kernels, linear_row_times
 
     torch.set_num_threads(args.threads)
@@ -286,7 +286,7 @@ def measure_lengths(args) -> tuple[dict, dict]:
     """
     import torch
 
-    from adaptive_spec.backends.cpu import flags_line
+    from adaptive_spec.backends.cpu.machine import flags_line
     from adaptive_spec.decoding.pipeline import SpecPair
     from adaptive_spec.decoding.sampling import SamplingParams, process_logits, sample
     from adaptive_spec.evaluation.forward_costs import per_step_ms, time_forward
@@ -388,7 +388,7 @@ def measure_llama_cpp(args) -> tuple[dict, dict]:
     """
     import torch
 
-    from adaptive_spec.backends.cpu import flags_line
+    from adaptive_spec.backends.cpu.machine import flags_line
     from adaptive_spec.setup.llama_build import VERSION, X86_SETS, cmake_args
     from adaptive_spec.backends.llamacpp import GGUFModel, LlamaCppLM
     from adaptive_spec.decoding.auto import PREFIX
@@ -545,7 +545,7 @@ def _main(argv: list[str]) -> int:
         return 0
     results, fields = m.measure(args)
     if args.out is None:
-        from adaptive_spec.backends.cpu import describe
+        from adaptive_spec.backends.cpu.machine import describe
 
         args.out = m.out.format(isa=describe()["isa"].lower())
     print(write_run(Path(args.out), SCRIPT, args.command, m.data, results, m.report_file, m.report,

@@ -32,7 +32,7 @@ import json
 import statistics
 from collections import defaultdict
 
-from adaptive_spec.backends.cpu import flags_line
+from adaptive_spec.backends.cpu.machine import flags_line
 from adaptive_spec.setup.wheels import default_gguf
 from adaptive_spec.setup.llama_build import VERSION
 from adaptive_spec.backends.llamacpp_pair import requantized_gguf

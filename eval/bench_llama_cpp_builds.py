@@ -66,7 +66,7 @@ def main(argv=None) -> int:
         (out / "report.md").write_text(report(got, run_header(out, report_only=True)))
         return 0
 
-    from adaptive_spec.backends.cpu import flags_line
+    from adaptive_spec.backends.cpu.machine import flags_line
     from adaptive_spec.setup.wheels import default_gguf
     from adaptive_spec.setup.llama_build import VERSION, cmake_args, enabled_sets
     from adaptive_spec.setup.llama_tools import build

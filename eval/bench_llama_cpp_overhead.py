@@ -43,7 +43,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from adaptive_spec.backends.cpu import flags_line
+    from adaptive_spec.backends.cpu.machine import flags_line
     from adaptive_spec.setup.wheels import default_gguf
     from adaptive_spec.setup.llama_tools import bench_tg, build, build_flags
     from adaptive_spec.decoding import pipeline

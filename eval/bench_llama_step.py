@@ -243,7 +243,7 @@ def _amx_line(run: dict) -> str:
 
 
 def _header(args, data: dict) -> dict:
-    from adaptive_spec.backends.cpu import flags_line
+    from adaptive_spec.backends.cpu.machine import flags_line
 
     path = data["numeric_path"]
     env = {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_", "GGML_", "LLAMA_", "KMP_"))}

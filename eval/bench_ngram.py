@@ -32,7 +32,7 @@ from types import SimpleNamespace
 
 import torch
 
-from adaptive_spec.backends.cpu import flags_line
+from adaptive_spec.backends.cpu.machine import flags_line
 from adaptive_spec.setup.wheels import default_gguf
 from adaptive_spec.setup.llama_build import VERSION
 from adaptive_spec.decoding.auto import measure_costs

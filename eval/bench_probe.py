@@ -309,7 +309,7 @@ def _main(argv) -> int:
         return 0
     import torch
 
-    from adaptive_spec.backends.cpu import flags_line
+    from adaptive_spec.backends.cpu.machine import flags_line
     from adaptive_spec.evaluation import sweep
     from adaptive_spec.params import pair_params
 

@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from adaptive_spec.backends import cpu
+from adaptive_spec.backends.cpu.machine import flags_line
 from adaptive_spec.evaluation.paired import rebuild_report, run_header
 from adaptive_spec.runs import append_jsonl, read_jsonl
 
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     header = run_header(out, False, lambda: {"script": "eval/bench_revisions.py", "report": REPORT,
                                              "base": args.base, "rounds": args.rounds, "prompts": len(prompts),
                                              "prompt_set": "tiny" if args.tiny else "HumanEval",
-                                             "max_new_tokens": args.max_new_tokens, "flags": cpu.flags_line()})
+                                             "max_new_tokens": args.max_new_tokens, "flags": flags_line()})
     spec = {"configs": names, "table": {n: CONFIGS[n] for n in names}, "pair": pair, "prompts": prompts,
             "max_new_tokens": args.max_new_tokens}
     (out / DATA).unlink(missing_ok=True)

@@ -22,7 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 
-from adaptive_spec.backends.cpu import flags_line
+from adaptive_spec.backends.cpu.machine import flags_line
 from adaptive_spec.backends.window import WindowedDraft
 from adaptive_spec.decoding.pipeline import SpecPair
 from adaptive_spec.errors import run_main

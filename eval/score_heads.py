@@ -386,7 +386,7 @@ def drift(args: argparse.Namespace, _: argparse.ArgumentParser) -> int:
     import torch
     from tqdm.auto import tqdm
 
-    from adaptive_spec.backends.cpu import flags_line
+    from adaptive_spec.backends.cpu.machine import flags_line
     from adaptive_spec.datagen.shards import iter_shards
     from adaptive_spec.decoding.pipeline import SpecPair
     from adaptive_spec.decoding.sampling import process_logits, sample

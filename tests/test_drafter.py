@@ -440,7 +440,7 @@ def test_a_reduced_readout_reads_the_kept_rows_back_from_a_packed_head_that_rele
     """`--draft feature:PATH --draft-vocab N` on the default CPU path: the target's LM head is pre-packed and its
     weight released; the readout's kept rows come back through the layer exactly. Control: the same rows from an
     unpacked copy."""
-    from adaptive_spec.backends.packed import PackedLinear, pack_cpu_linears
+    from adaptive_spec.backends.cpu.packed import PackedLinear, pack_cpu_linears
 
     model = tiny_target(vocab=40, hidden=24)
     want = model.get_output_embeddings().weight.detach().clone()

@@ -6,11 +6,11 @@ skips where oneDNN has no packed bf16 kernel, naming the missing CPU feature.
 import pytest
 import torch
 
-from adaptive_spec.backends.cpu import auto_dtype, describe, fbgemm_fp16, onednn_packed
+from adaptive_spec.backends.cpu.machine import auto_dtype, describe, fbgemm_fp16, onednn_packed
 from adaptive_spec.decoding.decoder import Decoder
 from adaptive_spec.errors import UserError
 from adaptive_spec.backends.models import load_model
-from adaptive_spec.backends.packed import PackedLinear, choose_padding, pack_cpu_linears
+from adaptive_spec.backends.cpu.packed import PackedLinear, choose_padding, pack_cpu_linears
 from adaptive_spec.backends.runner import CausalLM
 from adaptive_spec.decoding.policies import FixedK
 from adaptive_spec.decoding.sampling import SamplingParams
@@ -110,7 +110,7 @@ def test_kernel_settings_are_typed_and_checked_before_loading(key):
 def test_kernel_choices_are_timed_once_per_cpu_and_shape(monkeypatch, tmp_path):
     """A sweep's rows run the same kernels: the second load reads the first one's choice from the cache
     instead of timing again (which gave one report six different pad_to values); other shapes time anew."""
-    import adaptive_spec.backends.packed as packed
+    import adaptive_spec.backends.cpu.packed as packed
 
     monkeypatch.setenv("ADAPTIVE_SPEC_CACHE", str(tmp_path))
     lins = [PackedLinear(torch.nn.Linear(64, 256)) for _ in range(3)]

@@ -7,7 +7,7 @@ import torch
 from adaptive_spec.decoding.decoder import Decoder
 from adaptive_spec.errors import UserError
 from adaptive_spec.backends.models import load_model
-from adaptive_spec.backends.quant import (Int4Linear, Int8Linear, check_quant, int4_kernel, int8_kernel,
+from adaptive_spec.backends.cpu.quant import (Int4Linear, Int8Linear, check_quant, int4_kernel, int8_kernel,
                                           quantize_linears)
 from adaptive_spec.backends.runner import CausalLM
 from adaptive_spec.decoding.policies import FixedK
@@ -74,7 +74,7 @@ def test_bad_quant_is_refused_before_loading():
         load_model("/nonexistent/model", "draft", quant="int3")
     assert check_quant(None) == "none" and check_quant("int8", "cpu") == "int8"
     from adaptive_spec.backends import engines
-    from adaptive_spec.backends.quant import QUANTS
+    from adaptive_spec.backends.cpu.quant import QUANTS
     from adaptive_spec.params import PairParams
 
     assert engines.get("torch").draft_quants == QUANTS  # the engine record spells the list out: it imports no torch
@@ -107,7 +107,7 @@ def test_densified_int8_model_computes_with_the_int8_weights_and_keeps_its_ident
     every input with it. Outputs equal a float model holding the dequantized weights; the
     checkpoint (state_dict) and the manifest fingerprint stay those of the int8 draft."""
     from adaptive_spec.backends.runner import model_fingerprint
-    from adaptive_spec.backends.quant import densify_quantized
+    from adaptive_spec.backends.cpu.quant import densify_quantized
 
     draft, _ = tiny_pair
     m, _ = load_model(str(draft), "draft", "fp32", "cpu", quant="int8")

@@ -375,7 +375,7 @@ def test_sweep_auto_picks_once_for_the_machine_and_needs_its_curve(inputs, tmp_p
 def test_peer_runs_the_same_int8_draft(inputs, tmp_path):
     """transformers' assisted generation gets the pair's draft module itself, so with draft_quant
     int8 the peer drafts with the same int8 layers as ours ("the same quantized draft")."""
-    from adaptive_spec.backends.quant import Int8Linear, int8_kernel
+    from adaptive_spec.backends.cpu.quant import Int8Linear, int8_kernel
 
     if int8_kernel("cpu") is not None:
         pytest.skip(f"no int8 kernel: {int8_kernel('cpu')}")
@@ -441,7 +441,7 @@ def test_typed_policy_entries_are_checked_before_models_load(inputs, tmp_path, c
 def test_a_drafts_axis_runs_each_draft_configuration_against_one_target(inputs, tmp_path):
     """`drafts`: every configuration that drafts runs once per draft configuration, the target alone and
     prompt lookup once; the pairs share one target; the report gives each (dataset, draft) its own column."""
-    from adaptive_spec.backends.quant import int8_kernel
+    from adaptive_spec.backends.cpu.quant import int8_kernel
 
     drafts = ["none", "int8"] if int8_kernel("cpu") is None else ["none", "none:48"]
     out = tmp_path / "drafts"

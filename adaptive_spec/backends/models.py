@@ -5,21 +5,21 @@ from __future__ import annotations
 import torch
 
 from ..errors import UserError, first_line
-from .cpu import auto_dtype
+from .cpu.machine import auto_dtype
 from .paths import resolve_model_path
 from .vocab import reduce_output_layer, resolve_draft_vocab
-from .packed import pack_cpu_linears
-from .quant import QUANT_LAYERS, check_quant, quantize_linears
+from .cpu.packed import pack_cpu_linears
+from .cpu.quant import QUANT_LAYERS, check_quant, quantize_linears
 from .runner import _vocab_rows, resolve_device
 
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
           "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
-DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")  # auto: see cpu.auto_dtype
+DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")  # auto: see cpu/machine.auto_dtype
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device | str | None = None) -> torch.dtype:
-    """A torch dtype for a user's name; "auto" (or None) picks per device and CPU (cpu.auto_dtype)."""
+    """A torch dtype for a user's name; "auto" (or None) picks per device and CPU (cpu/machine.auto_dtype)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
@@ -32,7 +32,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device | str | 
 def load_model(name: str | None, role: str = "target", dtype=None, device=None, pack: bool = True,
                quant: str | None = "none", draft_vocab=None, fp16: bool = True, pad_rows: int | None = None,
                fp16_rows: int | None = None):
-    """(model, tokenizer) for a hub id, local path or the default pair's `role`. quant int8 / int4 (quant.py)
+    """(model, tokenizer) for a hub id, local path or the default pair's `role`. quant int8 / int4 (cpu/quant.py)
     and draft_vocab (vocab.py) are for drafts; pack, fp16, pad_rows and fp16_rows: pack_cpu_linears."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: the model registry; when weights load
 

@@ -1,6 +1,6 @@
 """Each engine's quantization names, in one stdlib-only place: engines.py offers them, params.py types them,
 and the engines' modules implement them."""
-# torch's weight-only draft quantizations (backends/quant.py makes the layers)
+# torch's weight-only draft quantizations (backends/cpu/quant.py makes the layers)
 TORCH_DRAFT_QUANTS = ("int8", "int4")
 # llama.cpp's re-quantizations of a GGUF file (llamacpp_pair.requantized_gguf): name -> (llama.cpp file type, the
 # one tensor type of every matrix or None). Without a type llama.cpp mixes types as its file type says (the

@@ -9,7 +9,7 @@ from ..prompts import eos_token_ids
 from .contract import Loaded
 from .fused import unsupported_reason
 from .models import check_vocab, load_model
-from .quant import check_quant
+from .cpu.quant import check_quant
 from .runner import resolve_device
 from .static_runner import DRAFT_SHAPES, make_runner, verify_shapes
 

@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..backends.models import load_model
-from ..backends.quant import densify_quantized
+from ..backends.cpu.quant import densify_quantized
 from ..backends.runner import model_fingerprint, resolve_device
 from ..errors import UserError, get_logger
 from ..heads.features import CONTEXT_KEY, PREFIXES

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from ..backends.models import check_vocab, load_model, resolve_dtype
 from ..backends.paths import resolve_model_path
-from ..backends.quant import densify_quantized
+from ..backends.cpu.quant import densify_quantized
 from ..backends.runner import model_fingerprint, resolve_device
 from ..config import config_from_argv
 from ..errors import UserError, get_logger, run_main

@@ -15,7 +15,7 @@ import torch
 from transformers import TextStreamer
 
 from ..backends import engines, torch_engine
-from ..backends.cpu import describe
+from ..backends.cpu.machine import describe
 from .. import registry
 from ..backends.paths import FeatureDraft
 from ..backends.window import WindowedDraft

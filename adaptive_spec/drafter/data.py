@@ -19,7 +19,7 @@ the same layout, training sequences only. The dev sequences stay the target's ow
 
 A shard is written atomically and is the unit of resume: rerunning the same call skips the shards that exist
 (the manifest is rebuilt from the folder after each one), and a folder made with other settings is refused.
-The target runs once per sequence, in bf16 on a CPU with bf16 kernels (backends/cpu.py), else in fp32.
+The target runs once per sequence, in bf16 on a CPU with bf16 kernels (backends/cpu/machine.py), else in fp32.
 """
 from __future__ import annotations
 

@@ -196,7 +196,7 @@ class FeatureDrafter(nn.Module, PyTorchModelHubMixin, library_name="adaptive-spe
 
 @torch.no_grad()
 def head_rows(lm_head, kept: torch.Tensor, hidden_size: int, chunk: int = 256) -> torch.Tensor:
-    """The LM head's weight rows at `kept`. A packed CPU layer (backends/packed.py) may have released its
+    """The LM head's weight rows at `kept`. A packed CPU layer (backends/cpu/packed.py) may have released its
     weight: it gives the rows back through itself, since the identity times W reads every weight exactly (one
     nonzero term per output, whatever the kernel's accumulation)."""
     w = lm_head.weight

@@ -83,8 +83,8 @@ def linear_bytes(model) -> int:
     """Bytes of linear-layer weights a one-row step streams (a packed or quantized layer's own count)."""
     import torch
 
-    from ..backends.packed import PackedLinear
-    from ..backends.quant import QuantLinear
+    from ..backends.cpu.packed import PackedLinear
+    from ..backends.cpu.quant import QuantLinear
 
     seen, n = set(), 0
     for m in model.modules():
@@ -124,7 +124,7 @@ def linear_kernels() -> dict:
     exists: half the bytes of fp32, fp32 arithmetic); stock `F.linear`, fp32 and bf16."""
     import torch
 
-    from ..backends.cpu import fbgemm_fp16, onednn_packed
+    from ..backends.cpu.machine import fbgemm_fp16, onednn_packed
 
     out = {}
     for dt in (torch.float32, torch.bfloat16):

@@ -62,7 +62,7 @@ def run(pair_params, head: str | None = DEFAULT_HEAD, temperature: float = 1.0, 
     the costs are unless `prompts_cache` says otherwise, and price at their acceptance."""
     from transformers.utils import logging as hf_logging
 
-    from ..backends.cpu import describe
+    from ..backends.cpu.machine import describe
     from ..decoding.pipeline import SpecPair, torch_threads
 
     hf_logging.disable_progress_bar()

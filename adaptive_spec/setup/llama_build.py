@@ -49,7 +49,7 @@ SYSTEM_INFO_NEEDS = {name[len("GGML_"):]: need for name, need in X86_SETS} | {
 @functools.lru_cache(maxsize=None)
 def cpu_flags() -> frozenset:
     """The CPU's feature flags from /proc/cpuinfo (empty off Linux). Here, stdlib only, so set-up
-    can read them before torch is installed; cpu.py uses the same."""
+    can read them before torch is installed; backends/cpu/machine.py uses the same."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):

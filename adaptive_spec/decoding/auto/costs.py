@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...backends.cpu import describe
+from ...backends.cpu.machine import describe
 from ...errors import UserError, get_logger
 from ...runs import write_json
 from .cost_timing import PREFIX, decode_loop_times, interleaved_times, loop_times, monotone, with_loop_own

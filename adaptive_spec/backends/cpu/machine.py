@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import first_line
-from ..setup.llama_build import cpu_flags  # /proc/cpuinfo read once, in the stdlib-only set-up module
+from ...errors import first_line
+from ...setup.llama_build import cpu_flags  # /proc/cpuinfo read once, in the stdlib-only set-up module
 
 # the flags that decide a kernel; the rest of /proc/cpuinfo says nothing about our paths
 KEY_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",

@@ -10,11 +10,11 @@ import warnings
 
 import torch
 
-from ..runs import write_json
-from .cpu import cpu_name, fbgemm_fp16, onednn_packed
-from ..setup.llama_build import cache_dir, cpu_flags
+from ...runs import write_json
+from .machine import cpu_name, fbgemm_fp16, onednn_packed
+from ...setup.llama_build import cache_dir, cpu_flags
 
-# torch marks the FBGEMM fp16 ops deprecated; cpu.fbgemm_fp16 checks they still run before any is used
+# torch marks the FBGEMM fp16 ops deprecated; machine.fbgemm_fp16 checks they still run before any is used
 warnings.filterwarnings("ignore", message=r"fbgemm_\w+ is deprecated")
 
 

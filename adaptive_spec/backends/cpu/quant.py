@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import UserError, first_line
-from .quant_names import TORCH_DRAFT_QUANTS
-from .cpu import onednn_packed
+from ...errors import UserError, first_line
+from ..quant_names import TORCH_DRAFT_QUANTS
+from .machine import onednn_packed
 from .packed import PackedLinear
-from .runner import resolve_device
+from ..runner import resolve_device
 
 
 QUANTS = ("none", *TORCH_DRAFT_QUANTS)
