@@ -8,7 +8,6 @@ from ...errors import UserError, first_line
 from ..quant_names import TORCH_DRAFT_QUANTS
 from .machine import onednn_packed
 from .packed import PackedLinear
-from ..runner import resolve_device
 
 
 QUANTS = ("none", *TORCH_DRAFT_QUANTS)
@@ -181,7 +180,7 @@ def check_quant(quant: str | None, device=None) -> str:
     if quant not in QUANTS:
         raise UserError(f"unknown draft quantization {quant!r}; use one of {', '.join(QUANTS)}")
     if quant in KERNEL_PROBES and device is not None:
-        why = KERNEL_PROBES[quant](resolve_device(device))
+        why = KERNEL_PROBES[quant](torch.device(device))  # the callers resolve "auto"
         if why:
             raise UserError(f"--draft-quant {quant} has no kernel on {device} ({why}); use --draft-quant none")
     return quant
