@@ -19,7 +19,7 @@ import argparse
 import json
 from pathlib import Path
 
-from adaptive_spec.evaluation.forward_costs import draft_label, parse_draft
+from adaptive_spec.evaluation.forward_costs import draft_label, split_draft_config
 from adaptive_spec.evaluation.paired import run_header
 from adaptive_spec.runs import read_jsonl
 from adaptive_spec.tables import md_table
@@ -60,7 +60,7 @@ def measure(args) -> tuple[list[dict], dict]:
     del target
     rows = []
     for spec in args.drafts.split(","):
-        quant, vocab = parse_draft(spec)
+        quant, vocab = split_draft_config(spec)
         draft = CausalLM(load_model(None, "draft", args.dtype, "cpu", quant=quant, draft_vocab=vocab)[0])
         with torch.inference_mode():
             alpha = torch.cat([torch.minimum(p, processed(draft, ids, n, sp)).sum(-1)

@@ -38,7 +38,7 @@ from adaptive_spec.setup.llama_build import VERSION
 from adaptive_spec.backends.llamacpp_pair import requantized_gguf
 from adaptive_spec.decoding.auto import measure_costs
 from adaptive_spec.setup.llama_tools import bench_tg, build, build_flags, spec_example
-from adaptive_spec.evaluation.forward_costs import parse_draft
+from adaptive_spec.evaluation.forward_costs import split_draft_config
 from adaptive_spec.evaluation.paired import pooled_tok_s, record, run_header, start
 from adaptive_spec.runs import read_jsonl
 from adaptive_spec.tables import md_table
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     quant_gguf = requantized_gguf(draft_gguf, QUANT, args.threads)
     pairs = {}
     for i, spec in enumerate(drafts):
-        quant, vocab = parse_draft(spec)
+        quant, vocab = split_draft_config(spec)
         pairs["llama.cpp" if i == 0 else f"llama.cpp {spec}"] = SpecPair.load(
             backend="llama.cpp", threads=args.threads, draft_quant=quant, draft_vocab=vocab,
             target_quant=args.target_quant)
@@ -302,7 +302,7 @@ def report(rows: list[dict], header: dict, costs: dict | None = None) -> str:
 
 
 def _file_label(spec: str) -> str:
-    quant, vocab = parse_draft(spec)
+    quant, vocab = split_draft_config(spec)
     return ("fetched" if quant == "none" else quant) + (f" with a {vocab}-token vocabulary" if vocab else "")
 
 

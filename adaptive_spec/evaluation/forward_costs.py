@@ -179,7 +179,7 @@ def draft_label(spec: str) -> str:
     return ("unquantized" if base == "none" else base) + at + rest
 
 
-def parse_draft(spec: str) -> tuple[str, str | None]:
+def split_draft_config(spec: str) -> tuple[str, str | None]:
     """"none" | "int8" | "int8:32768" | "none:32768" -> (draft_quant, draft_vocab)."""
     quant, _, vocab = spec.partition(":")
     return quant or "none", vocab or None
@@ -200,7 +200,7 @@ def draft_runner(spec: str, threads: int, n_ctx: int = 1024) -> LlamaCppLM:
     from ..backends.llamacpp import GGUFModel, LlamaCppLM
     from ..backends.llamacpp_pair import gguf_tokens_digest, reduced_vocab_draft
 
-    quant, vocab = parse_draft(spec)
+    quant, vocab = split_draft_config(spec)
     path, maps = gguf_file("draft", quant), {}
     if vocab:
         path, maps = reduced_vocab_draft(path, vocab, _tokenizer(), gguf_tokens_digest(path)[0])

@@ -47,7 +47,6 @@ from ..errors import run_main
 from ..params import PairParams
 from ..prompts import load_prompts
 from ..typed import build
-from .forward_costs import parse_draft
 from .sweep_calibration import Measures, PromptPicker, auto_node_cost, calibrate, reads_costs, verification
 from .sweep_config import SweepConfig
 from .sweep_files import RESULTS, FolderPlan, SweepFolder
@@ -131,9 +130,9 @@ def draft_pairs(cfg: SweepConfig) -> dict[str, PairParams]:
     base = cfg.pair.model_dump(exclude_unset=True)
     out = {}
     for i, d in enumerate(cfg.drafts):
-        quant, vocab = parse_draft(d)
-        out[d] = build(PairParams, {**base, "draft_quant": quant, "draft_vocab": vocab}, f"drafts[{i}] ({d})",
-                       lambda k: f"pair.{k}")
+        quant, _, vocab = d.partition(":")  # QUANT[:VOCAB], as generate's --draft-quant and --draft-vocab
+        out[d] = build(PairParams, {**base, "draft_quant": quant or "none", "draft_vocab": vocab or None},
+                       f"drafts[{i}] ({d})", lambda k: f"pair.{k}")
     return out
 
 
