@@ -133,3 +133,34 @@ def test_bench_llama_step_times_every_row_and_the_report_reads_them(tmp_path):
     (out / "steps.json").write_text(json.dumps(data))
     assert mod.main(["--report-only", "--out", str(out)]) == 0
     assert f"| probe cell (v5) | 2 | {2e3 * ref:.2f} | +100.0% |" in (out / "report.md").read_text()
+
+
+def test_the_fused_drafter_starts_as_the_last_layer_one_and_the_bench_resumes(tmp_path):
+    """eval/bench_drafter_features.py --tiny: the fused input's fc starts as [0 ... 0 I], so both variants score
+    the same before training (and a fused fc with weight on the other layers changes the output: the control);
+    each variant trains; a rerun trains nothing again, and the report regenerates from the folder alone."""
+    import torch
+
+    mod, out, cache = script("bench_drafter_features"), tmp_path / "run", tmp_path / "cache"
+    args = ["--tiny", "--train-seqs", "16", "--dev-seqs", "4", "--lr", "1e-2", "--out", str(out), "--cache", str(cache)]
+    assert mod.main(args) == 0
+    rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["variant"] for r in rows] == ["last", "fused"] and all(r["steps"] == 4 for r in rows)
+    assert rows[0]["accept_before"] == rows[1]["accept_before"] and rows[0]["top1_before"] == rows[1]["top1_before"]
+    assert all(r["accept_after"] != r["accept_before"] for r in rows)
+    from adaptive_spec.drafter.model import FeatureDrafter
+
+    drafter = FeatureDrafter.from_pretrained(cache / "run" / "tiny" / "drafter").float()
+    fused = mod.Fused(drafter, 3)
+    f, emb, pos = torch.randn(1, 5, 24), torch.randn(1, 5, 24), torch.arange(5).view(1, 5)
+    fused.aux = torch.randn(1, 6, 72)
+    assert torch.allclose(fused(f, emb, pos), drafter(f, emb, pos), atol=1e-5)
+    with torch.no_grad():
+        fused.fc.weight[:, :24] += 0.1
+    assert not torch.allclose(fused(f, emb, pos), drafter(f, emb, pos), atol=1e-3)
+    stamp = (cache / "run" / "features.pt").stat().st_mtime
+    assert mod.main(args) == 0 and len((out / "results.jsonl").read_text().splitlines()) == 2
+    assert (cache / "run" / "features.pt").stat().st_mtime == stamp
+    md = (out / "report.md").read_text()
+    (out / "report.md").unlink()
+    assert mod.main(["--report-only", "--out", str(out)]) == 0 and (out / "report.md").read_text() == md
