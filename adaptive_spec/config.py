@@ -8,7 +8,6 @@ is a YAML mapping checked by that class; `pair.draft=...` overrides one of its k
 from __future__ import annotations
 
 import argparse
-import copy
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
@@ -123,11 +122,6 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
     cfg = cls.model_validate(_as_text(cls, _build_params(cls, raw)), context={"yaml": True})
     cfg.validate()
     return cfg
-
-
-def config_to_dict(cfg: Config) -> dict[str, Any]:
-    """The config as plain data (JSON; a copy), a params field as the mapping the YAML takes."""
-    return {k: v.model_dump() if isinstance(v, Params) else copy.deepcopy(v) for k, v in cfg}
 
 
 def config_from_argv(cls: type[T], argv, prog: str, description: str, default_name: str) -> T:

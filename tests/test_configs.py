@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from adaptive_spec.config import config_help, config_to_dict, load_config
+from adaptive_spec.config import config_help, load_config
 from adaptive_spec.datagen.config import DatagenConfig
 from adaptive_spec.errors import UserError
 from adaptive_spec.evaluation.sweep import SweepConfig
@@ -59,5 +59,5 @@ def test_pair_settings_live_under_pair(cls, base):
         load_config(cls, None, [*base, "pair.draft_quant=int3"])
     cfg = load_config(cls, None, [*base, "pair={draft_quant: int8, threads: 2}", "pair.dtype=fp32"])
     assert (cfg.pair.draft_quant, cfg.pair.threads, cfg.pair.dtype, cfg.pair.draft) == ("int8", 2, "fp32", "default")
-    assert config_to_dict(cfg)["pair"]["draft_quant"] == "int8"
+    assert cfg.model_dump()["pair"]["draft_quant"] == "int8"
     assert "  pair.draft_quant ['none']" in config_help(cls)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from ..config import Config, config_to_dict
+from ..config import Config
 from ..decoding.sampling import SamplingParams
 from ..errors import UserError
 from ..params import PairParams
@@ -113,7 +113,7 @@ class DatagenConfig(Config):
 
     def stored(self) -> dict:
         """The config as the manifest stores it (STORED_PAIR: the pair's settings flat)."""
-        d = config_to_dict(self)
+        d = self.model_dump()
         pair = d.pop("pair")
         return {**d, **{k: STORED_UNSET.get(k) if pair[k] is None else pair[k] for k in STORED_PAIR}}
 

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from ..backends.paths import FeatureDraft
 from ..backends.runner import resolve_device
-from ..config import config_from_argv, config_to_dict
+from ..config import config_from_argv
 from ..decoding.sampling import SamplingParams
 from ..errors import run_main
 from ..params import PairParams
@@ -107,7 +107,7 @@ def plan_sweep(cfg: SweepConfig) -> SweepPlan:
     heads = load_heads(cfg.pair.draft, listed, named)
     settings["device"] = str(resolve_device(cfg.pair.device))  # the one the pair runs on
     folder = FolderPlan(cfg.out_dir or f"runs/sweep/{cfg.name or 'sweep'}", settings, cfg.overwrite,
-                        config_to_dict(cfg), {k: heads[k][1] for k in listed}, cfg.pair if cfg.record_trace else None,
+                        cfg.model_dump(), {k: heads[k][1] for k in listed}, cfg.pair if cfg.record_trace else None,
                         bool(cfg.drafts))
     sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
     need = Measures(any(map(reads_costs, grid)), tuple(sorted(set(map(verification, grid)) - {None})),

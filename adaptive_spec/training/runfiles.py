@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from ..config import config_to_dict
 from ..errors import UserError, get_logger
 from ..runs import append_jsonl, atomic_write, check_settings, read_jsonl, write_json
 
@@ -150,7 +149,7 @@ def finished_results(cfg, files: RunFiles, resume: bool, runtime_keys: set) -> d
         # keys added since the run began (e.g. inputs) count as their defaults, which is what it ran with
         defaults = {k: f.get_default(call_default_factory=True) for k, f in type(cfg).model_fields.items()
                     if not f.is_required()}
-        check_settings(files.out, {**defaults, **json.loads(saved.read_text())}, config_to_dict(cfg), kind="run",
+        check_settings(files.out, {**defaults, **json.loads(saved.read_text())}, cfg.model_dump(), kind="run",
                        ignore=runtime_keys, fix="resume with the same config or choose another output_dir")
     if resume and files.results_path.is_file():
         log.info(f"{files.out} already finished; results in {files.results_path}")
@@ -177,7 +176,7 @@ def restore_checkpoint(acc, files: RunFiles, cfg, resume: bool, of: str = "") ->
     elif acc.is_main_process:
         files.out.mkdir(parents=True, exist_ok=True)
         files.log_path.unlink(missing_ok=True)  # --resume without a checkpoint starts over
-        write_json(files.out / "train_config.json", config_to_dict(cfg))
+        write_json(files.out / "train_config.json", cfg.model_dump())
     acc.wait_for_everyone()
     return state
 
@@ -190,7 +189,7 @@ def start_trackers(acc, cfg, out: Path):
     if acc.is_main_process and not id_file.exists():
         id_file.write_text(uuid.uuid4().hex[:12])
     acc.wait_for_everyone()
-    acc.init_trackers(cfg.wandb_project, config=config_to_dict(cfg), init_kwargs={"wandb": {
+    acc.init_trackers(cfg.wandb_project, config=cfg.model_dump(), init_kwargs={"wandb": {
         "name": cfg.run_name or out.name, "dir": str(out), "id": id_file.read_text().strip(), "resume": "allow"}})
 
 
