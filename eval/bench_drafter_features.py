@@ -11,8 +11,9 @@ the cross-entropy against the target's distribution):
             EAGLE-3's low, middle and high), with fc a new linear 4H -> H that starts as [0 0 0 I], so the
             variant starts where `last` does and can only add what those layers carry
 Dev top-1 (the drafter's argmax is the target's) and acceptance (the sum of min(p, q)) of the first drafted step
-before and after, on the dev sequences of the states folder. The target's states are computed once (features.pt,
-written atomically) and each finished variant is a line of results.jsonl: a rerun resumes."""
+before and after, on the dev sequences of the states folder. The target's states are computed once
+(<cache>/<out's name>/features.pt, written atomically) and each finished variant is a line of results.jsonl: a
+rerun resumes."""
 from __future__ import annotations
 
 import argparse
@@ -24,10 +25,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from adaptive_spec.errors import run_main
+from adaptive_spec.errors import UserError, run_main
 from adaptive_spec.runs import append_jsonl, atomic_write, read_jsonl
 from adaptive_spec.tables import md_table
-
 
 
 def parse_args(argv):
@@ -44,7 +44,8 @@ def parse_args(argv):
                     help="the fused variant's new fc at this learning rate (0: --lr); a row of its own, so a rerun "
                          "into the same --out adds it beside the rows there")
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--tiny", action="store_true", help="a tiny random target and drafter, random sequences (smoke test)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="a tiny random target (4 layers, read at 1,2,3) and drafter, random sequences (smoke test)")
     ap.add_argument("--out", default="eval/results/drafter_features")
     ap.add_argument("--cache", default="runs/drafter_features",
                     help="where the target's states (<cache>/<out's name>/features.pt, gigabytes) and tiny models go")
@@ -90,10 +91,17 @@ def load_features(args, cfg, cache: Path) -> dict:
     f = cache / "features.pt"
     if f.is_file():
         return torch.load(f)
+    from transformers import AutoConfig
+
     from adaptive_spec.backends.models import load_model
+    from adaptive_spec.backends.paths import resolve_model_path
     from adaptive_spec.drafter import data
 
     layers = [int(x) for x in args.layers.split(",")]
+    n_layers = AutoConfig.from_pretrained(resolve_model_path(cfg.target, "target")).num_hidden_layers
+    if not all(0 < i < n_layers for i in layers):
+        raise UserError(f"--layers must lie in 1..{n_layers - 1} for this target ({n_layers} layers), "
+                        f"got {args.layers}")
     if args.tiny:
         g = torch.Generator().manual_seed(0)
         ids = {s: [torch.randint(0, 32, (40,), generator=g) for _ in range(n)]
@@ -102,9 +110,6 @@ def load_features(args, cfg, cache: Path) -> dict:
         ids = {s: [q["ids"] for q in data.load_split(args.states, s)[:n]]
                for s, n in (("train", args.train_seqs), ("dev", args.dev_seqs))}
     model, _ = load_model(cfg.target, "target", cfg.target_dtype, "cpu", pack=True, fp16=False)
-    n_layers = model.config.num_hidden_layers
-    if not all(0 < i < n_layers for i in layers):
-        raise SystemExit(f"error: --layers must lie in 1..{n_layers - 1} for this target, got {args.layers}")
     feats = {s: features(model, v, layers, s) for s, v in ids.items()}
     buf = io.BytesIO()
     torch.save(feats, buf)
@@ -197,13 +202,15 @@ def report(out: Path, run: dict, rows: list[dict]) -> None:
               f"{r['accept_before']:.3f}", f"{r['accept_after']:.3f}"] for r in rows]
     text = (f"# The feature drafter's input: the last layer's state alone, or fused with layers {run['layers']}\n\n"
             f"{run['cpu']}\n\n"
-            f"Every row starts from `{run['drafter']}` and takes the same {rows[0]['steps'] if rows else 0} steps (batch 4, "
+            f"Every row starts from `{run['drafter']}` and takes the same {rows[0]['steps'] if rows else 0} steps "
+            "(batch 4, "
             f"lr {run['lr']:g}) over the same {run['train_seqs']} training sequences of `{run['states']}`; scored "
             f"on {run['dev_seqs']} dev sequences ({run['dev_tokens']} slots), first drafted step. top-1: the "
             "drafter's argmax is the target's; accept: the sum of min(p, q) (the expected acceptance at T = 1).\n\n"
             + md_table(["input", "steps", "top-1 before", "top-1 after", "accept before", "accept after"], table)
-            + "".join(f"\n\n{r['variant']} against last after training: top-1 {r['top1_after'] - last['top1_after']:+.3f}, "
-                      f"accept {r['accept_after'] - last['accept_after']:+.3f}" for r in rows[1:] if last)
+            + "".join(f"\n\n{r['variant']} against last after training: top-1 "
+                      f"{r['top1_after'] - last['top1_after']:+.3f}, accept {r['accept_after'] - last['accept_after']:+.3f}"
+                      for r in rows[1:] if last)
             + f"\n\nWritten {run['written']} by `python eval/bench_drafter_features.py`.\n")
     atomic_write(out / "report.md", text)
 
@@ -233,7 +240,7 @@ def _main(argv) -> int:
                         report_to="none")
     sets = load_features(args, cfg, cache)
     readout, drafter, _ = load_readout(cfg, "cpu")
-    done = {r["variant"]: r for r in read_jsonl(out / "results.jsonl")} if (out / "results.jsonl").is_file() else {}
+    done = {r["variant"]: r for r in read_jsonl(out / "results.jsonl")}
     for v, fuse_lr in variants(args):
         if v not in done:
             done[v] = train(v, fuse_lr, drafter, readout, sets, cfg, args.lr)

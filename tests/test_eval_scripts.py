@@ -3,6 +3,7 @@ tables of the runs its former harness committed), and the draft-vocabulary bench
 responses from a sweep's rows."""
 import importlib.util
 import json
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -164,3 +165,6 @@ def test_the_fused_drafter_starts_as_the_last_layer_one_and_the_bench_resumes(tm
     md = (out / "report.md").read_text()
     (out / "report.md").unlink()
     assert mod.main(["--report-only", "--out", str(out)]) == 0 and (out / "report.md").read_text() == md
+    with pytest.raises(UserError, match=r"--layers must lie in 1..3 for this target \(4 layers\), got 1,4"):
+        tiny = SimpleNamespace(target=str(cache / "run" / "tiny" / "target"))
+        mod.load_features(mod.parse_args(["--layers", "1,4"]), tiny, tmp_path / "other")
