@@ -19,7 +19,8 @@ import argparse
 import json
 from pathlib import Path
 
-from adaptive_spec.evaluation.forward_costs import draft_label, split_draft_config
+from adaptive_spec.backends.paths import split_draft_config
+from adaptive_spec.evaluation.forward_costs import draft_label
 from adaptive_spec.evaluation.paired import run_header
 from adaptive_spec.runs import read_jsonl
 from adaptive_spec.tables import md_table

@@ -160,10 +160,11 @@ def train(variant: str, fuse_lr: float | None, drafter, readout, sets: dict, cfg
     if fuse_lr is not None:
         model = Fused(model, sets["train"][0]["aux"].shape[-1] // sets["train"][0]["hidden"].shape[-1])
     before = scores(model, readout, sets["dev"], cfg)
-    fc = list(model.fc.parameters()) if fuse_lr is not None else []
-    rest = [p for p in model.parameters() if p.requires_grad and all(p is not q for q in fc)]
-    opt = torch.optim.AdamW([{"params": rest}] + ([{"params": fc, "lr": fuse_lr}] if fc else []), lr=lr,
-                            weight_decay=0.0)
+    core = model.drafter if fuse_lr is not None else model
+    groups = [{"params": [p for p in core.parameters() if p.requires_grad]}]
+    if fuse_lr is not None:
+        groups.append({"params": list(model.fc.parameters()), "lr": fuse_lr})
+    opt = torch.optim.AdamW(groups, lr=lr, weight_decay=0.0)
     total = -(-len(sets["train"]) // 4)
     warm = max(1, total // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / warm, 1.0 - 0.9 * s / total))

@@ -38,7 +38,7 @@ from adaptive_spec.setup.llama_build import VERSION
 from adaptive_spec.backends.llamacpp_pair import requantized_gguf
 from adaptive_spec.decoding.auto import measure_costs
 from adaptive_spec.setup.llama_tools import bench_tg, build, build_flags, spec_example
-from adaptive_spec.evaluation.forward_costs import split_draft_config
+from adaptive_spec.backends.paths import split_draft_config
 from adaptive_spec.evaluation.paired import pooled_tok_s, record, run_header, start
 from adaptive_spec.runs import read_jsonl
 from adaptive_spec.tables import md_table

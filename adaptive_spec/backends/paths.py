@@ -34,6 +34,13 @@ def parse_draft(name: str) -> "str | FeatureDraft | None":
     return FeatureDraft(name[len(FEATURE):])
 
 
+def split_draft_config(spec: str) -> tuple[str, str | None]:
+    """A draft configuration QUANT[:VOCAB] (a sweep's `drafts` entry, the benchmarks' --drafts) ->
+    (draft_quant, draft_vocab): "none" | "int8" | "int8:32768" | "none:32768"."""
+    quant, _, vocab = spec.partition(":")
+    return quant or "none", vocab or None
+
+
 def parse_draft_vocab(spec) -> tuple[str, int | None] | None:
     """`--draft-vocab` split into (FILE or "", N or None); None means the whole vocabulary.
     "N" -> ("", N), "FILE" -> (FILE, None), "FILE:N" -> (FILE, N). Bounds are checked by the callers."""

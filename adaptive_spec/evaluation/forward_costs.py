@@ -179,12 +179,6 @@ def draft_label(spec: str) -> str:
     return ("unquantized" if base == "none" else base) + at + rest
 
 
-def split_draft_config(spec: str) -> tuple[str, str | None]:
-    """"none" | "int8" | "int8:32768" | "none:32768" -> (draft_quant, draft_vocab)."""
-    quant, _, vocab = spec.partition(":")
-    return quant or "none", vocab or None
-
-
 def gguf_file(role: str, quant: str) -> Path:
     """The default pair's fetched GGUF file of `role` ("target" / "draft"), re-quantized to `quant` unless "none"."""
     from ..setup.wheels import default_gguf
@@ -199,6 +193,7 @@ def draft_runner(spec: str, threads: int, n_ctx: int = 1024) -> LlamaCppLM:
     tokens)."""
     from ..backends.llamacpp import GGUFModel, LlamaCppLM
     from ..backends.llamacpp_pair import gguf_tokens_digest, reduced_vocab_draft
+    from ..backends.paths import split_draft_config
 
     quant, vocab = split_draft_config(spec)
     path, maps = gguf_file("draft", quant), {}

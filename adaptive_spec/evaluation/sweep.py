@@ -39,7 +39,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..backends.paths import FeatureDraft
+from ..backends.paths import FeatureDraft, split_draft_config
 from ..backends.runner import resolve_device
 from ..config import config_from_argv
 from ..decoding.sampling import SamplingParams
@@ -130,9 +130,9 @@ def draft_pairs(cfg: SweepConfig) -> dict[str, PairParams]:
     base = cfg.pair.model_dump(exclude_unset=True)
     out = {}
     for i, d in enumerate(cfg.drafts):
-        quant, _, vocab = d.partition(":")  # QUANT[:VOCAB], as generate's --draft-quant and --draft-vocab
-        out[d] = build(PairParams, {**base, "draft_quant": quant or "none", "draft_vocab": vocab or None},
-                       f"drafts[{i}] ({d})", lambda k: f"pair.{k}")
+        quant, vocab = split_draft_config(d)
+        out[d] = build(PairParams, {**base, "draft_quant": quant, "draft_vocab": vocab}, f"drafts[{i}] ({d})",
+                       lambda k: f"pair.{k}")
     return out
 
 
