@@ -1,8 +1,9 @@
 """Timers for forward passes: `sync` waits for a device's queued work, `timed` measures a block
-(per-phase wall time of a generation, as Metrics records it). The models those times feed (Eq. 3.1
+(per-phase wall time of a generation, as Metrics records it), `torch_threads` sets the threads a block runs on. The models those times feed (Eq. 3.1
 and the extended and table models) are in auto/timemodel.py."""
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -72,3 +73,17 @@ class PartClock:
             out[part] = out.get(part, 0.0) + s
             prev = t
         return out
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None):
+    """torch on n threads inside the block (None: as it is)."""
+    if n is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

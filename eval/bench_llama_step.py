@@ -163,7 +163,8 @@ def measure(args) -> dict:
     import torch
 
     from adaptive_spec.decoding.auto import PREFIX, interleaved_round, measured_cells, prefilled, release
-    from adaptive_spec.decoding.pipeline import SpecPair, torch_threads
+    from adaptive_spec.decoding.pipeline import SpecPair
+    from adaptive_spec.timing import torch_threads
     from adaptive_spec.params import pair_params
 
     torch.set_num_threads(args.threads)

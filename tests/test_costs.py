@@ -1,6 +1,7 @@
 """costs.measure_costs: real timed forwards of tiny models, the verification fit, and the cache
 per machine and configuration (hit, miss on a key change, a corrupt file measured again)."""
 import json
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -313,3 +314,23 @@ def test_the_loop_time_and_prefill_rate_are_measured_and_enter_the_prediction(pa
     # 6 draft rows + 9 verification rows processed, and 3 verifications' fixed part
     want = 15 * c.loop_s("sample", "row") + 3 * c.loop_s("sample", "round")
     assert looped - bare == pytest.approx(want)
+
+
+def test_costs_are_measured_on_the_threads_the_decode_runs_on(pair, cache, monkeypatch):
+    """Every caller (generate, the sweep, the probe, a benchmark) gets the measurement the decode's auto reads:
+    it is timed, and keyed, on the engine's decode_torch_threads, and the caller's threads come back after."""
+    seen = []
+
+    def measure(p, reps, key):
+        seen.append((torch.get_num_threads(), C.cost_config(p)["threads"]))
+        return C.Costs(0.01, 0.1, 0.002, key, "now")
+
+    monkeypatch.setattr(C, "_measure", measure)
+    before = torch.get_num_threads()
+    decode = 1 if before != 1 else 2
+    monkeypatch.setattr(pair, "engine", replace(pair.engine, decode_torch_threads=decode))
+    C.measure_costs(pair, cache=False)
+    assert seen == [(decode, decode)] and torch.get_num_threads() == before
+    monkeypatch.setattr(pair, "engine", replace(pair.engine, decode_torch_threads=None))  # None: as they are
+    C.measure_costs(pair, cache=False)
+    assert seen[-1] == (before, before)

@@ -7,7 +7,6 @@
     print(g.text, g.metrics.summary())"""
 from __future__ import annotations
 
-import contextlib
 from dataclasses import replace
 from functools import cached_property
 
@@ -23,6 +22,7 @@ from ..drafter.source import load_feature_pair
 from ..errors import UserError
 from ..params import ARParams, PairParams, check_runs_on, pair_params, policy_params
 from ..prompts import encode_prompt
+from ..timing import torch_threads
 from ..typed import PolicyParams
 from . import multidraft, ngram, policies  # noqa: F401  (importing them registers their policies)
 from .auto import measure_costs, predicted_wall, resolve_auto
@@ -182,19 +182,6 @@ def _loader(params: PairParams):
 def _is_messages(prompt) -> bool:
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
 
-
-@contextlib.contextmanager
-def torch_threads(n: int | None):
-    """torch on n threads inside the block (None: as it is)."""
-    if n is None:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 class _Streamer(TextStreamer):

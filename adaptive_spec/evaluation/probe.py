@@ -63,7 +63,8 @@ def run(pair_params, head: str | None = DEFAULT_HEAD, temperature: float = 1.0, 
     from transformers.utils import logging as hf_logging
 
     from ..backends.cpu.machine import describe
-    from ..decoding.pipeline import SpecPair, torch_threads
+    from ..decoding.pipeline import SpecPair
+    from ..timing import torch_threads
 
     hf_logging.disable_progress_bar()
     t0 = time.perf_counter()

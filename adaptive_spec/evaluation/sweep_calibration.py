@@ -13,7 +13,6 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..decoding.auto import measure_costs
-from ..decoding.pipeline import torch_threads
 from ..decoding.sampling import SamplingParams
 from ..decoding.trees.policy import TreePolicy
 from ..decoding.trees.shapes import PositionalRates
@@ -139,10 +138,7 @@ def _pin_costs(pairs: dict, out: Path, note):
     pinned = []
     for draft, pair in pairs.items():
         name = COSTS if not pinned else f"costs@{draft.replace(':', '-')}.json"
-        # on the threads the decode has (the engine's decode_torch_threads), as generate's auto measures:
-        # one measurement, one cache key, per machine
-        with torch_threads(pair.engine.decode_torch_threads):
-            costs = measure_costs(pair, pin=out / name)
+        costs = measure_costs(pair, pin=out / name)
         table = getattr(costs, "t_verify", ())
         v = f", v(1..{len(table)}) = {' '.join(f'{t / table[0]:.2f}' for t in table)} target steps" if table else ""
         note(f"auto picks{f' with draft {draft}' if draft else ''} read the forward times pinned in "

@@ -19,6 +19,7 @@ import torch
 from ...backends.cpu.machine import describe
 from ...errors import UserError, get_logger
 from ...runs import write_json
+from ...timing import torch_threads
 from .cost_timing import PREFIX, decode_loop_times, interleaved_times, loop_times, monotone, with_loop_own
 
 log = get_logger(__name__)
@@ -123,10 +124,19 @@ def measure_costs(pair, reps: int = 5, cache: bool = True, pin: str | Path | Non
     configuration was measured before. `pin` (a JSON path) fixes the measurement for a long job: the first
     call writes it, later ones (a resumed job) read it back while machine and models are the same, and the
     pair remembers it. Without one each load may land on another cache entry, as the CPU kernels picked at
-    load are in the key, and a resumed job's auto picks would move."""
+    load are in the key, and a resumed job's auto picks would move.
+
+    It measures on the torch threads the pair's decode runs on (its engine's decode_torch_threads): the
+    loop's own host work is among the costs, and the threads are in the cache key, so every caller (generate,
+    the sweep, the probe, a benchmark) lands on the one measurement the decode's auto reads."""
     pinned = getattr(pair, "pinned_costs", None)
     if pinned is not None:
         return pinned
+    with torch_threads(getattr(getattr(pair, "engine", None), "decode_torch_threads", None)):
+        return _measure_costs(pair, reps, cache, pin)
+
+
+def _measure_costs(pair, reps: int, cache: bool, pin: str | Path | None) -> Costs:
     config = cost_config(pair)
     key = config_key(config)
     costs = None if pin is None else _read_costs_file(Path(pin), "pinned", config=config)
