@@ -379,12 +379,15 @@ def test_real_pair_greedy_speculative_equals_greedy_target(files):
                "Add type hints to this function and reply with the whole function:\n\ndef mean(numbers):\n"
                "    total = 0\n    for x in numbers:\n        total += x\n    return total / len(numbers)\n"]
     head = "checkpoints/qwen-coder-0.5b-int8-stats-d3"
+    policies = [("fixed", {"k": 3}), ("learned", {"head": head, "threshold": 0.3}),
+                ("ngram", {"fallback": "learned", "head": head, "threshold": 0.3})]
+    if not files:  # prompt lookup alone runs the target only: once, on the fetched files
+        policies.append(("ngram", {"k": 3}))
     mismatches, runs = [], 0
     for text in prompts:
         ids = pair.encode(text, chat=True)
         ref = pair.generate(ids, policy="ar", temperature=0, max_new_tokens=48).token_ids
-        for policy, kw in (("fixed", {"k": 3}), ("learned", {"head": head, "threshold": 0.3}), ("ngram", {"k": 3}),
-                           ("ngram", {"fallback": "learned", "head": head, "threshold": 0.3})):
+        for policy, kw in policies:
             out = pair.generate(ids, policy=policy, temperature=0, max_new_tokens=48, **kw).token_ids
             runs += 1
             if out == ref:

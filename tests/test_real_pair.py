@@ -42,9 +42,22 @@ def test_pair_shares_vocabulary(pair):
     assert pair.draft.hidden_size == 896 and pair.target.hidden_size == 1536
 
 
+@pytest.fixture(scope="module")
+def target_alone(pair):
+    """The target's greedy output per (prompt, length), generated once for the module's tests."""
+    memo = {}
+
+    def generate(prompt, max_new_tokens):
+        if (prompt, max_new_tokens) not in memo:
+            memo[prompt, max_new_tokens] = pair.generate(prompt, policy="ar", temperature=0,
+                                                         max_new_tokens=max_new_tokens, chat=True)
+        return memo[prompt, max_new_tokens]
+    return generate
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_greedy_speculative_equals_greedy_target(pair, prompt):
-    ref = pair.generate(prompt, policy="ar", temperature=0, max_new_tokens=48, chat=True)
+def test_greedy_speculative_equals_greedy_target(pair, target_alone, prompt):
+    ref = target_alone(prompt, 48)
     spec = pair.generate(prompt, policy="fixed", k=4, temperature=0, max_new_tokens=48, chat=True)
     assert spec.token_ids == ref.token_ids, (ref.text, spec.text)
     # a coder pair agrees on most tokens: far fewer target passes than tokens
@@ -56,10 +69,10 @@ EDIT = ("Add type hints to this function and reply with the whole function:\n\n"
 
 
 @pytest.mark.parametrize("k", ["auto", 3])
-def test_greedy_prompt_lookup_equals_greedy_target(pair, k):
+def test_greedy_prompt_lookup_equals_greedy_target(pair, target_alone, k):
     """Copied drafts on the real pair (torch, fp32): the same greedy output as the target alone, with copies
     drafted and accepted on an edit request."""
-    ref = pair.generate(EDIT, policy="ar", temperature=0, max_new_tokens=64, chat=True)
+    ref = target_alone(EDIT, 64)
     spec = pair.generate(EDIT, policy="ngram", k=k, temperature=0, max_new_tokens=64, chat=True)
     assert spec.token_ids == ref.token_ids, (ref.text, spec.text)
     assert spec.metrics.by_source.n_accepted_by.get("ngram", 0) > 0

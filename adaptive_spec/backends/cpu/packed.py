@@ -2,11 +2,13 @@
 copies, applied by pack_cpu_linears and recorded in `model.cpu_path`. Why each: docs/cpu-runtime.md."""
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import statistics
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -223,14 +225,23 @@ def pack_cpu_linears(model, release: bool = False, fp16: bool = True, pack: bool
              if type(child) is torch.nn.Linear]
     why_no_fp16 = _why_no_fp16(p.dtype, fp16, fp16_rows, (getattr(m, c).weight for m, c in slots))
     packed = []
-    for mod, cname in slots:
-        child = getattr(mod, cname)
-        new = PackedLinear(child, release=release and id(child.weight) not in shared)
-        if why_no_fp16 is None:
-            new.add_fp16(child.weight)
-        setattr(mod, cname, new)
-        packed.append(new)
-        del child
+    # FBGEMM's fp16 packing runs on one thread (and releases the GIL): a layer per torch thread at a time, each
+    # holding its original weight only until its copy is made, so no more than `workers` extra layers are held
+    workers = max(1, torch.get_num_threads())
+    with ThreadPoolExecutor(workers) as pool:
+        pending = collections.deque()
+        for mod, cname in slots:
+            child = getattr(mod, cname)
+            new = PackedLinear(child, release=release and id(child.weight) not in shared)
+            if why_no_fp16 is None:
+                pending.append(pool.submit(new.add_fp16, child.weight))
+                if len(pending) > workers:
+                    pending.popleft().result()
+            setattr(mod, cname, new)
+            packed.append(new)
+            del child
+        for done in pending:
+            done.result()
     if packed:
         pad_to = choose_padding(packed, rows=pad_rows)
         for m in packed:
