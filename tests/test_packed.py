@@ -256,6 +256,27 @@ def test_fp16_rows_measured_choice_is_a_set_of_row_counts(monkeypatch):
 
 
 @NEEDS_FP16
+@pytest.mark.parametrize("chosen", [[], [1, 2]])
+def test_fp16_copies_past_the_timed_layers_only_where_a_row_count_pays(monkeypatch, chosen):
+    """The choices are made on the timed layers as soon as they are packed: where no row count pays, the layers
+    after them get no copy made at all (a load's time and memory); where one does, every layer has its copy."""
+    import adaptive_spec.backends.cpu.packed as P
+
+    monkeypatch.setattr(P, "_TIMED_BYTES", 1)  # the first layer alone is timed
+    monkeypatch.setattr(P, "choose_fp16_rows", lambda layers, rows=None: (timed.append(len(layers)),
+                                                                           frozenset(chosen))[1])
+    copies, timed = [], []
+    add = P.PackedLinear.add_fp16
+    monkeypatch.setattr(P.PackedLinear, "add_fp16", lambda self, w=None: (copies.append(self), add(self, w))[1])
+    m = make_model(16, hidden_size=32, layers=2, seed=0).half().float()
+    n = pack_cpu_linears(m, release=True)
+    lins = [x for x in m.modules() if isinstance(x, PackedLinear)]
+    assert timed == [1] and m.cpu_path["fp16_rows"] == chosen
+    assert len(copies) == (1 if not chosen else n)  # the control: a paying row count copies every layer
+    assert all((x.fp16 is None) == (not chosen) and x.fp16_rows == frozenset(chosen) for x in lins)
+
+
+@NEEDS_FP16
 def test_fp16_model_logits_match_unpacked(monkeypatch):
     ref = make_model(16, hidden_size=32, layers=2, seed=5, logit_scale=3.0).half().float()
     m = fp16_model(5, monkeypatch)

@@ -224,39 +224,62 @@ def pack_cpu_linears(model, release: bool = False, fp16: bool = True, pack: bool
     slots = [(mod, cname) for mod in model.modules() for cname, child in mod.named_children()
              if type(child) is torch.nn.Linear]
     why_no_fp16 = _why_no_fp16(p.dtype, fp16, fp16_rows, (getattr(m, c).weight for m, c in slots))
-    packed = []
-    # FBGEMM's fp16 packing runs on one thread (and releases the GIL): a layer per torch thread at a time, each
-    # holding its original weight only until its copy is made, so no more than `workers` extra layers are held
-    workers = max(1, torch.get_num_threads())
-    with ThreadPoolExecutor(workers) as pool:
-        pending = collections.deque()
-        for mod, cname in slots:
-            child = getattr(mod, cname)
-            new = PackedLinear(child, release=release and id(child.weight) not in shared)
-            if why_no_fp16 is None:
-                pending.append(pool.submit(new.add_fp16, child.weight))
-                if len(pending) > workers:
-                    pending.popleft().result()
-            setattr(mod, cname, new)
-            packed.append(new)
-            del child
-        for done in pending:
-            done.result()
+    packed, pad_to, rows = _pack_slots(slots, release, shared, why_no_fp16 is None, pad_rows, fp16_rows)
     if packed:
-        pad_to = choose_padding(packed, rows=pad_rows)
         for m in packed:
             m.pad_to = pad_to
         model.cpu_pad_to = pad_to
         model.cpu_path.update(linear="onednn-packed", pad_to=pad_to)
         if why_no_fp16 is None:
-            rows = choose_fp16_rows(packed, rows=fp16_rows)
             for m in packed:
                 m.fp16_rows = rows
                 if not rows:
-                    m.fp16 = None  # never faster here: free the copy
+                    m.fp16 = None  # never faster here: free the copies the timing used
             model.cpu_path["fp16_rows"] = sorted(rows)
             if rows:
                 model.cpu_path["linear"] = "onednn-packed + fbgemm-fp16"
         else:
             model.cpu_path["why_no_fp16"] = why_no_fp16
     return len(packed)
+
+
+def _pack_slots(slots: list, release: bool, shared: set, fp16: bool, pad_rows: int | None, fp16_rows: int | None):
+    """Pack each slot's layer in place: (the PackedLinears, pad_to, the fp16 row counts or None without copies).
+    Both choices are made on the timed layers (the first _TIMED_BYTES) as soon as they are packed, so the layers
+    after them get no fp16 copy where no row count pays. FBGEMM packs a copy on one thread (releasing the GIL): a
+    layer per torch thread at a time, each original weight held only until its copy is made."""
+    packed, pad_to, rows, timed_bytes = [], None, None, 0
+    workers = max(1, torch.get_num_threads())
+    pending = collections.deque()
+
+    def drain(keep: int = 0):
+        while len(pending) > keep:
+            pending.popleft().result()
+
+    with ThreadPoolExecutor(workers) as pool:
+        for mod, cname in slots:
+            child = getattr(mod, cname)
+            new = PackedLinear(child, release=release and id(child.weight) not in shared)
+            if fp16 and rows != frozenset():
+                pending.append(pool.submit(new.add_fp16, child.weight))
+                drain(keep=workers)
+            setattr(mod, cname, new)
+            packed.append(new)
+            del child
+            timed_bytes += new.weight_bytes
+            if pad_to is None and timed_bytes >= _TIMED_BYTES:
+                pad_to, rows = _choose(packed, fp16, drain, pad_rows, fp16_rows)
+        drain()
+    if pad_to is None and packed:  # a model smaller than the timed bytes
+        pad_to, rows = _choose(packed, fp16, drain, pad_rows, fp16_rows)
+    return packed, pad_to or (), rows
+
+
+def _choose(packed: list, fp16: bool, drain, pad_rows: int | None, fp16_rows: int | None):
+    """pad_to, then the fp16 row counts (timed with that padding, as the layers will run), on the layers so far,
+    once every copy in flight is made: the timing has the cores, and every timed layer its copy."""
+    drain()
+    pad_to = choose_padding(packed, rows=pad_rows)
+    for m in packed:
+        m.pad_to = pad_to
+    return pad_to, choose_fp16_rows(packed, rows=fp16_rows) if fp16 else None
