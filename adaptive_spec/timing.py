@@ -1,6 +1,6 @@
 """Timers for forward passes: `sync` waits for a device's queued work, `timed` measures a block
-(per-phase wall time of a generation, as Metrics records it), `torch_threads` sets the threads a block runs on. The models those times feed (Eq. 3.1
-and the extended and table models) are in auto/timemodel.py."""
+(per-phase wall time of a generation, as Metrics records it); `torch_threads` sets the torch threads a block
+runs on. The models those times feed (Eq. 3.1 and the extended and table models) are in auto/timemodel.py."""
 from __future__ import annotations
 
 import contextlib

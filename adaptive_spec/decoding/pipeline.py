@@ -183,7 +183,6 @@ def _is_messages(prompt) -> bool:
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
 
 
-
 class _Streamer(TextStreamer):
     """transformers' streamer (it holds text back until a word or a UTF-8 sequence is complete),
     fed the decoder's new token ids per round and emitting to a callback instead of stdout."""
