@@ -255,6 +255,17 @@ def test_fp16_rows_measured_choice_is_a_set_of_row_counts(monkeypatch):
     assert all(x.fp16_rows == frozenset(rows) and (x.fp16 is None) == (not rows) for x in lins)
 
 
+def test_fp16_exact_reads_every_value():
+    """One value fp16 cannot hold, anywhere in any weight (here in the last chunk the check reads), keeps a model
+    off the fp16 copies; the same weights without it take them."""
+    from adaptive_spec.backends.cpu.packed import fp16_exact
+
+    weights = [torch.randn(64, 32).half().float(), torch.randn(3, 1 << 18).half().float()]
+    assert fp16_exact(weights)
+    weights[1][-1, -1] = 1 + 2 ** -20  # between two fp16 values
+    assert not fp16_exact(weights)
+
+
 @NEEDS_FP16
 @pytest.mark.parametrize("chosen", [[], [1, 2]])
 def test_fp16_copies_past_the_timed_layers_only_where_a_row_count_pays(monkeypatch, chosen):
