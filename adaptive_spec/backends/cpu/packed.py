@@ -269,17 +269,16 @@ def _pack_slots(slots: list, release: bool, shared: set, fp16: bool, pad_rows: i
             del child
             timed_bytes += new.weight_bytes
             if pad_to is None and timed_bytes >= _TIMED_BYTES:
-                pad_to, rows = _choose(packed, fp16, drain, pad_rows, fp16_rows)
+                drain()  # the timing has the cores, and every timed layer its copy
+                pad_to, rows = _choose(packed, fp16, pad_rows, fp16_rows)
         drain()
     if pad_to is None and packed:  # a model smaller than the timed bytes
-        pad_to, rows = _choose(packed, fp16, drain, pad_rows, fp16_rows)
+        pad_to, rows = _choose(packed, fp16, pad_rows, fp16_rows)
     return packed, pad_to or (), rows
 
 
-def _choose(packed: list, fp16: bool, drain, pad_rows: int | None, fp16_rows: int | None):
-    """pad_to, then the fp16 row counts (timed with that padding, as the layers will run), on the layers so far,
-    once every copy in flight is made: the timing has the cores, and every timed layer its copy."""
-    drain()
+def _choose(packed: list, fp16: bool, pad_rows: int | None, fp16_rows: int | None):
+    """pad_to, then the fp16 row counts (timed with that padding, as the layers will run), on the layers so far."""
     pad_to = choose_padding(packed, rows=pad_rows)
     for m in packed:
         m.pad_to = pad_to
