@@ -43,6 +43,53 @@ def persist_compile_caches() -> None:
         inductor_config.fx_graph_cache = True
 
 
+def compile_step(fn, compiler: str, device: torch.device):
+    """(torch.compile of a runner's step fn, whether it runs torch.compile's own CUDA graphs, whose outputs must
+    be copied out)."""
+    raise_recompile_limit()
+    if compiler == "inductor":
+        persist_compile_caches()
+    cudagraphs = device.type == "cuda"
+    kw = {"mode": "reduce-overhead" if cudagraphs else "default"} if compiler == "inductor" else {}
+    return torch.compile(fn, backend=compiler, fullgraph=True, dynamic=False, **kw), cudagraphs
+
+
+def capture_graph(fn, device, keep=()):
+    """(a CUDA graph of fn(), its static outputs), recorded after two warm-up runs on a side stream (as
+    torch.cuda.graphs asks). The tensors `keep` are put back after each run, so every run starts from the same
+    state (a second run must not step an epilogue's index past its end) and none moves what the first replay
+    reads."""
+    saved = [(t, t.clone()) for t in keep]
+
+    def restore():
+        for t, s in saved:
+            t.copy_(s)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+            restore()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    restore()
+    return graph, out
+
+
+def copy_head(into, head) -> bool:
+    """Copy `head`'s tensors into the attached head `into` where both have the same names, shapes and dtypes (a
+    captured graph reads them by address); False, copying nothing, where they differ or `into` is None."""
+    mine, theirs = (into.state_dict() if into is not None else {}), head.state_dict()
+    if not mine or mine.keys() != theirs.keys() or any(
+            (t.shape, t.dtype) != (theirs[k].shape, theirs[k].dtype) for k, t in mine.items()):
+        return False
+    for k, t in mine.items():
+        t.copy_(theirs[k].to(t.device))
+    return True
+
+
 class ShapeGraphs:
     """Capture, compile, replay and warm up the runner's step per (n, n_logits, with_head, rows[, epilogue]) shape
     (rows: forward_hidden's variant, every fed row's hidden state returned)."""
@@ -55,31 +102,12 @@ class ShapeGraphs:
         return buf
 
     def _capture(self, key):
-        """Record the eager step of shape `key` into a CUDA graph (after two warm-up runs on a
-        side stream, as torch.cuda.graphs asks)."""
         n, n_logits, wh, rows = key[:4]
         epilogue = key[4] if len(key) > 4 else None
         buf = self._buf(n)
-        # the warm-up runs move the position and an epilogue's state (its `buffers()`): put back after
-        pos = self._pos.clone()
-        kept = [(t, t.clone()) for t in (epilogue.buffers() if epilogue is not None else ())]
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # each from the same state: a second run must not step an epilogue's index past its end
-                self._pos.copy_(pos)
-                for t, saved in kept:
-                    t.copy_(saved)
-                self._step(buf, n_logits, wh, epilogue, rows)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        self._pos.copy_(pos)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = self._step(buf, n_logits, wh, epilogue, rows)
-        self._pos.copy_(pos)
-        for t, saved in kept:
-            t.copy_(saved)
-        self._graphs[key] = (graph, out)
+        # the warm-up runs move the position and an epilogue's state (its `buffers()`)
+        keep = (self._pos, *(epilogue.buffers() if epilogue is not None else ()))
+        self._graphs[key] = capture_graph(lambda: self._step(buf, n_logits, wh, epilogue, rows), self.device, keep)
 
     def _run(self, ids: torch.Tensor, n_logits: int, with_head: bool, epilogue=None, rows: bool = False):
         if epilogue is not None and self._graphs is None:

@@ -16,7 +16,7 @@ from transformers.cache_utils import StaticLayer
 
 from ..errors import UserError
 from .fused import FusedDecoder, unsupported_reason
-from .graphs import ShapeGraphs, persist_compile_caches, raise_recompile_limit
+from .graphs import ShapeGraphs, compile_step, copy_head
 from .runner import CausalLM, kv, model_kv
 
 DEFAULT_MAX_CACHE_LEN = 2048
@@ -59,6 +59,15 @@ def positioned_static_cache(config, max_cache_len: int, pos: torch.Tensor, dtype
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     cache.early_initialization(batch_size=1, num_heads=kv_heads, head_dim=head_dim, dtype=dtype, device=device)
     return cache
+
+
+def cache_length(config, max_cache_len: int | None) -> int:
+    """The static cache's slots: max_cache_len, by default DEFAULT_MAX_CACHE_LEN or the model's context if shorter."""
+    max_pos = getattr(config, "max_position_embeddings", None)
+    n = int(max_cache_len or min(DEFAULT_MAX_CACHE_LEN, max_pos or DEFAULT_MAX_CACHE_LEN))
+    if n < 1 or (max_pos and n > max_pos):
+        raise UserError(f"max_cache_len must be in 1..{max_pos} (the model's context), got {n}")
+    return n
 
 
 def _event_seconds(start, end) -> float:
@@ -114,10 +123,7 @@ class StaticCausalLM(ShapeGraphs, CausalLM):
         if types != {"full_attention"} or getattr(cfg, "use_sliding_window", False):
             raise UserError(f"the static runner supports full-attention models only (this one has {sorted(types)}); "
                             "use the dynamic-cache runner (CausalLM)")
-        max_pos = getattr(cfg, "max_position_embeddings", None)
-        self.max_cache_len = int(max_cache_len or min(DEFAULT_MAX_CACHE_LEN, max_pos or DEFAULT_MAX_CACHE_LEN))
-        if self.max_cache_len < 1 or (max_pos and self.max_cache_len > max_pos):
-            raise UserError(f"max_cache_len must be in 1..{max_pos} (the model's context), got {self.max_cache_len}")
+        self.max_cache_len = cache_length(cfg, max_cache_len)
         if compile and cuda_graphs:
             raise UserError("pick one of compile=True (torch.compile, CUDA graphs included) and cuda_graphs=True")
         self.head = head
@@ -131,16 +137,8 @@ class StaticCausalLM(ShapeGraphs, CausalLM):
         self._warm: set = set()  # (n, n_logits, with_head, rows) shapes run through a graph
         self._ids_buf: dict = {}  # n -> static [1, n] input buffer of the captured step
         self._graphs: dict | None = {} if cuda_graphs else None  # key -> (CUDAGraph, static outputs)
-        self._compiled = None
-        self._cudagraphs = False  # torch.compile's own CUDA graphs (outputs must be copied out)
-        if self.compile:
-            raise_recompile_limit()
-            if compiler == "inductor":
-                persist_compile_caches()
-            mode = "reduce-overhead" if self.device.type == "cuda" else "default"
-            self._cudagraphs = self.device.type == "cuda"
-            kw = {"mode": mode} if compiler == "inductor" else {}
-            self._compiled = torch.compile(self._step, backend=compiler, fullgraph=True, dynamic=False, **kw)
+        self._compiled, self._cudagraphs = (compile_step(self._step, compiler, self.device) if compile
+                                            else (None, False))
 
     @property
     def runtime(self) -> str:
@@ -262,19 +260,12 @@ class StaticCausalLM(ShapeGraphs, CausalLM):
         one's shape is copied into its tensors; another shape replaces it and its graphs go."""
         if head is None or head is self._attached:
             return
-        mine = None if self.head is None else self.head.state_dict()
-        theirs = head.state_dict()
-        if mine is not None and mine.keys() == theirs.keys() and all(
-                mine[k].shape == theirs[k].shape and mine[k].dtype == theirs[k].dtype for k in mine):
-            for k, t in mine.items():
-                t.copy_(theirs[k].to(t.device))
-            self._attached = head
-            return
-        self.head = head
+        if not copy_head(self.head, head):
+            self.head = head
+            self._warm = {key for key in self._warm if not key[2]}
+            if self._graphs is not None:
+                self._graphs = {key: g for key, g in self._graphs.items() if not key[2]}
         self._attached = head
-        self._warm = {key for key in self._warm if not key[2]}
-        if self._graphs is not None:
-            self._graphs = {key: g for key, g in self._graphs.items() if not key[2]}
 
     # ---- the tree contract (contract.TreeRunner) ------------------------------------------------
 

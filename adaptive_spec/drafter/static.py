@@ -14,8 +14,8 @@ import time
 import torch
 
 from ..backends.contract import Counters
-from ..backends.graphs import persist_compile_caches, raise_recompile_limit
-from ..backends.static_runner import DEFAULT_MAX_CACHE_LEN, RUNTIMES, StaticCausalLM
+from ..backends.graphs import capture_graph, compile_step, copy_head
+from ..backends.static_runner import RUNTIMES, StaticCausalLM, cache_length
 from ..errors import UserError, get_logger
 from .model import FeatureDrafter, Readout
 from .step import DrafterStep
@@ -39,24 +39,14 @@ class StaticFeatureRunner:
         self.device, self.config = drafter.device, drafter.config_obj
         if runtime == "cudagraph" and self.device.type != "cuda":
             raise UserError("the cudagraph runtime captures CUDA graphs; on a CPU use runtime eager or compile")
-        max_pos = getattr(self.config, "max_position_embeddings", None)
-        self.max_cache_len = int(max_cache_len or min(DEFAULT_MAX_CACHE_LEN, max_pos or DEFAULT_MAX_CACHE_LEN))
-        if self.max_cache_len < 1 or (max_pos and self.max_cache_len > max_pos):
-            raise UserError(f"max_cache_len must be in 1..{max_pos} (the model's context), got {self.max_cache_len}")
-        self.max_length = self.max_cache_len
+        self.max_length = self.max_cache_len = cache_length(self.config, max_cache_len)
         self.runtime, self.compiler = runtime, compiler
         self.head = self._attached = head
         self.counters = Counters()
         self.step = DrafterStep(self.drafter, readout, self.max_cache_len)
         self._graphs: dict | None = {} if runtime == "cudagraph" else None  # (with_head, epilogue) -> (graph, out)
-        self._compiled = None
-        self._cudagraphs = runtime == "compile" and self.device.type == "cuda"  # torch.compile's own graphs
-        if runtime == "compile":
-            raise_recompile_limit()
-            if compiler == "inductor":
-                persist_compile_caches()
-            kw = {"mode": "reduce-overhead" if self._cudagraphs else "default"} if compiler == "inductor" else {}
-            self._compiled = torch.compile(self._one, backend=compiler, fullgraph=True, dynamic=False, **kw)
+        self._compiled, self._cudagraphs = (compile_step(self._one, compiler, self.device) if runtime == "compile"
+                                            else (None, False))
         self.reset()
 
     # ---- positions ------------------------------------------------------------------------
@@ -114,12 +104,7 @@ class StaticFeatureRunner:
         them by address); another shape replaces it, and the graphs holding the old one go."""
         if head is None or head is self._attached:
             return
-        mine, theirs = (self.head.state_dict() if self.head is not None else {}), head.state_dict()
-        if mine and mine.keys() == theirs.keys() and all(
-                (mine[k].shape, mine[k].dtype) == (theirs[k].shape, theirs[k].dtype) for k in mine):
-            for k, t in mine.items():
-                t.copy_(theirs[k].to(t.device))
-        else:
+        if not copy_head(self.head, head):
             self.head = head
             if self._graphs is not None:
                 self._graphs = {key: g for key, g in self._graphs.items() if not key[0]}
@@ -201,8 +186,9 @@ class StaticFeatureRunner:
         if self._graphs is not None:
             key = (with_head, epilogue)
             if key not in self._graphs:
-                keep = epilogue.buffers() if epilogue is not None else ()
-                self._graphs[key] = self.step.record(lambda: self._one(with_head, epilogue), keep)
+                st = self.step
+                keep = (st.pos, st.tok, st.feat, *(epilogue.buffers() if epilogue is not None else ()))
+                self._graphs[key] = capture_graph(lambda: self._one(with_head, epilogue), self.device, keep)
             graph, out = self._graphs[key]
             graph.replay()
             return tuple(t.clone() for t in out)  # the next replay overwrites them

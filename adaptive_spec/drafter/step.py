@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.graphs import capture_graph
 from ..backends.runner import kv
 from ..backends.static_runner import positioned_static_cache
 from .model import FeatureDrafter, Readout
@@ -79,29 +80,7 @@ class DrafterStep:
         self.tok.copy_(nxt.view(1, 1))
         return q, nxt
 
-    def record(self, fn, keep=()):
-        """(a CUDA graph of fn(), its static outputs): recorded after two warm-up runs on a side stream (as
-        torch.cuda.graphs asks). The position, the fed buffers and the tensors `keep` are put back after
-        each run, so a warm-up never moves what the first replay reads."""
-        saved = [(t, t.clone()) for t in (self.pos, self.tok, self.feat, *keep)]
-
-        def restore():
-            for t, s in saved:
-                t.copy_(s)
-        side = torch.cuda.Stream(self.pos.device)
-        side.wait_stream(torch.cuda.current_stream(self.pos.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn()
-                restore()
-        torch.cuda.current_stream(self.pos.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fn()
-        restore()
-        return graph, out
-
     @torch.inference_mode()
     def capture(self) -> None:
         """Record the chain step (`step`) into a CUDA graph, replayed by graph.replay()."""
-        self.graph, self.out = self.record(self.step)
+        self.graph, self.out = capture_graph(self.step, self.pos.device, (self.pos, self.tok, self.feat))
