@@ -26,14 +26,9 @@ _VOCAB_ROWS = ("token_embd.weight", "output.weight")  # the matrices with one ro
 
 def byte_level_chars() -> set[str]:
     """The 256 characters a byte-level BPE vocabulary (GPT-2's, Qwen's) writes single bytes as."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c) for c in cs}
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    # the other bytes are written as chr(256), chr(257), ... in byte order
+    return {chr(c) for c in printable} | {chr(256 + n) for n in range(256 - len(printable))}
 
 
 def complete_keep(keep_ids, tokens: list[str] | None, token_types: list[int] | None, n_vocab: int) -> np.ndarray:

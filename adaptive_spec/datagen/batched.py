@@ -176,9 +176,14 @@ def _sample_position(t_logits, d_logits, params, gen: torch.Generator):
     q = process_logits(d_logits, params)
     x = sample(p, gen)  # X_i ~ p_i: the target's response
     y = sample(q, gen)  # Y_i ~ q_i: the draft's candidate at the same position
+    return x, y, *acceptance(p, q, y)
+
+
+def acceptance(p, q, y) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(min(1, p(y)/q(y)), 1 - TV(p, q), draft_stats(q, y)) of candidates y drawn from q."""
     p_y = p.gather(-1, y[:, None])[:, 0]
     q_y = q.gather(-1, y[:, None])[:, 0]  # > 0: y was drawn from q
-    return x, y, (p_y / q_y).clamp(max=1.0), torch.minimum(p, q).sum(-1), draft_stats(q, y)  # 1 - TV(p, q)
+    return (p_y / q_y).clamp(max=1.0), torch.minimum(p, q).sum(-1), draft_stats(q, y)
 
 
 def _draft_features(draft, prompt_cache, first_pos, prompt_mask, Z) -> torch.Tensor:

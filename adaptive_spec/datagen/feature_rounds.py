@@ -37,9 +37,8 @@ from transformers import DynamicCache
 from ..backends.logits import process_logits
 from ..decoding.sampling import SamplingParams, sample
 from ..errors import UserError, get_logger
-from ..heads.features import draft_stats
 from ..runs import project_path, read_manifest
-from .batched import mix_tokens
+from .batched import acceptance, mix_tokens
 from .config import WORK_ORDER
 from .generate import shard_generator
 from .shards import SPLITS, existing_manifest, folder_manifest, save_shard, shard_file, write_manifest
@@ -87,12 +86,11 @@ def simulate(drafter, readout, ids: torch.Tensor, feats: torch.Tensor, start: in
             break
         q = process_logits(readout.logits(g[first - 2: T - 2]), params)
         y = sample(q, gen)
-        p_y, q_y = p.gather(-1, y[:, None])[:, 0], q.gather(-1, y[:, None])[:, 0]
         z, loss_mask = mix_tokens(ids[first:], y, mix_ratio, gen)
+        accept_prob, expected_accept, stats = acceptance(p, q, y)
         out.append({"prompt": ids[:first].to(torch.int32), "x": ids[first:].to(torch.int32),
-                    "y": y.to(torch.int32), "z": z.to(torch.int32), "loss_mask": loss_mask,
-                    "accept_prob": (p_y / q_y).clamp(max=1.0), "expected_accept": torch.minimum(p, q).sum(-1),
-                    "draft_stats": draft_stats(q, y), "source": 0})
+                    "y": y.to(torch.int32), "z": z.to(torch.int32), "loss_mask": loss_mask, "accept_prob": accept_prob,
+                    "expected_accept": expected_accept, "draft_stats": stats, "source": 0})
         f_in = torch.cat([feats[:1], g[:-1].to(feats.dtype)])  # slot j reads this level's f^ of slot j - 1
         toks = torch.cat([ids[1:first], z])
     return out

@@ -233,7 +233,7 @@ def _run(cfg: DatagenConfig) -> dict:
         if state.is_main:
             write_manifest(out_dir, build_manifest(out_dir, cfg, models, planned))
         progress.shard_done(shard_file(s, k), meta)
-    progress.close()
+    progress.bar.close()
     state.barrier()
     man = build_manifest(out_dir, cfg, models, planned)
     if state.is_main:
@@ -306,9 +306,6 @@ class _Progress:
         log.info(f"\ndatagen: wrote {name} ({meta['n_seqs']} seqs, {meta['n_tokens']} tokens); "
                  f"{self.n_tok} tokens in {el:.0f}s = {self.n_tok / el:.2f} tok/s; {self.n_prompts}/{self.n_todo} "
                  f"prompts, ETA {eta / 3600:.1f} h")
-
-    def close(self):
-        self.bar.close()
 
 
 INTERRUPTED = "finished shards are kept; rerun the same command to resume"

@@ -26,10 +26,11 @@ from huggingface_hub import PyTorchModelHubMixin, hf_hub_download
 from huggingface_hub.errors import EntryNotFoundError
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from torch import nn
 
 from ..errors import UserError, first_line
+from ..runs import atomic_write
 
 DRAFTER_FORMAT = "adaptive_spec.drafter.v1"
 CONFIG_NAME = "config.json"
@@ -146,12 +147,8 @@ class FeatureDrafter(nn.Module, PyTorchModelHubMixin, library_name="adaptive-spe
         dt = getattr(self, "_save_dtype", None)
         state = {k: (v.to(dt) if dt is not None and v.is_floating_point() else v).detach().to("cpu").contiguous()
                  for k, v in self.state_dict().items()}
-        tmp = save_directory / (WEIGHTS_NAME + ".tmp")
-        save_file(state, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, save_directory / WEIGHTS_NAME)
-        tmp = save_directory / (CONFIG_NAME + ".tmp")
-        tmp.write_text(json.dumps(self.config_dict(self.extra), indent=2, default=str) + "\n")
-        os.replace(tmp, save_directory / CONFIG_NAME)
+        atomic_write(save_directory / WEIGHTS_NAME, save(state, metadata={"format": "pt"}))
+        atomic_write(save_directory / CONFIG_NAME, json.dumps(self.config_dict(self.extra), indent=2, default=str) + "\n")
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path, hidden_size: int | None = None, device=None, dtype=None,

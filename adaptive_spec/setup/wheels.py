@@ -13,6 +13,7 @@ from collections import deque
 from pathlib import Path
 
 from ..errors import UserError
+from ..runs import atomic_write
 from .pair import ModelSpec, cache_lock, disk_errors, download_dir, fmt_size, log_step, spec_of
 
 
@@ -166,9 +167,7 @@ def _stamp_text(gguf: Path, sha256: str) -> str:
 
 def _write_stamp(gguf: Path, sha256: str) -> None:
     """Record that `gguf`, as it is now (size, mtime), hashed to `sha256`."""
-    tmp = _stamp_path(gguf).with_suffix(".tmp")
-    tmp.write_text(_stamp_text(gguf, sha256))
-    os.replace(tmp, _stamp_path(gguf))
+    atomic_write(_stamp_path(gguf), _stamp_text(gguf, sha256))
 
 
 def _stamp_ok(gguf: Path, sha256: str) -> bool:
