@@ -23,8 +23,7 @@ def resolve_device(device: str | None = None) -> torch.device:
 
 @functools.lru_cache(maxsize=None)
 def _cache_name(fn) -> str:
-    params = inspect.signature(fn).parameters
-    return "cache" if "cache" in params else "past_key_values"
+    return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"
 
 
 def kv(fn, cache) -> dict:

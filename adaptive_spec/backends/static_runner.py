@@ -70,6 +70,20 @@ def cache_length(config, max_cache_len: int | None) -> int:
     return n
 
 
+def static_causal_mask(config, embeds: torch.Tensor, cache, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(position ids [1, n] from the 0-d device position pos, the causal mask of embeds [1, n, H] over every slot
+    of the static cache): kv length = max_cache_len and queries at absolute positions pos..pos+n-1, so slot j
+    is visible iff j <= the query's position and stale slots past it are masked."""
+    from transformers.masking_utils import create_causal_mask  # heavy: slow to import, and only a step needs it
+
+    n = embeds.shape[1]
+    position_ids = (pos + torch.arange(n, device=embeds.device)).view(1, n)
+    # allow_is_causal_skip=False: always a real mask, no shortcut that reads pos on the host
+    mask = create_causal_mask(config=config, inputs_embeds=embeds, attention_mask=None, **kv(create_causal_mask, cache),
+                              position_ids=position_ids, allow_is_causal_skip=False)
+    return position_ids, mask
+
+
 def _event_seconds(start, end) -> float:
     end.synchronize()
     return start.elapsed_time(end) / 1000.0
@@ -214,17 +228,8 @@ class StaticCausalLM(ShapeGraphs, CausalLM):
     def _last_hidden(self, ids: torch.Tensor, rows: int) -> torch.Tensor:
         """Feed ids [1, n] at positions pos.. (pos left as it is): final hidden states of at least the last
         `rows` positions [>= rows, H]."""
-        from transformers.masking_utils import create_causal_mask  # heavy: slow to import, and only this step needs it
-
-        n = ids.shape[-1]
-        position_ids = (self._pos + torch.arange(n, device=ids.device)).view(1, n)
         embeds = self.base.embed_tokens(ids)
-        # kv length = max_cache_len and queries at absolute positions pos..pos+n-1: slot j is
-        # visible iff j <= the query's position, so stale slots past it are masked.
-        # allow_is_causal_skip=False: always a real mask, no shortcut that reads pos on the host
-        mask = create_causal_mask(config=self.config, inputs_embeds=embeds, attention_mask=None,
-                                  **kv(create_causal_mask, self.cache), position_ids=position_ids,
-                                  allow_is_causal_skip=False)
+        position_ids, mask = static_causal_mask(self.config, embeds, self.cache, self._pos)
         out = self.base(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids,
                         **model_kv(self.base, self.cache), use_cache=True)
         return out.last_hidden_state[0]

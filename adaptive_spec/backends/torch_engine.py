@@ -60,13 +60,12 @@ def from_models(target_model, tokenizer, draft_model=None, draft_tokenizer=None,
     if draft_model is not None:
         vocab = check_vocab(draft_tokenizer or tokenizer, tokenizer, draft_model, target_model)
     kv_cache, runtime = runtime_for(kv_cache, runtime, next(target_model.parameters()).device)
-    graphs = runtime != "eager"
-    target = make_runner(target_model, vocab, kv_cache, runtime, max_cache_len,
-                         fused=_fused_for(target_model, fused, kv_cache))
-    draft = (make_runner(draft_model, vocab, kv_cache, runtime, max_cache_len,
-                         fused=_fused_for(draft_model, fused, kv_cache))
-             if draft_model is not None else None)
-    prepare = graph_warmup(target, draft, runtime) if graphs else None
+
+    def runner(model):
+        return make_runner(model, vocab, kv_cache, runtime, max_cache_len, fused=_fused_for(model, fused, kv_cache))
+    target = runner(target_model)
+    draft = runner(draft_model) if draft_model is not None else None
+    prepare = graph_warmup(target, draft, runtime) if runtime != "eager" else None
     if prepare is not None:
         prepare(k_max)
     return Loaded(target, draft, tokenizer, eos_token_ids(tokenizer, target_model), {}, prepare=prepare)

@@ -43,9 +43,7 @@ class HiddenTap:
         return self.runner.length
 
     def forward(self, ids: torch.Tensor, n_logits: int = 1):
-        start = self.runner.length
-        logits, rows = self.runner.forward_hidden(ids, n_logits)
-        self._keep(start, rows)
+        logits, rows = self.forward_hidden(ids, n_logits)
         return logits, rows[-1]
 
     def forward_epilogue(self, ids: torch.Tensor, n_logits: int, epilogue, with_head: bool = False):

@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..backends.graphs import capture_graph
-from ..backends.runner import kv
-from ..backends.static_runner import positioned_static_cache
+from ..backends.static_runner import positioned_static_cache, static_causal_mask
 from .model import FeatureDrafter, Readout
 
 
@@ -34,15 +33,8 @@ class DrafterStep:
 
     def _pass(self, feats: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """feats [1, n, H], ids [1, n] at positions pos..: the drafter's output [1, n, H]; pos unchanged."""
-        from transformers.masking_utils import create_causal_mask  # heavy: only the step needs it
-
-        n = ids.shape[-1]
-        position_ids = (self.pos + torch.arange(n, device=ids.device)).view(1, n)
         embeds = self.readout.embed(ids)
-        # a real mask over every slot (stale ones hidden), never a shortcut that reads pos on the host
-        mask = create_causal_mask(config=self.drafter.config_obj, inputs_embeds=embeds, attention_mask=None,
-                                  **kv(create_causal_mask, self.cache), position_ids=position_ids,
-                                  allow_is_causal_skip=False)
+        position_ids, mask = static_causal_mask(self.drafter.config_obj, embeds, self.cache, self.pos)
         return self.drafter(feats, embeds, position_ids, cache=self.cache, use_cache=True, attention_mask=mask)
 
     def feed(self, feats: torch.Tensor, ids: torch.Tensor) -> None:

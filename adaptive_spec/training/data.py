@@ -38,8 +38,7 @@ def read_manifest(root: str | Path, partial: bool = False) -> dict:
                         "same `adaptive-spec datagen` command to finish it, or set partial_data=true to train on "
                         "the shards written so far")
     try:
-        d = m["models"]["draft"]
-        int(d["hidden_size"])
+        int(m["models"]["draft"]["hidden_size"])
         m["splits"]["train"]["shards"]
         stats_sampling(m)
     except (KeyError, TypeError, ValueError) as e:
