@@ -47,9 +47,6 @@ class Engine:
     unavailable: Callable[[], str | None] | None = None
     description: str = ""
 
-    def load(self, params) -> Loaded:
-        return self.loader(params)
-
     def check_available(self, device: str | None = None, name: str = "--device") -> None:
         """Refuse, naming the fix, an engine whose runtime is missing here, or a device it cannot reach here
         (`name`: how the user spelled the device setting), before any model loads."""

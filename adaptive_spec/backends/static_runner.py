@@ -22,30 +22,27 @@ from .runner import CausalLM, kv, model_kv
 DEFAULT_MAX_CACHE_LEN = 2048
 
 
-def _static_layer_cls():
-    class PositionedStaticLayer(StaticLayer):
-        """A StaticLayer written at the runner's position `pos` (a shared 0-d device tensor)
-        instead of its own running counter: rolling back is then a write to `pos` only."""
+class PositionedStaticLayer(StaticLayer):
+    """A StaticLayer written at the runner's position `pos` (a shared 0-d device tensor)
+    instead of its own running counter: rolling back is then a write to `pos` only."""
 
-        def __init__(self, max_cache_len: int, pos: torch.Tensor):
-            super().__init__(max_cache_len=max_cache_len)
-            self.pos = pos
+    def __init__(self, max_cache_len: int, pos: torch.Tensor):
+        super().__init__(max_cache_len=max_cache_len)
+        self.pos = pos
 
-        def update(self, key_states, value_states, *args, **kwargs):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            idx = self.pos + torch.arange(key_states.shape[-2], device=self.pos.device)
-            self.keys.index_copy_(2, idx, key_states)
-            self.values.index_copy_(2, idx, value_states)
-            return self.keys, self.values
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        idx = self.pos + torch.arange(key_states.shape[-2], device=self.pos.device)
+        self.keys.index_copy_(2, idx, key_states)
+        self.values.index_copy_(2, idx, value_states)
+        return self.keys, self.values
 
-        def get_seq_length(self):
-            return self.pos
+    def get_seq_length(self):
+        return self.pos
 
-        def reset(self) -> None:  # stale slots are masked; nothing to clear
-            pass
-
-    return PositionedStaticLayer
+    def reset(self) -> None:  # stale slots are masked; nothing to clear
+        pass
 
 
 def positioned_static_cache(config, max_cache_len: int, pos: torch.Tensor, dtype, device) -> StaticCache:
@@ -53,8 +50,7 @@ def positioned_static_cache(config, max_cache_len: int, pos: torch.Tensor, dtype
     position `pos`."""
     cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     cache = StaticCache(config=config, max_cache_len=max_cache_len)
-    layer_cls = _static_layer_cls()
-    cache.layers = [layer_cls(max_cache_len, pos) for _ in cache.layers]
+    cache.layers = [PositionedStaticLayer(max_cache_len, pos) for _ in cache.layers]
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     cache.early_initialization(batch_size=1, num_heads=kv_heads, head_dim=head_dim, dtype=dtype, device=device)

@@ -176,7 +176,7 @@ class SpecPair:
 def _loader(params: PairParams):
     """What loads the pair, by its draft's type: a feature drafter loads with the target whose hidden states it
     reads (drafter/source.py); any other pair loads on its engine (backends/engines.py)."""
-    return load_feature_pair if isinstance(params.draft, FeatureDraft) else params.engine.load
+    return load_feature_pair if isinstance(params.draft, FeatureDraft) else params.engine.loader
 
 
 def _is_messages(prompt) -> bool:

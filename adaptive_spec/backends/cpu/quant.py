@@ -190,12 +190,10 @@ def quantize_linears(model, quant: str = "int8") -> int:
     """Swap every nn.Linear of `model` for an Int8Linear or Int4Linear; returns how many. An embedding tied to
     the LM head keeps its own table."""
     cls, path = QUANT_LAYERS[quant]
-    n = 0
-    for mod in list(model.modules()):
-        for cname, child in list(mod.named_children()):
-            if type(child) is torch.nn.Linear:
-                setattr(mod, cname, cls(child))
-                n += 1
+    slots = [(mod, cname, child) for mod in model.modules() for cname, child in mod.named_children()
+             if type(child) is torch.nn.Linear]
+    for mod, cname, child in slots:
+        setattr(mod, cname, cls(child))
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     model.cpu_path = {"dtype": dtype, "linear": path, "pad_to": (), "quant": quant}
-    return n
+    return len(slots)
