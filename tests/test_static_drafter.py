@@ -174,14 +174,14 @@ def test_no_host_read_in_a_step():
     tap.forward(ids[:4], n_logits=0)
     sfr.forward(ids[:4], n_logits=0)
     with torch.no_grad(), host_reads() as reads:
-        sfr._forward(ids[4:5], 1, True, None)  # slot 3 real
-        sfr._forward(ids[5:6], 1, True, None)  # slot 4 reads f^
-        sfr._forward(ids[6:7], 1, False, None)
+        sfr._run(ids[4:5], 1, True, None)  # slot 3 real
+        sfr._run(ids[5:6], 1, True, None)  # slot 4 reads f^
+        sfr._run(ids[6:7], 1, False, None)
         sfr.rollback(6)
-        sfr._forward(ids[6:7], 1, False, None)  # slot 5 again
+        sfr._run(ids[6:7], 1, False, None)  # slot 5 again
         tap.forward(ids[4:7], n_logits=1)  # the target holds positions 0..6
         sfr.rollback(6)
-        sfr._forward(ids[6:7], 1, False, None)  # slots 4..5 fed again with the target's states
+        sfr._run(ids[6:7], 1, False, None)  # slots 4..5 fed again with the target's states
     assert reads["n"] == 0 and sfr.real == 6
     with torch.no_grad(), host_reads() as reads:
         FeatureRunner.forward.__wrapped__(fr, ids[:5], 1)

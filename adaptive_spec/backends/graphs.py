@@ -90,7 +90,33 @@ def copy_head(into, head) -> bool:
     return True
 
 
-class ShapeGraphs:
+class HeadForwards:
+    """A static runner's forward, forward_with_head and forward_epilogue, each its `_run(ids, n_logits,
+    with_head, epilogue=None)`: the step, the head and a device round's epilogue (decoding/graph_round.py) in
+    one graph where the shape has one."""
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, n_logits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._run(ids, n_logits, False)
+
+    @torch.inference_mode()
+    def forward_with_head(self, ids: torch.Tensor, n_logits: int = 1):
+        """`forward` plus the attached head's acceptance probability [] float32 of the returned hidden state."""
+        if self.head is None:
+            raise UserError("forward_with_head needs an acceptance head: attach_head(head) first, or build the "
+                            "runner with head=...")
+        return self._run(ids, n_logits, True)
+
+    @torch.inference_mode()
+    def forward_epilogue(self, ids: torch.Tensor, n_logits: int, epilogue, with_head: bool = False):
+        """`forward` (or forward_with_head) then epilogue(logits, hidden, accept); returns the epilogue's output."""
+        if with_head and self.head is None:
+            raise UserError("forward_epilogue(with_head=True) needs an acceptance head: attach_head(head) first, "
+                            "or build the runner with head=...")
+        return self._run(ids, n_logits, with_head, epilogue)[0]
+
+
+class ShapeGraphs(HeadForwards):
     """Capture, compile, replay and warm up the runner's step per (n, n_logits, with_head, rows[, epilogue]) shape
     (rows: forward_hidden's variant, every fed row's hidden state returned)."""
 

@@ -79,22 +79,30 @@ def init_library(ll) -> None:
         _initialised = True
 
 
+def load_model_file(path: Path, unreadable: str, vocab_only: bool = False):
+    """(the initialised binding, llama.cpp's model pointer: the caller frees it) of a GGUF file on the CPU; a
+    UserError for a missing file, or `unreadable` for one llama.cpp does not load."""
+    ll = import_llama_cpp()
+    init_library(ll)
+    if not path.is_file():
+        raise UserError(f"GGUF file {path} does not exist")
+    params = ll.llama_model_default_params()
+    params.n_gpu_layers = 0
+    params.vocab_only = vocab_only
+    ptr = ll.llama_model_load_from_file(str(path).encode(), params)
+    if not ptr:
+        raise UserError(unreadable)
+    return ll, ptr
+
+
 class GGUFModel:
     """One loaded GGUF model (weights only); contexts (`LlamaCppLM`) are made on it."""
 
     def __init__(self, path: str | Path):
-        self.ll = ll = import_llama_cpp()
-        init_library(ll)
         self.path = Path(path)
-        if not self.path.is_file():
-            raise UserError(f"GGUF file {self.path} does not exist")
-        params = ll.llama_model_default_params()
-        params.n_gpu_layers = 0
-        ptr = ll.llama_model_load_from_file(str(self.path).encode(), params)
-        if not ptr:
-            raise UserError(f"llama.cpp could not load {self.path} (corrupt, truncated, or an architecture this "
-                            f"llama.cpp does not know); fetch the file again")
-        self.ptr = ptr
+        self.ll, self.ptr = ll, ptr = load_model_file(
+            self.path, f"llama.cpp could not load {self.path} (corrupt, truncated, or an architecture this llama.cpp "
+                       "does not know); fetch the file again")
         self._finalizer = weakref.finalize(self, ll.llama_model_free, ptr)
         vocab = ll.llama_model_get_vocab(ptr)
         self.vocab_size = int(ll.llama_vocab_n_tokens(vocab))

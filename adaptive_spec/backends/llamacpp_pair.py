@@ -14,7 +14,7 @@ import torch
 from ..errors import UserError
 from ..setup.llama_build import cache_dir
 from .contract import Loaded
-from .llamacpp import GGUFModel, LlamaCppLM, import_llama_cpp, init_library
+from .llamacpp import GGUFModel, LlamaCppLM, import_llama_cpp, init_library, load_model_file
 from .paths import file_fingerprint
 from .quant_names import GGUF_QUANTS
 
@@ -24,17 +24,10 @@ log = logging.getLogger(__name__)
 def gguf_tokens_digest(path: str | Path) -> tuple[int, str]:
     """(number of tokens, sha256 of the token strings) of a GGUF file's tokenizer, from llama.cpp's
     vocabulary-only load (gguf's Python reader takes seconds)."""
-    ll = import_llama_cpp()
-    init_library(ll)
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"GGUF file {path} does not exist")
-    params = ll.llama_model_default_params()
-    params.vocab_only = True
-    ptr = ll.llama_model_load_from_file(str(path).encode(), params)
-    if not ptr:
-        raise UserError(f"{path} is not a readable GGUF file (llama.cpp could not read its metadata); fetch it "
-                        "again (`adaptive-spec fetch-models --force` for the default pair)")
+    ll, ptr = load_model_file(path, f"{path} is not a readable GGUF file (llama.cpp could not read its "
+                              "metadata); fetch it again (`adaptive-spec fetch-models --force` for the default pair)",
+                              vocab_only=True)
     try:
         vocab = ll.llama_model_get_vocab(ptr)
         n = int(ll.llama_vocab_n_tokens(vocab))

@@ -231,29 +231,10 @@ class StaticCausalLM(ShapeGraphs, CausalLM):
         return out.last_hidden_state[0]
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, n_logits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._run(ids, n_logits, False)
-
-    @torch.inference_mode()
     def forward_hidden(self, ids: torch.Tensor, n_logits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` with every fed row's hidden state [n, H]: the step's rows variant, through a graph for the
         shapes warmed with rows=True, eagerly otherwise."""
         return self._run(ids, n_logits, False, rows=True)
-
-    @torch.inference_mode()
-    def forward_epilogue(self, ids: torch.Tensor, n_logits: int, epilogue, with_head: bool = False):
-        """`forward` (or forward_with_head) then epilogue(logits, hidden, accept) in the same graph
-        (decoding/graph_round.py); returns the epilogue's output."""
-        if with_head and self.head is None:
-            raise UserError("forward_epilogue(with_head=True) needs an acceptance head: pass head=... to StaticCausalLM")
-        return self._run(ids, n_logits, with_head, epilogue)[0]
-
-    @torch.inference_mode()
-    def forward_with_head(self, ids: torch.Tensor, n_logits: int = 1):
-        """`forward` plus the acceptance head's probability [] float32 of the last hidden state, in the same graph."""
-        if self.head is None:
-            raise UserError("forward_with_head needs an acceptance head: pass head=... to StaticCausalLM")
-        return self._run(ids, n_logits, True)
 
     @torch.inference_mode()
     def attach_head(self, head) -> None:

@@ -14,7 +14,7 @@ import time
 import torch
 
 from ..backends.contract import Counters
-from ..backends.graphs import capture_graph, compile_step, copy_head
+from ..backends.graphs import HeadForwards, capture_graph, compile_step, copy_head
 from ..backends.static_runner import RUNTIMES, StaticCausalLM, cache_length
 from ..errors import UserError, get_logger
 from .model import FeatureDrafter, Readout
@@ -23,7 +23,7 @@ from .step import DrafterStep
 log = get_logger(__name__)
 
 
-class StaticFeatureRunner:
+class StaticFeatureRunner(HeadForwards):
     """contract.Runner and contract.HeadRunner over a FeatureDrafter; `tap` the target's HiddenTap (or None:
     every slot reads f^). runtime: "eager" | "cudagraph" (CUDA only) | "compile" (torch.compile with
     `compiler`; "eager" only traces, for tests)."""
@@ -79,26 +79,6 @@ class StaticFeatureRunner:
     # ---- the contract ---------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, n_logits: int = 1):
-        return self._forward(ids, n_logits, False, None)
-
-    @torch.inference_mode()
-    def forward_with_head(self, ids: torch.Tensor, n_logits: int = 1):
-        """`forward` plus the attached head's acceptance probability [] float32 of the returned state, in the
-        step's graph."""
-        if self.head is None:
-            raise UserError("forward_with_head needs an acceptance head: attach_head(head) first")
-        return self._forward(ids, n_logits, True, None)
-
-    @torch.inference_mode()
-    def forward_epilogue(self, ids: torch.Tensor, n_logits: int, epilogue, with_head: bool = False):
-        """`forward` (or forward_with_head) then epilogue(logits, hidden, accept), in the step's graph when the
-        step is one; returns the epilogue's output."""
-        if with_head and self.head is None:
-            raise UserError("forward_epilogue(with_head=True) needs an acceptance head: attach_head(head) first")
-        return self._forward(ids, n_logits, with_head, epilogue)[0]
-
-    @torch.inference_mode()
     def attach_head(self, head) -> None:
         """contract.HeadRunner: a head of the attached one's shape is copied into its tensors (the graphs read
         them by address); another shape replaces it, and the graphs holding the old one go."""
@@ -110,7 +90,7 @@ class StaticFeatureRunner:
                 self._graphs = {key: g for key, g in self._graphs.items() if not key[0]}
         self._attached = head
 
-    def _forward(self, ids: torch.Tensor, n_logits: int, with_head: bool, epilogue):
+    def _run(self, ids: torch.Tensor, n_logits: int, with_head: bool, epilogue=None):
         n = ids.numel()
         end = self.length + n
         if end > self.max_cache_len:
