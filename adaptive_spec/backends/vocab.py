@@ -12,9 +12,10 @@ from typing import Iterable
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from ..errors import UserError
+from ..runs import atomic_write
 from .paths import parse_draft_vocab
 
 SHIPPED = Path(__file__).resolve().parents[1] / "data" / "token_freq_qwen2.5.safetensors"
@@ -31,14 +32,11 @@ def save_token_list(path: str | Path, tok, counts: Counter, source: str, always:
     first = list(dict.fromkeys(int(i) for i in always))
     rest = sorted((i for i in counts if i not in set(first)), key=lambda i: (-counts[i], i))
     ids = first + rest
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    save_file({"ids": torch.tensor(ids, dtype=torch.int32),
-               "counts": torch.tensor([counts.get(i, 0) for i in ids], dtype=torch.int32)}, str(tmp),
-              metadata={"tokenizer_hash": tokenizer_hash(tok), "tokenizer_size": str(len(tok)), "source": source})
-    tmp.replace(path)
-    return path
+    tensors = {"ids": torch.tensor(ids, dtype=torch.int32),
+               "counts": torch.tensor([counts.get(i, 0) for i in ids], dtype=torch.int32)}
+    meta = {"tokenizer_hash": tokenizer_hash(tok), "tokenizer_size": str(len(tok)), "source": source}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return atomic_write(path, save(tensors, metadata=meta))
 
 
 def load_token_list(path: str | Path, tok) -> torch.Tensor:

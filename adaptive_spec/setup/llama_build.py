@@ -47,16 +47,21 @@ SYSTEM_INFO_NEEDS = {name[len("GGML_"):]: need for name, need in X86_SETS} | {
 
 
 @functools.lru_cache(maxsize=None)
-def cpu_flags() -> frozenset:
-    """The CPU's feature flags from /proc/cpuinfo (empty off Linux). Here, stdlib only, so set-up
-    can read them before torch is installed; backends/cpu/machine.py uses the same."""
+def cpuinfo(field: str) -> str:
+    """The value of /proc/cpuinfo's first `field` line ("" off Linux). Here, stdlib only, so set-up can read the
+    flags before torch is installed; backends/cpu/machine.py reads the CPU's name the same way."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
+            if line.startswith(field):
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return frozenset()
+    return ""
+
+
+def cpu_flags() -> frozenset:
+    """The CPU's feature flags (empty off Linux)."""
+    return frozenset(cpuinfo("flags").split())
 
 
 def x86() -> bool:

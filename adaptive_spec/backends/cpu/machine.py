@@ -5,27 +5,19 @@ from __future__ import annotations
 import functools
 import platform
 import warnings
-from pathlib import Path
 
 import torch
 
 from ...errors import first_line
-from ...setup.llama_build import cpu_flags  # /proc/cpuinfo read once, in the stdlib-only set-up module
+from ...setup.llama_build import cpu_flags, cpuinfo  # /proc/cpuinfo read in the stdlib-only set-up module
 
 # the flags that decide a kernel; the rest of /proc/cpuinfo says nothing about our paths
 KEY_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
              "avx512_bf16", "avx_vnni", "avx_ne_convert", "amx_tile", "amx_bf16", "amx_int8")
 
 
-@functools.lru_cache(maxsize=None)
 def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 @functools.lru_cache(maxsize=None)
