@@ -61,7 +61,6 @@ def _layer_kv(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _keep_rows(cache: DynamicCache, keep: torch.Tensor):
-    """Keep only the batch rows `keep` (indices) of every layer, in place."""
     cache.batch_select_indices(keep.to(cache.layers[0].keys.device))
 
 

@@ -103,7 +103,7 @@ class DatagenConfig(Config):
         for s in SPLITS:
             if getattr(self, f"max_{s}_prompts") < -1:
                 raise UserError(f"max_{s}_prompts must be -1 (all), 0 (skip) or a positive cap")
-        SamplingParams(self.temperature, self.top_k, self.top_p)
+        self.sampling()  # SamplingParams refuses bad values
 
     def sampling(self):
         return SamplingParams(self.temperature, self.top_k, self.top_p)

@@ -48,13 +48,13 @@ def plan(source: str | Path, max_seqs: dict) -> dict:
     man = read_manifest(source, hint="point `data` at a folder written by `adaptive-spec datagen`")
     out = {}
     for split in SPLITS:
-        left, todo = max_seqs.get(split, 0) or None, []
+        most, taken, todo = max_seqs.get(split, 0), 0, []
         for sh in (man.get("splits", {}).get(split) or {}).get("shards", []):
-            if left is not None and left <= 0:
+            if most and taken >= most:
                 break
-            n = sh["n_seqs"] if left is None else min(sh["n_seqs"], left)
+            n = min(sh["n_seqs"], most - taken) if most else sh["n_seqs"]
             todo.append((sh["file"], n))
-            left = None if left is None else left - n
+            taken += n
         out[split] = todo
     return out
 

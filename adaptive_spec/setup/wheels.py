@@ -166,7 +166,6 @@ def _stamp_text(gguf: Path, sha256: str) -> str:
 
 
 def _write_stamp(gguf: Path, sha256: str) -> None:
-    """Record that `gguf`, as it is now (size, mtime), hashed to `sha256`."""
     atomic_write(_stamp_path(gguf), _stamp_text(gguf, sha256))
 
 

@@ -82,7 +82,6 @@ _TIMED_BYTES = 256 << 20  # more than a CPU's caches: the timing is of weights s
 
 
 def _timed_layers(linears: list) -> list:
-    """The first layers up to _TIMED_BYTES of weights."""
     timed, total = [], 0
     for m in linears:
         if total >= _TIMED_BYTES:
