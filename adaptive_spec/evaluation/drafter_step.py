@@ -18,6 +18,7 @@ from ..backends.presets import QWEN_ROWS
 from ..drafter.model import FeatureDrafter, Readout
 from ..drafter.source import FeatureRunner
 from ..drafter.step import DrafterStep
+from ..tables import md_table
 from .gpu_bench import fmt, time_loop
 
 DRAFTER_HIDDEN, DRAFTER_MLP = 1536, 2048  # the committed drafter (checkpoints/drafter-qwen-coder-1.5b-cpu)
@@ -152,13 +153,9 @@ def drafter_md(res: dict) -> list[str]:
            f"token drafted after {d['context']} cached positions. c = the drafter's step / {against}.", "",
            "`runner`: FeatureRunner, as decoding runs it (DynamicCache, the token read to the host, logits over the "
            "whole vocabulary); `eager`: the step on static buffers and a static KV cache; `cudagraph`: that step "
-           "(fc, layer, norm, kept rows, softmax, argmax) captured as one CUDA graph.", "",
-           f"| runtime | warm-up s | step ms | c | c <= {C_BAR} |", "|---|---|---|---|---|"]
-    for rt, r in d["rows"].items():
-        if "error" in r:
-            out.append(f"| {rt} | failed: {r['error']} |")
-            continue
-        ok = "-" if rt not in c else "yes" if c[rt] <= C_BAR else "no"
-        out.append(f"| {rt} | {fmt(r['warmup_s'], 1)} | {fmt(r['step_ms'], 3)} | {fmt(c.get(rt), 3)} | {ok} |")
-    out += [f"| {rt} | skipped: {why} |" for rt, why in d.get("skipped", {}).items()]
-    return out + [""]
+           "(fc, layer, norm, kept rows, softmax, argmax) captured as one CUDA graph.", ""]
+    rows = [[rt, f"failed: {r['error']}"] if "error" in r else
+            [rt, fmt(r["warmup_s"], 1), fmt(r["step_ms"], 3), fmt(c.get(rt), 3),
+             "-" if rt not in c else "yes" if c[rt] <= C_BAR else "no"] for rt, r in d["rows"].items()]
+    rows += [[rt, f"skipped: {why}"] for rt, why in d.get("skipped", {}).items()]
+    return out + [md_table(["runtime", "warm-up s", "step ms", "c", f"c <= {C_BAR}"], rows), ""]

@@ -4,6 +4,7 @@ Enumerate all V^L continuations of a prompt under the target's processed distrib
 generations from the method under test, and compare by a Pearson chi-square test at a fixed seed. The
 test suites also run it on a deliberately wrong variant to show it can fail."""
 import itertools
+from collections import Counter
 
 import torch
 
@@ -45,8 +46,5 @@ def chi_square_pvalue(counts: dict, probs: dict, n: int) -> float:
 
 def sample_counts(dec, prompt, params, policy, n, L):
     """Outputs of n seeded generations of L tokens, counted."""
-    counts = {}
-    for s in range(n):
-        g = dec.generate(prompt, max_new_tokens=L, sampling=params, policy=policy, seed=s)
-        counts[tuple(g.token_ids)] = counts.get(tuple(g.token_ids), 0) + 1
-    return counts
+    return Counter(tuple(dec.generate(prompt, max_new_tokens=L, sampling=params, policy=policy, seed=s).token_ids)
+                   for s in range(n))

@@ -3,6 +3,7 @@ with no host sync inside, transformers' compiled `generate` as a baseline, Eq. 5
 model, not a measurement), and for the trace replays the trace sweep and auto's picks beside the best replayed."""
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
@@ -294,13 +295,7 @@ def select_rows(by_config: dict, n: int | None) -> dict:
     for rows in by_config.values():
         for r in rows:
             keys.setdefault(r.get("dataset"), {}).setdefault((r.get("dataset"), r.get("prompt_idx")), None)
-    queues = [list(k) for k in keys.values()]
-    chosen = []
-    while len(chosen) < n and any(queues):
-        for q in queues:
-            if q and len(chosen) < n:
-                chosen.append(q.pop(0))
-    keep = set(chosen)
+    keep = set([k for ks in itertools.zip_longest(*keys.values()) for k in ks if k is not None][:n])
     return {c: [r for r in rows if (r.get("dataset"), r.get("prompt_idx")) in keep] for c, rows in by_config.items()}
 
 

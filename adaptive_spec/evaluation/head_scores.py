@@ -58,9 +58,10 @@ def probe_rows(root: Path, manifest: dict, split: str, lm_head: torch.Tensor, pa
             pos = (mask & ~response_starts(g["resp_offsets"], len(mask))).nonzero().flatten()
             ctx = g["features"][pos - 1]
         y = g["y_ids"][pos].long()
-        if "draft_stats" in g:  # q_i's own statistics, stored by datagen
+        if "draft_stats" in g:  # q_i's own statistics, stored by datagen (none before it did: no stats heads)
             out["log_qy"].append(g["draft_stats"][pos, 0])
             out["H"].append(g["draft_stats"][pos, 1])
+            out["stats"].append(g["draft_stats"][pos])
         else:
             for s in range(0, len(pos), chunk):  # [chunk, V] float32 at a time: V = 151,936 is large
                 q = process_logits(ctx[s:s + chunk].to(lm_head.dtype) @ lm_head.T, params)
@@ -69,8 +70,6 @@ def probe_rows(root: Path, manifest: dict, split: str, lm_head: torch.Tensor, pa
         out["P"].append(g["accept_prob"][pos].float())
         out["ctx"].append(ctx)
         out["tok"].append(g["features"][pos])
-        if "draft_stats" in g:  # datasets made before datagen stored them have none: no stats heads then
-            out["stats"].append(g["draft_stats"][pos])
     return {k: torch.cat(v) if v else None for k, v in out.items()}
 
 

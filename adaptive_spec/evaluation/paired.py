@@ -18,10 +18,6 @@ def row_key(row: dict) -> tuple:
     return row["dataset"], row["prompt_idx"], row["temperature"], row["engine"], row["config"]
 
 
-def done_keys(results: Path) -> set:
-    return {row_key(r) for r in read_jsonl(results)} if results.is_file() else set()
-
-
 def start(out_dir, threads: int) -> tuple[Path, Path, set]:
     """(the run folder, made; its results.jsonl; the keys of the rows it holds) with torch on `threads`."""
     import torch  # noqa: PLC0415 (the helpers above need none)
@@ -30,7 +26,7 @@ def start(out_dir, threads: int) -> tuple[Path, Path, set]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results = out / "results.jsonl"
-    return out, results, done_keys(results)
+    return out, results, {row_key(r) for r in read_jsonl(results)} if results.is_file() else set()
 
 
 def pooled_tok_s(rows: list[dict], time_field: str = "decode_s") -> float:

@@ -99,12 +99,9 @@ def _intro(name: str, cfg_info: dict, how: str, results: list[DatasetResult], cp
               "denominator; every token weighs the same)" if how == "pooled" else "**mean of per-prompt values**")
               + ". Speed-ups are paired per prompt (geometric mean). tokens/s are end to end (wall time); "
               "the forward-time fits use decode time (wall − prefill).")
-    md += [f"\n> note: {note}" for note in cfg_info.get("notes", [])]
-    md.append("")
-    for d in results:
-        extra = f"; {d.dropped_prompts} incomplete prompt(s) left out" if d.dropped_prompts else ""
-        md.append(f"- {d.label}: {d.n_prompts} prompts, {len(d.aggs)} configurations{extra}")
-    return md
+    md += [f"\n> note: {note}" for note in cfg_info.get("notes", [])] + [""]
+    return md + [f"- {d.label}: {d.n_prompts} prompts, {len(d.aggs)} configurations"
+                 + (f"; {d.dropped_prompts} incomplete prompt(s) left out" if d.dropped_prompts else "") for d in results]
 
 
 def _plots(results: list[DatasetResult], folder: Path, name: str, plot, *args) -> list[str]:

@@ -218,12 +218,10 @@ def modelled_tps(a: Agg, fit) -> float:
 
 def rel_errors(rows: list[dict], t_draft: float, t_target: float) -> list[float]:
     """Per-prompt |Eq. 5.1 throughput - measured decode throughput| / measured."""
-    out = []
-    for r in rows:
-        th = theoretical_tokens_per_s(_f(r, "n_tokens"), _f(r, "n_draft_forwards"),
-                                             _f(r, "n_target_forwards"), t_draft, t_target)
-        out.append(relative_error(th, _f(r, "n_tokens") / decode_s(r)))
-    return [e for e in out if not math.isnan(e)]
+    errs = (relative_error(theoretical_tokens_per_s(_f(r, "n_tokens"), _f(r, "n_draft_forwards"),
+                                                    _f(r, "n_target_forwards"), t_draft, t_target),
+                           _f(r, "n_tokens") / decode_s(r)) for r in rows)
+    return [e for e in errs if not math.isnan(e)]
 
 
 @dataclass
@@ -292,12 +290,7 @@ def paired_ratio(d: DatasetResult, a: Agg | None, b: Agg | None) -> float:
 
 def head_order(heads_info: dict, results: list[DatasetResult]) -> list[str]:
     """The heads in heads.json's order, then any the rows name that it lacks."""
-    names = list(heads_info)
-    for d in results:
-        for a in d.of(SPECDECPP):
-            if a.head not in names:
-                names.append(a.head)
-    return names
+    return list(dict.fromkeys([*heads_info, *(a.head for d in results for a in d.of(SPECDECPP))]))
 
 
 FAMILY_OF = {"fixed": "fixed K", "learned": "SpecDec++", "ersd": "ERSD", "spectr": "SpecTr", "batch-sd": "batch SD",

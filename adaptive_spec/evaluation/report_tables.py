@@ -36,12 +36,11 @@ def family_table(results: list[DatasetResult]) -> str:
 
 def tree_comparisons(results: list[DatasetResult]) -> str:
     """Paired per-prompt tokens/s ratios: the questions the tree baselines answer."""
+    trees = (POS_TREE, HEAD_TREE, LEARNED_TREE, "tree, fixed shape", "ERSD", "SpecTr", "batch SD")
     pairs = [("head-estimated vs positional optimal tree", (HEAD_TREE,), (POS_TREE,)),
              ("learned vs best fixed budget", (LEARNED_TREE,), (POS_TREE, HEAD_TREE)),
-             ("best tree / multi-draft vs best SpecDec++", (POS_TREE, HEAD_TREE, LEARNED_TREE, "tree, fixed shape",
-                                                           "ERSD", "SpecTr", "batch SD"), ("SpecDec++",)),
-             ("best tree / multi-draft vs best fixed K", (POS_TREE, HEAD_TREE, LEARNED_TREE, "tree, fixed shape",
-                                                         "ERSD", "SpecTr", "batch SD"), ("fixed K",))]
+             ("best tree / multi-draft vs best SpecDec++", trees, ("SpecDec++",)),
+             ("best tree / multi-draft vs best fixed K", trees, ("fixed K",))]
     rows = []
     for title, fa, fb in pairs:
         cells = []
@@ -140,9 +139,8 @@ def table2(results: list[DatasetResult]) -> tuple[str, str]:
             checks.append(("autoregressive (stand-alone fit)", [r for r in d.rows if r["method"] == "ar"],
                            0.0, sa["t_target"]))
         if usable(sp):
-            for method, title in (("fixed", "SpecDec"), ("learned", "SpecDec++"),
-                                  ("heuristics", "heuristics (conf./entropy/+2-1)"), ("oracle", "oracle")):
-                ms = HEURISTICS if method == "heuristics" else (method,)
+            for ms, title in ((("fixed",), "SpecDec"), (("learned",), "SpecDec++"),
+                              (HEURISTICS, "heuristics (conf./entropy/+2-1)"), (("oracle",), "oracle")):
                 checks.append((title, [r for r in d.rows if r["method"] in ms], sp.t_draft, sp.t_target))
         for title, rs, td, tt in checks:
             errs = rel_errors(rs, td, tt)
@@ -160,12 +158,8 @@ def decomposition(results: list[DatasetResult]) -> str:
         fit = d.fits["speculative"]
         if not usable(fit):
             continue
-        bk, bp = d.best("fixed"), d.best_specdecpp()
-        cands = [("best fixed K", bk), ("best SpecDec++", bp)]
-        for method in HEURISTICS + ("oracle",):
-            b = d.best(method)
-            if b is not None:
-                cands.append((method if method != "heuristic" else "heuristic +2/-1", b))
+        cands = [("best fixed K", d.best("fixed")), ("best SpecDec++", d.best_specdecpp())]
+        cands += [("heuristic +2/-1" if m == "heuristic" else m, d.best(m)) for m in HEURISTICS + ("oracle",)]
         rows, decs = [], {}
         for title, a in cands:
             if a is None:
@@ -195,11 +189,7 @@ def table3(results: list[DatasetResult], heads_info: dict) -> str:
     names = head_order(heads_info, results)
     if not names:
         return "_no SpecDec++ heads in this sweep_"
-    best = {}  # (head, dataset) -> Agg
-    for d in results:
-        for h in names:
-            if d.specdecpp(h):
-                best[(h, d.label)] = fastest(d.specdecpp(h))
+    best = {(h, d.label): fastest(d.specdecpp(h)) for d in results for h in names if d.specdecpp(h)}
     top = {d.label: max((best[(h, d.label)].tokens_per_s for h in names if (h, d.label) in best), default=None)
            for d in results}
     rows = []
@@ -231,8 +221,8 @@ def peer_table(results: list[DatasetResult]) -> str:
         rows.append([d.label, fmt(ar.tokens_per_s) if ar else "—", fmt(hf.tokens_per_s),
                      f"{fmt(bk.tokens_per_s)} (K={bk.k})" if bk else "—",
                      f"{fmt(bp.tokens_per_s)} ({bp.label()})" if bp else "—",
-                     f"{fmt(bk.tokens_per_s / hf.tokens_per_s, '.3f')}× ({fmt(paired_ratio(d, bk, hf), '.3f')}×)" if bk else "—",
-                     f"{fmt(bp.tokens_per_s / hf.tokens_per_s, '.3f')}× ({fmt(paired_ratio(d, bp, hf), '.3f')}×)" if bp else "—",
+                     *(f"{fmt(a.tokens_per_s / hf.tokens_per_s, '.3f')}× ({fmt(paired_ratio(d, a, hf), '.3f')}×)"
+                       if a else "—" for a in (bk, bp)),
                      fmt(hf.verification_rate, ".3f"), fmt(hf.discard_rate, ".3f")])
     if not rows:
         return "_no transformers assisted-generation runs in this sweep (hf_assisted: true)_"
@@ -264,7 +254,6 @@ def auto_table(results: list[DatasetResult]) -> str:
             if a.method not in AUTO_OF:
                 continue
             mine = [r for r in d.rows if r["config"] == a.config]
-            # an h picked with a cap on K (the table time model) reads "h@cap"
             picks = sorted({_pick_label(r, a.method) for r in mine if r.get("auto_value") is not None})
             predicted = [r["auto_predicted_tokens_per_s"] for r in mine if r.get("auto_predicted_tokens_per_s")]
             best = fastest(b for b in d.of(AUTO_OF[a.method]) if a.method == "fixed_auto" or b.head == a.head)

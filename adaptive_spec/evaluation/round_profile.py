@@ -17,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..tables import md_table
+
 ROOT = Path(__file__).resolve().parents[2]
 SYNCS = {"stream_syncs": ("cudaStreamSynchronize",), "event_syncs": ("cudaEventSynchronize",),
          "device_syncs": ("cudaDeviceSynchronize",), "memcpy_async": ("cudaMemcpyAsync",),
@@ -119,15 +121,11 @@ def top_kernels(lm, steps: int = 10, top: int = 12, ctx: int = 64) -> dict:
     for _ in range(3):
         lm.rollback(ctx)
         lm.forward(one, 1)
-
-    def run():
-        for _ in range(steps):
-            lm.rollback(ctx)
-            lm.forward(one, 1)
-
     try:
         with torch.profiler.profile(activities=_activities(dev)) as prof:
-            run()
+            for _ in range(steps):
+                lm.rollback(ctx)
+                lm.forward(one, 1)
             if cuda:
                 torch.cuda.synchronize(dev)
     finally:
@@ -170,44 +168,38 @@ def host_work_section(policies: list[dict], cuda: bool) -> list[str]:
            + "; host reads from Metrics; the time outside the forwards from Metrics.breakdown() (decode minus the "
            "draft's and the target's forwards) over the timed replays:", ""]
     cols = CUDA_COLUMNS if cuda else ("aten_ops",)
-    out += ["| policy | host reads / round | " + " | ".join(c.replace("_", " ") for c in cols) +
-            " | outside forwards, % of decode | outside, ms / drafted token | ms / round |",
-            "|---" * (5 + len(cols)) + "|"]
+    rows = []
     for p in policies:
         prof, o = p.get("profile") or {}, p.get("outside") or {}
         pr, pd = prof.get("per_round") or {}, prof.get("per_drafted") or {}
-        cells = [f"{_f(pr.get(c), 1)} / {_f(pd.get(c), 1)}" if pd else _f(pr.get(c), 1) for c in cols]
-        out.append(f"| {p['config']} | {_f(p.get('host_reads_per_round'))} | " + " | ".join(cells) +
-                   f" | {_f(100 * o['share'] if o.get('share') is not None else None, 1)} | "
-                   f"{_f(o.get('ms_per_drafted'), 3)} | {_f(o.get('ms_per_round'), 3)} |")
-    return out
+        rows.append([p["config"], _f(p.get("host_reads_per_round")),
+                     *(f"{_f(pr.get(c), 1)} / {_f(pd.get(c), 1)}" if pd else _f(pr.get(c), 1) for c in cols),
+                     _f(100 * o["share"] if o.get("share") is not None else None, 1),
+                     _f(o.get("ms_per_drafted"), 3), _f(o.get("ms_per_round"), 3)])
+    return out + [md_table(["policy", "host reads / round", *(c.replace("_", " ") for c in cols),
+                            "outside forwards, % of decode", "outside, ms / drafted token", "ms / round"], rows)]
 
 
 def kernels_md(k: dict, n: int = 8) -> list[str]:
-    out = [f"Top of one fused one-token step ({k['clock']}): {_f(k['us_per_step'], 1)} µs, "
-           f"{_f(k['kernels_per_step'], 0)} per step.", "", "| kernel | calls / step | µs / step | share |",
-           "|---|---|---|---|"]
-    return out + [f"| `{t['name'][:90]}` | {_f(t['calls_per_step'], 1)} | {_f(t['us_per_step'], 1)} | "
-                  f"{_f(100 * t['share'], 1)}% |" for t in k["top"][:n]]
+    rows = [[f"`{t['name'][:90]}`", _f(t["calls_per_step"], 1), _f(t["us_per_step"], 1),
+             f"{_f(100 * t['share'], 1)}%"] for t in k["top"][:n]]
+    return [f"Top of one fused one-token step ({k['clock']}): {_f(k['us_per_step'], 1)} µs, "
+            f"{_f(k['kernels_per_step'], 0)} per step.", "",
+            md_table(["kernel", "calls / step", "µs / step", "share"], rows)]
 
 
 def first_token_section(rows: list[dict] | None) -> list[str]:
     """The report's section on the first token (none where it did not run)."""
     if not rows:
         return []
-    out = ["## 5. The first token", "", "A fresh Python process: imports, the default preset's target alone with "
-           "random weights (its real shapes), its runtime's one-token step prepared, a 128-token prompt's prefill and "
-           "the first step. Cold: an empty inductor cache folder; warm: the same folder again.", "",
-           "| runtime | inductor cache | first token, s from the process's start | imports s | build s | "
-           "prepare s (capture / compile) | prefill + first step s |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "error" in r:
-            out.append(f"| {r['runtime']} | {r['cache']} | failed: {r['error']} |")
-            continue
-        out.append(f"| {r['runtime']} | {r['cache']} | **{_f(r['first_token_s'])}** | "
-                   f"{_f(r['start_s'] + r['import_s'])} | {_f(r['build_s'])} | {_f(r['prepare_s'])} | "
-                   f"{_f(r['generate_s'])} |")
-    return out + [""]
+    cells = [[r["runtime"], r["cache"], f"failed: {r['error']}"] if "error" in r else
+             [r["runtime"], r["cache"], f"**{_f(r['first_token_s'])}**", _f(r["start_s"] + r["import_s"]),
+              _f(r["build_s"]), _f(r["prepare_s"]), _f(r["generate_s"])] for r in rows]
+    return ["## 5. The first token", "", "A fresh Python process: imports, the default preset's target alone with "
+            "random weights (its real shapes), its runtime's one-token step prepared, a 128-token prompt's prefill and "
+            "the first step. Cold: an empty inductor cache folder; warm: the same folder again.", "",
+            md_table(["runtime", "inductor cache", "first token, s from the process's start", "imports s", "build s",
+                      "prepare s (capture / compile)", "prefill + first step s"], cells), ""]
 
 
 def first_token(runtime: str, device: str, cache_dir: Path, tiny: bool, timeout_s: float, preset: str) -> dict:
