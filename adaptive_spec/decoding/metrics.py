@@ -60,7 +60,6 @@ class Counts:
         self.accepted_hist[kept] = self.accepted_hist.get(kept, 0) + 1
 
     def count_pass(self, n: int) -> None:
-        """One decode-time target pass of n tokens (target_pass_hist)."""
         self.target_pass_hist[n] = self.target_pass_hist.get(n, 0) + 1
 
     def read(self, t) -> list[int]:
@@ -99,7 +98,6 @@ class GenerationClock(PartClock):
         self.t0, self.untimed_s = time.perf_counter(), 0.0
 
     def elapsed(self) -> float:
-        """Host seconds since the start, less the untimed work's."""
         return time.perf_counter() - self.t0 - self.untimed_s
 
 
