@@ -227,10 +227,8 @@ class HindsightOracle(StopPolicy, RoundOwner):
         return cls(agree, k_max, x=x)
 
     def begin_round(self, pos: int) -> int:
-        k = 0
-        while pos + k < len(self.agree) and self.agree[pos + k] and k < self.k_max:
-            k += 1
-        return k
+        run = self.agree[pos:pos + self.k_max]  # the draft agrees with X up to its first False
+        return run.index(False) if False in run else len(run)
 
     def should_stop(self, step) -> bool:
         """Stop after a drafted token that is not X's: greedy verification rejects it. The running draft's

@@ -44,7 +44,7 @@ def target_pass(target, seq: torch.Tensor, tree, sampling: SamplingParams) -> to
 
 def _children_matrix(tree, nodes):
     m = max(len(tree.children[v]) for v in nodes)
-    mat = [[c for c in tree.children[v]] + [0] * (m - len(tree.children[v])) for v in nodes]
+    mat = [tree.children[v] + [0] * (m - len(tree.children[v])) for v in nodes]
     return torch.tensor(mat, dtype=torch.long, device=tree.device), m
 
 
