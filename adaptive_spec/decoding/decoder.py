@@ -58,13 +58,12 @@ class Decoder:
         if max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         for m, role in ((self.target, "target"), (self.draft, "draft")):
-            if m is not None and m.max_length and len(prompt_ids) >= m.max_length:
-                raise UserError(f"the prompt has {len(prompt_ids)} tokens but the {role} model's context is "
-                                f"{m.max_length}; shorten the prompt")
-        limits = [m.max_length for m in (self.target, self.draft) if m is not None and m.max_length]
-        if limits:
-            # rounds never draft past max_new_tokens, so this keeps every position in context
-            max_new_tokens = min(max_new_tokens, min(limits) - len(prompt_ids))
+            if m is not None and m.max_length:
+                if len(prompt_ids) >= m.max_length:
+                    raise UserError(f"the prompt has {len(prompt_ids)} tokens but the {role} model's context is "
+                                    f"{m.max_length}; shorten the prompt")
+                # rounds never draft past max_new_tokens, so this keeps every position in context
+                max_new_tokens = min(max_new_tokens, m.max_length - len(prompt_ids))
         return max_new_tokens
 
     @torch.inference_mode()

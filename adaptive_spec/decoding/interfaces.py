@@ -54,20 +54,28 @@ class DraftSource:
         raise NotImplementedError
 
 
-class StopPolicy:
-    """A stop rule for chain drafting: `should_stop(step)` per drafted token. `begin_round(pos)` returns the
-    most tokens the rule allows this round (0: the round is one plain target step); `end_round(K, n)` reports
-    how many of the K candidates were accepted, for rules that adapt; `reset()` starts a generation."""
+class _Policy:
+    """What every policy has: `reset()` starts a generation, `describe()` is its settings for a row."""
 
     name = "base"
-    k_max: int = 20
     needs: Needs = Needs()
+    k_max: int = 20  # the most candidates a round verifies in one chain pass (graph runtimes warm up to it)
     # an acceptance head a draft runner may evaluate inside its own forward on DraftStep.hidden (the step
-    # then carries its output in `accept`): one graph instead of a graph and the head's own launches
+    # then carries its output in `accept`): one graph instead of a graph and the head's own launches; a
+    # RoundOwner's, for the stop rule of the model rounds it runs
     graph_head: Any = None
 
     def reset(self) -> None:
         pass
+
+    def describe(self) -> dict:
+        return {"policy": self.name}
+
+
+class StopPolicy(_Policy):
+    """A stop rule for chain drafting: `should_stop(step)` per drafted token. `begin_round(pos)` returns the
+    most tokens the rule allows this round (0: the round is one plain target step); `end_round(K, n)` reports
+    how many of the K candidates were accepted, for rules that adapt."""
 
     def begin_round(self, pos: int) -> int:
         return self.k_max
@@ -106,8 +114,15 @@ class StopPolicy:
     def end_round(self, n_drafted: int, n_accepted: int) -> None:
         pass
 
-    def describe(self) -> dict:
-        return {"policy": self.name}
+
+class CapOnly(StopPolicy):
+    """A rule that only caps the round (begin_round's K): it never stops mid-chain, so a device round asks it
+    nothing."""
+
+    decides_on_device, stops_mid_chain = True, False
+
+    def graph_stop(self, step: DraftStep, i, mem: dict):
+        return False
 
 
 @dataclass(kw_only=True)
@@ -147,24 +162,15 @@ class RoundState:
         self.met.book_round(n_drafted, n_accepted, source)
 
 
-class RoundOwner:
+class RoundOwner(_Policy):
     """A policy that runs its own rounds (a token tree, several drafts, a chain round wrapped in extra work):
     `run_round(state)` returns the accepted candidates followed by one token the target drew, leaves both
     caches covering exactly seq + the new tokens but the last, and books the round (`RoundState.book`)."""
 
     name = "round-owner"
-    needs: Needs = Needs()
-    k_max: int = 20  # the most candidates a round verifies in one chain pass (graph runtimes warm up to it)
-    graph_head: Any = None  # as StopPolicy.graph_head, for the stop rule of the model rounds it runs
-
-    def reset(self) -> None:
-        pass
 
     def run_round(self, state: RoundState) -> list[int]:
         raise NotImplementedError
-
-    def describe(self) -> dict:
-        return {"policy": self.name}
 
 
 Policy = StopPolicy | RoundOwner

@@ -44,23 +44,7 @@ class Counts:
     host_reads: int = 0  # times the decode loop read the device back (one per round, or one per drafted token too)
     n_past_stop: int = 0  # drafted past the stop by rounds that decided it on the device (never verified)
 
-    def count_round(self, n_drafted: int, n_accepted: int) -> None:
-        self.n_drafted += n_drafted
-        self.n_accepted += n_accepted
-        self.n_discarded += n_drafted - n_accepted
-        self.accepted_hist[n_accepted] = self.accepted_hist.get(n_accepted, 0) + 1
-
-    def count_cut(self, n: int, kept: int) -> None:
-        self.n_accepted -= n - kept
-        self.n_discarded += n - kept
-        self.n_final_cut += 1  # keep <= n: the round's own token is always among those cut
-        self.accepted_hist[n] -= 1
-        if not self.accepted_hist[n]:
-            del self.accepted_hist[n]
-        self.accepted_hist[kept] = self.accepted_hist.get(kept, 0) + 1
-
     def count_pass(self, n: int) -> None:
-        """One decode-time target pass of n tokens (target_pass_hist)."""
         self.target_pass_hist[n] = self.target_pass_hist.get(n, 0) + 1
 
     def read(self, t) -> list[int]:
@@ -99,7 +83,6 @@ class GenerationClock(PartClock):
         self.t0, self.untimed_s = time.perf_counter(), 0.0
 
     def elapsed(self) -> float:
-        """Host seconds since the start, less the untimed work's."""
         return time.perf_counter() - self.t0 - self.untimed_s
 
 
@@ -217,7 +200,10 @@ class Metrics(Timing, Counts):
 
     def book_round(self, n_drafted: int, n_accepted: int, source: str = "model") -> None:
         """Count one verified round of K = n_drafted candidates, n of them accepted, drafted by `source`."""
-        self.count_round(n_drafted, n_accepted)
+        self.n_drafted += n_drafted
+        self.n_accepted += n_accepted
+        self.n_discarded += n_drafted - n_accepted
+        self.accepted_hist[n_accepted] = self.accepted_hist.get(n_accepted, 0) + 1
         for x in self._all_extras():
             x.book_round(n_drafted, n_accepted, source if n_drafted else "none")
 
@@ -226,7 +212,13 @@ class Metrics(Timing, Counts):
         tokens of those are emitted (an EOS or the length limit): the rest move from accepted to
         discarded, in that round's source too."""
         kept = min(keep, n)
-        self.count_cut(n, kept)
+        self.n_accepted -= n - kept
+        self.n_discarded += n - kept
+        self.n_final_cut += 1  # keep <= n: the round's own token is always among those cut
+        self.accepted_hist[n] -= 1
+        if not self.accepted_hist[n]:
+            del self.accepted_hist[n]
+        self.accepted_hist[kept] = self.accepted_hist.get(kept, 0) + 1
         for x in self._all_extras():
             x.book_cut(n, kept)
 

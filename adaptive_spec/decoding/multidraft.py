@@ -27,8 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import UserError
-from ..params import BatchSDParams, SpecTrParams
-from .interfaces import PolicyContext, RoundOwner, RoundState, register
+from .interfaces import RoundOwner, RoundState, register
 from .sampling import residual, sample, verify
 from .trees.draft import DraftTree
 from .trees.verify import finish_round, match_children, plain_step, read_path, target_pass, verify_greedy
@@ -49,13 +48,11 @@ def draft_trie(draft, seq, sampling, gen, num_drafts: int, k: int):
         for m in range(num_drafts):
             key = (cur[m], x[m])
             if key not in index:
-                hit = [c for c in tree.children[cur[m]] if tree.tok_host[c] == x[m]]
-                if hit:
-                    index[key] = hit[0]
-                else:
-                    j = tree.new_node(cur[m], len(tree.children[cur[m]]), token_host=x[m])
-                    index[key] = j
-                    new.append(j)
+                hit = next((c for c in tree.children[cur[m]] if tree.tok_host[c] == x[m]), None)
+                if hit is None:
+                    hit = tree.new_node(cur[m], len(tree.children[cur[m]]), token_host=x[m])
+                    new.append(hit)
+                index[key] = hit
             cur[m] = index[key]
             paths[m].append(cur[m])
         if new:
@@ -131,10 +128,7 @@ def verify_spectr(tree, paths, P: torch.Tensor, gen):
     internal = sorted(through)
     if internal:
         K = max(len(v) for v in through.values())
-        xs = [[0] * K for _ in internal]
-        for r, v in enumerate(internal):
-            for i, j in enumerate(through[v]):
-                xs[r][i] = j
+        xs = [through[v] + [0] * (K - len(through[v])) for v in internal]
         dev = P.device
         nodes = torch.tensor(xs, device=dev)
         n = torch.tensor([len(through[v]) for v in internal], device=dev)
@@ -220,13 +214,6 @@ def _batch_sd_path(tree, paths, P: torch.Tensor, gen) -> tuple[list[int], int]:
     return paths[f][:1 + vals[2 + f]], vals[2 + M + f]
 
 
-@register("spectr")
-def _make_spectr(p: SpecTrParams, ctx: PolicyContext):
-    """SpecTr: num_drafts i.i.d. drafts of k tokens, K-SEQ draft selection (default 4 x 4)."""
-    return MultiDraftPolicy("spectr", p.num_drafts, p.k)
-
-
-@register("batch-sd")
-def _make_batch_sd(p: BatchSDParams, ctx: PolicyContext):
-    """Batch speculative decoding: num_drafts i.i.d. drafts of k tokens (default 4 x 4)."""
-    return MultiDraftPolicy("batch-sd", p.num_drafts, p.k)
+# SpecTr (K-SEQ draft selection) and batch SD: num_drafts i.i.d. drafts of k tokens each (default 4 x 4)
+register("spectr")(lambda p, ctx: MultiDraftPolicy("spectr", p.num_drafts, p.k))
+register("batch-sd")(lambda p, ctx: MultiDraftPolicy("batch-sd", p.num_drafts, p.k))

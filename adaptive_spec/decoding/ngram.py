@@ -15,12 +15,15 @@ next l tokens as it was to have lasted l). K = 0 when nothing pays: the round is
 model under its own stop rule) or a plain target step."""
 from __future__ import annotations
 
+import bisect
+
 import torch
 
 from ..errors import UserError
 from ..params import NgramParams
 from .. import registry
-from .interfaces import DraftSource, DraftStep, Needs, PolicyContext, RoundOwner, RoundState, StopPolicy, register
+from .interfaces import (CapOnly, DraftSource, DraftStep, Needs, PolicyContext, RoundOwner, RoundState, StopPolicy,
+                         register)
 
 
 MATCH_CAP = 64  # how far back a match's length is counted (it caps a copy's length too: NgramPolicy._choose)
@@ -89,7 +92,7 @@ class SpanSource(DraftSource):
                          source=self.name)
 
 
-class _Exactly(StopPolicy):
+class _Exactly(CapOnly):
     name = "exactly"
 
     def __init__(self, k: int):
@@ -116,10 +119,7 @@ class CopyAcceptance:
 
     @classmethod
     def bucket(cls, length: int) -> int:
-        i = 0
-        while i + 1 < len(cls.BUCKETS) and length >= cls.BUCKETS[i + 1]:
-            i += 1
-        return i
+        return max(0, bisect.bisect_right(cls.BUCKETS, length) - 1)
 
     def rate(self, length: int) -> float:
         b = self.bucket(length)
@@ -274,9 +274,7 @@ def replay_copies(policy: NgramPolicy, prompt: list[int], response: list[int], m
     while s < T:
         span, n_match, K = policy.propose(tokens, T - s)
         if K or model_round is None:
-            a = 0
-            while a < K and span[a] == response[s + a]:
-                a += 1
+            a = next((j for j in range(K) if span[j] != response[s + j]), K)  # the copies X repeats
             policy.learn(n_match, K, [1.0] * a + [0.0] * (a < K), a + 1)
             unseen += a + 1
         else:

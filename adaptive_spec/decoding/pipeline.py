@@ -123,7 +123,8 @@ class SpecPair:
             raise UserError(f"pass the settings {', '.join(settings)} inside the PairParams, not beside them")
         engine = params.engine
         engine.check_available()
-        loaded = _loader(params)(params)
+        # a feature drafter loads with the target whose hidden states it reads (drafter/source.py)
+        loaded = (load_feature_pair if isinstance(params.draft, FeatureDraft) else engine.loader)(params)
         draft, config = loaded.draft, loaded.draft_config
         if params.draft_context is not None and draft is not None:  # any engine's draft: window.py says why
             draft, config = WindowedDraft(draft, params.draft_context), {**config, "draft_context": params.draft_context}
@@ -171,12 +172,6 @@ class SpecPair:
         g.text = self.tokenizer.decode(g.token_ids, skip_special_tokens=True)
         g.auto = None if auto is None else {**auto, **predicted_wall(auto, len(ids), g.metrics.n_tokens)}
         return g
-
-
-def _loader(params: PairParams):
-    """What loads the pair, by its draft's type: a feature drafter loads with the target whose hidden states it
-    reads (drafter/source.py); any other pair loads on its engine (backends/engines.py)."""
-    return load_feature_pair if isinstance(params.draft, FeatureDraft) else params.engine.loader
 
 
 def _is_messages(prompt) -> bool:

@@ -9,21 +9,17 @@ from ..heads.features import step_stats
 from ..heads.head import INPUTS, join_inputs, load_head, reads_stats
 from ..params import OracleParams
 from .decoder import Decoder
-from .interfaces import DraftStep, PolicyContext, RoundOwner, RoundState, StopPolicy, register
+from .interfaces import CapOnly, DraftStep, PolicyContext, RoundOwner, RoundState, StopPolicy, register
 from .metrics import Extra
 from .sampling import SamplingParams, entropy
 
 log = get_logger(__name__)
 
 
-class FixedK(StopPolicy):
+class FixedK(CapOnly):
     """Classic speculative decoding: always K candidates (fewer only at max length)."""
 
     name = "fixed"
-    decides_on_device, stops_mid_chain = True, False
-
-    def graph_stop(self, step: DraftStep, i, mem: dict):
-        return False
 
     def __init__(self, k: int):
         if not isinstance(k, int) or k < 1:
@@ -155,15 +151,11 @@ class EntropyThreshold(_Tau):
         return (entropy(step.logits) > mem["tau"]).reshape(())
 
 
-class HeuristicSchedule(StopPolicy):
+class HeuristicSchedule(CapOnly):
     """transformers' "heuristic" schedule: K += 2 after a round whose candidates were all
     accepted, K -= 1 (not below 1) otherwise; starts at K = 5 like transformers."""
 
     name = "heuristic"
-    decides_on_device, stops_mid_chain = True, False
-
-    def graph_stop(self, step: DraftStep, i, mem: dict):
-        return False
 
     def __init__(self, k_start: int = 5, k_max: int = 20):
         self.k_start, self.k_max = k_start, k_max  # validated by params.HeuristicParams
@@ -235,10 +227,8 @@ class HindsightOracle(StopPolicy, RoundOwner):
         return cls(agree, k_max, x=x)
 
     def begin_round(self, pos: int) -> int:
-        k = 0
-        while pos + k < len(self.agree) and self.agree[pos + k] and k < self.k_max:
-            k += 1
-        return k
+        run = self.agree[pos:pos + self.k_max]  # the draft agrees with X up to its first False
+        return run.index(False) if False in run else len(run)
 
     def should_stop(self, step) -> bool:
         """Stop after a drafted token that is not X's: greedy verification rejects it. The running draft's

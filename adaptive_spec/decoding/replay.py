@@ -18,7 +18,7 @@ from __future__ import annotations
 from ..errors import UserError
 from .decoder import Decoder
 from .metrics import Extra, Generation
-from .interfaces import DraftStep, RoundOwner, RoundState, StopPolicy
+from .interfaces import CapOnly, DraftStep, RoundOwner, RoundState, StopPolicy
 from .ngram import SpanSource
 from ..registry import Needs
 from .sampling import SamplingParams
@@ -48,51 +48,45 @@ class TraceStop(StopPolicy):
     """Stops at the round's recorded K; asks `inner` too (its cost is real), deciding by the trace."""
 
     name = "trace"
+    stops_mid_chain = False
 
     def __init__(self, inner: StopPolicy | None = None):
-        self.inner = inner
-        self.decides_on_device = inner is None or inner.decides_on_device
+        self.inner = inner or CapOnly()  # no recorded rule: one that asks and reads nothing
+        self.decides_on_device = self.inner.decides_on_device
         self.k = 0
 
     def reset(self) -> None:
-        if self.inner is not None:
-            self.inner.reset()
+        self.inner.reset()
 
     def begin_round(self, pos: int) -> int:
-        if self.inner is not None:
-            self.inner.begin_round(pos)
+        self.inner.begin_round(pos)
         return self.k
-
-    stops_mid_chain = False
 
     @property
     def reads_steps(self) -> bool:  # the recorded rule is asked at every step, for its cost: its reads too
-        return self.inner is not None and self.inner.reads_steps
+        return self.inner.reads_steps
 
     def should_stop(self, step: DraftStep) -> bool:
-        if self.inner is not None and step.source == "model":
+        if step.source == "model":
             self.inner.should_stop(step)
         return step.i >= self.k
 
     def graph_key(self) -> tuple:
-        return ("trace",) + (self.inner.graph_key() if self.inner is not None else ())
+        return ("trace",) + self.inner.graph_key()
 
     def graph_state(self, device) -> dict:
-        return self.inner.graph_state(device) if self.inner is not None else {}
+        return self.inner.graph_state(device)
 
     def graph_begin(self, mem: dict) -> None:
-        if self.inner is not None:
-            self.inner.graph_begin(mem)
+        self.inner.graph_begin(mem)
 
     def graph_stop(self, step: DraftStep, i, mem: dict):
         """The round drafts its recorded K (the cap); the inner rule decides on the device too, for its cost."""
-        if self.inner is not None:
-            self.inner.graph_stop(step, i, mem)
+        self.inner.graph_stop(step, i, mem)
         return False
 
     def end_round(self, n_drafted: int, n_accepted: int) -> None:
-        if self.inner is not None:
-            self.inner.end_round(n_drafted, n_accepted)
+        self.inner.end_round(n_drafted, n_accepted)
 
 
 class TraceReplay(RoundOwner):

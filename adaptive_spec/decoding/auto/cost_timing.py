@@ -84,10 +84,6 @@ def loop_times(vocab_size: int, device, reps: int = 20) -> dict:
     for mode, kw in LOOP_SAMPLING.items():
         sp = SamplingParams(**kw)
 
-        def row():
-            p = process_logits(logits[0], sp)
-            return draw(p, sp, g)
-
         def round_():
             if sp.greedy:
                 n, tok, _ = verify_greedy(y, logits)
@@ -96,7 +92,7 @@ def loop_times(vocab_size: int, device, reps: int = 20) -> dict:
                 n, tok = verify(y, p[:3], p, g)
             return torch.cat([n.view(1), tok.view(1), y]).tolist()
 
-        t_row = _median_time(row, reps, device)
+        t_row = _median_time(lambda: draw(process_logits(logits[0], sp), sp, g), reps, device)
         t_rows4 = _median_time(lambda: process_logits(logits, sp), reps, device)
         t_round = _median_time(round_, reps, device)
         # a round's time beyond processing its 4 rows

@@ -24,10 +24,8 @@ def window_products(x: np.ndarray, width: int) -> np.ndarray:
     """[T, width + 1]: entry (s, j) = prod x[s:s+j] (1 past the end: those rounds are capped anyway)."""
     T = len(x)
     padded = np.concatenate([np.asarray(x, dtype=np.float64), np.ones(width)])
-    out = np.ones((T, width + 1))
-    for j in range(1, width + 1):
-        out[:, j] = out[:, j - 1] * padded[j - 1:j - 1 + T]
-    return out
+    windows = np.lib.stride_tricks.sliding_window_view(padded, width)[:T]  # row s: x[s:s+width]
+    return np.concatenate([np.ones((T, 1)), np.cumprod(windows, axis=1)], axis=1)
 
 
 def stop_lengths(phat_windows: np.ndarray, h: float, k_max: int, lag: int) -> np.ndarray:

@@ -52,25 +52,20 @@ class DraftTree:
     def _add_dists(self, nodes, logits, hidden):
         q = process_logits(logits, self.sampling)
         base = sum(x.shape[0] for x in self._q)
-        for i, j in enumerate(nodes):
-            self.row[j] = base + i
+        self.row.update((j, base + i) for i, j in enumerate(nodes))
         self._q.append(q)
         self._hidden.append(hidden)
+        self.q, self.hidden = _cat(self._q), _cat(self._hidden)
         if self.max_children:
             if self.greedy:
                 rank = logits.float()
-                self._e.append(None)
             else:
                 e = torch.empty_like(q).exponential_(1.0, generator=self.gen)
                 rank = q / e  # the race: arrival order = draws without replacement from q
                 self._e.append(e)
+                self.e = _cat(self._e)
             self._order.append(torch.topk(rank, self.max_children, dim=-1).indices)
-        self.q = torch.cat(self._q) if len(self._q) > 1 else self._q[0]
-        self.hidden = torch.cat(self._hidden) if len(self._hidden) > 1 else self._hidden[0]
-        if self.max_children:
-            self.order = torch.cat(self._order) if len(self._order) > 1 else self._order[0]
-            if not self.greedy:
-                self.e = torch.cat(self._e) if len(self._e) > 1 else self._e[0]
+            self.order = _cat(self._order)
 
     def new_node(self, parent: int, sib: int, token_host: int | None = None) -> int:
         j = len(self.parent)
@@ -121,6 +116,10 @@ class DraftTree:
         return h
 
 
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
 def grow_static(tree: DraftTree, parents: list[int], sibs: list[int]):
     """Draft a fixed topology (parents/sibs, parent before child) depth by depth: one draft
     forward per level, over the nodes of that level that have children. The tree's node ids are
@@ -136,8 +135,7 @@ def grow_static(tree: DraftTree, parents: list[int], sibs: list[int]):
         level = [j for j in range(1, len(parents)) if depth[j] == dl]
         level.sort(key=lambda j: (ids[parents[j]], sibs[j]))
         new = tree.add_children([(ids[parents[j]], sibs[j]) for j in level])
-        for j, v in zip(level, new):
-            ids[j] = v
+        ids.update(zip(level, new))
         fwd = [ids[j] for j in level if has_kids[j]]
         if fwd:
             tree.forward_nodes(fwd)

@@ -32,13 +32,6 @@ def load_tree_head(head, pair=None):
     return load_pair_head(head, pair, feature="token", why="tree_estimator 'head'")
 
 
-def _budget_int(v):
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise UserError(f"tree_budget (for drafting sequence: k; batch: num_drafts) must be an integer >= 1, "
-                        f"the most tokens a round drafts, got {v!r}; e.g. tree_budget: 8")
-    return v
-
-
 def _check_choices(method: str, drafting: str, estimator: str, head) -> None:
     if method not in ("gsd", "ersd"):
         raise UserError(f"unknown tree verification {method!r}; use gsd or ersd")
@@ -91,8 +84,10 @@ class TreePolicy(RoundOwner):
                  head=None, rates=None, adapt_rates: bool = True, name: str | None = None,
                  carry_rates: bool = False, learned_budget: bool = False, node_cost: float | None = None):
         _check_choices(method, drafting, estimator, head)
-        self.method, self.drafting, self.estimator = method, drafting, estimator
-        self.budget = _budget_int(budget)
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+            raise UserError(f"tree_budget (for drafting sequence: k; batch: num_drafts) must be an integer >= 1, "
+                            f"the most tokens a round drafts, got {budget!r}; e.g. tree_budget: 8")
+        self.method, self.drafting, self.estimator, self.budget = method, drafting, estimator, budget
         self.learned_budget, self.node_cost = _check_learned(learned_budget, node_cost, drafting)
         self.head = head
         self.rates = rates if isinstance(rates, PositionalRates) else PositionalRates(rates, adapt=adapt_rates,
@@ -172,10 +167,6 @@ def round_budget(p) -> int:
     return next((v for v in order if v is not None), default)
 
 
-def _resolve_head(estimator, head, pair):
-    return load_tree_head(head, pair) if estimator == "head" else None
-
-
 def _node_cost(tree_learned, tree_node_cost, ctx: PolicyContext, drafting):
     """tree_node_cost, measured on the context's pair (auto's measure_costs) when a learned budget leaves it
     unset (TreePolicy refuses the rest, before anything is timed)."""
@@ -184,23 +175,16 @@ def _node_cost(tree_learned, tree_node_cost, ctx: PolicyContext, drafting):
     return tree_node_cost
 
 
-@register("tree")
-def _make_tree(p: TreeParams, ctx: PolicyContext):
-    """GSD tree drafting: tree_budget drafted tokens per round (default: k, else 8); with
-    tree_learned, as many as are worth tree_node_cost each (unset: measured on the pair), at most
-    tree_budget."""
-    return TreePolicy("gsd", p.drafting, round_budget(p), p.tree_estimator,
-                      _resolve_head(p.tree_estimator, p.head, ctx.pair), p.tree_rates, p.adapt_rates, name="tree",
-                      learned_budget=p.tree_learned,
-                      node_cost=_node_cost(p.tree_learned, p.tree_node_cost, ctx, p.drafting))
+def _factory(method: str):
+    """`tree` (GSD) or `ersd` (exponential races): round_budget(p) drafted tokens per round; with tree_learned,
+    as many as are worth tree_node_cost each (unset: measured on the pair), at most that budget."""
+    def make(p: TreeParams | ErsdParams, ctx: PolicyContext):
+        head = load_tree_head(p.head, ctx.pair) if p.tree_estimator == "head" else None
+        return TreePolicy(method, p.drafting, round_budget(p), p.tree_estimator, head, p.tree_rates, p.adapt_rates,
+                          learned_budget=p.tree_learned,
+                          node_cost=_node_cost(p.tree_learned, p.tree_node_cost, ctx, p.drafting))
+    return make
 
 
-@register("ersd")
-def _make_ersd(p: ErsdParams, ctx: PolicyContext):
-    """Exponential-race SD. drafting sequence (k tokens), batch (num_drafts alternatives for the
-    next token), tree (optimal tree of tree_budget tokens), specinfer (tree_budget). tree_learned
-    and tree_node_cost as for `tree` (the budget is then the cap)."""
-    return TreePolicy("ersd", p.drafting, round_budget(p), p.tree_estimator,
-                      _resolve_head(p.tree_estimator, p.head, ctx.pair),
-                      p.tree_rates, p.adapt_rates, name="ersd", learned_budget=p.tree_learned,
-                      node_cost=_node_cost(p.tree_learned, p.tree_node_cost, ctx, p.drafting))
+register("tree")(_factory("gsd"))
+register("ersd")(_factory("ersd"))

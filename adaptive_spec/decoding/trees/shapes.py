@@ -78,9 +78,8 @@ def specinfer_tree(k: int, trunk: int = 2, branches: int = 3):
     the rest of the budget split as evenly as possible (the first chains get the extra)."""
     parents, sibs = [-1], [0]
     t = min(trunk, k)
-    for i in range(t):
-        parents.append(i)
-        sibs.append(0)
+    parents += range(t)
+    sibs += [0] * t
     rest = k - t
     lens = [rest // branches + (1 if b < rest % branches else 0) for b in range(branches)]
     for b, n in enumerate(lens):
@@ -142,14 +141,10 @@ def shape_tree(drafting: str, k: int, r: list[float], depth_cap: int | None = No
     if drafting == "tree":
         parents, sibs, _ = optimal_tree(k, r[:max_children] if max_children else r, depth_cap)
         return parents, sibs
-    if drafting == "sequence":
-        parents, sibs = sequence_tree(k)
-    elif drafting == "batch":
-        parents, sibs = batch_tree(k)
-    elif drafting == "specinfer":
-        parents, sibs = specinfer_tree(k)
-    else:
+    fixed = {"sequence": sequence_tree, "batch": batch_tree, "specinfer": specinfer_tree}
+    if drafting not in fixed:
         raise UserError(f"unknown drafting {drafting!r}; use one of {', '.join(DRAFTINGS)}")
+    parents, sibs = fixed[drafting](k)
     if depth_cap is not None or max_children is not None:
         parents, sibs = _prune(parents, sibs, depth_cap, max_children)
     return parents, sibs
@@ -179,7 +174,7 @@ def tunstall_bound(r: list[float], k: int, vocab_size: int) -> float:
         return 1.0
     _, sibs, _ = optimal_tree(k, r)
     d = max(sibs[1:]) + 1
-    head = [x for x in r[:d]]
+    head = r[:d]
     p_res = max(0.0, 1.0 - sum(head))
     h = -sum(x * math.log(x) for x in head if x > 0) - (p_res * math.log(p_res) if p_res > 0 else 0.0)
     min_r = min(x for x in head if x > 0) if any(x > 0 for x in head) else 1.0

@@ -12,6 +12,8 @@ ancestors and itself) and position ids prefix length + depth - 1. Then (Kobus & 
 Exact for any tree shape chosen from information available before each token is drawn."""
 from __future__ import annotations
 
+from itertools import takewhile
+
 import torch
 
 from ..interfaces import RoundState
@@ -42,7 +44,7 @@ def target_pass(target, seq: torch.Tensor, tree, sampling: SamplingParams) -> to
 
 def _children_matrix(tree, nodes):
     m = max(len(tree.children[v]) for v in nodes)
-    mat = [[c for c in tree.children[v]] + [0] * (m - len(tree.children[v])) for v in nodes]
+    mat = [tree.children[v] + [0] * (m - len(tree.children[v])) for v in nodes]
     return torch.tensor(mat, dtype=torch.long, device=tree.device), m
 
 
@@ -149,16 +151,10 @@ def compact_to_path(target, draft, tree, L: int, path: list[int]) -> None:
     if not tree.n:
         return
     target.compact(L, [L + j - 1 for j in path])
-    slots = []
-    for j in path:
-        if tree.slot[j] is None:
-            break
-        slots.append(L + tree.slot[j])
-    draft.compact(L, slots)
+    draft.compact(L, [L + tree.slot[j] for j in takewhile(lambda j: tree.slot[j] is not None, path)])
 
 
 def finish_round(state: RoundState, tree, path: list[int]) -> None:
-    """Compact both caches to the accepted path and book the round in the metrics."""
     compact_to_path(state.target, state.draft, tree, state.seq.shape[0], path)
     state.book(tree.n, len(path))
 
