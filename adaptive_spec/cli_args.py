@@ -28,20 +28,14 @@ def add_fields(g, fields: dict, note) -> None:
         extra = f.json_schema_extra or {}
         if extra.get("cli", True) is False:
             continue
-        choices = literal_choices(f.annotation)
+        # a Literal's values (auto in `int | Literal["auto"]` is not a closed set)
+        choices = list(typing.get_args(f.annotation)) if typing.get_origin(f.annotation) is typing.Literal else None
         text = (f.description or key.replace("_", " ")) + note(key)
         if f.annotation is bool:
             g.add_argument(flag(key), dest=key, action="store_true", default=None, help=text)
         else:
             g.add_argument(flag(key), dest=key, default=None, choices=choices, help=text,
                            metavar=None if choices else key.upper())
-
-
-def literal_choices(annotation) -> list[str] | None:
-    """The values of a Literal field (auto in `int | Literal["auto"]` is not a closed set)."""
-    if typing.get_origin(annotation) is typing.Literal:
-        return list(typing.get_args(annotation))
-    return None
 
 
 def set_fields(args, fields) -> dict:

@@ -36,9 +36,7 @@ def _iter_json_array(stream, chunk_chars: int = 1 << 20) -> Iterator[dict]:
         while pos < len(buf) and buf[pos] in " \t\r\n,[":
             pos += 1
         if pos >= len(buf) or buf[pos] != "{":
-            if pos < len(buf) and buf[pos] == "]":
-                return
-            if eof:
+            if eof or (pos < len(buf) and buf[pos] == "]"):
                 return
         else:
             try:

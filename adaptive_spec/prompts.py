@@ -121,11 +121,7 @@ def _read_json_rows(path: Path) -> list[dict]:
 
 
 def _fields_of(rows: list[dict]) -> list[str]:
-    seen: dict[str, None] = {}
-    for r in rows[:100]:
-        for k in r:
-            seen.setdefault(k, None)
-    return list(seen)
+    return list(dict.fromkeys(k for r in rows[:100] for k in r))
 
 
 def _records(dataset: str, hf_config, hf_split) -> tuple[list[dict], str | None, str]:
@@ -181,9 +177,8 @@ def _hub_records(name: str, hf_config, hf_split) -> tuple[list[dict], None, str]
         raise UserError(f"could not load hub dataset {name!r} ({first_line(e)}); {_usage()}, or a hub dataset that is "
                         "cached (set hf_config / hf_split where it has several)") from None
     if isinstance(ds, datasets.DatasetDict):
-        split = "test" if "test" in ds else "train" if "train" in ds else next(iter(ds))
-        ds = ds[split]
-        hf_split = split
+        hf_split = "test" if "test" in ds else "train" if "train" in ds else next(iter(ds))
+        ds = ds[hf_split]
     return [dict(r) for r in ds], None, f"hub:{name}" + (f"/{hf_config}" if hf_config else "") + f"[{hf_split}]"
 
 

@@ -90,15 +90,11 @@ def read_manifest(folder: str | Path, required: bool = True, hint: str = "") -> 
     return read_json(Path(folder) / "manifest.json", required, hint)
 
 
-def settings_diff(old: dict, new: dict, ignore=()) -> list[str]:
-    """'key: old -> new' for each key (of either dict, `ignore` left out) whose values differ."""
-    keys = sorted((set(old) | set(new)) - set(ignore))
-    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
-
-
 def settings_problem(folder: str | Path, old: dict, new: dict, kind: str = "run", ignore=()) -> str | None:
-    """'<folder> holds a <kind> made with other settings (k: a -> b, ...)', or None when they agree."""
-    diff = settings_diff(old, new, ignore)
+    """'<folder> holds a <kind> made with other settings (k: a -> b, ...)', or None when they agree; the keys of
+    either dict count, `ignore` left out."""
+    keys = sorted((set(old) | set(new)) - set(ignore))
+    diff = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
     if not diff:
         return None
     return f"{folder} holds a {kind} made with other settings ({', '.join(diff)})"

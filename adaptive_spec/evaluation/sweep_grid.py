@@ -309,11 +309,9 @@ def draft_hidden_size(draft: str | FeatureDraft) -> int | None:
                                                                                          auto_fetch=False))
     except UserError:
         return None
-    if not (path / "config.json").is_file():
-        return None
     try:
         cfg = json.loads((path / "config.json").read_text())
-    except json.JSONDecodeError:
+    except (OSError, json.JSONDecodeError):  # no config.json (or not a local folder), or a corrupt one
         return None
     h = cfg.get("hidden_size") or (cfg.get("text_config") or {}).get("hidden_size")
     return int(h) if h else None

@@ -4,6 +4,7 @@ costs), run and counted. Part of `adaptive-spec sweep` (sweep.py runs its stages
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -218,11 +219,9 @@ def hf_generate(pair, ids: list[int], sampling, seed: int, max_new_tokens: int, 
     lookup (n-gram candidates, no draft model), timed like ours: (Metrics, stopped_by, new ids).
     `sampling`: anything with temperature, top_k, top_p (SamplingParams)."""
     tm = pair.target.model
-    counts = {"target": 0, "draft": 0}
-    hooks = [tm.register_forward_pre_hook(lambda m, a: counts.__setitem__("target", counts["target"] + 1))]
-    if not lookup:
-        hooks.append(pair.draft.model.register_forward_pre_hook(
-            lambda m, a: counts.__setitem__("draft", counts["draft"] + 1)))
+    counts = Counter()  # forwards per role, by pre-hooks
+    models = {"target": tm} if lookup else {"target": tm, "draft": pair.draft.model}
+    hooks = [mod.register_forward_pre_hook(lambda m, a, r=role: counts.update([r])) for role, mod in models.items()]
     x = torch.tensor([ids], dtype=torch.long, device=pair.target.device)
     kw = dict(max_new_tokens=max_new_tokens, do_sample=sampling.temperature > 0, repetition_penalty=1.0,
               eos_token_id=list(pair.eos_token_ids),

@@ -33,11 +33,12 @@ from huggingface_hub import PyTorchModelHubMixin, hf_hub_download
 from huggingface_hub.errors import EntryNotFoundError
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from torch import nn
 
 from ..backends.models import resolve_dtype
 from ..errors import UserError, first_line
+from ..runs import atomic_write
 from .features import CONTEXT_KEY, N_STATS, STATS, position_map, sampling_from, state_key
 
 HEAD_FORMAT = "adaptive_spec.head.v1"
@@ -153,12 +154,9 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="adaptive-spe
     def _save_pretrained(self, save_directory: Path) -> None:
         # Each file is replaced whole (tmp + rename), so a kill never leaves a half-written one.
         state = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
-        tmp = save_directory / (WEIGHTS_NAME + ".tmp")
-        save_file(state, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, save_directory / WEIGHTS_NAME)
-        tmp = save_directory / (CONFIG_NAME + ".tmp")
-        tmp.write_text(json.dumps(self.config_dict(self.extra), indent=2, default=str) + "\n")
-        os.replace(tmp, save_directory / CONFIG_NAME)
+        atomic_write(save_directory / WEIGHTS_NAME, save(state, metadata={"format": "pt"}))
+        config = json.dumps(self.config_dict(self.extra), indent=2, default=str) + "\n"
+        atomic_write(save_directory / CONFIG_NAME, config)
 
     def generate_model_card(self, *args, **kwargs):
         return super().generate_model_card(*args, body=model_card(self), **kwargs)
