@@ -51,10 +51,6 @@ def _as_text(cls: type[Config], raw: dict[str, Any]) -> dict[str, Any]:
             for k, v in raw.items()}
 
 
-def _is_list(cls: type[Config], key: str) -> bool:
-    return typing.get_origin(cls.model_fields[key].annotation) in (list, tuple)
-
-
 def _nest_dotted(cls: type[Config], raw: dict[str, Any]) -> dict[str, Any]:
     """`pair.draft: x` (a key=value override, or a YAML key) into the `pair` mapping, in order."""
     out: dict[str, Any] = {}
@@ -118,7 +114,8 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
     unknown = sorted(set(raw) - set(cls.model_fields))
     if unknown:
         raise UserError(unknown_keys(cls, unknown))
-    raw = {k: ([v] if _is_list(cls, k) and not isinstance(v, (list, tuple)) else v) for k, v in raw.items()}
+    lists = {k for k, f in cls.model_fields.items() if typing.get_origin(f.annotation) in (list, tuple)}
+    raw = {k: ([v] if k in lists and not isinstance(v, (list, tuple)) else v) for k, v in raw.items()}
     cfg = cls.model_validate(_as_text(cls, _build_params(cls, raw)), context={"yaml": True})
     cfg.validate()
     return cfg

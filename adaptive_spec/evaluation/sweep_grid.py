@@ -250,11 +250,8 @@ def resolve_heads(patterns: list[str]) -> list[tuple[str, Path]]:
         pat = str(Path(pat).expanduser())
         if glob.has_magic(pat):
             bases = [Path.cwd()] if Path(pat).is_absolute() else [Path.cwd(), PROJECT_ROOT]
-            hits: list[Path] = []
-            for base in bases:
-                hits = [h for h in (head_folder(Path(m)) for m in sorted(glob.glob(str(base / pat)))) if h]
-                if hits:
-                    break
+            per_base = ([h for h in map(head_folder, map(Path, sorted(glob.glob(str(b / pat))))) if h] for b in bases)
+            hits = next(filter(None, per_base), [])  # the first base with a match
             if not hits:
                 raise UserError(f"no acceptance head folders match {pat!r}; train one with "
                                 "`python train.py --config configs/train/default.yaml` or fix the heads list")
