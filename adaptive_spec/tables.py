@@ -21,6 +21,11 @@ def fmt(x, spec: str = ".2f", dash: str = "—") -> str:
     return dash if is_missing(x) else format(x, spec)
 
 
+def fixed(x, nd: int = 2) -> str:
+    """x to nd decimals; "-" for None, and for a float that is NaN or infinite (the GPU check's reports)."""
+    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{nd}f}"
+
+
 def cell(v, dash: str = "-") -> str:
     """A value in a table of mixed columns: floats to 4 decimals (integral ones plain), the rest str()."""
     if is_missing(v):

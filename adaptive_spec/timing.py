@@ -1,6 +1,7 @@
 """Timers for forward passes: `sync` waits for a device's queued work, `timed` measures a block
-(per-phase wall time of a generation, as Metrics records it); `torch_threads` sets the torch threads a block
-runs on. The models those times feed (Eq. 3.1 and the extended and table models) are in auto/timemodel.py."""
+(per-phase wall time of a generation, as Metrics records it), `timed_runs` each of repeated calls;
+`torch_threads` sets the torch threads a block runs on. The models those times feed (Eq. 3.1 and the
+extended and table models) are in auto/timemodel.py."""
 from __future__ import annotations
 
 import contextlib
@@ -34,6 +35,23 @@ class timed:
         sync(self.device)
         self.s = clock() - self.t0
         return False
+
+
+def timed_runs(fn, reps: int, warmup: int = 0, before=None, device=None) -> tuple[list[float], object]:
+    """(seconds of each of `reps` calls of fn() after `warmup` untimed ones, `before()` run untimed ahead of
+    every call; what the last call returned). With a `device`, a timed call's clock stops after the device
+    is idle, as `timed`'s; a warm-up is not waited for. Without one, host work: no sync inside the clock."""
+    times, value = [], None
+    for r in range(warmup + reps):
+        if before is not None:
+            before()
+        t0 = clock()
+        value = fn()
+        if r >= warmup:
+            if device is not None:
+                sync(device)
+            times.append(clock() - t0)
+    return times, value
 
 
 class PartClock:

@@ -68,7 +68,7 @@ try:
     from adaptive_spec.evaluation.gpu_bench import (acceptance_label, estimate, fmt, inner_policy,  # noqa: E402
                                                     lookup_bandwidth, measure_hf_generate, measured_costs,
                                                     model_bytes, picks_md, replay_picks, stats_of, time_loop)
-    from adaptive_spec.timing import sync  # noqa: E402
+    from adaptive_spec.timing import sync, timed  # noqa: E402
     from adaptive_spec.evaluation import gpu_bench, round_profile as rp_  # noqa: E402
     from adaptive_spec.evaluation.round_profile import make_runner  # noqa: E402
     from adaptive_spec.evaluation.drafter_step import drafter_md, ratios, time_drafter  # noqa: E402
@@ -497,13 +497,11 @@ def assisted(args, res, budget, pair, kept) -> None:
 
     def run(**kw) -> float:
         sync(dev)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
+        with timed(dev) as t, torch.inference_mode():
             out = model_t.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new,
                                    min_new_tokens=n_new, do_sample=False, pad_token_id=0, **kw)
-        sync(dev)
         assert out.shape[1] == ids.shape[1] + n_new
-        return time.perf_counter() - t0
+        return t.s
 
     try:
         for name, kw in (("target_alone", {}), ("assisted", {"assistant_model": model_d})):

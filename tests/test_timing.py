@@ -103,3 +103,19 @@ def test_timed_measures_the_block(monkeypatch):
     with timing.timed("cpu") as t:
         assert t.s == 0.0 and not synced
     assert t.s == 0.25 and synced == ["cpu"]
+
+
+def test_timed_runs_syncs_a_timed_call_before_the_clock_stops_and_no_warm_up(monkeypatch):
+    """With a device, each timed call's clock stops after the sync (as `timed`'s); a warm-up is not waited for;
+    without one, nothing is synced (host work)."""
+    from adaptive_spec import timing
+
+    ticks, log = iter([0.0, 1.0, 2.0, 2.5, 4.0, 4.75]), []
+    monkeypatch.setattr(timing, "clock", lambda: log.append("clock") or next(ticks))
+    monkeypatch.setattr(timing, "sync", lambda device: log.append(("sync", device)))
+    times, last = timing.timed_runs(lambda: log.append("call") or len(log), 2, warmup=1, device="cuda")
+    assert times == [1.0, 1.5] and last == 8
+    assert log == ["clock", "call"] + ["clock", "call", ("sync", "cuda"), "clock"] * 2
+    log.clear()
+    ticks = iter([0.0, 1.0])
+    assert timing.timed_runs(lambda: log.append("call"), 1)[0] == [1.0] and ("sync", None) not in log

@@ -2,13 +2,12 @@
 Imports no torch itself (a script's --report-only path reads its labels from here).
 
 `pass_times` is auto's own measurement (cost_timing.interleaved_times), so a benchmark's v(N) and auto's
-are the same numbers taken the same way; `timed_runs` is the torch benchmarks' one timing loop (warm-ups,
+are the same numbers taken the same way; timing.timed_runs is the torch benchmarks' one timing loop (warm-ups,
 a reset before every call)."""
 from __future__ import annotations
 
 import functools
 import statistics
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,23 +27,11 @@ def pass_times(runners: dict, lengths, reps: int, all_rows=(True,)) -> dict:
     return dict(zip(cells, times))
 
 
-def timed_runs(fn, reps: int, warmup: int = 0, before=None) -> tuple[list[float], object]:
-    """(seconds of each of `reps` calls of fn() after `warmup` untimed ones, `before()` run untimed ahead of
-    every call; what the last call returned)."""
-    times, value = [], None
-    for r in range(warmup + reps):
-        if before is not None:
-            before()
-        t0 = time.perf_counter()
-        value = fn()
-        if r >= warmup:
-            times.append(time.perf_counter() - t0)
-    return times, value
-
-
 def time_forward(lm, prompt, n: int, reps: int):
     """(median seconds of feeding n tokens after `prompt`, rolled back each time, after 3 warm-ups; the logits)."""
     import torch
+
+    from ..timing import timed_runs  # torch: only where something is timed
 
     lm.reset()
     lm.forward(prompt, n_logits=0)
@@ -59,6 +46,8 @@ def time_prefill(lm, n: int, reps: int) -> float:
     """Median seconds of a prefill of n tokens into an empty cache (the first of reps + 1 untimed)."""
     import torch
 
+    from ..timing import timed_runs
+
     ids = torch.arange(300, 300 + n) % lm.vocab_size
     times, _ = timed_runs(lambda: lm.forward(ids, n_logits=0), reps, warmup=1, before=lm.reset)
     return statistics.median(times)
@@ -66,6 +55,8 @@ def time_prefill(lm, n: int, reps: int) -> float:
 
 def per_step_ms(fn, reps: int) -> float:
     """Mean milliseconds of fn() over `reps` calls after 10 warm-ups."""
+    from ..timing import timed_runs
+
     return 1e3 * statistics.fmean(timed_runs(fn, reps, warmup=10)[0])
 
 
@@ -73,6 +64,8 @@ def read_bandwidth_gbps(gib: float = 1.0, reps: int = 5) -> float:
     """Best-of-reps GB/s of summing a buffer far larger than the caches: the ceiling a
     bandwidth-bound decode step can reach on this machine with torch's threads."""
     import torch
+
+    from ..timing import timed_runs
 
     x = torch.ones(int(gib * (1 << 30) // 4), dtype=torch.float32)
     times, _ = timed_runs(x.sum, reps, warmup=1)
@@ -156,6 +149,8 @@ def linear_row_times(shapes: dict, kernels: dict, rows: list[int], rounds: int, 
     to STREAM_BYTES, so they stream from memory as a model's do), kernels and row counts alternating `rounds`
     times so machine drift hits all alike, one untimed pass before each `reps`."""
     import torch
+
+    from ..timing import timed_runs
 
     gen = torch.Generator().manual_seed(0)
     ms = {}  # (kernel, shape, rows) -> [seconds per layer]

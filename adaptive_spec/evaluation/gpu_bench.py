@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import statistics
 import time
 from pathlib import Path
@@ -13,7 +12,8 @@ from pathlib import Path
 import torch
 
 from ..backends.runner import kv
-from ..timing import sync
+from ..tables import fixed as fmt
+from ..timing import sync, timed
 
 # HBM bandwidth in TB/s by device name (vendor datasheets); --bandwidth-tbs overrides
 BANDWIDTH_TBS = [("H200", 4.8), ("H100 PCIe", 2.0), ("H100 NVL", 3.9), ("H100", 3.35), ("GH200", 4.0),
@@ -63,11 +63,10 @@ def time_loop(fn, iters: int, device: torch.device, warm: int = 2, host: bool = 
         b.record()
         b.synchronize()
         return a.elapsed_time(b) / iters
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    sync(device)
-    return (time.perf_counter() - t0) * 1000 / iters
+    with timed(device) as t:
+        for _ in range(iters):
+            fn()
+    return t.s * 1000 / iters
 
 
 def measure_hf_generate(model, contexts, gen_tokens: int, repeats: int, device) -> dict:
@@ -83,12 +82,11 @@ def measure_hf_generate(model, contexts, gen_tokens: int, repeats: int, device) 
     def run(ids, n):
         cache.reset()
         sync(device)
-        t0 = time.perf_counter()
-        res = model.generate(ids, attention_mask=torch.ones_like(ids), **kv(type(model).forward, cache),
-                             max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-        sync(device)
-        assert res.shape[1] == ids.shape[1] + n
-        return time.perf_counter() - t0
+        with timed(device) as t:
+            res = model.generate(ids, attention_mask=torch.ones_like(ids), **kv(type(model).forward, cache),
+                                 max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            assert res.shape[1] == ids.shape[1] + n
+        return t.s
 
     for c in contexts:
         ids = torch.randint(0, V, (1, c), generator=g).to(device)
@@ -209,12 +207,6 @@ def estimate(stats: dict, draft_rows: list, target_rows: list, overhead: dict | 
                 row.update(est_ms_per_token_with_overhead=per_tok_ov, est_speedup_with_overhead=ar / per_tok_ov)
             out.append(row)
     return out
-
-
-def fmt(x, nd=2):
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return "-"
-    return f"{x:.{nd}f}"
 
 
 # ----------------------------------------------------------------------------- replayed picks of h and K

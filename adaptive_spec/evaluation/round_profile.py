@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..tables import md_table
+from ..tables import fixed, md_table
 
 ROOT = Path(__file__).resolve().parents[2]
 SYNCS = {"stream_syncs": ("cudaStreamSynchronize",), "event_syncs": ("cudaEventSynchronize",),
@@ -148,10 +148,6 @@ def top_kernels(lm, steps: int = 10, top: int = 12, ctx: int = 64) -> dict:
                     for name, (n, us) in rows]}
 
 
-def _f(x, nd=2) -> str:
-    return "-" if x is None else f"{x:.{nd}f}"
-
-
 CUDA_COLUMNS = ("stream_syncs", "event_syncs", "device_syncs", "d2h_copies", "memcpy_async", "eager_launches",
                 "graph_launches", "aten_ops")
 
@@ -172,19 +168,19 @@ def host_work_section(policies: list[dict], cuda: bool) -> list[str]:
     for p in policies:
         prof, o = p.get("profile") or {}, p.get("outside") or {}
         pr, pd = prof.get("per_round") or {}, prof.get("per_drafted") or {}
-        rows.append([p["config"], _f(p.get("host_reads_per_round")),
-                     *(f"{_f(pr.get(c), 1)} / {_f(pd.get(c), 1)}" if pd else _f(pr.get(c), 1) for c in cols),
-                     _f(100 * o["share"] if o.get("share") is not None else None, 1),
-                     _f(o.get("ms_per_drafted"), 3), _f(o.get("ms_per_round"), 3)])
+        rows.append([p["config"], fixed(p.get("host_reads_per_round")),
+                     *(f"{fixed(pr.get(c), 1)} / {fixed(pd.get(c), 1)}" if pd else fixed(pr.get(c), 1) for c in cols),
+                     fixed(100 * o["share"] if o.get("share") is not None else None, 1),
+                     fixed(o.get("ms_per_drafted"), 3), fixed(o.get("ms_per_round"), 3)])
     return out + [md_table(["policy", "host reads / round", *(c.replace("_", " ") for c in cols),
                             "outside forwards, % of decode", "outside, ms / drafted token", "ms / round"], rows)]
 
 
 def kernels_md(k: dict, n: int = 8) -> list[str]:
-    rows = [[f"`{t['name'][:90]}`", _f(t["calls_per_step"], 1), _f(t["us_per_step"], 1),
-             f"{_f(100 * t['share'], 1)}%"] for t in k["top"][:n]]
-    return [f"Top of one fused one-token step ({k['clock']}): {_f(k['us_per_step'], 1)} µs, "
-            f"{_f(k['kernels_per_step'], 0)} per step.", "",
+    rows = [[f"`{t['name'][:90]}`", fixed(t["calls_per_step"], 1), fixed(t["us_per_step"], 1),
+             f"{fixed(100 * t['share'], 1)}%"] for t in k["top"][:n]]
+    return [f"Top of one fused one-token step ({k['clock']}): {fixed(k['us_per_step'], 1)} µs, "
+            f"{fixed(k['kernels_per_step'], 0)} per step.", "",
             md_table(["kernel", "calls / step", "µs / step", "share"], rows)]
 
 
@@ -193,8 +189,8 @@ def first_token_section(rows: list[dict] | None) -> list[str]:
     if not rows:
         return []
     cells = [[r["runtime"], r["cache"], f"failed: {r['error']}"] if "error" in r else
-             [r["runtime"], r["cache"], f"**{_f(r['first_token_s'])}**", _f(r["start_s"] + r["import_s"]),
-              _f(r["build_s"]), _f(r["prepare_s"]), _f(r["generate_s"])] for r in rows]
+             [r["runtime"], r["cache"], f"**{fixed(r['first_token_s'])}**", fixed(r["start_s"] + r["import_s"]),
+              fixed(r["build_s"]), fixed(r["prepare_s"]), fixed(r["generate_s"])] for r in rows]
     return ["## 5. The first token", "", "A fresh Python process: imports, the default preset's target alone with "
             "random weights (its real shapes), its runtime's one-token step prepared, a 128-token prompt's prefill and "
             "the first step. Cold: an empty inductor cache folder; warm: the same folder again.", "",

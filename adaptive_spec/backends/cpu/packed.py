@@ -6,13 +6,13 @@ import collections
 import hashlib
 import json
 import statistics
-import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from ...runs import write_json
+from ...timing import timed_runs
 from .machine import cpu_name, fbgemm_fp16, onednn_packed
 from ...setup.llama_build import cache_dir, cpu_flags
 
@@ -91,14 +91,9 @@ def _timed_layers(linears: list) -> list:
     return timed
 
 
-def _median_s(fn, reps: int = 4) -> float:
-    """Median seconds of fn() over reps calls after the first (which pays for warm-up)."""
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+def _median_s(fn) -> float:
+    """Median seconds of fn() over 3 calls after an untimed one (which pays for warm-up)."""
+    return statistics.median(timed_runs(fn, 3, warmup=1)[0])
 
 
 def _choice_path(kind: str, timed: list, max_rows: int):

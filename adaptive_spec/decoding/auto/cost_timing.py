@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ...errors import UserError
-from ...timing import timed
+from ...timing import timed, timed_runs
 from ..sampling import SamplingParams, draw, process_logits, verify, verify_greedy
 
 # The cached context the passes are timed after: a typical decode's, as c = t_draft / t_target grows with
@@ -92,22 +92,11 @@ def loop_times(vocab_size: int, device, reps: int = 20) -> dict:
                 n, tok = verify(y, p[:3], p, g)
             return torch.cat([n.view(1), tok.view(1), y]).tolist()
 
-        t_row = _median_time(lambda: draw(process_logits(logits[0], sp), sp, g), reps, device)
-        t_rows4 = _median_time(lambda: process_logits(logits, sp), reps, device)
-        t_round = _median_time(round_, reps, device)
+        t_row, t_rows4, t_round = (statistics.median(timed_runs(fn, reps, 1, device=device)[0]) for fn in (
+            lambda: draw(process_logits(logits[0], sp), sp, g), lambda: process_logits(logits, sp), round_))
         # a round's time beyond processing its 4 rows
         out[mode] = {"row": t_row, "round": max(0.0, t_round - t_rows4)}
     return out
-
-
-def _median_time(fn, reps: int, device) -> float:
-    fn()
-    samples = []
-    for _ in range(reps):
-        with timed(device) as t:
-            fn()
-        samples.append(t.s)
-    return statistics.median(samples)
 
 
 def monotone(values) -> list[float]:
