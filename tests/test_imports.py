@@ -191,7 +191,7 @@ def test_interfaces_is_a_leaf():
 GENERATION = ("adaptive_spec.setup", "adaptive_spec.backends", "adaptive_spec.decoding", "adaptive_spec.heads",
               "adaptive_spec.params", "adaptive_spec.typed", "adaptive_spec.prompts", "adaptive_spec.prompt_archives",
               "adaptive_spec.errors", "adaptive_spec.runs", "adaptive_spec.timing", "adaptive_spec.tables",
-              "adaptive_spec.config")
+              "adaptive_spec.config", "adaptive_spec.hub")
 OFFLINE = ("adaptive_spec.datagen", "adaptive_spec.training", "adaptive_spec.evaluation")
 
 
@@ -236,7 +236,7 @@ def test_no_lower_layer_imports_a_higher_one():
     def layer(m: str) -> int:
         for i, prefixes in enumerate((("adaptive_spec.setup", "adaptive_spec.backends", "adaptive_spec.errors",
                                        "adaptive_spec.runs", "adaptive_spec.timing", "adaptive_spec.tables",
-                                       "adaptive_spec.prompts", "adaptive_spec.prompt_archives"),
+                                       "adaptive_spec.prompts", "adaptive_spec.prompt_archives", "adaptive_spec.hub"),
                                       ("adaptive_spec.heads", "adaptive_spec.params", "adaptive_spec.typed",
                                        "adaptive_spec.config",
                                        "adaptive_spec.registry", "adaptive_spec.drafter"),

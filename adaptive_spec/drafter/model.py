@@ -10,33 +10,22 @@ token's distribution. Drafting feeds f^ back in place of the f the target has no
 Only the linear layer and the decoder layer are the drafter's own weights; the embedding, the final norm and
 the LM head are the target's, frozen and shared (`Readout`). A saved drafter is a folder (or a hub repo) with
 config.json (the one-layer config, the target it was trained on, training metadata) and model.safetensors;
-huggingface_hub's PyTorchModelHubMixin gives `from_pretrained` by folder or hub id and `push_to_hub`, as for
-the acceptance heads (heads/head.py).
+hub.HubModel (huggingface_hub's PyTorchModelHubMixin) gives `from_pretrained` by folder or hub id and
+`push_to_hub`, as for the acceptance heads (heads/head.py).
 """
 from __future__ import annotations
 
 import copy
-import json
-import os
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from huggingface_hub import PyTorchModelHubMixin, hf_hub_download
-from huggingface_hub.errors import EntryNotFoundError
-from huggingface_hub.utils import HFValidationError, validate_repo_id
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save
 from torch import nn
 
 from ..errors import UserError, first_line
-from ..runs import atomic_write
+from ..hub import CONFIG_NAME, HubModel
 
 DRAFTER_FORMAT = "adaptive_spec.drafter.v1"
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-_FIX = ("train one with `accelerate launch train.py --config configs/train/drafter_quick.yaml` or pass its folder "
-        "or hub id")
 
 
 def layer_config(target_config, intermediate_size: int | None = None):
@@ -58,8 +47,16 @@ def layer_config(target_config, intermediate_size: int | None = None):
     return cfg
 
 
-class FeatureDrafter(nn.Module, PyTorchModelHubMixin, library_name="adaptive-spec",
+class FeatureDrafter(nn.Module, HubModel, library_name="adaptive-spec",
                      tags=["speculative-decoding", "eagle"], paper_url="https://arxiv.org/abs/2401.15077"):
+    _NAME = "feature drafter"
+    _SAVED = "feature drafter"
+    _NO_WEIGHTS = "{} has no {}; it is not a saved feature drafter; "
+    _REEXPORT = ""
+    _FIX = ("train one with `accelerate launch train.py --config configs/train/drafter_quick.yaml` or pass its "
+            "folder or hub id")
+    _ANCHOR = "fc"
+
     def __init__(self, layer_config: dict, target_model: str | None = None, target_fingerprint: str | None = None):
         from transformers import AutoConfig, AutoModel  # heavy: the model registry
 
@@ -68,7 +65,7 @@ class FeatureDrafter(nn.Module, PyTorchModelHubMixin, library_name="adaptive-spe
         try:
             cfg = AutoConfig.for_model(conf.pop("model_type"), **conf)
         except (KeyError, ValueError) as e:
-            raise UserError(f"drafter layer_config names no known architecture ({first_line(e)}); {_FIX}") from None
+            raise UserError(f"drafter layer_config names no known architecture ({first_line(e)}); {self._FIX}") from None
         self.config_obj = cfg
         self.hidden_size = cfg.hidden_size
         self.target_model = target_model
@@ -104,14 +101,6 @@ class FeatureDrafter(nn.Module, PyTorchModelHubMixin, library_name="adaptive-spe
         p = next(target_model.parameters())
         return d.to(device=p.device, dtype=p.dtype)
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.fc.weight.device
-
     def forward(self, feats: torch.Tensor, embeds: torch.Tensor, position_ids: torch.Tensor, cache=None,
                 use_cache: bool = False, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """feats, embeds [B, T, H] (f_t and e_{t+1}), position_ids [B, T] -> the layer's output [B, T, H],
@@ -133,62 +122,29 @@ class FeatureDrafter(nn.Module, PyTorchModelHubMixin, library_name="adaptive-spe
 
     def save_pretrained(self, save_directory: str | Path, extra: dict | None = None, dtype: torch.dtype | None = None,
                         **kwargs) -> Path:
-        """Write config.json + model.safetensors (each replaced whole) to a folder; `dtype`: the weights' dtype
-        on disk (None: as they are; the training export writes bf16, half the bytes of fp32, which is what
-        drafting runs in on a bf16 target anyway); kwargs are the mixin's."""
-        if extra is not None:
-            self.extra = dict(extra)
-        kwargs.pop("config", None)
+        """HubModel.save_pretrained; `dtype`: the weights' dtype on disk (None: as they are; the training export
+        writes bf16, half the bytes of fp32, which is what drafting runs in on a bf16 target anyway)."""
         self._save_dtype = dtype
-        super().save_pretrained(save_directory, **kwargs)
-        return Path(save_directory)
-
-    def _save_pretrained(self, save_directory: Path) -> None:
-        dt = getattr(self, "_save_dtype", None)
-        state = {k: (v.to(dt) if dt is not None and v.is_floating_point() else v).detach().to("cpu").contiguous()
-                 for k, v in self.state_dict().items()}
-        atomic_write(save_directory / WEIGHTS_NAME, save(state, metadata={"format": "pt"}))
-        atomic_write(save_directory / CONFIG_NAME, json.dumps(self.config_dict(self.extra), indent=2, default=str) + "\n")
+        return super().save_pretrained(save_directory, extra, **kwargs)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path, hidden_size: int | None = None, device=None, dtype=None,
                         **hub_kwargs) -> "FeatureDrafter":
         """A drafter from a local folder or a hub repo id; `hidden_size`: the target in use (a drafter trained
         for another is refused naming both)."""
-        name = str(Path(name_or_path).expanduser())
-        if not os.path.isdir(name) and not _is_repo_id(name):
-            raise UserError(f"feature drafter folder {name} does not exist; {_FIX}")
-        try:
-            return super().from_pretrained(name, target_hidden_size=hidden_size, device=device, dtype=dtype,
-                                           **hub_kwargs)
-        except ValueError as e:
-            raise UserError(f"{name}/{CONFIG_NAME} is corrupt ({type(e).__name__}: {e}); {_FIX}") from None
-        except OSError as e:
-            raise UserError(f"feature drafter {name} is not a local folder and could not be fetched from the "
-                            f"Hugging Face hub ({first_line(e)}); {_FIX}") from None
+        return cls._load(name_or_path, device, dtype, hub_kwargs, target_hidden_size=hidden_size)
 
     @classmethod
-    def _from_pretrained(cls, *, model_id: str, config: dict | None = None, target_hidden_size: int | None = None,
-                         device=None, dtype=None, **hub) -> "FeatureDrafter":
-        for k in ("layer_config", "target_model", "target_fingerprint"):
-            hub.pop(k, None)
-        where = model_id if os.path.isdir(model_id) else f"hub repo {model_id}"
+    def _from_config(cls, config: dict | None, where: str, target_hidden_size: int | None = None) -> "FeatureDrafter":
         if not config or config.get("format") != DRAFTER_FORMAT:
             raise UserError(f"{where} is not a saved feature drafter (its {CONFIG_NAME} is missing or has no format "
-                            f"{DRAFTER_FORMAT!r}); {_FIX}")
+                            f"{DRAFTER_FORMAT!r}); {cls._FIX}")
         h = int(config["hidden_size"])
         if target_hidden_size is not None and int(target_hidden_size) != h:
             raise UserError(f"feature drafter {where} was trained for target '{config.get('target_model')}' (hidden "
                             f"size {h}) but the target in use has hidden size {target_hidden_size}; pass the target it "
                             "was trained for or train a drafter for this target")
-        d = cls(config["layer_config"], config.get("target_model"), config.get("target_fingerprint"))
-        try:
-            d.load_state_dict(load_file(_weights_file(model_id, hub, where)), strict=True)
-        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-            raise UserError(f"{where}/{WEIGHTS_NAME} is corrupt or does not match {CONFIG_NAME} ({first_line(e)}); "
-                            f"{_FIX}") from None
-        d.extra = {k: v for k, v in config.items() if k not in d.config_dict()}
-        return d.to(device=device, dtype=dtype).eval()
+        return cls(config["layer_config"], config.get("target_model"), config.get("target_fingerprint"))
 
 
 @torch.no_grad()
@@ -260,25 +216,3 @@ def _leading_block(t: torch.Tensor, shape: torch.Size) -> torch.Tensor | None:
     if t.dim() != len(shape) or any(a < b for a, b in zip(t.shape, shape)):
         return None
     return t[tuple(slice(0, n) for n in shape)].clone()
-
-
-def _is_repo_id(name: str) -> bool:
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return False
-    return True
-
-
-def _weights_file(model_id: str, hub: dict, where: str) -> str:
-    if os.path.isdir(model_id):
-        path = os.path.join(model_id, WEIGHTS_NAME)
-        if not os.path.isfile(path):
-            raise UserError(f"{where} has no {WEIGHTS_NAME}; it is not a saved feature drafter; {_FIX}")
-        return path
-    try:
-        return hf_hub_download(model_id, WEIGHTS_NAME, **{k: hub.get(k) for k in
-                                                         ("revision", "cache_dir", "force_download",
-                                                          "local_files_only", "token")})
-    except EntryNotFoundError:
-        raise UserError(f"{where} has no {WEIGHTS_NAME}; it is not a saved feature drafter; {_FIX}") from None

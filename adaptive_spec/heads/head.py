@@ -19,31 +19,22 @@ What else it reads (`inputs`):
                 context head, since the stats of y_i exist as soon as q_i does.
 
 A saved head is a folder (or a hub repo) with config.json, model.safetensors and a model card
-(PyTorchModelHubMixin: `from_pretrained`, `push_to_hub`). The draft is part of the contract: the head
+(hub.HubModel, a PyTorchModelHubMixin: `from_pretrained`, `push_to_hub`). The draft is part of the contract: the head
 reads that draft's hidden states, so loading refuses a hidden-size mismatch."""
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from huggingface_hub import PyTorchModelHubMixin, hf_hub_download
-from huggingface_hub.errors import EntryNotFoundError
-from huggingface_hub.utils import HFValidationError, validate_repo_id
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save
 from torch import nn
 
 from ..backends.models import resolve_dtype
-from ..errors import UserError, first_line
-from ..runs import atomic_write
+from ..errors import UserError
+from ..hub import CONFIG_NAME, HubModel
 from .features import CONTEXT_KEY, N_STATS, STATS, position_map, sampling_from, state_key
 
 HEAD_FORMAT = "adaptive_spec.head.v1"
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
 MAX_DEPTH = 4
 FEATURES = ("token", "context")
 INPUTS = ("hidden", "hidden+stats", "stats")
@@ -67,8 +58,15 @@ class ResBlock(nn.Module):
 _CARD_TEMPLATE = "---\n{{ card_data }}\n---\n\n{{ body }}\n"
 
 
-class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="adaptive-spec", model_card_template=_CARD_TEMPLATE,
+class AcceptanceHead(nn.Module, HubModel, library_name="adaptive-spec", model_card_template=_CARD_TEMPLATE,
                      tags=["speculative-decoding", "specdec++"], paper_url="https://arxiv.org/abs/2405.19715"):
+    _NAME = "acceptance head"
+    _SAVED = "head"
+    _NO_WEIGHTS = "acceptance head folder {} has no {}; it is not a saved head (or its export was interrupted); "
+    _REEXPORT = "re-export the head, "
+    _FIX = "train one with `python train.py --config configs/train/default.yaml` or pass its folder or hub id"
+    _ANCHOR = "out"
+
     def __init__(self, hidden_size: int, depth: int = 3, draft_model: str | None = None,
                  draft_fingerprint: str | None = None, feature: str = "token", inputs: str = "hidden",
                  stats_sampling: dict | None = None):
@@ -104,14 +102,6 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="adaptive-spe
         self.blocks = nn.ModuleList([ResBlock(width) for _ in range(depth)])
         self.out = nn.Linear(width, 1)
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.out.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.out.weight.device
-
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """Input rows [..., in_dim] (see `inputs`) -> acceptance logits [...]."""
         if h.shape[-1] != self.in_dim:
@@ -140,28 +130,12 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="adaptive-spe
             core["stats_sampling"] = self.stats_sampling
         return {**(extra or {}), **core}  # metadata never overrides the fields loading relies on
 
-    # ------------------------------------------------------------------ saving (the mixin's save_pretrained / push_to_hub)
-
-    def save_pretrained(self, save_directory: str | Path, extra: dict | None = None, **kwargs) -> Path:
-        """Write config.json + model.safetensors (+ README.md, the model card) to a folder and return it. `extra`
-        (training metadata) goes into config.json and becomes `self.extra`; kwargs are the mixin's (push_to_hub)."""
-        if extra is not None:
-            self.extra = dict(extra)
-        kwargs.pop("config", None)  # push_to_hub passes the mixin's config; ours is written by _save_pretrained
-        super().save_pretrained(save_directory, **kwargs)
-        return Path(save_directory)
-
-    def _save_pretrained(self, save_directory: Path) -> None:
-        # Each file is replaced whole (tmp + rename), so a kill never leaves a half-written one.
-        state = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
-        atomic_write(save_directory / WEIGHTS_NAME, save(state, metadata={"format": "pt"}))
-        config = json.dumps(self.config_dict(self.extra), indent=2, default=str) + "\n"
-        atomic_write(save_directory / CONFIG_NAME, config)
+    # ------------------------------------------------------------------ saving (hub.HubModel)
 
     def generate_model_card(self, *args, **kwargs):
         return super().generate_model_card(*args, body=model_card(self), **kwargs)
 
-    # ------------------------------------------------------------------ loading (the mixin's from_pretrained)
+    # ------------------------------------------------------------------ loading (hub.HubModel)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | Path, hidden_size: int | None = None,
@@ -169,47 +143,20 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="adaptive-spe
         """A head from a local folder or a hub repo id (hub_kwargs: revision, token, cache_dir,
         local_files_only, force_download). `hidden_size` / `draft_model` describe the draft in
         use: a head trained for another hidden size is refused with a message naming both."""
-        name = str(Path(pretrained_model_name_or_path).expanduser())
-        if not os.path.isdir(name) and not _is_repo_id(name):
-            raise UserError(f"acceptance head folder {name} does not exist; {_FIX}")
-        try:
-            # Not hidden_size=...: the mixin would take it as the architecture, not as the draft to check.
-            return super().from_pretrained(name, draft_hidden_size=hidden_size, draft_in_use=draft_model,
-                                           device=device, dtype=dtype, **hub_kwargs)
-        except ValueError as e:  # the mixin parses config.json before handing over
-            raise UserError(f"{name}/{CONFIG_NAME} is corrupt ({type(e).__name__}: {e}); re-export the head, "
-                            f"{_FIX}") from None
-        except OSError as e:  # hub: offline, no such repo or file
-            raise UserError(f"acceptance head {name} is not a local folder and could not be fetched from the "
-                            f"Hugging Face hub ({first_line(e)}); {_FIX}") from None
+        dtype = dtype if dtype is None or isinstance(dtype, torch.dtype) else resolve_dtype(dtype)
+        return cls._load(pretrained_model_name_or_path, device, dtype, hub_kwargs, draft_hidden_size=hidden_size,
+                         draft_in_use=draft_model)
 
     @classmethod
-    def _from_pretrained(cls, *, model_id: str, config: dict | None = None, draft_hidden_size: int | None = None,
-                         draft_in_use: str | None = None, device=None, dtype=None, **hub) -> "AcceptanceHead":
-        # Init arguments the mixin read from config.json arrive in `hub` too; `config` is checked instead.
-        for k in ("hidden_size", "depth", "draft_model", "draft_fingerprint", "feature", "inputs", "stats_sampling"):
-            hub.pop(k, None)
-        where = model_id if os.path.isdir(model_id) else f"hub repo {model_id}"
-        if config is None:
+    def _from_config(cls, cfg: dict | None, where: str, draft_hidden_size: int | None, draft_in_use: str | None):
+        if cfg is None:
             raise UserError(f"acceptance head {where} has no {CONFIG_NAME}; it is not a saved head "
-                            f"(or its export was interrupted); {_FIX}")
-        head = cls._from_config(config, where, draft_hidden_size, draft_in_use)
-        try:
-            head.load_state_dict(load_file(_weights_file(model_id, hub)), strict=True)
-        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-            raise UserError(f"{where}/{WEIGHTS_NAME} is corrupt or does not match {CONFIG_NAME} ({first_line(e)}); "
-                            f"re-export the head, {_FIX}") from None
-        head.extra = {k: v for k, v in config.items() if k not in head.config_dict()}
-        head.to(device=device, dtype=dtype if dtype is None or isinstance(dtype, torch.dtype) else resolve_dtype(dtype))
-        return head.eval()
-
-    @classmethod
-    def _from_config(cls, cfg: dict, where: str, draft_hidden_size: int | None, draft_in_use: str | None):
+                            f"(or its export was interrupted); {cls._FIX}")
         try:
             h, depth = int(cfg["hidden_size"]), int(cfg["depth"])
         except (ValueError, KeyError, TypeError) as e:
             raise UserError(f"{where}/{CONFIG_NAME} is corrupt ({type(e).__name__}: {e}); re-export the head, "
-                            f"{_FIX}") from None
+                            f"{cls._FIX}") from None
         trained_for = cfg.get("draft_model")
         if draft_hidden_size is not None and int(draft_hidden_size) != h:
             in_use = f" '{draft_in_use}'" if draft_in_use else ""
@@ -222,37 +169,9 @@ class AcceptanceHead(nn.Module, PyTorchModelHubMixin, library_name="adaptive-spe
                 got = f"names {key} {cfg[key]!r}" if key in cfg else f"has no {key!r}"
                 raise UserError(f"{where}/{CONFIG_NAME} {got}; this version reads {', '.join(known)}: add "
                                 f'"{key}": "{known[0]}" to a head saved before it was recorded, upgrade adaptive_spec, '
-                                f"or {_FIX}")
+                                f"or {cls._FIX}")
         return cls(h, depth, draft_model=trained_for, draft_fingerprint=cfg.get("draft_fingerprint"),
                    feature=cfg["feature"], inputs=cfg["inputs"], stats_sampling=cfg.get("stats_sampling"))
-
-
-_FIX = "train one with `python train.py --config configs/train/default.yaml` or pass its folder or hub id"
-
-
-def _is_repo_id(name: str) -> bool:
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return False
-    return True
-
-
-def _weights_file(model_id: str, hub: dict) -> str:
-    """model.safetensors of a local folder, or downloaded (cached) from the hub repo."""
-    if os.path.isdir(model_id):
-        path = os.path.join(model_id, WEIGHTS_NAME)
-        if not os.path.isfile(path):
-            raise UserError(f"acceptance head folder {model_id} has no {WEIGHTS_NAME}; it is not a saved head "
-                            f"(or its export was interrupted); {_FIX}")
-        return path
-    try:
-        return hf_hub_download(model_id, WEIGHTS_NAME, **{k: hub.get(k) for k in _HUB_ARGS})
-    except EntryNotFoundError:
-        raise UserError(f"hub repo {model_id} has no {WEIGHTS_NAME}; it is not a saved head; {_FIX}") from None
-
-
-_HUB_ARGS = ("revision", "cache_dir", "force_download", "local_files_only", "token")
 
 
 def model_card(head: AcceptanceHead) -> str:
