@@ -15,21 +15,19 @@ checkpoints that make --resume continue the run, the best drafter by dev loss ex
 from __future__ import annotations
 
 import functools
-import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from ..backends.paths import check_draft_vocab_spec
 from ..config import Config
 from ..errors import UserError, get_logger
 from .data import EpochShuffle
-from .runfiles import (RunFiles, finished_results, log_eval, make_accelerator, make_scheduler, micro_batch,
-                       micro_batches, next_step, optimizer_step, restore_checkpoint, save_checkpoint, start_trackers,
-                       stop_if_asked, write_results)
+from .runfiles import (Run, RunFiles, finished_results, log_eval, make_accelerator, make_scheduler, micro_batch,
+                       optimizer_step, train_loop)
 
 log = get_logger(__name__)
 RUNTIME_KEYS = {"stop_after_steps", "report_to", "wandb_project", "run_name", "keep_checkpoints", "threads"}
@@ -235,12 +233,11 @@ def train_drafter(cfg: DrafterConfig, resume: bool = False) -> dict:
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    files = RunFiles(Path(cfg.output_dir), False)
-    done = finished_results(cfg, files, resume, RUNTIME_KEYS)
+    done = finished_results(cfg, resume, RUNTIME_KEYS)
     if done is not None:
         return done
     acc = make_accelerator(cfg)
-    files.main = acc.is_main_process
+    files = RunFiles(Path(cfg.output_dir), acc.is_main_process)
     if acc.is_main_process:
         build_states(cfg)
     acc.wait_for_everyone()
@@ -254,28 +251,13 @@ def train_drafter(cfg: DrafterConfig, resume: bool = False) -> dict:
                             weight_decay=cfg.weight_decay)
     model, opt, loader = acc.prepare(drafter, opt, loader)
     sched, per_epoch, total = make_scheduler(acc, opt, loader, cfg)
-    state = restore_checkpoint(acc, files, cfg, resume)
-    start_trackers(acc, cfg, files.out)
     meta = {"dataset": cfg.data, "target_fingerprint": fp, "n_train_seqs": len(train_set),
             "n_reference_seqs": n_refs, "epochs": cfg.epochs,
             "lr": cfg.lr, "feature_weight": cfg.feature_weight, "ce_weight": cfg.ce_weight, "ce_vocab": cfg.ce_vocab,
             "rollout": cfg.rollout, **({"init_from": cfg.init_from} if cfg.init_from else {})}
-    run = (cfg, acc, files, model, readout, dev_set or train_set[: max(1, len(train_set) // 8)], meta)
-    if state["step"] == 0:
-        _eval_and_export(run, state, 0)
-    with tqdm(total=total, initial=state["step"], disable=not acc.is_main_process, desc="drafter") as bar:
-        for feats, ids, valid in micro_batches(acc, loader, sampler, state, per_epoch, cfg):
-            logged = (state["step"] + 1) % cfg.log_every == 0 or state["step"] + 1 == total
-            with acc.accumulate(model), acc.autocast():
-                loss, parts = drafter_loss(model, readout, feats, ids, valid, cfg, cfg.noise, scores=logged)
-                optimizer_step(acc, model, opt, loss, cfg)
-            if acc.sync_gradients:
-                _after_step(run, state, sched, bar, total, loss.item(), parts)
-    best = json.loads((files.out / "drafter" / "config.json").read_text())["metrics"] if acc.is_main_process else None
-    results = write_results(acc, files, "drafter", {"best_step": state["best_step"], "total_steps": total,
-                                                    "best": best, "drafter": str(files.out / "drafter")})
-    acc.end_training()
-    return results
+    run = DrafterRun(cfg, acc, files, model, opt, sched, loader, sampler, per_epoch, total, "drafter", meta, readout,
+                     dev_set or train_set[: max(1, len(train_set) // 8)])
+    return train_loop(run, resume)
 
 
 def _load_sets(cfg: DrafterConfig) -> tuple[list[dict], list[dict], int]:
@@ -285,22 +267,6 @@ def _load_sets(cfg: DrafterConfig) -> tuple[list[dict], list[dict], int]:
     states = states_folder(cfg)
     refs = data.load_split(states / "references", "train") if cfg.references else []
     return data.load_split(states, "train") + refs, data.load_split(states, "dev"), len(refs)
-
-
-def _after_step(run, state: dict, sched, bar, total: int, loss: float, parts: dict):
-    cfg, acc, files = run[0], run[1], run[2]
-    lr, step = next_step(sched, state, bar)
-    last = step == total
-    if step % cfg.log_every == 0 or last:
-        row = {"step": step, "lr": lr, "loss": loss, **{f"train_{k}": v for k, v in parts.items()}}
-        files.log({"kind": "train", **row})
-        acc.log({f"train/{k}": v for k, v in row.items() if k != "step"}, step=step)
-        bar.set_postfix(loss=f"{loss:.4f}", top1=f"{parts['top1']:.3f}")
-    if step % cfg.eval_every == 0 or last:
-        _eval_and_export(run, state, step)
-    if cfg.save_every and (step % cfg.save_every == 0 or last):
-        save_checkpoint(acc, files, state)
-    stop_if_asked(cfg, step, bar)
 
 
 @torch.no_grad()
@@ -321,11 +287,31 @@ def evaluate(drafter, readout, seqs: list[dict], cfg: DrafterConfig, batch: int 
     return {k: v / max(n, 1) for k, v in tot.items()}
 
 
-def _eval_and_export(run, state: dict, step: int):
-    cfg, acc, files, model, readout, dev, meta = run
-    drafter = acc.unwrap_model(model)
-    row = {"step": step, **{f"dev_{k}": v for k, v in evaluate(drafter, readout, dev, cfg).items()}}
-    if log_eval(acc, files, state, row, row["dev_loss"]):
-        files.export("drafter", lambda tmp: drafter.save_pretrained(tmp, extra={**meta, "step": step, "metrics": row},
-                                                                    dtype=torch.bfloat16))
-    return row
+@dataclass
+class DrafterRun(Run):
+    """A drafter's run: EAGLE's loss, the last micro-batch's loss and parts logged, evaluated on `dev`."""
+    readout: Any
+    dev: list[dict]               # the dev sequences (without a dev split: an eighth of the training ones)
+    last: tuple = ()              # the last micro-batch's (loss, parts): drafter_loss's
+    what = "drafter"
+
+    def micro_step(self, batch):
+        cfg, step = self.cfg, self.state["step"] + 1
+        with self.acc.autocast():  # the readout's logits too, not only the prepared drafter's forward
+            # top1 and accept are scored only where this step is logged
+            self.last = drafter_loss(self.model, self.readout, *batch, cfg, cfg.noise,
+                                     scores=step % cfg.log_every == 0 or step == self.total)
+            optimizer_step(self.acc, self.model, self.optimizer, self.last[0], cfg)
+
+    def train_row(self, step: int, lr: float) -> tuple[dict, dict]:
+        loss, parts = self.last[0].item(), self.last[1]
+        row = {"step": step, "lr": lr, "loss": loss, **{f"train_{k}": v for k, v in parts.items()}}
+        return row, {"loss": f"{loss:.4f}", "top1": f"{parts['top1']:.3f}"}
+
+    def eval_and_export(self, step: int, bar=None) -> dict:
+        drafter = self.acc.unwrap_model(self.model)
+        row = {"step": step, **{f"dev_{k}": v for k, v in evaluate(drafter, self.readout, self.dev, self.cfg).items()}}
+        if log_eval(self.acc, self.files, self.state, row, row["dev_loss"]):
+            self.files.export("drafter", lambda tmp: drafter.save_pretrained(
+                tmp, extra={**self.meta, "step": step, "metrics": row}, dtype=torch.bfloat16))
+        return row

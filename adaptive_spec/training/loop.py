@@ -1,24 +1,21 @@
 """One head's training run (train): its data, the head and its optimizer, the loop, and the evaluations that
-pick the exported head; runfiles.py has what the drafter's trainer shares (accelerator, checkpoints, resume)."""
+pick the exported head; runfiles.py has the loop and the rest the drafter's trainer shares (checkpoints, resume)."""
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from ..errors import UserError
 from ..heads.head import AcceptanceHead
 from ..runs import write_json
 from .data import EpochShuffle, PositionSet, dataset_sources, load_split, read_manifest, stats_sampling
 from .metrics import plot_reliability, prediction_metrics, weighted_bce
-from .runfiles import (RunFiles, finished_results, log_eval, make_accelerator, make_scheduler, micro_batch,
-                       micro_batches, next_step, optimizer_step, restore_checkpoint, save_checkpoint, start_trackers,
-                       stop_if_asked, write_results)
+from .runfiles import (Run, RunFiles, finished_results, log_eval, make_accelerator, make_scheduler, micro_batch,
+                       optimizer_step, train_loop)
 from .settings import RUNTIME_KEYS, TrainConfig
 
 
@@ -40,49 +37,63 @@ def evaluate(head, loader, cfg: TrainConfig, accelerator) -> tuple[dict, torch.T
 
 
 @dataclass
-class Run:
-    """Everything one training run holds; the functions below each do one part of it."""
-    cfg: TrainConfig
-    acc: Any
-    files: RunFiles
-    model: Any
-    optimizer: Any
-    scheduler: Any
-    loader: Any
-    sampler: EpochShuffle
+class HeadRun(Run):
+    """A head's run: its weighted BCE, the mean loss a log row reports, its evaluations on train and dev."""
     eval_loaders: dict            # "train" (a fixed subset) and, when the dataset has one, "dev"
-    steps_per_epoch: int
-    total: int
-    meta: dict                    # training metadata stored with the exported head
-    state: dict = field(default_factory=dict)  # step, best_loss, best_step: restore_checkpoint's
-    loss_sum: Any = 0.0           # train loss summed since the last log row
+    loss_sum: Any                 # train loss summed since the last log row
     n_micro: int = 0
+    what = "head"
+    # Flush the loss window at checkpoints too, so a resumed run logs the same rows.
+    flush_at_checkpoints = True
+
+    def micro_step(self, batch):
+        x, y = batch
+        loss = weighted_bce(self.model(x), y, self.cfg.w_acc, self.cfg.w_rej)
+        optimizer_step(self.acc, self.model, self.optimizer, loss, self.cfg)
+        self.loss_sum += loss.detach()
+        self.n_micro += 1
+
+    def train_row(self, step: int, lr: float) -> tuple[dict, dict]:
+        mean = self.acc.reduce(self.loss_sum / self.n_micro, "mean").item()
+        self.loss_sum.zero_()
+        self.n_micro = 0
+        row = {"step": step, "epoch": round(step / self.steps_per_epoch, 6), "lr": lr, "loss": mean}
+        return row, {"loss": f"{mean:.4f}"}
+
+    def eval_and_export(self, step: int, bar=None) -> dict:
+        """Evaluate on train (subset) and dev, log, plot; export the head if its selection loss is the best."""
+        acc, out = self.acc, self.files.out
+        head = acc.unwrap_model(self.model)
+        row, curves = {"step": step}, {}
+        for name, loader in self.eval_loaders.items():
+            metrics, curves[name] = evaluate(head, loader, self.cfg, acc)
+            row.update({f"{name}_{k}": v for k, v in metrics.items()})
+        if acc.is_main_process:
+            plot_reliability(curves, out / "reliability.png", f"step {step}")
+        # select on dev; on train only without a dev split
+        if log_eval(acc, self.files, self.state, row, row.get("dev_loss", row["train_loss"])):
+            extra = {**self.meta, "step": step, "metrics": row}
+
+            def write(tmp: Path):
+                head.save_pretrained(tmp, extra=extra)  # config.json, model.safetensors, README.md (model card)
+                write_json(tmp / "metrics.json", row)
+                plot_reliability(curves, tmp / "reliability.png", f"D={head.depth} w_rej={extra['w_rej']:g} step {step}")
+            self.files.export("head", write)
+        if bar is not None:
+            bar.set_postfix(loss=f"{row['train_loss']:.4f}", dev_kl=f"{row.get('dev_kl', float('nan')):.4f}")
+        return row
 
 
 def train(cfg: TrainConfig, resume: bool = False, end_training: bool = True) -> dict:
     """Train one head; returns results (also in <output_dir>/results.json).
 
     end_training=False leaves the process group up for the next head of a sweep."""
-    files = RunFiles(Path(cfg.output_dir), False)
-    done = finished_results(cfg, files, resume, RUNTIME_KEYS)  # reused only under the same settings
+    done = finished_results(cfg, resume, RUNTIME_KEYS)  # reused only under the same settings
     if done is not None:
         return done
     manifest = read_manifest(cfg.data, partial=cfg.partial_data)
-    acc = make_accelerator(cfg)
-    run = setup_run(cfg, manifest, acc)
-    run.state = restore_checkpoint(acc, run.files, cfg, resume, f"/{run.total}")
-    start_trackers(acc, cfg, run.files.out)
-    train_loop(run)
-    best = json.loads((run.files.out / "head" / "metrics.json").read_text()) if acc.is_main_process else None
-    results = write_results(acc, run.files, "head", {"depth": cfg.depth, "w_rej": cfg.w_rej, "best_step": run.state[
-        "best_step"], "total_steps": run.total, "best": best, "head": str(run.files.out / "head")})
-    acc.free_memory()
-    if end_training:
-        acc.end_training()  # stops the trackers and the process group
-    else:
-        for tracker in acc.trackers:
-            tracker.finish()
-    return results
+    run = setup_run(cfg, manifest, make_accelerator(cfg))
+    return train_loop(run, resume, f"/{run.total}", {"depth": cfg.depth, "w_rej": cfg.w_rej}, end_training)
 
 
 def load_data(cfg: TrainConfig, manifest: dict, acc) -> tuple[PositionSet, PositionSet, PositionSet | None]:
@@ -124,7 +135,7 @@ def _batch_as_is(batch):
     return batch  # __getitems__ already returns the collated (x, y)
 
 
-def setup_run(cfg: TrainConfig, manifest: dict, acc) -> Run:
+def setup_run(cfg: TrainConfig, manifest: dict, acc) -> HeadRun:
     """Data, head, optimizer, loaders and schedule, prepared by accelerate."""
     from accelerate.utils import set_seed  # optional: as in make_accelerator
 
@@ -149,74 +160,6 @@ def setup_run(cfg: TrainConfig, manifest: dict, acc) -> Run:
             # which prefix the states were computed on (features.PREFIXES); datagen's own are mixed
             "prefix": (manifest.get("features") or {}).get("prefix", "mixed"),
             "partial_data": not manifest.get("complete")}
-    return Run(cfg, acc, RunFiles(Path(cfg.output_dir), acc.is_main_process), model, optimizer, scheduler, loader,
-               sampler, dict(zip(evals, eval_loaders)), steps_per_epoch, total, meta)
-
-
-def train_loop(run: Run):
-    cfg, acc = run.cfg, run.acc
-    if run.state["step"] == 0:
-        eval_and_export(run, 0)
-    run.loss_sum = torch.zeros((), device=acc.device)
-    run.model.train()
-    # A context manager: on Ctrl-C the bar is closed before the "interrupted" line, not after it.
-    with tqdm(total=run.total, initial=run.state["step"], disable=not acc.is_main_process,
-              desc=f"head D={cfg.depth} w_rej={cfg.w_rej:g}") as pbar:
-        for x, y in micro_batches(acc, run.loader, run.sampler, run.state, run.steps_per_epoch, cfg):
-            with acc.accumulate(run.model):
-                loss = weighted_bce(run.model(x), y, cfg.w_acc, cfg.w_rej)
-                optimizer_step(acc, run.model, run.optimizer, loss, cfg)
-            run.loss_sum += loss.detach()
-            run.n_micro += 1
-            if acc.sync_gradients:
-                after_step(run, pbar)
-
-
-def after_step(run: Run, pbar):
-    """After an optimizer step: schedule, then log / evaluate / checkpoint when due."""
-    cfg = run.cfg
-    lr, step = next_step(run.scheduler, run.state, pbar)
-    last = step == run.total
-    # The last step is saved too: its model.safetensors is the run's final weights.
-    saving = cfg.save_every and (step % cfg.save_every == 0 or last)
-    # Flush the loss window at checkpoints too, so a resumed run logs the same rows.
-    if step % cfg.log_every == 0 or saving or last:
-        pbar.set_postfix(loss=f"{log_train_loss(run, step, lr):.4f}")
-    if step % cfg.eval_every == 0 or last:
-        ev = eval_and_export(run, step)
-        pbar.set_postfix(loss=f"{ev['train_loss']:.4f}", dev_kl=f"{ev.get('dev_kl', float('nan')):.4f}")
-    if saving:
-        save_checkpoint(run.acc, run.files, run.state)
-    stop_if_asked(cfg, step, pbar)
-
-
-def log_train_loss(run: Run, step: int, lr: float) -> float:
-    mean = run.acc.reduce(run.loss_sum / run.n_micro, "mean").item()
-    run.loss_sum.zero_()
-    run.n_micro = 0
-    row = {"step": step, "epoch": round(step / run.steps_per_epoch, 6), "lr": lr, "loss": mean}
-    run.files.log({"kind": "train", **row})
-    run.acc.log({"train/loss": mean, "train/lr": lr, "train/epoch": row["epoch"]}, step=step)
-    return mean
-
-
-def eval_and_export(run: Run, step: int) -> dict:
-    """Evaluate on train (subset) and dev, log, plot; export the head if its selection loss is the best."""
-    acc, out = run.acc, run.files.out
-    head = acc.unwrap_model(run.model)
-    row, curves = {"step": step}, {}
-    for name, loader in run.eval_loaders.items():
-        metrics, curves[name] = evaluate(head, loader, run.cfg, acc)
-        row.update({f"{name}_{k}": v for k, v in metrics.items()})
-    if acc.is_main_process:
-        plot_reliability(curves, out / "reliability.png", f"step {step}")
-    # select on dev; on train only without a dev split
-    if log_eval(acc, run.files, run.state, row, row.get("dev_loss", row["train_loss"])):
-        extra = {**run.meta, "step": step, "metrics": row}
-
-        def write(tmp: Path):
-            head.save_pretrained(tmp, extra=extra)  # config.json, model.safetensors, README.md (model card)
-            write_json(tmp / "metrics.json", row)
-            plot_reliability(curves, tmp / "reliability.png", f"D={head.depth} w_rej={extra['w_rej']:g} step {step}")
-        run.files.export("head", write)
-    return row
+    return HeadRun(cfg, acc, RunFiles(Path(cfg.output_dir), acc.is_main_process), model, optimizer, scheduler, loader,
+                   sampler, steps_per_epoch, total, f"head D={cfg.depth} w_rej={cfg.w_rej:g}", meta,
+                   dict(zip(evals, eval_loaders)), loss_sum=torch.zeros((), device=acc.device))

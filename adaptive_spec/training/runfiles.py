@@ -1,6 +1,7 @@
 """What every trainer (the heads' loop.py, the drafter's drafter.py) does the same way with Accelerate: the
-accelerator, the schedule and the epochs' micro-batches, and the run folder, whose log.jsonl, checkpoints/
-(trainer_state.json with each), exported head/ or drafter/ and results.json make --resume continue a run."""
+accelerator, the schedule and the epochs' micro-batches, the loop (train_loop: a trainer's Run subclass supplies
+its loss, log row and evaluation), and the run folder, whose log.jsonl, checkpoints/ (trainer_state.json with
+each), exported head/ or drafter/ and results.json make --resume continue a run."""
 from __future__ import annotations
 
 import json
@@ -10,10 +11,12 @@ import re
 import shutil
 import sys
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from ..errors import UserError, get_logger
 from ..runs import append_jsonl, atomic_write, check_settings, read_jsonl, write_json
@@ -138,9 +141,10 @@ def lr_lambda(total: int, warmup: int, min_ratio: float):
     return f
 
 
-def finished_results(cfg, files: RunFiles, resume: bool, runtime_keys: set) -> dict | None:
+def finished_results(cfg, resume: bool, runtime_keys: set) -> dict | None:
     """Refuse, before any work, a new run over an old one or a resume with other settings (but `runtime_keys`);
     a finished run's results, when resuming it."""
+    files = RunFiles(Path(cfg.output_dir), False)
     if not resume and (files.has_run() or files.results_path.exists()):
         raise UserError(f"output_dir {files.out} already holds a run; pass --resume to continue it or choose "
                         "another output_dir")
@@ -230,15 +234,6 @@ def optimizer_step(acc, model, optimizer, loss, cfg):
     optimizer.zero_grad()
 
 
-def next_step(scheduler, state: dict, bar) -> tuple[float, int]:
-    """After an optimizer step: the lr it used, and the new step count."""
-    lr = scheduler.get_last_lr()[0]
-    scheduler.step()
-    state["step"] += 1
-    bar.update(1)
-    return lr, state["step"]
-
-
 def log_eval(acc, files: RunFiles, state: dict, row: dict, loss: float) -> bool:
     """Log an evaluation's row; whether `loss` is the best yet (the state then records its step)."""
     files.log({"kind": "eval", **row})
@@ -270,11 +265,81 @@ def stop_if_asked(cfg, step: int, bar):
         os._exit(STOP_EXIT_CODE)
 
 
-def write_results(acc, files: RunFiles, what: str, results: dict) -> dict:
-    """results.json, written by the main process (the others pass None in `results`' "best") and read by all."""
-    if acc.is_main_process:
-        write_json(files.results_path, results)
+@dataclass
+class Run:
+    """One training run, stepped by train_loop. A trainer's subclass supplies the rest: micro_step(batch) (the
+    loss of one micro-batch, stepped by optimizer_step), train_row(step, lr) (log.jsonl's train row and the
+    progress bar's postfix) and eval_and_export(step, bar=None) (evaluate, log_eval, export the best; its row)."""
+    cfg: Any
+    acc: Any
+    files: RunFiles
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    loader: Any
+    sampler: Any
+    steps_per_epoch: int
+    total: int
+    desc: str                     # the progress bar's
+    meta: dict                    # training metadata stored with the export
+    state = None                  # step, best_loss, best_step: restore_checkpoint's, set by train_loop
+    what = ""                     # the exported folder (and results.json's key for it): head or drafter
+    flush_at_checkpoints = False  # log a row at each checkpoint too (a loss window then restarts where it resumes)
+
+
+def train_loop(run: Run, resume: bool, of: str = "", first: dict | None = None, end_training: bool = True) -> dict:
+    """The run from its newest checkpoint (or afresh, evaluated at step 0 first) to its end, then results.json
+    (`first`, then the best export's step and metrics). `of`: restore_checkpoint's. end_training=False leaves
+    the process group up for the next head of a sweep."""
+    acc, files = run.acc, run.files
+    state = run.state = restore_checkpoint(acc, files, run.cfg, resume, of)
+    start_trackers(acc, run.cfg, files.out)
+    if state["step"] == 0:
+        run.eval_and_export(0)
+    run.model.train()
+    # A context manager: on Ctrl-C the bar is closed before the "interrupted" line, not after it.
+    with tqdm(total=run.total, initial=state["step"], disable=not acc.is_main_process, desc=run.desc) as bar:
+        for batch in micro_batches(acc, run.loader, run.sampler, state, run.steps_per_epoch, run.cfg):
+            with acc.accumulate(run.model):
+                run.micro_step(batch)
+            if acc.sync_gradients:
+                after_step(run, bar)
+    out = files.out / run.what
+    if acc.is_main_process:  # results.json, written by the main process and read by all
+        best = json.loads((out / "config.json").read_text())["metrics"]
+        write_json(files.results_path, {**(first or {}), "best_step": state["best_step"], "total_steps": run.total,
+                                        "best": best, run.what: str(out)})
     acc.wait_for_everyone()
     results = json.loads(files.results_path.read_text())
-    acc.print(f"best {what} (step {results['best_step']}) in {files.out / what}: " + json.dumps(results["best"]))
+    acc.print(f"best {run.what} (step {results['best_step']}) in {out}: " + json.dumps(results["best"]))
+    acc.free_memory()
+    if end_training:
+        acc.end_training()  # stops the trackers and the process group
+    else:
+        for tracker in acc.trackers:
+            tracker.finish()
     return results
+
+
+def after_step(run: Run, bar):
+    """After an optimizer step: schedule, then log / evaluate / checkpoint when due."""
+    cfg, state = run.cfg, run.state
+    lr = run.scheduler.get_last_lr()[0]  # the lr this step used
+    run.scheduler.step()
+    state["step"] += 1
+    step, last = state["step"], state["step"] == run.total
+    bar.update(1)
+    # The last step is saved too: its model.safetensors is the run's final weights.
+    saving = cfg.save_every and (step % cfg.save_every == 0 or last)
+    if step % cfg.log_every == 0 or last or (saving and run.flush_at_checkpoints):
+        row, postfix = run.train_row(step, lr)
+        run.files.log({"kind": "train", **row})
+        run.acc.log({f"train/{k}": v for k, v in row.items() if k != "step"}, step=step)
+        bar.set_postfix(**postfix)
+    if step % cfg.eval_every == 0 or last:
+        run.eval_and_export(step, bar)
+    if saving:
+        save_checkpoint(run.acc, run.files, state)
+    stop_if_asked(cfg, step, bar)
+
+
