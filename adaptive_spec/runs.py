@@ -1,12 +1,15 @@
 """Run folders: the files every long job (datagen, sweep, training, benchmarks) keeps on disk, one contract
 for each so that a resume behaves the same everywhere: writes that a kill never leaves half done, JSONL
-reads that drop (and repair) a torn last line, manifests, the settings check, and a folder lock."""
+reads that drop (and repair) a torn last line, manifests, tensor shards and the loop that fills a folder of
+them, the settings check, and a folder lock."""
 from __future__ import annotations
 
 import gzip
 import json
 import os
 from pathlib import Path
+
+from safetensors import safe_open
 
 from .errors import UserError
 
@@ -106,6 +109,36 @@ def check_settings(folder: str | Path, old: dict, new: dict, fix: str, kind: str
     problem = settings_problem(folder, old, new, kind, ignore)
     if problem:
         raise UserError(f"{problem}; {fix}")
+
+
+def save_tensors(path: Path, tensors: dict, key: str, meta: dict) -> Path:
+    """A safetensors file written atomically, its folder made, with `meta` in ONE metadata key as sorted JSON:
+    safetensors stores the metadata map in hash order, which would break byte-identical reruns with several keys."""
+    from safetensors.torch import save  # torch: only the jobs that write tensors load it
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return atomic_write(path, save(tensors, metadata={key: json.dumps(meta, sort_keys=True)}))
+
+
+def tensors_meta(path: str | Path, key: str) -> dict:
+    """The metadata `key` of a file written by save_tensors ({} when it has none)."""
+    with safe_open(str(path), framework="pt") as f:
+        return json.loads((f.metadata() or {}).get(key, "{}"))
+
+
+def fill_shards(folder: Path, todo: list, manifest, stop_after: int = 0, first: bool = False):
+    """The loop of a resumable shard folder: yields each job of `todo` (the shards it lacks) for the caller to write
+    its shard, rewriting folder/manifest.json from manifest() after each (`first`: before the first too) and at the
+    end, so that it lists the shards present. stop_after: stop after that many, as a kill would (for the tests)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if first:  # a folder with anything in it is then always recognisable
+        write_json(folder / "manifest.json", manifest())
+    for i, job in enumerate(todo):
+        yield job
+        write_json(folder / "manifest.json", manifest())
+        if stop_after and i + 1 >= stop_after:
+            return
+    write_json(folder / "manifest.json", manifest())
 
 
 def lock_dir(folder: str | Path, what: str = "run"):

@@ -25,7 +25,7 @@ from adaptive_spec.config import load_config
 from adaptive_spec.datagen.config import DatagenConfig, config_hash
 from adaptive_spec.params import PairParams
 from adaptive_spec.prompts import encode_prompt
-from adaptive_spec.runs import PROJECT_ROOT
+from adaptive_spec.runs import PROJECT_ROOT, tensors_meta
 from adaptive_spec.decoding.sampling import SamplingParams, process_logits
 from adaptive_spec.tables import fmt
 from adaptive_spec.training.metrics import auc
@@ -180,21 +180,21 @@ def test_mix_share_is_r():
 def test_kill_and_resume_is_byte_identical(ref_run, tiny_pair, tmp_path, monkeypatch):
     prompts, ref, ref_man = ref_run
     out = tmp_path / "resumed"
-    real_write, calls = shards._write_shard, []
+    real_write, calls = shards.save_tensors, []
 
-    def dying_write(path, tensors, meta):
+    def dying_write(path, tensors, key, meta):
         calls.append(path)
         if len(calls) == 2:  # the process "dies" while computing the second shard
             raise KeyboardInterrupt
-        real_write(path, tensors, meta)
+        real_write(path, tensors, key, meta)
 
-    monkeypatch.setattr(shards, "_write_shard", dying_write)
+    monkeypatch.setattr(shards, "save_tensors", dying_write)
     with pytest.raises(KeyboardInterrupt):
         _run(_overrides(tiny_pair, prompts, out))
     man = json.loads((out / "manifest.json").read_text())
     done = [sh["file"] for split in man["splits"].values() for sh in split["shards"]]
     assert not man["complete"] and done == ["dev/shard-00000.safetensors"]  # dev is generated first
-    monkeypatch.setattr(shards, "_write_shard", real_write)
+    monkeypatch.setattr(shards, "save_tensors", real_write)
     (out / "train" / ".shard-00001.safetensors.tmp.999").write_bytes(b"half-written")  # left by a real kill
     assert datagen.main(["--config", str(_yaml(tmp_path, _overrides(tiny_pair, prompts, out)))]) == 0
 
@@ -451,7 +451,7 @@ def test_features_derived_later_equal_stored_ones(ref_run, tiny_pair, tmp_path, 
     assert man["complete"] and man["config_hash"] == man_bare["config_hash"]
     assert man["splits"] == man_bare["splits"] and man["features"]["from"] == str(bare)
     for sh in (e["file"] for s in man["splits"].values() for e in s["shards"]):
-        assert shards.shard_meta(out / sh) == shards.shard_meta(bare / sh)  # the source shard's metadata kept
+        assert tensors_meta(out / sh, shards.META_KEY) == tensors_meta(bare / sh, shards.META_KEY)  # the source's, kept
     n = 0
     for split in datagen.SPLITS:
         for a, b in zip(shards.iter_shards(ref, split), shards.iter_shards(out, split), strict=True):

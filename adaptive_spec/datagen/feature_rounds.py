@@ -37,11 +37,11 @@ from transformers import DynamicCache
 from ..backends.logits import process_logits
 from ..decoding.sampling import SamplingParams, sample
 from ..errors import UserError, get_logger
-from ..runs import project_path, read_manifest
+from ..runs import fill_shards, project_path, read_manifest
 from .batched import acceptance, mix_tokens
 from .config import WORK_ORDER
 from .generate import shard_generator
-from .shards import SPLITS, existing_manifest, folder_manifest, save_shard, shard_file, write_manifest
+from .shards import SPLITS, existing_manifest, folder_manifest, save_shard, shard_file
 
 log = get_logger(__name__)
 KIND = "feature-rounds"
@@ -175,11 +175,9 @@ def build(drafter_path: str, states: str | Path, out: str | Path, depth: int = 3
         return folder_manifest(out, config=config, config_hash=chash, seed=seed, sources=[{"name": KIND, "n": -1}],
                                models=models, planned=planned)
 
-    out.mkdir(parents=True, exist_ok=True)
-    write_manifest(out, manifest())
     todo = [j for j in jobs if not (out / shard_file(j[0], j[1])).is_file()]
     with tqdm(total=sum(j[3] for j in todo), unit="seq", disable=not progress, desc="drafter rounds") as bar:
-        for i, (split, k, f, n) in enumerate(todo):
+        for split, k, f, n in fill_shards(out, todo, manifest, stop_after, first=True):
             t = load_file(str(states / f))
             off, gen, seqs = t["offsets"].tolist(), shard_generator(seed, split, k, "cpu"), []
             for s in range(n):
@@ -188,12 +186,7 @@ def build(drafter_path: str, states: str | Path, out: str | Path, depth: int = 3
                                  int(t["resp_starts"][s]), depth, params, mix_ratio, gen)
                 bar.update(1)
             save_shard(out, split, k, seqs, True, chash)
-            write_manifest(out, manifest())
-            if stop_after and i + 1 >= stop_after:
-                return manifest()
-    man = manifest()
-    write_manifest(out, man)
-    return man
+    return read_manifest(out)
 
 
 def _main(argv) -> int:

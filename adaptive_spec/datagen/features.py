@@ -28,10 +28,10 @@ from ..backends.cpu.quant import densify_quantized
 from ..backends.runner import model_fingerprint, resolve_device
 from ..errors import UserError, get_logger
 from ..heads.features import CONTEXT_KEY, PREFIXES
-from ..runs import project_path, read_manifest
+from ..runs import fill_shards, project_path, read_manifest, save_tensors, tensors_meta
 from .config import WORK_ORDER, DatagenConfig
 from .generate import build_manifest
-from .shards import FORMAT, _write_shard, existing_manifest, load_shard, shard_meta, write_manifest
+from .shards import FORMAT, META_KEY, existing_manifest, load_shard, write_manifest
 
 log = get_logger(__name__)
 
@@ -145,36 +145,32 @@ def run(data: str, out: str, dtype: str = "auto", device: str = "auto", threads:
         torch.set_num_threads(threads)
     extra = {"dtype": dtype, "prefix": prefix}
     if todo:
-        _derive(src, dst, src_man, todo, extra, device, progress)
+        return _derive(src, dst, src_man, todo, extra, device, progress)
     man = _out_manifest(src_man, src, dst, extra)
     write_manifest(dst, man)
-    if not todo:
-        log.info(f"datagen-features: {dst} is up to date ({sum(len(v['shards']) for v in man['splits'].values())} shards)")
+    log.info(f"datagen-features: {dst} is up to date ({sum(len(v['shards']) for v in man['splits'].values())} shards)")
     return man
 
 
-def _derive(src: Path, dst: Path, src_man: dict, todo: list[dict], extra: dict, device: str, progress: bool):
-    """Write the shards `todo` of src into dst with the draft's states, the manifest first and after each; `extra`
-    (the manifest's "features") gains the draft's cpu_path."""
+def _derive(src: Path, dst: Path, src_man: dict, todo: list[dict], extra: dict, device: str, progress: bool) -> dict:
+    """Write the shards `todo` of src into dst with the draft's states, the manifest first, after each and at the
+    end; `extra` (the manifest's "features") gains the draft's cpu_path. Returns the final manifest."""
     draft = load_draft(src_man, extra["dtype"], resolve_device(device))
     extra["cpu_path"] = getattr(draft, "cpu_path", {})
-    dst.mkdir(parents=True, exist_ok=True)
-    write_manifest(dst, _out_manifest(src_man, src, dst, extra))  # first: the folder is recognisable from now on
     n_tok = sum(sh["n_tokens"] for sh in todo)
     log.info(f"datagen-features: {src} -> {dst}: {len(todo)} shard(s), {n_tok} response tokens to do")
     t0, done = time.perf_counter(), 0
     with tqdm(total=n_tok, unit="tok", disable=not progress, dynamic_ncols=True, mininterval=1.0,
               desc="datagen-features") as bar:
-        for sh in todo:
+        for sh in fill_shards(dst, todo, lambda: _out_manifest(src_man, src, dst, extra), first=True):
             tensors = load_shard(src / sh["file"])
             if extra["prefix"] == "target":
                 tensors["features"], tensors[CONTEXT_KEY] = target_prefix_features(draft, tensors)
             else:
                 tensors["features"] = response_features(draft, tensors)
-            (dst / sh["file"]).parent.mkdir(parents=True, exist_ok=True)
-            _write_shard(dst / sh["file"], tensors, shard_meta(src / sh["file"]))  # the source shard's metadata
-            write_manifest(dst, _out_manifest(src_man, src, dst, extra))
+            save_tensors(dst / sh["file"], tensors, META_KEY, tensors_meta(src / sh["file"], META_KEY))
             done += sh["n_tokens"]
             bar.update(sh["n_tokens"])
             bar.set_postfix_str(f"{done / (time.perf_counter() - t0):.0f} tok/s")
     log.info(f"datagen-features: done: {dst} ({done} tokens in {time.perf_counter() - t0:.0f} s)")
+    return read_manifest(dst)

@@ -31,21 +31,19 @@ n_tokens counts response tokens (T), n_loss_tokens those with loss_mask 1. A sha
 atomically and is the unit of resume: the manifest lists the finished ones."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Iterator
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save
+from safetensors.torch import load_file
 
 from ..errors import UserError
-from ..runs import atomic_write, read_manifest, write_json
+from ..runs import read_manifest, save_tensors, tensors_meta, write_json
 
 FORMAT = "adaptive_spec.datagen.v1"
 SPLITS = ("train", "dev", "test")
 COUNTS = ("n_prompts", "n_tokens", "n_loss_tokens")
-_META_KEY = "adaptive_spec.datagen"  # the single safetensors metadata key (see _write_shard)
+META_KEY = "adaptive_spec.datagen"  # the single safetensors metadata key (runs.save_tensors)
 
 
 def pack_shard(seqs: list[dict[str, torch.Tensor]], store_features: bool) -> dict[str, torch.Tensor]:
@@ -73,12 +71,6 @@ def pack_shard(seqs: list[dict[str, torch.Tensor]], store_features: bool) -> dic
     return {k: v.contiguous() for k, v in t.items()}
 
 
-def _write_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict):
-    """Atomic write. All metadata goes into ONE key as sorted JSON: safetensors stores the
-    metadata map in hash order, which would break byte-identical reruns with several keys."""
-    atomic_write(path, save(tensors, metadata={_META_KEY: json.dumps(meta, sort_keys=True)}))
-
-
 def save_shard(out_dir: Path, split: str, k: int, seqs: list[dict], store_features: bool, config_hash: str,
                n_sources: int = 1) -> dict:
     """Pack the sequences (each with its "source" index) into shard k of `split`, written atomically; its metadata."""
@@ -89,8 +81,7 @@ def save_shard(out_dir: Path, split: str, k: int, seqs: list[dict], store_featur
     tensors = pack_shard(seqs, store_features)
     meta = {"split": split, "shard": k, "n_seqs": len(seqs), "n_tokens": int(tensors["z_ids"].numel()),
             "n_loss_tokens": int(tensors["loss_mask"].sum()), "config_hash": config_hash, "by_source": by_source}
-    (out_dir / shard_file(split, k)).parent.mkdir(parents=True, exist_ok=True)
-    _write_shard(out_dir / shard_file(split, k), tensors, meta)
+    save_tensors(out_dir / shard_file(split, k), tensors, META_KEY, meta)
     return meta
 
 
@@ -103,11 +94,6 @@ def existing_manifest(folder: Path, refusal: str, flag: str = "folder") -> dict 
     if man is None:
         raise UserError(refusal)
     return man
-
-
-def shard_meta(path: Path) -> dict:
-    with safe_open(str(path), framework="pt") as f:
-        return json.loads((f.metadata() or {}).get(_META_KEY, "{}"))
 
 
 def load_shard(path: str | Path) -> dict[str, torch.Tensor]:
@@ -143,7 +129,7 @@ def folder_manifest(out_dir: Path, *, config: dict, config_hash: str, seed: int,
             if not (out_dir / f).is_file():
                 complete = False
                 continue
-            m = shard_meta(out_dir / f)
+            m = tensors_meta(out_dir / f, META_KEY)
             entry["shards"].append({"file": f, "n_seqs": m["n_seqs"], "n_tokens": m["n_tokens"],
                                     "n_loss_tokens": m["n_loss_tokens"]})
             for a, b in zip(COUNTS, ("n_seqs", "n_tokens", "n_loss_tokens")):

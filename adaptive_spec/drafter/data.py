@@ -23,16 +23,14 @@ The target runs once per sequence, in bf16 on a CPU with bf16 kernels (backends/
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save
+from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from ..errors import UserError, get_logger
-from ..runs import atomic_write, check_settings, read_manifest, write_json
+from ..runs import check_settings, fill_shards, read_manifest, save_tensors, tensors_meta, write_json
 
 log = get_logger(__name__)
 
@@ -85,9 +83,7 @@ def write_shard(path: Path, seqs: list[tuple[torch.Tensor, int]], hidden: list[t
          "offsets": torch.tensor([0] + lens, dtype=torch.int64).cumsum(0),
          "resp_starts": torch.tensor([r for _, r in seqs], dtype=torch.int32),
          "hidden": torch.cat(hidden).contiguous()}
-    meta = {"n_seqs": len(seqs), "n_tokens": sum(lens)}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, save(t, metadata={_META: json.dumps(meta, sort_keys=True)}))
+    save_tensors(path, t, _META, {"n_seqs": len(seqs), "n_tokens": sum(lens)})
 
 
 def shard_name(split: str, k: int) -> str:
@@ -103,8 +99,7 @@ def folder_manifest(out_dir: Path, settings: dict, target: dict, n_shards: dict[
             if not f.is_file():
                 complete = False
                 continue
-            with safe_open(str(f), framework="pt") as fh:
-                meta = json.loads((fh.metadata() or {}).get(_META, "{}"))
+            meta = tensors_meta(f, _META)
             entry["shards"].append(shard_name(split, k))
             entry["n_seqs"] += meta["n_seqs"]
             entry["n_tokens"] += meta["n_tokens"]
@@ -202,9 +197,9 @@ def _fill(out_dir: Path, jobs: list, load_target, settings: dict, old: dict | No
     n_shards = {s: sum(1 for j in jobs if j[0] == s) for s in SPLITS}
     missing = [j for j in jobs if not (out_dir / shard_name(j[0], j[1])).is_file()]
     model, target = None, old["target"] if old is not None else None
-    out_dir.mkdir(parents=True, exist_ok=True)
+    shards = fill_shards(out_dir, missing, lambda: folder_manifest(out_dir, settings, target, n_shards), stop_after)
     with tqdm(total=sum(j[2] for j in missing), unit="seq", disable=not progress, desc="target states") as bar:
-        for i, (split, k, _, get) in enumerate(missing):
+        for split, k, _, get in shards:
             if model is None:
                 model, target = load_target()
                 write_json(out_dir / "manifest.json", folder_manifest(out_dir, settings, target, n_shards))
@@ -214,12 +209,7 @@ def _fill(out_dir: Path, jobs: list, load_target, settings: dict, old: dict | No
                 hidden.append(target_states(model, ids))
                 bar.update(1)
             write_shard(out_dir / shard_name(split, k), seqs, hidden)
-            write_json(out_dir / "manifest.json", folder_manifest(out_dir, settings, target, n_shards))
-            if stop_after and i + 1 >= stop_after:
-                return read_manifest(out_dir)
-    man = folder_manifest(out_dir, settings, target, n_shards)
-    write_json(out_dir / "manifest.json", man)
-    return man
+    return read_manifest(out_dir)
 
 
 def load_split(out_dir: str | Path, split: str) -> list[dict]:
