@@ -9,8 +9,6 @@ import json
 import os
 from pathlib import Path
 
-from safetensors import safe_open
-
 from .errors import UserError
 
 try:
@@ -122,6 +120,8 @@ def save_tensors(path: Path, tensors: dict, key: str, meta: dict) -> Path:
 
 def tensors_meta(path: str | Path, key: str) -> dict:
     """The metadata `key` of a file written by save_tensors ({} when it has none)."""
+    from safetensors import safe_open  # only the jobs that read tensors load it
+
     with safe_open(str(path), framework="pt") as f:
         return json.loads((f.metadata() or {}).get(key, "{}"))
 
